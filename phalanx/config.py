@@ -1,0 +1,153 @@
+"""LlmArgs and its sub-configs: validated once, never mutated. Field names follow TensorRT-LLM.
+
+Values known only at run time (the number of KV blocks, the model's own max length) are
+constructor arguments of the objects that use them, not written back here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class KvCacheConfig(StrictModel):
+    free_gpu_memory_fraction: float = Field(
+        0.9, gt=0.0, le=1.0,
+        description="Fraction of the GPU memory left free after weights and a profiling run that the KV pool takes.")
+    enable_block_reuse: bool = Field(True, description="Prefix caching through the radix tree.")
+    enable_partial_reuse: bool = Field(True, description="Reuse part of a block by copy-on-write.")
+    copy_on_partial_reuse: bool = Field(True, description="Partial hits are always copied (kept for compatibility).")
+    tokens_per_block: int = Field(32, ge=2, le=256, description="Tokens per KV block (a power of two).")
+    max_tokens: int | None = Field(None, ge=1, description="Upper bound on the tokens the KV pool holds.")
+    max_gpu_total_bytes: int = Field(0, ge=0, description="Upper bound on the KV pool's bytes (0: none). "
+                                                          "On the CPU it sets the pool size (default 1 GiB).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, got {v}")
+        return v
+
+
+class SchedulerConfig(StrictModel):
+    capacity_scheduler_policy: Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"] = "GUARANTEED_NO_EVICT"
+
+
+class CudaGraphConfig(StrictModel):
+    batch_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture.")
+    max_batch_size: int = Field(128, ge=0, le=4096, description="Largest captured batch size.")
+    enable_padding: bool = Field(True, description="Pad a batch up to the next captured size.")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(b < 1 for b in v):
+            raise ValueError("every batch size must be >= 1")
+        return sorted(set(v)) if v is not None else None
+
+    def capture_sizes(self, limit: int) -> list[int]:
+        """The batch sizes to capture, capped at ``limit`` (the engine's max_batch_size)."""
+        if self.batch_sizes is not None:
+            return [b for b in self.batch_sizes if b <= limit]
+        top = min(self.max_batch_size, limit)
+        sizes = [1, 2, 4] + list(range(8, top + 1, 8))
+        return sorted({b for b in sizes if b <= top})
+
+
+class AttentionDpConfig(StrictModel):
+    enable_balance: bool = False
+    batching_wait_iters: int = Field(10, ge=0)
+    timeout_iters: int = Field(50, ge=0)
+    load_balance_weight: float = Field(1.0, ge=0.0, description="β in score = uncached tokens + β·normalised load.")
+    routing: Literal["cache_aware", "load"] = "cache_aware"
+
+
+class LlmArgs(StrictModel):
+    """Everything ``LLM(...)`` accepts."""
+
+    model: str | None = Field(None, description="HF directory, .gguf file or HF id; None: the bundled SmolLM2-135M-Instruct.")
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = Field(False, description="No tokenizer: prompts must be token ids and outputs carry no text.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(1, ge=1, le=1)
+    enable_attention_dp: bool = False
+    attention_dp_config: AttentionDpConfig | None = None
+    moe_expert_parallel_size: int | None = Field(None, ge=1, le=64)
+    max_batch_size: int = Field(2048, ge=1, le=65536)
+    max_num_tokens: int = Field(8192, ge=1, le=1 << 20)
+    max_seq_len: int | None = Field(None, ge=2, le=1 << 21)
+    enable_chunked_prefill: bool = True
+    kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
+    scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    disable_overlap_scheduler: bool = False
+    cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
+    trust_remote_code: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    backend: Literal["pytorch"] = "pytorch"
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> LlmArgs:
+        if self.moe_expert_parallel_size is not None and self.tensor_parallel_size % self.moe_expert_parallel_size:
+            raise ValueError(f"moe_expert_parallel_size ({self.moe_expert_parallel_size}) must divide "
+                             f"tensor_parallel_size ({self.tensor_parallel_size})")
+        if self.enable_attention_dp and self.tensor_parallel_size < 2:
+            raise ValueError("enable_attention_dp needs tensor_parallel_size >= 2 (one rank per attention replica)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc) or "(arguments)"
+
+
+def make_llm_args(**kwargs: Any) -> LlmArgs:
+    """Build LlmArgs; pydantic errors become one ValueError naming each field and its limit."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "model"}
+    aliases = {"tp_size": "tensor_parallel_size", "ep_size": "moe_expert_parallel_size",
+               "max_model_len": "max_seq_len", "max_num_seqs": "max_batch_size"}
+    for alias, name in aliases.items():
+        if alias in kwargs:
+            kwargs[name] = kwargs.pop(alias)
+    try:
+        return LlmArgs(**kwargs)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e)) from None
+
+
+def format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        parts.append(f"{_field_path(err['loc'])}: {msg}{shown}")
+    return "; ".join(parts)
+
+
+def merge_yaml(base: dict[str, Any], path: str) -> dict[str, Any]:
+    """Overlay a YAML file of LlmArgs fields on ``base``; the YAML wins, nested dicts merge."""
+    with open(path) as f:
+        extra = yaml.safe_load(f) or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"{path}: expected a mapping of LLM arguments at the top level")
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = v
+    return out

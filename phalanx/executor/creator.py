@@ -1,0 +1,88 @@
+"""Building the rank-side engine from LlmArgs: device, model, KV pool, manager, scheduler, runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from phalanx.config import LlmArgs
+from phalanx.executor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
+from phalanx.executor.model_runner import ModelRunner
+from phalanx.executor.py_executor import PyExecutor, RequestQueue, Responder
+from phalanx.executor.sampler import Sampler
+from phalanx.executor.scheduler import Scheduler, SchedulerLimits
+from phalanx.kv_manager import KVCacheManager
+from phalanx.models.loader import ModelSource, build_model, resolve_dtype
+from phalanx.models.parallel import TPGroup, shard_heads
+
+logger = logging.getLogger("phalanx")
+
+
+@dataclass
+class EngineInfo:
+    """Facts the user side needs about a started engine."""
+
+    max_seq_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    tokens_per_block: int
+    startup_seconds: float
+
+
+def resolve_device(args: LlmArgs, local_rank: int = 0) -> torch.device:
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but CUDA is not available")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def resolve_max_seq_len(args: LlmArgs, source: ModelSource) -> int:
+    limit = source.config.max_position_embeddings
+    if args.max_seq_len is None:
+        return limit
+    if args.max_seq_len > limit:
+        raise ValueError(f"max_seq_len {args.max_seq_len} exceeds the model's max_position_embeddings {limit}")
+    return args.max_seq_len
+
+
+def create_py_executor(args: LlmArgs, source: ModelSource, respond: Responder,
+                       queue: RequestQueue | None = None, tp: TPGroup | None = None,
+                       local_rank: int = 0) -> tuple[PyExecutor, EngineInfo]:
+    t0 = time.monotonic()
+    tp = tp or TPGroup()
+    device = resolve_device(args, local_rank)
+    dtype = resolve_dtype(args.dtype, source, device)
+    cfg = source.config
+    max_seq_len = resolve_max_seq_len(args, source)
+    model = build_model(source, dtype, device, tp, args.load_format, args.seed)
+    kvc = args.kv_cache_config
+    kv_dtype = dtype if kvc.dtype == "auto" else resolve_dtype(kvc.dtype, source, device)
+    heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+    block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
+    num_blocks = _num_kv_blocks(args, device, block_bytes)
+    pool = KVPool(cfg.num_layers, num_blocks, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
+    kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse)
+    limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
+                             args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill)
+    scheduler = Scheduler(limits, kv)
+    runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device)
+    executor = PyExecutor(scheduler, runner, queue or RequestQueue(), respond, cfg.vocab_size, max_seq_len)
+    info = EngineInfo(max_seq_len, cfg.vocab_size, num_blocks, kvc.tokens_per_block, time.monotonic() - t0)
+    logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks", device, dtype, info.startup_seconds, num_blocks)
+    return executor, info
+
+
+def _num_kv_blocks(args: LlmArgs, device: torch.device, block_bytes: int) -> int:
+    kvc = args.kv_cache_config
+    if device.type == "cpu":
+        budget = kvc.max_gpu_total_bytes or CPU_DEFAULT_KV_BYTES
+    else:
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * kvc.free_gpu_memory_fraction)
+        if kvc.max_gpu_total_bytes:
+            budget = min(budget, kvc.max_gpu_total_bytes)
+    return num_blocks_for_budget(budget, block_bytes, kvc.tokens_per_block, kvc.max_tokens)

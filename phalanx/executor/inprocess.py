@@ -1,0 +1,41 @@
+"""InProcessExecutor: the rank loop in a thread of the caller's process (one rank, no MPI)."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+from phalanx.config import LlmArgs
+from phalanx.executor.creator import create_py_executor
+from phalanx.executor.executor import GenerationExecutor
+from phalanx.executor.messages import GenerationRequest
+from phalanx.executor.py_executor import RequestQueue
+from phalanx.models.loader import ModelSource
+
+
+class InProcessExecutor(GenerationExecutor):
+    def __init__(self, args: LlmArgs, source: ModelSource) -> None:
+        super().__init__()
+        self.queue = RequestQueue()
+        self.engine, self.info = create_py_executor(args, source, self._dispatch, self.queue)
+        self._thread = threading.Thread(target=self._run, name="phalanx-executor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.engine.run()
+        except BaseException:
+            self._fail_all(f"the executor loop died:\n{traceback.format_exc()}")
+            return
+        self._fail_all("the engine has been shut down")
+
+    def _send_request(self, msg: GenerationRequest) -> None:
+        self.queue.put_request(msg)
+
+    def _send_cancel(self, request_id: int) -> None:
+        self.queue.put_cancel(request_id)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self.queue.put_shutdown()
+            self._thread.join(timeout)

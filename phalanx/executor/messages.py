@@ -1,0 +1,96 @@
+"""What crosses a process or rank boundary: small dataclasses with a msgpack form.
+
+Pure Python: no torch. New requests travel once; afterwards only ids (cancel) and diffs
+(new tokens) move. ``pack``/``unpack`` use msgpack only: no pickle, no class loading — a
+message names its type with a short tag that maps to one of the classes below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+
+@dataclass
+class GenerationRequest:
+    """A new request for the ranks (token ids only: text never leaves the user process)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]           # SamplingParams.to_dict()
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_total_tokens: int = 0                 # finish by length at this many tokens
+    cache_salt: str | None = None
+    priority: int = 35
+    arrival_time: float = 0.0
+
+
+@dataclass
+class CancelRequest:
+    request_id: int
+
+
+@dataclass
+class Response:
+    """Rank 0 -> user: new tokens of one request since its last response."""
+
+    request_id: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None         # per token: [chosen logprob, [[id, logprob], ...]]
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+    error: str | None = None
+    first_scheduled_time: float = 0.0         # monotonic seconds on rank 0 (queue-time metric)
+
+
+@dataclass
+class IterationInput:
+    """What rank 0 broadcasts each iteration: {new, cancel, shutdown}."""
+
+    new: list[GenerationRequest] = field(default_factory=list)
+    cancel: list[int] = field(default_factory=list)
+    shutdown: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.new or self.cancel or self.shutdown)
+
+
+_TYPES: dict[str, type] = {
+    "req": GenerationRequest, "cancel": CancelRequest, "resp": Response, "iter": IterationInput,
+}
+_TAGS = {cls: tag for tag, cls in _TYPES.items()}
+
+
+def to_wire(obj: Any) -> Any:
+    """A message (or list of messages) as plain msgpack-able values."""
+    if isinstance(obj, list):
+        return [to_wire(o) for o in obj]
+    cls = type(obj)
+    if cls not in _TAGS:
+        return obj
+    body = {f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return {"t": _TAGS[cls], "b": body}
+
+
+def from_wire(value: Any) -> Any:
+    if isinstance(value, list):
+        return [from_wire(v) for v in value]
+    if isinstance(value, dict) and set(value) == {"t", "b"} and value["t"] in _TYPES:
+        cls = _TYPES[value["t"]]
+        names = {f.name for f in dataclasses.fields(cls)}
+        body = {k: from_wire(v) for k, v in value["b"].items() if k in names}
+        return cls(**body)
+    return value
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(to_wire(obj), use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return from_wire(msgpack.unpackb(data, raw=False, strict_map_key=False))

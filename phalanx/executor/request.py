@@ -1,0 +1,109 @@
+"""The rank-side state of one request. Pure Python: no torch.
+
+Counters, in the vocabulary of the glossary::
+
+    token_ids            prompt tokens, then output tokens
+    num_prompt_tokens    len(prompt)
+    num_computed_tokens  positions whose KV is written (prefix hits included)
+    num_cached_tokens    positions reused from the prefix cache at the first admission
+    num_output_tokens    tokens sampled so far
+
+A step schedules ``num_scheduled_tokens`` positions starting at ``num_computed_tokens``; when
+computed catches up with ``num_tokens`` the step also samples one token. Prefill, chunked
+prefill and decode are all this one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from phalanx.llmapi.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_total_tokens: int = 0        # finish by length at this many tokens (prompt + output)
+    extra_key: bytes = b""           # cache_salt / LoRA id: isolates prefix reuse
+    priority: int = 35               # KV retention priority of its blocks
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | None = None   # the stop token id that ended it, if any
+    error: str | None = None
+    admitted: bool = False           # has been admitted at least once (cached count is final)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.max_total_tokens <= 0:
+            raise ValueError("max_total_tokens must be set")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """After a token was appended: the finished status it causes, or None."""
+        n_out = self.num_output_tokens
+        last = self.token_ids[-1]
+        if n_out > self.sampling.min_tokens:
+            if last in self.sampling.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if not self.sampling.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,266 @@
+"""Token-budget scheduler. Pure Python: no torch.
+
+Each step gives every scheduled request a number of positions to compute
+(``num_scheduled_tokens``) under three budgets: ``max_batch_size`` requests,
+``max_num_tokens`` positions, ``max_seq_len`` per request. There are no prefill/decode
+branches: a request computes until ``num_computed_tokens`` catches up with ``num_tokens`` and
+then samples one token per step. Order within a step: decoding requests, then running prefills
+(chunked), then waiting requests, first come first served (the first that does not fit stops
+admission: no head-of-line skipping).
+
+Capacity policies:
+  GUARANTEED_NO_EVICT  admit only if every running request can still reach its last token
+                       (blocks to completion are reserved by counting); never preempts.
+  MAX_UTILIZATION      allocate for the next step only; when blocks run out, preempt the most
+                       recently started request (its blocks are freed, committed ones stay
+                       cached) and recompute it later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from phalanx.executor.request import Request, RequestStatus
+from phalanx.kv_manager import CopyOp, KVCacheManager
+
+GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
+MAX_UTILIZATION = "MAX_UTILIZATION"
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    policy: str = GUARANTEED_NO_EVICT
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's decision. Integers only, identical on every rank.
+
+    Row i: request ``requests[i]`` computes positions
+    ``[num_computed_tokens[i], num_computed_tokens[i] + num_scheduled_tokens[i])`` with KV
+    blocks ``block_tables[i]``; it samples a token when that range reaches its last token.
+    ``copy_ops`` (partial prefix reuse) run before the forward.
+    """
+
+    step: int
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    copy_ops: list[CopyOp] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def samples(self) -> list[bool]:
+        """Whether row i produces a token this step."""
+        return [c + n >= r.num_tokens for r, c, n in
+                zip(self.requests, self.num_computed_tokens, self.num_scheduled_tokens)]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_scheduled_tokens) and all(self.samples)
+
+    def add(self, req: Request, num_tokens: int, block_table: list[int]) -> None:
+        self.requests.append(req)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.num_computed_tokens.append(req.num_computed_tokens)
+        self.block_tables.append(list(block_table))
+
+    def digest(self) -> bytes:
+        """A short hash of the decision, compared across ranks to detect divergence."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(struct.pack("<q", self.step))
+        for r, n, c, bt in zip(self.requests, self.num_scheduled_tokens, self.num_computed_tokens,
+                               self.block_tables):
+            h.update(struct.pack(f"<qqq{len(bt)}q", r.request_id, n, c, *bt))
+        for op in self.copy_ops:
+            h.update(struct.pack("<qqq", op.src, op.dst, op.num_tokens))
+        return h.digest()
+
+
+@dataclass
+class StepOutcome:
+    """What one step did to requests: tokens appended, and who finished."""
+
+    new_tokens: dict[int, int] = field(default_factory=dict)  # request id -> token appended
+    finished: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; mutates requests and the KV manager."""
+
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager) -> None:
+        if limits.policy not in (GUARANTEED_NO_EVICT, MAX_UTILIZATION):
+            raise ValueError(f"capacity_scheduler_policy must be {GUARANTEED_NO_EVICT} or "
+                             f"{MAX_UTILIZATION}, got {limits.policy!r}")
+        self.limits = limits
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self.step = 0
+        self.num_preemptions = 0
+
+    # -- intake --------------------------------------------------------------------------
+    def add_request(self, req: Request) -> str | None:
+        """Queue a request. Returns an error message (and queues nothing) if it can never run."""
+        if req.request_id in self.requests:
+            return f"request id {req.request_id} is already in use"
+        if not self.limits.enable_chunked_prefill and req.num_tokens > self.limits.max_num_tokens:
+            return (f"the prompt has {req.num_tokens} tokens, more than max_num_tokens "
+                    f"({self.limits.max_num_tokens}) with chunked prefill off")
+        need = self.kv.num_blocks_for(req.max_total_tokens)
+        if need > self.kv.num_blocks:
+            return (f"the request needs {need} KV blocks for prompt + max_tokens "
+                    f"({req.max_total_tokens} tokens) but the KV pool has {self.kv.num_blocks}; "
+                    f"lower max_tokens or raise kv_cache_config.max_tokens")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return None
+
+    def finish(self, request_id: int, status: RequestStatus) -> Request | None:
+        """End a request now (abort, error): free its blocks and forget it."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(request_id)
+        req.status = status
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Decide this step. Mutates the KV manager (blocks for the scheduled positions) and
+        the running/waiting lists (admissions, preemptions); request counters are advanced
+        later by ``update``."""
+        self.kv.release_copy_sources()
+        batch = ScheduledBatch(self.step)
+        self.step += 1
+        budget = self._schedule_running(batch, self.limits.max_num_tokens)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        batch.copy_ops = self.kv.take_copy_ops()
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        scheduled: set[int] = set()
+        for req in decoding + prefilling:
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if len(batch) >= self.limits.max_batch_size or budget <= 0:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow_or_preempt(req, n, batch, scheduled):
+                continue
+            batch.add(req, n, self.kv.block_table(req.request_id))
+            scheduled.add(req.request_id)
+            budget -= n
+        return budget
+
+    def _grow_or_preempt(self, req: Request, n: int, batch: ScheduledBatch, scheduled: set[int]) -> bool:
+        while not self.kv.grow(req.request_id, req.num_computed_tokens + n):
+            if self.limits.policy == GUARANTEED_NO_EVICT:
+                raise RuntimeError("KV reservation broken: a running request cannot grow")
+            victims = [r for r in self.running if r.request_id not in scheduled]
+            victim = victims[-1]  # the most recently started; may be req itself
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        batch.preempted.append(req)
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        reserved = self._reserved_blocks() if self.limits.policy == GUARANTEED_NO_EVICT else 0
+        while self.waiting and budget > 0 and len(batch) < self.limits.max_batch_size:
+            req = self.waiting[0]
+            match = self.kv.match(req.token_ids, req.extra_key)
+            n = req.num_tokens - match.num_tokens
+            if n > budget:
+                if not self.limits.enable_chunked_prefill:
+                    break
+                n = budget
+            slots = match.num_tokens + n
+            need = self.kv.num_blocks_to_admit(match, slots)
+            if self.limits.policy == GUARANTEED_NO_EVICT:
+                future = self.kv.num_blocks_to_admit(match, req.max_total_tokens)
+                if future + reserved > self.kv.num_available_blocks:
+                    break
+                reserved += future - need
+            elif need > self.kv.num_available_blocks:
+                break
+            self._admit(req, match, slots)
+            batch.add(req, n, self.kv.block_table(req.request_id))
+            budget -= n
+
+    def _admit(self, req: Request, match, slots: int) -> None:
+        cached = self.kv.admit(req.request_id, match, slots, req.extra_key, req.priority)
+        if not req.admitted:
+            req.num_cached_tokens = cached
+            req.admitted = True
+            self.kv.record_query(req.num_prompt_tokens, cached)
+        req.num_computed_tokens = cached
+        req.status = RequestStatus.RUNNING
+        self.waiting.popleft()
+        self.running.append(req)
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running requests may still need to reach their last token."""
+        kv = self.kv
+        return sum(max(0, kv.num_blocks_for(r.max_total_tokens) - kv.num_held_blocks(r.request_id))
+                   for r in self.running)
+
+    # -- after the forward --------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> StepOutcome:
+        """Advance counters by the step's work; append sampled tokens; finish requests.
+
+        ``sampled[i]`` is the token of row i (None for rows that do not sample). Full blocks
+        are committed to the prefix cache; finished requests free their blocks.
+        """
+        out = StepOutcome()
+        for req, n, token in zip(batch.requests, batch.num_scheduled_tokens, sampled):
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            if token is None:
+                continue
+            req.append_token(token)
+            out.new_tokens[req.request_id] = token
+            status = req.check_stop()
+            if status is not None:
+                self.finish(req.request_id, status)
+                out.finished.append(req)
+        return out

@@ -1,0 +1,101 @@
+"""Torch reference paged attention: K/V writes into slots, partial-reuse block copies, and
+attention of packed variable-length queries over a paged cache (prefill over a cached prefix,
+chunked prefill and decode are one case). GQA by grouped heads; optional sliding window.
+
+Pool layout, per layer: ``k_cache``/``v_cache`` [num_blocks, tokens_per_block, Hkv, D];
+slot s = block_id * tokens_per_block + offset.
+
+Packed queries of S sequences::
+
+    seq s:   query rows [query_start[s], query_start[s+1])   at positions
+             [seq_len[s] - q_len[s], seq_len[s])              attending keys [0, position]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] written at slots [T] of the flattened pool."""
+    Hkv, D = k.shape[-2:]
+    k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def copy_blocks_ref(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
+    """kv_pool: [L, 2, num_blocks, B, Hkv, D]; copies rows [0, n) of block src into dst."""
+    for s, d, n in zip(src, dst, num_tokens):
+        kv_pool[:, :, d, :n] = kv_pool[:, :, s, :n]
+
+
+@dataclass
+class RefAttentionPlan:
+    """Gather indices and masks shared by every layer of one step (built once per step)."""
+
+    kv_slots: torch.Tensor          # [S, Lmax] slot of key j of seq s (0 where padded)
+    q_index: torch.Tensor           # [S, Qmax] packed row of query i of seq s (T where padded)
+    q_valid: torch.Tensor           # [S, Qmax] bool
+    q_pos: torch.Tensor             # [S, Qmax] absolute position of each query
+    k_len: torch.Tensor             # [S] keys per sequence
+    masks: dict = field(default_factory=dict)  # sliding window (or None) -> [S, 1, Qmax, Lmax]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            j = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
+            pos = self.q_pos.unsqueeze(-1)                              # [S, Qmax, 1]
+            m = (j <= pos) & (j < self.k_len.view(-1, 1, 1))
+            if window is not None:
+                m &= j > pos - window
+            m |= ~self.q_valid.unsqueeze(-1) & (j == 0)                 # padded rows: no NaN
+            self.masks[window] = m.unsqueeze(1)
+        return self.masks[window]
+
+
+def build_ref_plan(query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   tokens_per_block: int, max_query_len: int, max_seq_len: int) -> RefAttentionPlan:
+    """Step metadata -> the padded gather plan of ``paged_attention_ref``.
+
+    query_start [S+1], seq_lens [S], block_tables [S, max_blocks] (padded), all on one device.
+    """
+    dev, B = seq_lens.device, tokens_per_block
+    q_lens = (query_start[1:] - query_start[:-1]).long()
+    seq_lens = seq_lens.long()
+    T = int(query_start[-1]) if query_start.numel() else 0
+    j = torch.arange(max_seq_len, device=dev)
+    blocks = block_tables.long().gather(1, (j // B).clamp(max=block_tables.shape[1] - 1)
+                                        .expand(len(seq_lens), -1))
+    kv_slots = torch.where(j < seq_lens[:, None], blocks * B + j % B, 0)
+    qi = torch.arange(max_query_len, device=dev)
+    q_valid = qi < q_lens[:, None]
+    q_index = torch.where(q_valid, query_start[:-1, None].long() + qi, T)
+    q_pos = seq_lens[:, None] - q_lens[:, None] + qi
+    return RefAttentionPlan(kv_slots, q_index, q_valid, q_pos, seq_lens)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        plan: RefAttentionPlan, scale: float, window: int | None = None,
+                        kv_of_q: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D] packed queries -> [T, H, D].
+
+    ``kv_of_q`` [H] maps each query head to its KV head when groups are not uniform
+    (uneven tensor-parallel splits); otherwise heads are grouped GQA-style.
+    """
+    T, H, D = q.shape
+    Hkv = k_cache.shape[-2]
+    qp = torch.cat([q, q.new_zeros(1, H, D)])[plan.q_index]          # [S, Qmax, H, D]
+    k = k_cache.view(-1, Hkv, D)[plan.kv_slots]                      # [S, Lmax, Hkv, D]
+    v = v_cache.view(-1, Hkv, D)[plan.kv_slots]
+    if kv_of_q is not None:
+        k, v = k.index_select(2, kv_of_q), v.index_select(2, kv_of_q)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=plan.mask(window), scale=scale, enable_gqa=k.shape[2] != H)
+    out = out.transpose(1, 2)                                        # [S, Qmax, H, D]
+    result = q.new_empty(T, H, D)
+    result[plan.q_index[plan.q_valid]] = out[plan.q_valid]
+    return result

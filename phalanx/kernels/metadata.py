@@ -1,0 +1,32 @@
+"""AttentionMetadata: what every attention layer of one step needs, built once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Packed variable-length batch of S sequences and T query tokens over a paged KV pool.
+
+    slot_mapping [T]      pool slot each new token's K/V is written to
+    query_start [S+1]     row offsets of each sequence's queries in the packed batch
+    seq_lens [S]          keys per sequence after this step (cached prefix + new tokens)
+    block_tables [S, M]   block ids per sequence, padded
+    """
+
+    slot_mapping: torch.Tensor
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    tokens_per_block: int
+    is_decode_only: bool = False
+    cache: dict = field(default_factory=dict)  # backend-specific per-step plans
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]

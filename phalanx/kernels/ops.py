@@ -1,0 +1,86 @@
+"""Device dispatch for every kernel: Triton on CUDA when available, torch references elsewhere.
+
+Implementations are imported lazily so that importing this module needs neither triton nor a GPU.
+Set ``PHALANX_KERNELS=ref`` to force the references everywhere (debugging, comparisons).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from phalanx.kernels import attention_ref, reference
+from phalanx.kernels.metadata import AttentionMetadata
+
+
+@functools.cache
+def triton_available() -> bool:
+    if os.environ.get("PHALANX_KERNELS", "auto") == "ref":
+        return False
+    import importlib.util
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return importlib.util.find_spec("phalanx.kernels.triton_ops") is not None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        from phalanx.kernels import triton_ops
+        return triton_ops.rms_norm(x, weight, eps)
+    return reference.rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    if use_triton(x):
+        from phalanx.kernels import triton_ops
+        return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    if use_triton(q):
+        from phalanx.kernels import triton_ops
+        return triton_ops.rotary(positions, q, k, cos_sin)
+    return reference.rotary_ref(positions, q, k, cos_sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        from phalanx.kernels import triton_ops
+        return triton_ops.silu_and_mul(x)
+    return reference.silu_and_mul_ref(x)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    if use_triton(k):
+        from phalanx.kernels import triton_attention
+        return triton_attention.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    attention_ref.write_kv_ref(k_cache, v_cache, k, v, meta.slot_mapping)
+
+
+def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
+    attention_ref.copy_blocks_ref(kv_pool, src, dst, num_tokens)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    kv_of_q: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D] over the paged cache -> [T, H, D] (causal, GQA, optional sliding window)."""
+    if use_triton(q):
+        from phalanx.kernels import triton_attention
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window, kv_of_q)
+    plan = meta.cache.get("ref")
+    if plan is None:
+        plan = meta.cache["ref"] = attention_ref.build_ref_plan(
+            meta.query_start, meta.seq_lens, meta.block_tables, meta.tokens_per_block,
+            meta.max_query_len, meta.max_seq_len)
+    return attention_ref.paged_attention_ref(q, k_cache, v_cache, plan, scale, window, kv_of_q)

@@ -1,0 +1,43 @@
+"""Plain torch references for the small per-token ops. Used on the CPU and as the ground
+truth the Triton kernels are tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H] -> [..., H]; statistics in float32, scaled in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x; returns (rms_norm(residual), residual)."""
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary. positions [T]; q [T, H, D]; k [T, Hkv, D]; cos_sin [P, D] (cos ‖ sin
+    of D/2 frequencies, float32)."""
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)          # [T, D/2] each
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)         # [T, 1, D]
+    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * c + torch.cat([-x2, x1], dim=-1) * s
+
+    return rot(q), rot(k)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2N] (gate ‖ up) -> silu(gate) * up: [T, N]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,20 @@
+"""The user-facing Python API: LLM, SamplingParams, RequestOutput (loaded lazily)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "LLM": "phalanx.llmapi.llm",
+    "SamplingParams": "phalanx.llmapi.sampling_params",
+    "RequestOutput": "phalanx.llmapi.outputs",
+    "CompletionOutput": "phalanx.llmapi.outputs",
+    "RequestError": "phalanx.llmapi.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)

@@ -1,0 +1,131 @@
+"""RequestOutput and CompletionOutput: what ``LLM.generate`` returns.
+
+``RequestOutput`` is also the future ``generate_async`` returns: ``.result()``, ``await
+.aresult()``, and ``async for out in fut`` (streaming). Its fields change only in the caller's
+thread, when it waits or iterates, so a reader never sees a half-applied update. While
+streaming, ``text_diff`` / ``token_ids_diff`` hold what is new since the previous yield.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.executor.result import GenerationResult
+
+
+class RequestError(RuntimeError):
+    """The request failed on the engine side (bad input found late, engine failure, ...)."""
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None       # the stop token id or stop string
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    text_diff: str = ""
+    token_ids_diff: list[int] = field(default_factory=list)
+    logprobs_diff: list[dict[int, Logprob]] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+class RequestOutput:
+    """One request's output, and a future of it."""
+
+    def __init__(self, state: GenerationResult) -> None:
+        self._state = state
+        self.request_id: int = state.request_id
+        self.prompt: str | None = state.prompt
+        self.prompt_token_ids: list[int] = state.prompt_token_ids
+        self.outputs: list[CompletionOutput] = [CompletionOutput(i) for i in range(state.n)]
+        self.finished = False
+        self.cached_tokens = 0
+        self.error: str | None = None
+        self.metrics: dict[str, float] = {}
+        self._version = -1
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id}, finished={self.finished}, "
+                f"cached_tokens={self.cached_tokens}, outputs={self.outputs!r})")
+
+    # -- future protocol -------------------------------------------------------------------------
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until finished; raises RequestError if the request failed."""
+        if not self._state.wait_done(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished within {timeout}s")
+        self._pull()
+        return self._checked()
+
+    async def aresult(self) -> RequestOutput:
+        await self._state.await_done()
+        self._pull()
+        return self._checked()
+
+    def __aiter__(self):
+        return self._stream()
+
+    async def _stream(self):
+        while True:
+            await self._state.await_change(self._version)
+            self._pull()
+            if self.error is not None:
+                raise RequestError(self.error)
+            yield self
+            if self.finished:
+                return
+
+    def __iter__(self):
+        """Synchronous streaming (blocking)."""
+        while True:
+            self._state.wait_change(self._version)
+            self._pull()
+            if self.error is not None:
+                raise RequestError(self.error)
+            yield self
+            if self.finished:
+                return
+
+    def abort(self) -> None:
+        self._state.abort()
+
+    @property
+    def done(self) -> bool:
+        return self._state.is_done
+
+    # -- internals -------------------------------------------------------------------------------
+    def _checked(self) -> RequestOutput:
+        if self.error is not None:
+            raise RequestError(self.error)
+        return self
+
+    def _pull(self) -> None:
+        snap = self._state.snapshot()
+        self._version = snap["version"]
+        self.finished, self.cached_tokens, self.error = snap["finished"], snap["cached_tokens"], snap["error"]
+        self.metrics = snap["metrics"]
+        for out, s in zip(self.outputs, snap["seqs"]):
+            out.text_diff = s["text"][len(out.text):]
+            out.token_ids_diff = s["token_ids"][len(out.token_ids):]
+            if s["logprobs"] is not None:
+                old = len(out.logprobs or [])
+                out.logprobs_diff = s["logprobs"][old:]
+                out.logprobs = s["logprobs"]
+                out.cumulative_logprob = s["cumulative_logprob"]
+            out.text, out.token_ids = s["text"], s["token_ids"]
+            out.finish_reason, out.stop_reason = s["finish_reason"], s["stop_reason"]
+

@@ -1,0 +1,146 @@
+"""Tokenizer loading (Hugging Face directory or GGUF metadata) and incremental detokenization.
+
+Text work happens only in the user process; ranks see token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+# Hugging Face's GGUF path rebuilds the vocabulary on every load (seconds); the result is kept
+# in memory and on disk (PHALANX_CACHE_DIR, default ~/.cache/phalanx), keyed by file identity.
+_GGUF_CACHE: dict[str, Any] = {}
+
+
+def cache_dir() -> str:
+    base = os.environ.get("PHALANX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "phalanx")
+    return base
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    if path in _GGUF_CACHE:
+        return _GGUF_CACHE[path]
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    saved = os.path.join(cache_dir(), "tokenizers", key)
+    hf = None
+    if os.path.exists(os.path.join(saved, "tokenizer.json")):
+        try:
+            hf = AutoTokenizer.from_pretrained(saved)
+        except Exception:
+            hf = None
+    if hf is None:
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        try:
+            tmp = f"{saved}.tmp{os.getpid()}"
+            hf.save_pretrained(tmp)
+            os.makedirs(os.path.dirname(saved), exist_ok=True)
+            os.replace(tmp, saved)
+        except OSError:
+            pass  # a read-only home: no disk cache
+    _GGUF_CACHE[path] = hf
+    return hf
+
+
+class Tokenizer:
+    """A thin wrapper over a transformers tokenizer with the few calls the engine makes."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None):
+        self.hf = hf_tokenizer
+        ids = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(ids))
+        self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
+        self.vocab_size = len(hf_tokenizer)
+        self._specials = set(getattr(hf_tokenizer, "all_special_ids", []) or [])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._specials
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template")
+        return self.hf.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (for logprob listings)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+
+def load_tokenizer(source: Any, tokenizer: str | None = None, trust_remote_code: bool = False) -> Tokenizer:
+    """The tokenizer of a ``ModelSource`` (or of the directory ``tokenizer`` when given)."""
+    from transformers import AutoTokenizer
+    eos = tuple(source.config.eos_token_ids)
+    if tokenizer is not None:
+        hf = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    elif source.kind == "gguf":
+        hf = _gguf_tokenizer(source.path)
+    else:
+        hf = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+        eos = eos + _generation_config_eos(source.path)
+    return Tokenizer(hf, eos)
+
+
+def _generation_config_eos(path: str) -> tuple[int, ...]:
+    import json
+    f = os.path.join(path, "generation_config.json")
+    if not os.path.exists(f):
+        return ()
+    with open(f) as fh:
+        eos = json.load(fh).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that concatenate to the full decode.
+
+    Decodes a small window ``ids[prefix_offset:]`` and emits only what extends the window's
+    already-emitted part; holds text back while it ends in an incomplete UTF-8 sequence
+    (U+FFFD), so byte-fallback and multi-token characters never leak a replacement char.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: list[int] | None = None):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(context or [])
+        # start the window a few tokens back into the context so leading spaces decode right
+        self.prefix_offset = max(0, len(self.ids) - 5)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append tokens; return the new text (possibly empty)."""
+        self.ids.extend(new_ids)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):] if full.startswith(prefix) else full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (e.g. a truly invalid byte sequence)."""
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,1 @@
+"""Models: the Llama family and MoE decoders, tensor-parallel layers, weight loaders."""

@@ -1,0 +1,147 @@
+"""ModelConfig: the few numbers a decoder needs, read from a Hugging Face config or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Hugging Face model_type -> our architecture family (all built by models/llama.py or moe.py)
+SUPPORTED_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "mixtral": "moe",
+    "qwen2_moe": "moe",
+    "qwen3_moe": "moe",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = ()   # sorted items of the rope parameters
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False        # Qwen2
+    o_bias: bool = False          # Llama attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False         # Qwen3
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    # mixture of experts (0 experts = dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = field(default=())
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """Build from a transformers ``PretrainedConfig``. Raises ValueError for what we do not run."""
+        mt = getattr(hf, "model_type", None)
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not supported; supported: "
+                             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        dtype = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
+        num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
+        return cls(
+            model_type=mt,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=getattr(hf, "intermediate_size", 0) or 0,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(getattr(hf, "attention_bias", False)),
+            o_bias=mt not in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            sliding_windows=_sliding_windows(hf, mt),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+            num_experts=int(num_experts),
+            num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or getattr(hf, "intermediate_size", 0) or 0),
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", mt == "mixtral")),
+            shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+            decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
+        )
+
+
+def _rope_params(hf: Any) -> dict[str, Any]:
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        return dict(params)
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    return dict(scaling)
+
+
+def _rope_theta(hf: Any) -> float:
+    params = _rope_params(hf)
+    return float(params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0)
+
+
+def _rope_scaling(hf: Any) -> tuple[tuple[str, Any], ...]:
+    params = _rope_params(hf)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if getattr(hf, "partial_rotary_factor", 1.0) not in (None, 1.0) or params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    keep = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    keep["rope_type"] = rope_type
+    if "original_max_position_embeddings" not in keep and rope_type == "llama3":
+        keep["original_max_position_embeddings"] = getattr(hf, "max_position_embeddings", 8192)
+    return tuple(sorted(keep.items()))
+
+
+def _sliding_windows(hf: Any, model_type: str) -> tuple[int | None, ...]:
+    n = hf.num_hidden_layers
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types:
+        return tuple(window if t == "sliding_attention" and window else None for t in layer_types)
+    if model_type in ("mistral", "mixtral") and window:
+        return (int(window),) * n
+    if getattr(hf, "use_sliding_window", False) and window:
+        first = getattr(hf, "max_window_layers", n)
+        return tuple(int(window) if i >= first else None for i in range(n))
+    return (None,) * n

@@ -1,0 +1,218 @@
+"""Building blocks of the decoders: tensor-parallel linears and embeddings, RMSNorm, rotary.
+
+Every parameter that comes from a checkpoint has a ``weight_loader(param, full_tensor,
+shard_id)`` that copies this rank's slice of the full (unsharded) tensor. At tp size 1 the
+slices are the whole tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.kernels import ops
+from phalanx.models.parallel import HeadShard, TPGroup, split_range
+
+
+def _param(shape: tuple[int, ...], loader: Callable) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def _copy(param: torch.Tensor, src: torch.Tensor) -> None:
+    if param.shape != src.shape:
+        raise ValueError(f"weight shape {tuple(src.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(src)
+
+
+def default_loader(param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+    _copy(param, w)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ with W's output rows split across ranks (no communication)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.end = split_range(out_features, tp.rank, tp.size)
+        self.weight = _param((self.end - self.start, in_features), self._load)
+        self.bias = _param((self.end - self.start,), self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+        _copy(param, w[self.start:self.end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input in one matmul (gate ‖ up)."""
+
+    def __init__(self, in_features: int, out_features: list[int], bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.ranges = [split_range(n, tp.rank, tp.size) for n in out_features]
+        self.offsets = [0]
+        for s, e in self.ranges:
+            self.offsets.append(self.offsets[-1] + e - s)
+        self.weight = _param((self.offsets[-1], in_features), self._load)
+        self.bias = _param((self.offsets[-1],), self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+        i = int(shard_id)  # type: ignore[arg-type]
+        s, e = self.ranges[i]
+        _copy(param.data[self.offsets[i]:self.offsets[i + 1]], w[s:e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(nn.Module):
+    """q ‖ k ‖ v projections of this rank's heads in one matmul."""
+
+    def __init__(self, hidden: int, head_dim: int, heads: HeadShard, bias: bool) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q_size = heads.num_heads * head_dim
+        self.kv_size = heads.num_kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = _param((out, hidden), self._load)
+        self.bias = _param((out,), self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+        h, D = self.heads, self.head_dim
+        if shard_id == "q":
+            dst, src = slice(0, self.q_size), w[h.q_start * D:(h.q_start + h.num_heads) * D]
+        elif shard_id in ("k", "v"):
+            off = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            dst = slice(off, off + self.kv_size)
+            src = w[h.kv_start * D:(h.kv_start + h.num_kv_heads) * D]
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        _copy(param.data[dst], src)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 in_ranges: list[tuple[int, int]] | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        # in_ranges: the input columns of this rank as ranges of the full matrix (heads may
+        # be split unevenly); default is an even split.
+        self.in_ranges = in_ranges or [split_range(in_features, tp.rank, tp.size)]
+        width = sum(e - s for s, e in self.in_ranges)
+        self.weight = _param((out_features, width), self._load)
+        self.bias = _param((out_features,), default_loader) if bias else None
+
+    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+        _copy(param, torch.cat([w[:, s:e] for s, e in self.in_ranges], dim=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks; each rank looks up its rows, the sum is all-reduced."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.per_rank
+        self.end = min(self.start + self.per_rank, vocab_size)
+        self.weight = _param((self.per_rank, hidden), self._load)
+
+    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+        param.data.zero_()
+        param.data[:self.end - self.start].copy_(w[self.start:self.end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """logits = h Wᵀ over this rank's vocab rows, gathered to the full vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup,
+                 tied: VocabParallelEmbedding | None = None) -> None:
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        if tied is not None:
+            self.weight = tied.weight
+            self.per_rank, self.start, self.end = tied.per_rank, tied.start, tied.end
+        else:
+            emb = VocabParallelEmbedding(vocab_size, hidden, tp)
+            self.per_rank, self.start, self.end = emb.per_rank, emb.start, emb.end
+            self.weight = emb.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight)
+        return self.tp.all_gather_last_dim(logits)[..., :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; with ``residual`` it first adds it (fused add + norm) and
+    returns (normed, new residual)."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((hidden,), default_loader)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with a float32 cos/sin table over positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)                      # [P, D/2]
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, H, D], k: [T, Hkv, D]
+        return ops.rotary(positions, q, k, self.cos_sin)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Inverse frequencies [D/2] for rope types default, linear and llama3."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind != "llama3":
+        return inv_freq
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,199 @@
+"""The Llama family as one decoder: Llama 2/3.x (rope scaling "llama3"), SmolLM2 (tied
+embeddings), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), Mistral (sliding window).
+
+Attention reads and writes the paged KV pool through the step's block tables; the MLP may be
+replaced by a mixture of experts (models/moe.py) through ``mlp_factory``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from phalanx.kernels import ops
+from phalanx.kernels.metadata import AttentionMetadata
+from phalanx.models.config import ModelConfig
+from phalanx.models.layers import (
+    MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
+    RowParallelLinear, VocabParallelEmbedding,
+)
+from phalanx.models.parallel import TPGroup, shard_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        D = cfg.head_dim
+        self.heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+        self.head_dim, self.scale = D, D ** -0.5
+        self.window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, D, self.heads, cfg.qkv_bias)
+        q0, nq = self.heads.q_start, self.heads.num_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, cfg.o_bias, tp,
+                                        in_ranges=[(q0 * D, (q0 + nq) * D)])
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = [rotary]  # shared; a list keeps it out of this module's parameters
+        kv_of_q = None if self.heads.uniform_groups else torch.tensor(self.heads.kv_of_q)
+        self.register_buffer("kv_of_q", kv_of_q, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        H, Hkv, D = self.heads.num_heads, self.heads.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        ops.write_kv(k_cache, v_cache, k, v, meta)
+        o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q)
+        return self.o_proj(o.reshape(T, H * D))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+MlpFactory = Callable[[ModelConfig, int, TPGroup], nn.Module]
+
+
+def dense_mlp(cfg: ModelConfig, layer_idx: int, tp: TPGroup) -> nn.Module:
+    return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding,
+                 mlp_factory: MlpFactory) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, tp, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp_factory(cfg, layer_idx, tp)
+
+    def forward(self, positions, x, residual, meta, k_cache, v_cache):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, k_cache, v_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, mlp_factory: MlpFactory) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp, self.rotary, mlp_factory) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_pool: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, B, Hkv, D] -> hidden [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, meta, kv_pool[i, 0], kv_pool[i, 1])
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` the float32
+    logits of the rows that sample."""
+
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    stacked = (
+        ("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
+    )
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None,
+                 mlp_factory: MlpFactory = dense_mlp) -> None:
+        super().__init__()
+        self.config, self.tp = cfg, tp or TPGroup()
+        self.model = DecoderModel(cfg, self.tp, mlp_factory)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp, tied=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_pool: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_pool)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names, full unsharded shapes) into this rank's
+        parameters. Raises ValueError naming any parameter left unloaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, w in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = self.map_weight_name(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param.weight_loader(param, w.to(param.dtype), shard)
+            loaded.add(target)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face tensor names and full (unsharded) shapes of this architecture."""
+        c = self.config
+        H, D, V = c.hidden_size, c.head_dim, c.vocab_size
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, H)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (H,)
+            shapes[p + "post_attention_layernorm.weight"] = (H,)
+            for proj, rows in (("q_proj", c.num_heads * D), ("k_proj", c.num_kv_heads * D),
+                               ("v_proj", c.num_kv_heads * D)):
+                shapes[p + f"self_attn.{proj}.weight"] = (rows, H)
+                if c.qkv_bias:
+                    shapes[p + f"self_attn.{proj}.bias"] = (rows,)
+            shapes[p + "self_attn.o_proj.weight"] = (H, c.num_heads * D)
+            if c.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (H,)
+            if c.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (D,)
+                shapes[p + "self_attn.k_norm.weight"] = (D,)
+            shapes.update(self.mlp_checkpoint_shapes(i))
+        return shapes
+
+    def mlp_checkpoint_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        c, p = self.config, f"model.layers.{layer}.mlp."
+        shapes = {p + "gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                  p + "up_proj.weight": (c.intermediate_size, c.hidden_size),
+                  p + "down_proj.weight": (c.hidden_size, c.intermediate_size)}
+        if c.mlp_bias:
+            shapes.update({p + "gate_proj.bias": (c.intermediate_size,), p + "up_proj.bias": (c.intermediate_size,),
+                           p + "down_proj.bias": (c.hidden_size,)})
+        return shapes
+
+    def map_weight_name(self, name: str) -> tuple[str, object]:
+        for ckpt, ours, shard in self.stacked:
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{ours}."), shard
+        return name, None

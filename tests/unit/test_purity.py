@@ -1,0 +1,25 @@
+"""The control plane imports no torch, triton, transformers, mpi4py or fastapi."""
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "triton", "transformers", "mpi4py", "fastapi", "numpy")
+PURE_MODULES = [
+    "phalanx",
+    "phalanx.kv_manager",
+    "phalanx.executor.scheduler",
+    "phalanx.executor.request",
+    "phalanx.executor.messages",
+    "phalanx.llmapi.sampling_params",
+]
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_module_imports_no_heavy_dependency(module):
+    code = (f"import sys, {module}\n"
+            f"bad = [m for m in {HEAVY!r} if m in sys.modules]\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"{module} pulled in {out.stdout.strip()}"

@@ -1,0 +1,44 @@
+import pytest
+
+from phalanx.llmapi.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 99}, "logprobs"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"stop": [""]}, "stop"),
+    ({"logit_bias": {1: 500.0}}, "logit_bias"),
+])
+def test_out_of_range_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_are_greedy_and_sampling_knobs_imply_temperature_one():
+    assert SamplingParams().is_greedy
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(top_p=0.9).effective_temperature == 1.0
+    assert not SamplingParams(top_k=5).is_greedy
+    assert SamplingParams(top_k=1, temperature=0.8).is_greedy
+
+
+def test_vocab_check_names_the_field():
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[100]).check_vocab(50)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={60: 1.0}).check_vocab(50)
+
+
+def test_stop_string_forms():
+    assert SamplingParams(stop="x").stop_strings == ["x"]
+    assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]

@@ -1,0 +1,221 @@
+import pytest
+
+from helpers import FakeRunner, fake_token, make_request, run_to_completion, tiny_scheduler
+from phalanx.executor.request import RequestStatus
+from phalanx.executor.scheduler import MAX_UTILIZATION
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    """What the fake model generates for ``prompt`` alone."""
+    req = make_request(prompt, max_tokens)
+    for _ in range(max_tokens):
+        req.append_token(fake_token(req))
+    return req.output_token_ids
+
+
+def test_prefill_then_decode_one_token_per_step():
+    s = tiny_scheduler()
+    r = make_request(6, max_tokens=3)
+    s.add_request(r)
+    b = s.schedule()
+    assert b.num_scheduled_tokens == [6] and b.samples == [True] and b.num_computed_tokens == [0]
+    s.update(b, [7])
+    b = s.schedule()
+    assert b.num_scheduled_tokens == [1] and b.num_computed_tokens == [6] and b.is_decode_only
+    s.update(b, [8])
+    s.update(s.schedule(), [9])
+    assert r.output_token_ids == [7, 8, 9] and r.status == RequestStatus.FINISHED_LENGTH
+    assert not s.has_work and s.kv.pool.num_available == s.kv.num_blocks
+
+
+def test_token_budget_chunks_a_long_prompt():
+    s = tiny_scheduler(max_num_tokens=5)
+    r = make_request(12, max_tokens=2)
+    s.add_request(r)
+    sizes = []
+    while s.has_work:
+        b = s.schedule()
+        sizes.append(b.num_scheduled_tokens[0])
+        s.update(b, [fake_token(r) if x else None for x in b.samples])
+    assert sizes == [5, 5, 2, 1]
+    assert r.output_token_ids == expected_output(list(range(1, 13)), 2)
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    s = tiny_scheduler(max_num_tokens=8, chunked=False)
+    a, b_ = make_request(6, max_tokens=3), make_request([9] * 5, max_tokens=1)
+    s.add_request(a)
+    s.add_request(b_)
+    b = s.schedule()
+    assert [r.request_id for r in b.requests] == [a.request_id]   # 6 + 5 > 8: b waits
+    s.update(b, [1])
+    b = s.schedule()
+    assert b.num_scheduled_tokens == [1, 5]                      # decode first, then the prompt
+
+
+def test_prompt_longer_than_budget_without_chunking_is_refused():
+    s = tiny_scheduler(max_num_tokens=4, chunked=False)
+    assert "max_num_tokens" in s.add_request(make_request(6))
+
+
+def test_max_batch_size_caps_requests_per_step():
+    s = tiny_scheduler(max_batch_size=2)
+    reqs = [make_request(3, max_tokens=2) for _ in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    b = s.schedule()
+    assert len(b) == 2 and reqs[2].status == RequestStatus.WAITING
+
+
+def test_decode_first_then_running_prefill_then_new():
+    s = tiny_scheduler(num_blocks=32, max_num_tokens=6)
+    a = make_request(2, max_tokens=5)
+    s.add_request(a)
+    s.update(s.schedule(), [1])                       # a is decoding
+    b_ = make_request(9, max_tokens=1)
+    s.add_request(b_)
+    batch = s.schedule()                              # a: 1 decode, b: 5 of 9 prompt tokens
+    assert [r.request_id for r in batch.requests] == [a.request_id, b_.request_id]
+    assert batch.num_scheduled_tokens == [1, 5]
+    s.update(batch, [2, None])
+    c = make_request(3, max_tokens=1)
+    s.add_request(c)
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == [a.request_id, b_.request_id, c.request_id]
+    assert batch.num_scheduled_tokens == [1, 4, 1]
+
+
+def test_guaranteed_no_evict_reserves_blocks_to_completion():
+    # 8 blocks of 4: each request needs ceil((4 + 8) / 4) = 3 blocks to finish
+    s = tiny_scheduler(num_blocks=8)
+    reqs = [make_request(4, max_tokens=8) for _ in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    b = s.schedule()
+    assert len(b) == 2                                # 3 + 3 reserved; 2 left < 3
+    assert reqs[2].status == RequestStatus.WAITING
+    run_to_completion(s)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert s.num_preemptions == 0
+
+
+def test_max_utilization_preempts_the_latest_and_recomputes_identically():
+    prompts = [[10 + i, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(4)]
+    s = tiny_scheduler(num_blocks=7, policy=MAX_UTILIZATION)
+    reqs = [make_request(p, max_tokens=10) for p in prompts]
+    for r in reqs:
+        s.add_request(r)
+    run_to_completion(s)
+    assert s.num_preemptions > 0
+    assert max(r.num_preemptions for r in reqs) > 0
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == expected_output(p, 10)
+    assert s.kv.pool.num_available == s.kv.num_blocks
+
+
+def test_preemption_victim_is_the_most_recently_started():
+    s = tiny_scheduler(num_blocks=4, policy=MAX_UTILIZATION)
+    first, second = make_request([1, 2, 3], max_tokens=8), make_request([4, 5, 6], max_tokens=8)
+    s.add_request(first)
+    s.add_request(second)
+    victims = []
+    for _ in range(10):
+        b = s.schedule()
+        victims += [r.request_id for r in b.preempted]
+        s.update(b, [fake_token(r) if x else None for r, x in zip(b.requests, b.samples)])
+    assert victims and set(victims) == {second.request_id}
+
+
+def test_abort_frees_blocks_and_other_requests_continue():
+    s = tiny_scheduler()
+    a, b_ = make_request(6, max_tokens=5), make_request(6, max_tokens=5)
+    s.add_request(a)
+    s.add_request(b_)
+    s.update(s.schedule(), [1, 2])
+    held = s.kv.num_held_blocks(a.request_id)
+    assert held == 2
+    s.finish(a.request_id, RequestStatus.FINISHED_ABORTED)
+    assert a.request_id not in s.kv and a.status == RequestStatus.FINISHED_ABORTED
+    s.kv.check_integrity()
+    run_to_completion(s)
+    assert b_.num_output_tokens == 5
+
+
+def test_abort_of_a_waiting_request():
+    s = tiny_scheduler(max_batch_size=1)
+    a, b_ = make_request(3), make_request(3)
+    s.add_request(a)
+    s.add_request(b_)
+    s.schedule()
+    assert s.finish(b_.request_id, RequestStatus.FINISHED_ABORTED) is b_
+    assert list(s.waiting) == []
+
+
+def test_request_larger_than_the_pool_is_refused_with_a_reason():
+    s = tiny_scheduler(num_blocks=2)
+    msg = s.add_request(make_request(6, max_tokens=10))
+    assert "needs 4 KV blocks" in msg and "has 2" in msg
+    assert not s.has_work
+
+
+def test_duplicate_request_id_refused():
+    s = tiny_scheduler()
+    s.add_request(make_request(3, request_id=5))
+    assert "already in use" in s.add_request(make_request(3, request_id=5))
+
+
+def test_eos_and_stop_token_ids_respect_min_tokens():
+    s = tiny_scheduler()
+    r = make_request(3, max_tokens=10, eos=(7,), min_tokens=2, stop_token_ids=[9])
+    s.add_request(r)
+    for tok in [7, 9]:                 # below min_tokens: neither stops
+        s.update(s.schedule(), [tok])
+    assert r.status == RequestStatus.RUNNING
+    s.update(s.schedule(), [9])
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 9
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    s = tiny_scheduler()
+    r = make_request(3, max_tokens=3, eos=(7,), ignore_eos=True)
+    s.add_request(r)
+    for _ in range(3):
+        s.update(s.schedule(), [7])
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [7, 7, 7]
+
+
+def test_prefix_hit_skips_computed_tokens():
+    s = tiny_scheduler()
+    a = make_request(list(range(1, 11)), max_tokens=1)
+    s.add_request(a)
+    run_to_completion(s)
+    b_ = make_request(list(range(1, 11)) + [50, 51], max_tokens=1)
+    s.add_request(b_)
+    batch = s.schedule()
+    assert b_.num_cached_tokens == 10 and batch.num_scheduled_tokens == [2]
+    assert batch.copy_ops and batch.copy_ops[0].num_tokens == 2    # rows 8, 9 of block 2
+    assert s.kv.num_hit_tokens == 10 and s.kv.num_queried_tokens == 22
+
+
+def test_digest_changes_with_the_decision():
+    s1, s2 = tiny_scheduler(), tiny_scheduler()
+    for s, n in ((s1, 5), (s2, 6)):
+        s.add_request(make_request(n, request_id=1))
+    d1, d2 = s1.schedule().digest(), s2.schedule().digest()
+    assert d1 != d2
+    s3 = tiny_scheduler()
+    s3.add_request(make_request(5, request_id=1))
+    assert s3.schedule().digest() == d1
+
+
+@pytest.mark.parametrize("policy", ["GUARANTEED_NO_EVICT", MAX_UTILIZATION])
+def test_many_requests_all_finish_exactly(policy):
+    s = tiny_scheduler(num_blocks=12, max_num_tokens=7, policy=policy)
+    prompts = [[(i * 7 + j) % 40 + 1 for j in range(2 + i % 9)] for i in range(30)]
+    reqs = [make_request(p, max_tokens=1 + i % 5) for i, p in enumerate(prompts)]
+    for r in reqs:
+        assert s.add_request(r) is None
+    run_to_completion(s, FakeRunner())
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == expected_output(p, r.sampling.max_tokens)
+    assert s.kv.pool.num_available == s.kv.num_blocks
