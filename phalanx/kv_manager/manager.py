@@ -23,10 +23,10 @@ Life of a request: ``match`` (read-only) → ``admit`` → (``grow`` → step �
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from phalanx.kv_manager.block_pool import BlockPool, NoFreeBlocksError
-from phalanx.kv_manager.radix_tree import DEFAULT_PRIORITY, Node, RadixTree, TreeMatch, block_keys, chain_key
+from phalanx.kv_manager.radix_tree import DEFAULT_PRIORITY, Node, RadixTree, TreeMatch, chain_key
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,6 @@ class PrefixMatch:
     """A read-only match of a prompt against the cache (see ``KVCacheManager.match``)."""
 
     tree_match: TreeMatch
-    keys: list[bytes]
     num_tokens: int        # tokens whose KV can be reused
     num_unreferenced: int  # matched blocks that are cached but held by nobody (they leave
                            # the available count once admitted)
@@ -55,7 +54,6 @@ class _Sequence:
     nodes: list[Node]
     extra_key: bytes
     priority: int
-    keys: list[bytes] = field(default_factory=list)  # chained keys of full blocks, computed lazily
     tokens: Sequence[int] = ()                        # the request's tokens (as of the last commit)
     num_computed: int = 0                             # positions with KV written (last commit)
 
@@ -122,14 +120,13 @@ class KVCacheManager:
         """
         max_tokens = len(tokens) - 1
         if not self.enable_block_reuse or max_tokens < 1:
-            return PrefixMatch(TreeMatch([]), [], 0, 0)
-        keys = block_keys(tokens[:max_tokens], self.tokens_per_block, extra_key)
-        tm = self.tree.match(tokens, keys, extra_key, max_tokens, self.enable_partial_reuse)
+            return PrefixMatch(TreeMatch([]), 0, 0)
+        tm = self.tree.match(tokens, extra_key, max_tokens, self.enable_partial_reuse)
         refs = self.pool.ref_counts
         unreferenced = sum(1 for n in tm.nodes if refs[n.block_id] == 0)
         if tm.partial_node is not None and refs[tm.partial_node.block_id] == 0:
             unreferenced += 1
-        return PrefixMatch(tm, keys, tm.num_tokens(self.tokens_per_block), unreferenced)
+        return PrefixMatch(tm, tm.num_tokens(self.tokens_per_block), unreferenced)
 
     def num_blocks_to_admit(self, match: PrefixMatch, num_slots: int) -> int:
         """Available blocks that ``admit(match, num_slots)`` would consume."""
@@ -164,8 +161,7 @@ class KVCacheManager:
         if tm.partial_node is not None:
             self._copy_ops.append(CopyOp(tm.partial_node.block_id, fresh[0], tm.partial_len))
             self._copy_sources.append(source_path)
-        seq = _Sequence([n.block_id for n in tm.nodes] + fresh, list(tm.nodes), extra_key, priority,
-                        list(match.keys[:len(tm.nodes)]))
+        seq = _Sequence([n.block_id for n in tm.nodes] + fresh, list(tm.nodes), extra_key, priority)
         self._seqs[request_id] = seq
         return match.num_tokens
 
@@ -198,9 +194,7 @@ class KVCacheManager:
             i = len(seq.nodes)
             parent = seq.nodes[-1] if seq.nodes else self.tree.root
             block_tokens = tokens[i * B:(i + 1) * B]
-            key = seq.keys[i] if i < len(seq.keys) else chain_key(parent.key, block_tokens, seq.extra_key)
-            if i >= len(seq.keys):
-                seq.keys.append(key)
+            key = chain_key(parent.key, block_tokens, seq.extra_key)
             existing = parent.children.get(key)
             if existing is not None:
                 self.tree.ref(existing)

@@ -32,12 +32,16 @@ from phalanx.kv_manager.block_pool import BlockPool
 DEFAULT_PRIORITY = 35
 
 
+_PACKERS: dict[int, struct.Struct] = {}
+
+
 def chain_key(parent_key: bytes, tokens: Sequence[int], extra_key: bytes = b"") -> bytes:
     """SHA-256(parent key ‖ tokens as little-endian int64 ‖ extra key)."""
-    h = hashlib.sha256(parent_key)
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    h.update(extra_key)
-    return h.digest()
+    n = len(tokens)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = _PACKERS[n] = struct.Struct(f"<{n}q")
+    return hashlib.sha256(parent_key + packer.pack(*tokens) + extra_key).digest()
 
 
 def block_keys(
@@ -103,17 +107,16 @@ class RadixTree:
 
     # -- read --------------------------------------------------------------------------------
     def match(
-        self, tokens: Sequence[int], keys: Sequence[bytes], extra_key: bytes, max_tokens: int,
-        partial: bool = True,
+        self, tokens: Sequence[int], extra_key: bytes, max_tokens: int, partial: bool = True,
     ) -> TreeMatch:
         """Longest cached prefix of ``tokens[:max_tokens]``; mutates nothing.
 
-        ``keys`` are the chained keys of the full blocks of ``tokens`` (``block_keys``).
+        Keys are computed while walking, so a miss costs one hash, not one per block.
         """
         B = self.tokens_per_block
         node, path = self.root, []
-        for i in range(min(len(keys), max_tokens // B)):
-            child = node.children.get(keys[i])
+        for i in range(max_tokens // B):
+            child = node.children.get(chain_key(node.key, tokens[i * B:(i + 1) * B], extra_key))
             if child is None:
                 break
             path.append(child)

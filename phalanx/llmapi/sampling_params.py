@@ -98,7 +98,7 @@ class SamplingParams:
                self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]",
                self.frequency_penalty)
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]",
+        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]",
                self.repetition_penalty)
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)

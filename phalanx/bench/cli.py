@@ -1,0 +1,17 @@
+"""``phalanx bench <kind> ...`` dispatch."""
+
+from __future__ import annotations
+
+
+def run_bench(kind: str, argv: list[str]) -> int:
+    if kind == "throughput":
+        from phalanx.bench.throughput import main
+    elif kind == "kv":
+        from phalanx.bench.kv_match import main
+    elif kind == "serve":
+        from phalanx.bench.serve import main
+    elif kind == "prefix":
+        from phalanx.bench.prefix import main
+    else:
+        raise SystemExit(f"unknown benchmark {kind!r}")
+    return main(argv)

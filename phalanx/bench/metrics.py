@@ -1,0 +1,40 @@
+"""Latency and throughput arithmetic shared by the benchmarks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) like numpy's default; nan when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """mean, median, p90, p99, min, max of ``values`` multiplied by ``scale`` (e.g. 1000 for ms)."""
+    if not values:
+        return {k: math.nan for k in ("mean", "median", "p90", "p99", "min", "max")}
+    v = [x * scale for x in values]
+    return {"mean": sum(v) / len(v), "median": percentile(v, 50), "p90": percentile(v, 90),
+            "p99": percentile(v, 99), "min": min(v), "max": max(v)}
+
+
+def request_latencies(start: float, token_times: Sequence[float]) -> dict[str, float | list[float]]:
+    """TTFT, TPOT (mean gap after the first token), ITLs and E2E of one request.
+
+    ``token_times[i]`` is when output token i arrived (a chunk of k tokens counts k arrivals at
+    the same time; its ITL is split evenly, as vLLM's benchmark does)."""
+    if not token_times:
+        return {"ttft": math.nan, "tpot": math.nan, "itl": [], "e2e": math.nan}
+    ttft = token_times[0] - start
+    e2e = token_times[-1] - start
+    n = len(token_times)
+    tpot = (e2e - ttft) / (n - 1) if n > 1 else math.nan
+    itl = [b - a for a, b in zip(token_times, token_times[1:])]
+    return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}

@@ -1,0 +1,172 @@
+"""``phalanx bench throughput``: offline throughput through ``LLM.generate_async``.
+
+Fixed input/output lengths (random token prompts, ``ignore_eos``), at most ``--concurrency``
+requests in flight. Reports what trtllm-bench reports: request/s, output tok/s, per-user tok/s,
+TTFT / TPOT / E2E percentiles, with every setting, as JSON. ``--hf-baseline`` also runs
+Hugging Face transformers' ``generate`` on the same prompts in batches of ``--concurrency``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from typing import Any
+
+from phalanx.bench.metrics import request_latencies, summarize
+
+
+def make_prompts(num: int, isl: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    lo = min(1000, vocab // 4)  # stay clear of the special tokens at the start of most vocabularies
+    return [[rng.randrange(lo, vocab) for _ in range(isl)] for _ in range(num)]
+
+
+async def _run(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -> list[dict]:
+    from phalanx import SamplingParams
+    sem = asyncio.Semaphore(concurrency)
+    sp = SamplingParams(max_tokens=osl, ignore_eos=True, temperature=0.0, detokenize=False)
+
+    async def one(p: list[int]) -> dict:
+        async with sem:
+            start = time.perf_counter()
+            times: list[float] = []
+            async for out in llm.generate_async(p, sp, streaming=True):
+                now = time.perf_counter()
+                times += [now] * len(out.outputs[0].token_ids_diff)
+            lat = request_latencies(start, times)
+            lat["num_output_tokens"] = len(times)
+            lat["start"], lat["end"] = start, times[-1] if times else start
+            return lat
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: int, warmup: int = 2) -> dict:
+    prompts = make_prompts(num_requests + warmup, isl, llm.vocab_size)
+    if warmup:
+        asyncio.run(_run(llm, prompts[:warmup], min(osl, 8), concurrency))
+    t0 = time.perf_counter()
+    results = asyncio.run(_run(llm, prompts[warmup:], osl, concurrency))
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(r["num_output_tokens"] for r in results)
+    tpots = [r["tpot"] for r in results if r["tpot"] == r["tpot"]]
+    return {
+        "duration_s": elapsed,
+        "request_throughput": len(results) / elapsed,
+        "output_throughput": out_tokens / elapsed,
+        "total_token_throughput": (out_tokens + isl * len(results)) / elapsed,
+        "per_user_output_throughput": (sum(1.0 / t for t in tpots) / len(tpots)) if tpots else None,
+        "ttft_ms": summarize([r["ttft"] for r in results], 1000),
+        "tpot_ms": summarize(tpots, 1000),
+        "itl_ms": summarize([x for r in results for x in r["itl"]], 1000),
+        "e2e_ms": summarize([r["e2e"] for r in results], 1000),
+        "num_output_tokens": out_tokens,
+    }
+
+
+def run_hf(model: str | None, isl: int, osl: int, batch: int, num_requests: int, dtype: str, device: str) -> dict:
+    """transformers ``generate`` on the same prompts, ``batch`` at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.models.loader import bundled_model_path, resolve_model
+    dev = torch.device(device)
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        import os
+        path = bundled_model_path() if model is None else model
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=tdtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=tdtype)
+    hf = hf.to(dev).eval()
+    prompts = make_prompts(num_requests, isl, source.config.vocab_size)
+    ids = torch.tensor(prompts, device=dev)
+    with torch.no_grad():
+        hf.generate(ids[:batch], attention_mask=torch.ones_like(ids[:batch]), max_new_tokens=4, min_new_tokens=4,
+                    do_sample=False, pad_token_id=0)
+        t0 = time.perf_counter()
+        for i in range(0, num_requests, batch):
+            chunk = ids[i:i + batch]
+            hf.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=osl, min_new_tokens=osl,
+                        do_sample=False, pad_token_id=0)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    return {"duration_s": elapsed, "output_throughput": num_requests * osl / elapsed,
+            "request_throughput": num_requests / elapsed}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="phalanx bench throughput", description=__doc__)
+    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    ap.add_argument("--isl", type=int, default=128, help="input tokens per request")
+    ap.add_argument("--osl", type=int, default=128, help="output tokens per request")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="one run per value")
+    ap.add_argument("--num-requests", type=int, default=None, help="default: 4 × concurrency (at least 8)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
+    ap.add_argument("--disable-overlap", action="store_true")
+    ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate")
+    ap.add_argument("--output", default=None, help="write the JSON report here")
+    a = ap.parse_args(argv)
+
+    from phalanx import LLM
+    from phalanx.config import merge_yaml
+    kwargs: dict[str, Any] = {"dtype": a.dtype, "load_format": a.load_format,
+                              "disable_overlap_scheduler": a.disable_overlap}
+    if a.config:
+        kwargs = merge_yaml(kwargs, a.config)
+    t0 = time.perf_counter()
+    llm = LLM(a.model, skip_tokenizer_init=a.load_format == "dummy", **kwargs)
+    startup = time.perf_counter() - t0
+    report: dict[str, Any] = {
+        "settings": {"model": a.model or "SmolLM2-135M-Instruct (bundled GGUF)", "isl": a.isl, "osl": a.osl,
+                     "dtype": a.dtype, "load_format": a.load_format, "llm_args": llm.args.model_dump(mode="json"),
+                     "machine": platform.machine(), "python": platform.python_version()},
+        "startup_s": startup, "runs": [],
+    }
+    report["settings"]["device"] = _device_name()
+    try:
+        for c in a.concurrency:
+            n = a.num_requests or max(8, 4 * c)
+            res = run_phalanx(llm, a.isl, a.osl, c, n)
+            res["concurrency"], res["num_requests"] = c, n
+            report["runs"].append(res)
+            print(f"concurrency {c:4d}: {res['output_throughput']:9.1f} out tok/s  "
+                  f"TTFT p50 {res['ttft_ms']['median']:8.1f} ms  TPOT p50 {res['tpot_ms']['median']:7.2f} ms",
+                  flush=True)
+    finally:
+        llm.shutdown()
+    if a.hf_baseline:
+        import torch
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = "float32" if dev == "cpu" else "bfloat16"
+        for run in report["runs"]:
+            hf = run_hf(a.model, a.isl, a.osl, run["concurrency"], run["num_requests"], dtype, dev)
+            run["hf_generate"] = hf
+            run["speedup_vs_hf"] = run["output_throughput"] / hf["output_throughput"]
+            print(f"concurrency {run['concurrency']:4d}: HF generate {hf['output_throughput']:9.1f} out tok/s "
+                  f"-> phalanx ×{run['speedup_vs_hf']:.2f}", flush=True)
+    text = json.dumps(report, indent=2)
+    if a.output:
+        with open(a.output, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def _device_name() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return platform.processor() or "cpu"

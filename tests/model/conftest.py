@@ -1,0 +1,73 @@
+"""Tiny random Hugging Face models saved to disk (our HF loader reads them), and a greedy
+reference computed by transformers itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    rope3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    return {
+        "llama": LlamaConfig(**TINY, rope_scaling=rope3, tie_word_embeddings=False),
+        "qwen2": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+        "mistral": MistralConfig(**TINY, sliding_window=16),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """model type -> directory with config.json + model.safetensors (fp32, seeded)."""
+    from transformers import AutoModelForCausalLM
+    out = {}
+    for i, (name, cfg) in enumerate(_configs().items()):
+        torch.manual_seed(1234 + i)
+        cfg.initializer_range = 0.1        # peakier logits: fewer near-ties
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        path = tmp_path_factory.mktemp(f"tiny-{name}")
+        model.save_pretrained(path)
+        out[name] = str(path)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models):
+    from transformers import AutoModelForCausalLM
+    return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in tiny_models.items()}
+
+
+TIE_GAP = 1e-4
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation, and the top-1/top-2 logit gap at each step."""
+    ids = torch.tensor([prompt])
+    out, gaps = [], []
+    past = None
+    for _ in range(max_new_tokens):
+        res = model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        logits = res.logits[0, -1]
+        top = logits.topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return out, gaps
+
+
+def assert_same_greedy(ours: list[int], ref: list[int], gaps: list[float], what: str = "") -> None:
+    """Equal token for token; a divergence is tolerated only right at a numerical near-tie."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert gaps[i] < TIE_GAP, f"{what}: token {i} differs ({a} vs {b}) with top-2 gap {gaps[i]:.2e}"
+            return
+    assert len(ours) == len(ref), f"{what}: {len(ours)} tokens vs {len(ref)}"

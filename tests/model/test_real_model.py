@@ -1,0 +1,159 @@
+"""The bundled SmolLM2-135M-Instruct (GGUF, Q4_1 dequantized): batched chat generation equals
+transformers' greedy output on the same file, and reads as sensible text."""
+
+import os
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.models.loader import bundled_model_path
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Explain in one sentence what a CPU does.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM() as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+    path = bundled_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+def test_chat_batch_equals_transformers_greedy(llm, hf_model):
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        assert ids[0].tolist() == out.prompt_token_ids
+        with torch.no_grad():
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
+                                    do_sample=False, eos_token_id=list(llm.tokenizer.eos_token_ids))
+        ref_ids = ref[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == ref_ids, (out.outputs[0].text, llm.tokenizer.decode(ref_ids))
+        assert out.outputs[0].text == llm.tokenizer.decode(ref_ids, skip_special_tokens=True)
+    texts = [o.outputs[0].text for o in outs]
+    assert "Paris" in texts[0]
+    assert any(c in texts[2].lower() for c in ("red", "blue", "yellow"))
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
+
+
+def test_shared_200_token_prefix_reports_cached_tokens(llm):
+    doc = " ".join(f"item{i}" for i in range(400))
+    ids = llm.tokenizer.encode(doc)[:200]
+    first = llm.generate(ids + llm.tokenizer.encode(" first question"), SamplingParams(max_tokens=4), use_tqdm=False)
+    assert first.cached_tokens < 199
+    second = llm.generate(ids + llm.tokenizer.encode(" another, different ending"), SamplingParams(max_tokens=4),
+                          use_tqdm=False)
+    assert second.cached_tokens >= 199
+    assert second.cached_tokens <= len(second.prompt_token_ids) - 1
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"inputs": ""}, "prompt"),
+    ({"inputs": [1, 2, 49152]}, "prompt_token_ids"),
+    ({"inputs": "hi", "sp": {"max_tokens": 0}}, "max_tokens"),
+    ({"inputs": "hi", "sp": {"max_tokens": -1}}, "max_tokens"),
+    ({"inputs": "hi", "sp": {"top_p": 0.0}}, "top_p"),
+    ({"inputs": "hi", "sp": {"top_p": 1.01}}, "top_p"),
+    ({"inputs": [5] * 9000}, "max_seq_len"),
+])
+def test_bad_input_raises_value_error_naming_the_field_and_llm_keeps_working(llm, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        sp = SamplingParams(**kwargs.get("sp", {}))
+        llm.generate(kwargs["inputs"], sp, use_tqdm=False)
+    out = llm.generate("Say hello.", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_idle_engine_has_no_kv_leak(llm):
+    llm.generate(["a b c", "d e f"], SamplingParams(max_tokens=5), use_tqdm=False)
+    kv = llm._executor.engine.scheduler.kv
+    kv.check_integrity()
+    assert kv.pool.num_available == kv.num_blocks
+
+
+def _chat(llm, q):
+    return llm.apply_chat_template([{"role": "user", "content": q}])
+
+
+def test_streaming_deltas_add_up_and_finish_once(llm):
+    import asyncio
+    prompt = _chat(llm, "Tell me a short story about a cat.")
+    sp = SamplingParams(max_tokens=40)
+    full = llm.generate(prompt, sp, use_tqdm=False).outputs[0]
+
+    async def consume():
+        text, tokens, finished_flags = "", [], []
+        async for out in llm.generate_async(prompt, sp, streaming=True):
+            text += out.outputs[0].text_diff
+            tokens += out.outputs[0].token_ids_diff
+            finished_flags.append(out.finished)
+        return text, tokens, finished_flags
+
+    text, tokens, flags = asyncio.run(consume())
+    assert text == full.text and tokens == full.token_ids
+    assert flags[-1] and not any(flags[:-1]) and len(flags) > 1
+
+
+def test_sync_streaming_iteration(llm):
+    fut = llm.generate_async(_chat(llm, "Count from one to five."), SamplingParams(max_tokens=12), streaming=True)
+    pieces = [out.outputs[0].text_diff for out in fut]
+    assert "".join(pieces) == fut.outputs[0].text and fut.finished
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_token_boundaries_cuts_exactly(llm, include):
+    prompt = _chat(llm, "Write two sentences about the moon.")
+    full = llm.generate(prompt, SamplingParams(max_tokens=40), use_tqdm=False).outputs[0]
+    # a stop string spanning several tokens, starting mid-token
+    pos = max(1, len(full.text) // 3)
+    stop = full.text[pos:pos + 7]
+    first = full.text.find(stop)
+    out = llm.generate(prompt, SamplingParams(max_tokens=40, stop=[stop], include_stop_str_in_output=include),
+                       use_tqdm=False).outputs[0]
+    assert out.text == full.text[:first + (len(stop) if include else 0)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_stop_string_never_leaks_into_the_stream(llm):
+    import asyncio
+    prompt = _chat(llm, "Write two sentences about the moon.")
+    full = llm.generate(prompt, SamplingParams(max_tokens=40), use_tqdm=False).outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 5]
+
+    async def consume():
+        seen = []
+        async for out in llm.generate_async(prompt, SamplingParams(max_tokens=40, stop=stop), streaming=True):
+            seen.append(out.outputs[0].text)
+        return seen
+
+    seen = asyncio.run(consume())
+    assert all(stop not in s for s in seen)
+    assert seen[-1] == full[:full.find(stop)]
+
+
+def test_abort_mid_generation(llm):
+    import time
+    fut = llm.generate_async(_chat(llm, "Write a long essay about rivers."), SamplingParams(max_tokens=200),
+                             streaming=True)
+    it = iter(fut)
+    next(it)
+    fut.abort()
+    out = fut.result(timeout=30)
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 200
+    time.sleep(0.2)
+    kv = llm._executor.engine.scheduler.kv
+    assert kv.pool.num_available == kv.num_blocks

@@ -1,0 +1,127 @@
+"""Sampler semantics on hand-made logits, and seeded sampling through the engine."""
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.executor.request import Request
+from phalanx.executor.sampler import Sampler
+
+CPU = torch.device("cpu")
+
+
+def req(rid=1, prompt=(1, 2, 3), output=(), eos=(0,), **sp) -> Request:
+    r = Request(rid, list(prompt), SamplingParams(max_tokens=50, **sp), eos, 100)
+    for t in output:
+        r.append_token(t)
+    return r
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.0]])
+    out = Sampler(5, CPU).sample(logits, [req(logprobs=2)])
+    assert out.token_ids.tolist() == [1]
+    chosen, top = out.logprobs[0]
+    lp = logits.log_softmax(-1)[0]
+    assert chosen == pytest.approx(lp[1].item())
+    assert [t for t, _ in top] == [1, 3] and top[1][1] == pytest.approx(lp[3].item())
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[5.0, 1.0, 0.0, 4.0]])
+    s = Sampler(4, CPU)
+    assert s.sample(logits, [req(eos=(0,), min_tokens=1)]).token_ids.tolist() == [3]
+    assert s.sample(logits, [req(eos=(0,), min_tokens=2, stop_token_ids=[3], output=[2])]).token_ids.tolist() == [1]
+    assert s.sample(logits, [req(eos=(0,), min_tokens=1, output=[2])]).token_ids.tolist() == [0]
+    assert s.sample(logits, [req(eos=(0,), min_tokens=5, ignore_eos=True)]).token_ids.tolist() == [0]
+
+
+def test_repetition_presence_frequency_penalties():
+    logits = torch.tensor([[2.0, -1.0, 1.0, 0.5]])
+    s = Sampler(4, CPU)
+    out = s._process(logits.clone(), [req(prompt=(0, 1), repetition_penalty=4.0)])
+    assert out[0].tolist() == pytest.approx([0.5, -4.0, 1.0, 0.5])
+    out = s._process(logits.clone(), [req(prompt=(1,), output=(2, 2, 3), presence_penalty=0.5, frequency_penalty=0.25)])
+    assert out[0].tolist() == pytest.approx([2.0, -1.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25])
+    out = s._process(logits.clone(), [req(logit_bias={3: 10.0})])
+    assert out[0, 3].item() == pytest.approx(10.5)
+
+
+def test_top_k_top_p_min_p_filters():
+    from phalanx.executor.sampler import _filter
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda sp: torch.isfinite(_filter(logits.clone(), [sp]))[0].tolist()
+    assert keep(SamplingParams(top_k=2)) == [True, True, False, False]
+    assert keep(SamplingParams(top_p=0.7)) == [True, True, False, False]
+    assert keep(SamplingParams(top_p=0.5)) == [True, False, False, False]
+    assert keep(SamplingParams(min_p=0.5)) == [True, True, False, False]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().expand(4000, 3).contiguous()
+    s = Sampler(3, CPU, seed=1)
+    toks = s.sample(logits, [req(i, temperature=1.0) for i in range(4000)]).token_ids
+    freq = torch.bincount(toks, minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_models):
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True) as llm:
+        yield llm
+
+
+def test_seed_gives_the_same_tokens_whatever_the_batch(tiny_llm):
+    prompt = [5, 6, 7, 8, 9]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    alone = tiny_llm.generate(prompt, sp, use_tqdm=False).outputs[0].token_ids
+    others = [[i, i + 1, i + 2] for i in range(10, 16)]
+    batch = tiny_llm.generate(others[:3] + [prompt] + others[3:],
+                              [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)] * 3 + [sp]
+                              + [SamplingParams(max_tokens=20, temperature=0.9, ignore_eos=True)] * 3,
+                              use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    other_seed = tiny_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=43, ignore_eos=True),
+                                   use_tqdm=False)
+    assert other_seed.outputs[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy(tiny_llm):
+    prompt = [3, 1, 4, 1, 5]
+    greedy = tiny_llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    topk1 = tiny_llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True),
+                              use_tqdm=False)
+    assert greedy.outputs[0].token_ids == topk1.outputs[0].token_ids
+
+
+def test_n_sequences_with_a_seed_are_distinct_and_reproducible(tiny_llm):
+    sp = SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    a = tiny_llm.generate([1, 2, 3], sp, use_tqdm=False)
+    b = tiny_llm.generate([1, 2, 3], sp, use_tqdm=False)
+    seqs = [o.token_ids for o in a.outputs]
+    assert len(seqs) == 3 and len({tuple(s) for s in seqs}) == 3
+    assert seqs == [o.token_ids for o in b.outputs]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+
+
+def test_stop_token_ids_and_max_tokens_finish_reasons(tiny_llm):
+    prompt = [9, 8, 7]
+    greedy = tiny_llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False).outputs[0]
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 6
+    stop_at = greedy.token_ids[2]
+    first = greedy.token_ids.index(stop_at)
+    out = tiny_llm.generate(prompt, SamplingParams(max_tokens=6, stop_token_ids=[stop_at], ignore_eos=True),
+                            use_tqdm=False).outputs[0]
+    assert out.token_ids == greedy.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_logprobs_through_the_engine(tiny_llm):
+    out = tiny_llm.generate([4, 4, 4], SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True),
+                            use_tqdm=False).outputs[0]
+    assert len(out.logprobs) == 5
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert tok in entry and len(entry) >= 3
+        assert entry[tok].logprob == max(lp.logprob for lp in entry.values())   # greedy: the top one
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
