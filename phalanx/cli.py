@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("model", nargs="?", default=None)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    launch = sub.add_parser("launch", help="under mpirun: run a command whose LLM uses this MPI job")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER)
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("kind", choices=["throughput", "serve", "prefix", "kv"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -25,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         print("phalanx serve: the OpenAI-compatible server is not built yet; "
               "use the Python API (python examples/quickstart.py).", file=sys.stderr)
         return 2
+    if args.command == "launch":
+        from phalanx.executor.launch import launch as run_launch
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return run_launch(cmd)
     if args.command == "bench":
         from phalanx.bench.cli import run_bench
         return run_bench(args.kind, args.rest)

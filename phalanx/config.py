@@ -95,6 +95,9 @@ class LlmArgs(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     backend: Literal["pytorch"] = "pytorch"
+    orchestrator_type: Literal["mpi", "inprocess"] | None = Field(
+        None, description="None/'mpi': ranks in an MPI job behind a proxy (the default); "
+                          "'inprocess': one rank in a thread of this process (no MPI).")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> LlmArgs:

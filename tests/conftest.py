@@ -1,4 +1,19 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+from hf_reference import hf_models_from, tiny_model_dirs  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """model type -> directory with config.json + model.safetensors (fp32, seeded)."""
+    return tiny_model_dirs(lambda name: tmp_path_factory.mktemp(f"tiny-{name}"))
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models):
+    return hf_models_from(tiny_models)

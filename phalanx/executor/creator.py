@@ -11,7 +11,7 @@ import torch
 from phalanx.config import LlmArgs
 from phalanx.executor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
 from phalanx.executor.model_runner import ModelRunner
-from phalanx.executor.py_executor import PyExecutor, RequestQueue, Responder
+from phalanx.executor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
 from phalanx.executor.sampler import Sampler
 from phalanx.executor.scheduler import Scheduler, SchedulerLimits
 from phalanx.kv_manager import KVCacheManager
@@ -33,6 +33,7 @@ class EngineInfo:
 
 
 def resolve_device(args: LlmArgs, local_rank: int = 0) -> torch.device:
+    """CPU, or the GPU of this rank on its host (local rank modulo the visible GPUs)."""
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -49,12 +50,13 @@ def resolve_max_seq_len(args: LlmArgs, source: ModelSource) -> int:
     return args.max_seq_len
 
 
-def create_py_executor(args: LlmArgs, source: ModelSource, respond: Responder,
-                       queue: RequestQueue | None = None, tp: TPGroup | None = None,
-                       local_rank: int = 0) -> tuple[PyExecutor, EngineInfo]:
+def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None,
+                       queue: RequestQueue | BroadcastRequestQueue | None = None, tp: TPGroup | None = None,
+                       dist=None, device: torch.device | None = None) -> tuple[PyExecutor, EngineInfo]:
+    """Build every rank-side piece. ``tp``/``dist`` are set under MPI (one rank otherwise)."""
     t0 = time.monotonic()
     tp = tp or TPGroup()
-    device = resolve_device(args, local_rank)
+    device = device or resolve_device(args)
     dtype = resolve_dtype(args.dtype, source, device)
     cfg = source.config
     max_seq_len = resolve_max_seq_len(args, source)
@@ -64,13 +66,15 @@ def create_py_executor(args: LlmArgs, source: ModelSource, respond: Responder,
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
     num_blocks = _num_kv_blocks(args, device, block_bytes)
+    if dist is not None and dist.size > 1:  # identical schedulers need identical pools: the smallest wins
+        num_blocks = min(int(b) for b in dist.allgather_bytes(str(num_blocks).encode()))
     pool = KVPool(cfg.num_layers, num_blocks, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
     kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse)
     limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
                              args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill)
     scheduler = Scheduler(limits, kv)
-    runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device)
-    executor = PyExecutor(scheduler, runner, queue or RequestQueue(), respond, cfg.vocab_size, max_seq_len)
+    runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp)
+    executor = PyExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size, max_seq_len, dist)
     info = EngineInfo(max_seq_len, cfg.vocab_size, num_blocks, kvc.tokens_per_block, time.monotonic() - t0)
     logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks", device, dtype, info.startup_seconds, num_blocks)
     return executor, info

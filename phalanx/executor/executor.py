@@ -12,7 +12,7 @@ import threading
 import traceback
 from abc import ABC, abstractmethod
 
-from phalanx.executor.messages import GenerationRequest, Response
+from phalanx.executor.messages import Control, ControlResult, GenerationRequest, Response
 from phalanx.executor.result import GenerationResult
 from phalanx.llmapi.sampling_params import SamplingParams
 from phalanx.llmapi.tokenizer import Tokenizer
@@ -30,6 +30,8 @@ class GenerationExecutor(ABC):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.dead_error: str | None = None
+        self._controls: dict[int, tuple[threading.Event, list]] = {}
+        self._control_ids = itertools.count(1)
 
     # -- transport (subclasses) ----------------------------------------------------------------------
     @abstractmethod
@@ -37,6 +39,9 @@ class GenerationExecutor(ABC):
 
     @abstractmethod
     def _send_cancel(self, request_id: int) -> None: ...
+
+    @abstractmethod
+    def _send_control(self, ctl: Control) -> None: ...
 
     @abstractmethod
     def shutdown(self) -> None: ...
@@ -69,6 +74,32 @@ class GenerationExecutor(ABC):
         if self.dead_error is None and request_id in self._results:
             self._send_cancel(request_id)
 
+    def control(self, op: str, timeout: float = 30.0) -> ControlResult:
+        """Run an inspection op on every rank between iterations ("check_integrity", "stats")."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        cid = next(self._control_ids)
+        done: tuple[threading.Event, list] = (threading.Event(), [])
+        self._controls[cid] = done
+        self._send_control(Control(op, cid))
+        if not done[0].wait(timeout):
+            self._controls.pop(cid, None)
+            raise TimeoutError(f"control {op!r} got no answer within {timeout}s")
+        if not done[1]:
+            raise EngineDeadError(self.dead_error or "the engine stopped")
+        return done[1][0]
+
+    def check_integrity(self) -> list[str]:
+        """KV-cache integrity on every rank; raises AssertionError naming failing ranks."""
+        res = self.control("check_integrity")
+        if not res.ok:
+            raise AssertionError(f"KV integrity failed: {res.per_rank}")
+        return res.per_rank
+
+    def stats(self) -> list[dict]:
+        import json
+        return [json.loads(r) for r in self.control("stats").per_rank]
+
     @property
     def num_pending(self) -> int:
         return len(self._results)
@@ -88,6 +119,13 @@ class GenerationExecutor(ABC):
                 with self._lock:
                     self._results.pop(resp.request_id, None)
 
+    def _dispatch_other(self, obj: object) -> None:
+        if isinstance(obj, ControlResult):
+            waiter = self._controls.pop(obj.control_id, None)
+            if waiter is not None:
+                waiter[1].append(obj)
+                waiter[0].set()
+
     def _fail_all(self, error: str) -> None:
         """The engine died: every pending request fails once; new submits fail fast."""
         self.dead_error = error
@@ -95,3 +133,5 @@ class GenerationExecutor(ABC):
             pending, self._results = set(self._results.values()), {}
         for result in pending:
             result.fail(error)
+        for event, _ in list(self._controls.values()):
+            event.set()

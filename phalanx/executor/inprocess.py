@@ -17,7 +17,7 @@ class InProcessExecutor(GenerationExecutor):
     def __init__(self, args: LlmArgs, source: ModelSource) -> None:
         super().__init__()
         self.queue = RequestQueue()
-        self.engine, self.info = create_py_executor(args, source, self._dispatch, self.queue)
+        self.engine, self.info = create_py_executor(args, source, self, self.queue)
         self._thread = threading.Thread(target=self._run, name="phalanx-executor", daemon=True)
         self._thread.start()
 
@@ -34,6 +34,16 @@ class InProcessExecutor(GenerationExecutor):
 
     def _send_cancel(self, request_id: int) -> None:
         self.queue.put_cancel(request_id)
+
+    def _send_control(self, ctl) -> None:
+        self.queue.put_control(ctl)
+
+    # Sender protocol: the engine thread hands results straight to the dispatcher.
+    def send_responses(self, responses) -> None:
+        self._dispatch(responses)
+
+    def send(self, obj) -> None:
+        self._dispatch_other(obj)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._thread.is_alive():

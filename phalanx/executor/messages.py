@@ -50,18 +50,63 @@ class Response:
 
 @dataclass
 class IterationInput:
-    """What rank 0 broadcasts each iteration: {new, cancel, shutdown}."""
+    """What rank 0 broadcasts each iteration: {new, cancel, shutdown} (+ inspection requests)."""
 
     new: list[GenerationRequest] = field(default_factory=list)
     cancel: list[int] = field(default_factory=list)
     shutdown: bool = False
+    control: list[Any] = field(default_factory=list)   # Control messages
 
     def __bool__(self) -> bool:
-        return bool(self.new or self.cancel or self.shutdown)
+        return bool(self.new or self.cancel or self.shutdown or self.control)
+
+
+@dataclass
+class Init:
+    """User -> rank 0 (then every rank): build the engine with these LLM arguments."""
+
+    llm_args: dict[str, Any]
+
+
+@dataclass
+class Ready:
+    """Rank 0 -> user: every rank built its engine."""
+
+    info: dict[str, Any]
+
+
+@dataclass
+class Fatal:
+    """Rank 0 -> user: a rank failed (at start-up or later); the engine is gone."""
+
+    rank: int
+    error: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Control:
+    """User -> ranks: an inspection request handled between iterations (e.g. KV integrity)."""
+
+    op: str
+    control_id: int = 0
+
+
+@dataclass
+class ControlResult:
+    control_id: int
+    ok: bool
+    per_rank: list[str] = field(default_factory=list)
 
 
 _TYPES: dict[str, type] = {
     "req": GenerationRequest, "cancel": CancelRequest, "resp": Response, "iter": IterationInput,
+    "init": Init, "ready": Ready, "fatal": Fatal, "shutdown": Shutdown, "ctl": Control,
+    "ctl_result": ControlResult,
 }
 _TAGS = {cls: tag for tag, cls in _TYPES.items()}
 

@@ -14,6 +14,7 @@ from phalanx.executor.kv_pool import KVPool
 from phalanx.executor.sampler import Sampler
 from phalanx.executor.scheduler import ScheduledBatch
 from phalanx.kernels.metadata import AttentionMetadata
+from phalanx.models.parallel import TPGroup
 
 
 @dataclass
@@ -34,8 +35,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, sampler: Sampler, device: torch.device,
+                 tp: TPGroup | None = None) -> None:
         self.model, self.kv_pool, self.sampler, self.device = model, kv_pool, sampler, device
+        self.tp = tp or TPGroup()
         self.tokens_per_block = kv_pool.tokens_per_block
 
     # -- packing ---------------------------------------------------------------------------------
@@ -94,6 +97,8 @@ class ModelRunner:
         logprobs = None
         if rows:
             out = self.sampler.sample(logits, [batch.requests[i] for i in rows])
+            if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
+                torch.distributed.broadcast(out.token_ids, src=0, group=self.tp.group)
             for i, t in zip(rows, out.token_ids.tolist()):
                 tokens[i] = t
             if out.logprobs is not None:

@@ -1,20 +1,24 @@
 """PyExecutor: the loop every rank runs — fetch new requests, schedule, execute, update, respond.
 
-The loop is the same on every rank; only rank 0 talks to the user process (``respond``). The
-request source (``RequestQueue``) hides whether requests come from a local queue or from rank
-0's broadcast. A request's failure (bad input, a request that can never fit) fails that request
-only; an exception in the forward fails the requests of that step and the loop goes on.
+The loop is the same on every rank; only rank 0 talks to the user process (``sender``). The
+request source hides whether requests come from a local queue (one rank) or from rank 0's
+per-iteration broadcast. With several ranks, each iteration's scheduling digest is compared
+across ranks and a mismatch is fatal.
+
+Errors: a bad request fails that request only. An exception in the forward fails the requests
+of that step when there is one rank; with several ranks it is fatal (the collectives of the
+other ranks can no longer line up) and propagates to the worker, which reports the rank.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
-import time
 import traceback
-from collections.abc import Callable
+from typing import Any, Protocol
 
-from phalanx.executor.messages import GenerationRequest, IterationInput, Response
+from phalanx.executor.messages import Control, ControlResult, GenerationRequest, IterationInput, Response, pack, unpack
 from phalanx.executor.model_runner import ModelRunner, StepResult
 from phalanx.executor.request import Request, RequestStatus
 from phalanx.executor.scheduler import ScheduledBatch, Scheduler, StepOutcome
@@ -23,29 +27,39 @@ from phalanx.llmapi.sampling_params import SamplingParams
 logger = logging.getLogger("phalanx")
 
 
+class Sender(Protocol):
+    """Rank 0's way back to the user process."""
+
+    def send_responses(self, responses: list[Response]) -> None: ...
+
+    def send(self, obj: Any) -> None: ...
+
+
 class RequestQueue:
-    """In-process request source: the user thread puts, the executor loop fetches."""
+    """The local request source: producers put, the executor loop fetches once per iteration."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._pending = IterationInput()
 
     def put_request(self, req: GenerationRequest) -> None:
-        with self._cond:
-            self._pending.new.append(req)
-            self._cond.notify()
+        self._put(lambda p: p.new.append(req))
 
     def put_cancel(self, request_id: int) -> None:
-        with self._cond:
-            self._pending.cancel.append(request_id)
-            self._cond.notify()
+        self._put(lambda p: p.cancel.append(request_id))
+
+    def put_control(self, ctl: Control) -> None:
+        self._put(lambda p: p.control.append(ctl))
 
     def put_shutdown(self) -> None:
+        self._put(lambda p: setattr(p, "shutdown", True))
+
+    def _put(self, fn) -> None:
         with self._cond:
-            self._pending.shutdown = True
+            fn(self._pending)
             self._cond.notify()
 
-    def fetch(self, idle: bool, timeout: float = 0.1) -> IterationInput:
+    def fetch(self, idle: bool, timeout: float = 0.05) -> IterationInput:
         """Everything queued since the last fetch; waits up to ``timeout`` only when idle."""
         with self._cond:
             if idle and not self._pending:
@@ -54,41 +68,60 @@ class RequestQueue:
             return out
 
 
-Responder = Callable[[list[Response]], None]
+class BroadcastRequestQueue:
+    """Rank 0 fetches locally and broadcasts the iteration's input; other ranks receive it."""
+
+    def __init__(self, dist: Any, local: RequestQueue | None) -> None:
+        self.dist, self.local = dist, local
+
+    def fetch(self, idle: bool) -> IterationInput:
+        data = pack(self.local.fetch(idle)) if self.dist.rank == 0 else None
+        return unpack(self.dist.bcast_bytes(data, idle))
 
 
 class PyExecutor:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, queue: RequestQueue,
-                 respond: Responder, vocab_size: int, max_seq_len: int) -> None:
-        self.scheduler, self.runner, self.queue, self.respond = scheduler, runner, queue, respond
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, queue: RequestQueue | BroadcastRequestQueue,
+                 sender: Sender | None, vocab_size: int, max_seq_len: int, dist: Any = None) -> None:
+        self.scheduler, self.runner, self.queue, self.sender = scheduler, runner, queue, sender
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.dist = dist
+        self.rank = dist.rank if dist is not None else 0
+        self.multi_rank = dist is not None and dist.size > 1
         self.shutdown_requested = False
         self.iteration = 0
-        self.on_idle: Callable[[], None] | None = None   # debug hook (e.g. KV integrity check)
+        self._fail_next_forward = False   # set by the "fail_next_forward" control (fault injection)
 
-    # -- the loops ---------------------------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         """Run until a shutdown arrives and (after aborting what is left) return."""
         while not self.shutdown_requested:
             self._fetch()
             if self.scheduler.has_work and not self.shutdown_requested:
                 self._step_sync()
-            elif self.on_idle is not None:
-                self.on_idle()
-        self._abort_all("shutdown")
+        self._abort_all()
 
     def _step_sync(self) -> None:
         batch = self.scheduler.schedule()
         self.iteration += 1
+        if self.multi_rank:
+            self.dist.check_digest(batch.digest(), self.iteration)
         if not batch.requests:
             return
         try:
-            result = self.runner.execute(batch)
+            result = self._execute(batch)
         except Exception:
+            if self.multi_rank:
+                raise
             self._fail_batch(batch, traceback.format_exc())
             return
         outcome = self.scheduler.update(batch, result.token_ids)
         self._respond_step(batch, result, outcome)
+
+    def _execute(self, batch: ScheduledBatch) -> StepResult:
+        if self._fail_next_forward:
+            self._fail_next_forward = False
+            raise RuntimeError(f"injected forward failure on rank {self.rank}")
+        return self.runner.execute(batch)
 
     # -- intake ----------------------------------------------------------------------------------
     def _fetch(self) -> None:
@@ -99,8 +132,10 @@ class PyExecutor:
             req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 self._finished(req)
-                self.respond([Response(rid, finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
-                                       num_prompt_tokens=req.num_prompt_tokens)])
+                self._send([Response(rid, finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
+                                     num_prompt_tokens=req.num_prompt_tokens)])
+        for ctl in inp.control:
+            self._control(ctl)
         if inp.shutdown:
             self.shutdown_requested = True
 
@@ -111,8 +146,8 @@ class PyExecutor:
         except (ValueError, TypeError) as e:
             error = str(e)
         if error is not None:
-            self.respond([Response(msg.request_id, finish_reason="error", error=error,
-                                   num_prompt_tokens=len(msg.prompt_token_ids))])
+            self._send([Response(msg.request_id, finish_reason="error", error=error,
+                                 num_prompt_tokens=len(msg.prompt_token_ids))])
 
     def _make_request(self, msg: GenerationRequest) -> Request:
         ids = msg.prompt_token_ids
@@ -133,7 +168,41 @@ class PyExecutor:
         return Request(msg.request_id, list(ids), params, tuple(msg.eos_token_ids), limit,
                        extra_key=salt, priority=msg.priority)
 
+    # -- inspection ------------------------------------------------------------------------------
+    def _control(self, ctl: Control) -> None:
+        try:
+            result = self._run_control(ctl.op)
+        except Exception as e:  # an inspection failure is reported, never fatal
+            result = f"error: {type(e).__name__}: {e}"
+        per_rank = ([r.decode() for r in self.dist.allgather_bytes(result.encode())]
+                    if self.multi_rank else [result])
+        ok = all(not r.startswith("error") for r in per_rank)
+        if self.sender is not None:
+            self.sender.send(ControlResult(ctl.control_id, ok, per_rank))
+
+    def _run_control(self, op: str) -> str:
+        if op == "check_integrity":
+            self.scheduler.kv.check_integrity()
+            return "ok"
+        if op == "stats":
+            return json.dumps(self.stats())
+        if op.startswith("fail_next_forward:"):
+            self._fail_next_forward = int(op.split(":", 1)[1]) == self.rank
+            return "ok"
+        raise ValueError(f"unknown control op {op!r}")
+
+    def stats(self) -> dict[str, Any]:
+        s, kv = self.scheduler, self.scheduler.kv
+        return {"rank": self.rank, "iteration": self.iteration, "num_running": len(s.running),
+                "num_waiting": len(s.waiting), "kv_usage": kv.usage, "num_blocks": kv.num_blocks,
+                "num_available_blocks": kv.num_available_blocks, "prefix_queried_tokens": kv.num_queried_tokens,
+                "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions}
+
     # -- output ----------------------------------------------------------------------------------
+    def _send(self, responses: list[Response]) -> None:
+        if self.sender is not None and responses:
+            self.sender.send_responses(responses)
+
     def _respond_step(self, batch: ScheduledBatch, result: StepResult, outcome: StepOutcome) -> None:
         finished = {r.request_id for r in outcome.finished}
         out = []
@@ -148,8 +217,7 @@ class PyExecutor:
                                 req.num_cached_tokens, req.num_prompt_tokens))
             if done:
                 self._finished(req)
-        if out:
-            self.respond(out)
+        self._send(out)
 
     def _finished(self, req: Request) -> None:
         self.runner.sampler.release(req.request_id)
@@ -162,18 +230,12 @@ class PyExecutor:
                 self._finished(req)
                 out.append(Response(req.request_id, finish_reason="error",
                                     error=f"forward failed: {tb.strip().splitlines()[-1]}"))
-        self.respond(out)
+        self._send(out)
 
-    def _abort_all(self, why: str) -> None:
+    def _abort_all(self) -> None:
         out = []
         for req in list(self.scheduler.requests.values()):
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
             self._finished(req)
-            out.append(Response(req.request_id, finish_reason="abort", error=None))
-        if out:
-            self.respond(out)
-        logger.debug("executor stopped (%s) after %d iterations", why, self.iteration)
-
-
-def now() -> float:
-    return time.monotonic()
+            out.append(Response(req.request_id, finish_reason="abort"))
+        self._send(out)

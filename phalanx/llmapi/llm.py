@@ -43,8 +43,13 @@ class LLM:
         _live.add(self)
 
     def _create_executor(self):
-        from phalanx.executor.inprocess import InProcessExecutor
-        return InProcessExecutor(self.args, self.source)
+        if self.args.orchestrator_type == "inprocess":
+            if self.args.world_size > 1:
+                raise ValueError("orchestrator_type='inprocess' runs one rank: tensor_parallel_size must be 1")
+            from phalanx.executor.inprocess import InProcessExecutor
+            return InProcessExecutor(self.args, self.source)
+        from phalanx.executor.proxy import MpiProxyExecutor
+        return MpiProxyExecutor(self.args)
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, inputs: PromptInput | Sequence[PromptInput],

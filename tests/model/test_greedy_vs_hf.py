@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import assert_same_greedy, hf_greedy
+from hf_reference import assert_same_greedy, hf_greedy
 from phalanx import LLM, SamplingParams
 
 NEW_TOKENS = 10
@@ -35,7 +35,7 @@ def test_batched_greedy_equals_transformers(kind, reuse, chunked, preempt, tiny_
     if preempt:   # a pool far smaller than the batch needs, with recompute on preemption
         kv_cfg["max_tokens"] = 96
         extra["scheduler_config"] = {"capacity_scheduler_policy": "MAX_UTILIZATION"}
-    llm = LLM(tiny_models[kind], skip_tokenizer_init=True, kv_cache_config=kv_cfg,
+    llm = LLM(tiny_models[kind], skip_tokenizer_init=True, kv_cache_config=kv_cfg, orchestrator_type="inprocess",
               max_num_tokens=16 if chunked else 512, **extra)
     try:
         # twice: the second round hits the prefix cache left by the first

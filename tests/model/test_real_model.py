@@ -19,7 +19,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM() as llm:
+    with LLM(orchestrator_type="inprocess") as llm:
         yield llm
 
 

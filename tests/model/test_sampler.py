@@ -68,7 +68,7 @@ def test_sampling_follows_the_distribution():
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_models):
-    with LLM(tiny_models["llama"], skip_tokenizer_init=True) as llm:
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
         yield llm
 
 

@@ -3,9 +3,6 @@ reference computed by transformers itself."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
@@ -22,33 +19,39 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):
+def tiny_model_dirs(make_dir) -> dict[str, str]:
     """model type -> directory with config.json + model.safetensors (fp32, seeded)."""
+    import torch
     from transformers import AutoModelForCausalLM
     out = {}
     for i, (name, cfg) in enumerate(_configs().items()):
         torch.manual_seed(1234 + i)
         cfg.initializer_range = 0.1        # peakier logits: fewer near-ties
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        path = tmp_path_factory.mktemp(f"tiny-{name}")
+        path = make_dir(name)
         model.save_pretrained(path)
         out[name] = str(path)
     return out
 
 
-@pytest.fixture(scope="session")
-def hf_models(tiny_models):
+def hf_models_from(dirs: dict[str, str]) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM
-    return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in tiny_models.items()}
+    return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in dirs.items()}
 
 
 TIE_GAP = 1e-4
 
 
-@torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy continuation, and the top-1/top-2 logit gap at each step."""
+    import torch
+    with torch.no_grad():
+        return _hf_greedy(model, prompt, max_new_tokens)
+
+
+def _hf_greedy(model, prompt, max_new_tokens):
+    import torch
     ids = torch.tensor([prompt])
     out, gaps = [], []
     past = None

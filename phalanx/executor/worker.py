@@ -1,0 +1,209 @@
+"""The rank entry point: ``mpirun -n N python -m phalanx.executor.worker``.
+
+Every rank: wait for the user's ``Init`` (rank 0 receives it over IPC and broadcasts it), start
+torch.distributed, build its engine shard, report (rank 0 sends ``Ready`` or the first failing
+rank's traceback), then run the executor loop in lockstep until ``Shutdown``.
+
+Rank 0 also runs an IPC pump thread: authentic frames from the user process go into the local
+request queue; the pump watches the user process and shuts the job down if it disappears.
+
+The address and key arrive in the environment (never argv); the key is removed from the
+environment as soon as it is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from phalanx.executor import ipc
+from phalanx.executor.messages import (
+    CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Init, Ready, Response, Shutdown, pack, unpack,
+)
+
+logger = logging.getLogger("phalanx")
+
+FATAL_MARKER = "PHALANX_RANK_FAILED"
+DIR_ENV = "PHALANX_IPC_DIR"
+
+
+class IpcSender:
+    """Rank 0's response channel; a lock makes it safe for the loop and the main thread."""
+
+    def __init__(self, queue: ipc.IpcQueue) -> None:
+        self.queue, self._lock = queue, threading.Lock()
+
+    def send_responses(self, responses: list[Response]) -> None:
+        self.send(responses)
+
+    def send(self, obj: Any) -> None:
+        with self._lock:
+            self.queue.put(obj)
+
+
+class Rank0Link:
+    """Rank 0's two sockets to the user process and the pump that feeds the request queue."""
+
+    def __init__(self, alive: Callable[[], bool]) -> None:
+        key = bytes.fromhex(os.environ.pop(ipc.KEY_ENV))
+        self.requests = ipc.IpcQueue(os.environ[ipc.REQUEST_ADDR_ENV], key, bind=False)
+        self.sender = IpcSender(ipc.IpcQueue(os.environ[ipc.RESPONSE_ADDR_ENV], key, bind=False))
+        self.proxy_alive = alive
+        self.stop = threading.Event()
+
+    def wait_init(self) -> Init | None:
+        """Block until the user process sends Init (None if it went away first)."""
+        while self.proxy_alive():
+            msg = self.requests.get(timeout_ms=500)
+            if isinstance(msg, Init):
+                return msg
+            if isinstance(msg, Shutdown):
+                return None
+        return None
+
+    def pump(self, local: Any) -> None:
+        """Thread body: route user messages into ``local`` until shutdown or the user is gone."""
+        last_check = time.monotonic()
+        while not self.stop.is_set():
+            msg = self.requests.get(timeout_ms=200)
+            if isinstance(msg, GenerationRequest):
+                local.put_request(msg)
+            elif isinstance(msg, CancelRequest):
+                local.put_cancel(msg.request_id)
+            elif isinstance(msg, Control):
+                local.put_control(msg)
+            elif isinstance(msg, Shutdown):
+                local.put_shutdown()
+                return
+            if time.monotonic() - last_check > 1.0:
+                last_check = time.monotonic()
+                if not self.proxy_alive():
+                    logger.warning("the user process is gone; shutting the job down")
+                    local.put_shutdown()
+                    return
+
+
+def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None) -> int:
+    """The body every rank runs. Rank 0 passes its ``link``; returns the exit code."""
+    from phalanx.executor.dist import Dist
+    dist = Dist()
+    rank0 = dist.rank == 0
+    if rank0 and link is None:
+        link = Rank0Link(_pid_alive(int(os.environ.get(ipc.PROXY_PID_ENV, "0"))))
+    init = link.wait_init() if rank0 else None
+    data = dist.bcast_bytes(pack(init) if rank0 and init is not None else None, idle=True)
+    if not data:
+        return 0  # the user went away before starting an engine
+    init = unpack(data)
+    rendezvous_dir = rendezvous_dir or os.environ.get(DIR_ENV)
+    engine, info, status = None, None, "ok"
+    try:
+        engine, info = _build(init, dist, link if rank0 else None, rendezvous_dir)
+    except BaseException:
+        status = traceback.format_exc()
+    statuses = [s.decode() for s in dist.allgather_bytes(status.encode())]
+    failed = [(r, s) for r, s in enumerate(statuses) if s != "ok"]
+    if failed:
+        if rank0:
+            r, tb = failed[0]
+            link.sender.send(Fatal(r, f"rank {r} failed to start:\n{tb}"))
+        return 1
+    if rank0:
+        link.sender.send(Ready(info))
+        threading.Thread(target=link.pump, args=(engine.queue.local,), name="phalanx-ipc-pump", daemon=True).start()
+    try:
+        engine.run()
+    except BaseException:
+        tb = traceback.format_exc()
+        _report_fatal(dist.rank, tb, link.sender if rank0 else None)
+        dist.abort(1)
+        return 1
+    if rank0:
+        link.stop.set()
+    dist.barrier()
+    _teardown()
+    return 0
+
+
+def _pid_alive(pid: int) -> Callable[[], bool]:
+    def alive() -> bool:
+        if pid <= 0:
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return alive
+
+
+def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | None):
+    import torch
+
+    from phalanx.config import LlmArgs
+    from phalanx.executor.creator import create_py_executor, resolve_device
+    from phalanx.executor.dist import init_torch_distributed
+    from phalanx.executor.py_executor import BroadcastRequestQueue, RequestQueue
+    from phalanx.models.loader import resolve_model
+    from phalanx.models.parallel import TPGroup
+
+    args = LlmArgs(**init.llm_args)
+    if args.world_size != dist.size:
+        raise ValueError(f"tensor_parallel_size {args.tensor_parallel_size} needs {args.world_size} ranks, "
+                         f"but the MPI job has {dist.size}")
+    local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", dist.rank))
+    device = resolve_device(args, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = init_torch_distributed(dist, device.type, rendezvous_dir) if dist.size > 1 else None
+    tp = TPGroup(dist.rank, dist.size, group)
+    source = resolve_model(args.model, args.trust_remote_code)
+    queue = BroadcastRequestQueue(dist, RequestQueue() if dist.rank == 0 else None)
+    engine, info = create_py_executor(args, source, link.sender if link else None, queue, tp, dist, device)
+    return engine, vars(info)
+
+
+def _report_fatal(rank: int, tb: str, sender: IpcSender | None) -> None:
+    last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+    print(f"{FATAL_MARKER} rank={rank}: {last}\n{tb}", file=sys.stderr, flush=True)
+    if sender is not None:
+        try:
+            sender.send(Fatal(rank, f"rank {rank} failed: {last}"))
+        except Exception:
+            pass
+
+
+def _teardown() -> None:
+    try:
+        import torch.distributed as td
+        if td.is_initialized():
+            td.destroy_process_group()
+    except Exception:
+        pass
+
+
+def main() -> int:
+    logging.basicConfig(level=os.environ.get("PHALANX_LOG_LEVEL", "WARNING").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s")
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", "?")
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*a: Any, **kw: Any) -> logging.LogRecord:
+        record = old_factory(*a, **kw)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    return run_worker()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
