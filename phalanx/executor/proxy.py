@@ -104,6 +104,7 @@ class MpiProxyExecutor(GenerationExecutor):
         env.update({ipc.KEY_ENV: key.hex(), ipc.REQUEST_ADDR_ENV: req_addr, ipc.RESPONSE_ADDR_ENV: resp_addr,
                     ipc.PROXY_PID_ENV: str(os.getpid()), DIR_ENV: self._dir or ""})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+        env.setdefault("OMPI_MCA_btl", "^tcp")   # one host: ranks talk through shared memory, no TCP listener
         self.proc = subprocess.Popen(mpirun_command(world), env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         threading.Thread(target=self._read_stderr, name="phalanx-job-stderr", daemon=True).start()
@@ -164,7 +165,7 @@ class MpiProxyExecutor(GenerationExecutor):
             elif isinstance(msg, ControlResult):
                 self._dispatch_other(msg)
             elif isinstance(msg, Fatal):
-                self._fail_all(msg.error)
+                threading.Thread(target=self._fail_after_job, args=(msg.error,), daemon=True).start()
 
     def _monitor(self) -> None:
         assert self.proc is not None
@@ -175,14 +176,35 @@ class MpiProxyExecutor(GenerationExecutor):
         time.sleep(0.3)  # the stderr reader may still hold the failing rank's line
         self._fail_all(f"the MPI job exited (code {code}): {self._death_reason()}")
 
+    def _fail_after_job(self, error: str) -> None:
+        """Rank 0 reported a failure and is aborting the job. A rank killed by a signal makes its
+        peers fail in collectives first, so give the job a moment and prefer that root cause."""
+        if self.proc is not None:
+            try:
+                self.proc.wait(3.0)
+                time.sleep(0.3)
+            except subprocess.TimeoutExpired:
+                pass
+        killed = self._killed_rank()
+        self._fail_all(killed or error)
+
+    def _killed_rank(self) -> str | None:
+        text = " ".join(list(self._stderr_tail))  # Open MPI wraps its notice over lines
+        m = re.search(r"process rank (\d+) with PID (\d+).*?exited on\s+signal (\d+)", text)
+        if m:
+            return f"rank {m.group(1)} (pid {m.group(2)}) died from signal {m.group(3)}"
+        return None
+
     def _death_reason(self) -> str:
+        killed = self._killed_rank()
+        if killed:
+            return killed
         if self._failed_rank_line:
             return self._failed_rank_line[len(FATAL_MARKER):].strip()
         for line in reversed(self._stderr_tail):
-            m = re.search(r"process rank (\d+).*(exited on signal \d+[^.]*|exited with|was killed)", line) or \
-                re.search(r"rank (\d+).*(signal \d+|aborted|MPI_ABORT)", line, re.IGNORECASE)
+            m = re.search(r"rank (\d+)", line) if "abort" in line.lower() else None
             if m:
-                return f"rank {m.group(1)} died ({line.strip()})"
+                return f"rank {m.group(1)} aborted ({line.strip()})"
         return "no rank reported an error"
 
     # -- shutdown ----------------------------------------------------------------------------------------

@@ -186,8 +186,12 @@ class PyExecutor:
             return "ok"
         if op == "stats":
             return json.dumps(self.stats())
-        if op.startswith("fail_next_forward:"):
+        if op.startswith("fail_next_forward:"):   # fault injection: that rank's next forward raises
             self._fail_next_forward = int(op.split(":", 1)[1]) == self.rank
+            return "ok"
+        if op.startswith("skew_scheduler:"):      # fault injection: that rank's decisions drift
+            if int(op.split(":", 1)[1]) == self.rank:
+                self.scheduler.step += 1
             return "ok"
         raise ValueError(f"unknown control op {op!r}")
 

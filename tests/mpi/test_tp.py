@@ -1,0 +1,53 @@
+"""Tensor parallelism under mpirun (gloo on CPU): TP=2 greedy tokens equal transformers (and so
+TP=1), for tiny random models and for the bundled SmolLM2 (9 heads, 3 KV heads: split unevenly)."""
+
+import os
+
+import pytest
+import torch
+
+from hf_reference import assert_same_greedy, hf_greedy
+from phalanx import LLM, SamplingParams
+from phalanx.models.loader import bundled_model_path
+
+pytestmark = pytest.mark.mpi
+
+
+def prompts(vocab):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (2, 7, 19, 40)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tp2_tiny_models_equal_transformers(kind, tiny_models, hf_models):
+    hf = hf_models[kind]
+    ps = prompts(hf.config.vocab_size)
+    with LLM(tiny_models[kind], tensor_parallel_size=2, skip_tokenizer_init=True,
+             kv_cache_config={"tokens_per_block": 8}, max_num_tokens=24) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+        for i, (p, out) in enumerate(zip(ps, outs)):
+            ref, gaps = hf_greedy(hf, p, 10)
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{kind} TP=2 prompt {i}")
+        assert llm._executor.check_integrity() == ["ok", "ok"]
+
+
+def test_tp2_smollm2_chat_equals_transformers_and_tp1():
+    from transformers import AutoModelForCausalLM
+    questions = ["What is the capital of France?", "Name three fruits.", "What is 2 + 2?"]
+    sp = SamplingParams(max_tokens=32, temperature=0.0)
+    with LLM(tensor_parallel_size=2) as llm:
+        prompts_ = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+        tp2 = [o.outputs[0].token_ids for o in llm.generate(prompts_, sp, use_tqdm=False)]
+        tok = llm.tokenizer
+    path = bundled_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    for p, ours in zip(prompts_, tp2):
+        ids = torch.tensor([tok.encode(p)])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                              eos_token_id=list(tok.eos_token_ids))[0, ids.shape[1]:].tolist()
+        assert ours == ref, (tok.decode(ours), tok.decode(ref))
+    with LLM(tensor_parallel_size=1) as llm1:
+        tp1 = [o.outputs[0].token_ids for o in llm1.generate(prompts_, sp, use_tqdm=False)]
+    assert tp1 == tp2
