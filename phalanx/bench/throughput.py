@@ -112,6 +112,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
     ap.add_argument("--disable-overlap", action="store_true")
+    ap.add_argument("--orchestrator", default=None, choices=["mpi", "inprocess"],
+                    help="mpi: proxy + MPI ranks (default); inprocess: the engine in a thread of this process")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate")
     ap.add_argument("--output", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
@@ -119,7 +122,8 @@ def main(argv: list[str]) -> int:
     from phalanx import LLM
     from phalanx.config import merge_yaml
     kwargs: dict[str, Any] = {"dtype": a.dtype, "load_format": a.load_format,
-                              "disable_overlap_scheduler": a.disable_overlap}
+                              "disable_overlap_scheduler": a.disable_overlap, "orchestrator_type": a.orchestrator,
+                              "tensor_parallel_size": a.tp}
     if a.config:
         kwargs = merge_yaml(kwargs, a.config)
     t0 = time.perf_counter()

@@ -73,8 +73,10 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
                              args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill)
     scheduler = Scheduler(limits, kv)
-    runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp)
-    executor = PyExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size, max_seq_len, dist)
+    runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
+                         max_slots=min(args.max_batch_size, 4096))
+    executor = PyExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size, max_seq_len, dist,
+                          disable_overlap=args.disable_overlap_scheduler)
     info = EngineInfo(max_seq_len, cfg.vocab_size, num_blocks, kvc.tokens_per_block, time.monotonic() - t0)
     logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks", device, dtype, info.startup_seconds, num_blocks)
     return executor, info

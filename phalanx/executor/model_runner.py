@@ -1,17 +1,24 @@
 """ModelRunner: a ScheduledBatch in, sampled token ids out. The one boundary to the device.
 
-It never calls the scheduler. Per step it packs the scheduled positions of every request into
-flat tensors (no padding), runs the partial-reuse copies, the forward and the sampler.
+It never calls the scheduler. ``launch`` packs the scheduled positions of every request into
+flat tensors (no padding), queues the partial-reuse copies, the forward and the sampler, and
+starts an asynchronous copy of the sampled ids to the host; ``collect`` waits for that copy.
+The sync loop calls them back to back; the overlap loop calls ``launch(n+1)`` before
+``collect(n)``.
+
+Sampled ids also land in a persistent per-slot device buffer (one slot per running request).
+When a request's input token is still in flight (sampled by the step before, not read yet),
+the next step gathers it from that buffer on the device; its position comes from counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from phalanx.executor.kv_pool import KVPool
-from phalanx.executor.sampler import Sampler
+from phalanx.executor.sampler import SampleOutput, Sampler
 from phalanx.executor.scheduler import ScheduledBatch
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.parallel import TPGroup
@@ -19,11 +26,13 @@ from phalanx.models.parallel import TPGroup
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor        # [T]
+    input_ids: torch.Tensor        # [T] (0 where the token is gathered on the device)
     positions: torch.Tensor        # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor   # [S_sample] packed row of each sampling row's last token
     sample_rows: list[int]         # batch rows that sample
+    gather_dst: torch.Tensor | None = None    # [G] packed rows whose token is in flight
+    gather_slot: torch.Tensor | None = None   # [G] their request slots
 
 
 @dataclass
@@ -34,12 +43,53 @@ class StepResult:
     logprobs: list | None = None
 
 
+@dataclass
+class InFlightStep:
+    """A launched step: device results and the event that says they reached the host."""
+
+    batch: ScheduledBatch
+    sample_rows: list[int]
+    sampled: SampleOutput | None
+    host_tokens: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
+    gpu_start: torch.cuda.Event | None = None
+    gpu_end: torch.cuda.Event | None = None
+    extra: dict = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, sampler: Sampler, device: torch.device,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, max_slots: int = 256) -> None:
         self.model, self.kv_pool, self.sampler, self.device = model, kv_pool, sampler, device
         self.tp = tp or TPGroup()
         self.tokens_per_block = kv_pool.tokens_per_block
+        self.token_buffer = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self._slots: dict[int, int] = {}
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.record_timing = False           # CUDA events around each step (idle-time measurement)
+        self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    # -- request slots -----------------------------------------------------------------------------
+    def slot_of(self, request_id: int) -> int:
+        slot = self._slots.get(request_id)
+        if slot is None:
+            if not self._free_slots:
+                self._grow_slots()
+            slot = self._slots[request_id] = self._free_slots.pop()
+        return slot
+
+    def release(self, request_id: int) -> None:
+        """A request ended: free its slot and its sampler state."""
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+        self.sampler.release(request_id)
+
+    def _grow_slots(self) -> None:
+        old = self.token_buffer.shape[0]
+        self.token_buffer = torch.cat([self.token_buffer, torch.zeros_like(self.token_buffer)])
+        self._free_slots = list(range(2 * old - 1, old - 1, -1))
 
     # -- packing ---------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -52,15 +102,23 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sample_rows: list[int] = []
-        for row, (req, start, n, table) in enumerate(zip(
-                batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens, batch.block_tables)):
+        gather_dst: list[int] = []
+        gather_slot: list[int] = []
+        for row, (req, start, n, table, samples) in enumerate(zip(
+                batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens, batch.block_tables,
+                batch.samples)):
             end = start + n
-            ids.extend(req.token_ids[start:end])
+            known = req.token_ids[start:end]
+            if len(known) < n:   # the last input token is still in flight: gather it on the device
+                gather_dst.append(len(ids) + len(known))
+                gather_slot.append(self.slot_of(req.request_id))
+                known = known + [0] * (n - len(known))
+            ids.extend(known)
             positions.extend(range(start, end))
             slots.extend(table[p // B] * B + p % B for p in range(start, end))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
-            if end >= req.num_tokens:
+            if samples:
                 logits_indices.append(query_start[-1] - 1)
                 sample_rows.append(row)
         max_blocks = max(len(t) for t in batch.block_tables)
@@ -76,38 +134,101 @@ class ModelRunner:
             tokens_per_block=B,
             is_decode_only=len(ids) == len(seq_lens),
         )
-        return StepInputs(_tensor(ids, dev), _tensor(positions, dev), meta,
-                          _tensor(logits_indices, dev), sample_rows)
+        inputs = StepInputs(_tensor(ids, dev), _tensor(positions, dev), meta, _tensor(logits_indices, dev),
+                            sample_rows)
+        if gather_dst:
+            inputs.gather_dst, inputs.gather_slot = _tensor(gather_dst, dev), _tensor(gather_slot, dev)
+        return inputs
 
     # -- running ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, inputs: StepInputs) -> torch.Tensor:
         """Copies, forward, logits of the sampling rows: [S_sample, V] float32."""
+        if inputs.gather_dst is not None:
+            inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
         self.kv_pool.copy_blocks(batch.copy_ops)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool.tensor)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Run one step synchronously and return host-side results."""
+    def launch(self, batch: ScheduledBatch) -> InFlightStep:
+        """Queue one step on the device; returns without waiting for it."""
+        if self.stream is None:
+            return self._launch(batch)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            return self._launch(batch)
+
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep:
+        timing = self.stream is not None and self.record_timing
+        start = _event(timing)
         inputs = self.prepare(batch)
         logits = self.forward(batch, inputs)
         rows = inputs.sample_rows
-        tokens: list[int | None] = [None] * len(batch)
-        logprobs = None
+        sampled = host = None
         if rows:
-            out = self.sampler.sample(logits, [batch.requests[i] for i in rows])
+            requests = [batch.requests[i] for i in rows]
+            sampled = self.sampler.sample(logits, requests)
             if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
-                torch.distributed.broadcast(out.token_ids, src=0, group=self.tp.group)
-            for i, t in zip(rows, out.token_ids.tolist()):
+                torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)
+            slots = _tensor([self.slot_of(r.request_id) for r in requests], self.device)
+            self.token_buffer[slots] = sampled.token_ids
+            host = _to_host(sampled.token_ids)
+        end = _event(timing)
+        ready = _event(self.stream is not None)
+        if timing:
+            self.timings.append((start, end))
+        return InFlightStep(batch, rows, sampled, host, ready, start, end)
+
+    def collect(self, step: InFlightStep) -> StepResult:
+        """Wait for a launched step's tokens on the host (after the next step is launched)."""
+        tokens: list[int | None] = [None] * len(step.batch)
+        logprobs = None
+        if step.sampled is not None:
+            if step.ready is not None:
+                step.ready.synchronize()
+            for i, t in zip(step.sample_rows, step.host_tokens.tolist()):
                 tokens[i] = t
-            if out.logprobs is not None:
-                logprobs = [None] * len(batch)
-                for i, lp in zip(rows, out.logprobs):
-                    logprobs[i] = lp
+            lp = step.sampled.host_logprobs([step.batch.requests[i] for i in step.sample_rows])
+            if lp is not None:
+                logprobs = [None] * len(step.batch)
+                for i, x in zip(step.sample_rows, lp):
+                    logprobs[i] = x
         return StepResult(tokens, logprobs)
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run one step synchronously and return host-side results."""
+        return self.collect(self.launch(batch))
+
+    def idle_fraction(self) -> dict[str, float]:
+        """From the recorded CUDA events: busy time, gaps between consecutive steps, idle share."""
+        if len(self.timings) < 2:
+            return {"steps": len(self.timings), "idle_fraction": float("nan")}
+        torch.cuda.synchronize(self.device)
+        busy = sum(s.elapsed_time(e) for s, e in self.timings)
+        gaps = [max(0.0, e0.elapsed_time(s1)) for (_, e0), (s1, _) in zip(self.timings, self.timings[1:])]
+        total = self.timings[0][0].elapsed_time(self.timings[-1][1])
+        return {"steps": len(self.timings), "busy_ms": busy, "gap_ms": sum(gaps), "span_ms": total,
+                "idle_fraction": sum(gaps) / total if total > 0 else float("nan"),
+                "mean_gap_ms": sum(gaps) / len(gaps)}
+
+
+def _event(enabled: bool) -> torch.cuda.Event | None:
+    if not enabled:
+        return None
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    return t.to("cpu", non_blocking=True)  # pinned by the caching host allocator
 
 
 def _tensor(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     t = torch.tensor(values, dtype=dtype)
-    return t.to(device, non_blocking=True) if device.type != "cpu" else t
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

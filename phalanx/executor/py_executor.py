@@ -19,7 +19,7 @@ import traceback
 from typing import Any, Protocol
 
 from phalanx.executor.messages import Control, ControlResult, GenerationRequest, IterationInput, Response, pack, unpack
-from phalanx.executor.model_runner import ModelRunner, StepResult
+from phalanx.executor.model_runner import InFlightStep, ModelRunner, StepResult
 from phalanx.executor.request import Request, RequestStatus
 from phalanx.executor.scheduler import ScheduledBatch, Scheduler, StepOutcome
 from phalanx.llmapi.sampling_params import SamplingParams
@@ -81,51 +81,86 @@ class BroadcastRequestQueue:
 
 class PyExecutor:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, queue: RequestQueue | BroadcastRequestQueue,
-                 sender: Sender | None, vocab_size: int, max_seq_len: int, dist: Any = None) -> None:
+                 sender: Sender | None, vocab_size: int, max_seq_len: int, dist: Any = None,
+                 disable_overlap: bool = False) -> None:
         self.scheduler, self.runner, self.queue, self.sender = scheduler, runner, queue, sender
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.dist = dist
         self.rank = dist.rank if dist is not None else 0
         self.multi_rank = dist is not None and dist.size > 1
+        self.disable_overlap = disable_overlap
         self.shutdown_requested = False
         self.iteration = 0
         self._fail_next_forward = False   # set by the "fail_next_forward" control (fault injection)
 
-    # -- the loop ----------------------------------------------------------------------------------
+    # -- the loops: one switch, two short functions -----------------------------------------------------
     def run(self) -> None:
         """Run until a shutdown arrives and (after aborting what is left) return."""
-        while not self.shutdown_requested:
-            self._fetch()
-            if self.scheduler.has_work and not self.shutdown_requested:
-                self._step_sync()
+        (self._loop_sync if self.disable_overlap else self._loop_overlap)()
         self._abort_all()
 
-    def _step_sync(self) -> None:
+    def _loop_sync(self) -> None:
+        """Schedule, run and read each step before scheduling the next."""
+        while not self.shutdown_requested:
+            self._fetch(idle=not self.scheduler.has_work)
+            batch = self._schedule()
+            if batch is not None:
+                self._process(self._launch(batch))
+
+    def _loop_overlap(self) -> None:
+        """Launch step n+1 before reading step n: the host's work for step n (tokens, stop
+        checks, responses, frees) runs while the device computes step n+1."""
+        prev = None
+        while not self.shutdown_requested or prev is not None:
+            self._fetch(idle=prev is None and not self.scheduler.has_work)
+            batch = self._schedule()
+            if batch is not None and prev is not None and _needs_known_history(batch):
+                prev = self._process(prev)   # penalties need the in-flight tokens' values
+            step = self._launch(batch) if batch is not None else None
+            if prev is not None:
+                self._process(prev)
+            prev = step
+
+    # -- one step ----------------------------------------------------------------------------------
+    def _schedule(self) -> ScheduledBatch | None:
+        if self.shutdown_requested or not self.scheduler.has_work:
+            return None
         batch = self.scheduler.schedule()
         self.iteration += 1
         if self.multi_rank:
             self.dist.check_digest(batch.digest(), self.iteration)
-        if not batch.requests:
-            return
+        return batch if batch.requests else None
+
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
         try:
-            result = self._execute(batch)
+            if self._fail_next_forward:
+                self._fail_next_forward = False
+                raise RuntimeError(f"injected forward failure on rank {self.rank}")
+            return self.runner.launch(batch)
         except Exception:
             if self.multi_rank:
                 raise
             self._fail_batch(batch, traceback.format_exc())
-            return
-        outcome = self.scheduler.update(batch, result.token_ids)
-        self._respond_step(batch, result, outcome)
+            return None
 
-    def _execute(self, batch: ScheduledBatch) -> StepResult:
-        if self._fail_next_forward:
-            self._fail_next_forward = False
-            raise RuntimeError(f"injected forward failure on rank {self.rank}")
-        return self.runner.execute(batch)
+    def _process(self, step: InFlightStep | None) -> None:
+        """Read a launched step's tokens, update requests, respond. Returns None."""
+        if step is None:
+            return None
+        try:
+            result = self.runner.collect(step)
+        except Exception:
+            if self.multi_rank:
+                raise
+            self._fail_batch(step.batch, traceback.format_exc())
+            return None
+        outcome = self.scheduler.update(step.batch, result.token_ids)
+        self._respond_step(step.batch, result, outcome)
+        return None
 
     # -- intake ----------------------------------------------------------------------------------
-    def _fetch(self) -> None:
-        inp = self.queue.fetch(idle=not self.scheduler.has_work)
+    def _fetch(self, idle: bool) -> None:
+        inp = self.queue.fetch(idle=idle)
         for req in inp.new:
             self._add(req)
         for rid in inp.cancel:
@@ -224,7 +259,7 @@ class PyExecutor:
         self._send(out)
 
     def _finished(self, req: Request) -> None:
-        self.runner.sampler.release(req.request_id)
+        self.runner.release(req.request_id)
 
     def _fail_batch(self, batch: ScheduledBatch, tb: str) -> None:
         logger.error("forward failed; failing %d requests:\n%s", len(batch), tb)
@@ -243,3 +278,9 @@ class PyExecutor:
             self._finished(req)
             out.append(Response(req.request_id, finish_reason="abort"))
         self._send(out)
+
+
+def _needs_known_history(batch: ScheduledBatch) -> bool:
+    """Penalties read the values of earlier tokens; a row whose previous token is still in
+    flight cannot be sampled before that token is read."""
+    return any(r.sampling.needs_penalties and r.num_inflight_tokens > 1 for r in batch.requests)

@@ -4,13 +4,16 @@ Counters, in the vocabulary of the glossary::
 
     token_ids            prompt tokens, then output tokens
     num_prompt_tokens    len(prompt)
-    num_computed_tokens  positions whose KV is written (prefix hits included)
+    num_computed_tokens  positions whose KV is written or scheduled to be (advanced when a step
+                         is scheduled; prefix hits included)
     num_cached_tokens    positions reused from the prefix cache at the first admission
-    num_output_tokens    tokens sampled so far
+    num_output_tokens    tokens sampled so far (known on the host)
+    num_inflight_tokens  tokens scheduled to be sampled but not read yet (at most 2: the
+                         overlap loop schedules step n+1 before step n's token is known)
 
 A step schedules ``num_scheduled_tokens`` positions starting at ``num_computed_tokens``; when
-computed catches up with ``num_tokens`` the step also samples one token. Prefill, chunked
-prefill and decode are all this one rule.
+computed catches up with ``num_total_tokens`` the step also samples one token. Prefill,
+chunked prefill and decode are all this one rule.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_inflight_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None   # the stop token id that ended it, if any
     error: str | None = None
@@ -74,6 +78,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus placeholders for tokens still in flight."""
+        return len(self.token_ids) + self.num_inflight_tokens
+
+    @property
+    def awaiting_last_token(self) -> bool:
+        """Its final token (by length) is in flight: nothing more to schedule."""
+        return self.num_total_tokens >= self.max_total_tokens
 
     @property
     def num_output_tokens(self) -> int:

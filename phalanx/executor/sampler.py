@@ -20,8 +20,25 @@ from phalanx.executor.request import Request
 
 @dataclass
 class SampleOutput:
-    token_ids: torch.Tensor                       # [S] on the device
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None  # per row, host
+    """Device tensors; nothing here has been copied to the host yet."""
+
+    token_ids: torch.Tensor                       # [S]
+    logprob_rows: list[int] | None = None         # rows (of S) that asked for logprobs
+    chosen_logprobs: torch.Tensor | None = None   # [R] logprob of the sampled token
+    top_ids: torch.Tensor | None = None           # [R, k]
+    top_logprobs: torch.Tensor | None = None      # [R, k]
+
+    def host_logprobs(self, requests: list[Request]) -> list | None:
+        """Per row: (chosen logprob, [(id, logprob), ...]) or None. Synchronizes."""
+        if self.logprob_rows is None:
+            return None
+        chosen = self.chosen_logprobs.tolist()
+        ids, vals = self.top_ids.tolist(), self.top_logprobs.tolist()
+        out: list = [None] * len(requests)
+        for j, i in enumerate(self.logprob_rows):
+            n = requests[i].sampling.logprobs
+            out[i] = (chosen[j], list(zip(ids[j][:n], vals[j][:n])))
+        return out
 
 
 class Sampler:
@@ -43,10 +60,10 @@ class Sampler:
         if any(_needs_processing(r) for r in requests):
             logits = self._process(logits.clone(), requests)
         token_ids = self._draw(logits, requests)
-        logprobs = None
+        out = SampleOutput(token_ids)
         if any(r.sampling.logprobs is not None for r in requests):
-            logprobs = _logprobs(raw, token_ids, requests)
-        return SampleOutput(token_ids, logprobs)
+            _logprobs(out, raw, requests)
+        return out
 
     # -- logit processing ---------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -55,7 +72,7 @@ class Sampler:
             if sp.logit_bias:
                 ids = torch.tensor(list(sp.logit_bias), device=logits.device)
                 logits[i].index_add_(0, ids, torch.tensor(list(sp.logit_bias.values()), device=logits.device))
-            if r.num_output_tokens < sp.min_tokens:
+            if _num_before(r) < sp.min_tokens:
                 banned = set(sp.stop_token_ids or []) | (set() if sp.ignore_eos else set(r.eos_token_ids))
                 if banned:
                     logits[i, torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
@@ -96,9 +113,14 @@ class Sampler:
         return g
 
 
+def _num_before(r: Request) -> int:
+    """Output tokens that precede the one being sampled now (some may still be in flight)."""
+    return r.num_output_tokens + max(0, r.num_inflight_tokens - 1)
+
+
 def _needs_processing(r: Request) -> bool:
     sp = r.sampling
-    return bool(sp.logit_bias) or r.num_output_tokens < sp.min_tokens or sp.needs_penalties
+    return bool(sp.logit_bias) or _num_before(r) < sp.min_tokens or sp.needs_penalties
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request], vocab: int) -> torch.Tensor:
@@ -145,15 +167,14 @@ def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
     return logits
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]):
+def _logprobs(out: SampleOutput, raw: torch.Tensor, requests: list[Request]) -> None:
+    """Raw-distribution logprobs of the sampled token and the top-k, left on the device."""
     rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
     lp = raw[rows].log_softmax(dim=-1)
-    chosen = lp.gather(1, token_ids[rows][:, None]).squeeze(1).tolist()
+    out.logprob_rows = rows
+    out.chosen_logprobs = lp.gather(1, out.token_ids[rows][:, None]).squeeze(1)
     k = max(requests[i].sampling.logprobs for i in rows)
-    top_vals, top_ids = (lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long()))
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    out: list = [None] * len(requests)
-    for j, i in enumerate(rows):
-        n = requests[i].sampling.logprobs
-        out[i] = (chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
-    return out
+    if k > 0:
+        out.top_logprobs, out.top_ids = lp.topk(k, dim=-1)
+    else:
+        out.top_logprobs, out.top_ids = lp[:, :0], lp[:, :0].long()

@@ -55,6 +55,7 @@ class ScheduledBatch:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
     copy_ops: list[CopyOp] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -66,12 +67,6 @@ class ScheduledBatch:
         return sum(self.num_scheduled_tokens)
 
     @property
-    def samples(self) -> list[bool]:
-        """Whether row i produces a token this step."""
-        return [c + n >= r.num_tokens for r, c, n in
-                zip(self.requests, self.num_computed_tokens, self.num_scheduled_tokens)]
-
-    @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.num_scheduled_tokens) and all(self.samples)
 
@@ -80,6 +75,7 @@ class ScheduledBatch:
         self.num_scheduled_tokens.append(num_tokens)
         self.num_computed_tokens.append(req.num_computed_tokens)
         self.block_tables.append(list(block_table))
+        self.samples.append(req.num_computed_tokens + num_tokens >= req.num_total_tokens)
 
     def digest(self) -> bytes:
         """A short hash of the decision, compared across ranks to detect divergence."""
@@ -162,6 +158,9 @@ class Scheduler:
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
         batch.copy_ops = self.kv.take_copy_ops()
+        for req, n, samples in zip(batch.requests, batch.num_scheduled_tokens, batch.samples):
+            req.num_computed_tokens += n          # scheduled = will be computed by this step
+            req.num_inflight_tokens += samples    # a placeholder until update() reads the token
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -173,7 +172,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if len(batch) >= self.limits.max_batch_size or budget <= 0:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.awaiting_last_token:
+                continue
+            n = min(req.num_total_tokens - req.num_computed_tokens, budget)
             if not self._grow_or_preempt(req, n, batch, scheduled):
                 continue
             batch.add(req, n, self.kv.block_table(req.request_id))
@@ -197,6 +198,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.num_inflight_tokens = 0   # an in-flight token of a preempted request is dropped
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -244,19 +246,21 @@ class Scheduler:
 
     # -- after the forward --------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> StepOutcome:
-        """Advance counters by the step's work; append sampled tokens; finish requests.
+        """The step has run: commit its full blocks, append sampled tokens, finish requests.
 
-        ``sampled[i]`` is the token of row i (None for rows that do not sample). Full blocks
-        are committed to the prefix cache; finished requests free their blocks.
+        ``sampled[i]`` is the token of row i (None for rows that do not sample). Rows of
+        requests that ended meanwhile (aborted, preempted, or finished by the step before —
+        the stray step of the overlap loop) are skipped: their tokens are discarded.
         """
         out = StepOutcome()
-        for req, n, token in zip(batch.requests, batch.num_scheduled_tokens, sampled):
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += n
-            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+        for req, start, n, token in zip(batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens,
+                                        sampled):
+            if req.status != RequestStatus.RUNNING or req.request_id not in self.requests:
+                continue
+            self.kv.commit(req.request_id, req.token_ids, start + n)
             if token is None:
                 continue
+            req.num_inflight_tokens -= 1
             req.append_token(token)
             out.new_tokens[req.request_id] = token
             status = req.check_stop()

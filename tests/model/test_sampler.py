@@ -19,9 +19,10 @@ def req(rid=1, prompt=(1, 2, 3), output=(), eos=(0,), **sp) -> Request:
 
 def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.0]])
-    out = Sampler(5, CPU).sample(logits, [req(logprobs=2)])
+    r = req(logprobs=2)
+    out = Sampler(5, CPU).sample(logits, [r])
     assert out.token_ids.tolist() == [1]
-    chosen, top = out.logprobs[0]
+    chosen, top = out.host_logprobs([r])[0]
     lp = logits.log_softmax(-1)[0]
     assert chosen == pytest.approx(lp[1].item())
     assert [t for t, _ in top] == [1, 3] and top[1][1] == pytest.approx(lp[3].item())

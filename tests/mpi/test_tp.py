@@ -51,3 +51,15 @@ def test_tp2_smollm2_chat_equals_transformers_and_tp1():
     with LLM(tensor_parallel_size=1) as llm1:
         tp1 = [o.outputs[0].token_ids for o in llm1.generate(prompts_, sp, use_tqdm=False)]
     assert tp1 == tp2
+
+
+def test_tp2_sync_loop_equals_overlap_loop(tiny_models):
+    ps = prompts(256) + [[7] * 33]
+    sp = [SamplingParams(max_tokens=3 + i * 4, ignore_eos=True) for i in range(len(ps))]
+    outs = {}
+    for overlap in (False, True):
+        with LLM(tiny_models["qwen3"], tensor_parallel_size=2, skip_tokenizer_init=True,
+                 disable_overlap_scheduler=not overlap, max_num_tokens=16) as llm:
+            outs[overlap] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            assert llm._executor.check_integrity() == ["ok", "ok"]
+    assert outs[True] == outs[False]

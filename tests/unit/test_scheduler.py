@@ -94,6 +94,7 @@ def test_guaranteed_no_evict_reserves_blocks_to_completion():
     b = s.schedule()
     assert len(b) == 2                                # 3 + 3 reserved; 2 left < 3
     assert reqs[2].status == RequestStatus.WAITING
+    s.update(b, FakeRunner().execute(b))
     run_to_completion(s)
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
     assert s.num_preemptions == 0
@@ -219,3 +220,47 @@ def test_many_requests_all_finish_exactly(policy):
     for r, p in zip(reqs, prompts):
         assert r.output_token_ids == expected_output(p, r.sampling.max_tokens)
     assert s.kv.pool.num_available == s.kv.num_blocks
+
+
+def test_overlap_schedules_the_next_step_on_a_placeholder():
+    """Step n+1 is scheduled before step n's token is known: one decode position whose input
+    is the in-flight token; update(n) then resolves it."""
+    s = tiny_scheduler()
+    r = make_request([5, 6, 7], max_tokens=4)
+    s.add_request(r)
+    b0 = s.schedule()                                # prefill, samples token 3
+    assert r.num_inflight_tokens == 1 and r.num_computed_tokens == 3
+    b1 = s.schedule()                                # scheduled before b0 was read
+    assert b1.num_computed_tokens == [3] and b1.num_scheduled_tokens == [1] and b1.samples == [True]
+    assert r.num_inflight_tokens == 2 and r.num_total_tokens == 5
+    s.update(b0, [40])
+    assert r.token_ids == [5, 6, 7, 40] and r.num_inflight_tokens == 1
+    s.update(b1, [41])
+    assert r.output_token_ids == [40, 41] and r.num_inflight_tokens == 0
+
+
+def test_overlap_stray_token_of_a_finished_request_is_discarded():
+    s = tiny_scheduler()
+    r = make_request([5, 6, 7], max_tokens=4, eos=(40,))
+    s.add_request(r)
+    b0 = s.schedule()
+    b1 = s.schedule()                                # stray: r will have finished by EOS at b0
+    s.update(b0, [40])
+    assert r.status == RequestStatus.FINISHED_STOPPED
+    assert s.kv.pool.num_available == s.kv.num_blocks   # its extra slot is free again
+    s.update(b1, [41])
+    assert r.output_token_ids == [40]
+    s.kv.check_integrity()
+
+
+def test_overlap_never_schedules_past_max_tokens():
+    s = tiny_scheduler()
+    r = make_request([5, 6, 7], max_tokens=2)
+    s.add_request(r)
+    b0, b1 = s.schedule(), s.schedule()              # tokens 1 and 2 in flight
+    assert len(b1) == 1
+    b2 = s.schedule()                                # the last token is in flight: nothing to do
+    assert len(b2) == 0
+    s.update(b0, [1])
+    s.update(b1, [2])
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [1, 2]
