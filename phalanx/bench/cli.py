@@ -6,6 +6,8 @@ from __future__ import annotations
 def run_bench(kind: str, argv: list[str]) -> int:
     if kind == "throughput":
         from phalanx.bench.throughput import main
+    elif kind == "decode":
+        from phalanx.bench.decode import main
     elif kind == "overhead":
         from phalanx.bench.overhead import main
     elif kind == "kv":

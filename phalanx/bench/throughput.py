@@ -68,8 +68,13 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
     }
 
 
-def run_hf(model: str | None, isl: int, osl: int, batch: int, num_requests: int, dtype: str, device: str) -> dict:
-    """transformers ``generate`` on the same prompts, ``batch`` at a time."""
+_HF_CACHE: dict = {}
+
+
+def run_hf(model: str | None, isl: int, osl: int, batch: int, num_requests: int, dtype: str, device: str,
+           dummy: bool = False) -> dict:
+    """transformers ``generate`` on the same prompts, ``batch`` at a time (random weights
+    made on the device when ``dummy``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -77,13 +82,18 @@ def run_hf(model: str | None, isl: int, osl: int, batch: int, num_requests: int,
     dev = torch.device(device)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     source = resolve_model(model)
-    if source.kind == "gguf":
+    if (model, dtype) in _HF_CACHE:
+        hf = _HF_CACHE[(model, dtype)]
+    elif dummy:
+        with torch.device(dev):
+            hf = AutoModelForCausalLM.from_config(source.hf_config, dtype=tdtype)
+    elif source.kind == "gguf":
         import os
         path = bundled_model_path() if model is None else model
         hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=tdtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=tdtype)
-    hf = hf.to(dev).eval()
+    hf = _HF_CACHE[(model, dtype)] = hf.to(dev).eval()
     prompts = make_prompts(num_requests, isl, source.config.vocab_size)
     ids = torch.tensor(prompts, device=dev)
     with torch.no_grad():
@@ -116,12 +126,20 @@ def main(argv: list[str]) -> int:
                     help="mpi: proxy + MPI ranks (default); inprocess: the engine in a thread of this process")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate")
+    ap.add_argument("--hf-max-new-tokens", type=int, default=None,
+                    help="cap the baseline's output length (its throughput is then over that many tokens)")
+    ap.add_argument("--max-batch-size", type=int, default=None)
     ap.add_argument("--output", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
 
     from phalanx import LLM
+    from phalanx.bench.shapes import resolve_model_arg
     from phalanx.config import merge_yaml
-    kwargs: dict[str, Any] = {"dtype": a.dtype, "load_format": a.load_format,
+    shape_name = a.model
+    a.model, dummy = resolve_model_arg(a.model)
+    if dummy:
+        a.load_format = "dummy"
+    kwargs: dict[str, Any] = {"dtype": a.dtype, "load_format": a.load_format, "max_batch_size": a.max_batch_size,
                               "disable_overlap_scheduler": a.disable_overlap, "orchestrator_type": a.orchestrator,
                               "tensor_parallel_size": a.tp}
     if a.config:
@@ -130,15 +148,16 @@ def main(argv: list[str]) -> int:
     llm = LLM(a.model, skip_tokenizer_init=a.load_format == "dummy", **kwargs)
     startup = time.perf_counter() - t0
     report: dict[str, Any] = {
-        "settings": {"model": a.model or "SmolLM2-135M-Instruct (bundled GGUF)", "isl": a.isl, "osl": a.osl,
+        "settings": {"model": shape_name or "SmolLM2-135M-Instruct (bundled GGUF)", "isl": a.isl, "osl": a.osl,
                      "dtype": a.dtype, "load_format": a.load_format, "llm_args": llm.args.model_dump(mode="json"),
                      "machine": platform.machine(), "python": platform.python_version()},
-        "startup_s": startup, "runs": [],
+        "startup_s": startup, "engine_startup": llm.engine_info.startup,
+        "num_kv_blocks": llm.engine_info.num_kv_blocks, "runs": [],
     }
     report["settings"]["device"] = _device_name()
     try:
         for c in a.concurrency:
-            n = a.num_requests or max(8, 4 * c)
+            n = a.num_requests or max(4, 2 * c)
             res = run_phalanx(llm, a.isl, a.osl, c, n)
             res["concurrency"], res["num_requests"] = c, n
             report["runs"].append(res)
@@ -152,7 +171,9 @@ def main(argv: list[str]) -> int:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = "float32" if dev == "cpu" else "bfloat16"
         for run in report["runs"]:
-            hf = run_hf(a.model, a.isl, a.osl, run["concurrency"], run["num_requests"], dtype, dev)
+            osl = min(a.osl, a.hf_max_new_tokens or a.osl)
+            hf = run_hf(a.model, a.isl, osl, run["concurrency"], run["concurrency"], dtype, dev, dummy)
+            hf["osl"] = osl
             run["hf_generate"] = hf
             run["speedup_vs_hf"] = run["output_throughput"] / hf["output_throughput"]
             print(f"concurrency {run['concurrency']:4d}: HF generate {hf['output_throughput']:9.1f} out tok/s "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ class EngineInfo:
     num_kv_blocks: int
     tokens_per_block: int
     startup_seconds: float
+    startup: dict = field(default_factory=dict)   # phases (weights, profiling, graphs) and kernel tuning
 
 
 def resolve_device(args: LlmArgs, local_rank: int = 0) -> torch.device:
@@ -61,25 +62,88 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     cfg = source.config
     max_seq_len = resolve_max_seq_len(args, source)
     model = build_model(source, dtype, device, tp, args.load_format, args.seed)
+    t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
     kv_dtype = dtype if kvc.dtype == "auto" else resolve_dtype(kvc.dtype, source, device)
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+    pool_shape = (cfg.num_layers, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
-    num_blocks = _num_kv_blocks(args, device, block_bytes)
+    extra: dict = {}
+    if device.type == "cuda":
+        extra["gemv_gb_per_s"] = _tune_kernels(model)
+        num_blocks = _profile_num_blocks(args, model, pool_shape, block_bytes, max_seq_len, extra)
+    else:
+        num_blocks = _num_kv_blocks(args, device, block_bytes)
     if dist is not None and dist.size > 1:  # identical schedulers need identical pools: the smallest wins
         num_blocks = min(int(b) for b in dist.allgather_bytes(str(num_blocks).encode()))
-    pool = KVPool(cfg.num_layers, num_blocks, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
+    t_profile = time.monotonic() - t0 - t_weights
+    # one extra block no request owns: CUDA-graph padding rows write there
+    L, B, Hkv, D, kdt, dev = pool_shape
+    pool = KVPool(L, num_blocks + 1, B, Hkv, D, kdt, dev)
     kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse)
     limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
                              args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill)
     scheduler = Scheduler(limits, kv)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
+    if device.type == "cuda" and args.cuda_graph_config is not None:
+        sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
+        if sizes:
+            from phalanx.executor.cuda_graph import CudaGraphRunner
+            runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-max_seq_len // B), B, max_seq_len,
+                                            num_blocks, args.cuda_graph_config.enable_padding, device)
+            runner.graphs.capture()
+            extra["graph_capture_s"] = runner.graphs.capture_seconds
     executor = PyExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size, max_seq_len, dist,
                           disable_overlap=args.disable_overlap_scheduler)
-    info = EngineInfo(max_seq_len, cfg.vocab_size, num_blocks, kvc.tokens_per_block, time.monotonic() - t0)
-    logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks", device, dtype, info.startup_seconds, num_blocks)
+    info = EngineInfo(max_seq_len, cfg.vocab_size, num_blocks, kvc.tokens_per_block, time.monotonic() - t0,
+                      {"weights_s": t_weights, "profile_s": t_profile, **extra})
+    logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks (%d tokens)", device, dtype, info.startup_seconds,
+                num_blocks, num_blocks * kvc.tokens_per_block)
     return executor, info
+
+
+def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
+    from phalanx.kernels import ops
+    if not ops.triton_available():
+        return {}
+    from phalanx.kernels import triton_gemv
+    weights = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n]
+    return triton_gemv.tune(weights)
+
+
+@torch.inference_mode()
+def _profile_num_blocks(args: LlmArgs, model: torch.nn.Module, pool_shape: tuple, block_bytes: int,
+                        max_seq_len: int, extra: dict) -> int:
+    """KV blocks from a profiling run: a forward over a max_num_tokens batch with a small
+    temporary pool, then (memory free after weights − that run's activation peak) × fraction."""
+    from phalanx.kernels.metadata import AttentionMetadata
+    L, B, Hkv, D, kdt, dev = pool_shape
+    n = max(1, min(args.max_num_tokens, max_seq_len - 1))
+    tmp_blocks = -(-n // B) + 1
+    tmp = KVPool(L, tmp_blocks, B, Hkv, D, kdt, dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), query_start=torch.tensor([0, n], **i32),
+                             seq_lens=torch.tensor([n], **i32), block_tables=torch.arange(tmp_blocks, **i32)[None],
+                             max_query_len=n, max_seq_len=n, tokens_per_block=B)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    ids = torch.zeros(n, dtype=torch.long, device=dev)
+    hidden = model(ids, torch.arange(n, device=dev), meta, tmp.tensor)
+    model.compute_logits(hidden[-1:])
+    torch.cuda.synchronize(dev)
+    activation_peak = torch.cuda.max_memory_allocated(dev) - base
+    del tmp, hidden, meta
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    kvc = args.kv_cache_config
+    budget = int(max(0, free - activation_peak) * kvc.free_gpu_memory_fraction)
+    if kvc.max_gpu_total_bytes:
+        budget = min(budget, kvc.max_gpu_total_bytes)
+    extra.update({"profile_tokens": n, "activation_peak_gib": activation_peak / 2**30,
+                  "free_after_weights_gib": free / 2**30, "kv_budget_gib": budget / 2**30})
+    return num_blocks_for_budget(budget, block_bytes, kvc.tokens_per_block, kvc.max_tokens)
 
 
 def _num_kv_blocks(args: LlmArgs, device: torch.device, block_bytes: int) -> int:

@@ -12,7 +12,7 @@ import threading
 import traceback
 from abc import ABC, abstractmethod
 
-from phalanx.executor.messages import Control, ControlResult, GenerationRequest, Response
+from phalanx.executor.messages import Control, ControlResult, GenerationRequest, Response, TokenBatch
 from phalanx.executor.result import GenerationResult
 from phalanx.llmapi.sampling_params import SamplingParams
 from phalanx.llmapi.tokenizer import Tokenizer
@@ -120,7 +120,9 @@ class GenerationExecutor(ABC):
                     self._results.pop(resp.request_id, None)
 
     def _dispatch_other(self, obj: object) -> None:
-        if isinstance(obj, ControlResult):
+        if isinstance(obj, TokenBatch):
+            self._dispatch(obj.responses())
+        elif isinstance(obj, ControlResult):
             waiter = self._controls.pop(obj.control_id, None)
             if waiter is not None:
                 waiter[1].append(obj)

@@ -49,6 +49,30 @@ class Response:
 
 
 @dataclass
+class TokenBatch:
+    """Rank 0 -> user: one step's new tokens for many requests, column by column (cheap to
+    pack at hundreds of requests per step)."""
+
+    request_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None     # aligned with request_ids: None or [chosen, [[id, lp], ...]]
+    finished: list[list[Any]] = field(default_factory=list)   # [request_id, reason, stop_reason]
+    first: list[list[int]] = field(default_factory=list)      # [request_id, cached tokens, prompt tokens]
+
+    def responses(self) -> list[Response]:
+        done = {f[0]: f for f in self.finished}
+        first = {f[0]: f for f in self.first}
+        out = []
+        for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids)):
+            fin = done.get(rid)
+            fst = first.get(rid)
+            lp = self.logprobs[i] if self.logprobs is not None else None
+            out.append(Response(rid, [tok], [lp] if lp is not None else None, fin[1] if fin else None,
+                                fin[2] if fin else None, fst[1] if fst else 0, fst[2] if fst else 0))
+        return out
+
+
+@dataclass
 class IterationInput:
     """What rank 0 broadcasts each iteration: {new, cancel, shutdown} (+ inspection requests)."""
 
@@ -104,7 +128,7 @@ class ControlResult:
 
 
 _TYPES: dict[str, type] = {
-    "req": GenerationRequest, "cancel": CancelRequest, "resp": Response, "iter": IterationInput,
+    "req": GenerationRequest, "cancel": CancelRequest, "resp": Response, "iter": IterationInput, "tok": TokenBatch,
     "init": Init, "ready": Ready, "fatal": Fatal, "shutdown": Shutdown, "ctl": Control,
     "ctl_result": ControlResult,
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from phalanx.executor.kv_pool import KVPool
@@ -67,6 +68,7 @@ class ModelRunner:
         self._slots: dict[int, int] = {}
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.graphs = None                   # CudaGraphRunner for decode-only steps (GPU)
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -93,51 +95,55 @@ class ModelRunner:
 
     # -- packing ---------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Host lists -> device tensors for one step."""
+        """Host lists -> device tensors for one step (numpy on the host side)."""
         B = self.tokens_per_block
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_rows: list[int] = []
+        S = len(batch)
+        starts = np.fromiter(batch.num_computed_tokens, np.int64, S)
+        counts = np.fromiter(batch.num_scheduled_tokens, np.int64, S)
+        ends = starts + counts
+        query_start = np.zeros(S + 1, np.int32)
+        np.cumsum(counts, out=query_start[1:])
+        T = int(query_start[-1])
+        ids = np.zeros(T, np.int64)
+        slots = np.empty(T, np.int64)
         gather_dst: list[int] = []
         gather_slot: list[int] = []
-        for row, (req, start, n, table, samples) in enumerate(zip(
-                batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens, batch.block_tables,
-                batch.samples)):
-            end = start + n
-            known = req.token_ids[start:end]
+        for row, (req, start, n, table) in enumerate(zip(batch.requests, batch.num_computed_tokens,
+                                                          batch.num_scheduled_tokens, batch.block_tables)):
+            q0 = int(query_start[row])
+            known = req.token_ids[start:start + n]
+            ids[q0:q0 + len(known)] = known
             if len(known) < n:   # the last input token is still in flight: gather it on the device
-                gather_dst.append(len(ids) + len(known))
+                gather_dst.append(q0 + len(known))
                 gather_slot.append(self.slot_of(req.request_id))
-                known = known + [0] * (n - len(known))
-            ids.extend(known)
-            positions.extend(range(start, end))
-            slots.extend(table[p // B] * B + p % B for p in range(start, end))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            if samples:
-                logits_indices.append(query_start[-1] - 1)
-                sample_rows.append(row)
-        max_blocks = max(len(t) for t in batch.block_tables)
-        tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
+            if n == 1:
+                slots[q0] = table[start // B] * B + start % B
+            else:
+                pos = np.arange(start, start + n)
+                slots[q0:q0 + n] = np.asarray(table, np.int64)[pos // B] * B + pos % B
+        positions = np.repeat(starts - query_start[:-1], counts) + np.arange(T)   # start_i + offset in row i
+        sample_rows = [i for i, x in enumerate(batch.samples) if x]
+        logits_indices = query_start[1:][sample_rows] - 1 if sample_rows else np.zeros(0, np.int64)
+        widths = [len(t) for t in batch.block_tables]
+        tables = np.zeros((S, max(widths)), np.int32)
+        for i, t in enumerate(batch.block_tables):
+            tables[i, :widths[i]] = t
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=_tensor(slots, dev),
-            query_start=_tensor(query_start, dev, torch.int32),
-            seq_lens=_tensor(seq_lens, dev, torch.int32),
-            block_tables=_tensor(tables, dev, torch.int32),
-            max_query_len=max(batch.num_scheduled_tokens),
-            max_seq_len=max(seq_lens),
+            query_start=_tensor(query_start, dev),
+            seq_lens=_tensor(ends.astype(np.int32), dev),
+            block_tables=_tensor(tables, dev),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()),
             tokens_per_block=B,
-            is_decode_only=len(ids) == len(seq_lens),
+            is_decode_only=T == S,
         )
-        inputs = StepInputs(_tensor(ids, dev), _tensor(positions, dev), meta, _tensor(logits_indices, dev),
-                            sample_rows)
+        inputs = StepInputs(_tensor(ids, dev), _tensor(positions.astype(np.int64), dev), meta,
+                            _tensor(np.asarray(logits_indices, np.int64), dev), sample_rows)
         if gather_dst:
-            inputs.gather_dst, inputs.gather_slot = _tensor(gather_dst, dev), _tensor(gather_slot, dev)
+            inputs.gather_dst = _tensor(np.asarray(gather_dst, np.int64), dev)
+            inputs.gather_slot = _tensor(np.asarray(gather_slot, np.int64), dev)
         return inputs
 
     # -- running ---------------------------------------------------------------------------------
@@ -147,6 +153,8 @@ class ModelRunner:
         if inputs.gather_dst is not None:
             inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
         self.kv_pool.copy_blocks(batch.copy_ops)
+        if self.graphs is not None and inputs.meta.is_decode_only and self.graphs.graph_size(len(batch)):
+            return self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool.tensor)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
@@ -171,7 +179,8 @@ class ModelRunner:
             sampled = self.sampler.sample(logits, requests)
             if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
                 torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)
-            slots = _tensor([self.slot_of(r.request_id) for r in requests], self.device)
+            slots = _tensor(np.fromiter((self.slot_of(r.request_id) for r in requests), np.int64, len(requests)),
+                            self.device)
             self.token_buffer[slots] = sampled.token_ids
             host = _to_host(sampled.token_ids)
         end = _event(timing)
@@ -227,8 +236,8 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", non_blocking=True)  # pinned by the caching host allocator
 
 
-def _tensor(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
+def _tensor(values: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype or torch.long)
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)

@@ -29,7 +29,7 @@ from phalanx.config import LlmArgs
 from phalanx.executor import ipc
 from phalanx.executor.executor import GenerationExecutor
 from phalanx.executor.messages import (
-    CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Init, Ready, Response, Shutdown,
+    CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Init, Ready, Response, Shutdown, TokenBatch,
 )
 from phalanx.executor.worker import DIR_ENV, FATAL_MARKER
 
@@ -162,7 +162,7 @@ class MpiProxyExecutor(GenerationExecutor):
                 continue
             if isinstance(msg, list):
                 self._dispatch([m for m in msg if isinstance(m, Response)])
-            elif isinstance(msg, ControlResult):
+            elif isinstance(msg, (ControlResult, TokenBatch)):
                 self._dispatch_other(msg)
             elif isinstance(msg, Fatal):
                 threading.Thread(target=self._fail_after_job, args=(msg.error,), daemon=True).start()

@@ -18,7 +18,9 @@ import threading
 import traceback
 from typing import Any, Protocol
 
-from phalanx.executor.messages import Control, ControlResult, GenerationRequest, IterationInput, Response, pack, unpack
+from phalanx.executor.messages import (
+    Control, ControlResult, GenerationRequest, IterationInput, Response, TokenBatch, pack, unpack,
+)
 from phalanx.executor.model_runner import InFlightStep, ModelRunner, StepResult
 from phalanx.executor.request import Request, RequestStatus
 from phalanx.executor.scheduler import ScheduledBatch, Scheduler, StepOutcome
@@ -224,6 +226,13 @@ class PyExecutor:
         if op.startswith("fail_next_forward:"):   # fault injection: that rank's next forward raises
             self._fail_next_forward = int(op.split(":", 1)[1]) == self.rank
             return "ok"
+        if op in ("timing:on", "timing:off"):      # CUDA events around each step (idle share of the GPU)
+            self.runner.record_timing = op == "timing:on"
+            if self.runner.record_timing:
+                self.runner.timings.clear()
+            return "ok"
+        if op == "timing":
+            return json.dumps(self.runner.idle_fraction() if self.runner.timings else {})
         if op.startswith("skew_scheduler:"):      # fault injection: that rank's decisions drift
             if int(op.split(":", 1)[1]) == self.rank:
                 self.scheduler.step += 1
@@ -235,7 +244,15 @@ class PyExecutor:
         return {"rank": self.rank, "iteration": self.iteration, "num_running": len(s.running),
                 "num_waiting": len(s.waiting), "kv_usage": kv.usage, "num_blocks": kv.num_blocks,
                 "num_available_blocks": kv.num_available_blocks, "prefix_queried_tokens": kv.num_queried_tokens,
-                "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions}
+                "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions,
+                "weight_bytes_per_step": self._weight_bytes()}
+
+    def _weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads on this rank (embedding tables excluded: one row)."""
+        if not hasattr(self, "_wbytes"):
+            self._wbytes = sum(p.numel() * p.element_size() for n, p in self.runner.model.named_parameters()
+                               if "embed_tokens" not in n)
+        return self._wbytes
 
     # -- output ----------------------------------------------------------------------------------
     def _send(self, responses: list[Response]) -> None:
@@ -244,19 +261,23 @@ class PyExecutor:
 
     def _respond_step(self, batch: ScheduledBatch, result: StepResult, outcome: StepOutcome) -> None:
         finished = {r.request_id for r in outcome.finished}
-        out = []
+        msg = TokenBatch(logprobs=[] if result.logprobs is not None else None)
         for row, req in enumerate(batch.requests):
             token = outcome.new_tokens.get(req.request_id)
             if token is None:
                 continue
-            lp = result.logprobs[row] if result.logprobs is not None else None
-            done = req.request_id in finished
-            out.append(Response(req.request_id, [token], [list(lp)] if lp is not None else None,
-                                req.finish_reason if done else None, req.stop_reason,
-                                req.num_cached_tokens, req.num_prompt_tokens))
-            if done:
+            msg.request_ids.append(req.request_id)
+            msg.token_ids.append(token)
+            if msg.logprobs is not None:
+                lp = result.logprobs[row]
+                msg.logprobs.append(list(lp) if lp is not None else None)
+            if req.num_output_tokens == 1:
+                msg.first.append([req.request_id, req.num_cached_tokens, req.num_prompt_tokens])
+            if req.request_id in finished:
+                msg.finished.append([req.request_id, req.finish_reason, req.stop_reason])
                 self._finished(req)
-        self._send(out)
+        if msg.request_ids and self.sender is not None:
+            self.sender.send(msg)
 
     def _finished(self, req: Request) -> None:
         self.runner.release(req.request_id)

@@ -1,7 +1,9 @@
 """Device dispatch for every kernel: Triton on CUDA when available, torch references elsewhere.
 
 Implementations are imported lazily so that importing this module needs neither triton nor a GPU.
-Set ``PHALANX_KERNELS=ref`` to force the references everywhere (debugging, comparisons).
+Set ``PHALANX_KERNELS=ref`` to force the references everywhere (debugging, comparisons), or
+``PHALANX_KERNELS=triton`` to run the Triton kernels on CPU tensors too (with TRITON_INTERPRET=1:
+how the whole model is checked on the Triton path without a GPU).
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("phalanx.kernels.triton_ops") is not None
 
 
+FORCE_TRITON = os.environ.get("PHALANX_KERNELS") == "triton"
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton_available()
+    return (x.is_cuda or FORCE_TRITON) and triton_available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,15 +64,38 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul_ref(x)
 
 
+def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+    """Rotate q and k, write k and v into the paged pool; returns the rotated q."""
+    if use_triton(q):
+        from phalanx.kernels import triton_ops
+        return triton_ops.rope_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping)
+    q, k = reference.rotary_ref(positions, q, k, cos_sin)
+    attention_ref.write_kv_ref(k_cache, v_cache, k, v, meta.slot_mapping)
+    return q
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x Wᵀ + b; tuned skinny kernels for small decode batches on a GPU, else cuBLAS/CPU BLAS."""
+    if use_triton(x):
+        from phalanx.kernels import triton_gemv
+        return triton_gemv.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     if use_triton(k):
-        from phalanx.kernels import triton_attention
-        return triton_attention.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        from phalanx.kernels import triton_ops
+        return triton_ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     attention_ref.write_kv_ref(k_cache, v_cache, k, v, meta.slot_mapping)
 
 
 def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
+    if use_triton(kv_pool):
+        from phalanx.kernels import triton_ops
+        return triton_ops.copy_blocks(kv_pool, src, dst, num_tokens)
     attention_ref.copy_blocks_ref(kv_pool, src, dst, num_tokens)
 
 
@@ -77,7 +105,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [T, H, D] over the paged cache -> [T, H, D] (causal, GQA, optional sliding window)."""
     if use_triton(q):
         from phalanx.kernels import triton_attention
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window, kv_of_q)
+        if triton_attention.supports(q, k_cache, kv_of_q):
+            return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window, kv_of_q)
     plan = meta.cache.get("ref")
     if plan is None:
         plan = meta.cache["ref"] = attention_ref.build_ref_plan(

@@ -36,6 +36,7 @@ class LLM:
         self.tokenizer: Tokenizer | None = (None if self.args.skip_tokenizer_init else
                                             load_tokenizer(self.source, self.args.tokenizer, self.args.trust_remote_code))
         self._executor = self._create_executor()
+        self.engine_info = self._executor.info
         self.max_seq_len: int = self._executor.info.max_seq_len
         self.vocab_size: int = self._executor.info.vocab_size
         self.startup_seconds = time.monotonic() - t0

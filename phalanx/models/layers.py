@@ -48,7 +48,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, w[self.start:self.end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -69,7 +69,7 @@ class MergedColumnParallelLinear(nn.Module):
         _copy(param.data[self.offsets[i]:self.offsets[i + 1]], w[s:e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(nn.Module):
@@ -97,7 +97,7 @@ class QKVParallelLinear(nn.Module):
         _copy(param.data[dst], src)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = F.linear(x, self.weight, self.bias)
+        qkv = ops.linear(x, self.weight, self.bias)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -119,7 +119,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, torch.cat([w[:, s:e] for s, e in self.in_ranges], dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(ops.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -164,7 +164,7 @@ class ParallelLMHead(nn.Module):
             self.weight = emb.weight
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.weight)
+        logits = ops.linear(h, self.weight)
         return self.tp.all_gather_last_dim(logits)[..., :self.vocab_size]
 
 

@@ -47,8 +47,7 @@ class Attention(nn.Module):
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        ops.write_kv(k_cache, v_cache, k, v, meta)
+        q = ops.rope_and_write_kv(positions, q, k, v, self.rotary[0].cos_sin, k_cache, v_cache, meta)
         o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q)
         return self.o_proj(o.reshape(T, H * D))
 

@@ -1,0 +1,131 @@
+"""``phalanx bench decode``: steady decode speed per batch size, overlap on and off.
+
+For each batch size b: b requests with short random prompts decode ``--steps`` tokens together
+(``ignore_eos``). Reported per (overlap, b): inter-token latency (median gap between a request's
+tokens, as the client sees them), decode throughput (tokens/s over the window where all b
+decode), and — on a GPU — the share of the decode window the GPU sat idle between steps,
+from CUDA events recorded around every step. Also measures the GPU's memory bandwidth in the
+same run and, at batch 1, the fraction of the weights-read roofline reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from phalanx.bench.metrics import summarize
+from phalanx.bench.throughput import make_prompts
+
+
+def measure_bandwidth(gib: float = 4.0) -> dict[str, float]:
+    """Device-to-device copy (read + write) and a read-only reduction, in TB/s."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    n = int(gib * 2**30) // 2
+    x = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+
+    def timed(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / reps / 1e3
+
+    copy_s = timed(lambda: y.copy_(x))
+    read_s = timed(lambda: x.sum(dtype=torch.float32))
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_tb_s": 2 * n * 2 / copy_s / 1e12, "read_tb_s": n * 2 / read_s / 1e12}
+
+
+async def _decode(llm: Any, prompts: list[list[int]], steps: int) -> list[list[float]]:
+    from phalanx import SamplingParams
+    sp = SamplingParams(max_tokens=steps, ignore_eos=True, detokenize=False)
+
+    async def one(p):
+        times = []
+        async for out in llm.generate_async(p, sp, streaming=True):
+            now = time.perf_counter()
+            times += [now] * len(out.outputs[0].token_ids_diff)
+        return times
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def run_batch(llm: Any, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
+    prompts = make_prompts(batch, prompt_len, llm.vocab_size, seed=batch)
+    asyncio.run(_decode(llm, prompts[: max(1, batch // 4)], 4))   # warm-up
+    llm._executor.control("timing:on")
+    times = asyncio.run(_decode(llm, prompts, steps))
+    timing = json.loads(llm._executor.control("timing").per_rank[0])
+    llm._executor.control("timing:off")
+    start = max(t[0] for t in times)                 # every request is decoding from here on
+    end = min(t[-1] for t in times)
+    tokens = sum(sum(1 for x in t if start <= x <= end) for t in times)
+    gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= start]
+    return {"batch": batch, "itl_ms": summarize(gaps, 1e3), "decode_tok_s": tokens / (end - start) if end > start else None,
+            "gpu": timing}
+
+
+def weight_bytes(llm: Any) -> int | None:
+    stats = llm._executor.control("stats").per_rank
+    return json.loads(stats[0]).get("weight_bytes_per_step")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="phalanx bench decode", description=__doc__)
+    ap.add_argument("--model", default="shape:llama-3.1-8b", help="a model path, or shape:NAME for random weights")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--overlap", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--output", default=None)
+    a = ap.parse_args(argv)
+    from phalanx import LLM
+    from phalanx.bench.shapes import resolve_model_arg
+    model, dummy = resolve_model_arg(a.model)
+    report: dict[str, Any] = {"settings": vars(a), "bandwidth": measure_bandwidth(), "runs": []}
+    modes = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
+    for overlap in modes:
+        t0 = time.perf_counter()
+        llm = LLM(model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, dtype=a.dtype,
+                  disable_overlap_scheduler=not overlap, max_batch_size=max(a.batch),
+                  max_seq_len=a.prompt_len + a.steps + 64,
+                  cuda_graph_config={"batch_sizes": sorted(set(a.batch))})
+        startup = time.perf_counter() - t0
+        try:
+            for b in a.batch:
+                res = run_batch(llm, b, a.prompt_len, a.steps)
+                res.update({"overlap": overlap, "startup_s": startup, "engine_startup": llm.engine_info.startup})
+                wb = weight_bytes(llm)
+                if b == 1 and wb and report["bandwidth"] and res["decode_tok_s"]:
+                    bw = report["bandwidth"]
+                    res["weight_bytes_per_step"] = wb
+                    res["roofline_tok_s_read"] = bw["read_tb_s"] * 1e12 / wb
+                    res["roofline_tok_s_copy"] = bw["copy_tb_s"] * 1e12 / wb
+                    res["fraction_of_roofline_read"] = res["decode_tok_s"] / res["roofline_tok_s_read"]
+                    res["fraction_of_roofline_copy"] = res["decode_tok_s"] / res["roofline_tok_s_copy"]
+                report["runs"].append(res)
+                g = res["gpu"] or {}
+                print(f"overlap={'on ' if overlap else 'off'} batch {b:4d}: ITL p50 {res['itl_ms']['median']:7.3f} ms  "
+                      f"{res['decode_tok_s'] or 0:9.1f} tok/s  GPU idle {g.get('idle_fraction', float('nan')):.3%}",
+                      flush=True)
+        finally:
+            llm.shutdown()
+    text = json.dumps(report, indent=2)
+    if a.output:
+        with open(a.output, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0

@@ -1,0 +1,45 @@
+"""Model shapes for benchmarks with random weights (``load_format="dummy"``): a config.json
+written to a temporary directory, nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+SHAPES: dict[str, dict] = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645,
+    },
+}
+
+
+def shape_dir(name: str, **overrides) -> str:
+    """A directory holding only config.json for the named shape (for dummy weights)."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    cfg = {**SHAPES[name], **overrides}
+    d = tempfile.mkdtemp(prefix=f"phalanx-shape-{name}-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def resolve_model_arg(model: str | None) -> tuple[str | None, bool]:
+    """``shape:NAME`` -> (a config-only directory, True); anything else unchanged."""
+    if model and model.startswith("shape:"):
+        return shape_dir(model[len("shape:"):]), True
+    return model, False

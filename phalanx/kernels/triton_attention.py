@@ -1,0 +1,219 @@
+"""Triton paged attention, checked against ``attention_ref.paged_attention_ref``.
+
+Two kernels over the pool layout [num_blocks, B, Hkv, D] (B = tokens_per_block >= 16):
+
+* decode (one query per sequence): split-KV "flash decoding". Grid (S, Hkv, SPLITS); each
+  program takes the G = H / Hkv query heads of one KV head over one slice of the context and
+  writes a partial output and its log-sum-exp; a second kernel merges the slices. The slice
+  length is computed from each sequence's length inside the kernel, so the grid depends only
+  on (S, SPLITS): CUDA graphs can capture it.
+* extend (packed variable-length queries: prefill over a cached prefix, chunked prefill,
+  partial reuse, mixed batches). Grid (query blocks, S, H); causal within the new tokens,
+  optional sliding window.
+
+Masked scores use a large finite negative instead of -inf so that a row whose first keys are
+all masked never computes inf - inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from phalanx.kernels.metadata import AttentionMetadata
+
+NEG = -1.0e30
+
+
+def _precision(dtype: torch.dtype) -> tl.constexpr:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
+                         s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
+                         scale, window,
+                         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         B: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    L = tl.load(len_ptr + s)
+    first = tl.where(window > 0, tl.maximum(L - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(L - first, SPLITS), B) * B
+    lo = first + split * chunk
+    hi = tl.minimum(lo + chunk, L)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    dm = d < D
+    q = tl.load(q_ptr + s * s_qs + (kvh * G + g)[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :],
+                other=0.0)
+    m_i = tl.full([BLOCK_G], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    t = tl.arange(0, B)
+    for p0 in range(lo - lo % B, hi, B):
+        blk = tl.load(bt_ptr + s * s_bt + p0 // B).to(tl.int64)
+        kpos = p0 + t
+        km = (kpos >= lo) & (kpos < hi)
+        off = blk * s_cb + t[:, None] * s_ct + kvh * s_ch + d[None, :]
+        k = tl.load(kc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
+        v = tl.load(vc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
+        qk = tl.where(km[None, :], qk, NEG)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+        m_i = m_new
+    empty = hi <= lo
+    out = tl.where(empty, 0.0, acc / tl.maximum(l_i, 1e-30)[:, None])
+    lse = tl.where(empty, NEG, m_i + tl.log(tl.maximum(l_i, 1e-30)))
+    h = kvh * G + g
+    tl.store(out_ptr + s * s_os + h[:, None] * s_oh + split * s_osp + d[None, :], out, mask=gm[:, None] & dm[None, :])
+    tl.store(lse_ptr + s * s_ls + h * s_lh + split, lse, mask=gm)
+
+
+@triton.jit
+def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, s_ps, s_ph, s_psp, s_ls, s_lh, s_os, s_oh,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SP: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_SP)
+    spm = sp < SPLITS
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    lse = tl.load(lse_ptr + s * s_ls + h * s_lh + sp, mask=spm, other=NEG)
+    mx = tl.max(lse, 0)
+    w = tl.where(spm, tl.exp(lse - mx), 0.0)
+    parts = tl.load(part_ptr + s * s_ps + h * s_ph + sp[:, None] * s_psp + d[None, :],
+                    mask=spm[:, None] & dm[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + s * s_os + h * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tokens_per_block: int, num_sms: int = 132) -> int:
+    """Enough programs to fill the GPU twice, but never slices shorter than 4 blocks."""
+    want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    cap = max(1, triton.cdiv(max_seq_len, 4 * tokens_per_block))
+    return int(max(1, min(want, cap, 64)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, window: int | None, splits: int) -> torch.Tensor:
+    """q [S, H, D] (one query per sequence) -> [S, H, D]."""
+    S, H, D = q.shape
+    _, B, Hkv, _ = k_cache.shape
+    G = H // Hkv
+    part = torch.empty(S, H, splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(S, H, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(S, Hkv, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, SPLITS=splits, PREC=_precision(q.dtype))
+    out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)
+    _decode_merge_kernel[(S, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
+                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                                 D=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
+                                 BLOCK_SP=max(2, triton.next_power_of_2(splits)))
+    return out
+
+
+@triton.jit
+def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
+                   s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+    mb = tl.program_id(0)
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q0 = tl.load(qstart_ptr + s)
+    q_len = tl.load(qstart_ptr + s + 1) - q0
+    if mb * BLOCK_M < q_len:
+        L = tl.load(len_ptr + s)
+        ctx = L - q_len
+        kvh = h // G
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mm = offs_m < q_len
+        q_pos = ctx + offs_m
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(q_ptr + (q0 + offs_m)[:, None] * s_qt + h * s_qh + d[None, :], mask=mm[:, None] & dm[None, :],
+                    other=0.0)
+        m_i = tl.full([BLOCK_M], NEG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = tl.minimum(L, ctx + (mb + 1) * BLOCK_M)
+        lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
+        t = tl.arange(0, B)
+        for p0 in range(lo - lo % B, hi, B):
+            blk = tl.load(bt_ptr + s * s_bt + p0 // B).to(tl.int64)
+            kpos = p0 + t
+            off = blk * s_cb + t[:, None] * s_ct + kvh * s_ch + d[None, :]
+            kin = kpos < L
+            k = tl.load(kc_ptr + off, mask=kin[:, None] & dm[None, :], other=0.0)
+            v = tl.load(vc_ptr + off, mask=kin[:, None] & dm[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
+            ok = (kpos[None, :] <= q_pos[:, None]) & kin[None, :]
+            ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
+            qk = tl.where(ok, qk, NEG)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+            m_i = m_new
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + (q0 + offs_m)[:, None] * s_ot + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mm[:, None] & dm[None, :])
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                     window: int | None, block_m: int = 64) -> torch.Tensor:
+    """q [T, H, D] packed over S sequences -> [T, H, D]."""
+    T, H, D = q.shape
+    _, B, Hkv, _ = k_cache.shape
+    S = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
+    _extend_kernel[(triton.cdiv(max_query_len, block_m), S, H)](
+        q, k_cache, v_cache, block_tables, query_start, seq_lens, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), scale, window or 0,
+        G=H // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
+        PREC=_precision(q.dtype))
+    return out
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, kv_of_q: torch.Tensor | None) -> bool:
+    """Shapes these kernels handle (others fall back to the reference)."""
+    return kv_of_q is None and k_cache.shape[1] >= 16 and q.shape[1] % k_cache.shape[2] == 0
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None = None, kv_of_q: torch.Tensor | None = None) -> torch.Tensor:
+    if meta.is_decode_only:
+        splits = meta.cache.get("splits")
+        if splits is None:
+            splits = meta.cache["splits"] = num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
+                                                       k_cache.shape[1], _num_sms(q.device))
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, splits)
+    return extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
+                            meta.max_query_len, scale, window)
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]

@@ -1,0 +1,205 @@
+"""Triton kernels for the per-token ops; each mirrors a torch reference in ``reference.py``.
+
+RMSNorm (+ fused residual add), rotary embedding fused with the K/V write into the paged pool,
+SiLU-and-mul, and the partial-reuse block copy. Shapes are in the docstrings; every kernel is
+checked against its reference by tests/kernels (interpreter on CPU, full sweep on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+# -- RMSNorm ---------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                     H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(res_out_ptr + row * H + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (xf * rstd).to(x.dtype) * w
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D [rows, H] view with unit column stride (copies only when it must)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] -> [..., H]."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    H = x2.shape[1]
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), H, eps,
+                                     HAS_RES=False, BLOCK=_pow2(H))
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + residual) -> (rms_norm of it, the sum as the new residual); x, residual [T, H]."""
+    x2, r2 = _rows(x), _rows(residual)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    H = x2.shape[1]
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
+                                     H, eps, HAS_RES=True, BLOCK=_pow2(H))
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+# -- rotary + K/V write -----------------------------------------------------------------------------
+@triton.jit
+def _rope_kernel(pos_ptr, cs_ptr, x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
+    pos = tl.load(pos_ptr + t)
+    cos = tl.load(cs_ptr + pos * (2 * HALF) + i, mask=m, other=0.0)
+    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=m, other=0.0)
+    base = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(base + i, mask=m, other=0.0)
+    x2 = tl.load(base + HALF + i, mask=m, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    o = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(o + i, (x1f * cos - x2f * sin).to(x1.dtype), mask=m)
+    tl.store(o + HALF + i, (x2f * cos + x1f * sin).to(x1.dtype), mask=m)
+
+
+def _rope(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    T, H, D = x.shape
+    if T:
+        _rope_kernel[(T, H)](positions, cos_sin, x, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+                             HALF=D // 2, BLOCK=_pow2(D // 2))
+    return out
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    """positions [T]; q [T, H, D]; k [T, Hkv, D] (strided views are fine) -> new q, k."""
+    return (_rope(positions, q, cos_sin, torch.empty(q.shape, dtype=q.dtype, device=q.device)),
+            _rope(positions, k, cos_sin, torch.empty(k.shape, dtype=k.dtype, device=k.device)))
+
+
+@triton.jit
+def _rope_write_kv_kernel(pos_ptr, cs_ptr, slot_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr,
+                          stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr):
+    """Rotate k (when ROPE) and write k, v of token t, head h into the pool slot of t."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    kb = k_ptr + t * stride_kt + h * stride_kh
+    k1 = tl.load(kb + i, mask=m, other=0.0)
+    k2 = tl.load(kb + HALF + i, mask=m, other=0.0)
+    if ROPE:
+        pos = tl.load(pos_ptr + t)
+        cos = tl.load(cs_ptr + pos * (2 * HALF) + i, mask=m, other=0.0)
+        sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=m, other=0.0)
+        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+        k1, k2 = (k1f * cos - k2f * sin).to(k1.dtype), (k2f * cos + k1f * sin).to(k1.dtype)
+    cb = kc_ptr + slot * stride_cs + h * stride_ch
+    tl.store(cb + i, k1.to(kc_ptr.dtype.element_ty), mask=m)
+    tl.store(cb + HALF + i, k2.to(kc_ptr.dtype.element_ty), mask=m)
+    vb = v_ptr + t * stride_vt + h * stride_vh
+    v1 = tl.load(vb + i, mask=m, other=0.0)
+    v2 = tl.load(vb + HALF + i, mask=m, other=0.0)
+    cv = vc_ptr + slot * stride_cs + h * stride_ch
+    tl.store(cv + i, v1.to(vc_ptr.dtype.element_ty), mask=m)
+    tl.store(cv + HALF + i, v2.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q (returned, contiguous) and k; write rotated k and v into the paged pool.
+
+    q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [num_blocks, B, Hkv, D]; slot_mapping [T]."""
+    q_out = _rope(positions, q, cos_sin, torch.empty(q.shape, dtype=q.dtype, device=q.device))
+    write_kv(k_cache, v_cache, k, v, slot_mapping, positions, cos_sin)
+    return q_out
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
+             cos_sin: torch.Tensor | None = None) -> None:
+    """k, v [T, Hkv, D] into the pool at ``slot_mapping`` (rotating k first when cos_sin is given)."""
+    T, Hkv, D = k.shape
+    if T == 0:
+        return
+    kc = k_cache.view(-1, Hkv, D)
+    rope = cos_sin is not None
+    _rope_write_kv_kernel[(T, Hkv)](
+        positions if rope else slot_mapping, cos_sin if rope else k, slot_mapping, k, v, kc, v_cache.view(-1, Hkv, D),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
+        HALF=D // 2, BLOCK=_pow2(D // 2), ROPE=rope)
+
+
+# -- SiLU and mul -------------------------------------------------------------------------------------
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0)
+    y = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
+    tl.store(out_ptr + row * stride_o + cols, y, mask=m)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2N] (gate ‖ up) -> silu(gate) * up [T, N]."""
+    T, N2 = x.shape
+    N = N2 // 2
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T:
+        BLOCK = min(1024, _pow2(N))
+        _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK)
+    return out
+
+
+# -- partial-reuse block copy --------------------------------------------------------------------------
+@triton.jit
+def _copy_blocks_kernel(pool_ptr, src_ptr, dst_ptr, n_ptr, stride_plane, stride_block, ROW: tl.constexpr,
+                        BLOCK: tl.constexpr, MAX_ROWS: tl.constexpr):
+    op = tl.program_id(0)
+    plane = tl.program_id(1)            # layer * 2 + (K or V)
+    src = tl.load(src_ptr + op).to(tl.int64)
+    dst = tl.load(dst_ptr + op).to(tl.int64)
+    n = tl.load(n_ptr + op)
+    base = pool_ptr + plane.to(tl.int64) * stride_plane
+    for r in range(0, MAX_ROWS):
+        if r < n:
+            for c in range(0, ROW, BLOCK):
+                offs = c + tl.arange(0, BLOCK)
+                m = offs < ROW
+                val = tl.load(base + src * stride_block + r * ROW + offs, mask=m)
+                tl.store(base + dst * stride_block + r * ROW + offs, val, mask=m)
+
+
+def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
+    """kv_pool [L, 2, num_blocks, B, Hkv, D]: rows [0, n) of block src -> block dst, every plane."""
+    if not src:
+        return
+    L, two, NB, B, Hkv, D = kv_pool.shape
+    dev = kv_pool.device
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+    row = Hkv * D
+    _copy_blocks_kernel[(len(src), L * two)](kv_pool, t(src), t(dst), t(num_tokens), kv_pool.stride(1),
+                                             kv_pool.stride(2), ROW=row, BLOCK=min(1024, _pow2(row)), MAX_ROWS=B)

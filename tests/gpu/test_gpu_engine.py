@@ -1,0 +1,67 @@
+"""GPU-only: CUDA graphs vs eager, end-to-end greedy equality with transformers on the GPU,
+KV pool sized by profiling. Skipped without CUDA."""
+
+import pytest
+import torch
+
+from hf_reference import assert_same_greedy, hf_greedy
+from phalanx import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def prompts(vocab, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+def test_gpu_greedy_equals_transformers_fp32(kind, tiny_models, hf_models):
+    hf = hf_models[kind].to("cuda")
+    ps = prompts(hf.config.vocab_size)
+    with LLM(tiny_models[kind], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess") as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        again = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert llm.engine_info.num_kv_blocks > 0
+    for i, (p, o, o2) in enumerate(zip(ps, outs, again)):
+        ref, gaps = hf_greedy(hf, p, 12)
+        assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"{kind} prompt {i}")
+        assert_same_greedy(o2.outputs[0].token_ids, ref, gaps, f"{kind} prompt {i} (cached)")
+    hf.to("cpu")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_graph_and_eager_give_identical_tokens(dtype, tiny_models):
+    ps = prompts(256, n=20, seed=1)
+    sp = [SamplingParams(max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(ps))]
+    out = {}
+    for graphs in (True, False):
+        cfg = {"batch_sizes": [1, 2, 4, 8, 16]} if graphs else None
+        with LLM(tiny_models["qwen2"], skip_tokenizer_init=True, dtype=dtype, orchestrator_type="inprocess",
+                 cuda_graph_config=cfg) as llm:
+            runner = llm._executor.engine.runner
+            assert (runner.graphs is not None) == graphs
+            out[graphs] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    assert out[True] == out[False]
+
+
+def test_kv_pool_sized_by_profiling(tiny_models):
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             kv_cache_config={"free_gpu_memory_fraction": 0.05}) as small:
+        n_small = small.engine_info.num_kv_blocks
+        startup = small.engine_info.startup
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             kv_cache_config={"free_gpu_memory_fraction": 0.10}) as big:
+        n_big = big.engine_info.num_kv_blocks
+    assert startup["profile_tokens"] > 0 and startup["kv_budget_gib"] > 0
+    assert 1.8 < n_big / n_small < 2.2
+
+
+def test_mpi_rank_on_the_gpu_serves(tiny_models, hf_models):
+    p = [5, 6, 7, 8, 9]
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32") as llm:
+        out = llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert llm._executor.check_integrity() == ["ok"]
+    ref, gaps = hf_greedy(hf_models["llama"].to("cpu"), p, 8)
+    assert_same_greedy(out.outputs[0].token_ids, ref, gaps)

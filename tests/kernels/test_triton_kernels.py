@@ -1,0 +1,191 @@
+"""Every Triton kernel against its torch reference. Without a GPU this runs in the Triton
+interpreter at tiny sizes; with one, over a sweep of sizes and dtypes (tolerances stated)."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from phalanx.kernels import attention_ref, reference, triton_attention, triton_ops  # noqa: E402
+from phalanx.kernels.metadata import AttentionMetadata  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float32]
+TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 96), (3, 4096)] if CUDA else [(1, 64), (5, 96)])
+def test_rms_norm_and_fused_add(T, H, dtype):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(DEV, dtype)
+    r = torch.randn(T, H, generator=g).to(DEV, dtype)
+    w = torch.randn(H, generator=g).to(DEV, dtype)
+    close(triton_ops.rms_norm(x, w, 1e-6), reference.rms_norm_ref(x, w, 1e-6), dtype)
+    out, res = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)
+    ref_out, ref_res = reference.fused_add_rms_norm_ref(x, r, w, 1e-6)
+    close(out, ref_out, dtype)
+    close(res, ref_res, dtype)
+    q = torch.randn(T, 4, 32, generator=g).to(DEV, dtype)   # per-head norm (Qwen3 q/k norm)
+    wq = torch.randn(32, generator=g).to(DEV, dtype)
+    close(triton_ops.rms_norm(q, wq, 1e-6), reference.rms_norm_ref(q, wq, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 32), (7, 8, 2, 64)] + ([(33, 32, 8, 128)] if CUDA else []))
+def test_rope_and_write_kv(T, H, Hkv, D, dtype):
+    from phalanx.models.layers import RotaryEmbedding
+    g = torch.Generator(device="cpu").manual_seed(1)
+    rot = RotaryEmbedding(D, 256, 10000.0, {"rope_type": "default"}).to(DEV)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(DEV, dtype)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)    # strided views, as in the model
+    pos = torch.randint(0, 256, (T,), generator=g).to(DEV)
+    nb, B = 8, 16
+    slots = torch.randperm(nb * B, generator=g)[:T].to(DEV)
+    kc, vc = torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV), torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV)
+    q_out = triton_ops.rope_and_write_kv(pos, q, k, v, rot.cos_sin, kc, vc, slots)
+    q_ref, k_ref = reference.rotary_ref(pos, q, k, rot.cos_sin)
+    close(q_out, q_ref, dtype)
+    close(kc.view(-1, Hkv, D)[slots], k_ref, dtype)
+    close(vc.view(-1, Hkv, D)[slots], v, dtype)
+    q2, k2 = triton_ops.rotary(pos, q, k, rot.cos_sin)
+    close(q2, q_ref, dtype)
+    close(k2, k_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N", [(1, 64), (4, 100)] + ([(16, 14336)] if CUDA else []))
+def test_silu_and_mul(T, N, dtype):
+    x = torch.randn(T, 2 * N, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
+    close(triton_ops.silu_and_mul(x), reference.silu_and_mul_ref(x), dtype)
+
+
+def test_copy_blocks():
+    pool = torch.randn(2, 2, 6, 16, 2, 8, generator=torch.Generator().manual_seed(3)).to(DEV)
+    ref = pool.clone()
+    triton_ops.copy_blocks(pool, [1, 4], [3, 0], [5, 16])
+    attention_ref.copy_blocks_ref(ref, [1, 4], [3, 0], [5, 16])
+    assert torch.equal(pool, ref)
+
+
+def _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=0):
+    """Random pool with scattered blocks, packed queries; returns (q, kc, vc, meta)."""
+    g = torch.Generator().manual_seed(seed)
+    S = len(seq_lens)
+    blocks_per = [-(-L // B) for L in seq_lens]
+    nb = sum(blocks_per) + 3
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n in blocks_per:
+        tables.append(perm[i:i + n])
+        i += n
+    M = max(blocks_per)
+    bt = torch.tensor([t + [0] * (M - len(t)) for t in tables], dtype=torch.int32)
+    kc = torch.randn(nb, B, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(nb, B, Hkv, D, generator=g).to(dtype)
+    qs = [0]
+    for ql in q_lens:
+        qs.append(qs[-1] + ql)
+    q = torch.randn(qs[-1], H, D, generator=g).to(dtype)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(qs[-1], dtype=torch.long).to(DEV),
+                             query_start=torch.tensor(qs, dtype=torch.int32).to(DEV),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(DEV), block_tables=bt.to(DEV),
+                             max_query_len=max(q_lens), max_seq_len=max(seq_lens), tokens_per_block=B,
+                             is_decode_only=all(x == 1 for x in q_lens))
+    return q.to(DEV), kc.to(DEV), vc.to(DEV), meta
+
+
+def _ref(q, kc, vc, meta, window):
+    plan = attention_ref.build_ref_plan(meta.query_start, meta.seq_lens, meta.block_tables, meta.tokens_per_block,
+                                        meta.max_query_len, meta.max_seq_len)
+    return attention_ref.paged_attention_ref(q, kc, vc, plan, q.shape[-1] ** -0.5, window)
+
+
+DECODE_CASES = [([1], 4, 2, 32), ([5, 40, 17], 4, 2, 32), ([33, 64], 8, 1, 16)]
+if CUDA:
+    DECODE_CASES += [([1, 100, 1000, 4097], 32, 8, 128), ([32768], 32, 8, 128), ([7] * 64, 8, 8, 64),
+                     ([300, 2000], 28, 4, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,H,Hkv,D", DECODE_CASES)
+@pytest.mark.parametrize("window", [None, 24])
+def test_decode_attention_split_kv(seq_lens, H, Hkv, D, dtype, window):
+    B = 32 if CUDA else 16
+    q, kc, vc, meta = _paged_case(seq_lens, [1] * len(seq_lens), H, Hkv, D, B, dtype)
+    ref = _ref(q, kc, vc, meta, window)
+    for splits in (1, 3, triton_attention.num_splits(len(seq_lens), Hkv, max(seq_lens), B)):
+        out = triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, window, splits)
+        close(out, ref, dtype)
+
+
+EXTEND_CASES = [([9], [9], 4, 2, 32), ([20, 7, 40], [3, 7, 40], 4, 4, 16), ([50, 1], [17, 1], 4, 1, 32)]
+if CUDA:
+    EXTEND_CASES += [([128, 1000, 77], [128, 200, 1], 32, 8, 128), ([32768], [64], 32, 8, 128),
+                     ([2048], [2048], 16, 2, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", EXTEND_CASES)
+@pytest.mark.parametrize("window", [None, 12])
+def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype, window):
+    B = 32 if CUDA else 16
+    q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=len(seq_lens))
+    out = triton_attention.extend_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
+                                            meta.max_query_len, D ** -0.5, window, block_m=16 if not CUDA else 64)
+    close(out, _ref(q, kc, vc, meta, window), dtype)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (3, 100, 96)] + ([(1, 4096, 4096), (4, 14336, 4096), (2, 4096, 14336)] if CUDA else []))
+def test_gemv_every_config(M, N, K):
+    from phalanx.kernels import triton_gemv
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    b = torch.randn(N, generator=g).to(DEV, dtype)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    for cfg in (triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]):
+        close(triton_gemv.gemv(x, w, b, cfg), ref, dtype)
+
+
+def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_models, monkeypatch):
+    """All Triton kernels wired into the engine (interpreter on CPU; real kernels on a GPU)."""
+    from hf_reference import assert_same_greedy, hf_greedy
+    from phalanx import LLM, SamplingParams
+    from phalanx.kernels import ops, triton_attention, triton_gemv, triton_ops
+    monkeypatch.setattr(ops, "FORCE_TRITON", True)
+    calls = {}
+
+    def counting(mod, name):
+        real = getattr(mod, name)
+
+        def wrapper(*a, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*a, **kw)
+        monkeypatch.setattr(mod, name, wrapper)
+
+    for mod, name in ((triton_gemv, "gemv"), (triton_attention, "decode_attention"),
+                      (triton_attention, "extend_attention"), (triton_ops, "rope_and_write_kv"),
+                      (triton_ops, "copy_blocks"), (triton_ops, "fused_add_rms_norm"), (triton_ops, "silu_and_mul")):
+        counting(mod, name)
+    prompts = [[3, 1, 4, 1, 5], list(range(10, 50)), [7]]
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             kv_cache_config={"tokens_per_block": 16}, max_num_tokens=24, cuda_graph_config=None) as llm:
+        for p in llm._executor.engine.runner.model.parameters():
+            if p.dim() == 2:
+                monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype), triton_gemv.CONFIGS[1])
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+        again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
+    for p, o, o2 in zip(prompts, outs, again):
+        ref, gaps = hf_greedy(hf_models["llama"], p, 6)
+        assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
+        assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
+    assert all(calls.get(n, 0) > 0 for n in ("gemv", "decode_attention", "extend_attention", "rope_and_write_kv",
+                                             "copy_blocks", "fused_add_rms_norm", "silu_and_mul")), calls

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT.
+#   usage: tools/gpu_suite.sh [tests|decode|throughput|all]...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
+export PYTHONPATH=/tmp/site:$PWD
+export PHALANX_CACHE_DIR=/tmp/phalanx-cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
+for what in "${@:-all}"; do
+  case $what in
+    tests|all)
+      timeout 280 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
+    decode|all)
+      timeout 290 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 8 64 256 \
+        --prompt-len 128 --steps 128 --output "$OUT/decode.json" > "$OUT/decode.txt" 2>&1 ;;&
+    throughput|all)
+      timeout 540 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 128 --osl 128 \
+        --concurrency 1 16 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
+        --hf-baseline --output "$OUT/throughput_128.json" > "$OUT/throughput_128.txt" 2>&1 ;;&
+    throughput1000|all)
+      timeout 540 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 1000 --osl 1000 \
+        --concurrency 1 16 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
+        --hf-baseline --hf-max-new-tokens 128 --output "$OUT/throughput_1000.json" > "$OUT/throughput_1000.txt" 2>&1 ;;
+  esac
+done
+ls -la "$OUT"
