@@ -14,8 +14,8 @@ for what in "${@:-all}"; do
     tests|all)
       timeout 280 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
     decode|all)
-      timeout 290 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 8 64 256 \
-        --prompt-len 128 --steps 128 --output "$OUT/decode.json" > "$OUT/decode.txt" 2>&1 ;;&
+      PHALANX_LOG_LEVEL=INFO PHALANX_ECHO_WORKER_STDERR=1 timeout 290 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 8 64 256 \
+        --prompt-len 128 --steps 96 --output "$OUT/decode.json" > "$OUT/decode.txt" 2>&1 ;;&
     throughput|all)
       timeout 540 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 128 --osl 128 \
         --concurrency 1 16 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from phalanx.kernels.metadata import AttentionMetadata
 
-NEG = -1.0e30
+NEG = tl.constexpr(-1.0e30)
 
 
 def _precision(dtype: torch.dtype) -> tl.constexpr:
