@@ -52,7 +52,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
 
 def _hf_greedy(model, prompt, max_new_tokens):
     import torch
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out, gaps = [], []
     past = None
     for _ in range(max_new_tokens):
@@ -63,7 +63,7 @@ def _hf_greedy(model, prompt, max_new_tokens):
         gaps.append(float(top[0] - top[1]))
         tok = int(logits.argmax())
         out.append(tok)
-        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+        ids = torch.cat([ids, torch.tensor([[tok]], device=ids.device)], dim=1)
     return out, gaps
 
 

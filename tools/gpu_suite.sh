@@ -7,15 +7,20 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
 export PYTHONPATH=/tmp/site:$PWD
 export PHALANX_CACHE_DIR=/tmp/phalanx-cache
+export PHALANX_STARTUP_TIMEOUT=200
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
 for what in "${@:-all}"; do
   case $what in
     tests|all)
       timeout 280 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
+    gputests)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -40 > "$OUT/gputests.txt" ;;
     decode|all)
       PHALANX_LOG_LEVEL=INFO PHALANX_ECHO_WORKER_STDERR=1 timeout 290 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 8 64 256 \
-        --prompt-len 128 --steps 96 --output "$OUT/decode.json" > "$OUT/decode.txt" 2>&1 ;;&
+        --prompt-len 128 --steps 96 --output "$OUT/decode.json" > "$OUT/decode.txt" 2>&1 \
+      || PHALANX_LOG_LEVEL=INFO timeout 200 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 8 64 256 \
+        --prompt-len 128 --steps 96 --orchestrator inprocess --output "$OUT/decode.json" > "$OUT/decode_inprocess.txt" 2>&1 ;;&
     throughput|all)
       timeout 540 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 128 --osl 128 \
         --concurrency 1 16 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \

@@ -89,6 +89,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="both")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--orchestrator", default=None, choices=["mpi", "inprocess"])
     ap.add_argument("--output", default=None)
     a = ap.parse_args(argv)
     from phalanx import LLM
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
     for overlap in modes:
         t0 = time.perf_counter()
         llm = LLM(model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, dtype=a.dtype,
-                  disable_overlap_scheduler=not overlap, max_batch_size=max(a.batch),
+                  disable_overlap_scheduler=not overlap, max_batch_size=max(a.batch), orchestrator_type=a.orchestrator,
                   max_seq_len=a.prompt_len + a.steps + 64,
                   cuda_graph_config={"batch_sizes": sorted(set(a.batch))})
         startup = time.perf_counter() - t0

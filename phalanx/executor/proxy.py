@@ -40,6 +40,10 @@ STARTUP_TIMEOUT_ENV = "PHALANX_STARTUP_TIMEOUT"
 MPI_ENV_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "MPI_", "UCX_", "I_MPI_", "HYDRA_", "MPICH_")
 
 
+# mpirun lines that mean the job will never start (it may not exit by itself)
+_LAUNCH_FAILURES = ("FORCE-TERMINATE", "was unable to launch", "was unable to find", "not enough slots")
+
+
 class EngineStartError(RuntimeError):
     """The MPI job could not start an engine; the message carries the failing rank's traceback."""
 
@@ -105,6 +109,9 @@ class MpiProxyExecutor(GenerationExecutor):
                     ipc.PROXY_PID_ENV: str(os.getpid()), DIR_ENV: self._dir or ""})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
         env.setdefault("OMPI_MCA_btl", "^tcp")   # one host: ranks talk through shared memory, no TCP listener
+        if not shutil.which("ssh") and not shutil.which("rsh"):
+            # Open MPI 4 refuses to start without a remote-shell agent even for local ranks
+            env.setdefault("OMPI_MCA_plm_rsh_agent", "false")
         self.proc = subprocess.Popen(mpirun_command(world), env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         threading.Thread(target=self._read_stderr, name="phalanx-job-stderr", daemon=True).start()
@@ -128,7 +135,8 @@ class MpiProxyExecutor(GenerationExecutor):
                 return msg.info
             if isinstance(msg, Fatal):
                 raise EngineStartError(msg.error)
-            if self.proc is not None and self.proc.poll() is not None:
+            launcher_failed = any(m in line for line in list(self._stderr_tail) for m in _LAUNCH_FAILURES)
+            if self.proc is not None and (self.proc.poll() is not None or launcher_failed):
                 time.sleep(0.2)  # let the stderr reader catch up
                 raise EngineStartError(f"the MPI job exited with code {self.proc.returncode} during start-up: "
                                        f"{self._death_reason()}\n" + "\n".join(list(self._stderr_tail)[-30:]))
