@@ -16,17 +16,20 @@ for what in "${@:-all}"; do
       timeout 280 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
     gputests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -40 > "$OUT/gputests.txt" ;;
+    decode1)
+      PHALANX_LOG_LEVEL=INFO PHALANX_ECHO_WORKER_STDERR=1 timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 \
+        --prompt-len 128 --steps 256 --overlap on --output "$OUT/decode1.json" > "$OUT/decode1.txt" 2>&1 ;;
     decode|all)
       PHALANX_LOG_LEVEL=INFO PHALANX_ECHO_WORKER_STDERR=1 timeout 290 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 8 64 256 \
         --prompt-len 128 --steps 96 --output "$OUT/decode.json" > "$OUT/decode.txt" 2>&1 \
       || PHALANX_LOG_LEVEL=INFO timeout 200 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 8 64 256 \
         --prompt-len 128 --steps 96 --orchestrator inprocess --output "$OUT/decode.json" > "$OUT/decode_inprocess.txt" 2>&1 ;;&
-    throughput|all)
-      timeout 540 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 128 --osl 128 \
+    throughput128|throughput|all)
+      timeout 200 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 128 --osl 128 \
         --concurrency 1 16 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
         --hf-baseline --output "$OUT/throughput_128.json" > "$OUT/throughput_128.txt" 2>&1 ;;&
-    throughput1000|all)
-      timeout 540 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 1000 --osl 1000 \
+    throughput1000|throughput|all)
+      timeout 330 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 1000 --osl 1000 \
         --concurrency 1 16 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
         --hf-baseline --hf-max-new-tokens 128 --output "$OUT/throughput_1000.json" > "$OUT/throughput_1000.txt" 2>&1 ;;
   esac

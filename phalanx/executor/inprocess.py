@@ -49,3 +49,11 @@ class InProcessExecutor(GenerationExecutor):
         if self._thread.is_alive():
             self.queue.put_shutdown()
             self._thread.join(timeout)
+        if not self._thread.is_alive() and self.engine is not None:
+            device = self.engine.runner.device
+            self.engine = None                       # the model, KV pool and graphs go with it
+            import gc
+            gc.collect()
+            if device.type == "cuda":
+                import torch
+                torch.cuda.empty_cache()

@@ -84,6 +84,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(silu(gate) * up) Wᵀ for x = gate ‖ up: one fused kernel for small GPU batches."""
+    if use_triton(x):
+        from phalanx.kernels import triton_gemv
+        y = triton_gemv.silu_and_mul_linear(x, weight)
+        if y is not None:
+            return y
+    return linear(silu_and_mul(x), weight)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     if use_triton(k):

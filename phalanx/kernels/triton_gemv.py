@@ -23,7 +23,9 @@ CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                 SILU: tl.constexpr):
+    """SILU: x holds gate ‖ up ([M, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, 16)
@@ -34,7 +36,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        xm = mm[:, None] & km[None, :]
+        x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
+        if SILU:
+            u = tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0)
+            g = x.to(tl.float32)
+            x = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
         acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -42,10 +49,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] = CONFIGS[1]) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K] -> [M, N]."""
-    M, K = x.shape
-    N = weight.shape[0]
+         config: tuple[int, int, int, int] = CONFIGS[1], silu: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= 16), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and
+    the product is silu(gate) * up times Wᵀ."""
+    M = x.shape[0]
+    N, K = weight.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -53,7 +61,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=silu, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -66,15 +74,23 @@ def choice(weight: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 
 def _time(fn, reps: int = 20) -> float:
+    """Milliseconds per call, replayed from a CUDA graph (as decode runs), so launch overhead
+    does not hide the kernel's own speed."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn()
+    for _ in range(3):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / reps
+    return start.elapsed_time(end) / (3 * reps)
 
 
 def tune(weights: list[torch.Tensor], rows: int = 1) -> dict[str, float]:
@@ -98,6 +114,15 @@ def tune(weights: list[torch.Tensor], rows: int = 1) -> dict[str, float]:
         report[f"{w.shape[0]}x{w.shape[1]}:{'cublas' if best is None else best}"] = \
             w.numel() * w.element_size() / best_ms / 1e6
     return report
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up times Wᵀ in one kernel for small batches; None when not applicable."""
+    if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+        cfg = choice(weight)
+        if cfg is not None:
+            return gemv(x, weight, None, cfg, silu=True)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

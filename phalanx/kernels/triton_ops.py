@@ -125,14 +125,51 @@ def _rope_write_kv_kernel(pos_ptr, cs_ptr, slot_ptr, k_ptr, v_ptr, kc_ptr, vc_pt
     tl.store(cv + HALF + i, v2.to(vc_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr,
+                     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """One launch for a whole layer: programs h < H rotate query head h; the others rotate
+    KV head h - H and write it, with its V, into the pool."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
+    pos = tl.load(pos_ptr + t)
+    cos = tl.load(cs_ptr + pos * (2 * HALF) + i, mask=m, other=0.0)
+    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=m, other=0.0)
+    if h < H:
+        base = q_ptr + t * s_qt + h * s_qh
+        dst = qo_ptr + t * s_ot + h * s_oh
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        base = k_ptr + t * s_kt + (h - H) * s_kh
+        dst = kc_ptr + slot * s_cs + (h - H) * s_ch
+        vb = v_ptr + t * s_vt + (h - H) * s_vh
+        vd = vc_ptr + slot * s_cs + (h - H) * s_ch
+        tl.store(vd + i, tl.load(vb + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
+        tl.store(vd + HALF + i, tl.load(vb + HALF + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
+    x1 = tl.load(base + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=m)
+    tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=m)
+
+
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> torch.Tensor:
     """Rotate q (returned, contiguous) and k; write rotated k and v into the paged pool.
 
     q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [num_blocks, B, Hkv, D]; slot_mapping [T]."""
-    q_out = _rope(positions, q, cos_sin, torch.empty(q.shape, dtype=q.dtype, device=q.device))
-    write_kv(k_cache, v_cache, k, v, slot_mapping, positions, cos_sin)
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if T:
+        kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+        _rope_qkv_kernel[(T, H + Hkv)](
+            positions, cos_sin, slot_mapping, q, k, v, q_out, kc, vc, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), H,
+            HALF=D // 2, BLOCK=_pow2(D // 2))
     return q_out
 
 

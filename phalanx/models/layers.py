@@ -122,6 +122,11 @@ class RowParallelLinear(nn.Module):
         y = self.tp.all_reduce(ops.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
+    def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) for gate_up = gate ‖ up, fused where a kernel allows."""
+        y = self.tp.all_reduce(ops.silu_and_mul_linear(gate_up, self.weight))
+        return y + self.bias if self.bias is not None else y
+
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across ranks; each rank looks up its rows, the sum is all-reduced."""

@@ -59,7 +59,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu(self.gate_up_proj(x))
 
 
 MlpFactory = Callable[[ModelConfig, int, TPGroup], nn.Module]

@@ -151,8 +151,11 @@ def test_gemv_every_config(M, N, K):
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
     b = torch.randn(N, generator=g).to(DEV, dtype)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
+    ref_silu = torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float())
     for cfg in (triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]):
         close(triton_gemv.gemv(x, w, b, cfg), ref, dtype)
+        close(triton_gemv.gemv(xx, w, None, cfg, silu=True), ref_silu, dtype)
 
 
 def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_models, monkeypatch):
@@ -171,7 +174,7 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
             return real(*a, **kw)
         monkeypatch.setattr(mod, name, wrapper)
 
-    for mod, name in ((triton_gemv, "gemv"), (triton_attention, "decode_attention"),
+    for mod, name in ((triton_gemv, "gemv"), (triton_gemv, "silu_and_mul_linear"), (triton_attention, "decode_attention"),
                       (triton_attention, "extend_attention"), (triton_ops, "rope_and_write_kv"),
                       (triton_ops, "copy_blocks"), (triton_ops, "fused_add_rms_norm"), (triton_ops, "silu_and_mul")):
         counting(mod, name)
@@ -187,5 +190,5 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         ref, gaps = hf_greedy(hf_models["llama"], p, 6)
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
-    assert all(calls.get(n, 0) > 0 for n in ("gemv", "decode_attention", "extend_attention", "rope_and_write_kv",
+    assert all(calls.get(n, 0) > 0 for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
                                              "copy_blocks", "fused_add_rms_norm", "silu_and_mul")), calls
