@@ -119,7 +119,8 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 def make_llm_args(**kwargs: Any) -> LlmArgs:
     """Build LlmArgs; pydantic errors become one ValueError naming each field and its limit."""
-    kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "model"}
+    # None means "the default" except where None is itself a choice (no CUDA graphs)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("model", "cuda_graph_config")}
     aliases = {"tp_size": "tensor_parallel_size", "ep_size": "moe_expert_parallel_size",
                "max_model_len": "max_seq_len", "max_num_seqs": "max_batch_size"}
     for alias, name in aliases.items():

@@ -155,12 +155,19 @@ def main(argv: list[str]) -> int:
         "num_kv_blocks": llm.engine_info.num_kv_blocks, "runs": [],
     }
     report["settings"]["device"] = _device_name()
+
+    def save() -> None:
+        if a.output:
+            with open(a.output, "w") as f:
+                f.write(json.dumps(report, indent=2) + "\n")
+
     try:
         for c in a.concurrency:
             n = a.num_requests or max(4, 2 * c)
             res = run_phalanx(llm, a.isl, a.osl, c, n)
             res["concurrency"], res["num_requests"] = c, n
             report["runs"].append(res)
+            save()
             print(f"concurrency {c:4d}: {res['output_throughput']:9.1f} out tok/s  "
                   f"TTFT p50 {res['ttft_ms']['median']:8.1f} ms  TPOT p50 {res['tpot_ms']['median']:7.2f} ms",
                   flush=True)
@@ -176,6 +183,7 @@ def main(argv: list[str]) -> int:
             hf["osl"] = osl
             run["hf_generate"] = hf
             run["speedup_vs_hf"] = run["output_throughput"] / hf["output_throughput"]
+            save()
             print(f"concurrency {run['concurrency']:4d}: HF generate {hf['output_throughput']:9.1f} out tok/s "
                   f"-> phalanx ×{run['speedup_vs_hf']:.2f}", flush=True)
     text = json.dumps(report, indent=2)
