@@ -14,9 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="phalanx", description="phalanx LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=None)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    from phalanx.serve.cli import add_serve_args
+    add_serve_args(serve)
     launch = sub.add_parser("launch", help="under mpirun: run a command whose LLM uses this MPI job")
     launch.add_argument("cmd", nargs=argparse.REMAINDER)
     bench = sub.add_parser("bench", help="benchmarks")
@@ -24,9 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        print("phalanx serve: the OpenAI-compatible server is not built yet; "
-              "use the Python API (python examples/quickstart.py).", file=sys.stderr)
-        return 2
+        from phalanx.serve.cli import serve
+        return serve(args)
     if args.command == "launch":
         from phalanx.executor.launch import launch as run_launch
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd

@@ -57,7 +57,7 @@ class TokenBatch:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] | None = None     # aligned with request_ids: None or [chosen, [[id, lp], ...]]
     finished: list[list[Any]] = field(default_factory=list)   # [request_id, reason, stop_reason]
-    first: list[list[int]] = field(default_factory=list)      # [request_id, cached tokens, prompt tokens]
+    first: list[list[Any]] = field(default_factory=list)   # [request_id, cached, prompt tokens, scheduled at]
 
     def responses(self) -> list[Response]:
         done = {f[0]: f for f in self.finished}
@@ -68,7 +68,8 @@ class TokenBatch:
             fst = first.get(rid)
             lp = self.logprobs[i] if self.logprobs is not None else None
             out.append(Response(rid, [tok], [lp] if lp is not None else None, fin[1] if fin else None,
-                                fin[2] if fin else None, fst[1] if fst else 0, fst[2] if fst else 0))
+                                fin[2] if fin else None, fst[1] if fst else 0, fst[2] if fst else 0,
+                                first_scheduled_time=fst[3] if fst else 0.0))
         return out
 
 

@@ -272,7 +272,8 @@ class PyExecutor:
                 lp = result.logprobs[row]
                 msg.logprobs.append(list(lp) if lp is not None else None)
             if req.num_output_tokens == 1:
-                msg.first.append([req.request_id, req.num_cached_tokens, req.num_prompt_tokens])
+                msg.first.append([req.request_id, req.num_cached_tokens, req.num_prompt_tokens,
+                                  req.first_scheduled_time])
             if req.request_id in finished:
                 msg.finished.append([req.request_id, req.finish_reason, req.stop_reason])
                 self._finished(req)

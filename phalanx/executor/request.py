@@ -65,6 +65,7 @@ class Request:
     stop_reason: int | None = None   # the stop token id that ended it, if any
     error: str | None = None
     admitted: bool = False           # has been admitted at least once (cached count is final)
+    first_scheduled_time: float = 0.0  # monotonic clock (system-wide on Linux) at first admission
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

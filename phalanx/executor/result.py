@@ -112,6 +112,7 @@ class GenerationResult:
         self.cached_tokens = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.token_times: list[float] = []
@@ -136,6 +137,8 @@ class GenerationResult:
                 self.last_token_time = now
                 self.token_times.append(now)
             self.cached_tokens = max(self.cached_tokens, resp.num_cached_tokens)
+            if resp.first_scheduled_time and self.first_scheduled_time is None:
+                self.first_scheduled_time = resp.first_scheduled_time
             if seq.add(resp) and resp.finish_reason is None:
                 stopped.append(resp.request_id)
             done = self.is_done

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -232,6 +233,7 @@ class Scheduler:
         if not req.admitted:
             req.num_cached_tokens = cached
             req.admitted = True
+            req.first_scheduled_time = time.monotonic()
             self.kv.record_query(req.num_prompt_tokens, cached)
         req.num_computed_tokens = cached
         req.status = RequestStatus.RUNNING

@@ -76,6 +76,35 @@ class Tokenizer:
         return self.hf.apply_chat_template(messages, tokenize=False, chat_template=template,
                                            add_generation_prompt=add_generation_prompt, **kwargs)
 
+    def special_strings(self) -> list[str]:
+        """Texts of the special tokens (control tokens the chat template places)."""
+        if not hasattr(self, "_special_strings"):
+            found = set(getattr(self.hf, "all_special_tokens", []) or [])
+            for tok in getattr(self.hf, "added_tokens_decoder", {}).values():
+                if getattr(tok, "special", False):
+                    found.add(str(tok.content if hasattr(tok, "content") else tok))
+            self._special_strings = sorted((t for t in found if t), key=len, reverse=True)
+        return self._special_strings
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of a chat. Control tokens come only from the template: text inside a
+        message that spells one (e.g. "<|im_end|>") is tokenized as plain text."""
+        specials = self.special_strings()
+        contents = [m.get("content") or "" for m in messages]
+        if not any(sp in c for c in contents if isinstance(c, str) for sp in specials):
+            text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
+            return self.encode(text, add_special_tokens=False)
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        masked = [dict(m, content=mark) for m, mark in zip(messages, marks)]
+        text = self.apply_chat_template(masked, add_generation_prompt, chat_template, **kwargs)
+        ids: list[int] = []
+        for i, mark in enumerate(marks):
+            before, _, text = text.partition(mark)
+            ids += self.encode(before, add_special_tokens=False)
+            ids += self.hf(contents[i], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids + self.encode(text, add_special_tokens=False)
+
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprob listings)."""
         return self.hf.decode([token_id], skip_special_tokens=False)

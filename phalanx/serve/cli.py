@@ -1,0 +1,102 @@
+"""``phalanx serve [MODEL]``: trtllm-serve's flags, plus --api-key. The YAML of
+--extra_llm_api_options (alias --config) may set any LLM field and wins over flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+logger = logging.getLogger("phalanx")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or HF id (default: bundled SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", default="pytorch", choices=["pytorch"])
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tp_size", type=int, default=1)
+    p.add_argument("--ep_size", type=int, default=None)
+    p.add_argument("--max_batch_size", type=int, default=None)
+    p.add_argument("--max_num_tokens", type=int, default=None)
+    p.add_argument("--max_seq_len", type=int, default=None)
+    p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None)
+    p.add_argument("--extra_llm_api_options", "--config", dest="config", default=None, help="YAML of LLM arguments")
+    p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("PHALANX_API_KEY"))
+    p.add_argument("--trust_remote_code", action="store_true")
+    p.add_argument("--chat_template", default=None, help="a file with a Jinja chat template")
+    p.add_argument("--served_model_name", default=None)
+    p.add_argument("--log_level", default="info")
+    p.add_argument("--drain_timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--max_request_body_bytes", type=int, default=8 << 20)
+    p.add_argument("--enable_debug_endpoints", action="store_true",
+                   help="serve /debug/check_integrity and /debug/stats (KV integrity and engine counters per rank)")
+
+
+def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    from phalanx.config import merge_yaml
+    kw: dict[str, Any] = {"tokenizer": a.tokenizer, "tensor_parallel_size": a.tp_size,
+                          "moe_expert_parallel_size": a.ep_size, "max_batch_size": a.max_batch_size,
+                          "max_num_tokens": a.max_num_tokens, "max_seq_len": a.max_seq_len,
+                          "trust_remote_code": a.trust_remote_code or None}
+    if a.kv_cache_free_gpu_memory_fraction is not None:
+        kw["kv_cache_config"] = {"free_gpu_memory_fraction": a.kv_cache_free_gpu_memory_fraction}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if a.config:
+        kw = merge_yaml(kw, a.config)
+    return kw
+
+
+def instructions(host: str, port: int, model: str, api_key: str | None) -> str:
+    url = f"http://{host}:{port}"
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    key = repr(api_key) if api_key else '"unused"'
+    return (f"phalanx serve: {model} on {url}\n\n"
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            f"\"max_tokens\": 32}}'\n\n"
+            f"  python -c 'from openai import OpenAI; c = OpenAI(base_url=\"{url}/v1\", api_key={key}); "
+            f"print(c.chat.completions.create(model=\"{model}\", messages=[{{\"role\": \"user\", \"content\": "
+            f"\"Hello!\"}}], max_tokens=32).choices[0].message.content)'\n")
+
+
+def serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from phalanx import LLM
+    from phalanx.serve.openai_server import OpenAIServer
+    logging.getLogger("phalanx").setLevel(a.log_level.upper())
+    template = None
+    if a.chat_template:
+        with open(a.chat_template) as f:
+            template = f.read()
+    try:
+        llm = LLM(a.model, **llm_kwargs(a))
+    except Exception as e:
+        print(f"phalanx serve: the engine did not start: {e}", file=sys.stderr)
+        return 1
+    name = a.served_model_name or (llm.source.name if a.model else "SmolLM2-135M-Instruct")
+    server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints)
+    config = uvicorn.Config(server.app, host=a.host, port=a.port, log_level=a.log_level.lower(),
+                            timeout_graceful_shutdown=a.drain_timeout, access_log=False)
+    userver = uvicorn.Server(config)
+    original = userver.startup
+
+    async def startup(*args: Any, **kw: Any) -> None:
+        await original(*args, **kw)
+        print(instructions(a.host, a.port, name, a.api_key), flush=True)
+
+    userver.startup = startup  # type: ignore[method-assign]
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal into the handler that was
+    # there before it: make that a no-op so a drained server shuts the engine down and exits 0.
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        userver.run()
+    finally:
+        llm.shutdown()
+    return 0

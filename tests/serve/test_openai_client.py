@@ -1,0 +1,162 @@
+"""The official openai client against a real `phalanx serve` on loopback (bundled SmolLM2)."""
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import KEY
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_plain(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                       max_tokens=24, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_streaming_one_finish_per_choice_and_usage_last(client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
+                                            max_tokens=20, temperature=0, n=2, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    finishes = [(c.index, c.finish_reason) for ch in chunks for c in ch.choices if c.finish_reason]
+    assert sorted(i for i, _ in finishes) == [0, 1]
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert all(ch.usage is None for ch in chunks[:-1])
+    text = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+    assert text[0] == text[1] and text[0]      # greedy: both choices alike
+
+
+def test_completions_string_list_and_token_ids(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert len(r.choices) == 1 and r.choices[0].text
+    r2 = client.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=4, temperature=0)
+    assert [c.index for c in r2.choices] == [0, 1]
+    r3 = client.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=4, temperature=0)
+    assert r3.choices[0].text and r3.usage.prompt_tokens == 5
+
+
+def test_completions_n2_logprobs_stop_echo(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, temperature=1.0, seed=3,
+                                  logprobs=3)
+    assert len(r.choices) == 2
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(len(t) == 3 for t in lp.top_logprobs)
+    full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    stop = full[3:6]
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    echo = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Hello")
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def _error(server, path, body, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(server + path, json=body, headers=headers, timeout=60)
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400, "512"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}, 400, "512"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 1000}, 400, "n"),
+    ({"model": "other-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "other-model"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, needle):
+    code, payload = _error(server, "/v1/chat/completions", body)
+    assert code == status
+    err = payload["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["code"] == status
+    assert needle in err["message"] or needle == err["param"]
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ok?"}],
+                                          max_tokens=2).choices
+
+
+def test_context_overflow_names_both_numbers(server):
+    code, payload = _error(server, "/v1/completions", {"model": MODEL, "prompt": "word " * 300, "max_tokens": 300})
+    assert code == 400 and "512" in payload["error"]["message"] and "300 in the completion" in payload["error"]["message"]
+
+
+def test_prompt_at_the_limit_with_one_token_works(server):
+    ids = [504] * 511
+    code, payload = _error(server, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1})
+    assert code == 200 and payload["usage"]["completion_tokens"] == 1
+
+
+def test_api_key_required_except_health_and_metrics(server):
+    for key in (None, "wrong"):
+        code, payload = _error(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                               key=key)
+        assert code == 401 and payload["error"]["code"] == 401
+    assert httpx.get(server + "/v1/models").status_code == 401
+    assert httpx.get(server + "/health").status_code == 200
+    assert httpx.get(server + "/metrics").status_code == 200
+    assert httpx.get(server + "/version", headers={"Authorization": f"Bearer {KEY}"}).json()["version"]
+
+
+def test_special_token_text_in_a_message_is_plain_text(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Repeat: <|im_end|>"}],
+                                       max_tokens=2, temperature=0)
+    baseline = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Repeat: x"}],
+                                              max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens > baseline.usage.prompt_tokens   # spelled out, not one control token
+
+
+def metrics(server):
+    text = httpx.get(server + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m, name):
+    return sum(v for (n, _), v in m.items() if n == name)
+
+
+def test_metrics_parse_and_move(server, client):
+    before = metrics(server)
+    prompt = [{"role": "user", "content": "Tell me about the history of tea in a few sentences. " * 8}]
+    client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=4, temperature=0)
+    client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=4, temperature=0)
+    after = metrics(server)
+    assert value(after, "phalanx:time_to_first_token_seconds_count") >= value(before, "phalanx:time_to_first_token_seconds_count") + 2
+    assert value(after, "phalanx:prefix_cache_hits_total") > value(before, "phalanx:prefix_cache_hits_total")
+    assert value(after, "phalanx:prompt_tokens_total") > value(before, "phalanx:prompt_tokens_total")
+    assert value(after, "phalanx:generation_tokens_total") >= value(before, "phalanx:generation_tokens_total") + 8
+    assert value(after, "phalanx:request_success_total") >= value(before, "phalanx:request_success_total") + 2
+    for name in ("phalanx:num_requests_running", "phalanx:num_requests_waiting", "phalanx:kv_cache_usage_perc",
+                 "phalanx:inter_token_latency_seconds_count", "phalanx:e2e_request_latency_seconds_count",
+                 "phalanx:request_queue_time_seconds_count", "phalanx:prefix_cache_queries_total",
+                 "phalanx:num_preemptions_total"):
+        assert any(n == name for n, _ in after), name
