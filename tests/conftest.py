@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hf_reference import hf_models_from, tiny_model_dirs  # noqa: E402
+from hf_reference import _moe_configs, hf_models_from, tiny_model_dirs  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +21,14 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_models(tiny_models):
     return hf_models_from(tiny_models)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory):
+    """Tiny random Mixtral, Qwen3-MoE and Qwen2-MoE (shared expert) checkpoints."""
+    return tiny_model_dirs(lambda name: tmp_path_factory.mktemp(f"tiny-{name}"), _moe_configs())
+
+
+@pytest.fixture(scope="session")
+def hf_moe_models(tiny_moe_models):
+    return hf_models_from(tiny_moe_models)

@@ -19,12 +19,24 @@ def _configs():
     }
 
 
-def tiny_model_dirs(make_dir) -> dict[str, str]:
+def _moe_configs():
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    base = dict(TINY, intermediate_size=96)
+    return {
+        "mixtral": MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": Qwen3MoeConfig(**base, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    norm_topk_prob=True, head_dim=32),
+        "qwen2_moe": Qwen2MoeConfig(**base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=40, norm_topk_prob=False),
+    }
+
+
+def tiny_model_dirs(make_dir, configs=None) -> dict[str, str]:
     """model type -> directory with config.json + model.safetensors (fp32, seeded)."""
     import torch
     from transformers import AutoModelForCausalLM
     out = {}
-    for i, (name, cfg) in enumerate(_configs().items()):
+    for i, (name, cfg) in enumerate((configs or _configs()).items()):
         torch.manual_seed(1234 + i)
         cfg.initializer_range = 0.1        # peakier logits: fewer near-ties
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

@@ -53,7 +53,7 @@ def resolve_max_seq_len(args: LlmArgs, source: ModelSource) -> int:
 
 def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None,
                        queue: RequestQueue | BroadcastRequestQueue | None = None, tp: TPGroup | None = None,
-                       dist=None, device: torch.device | None = None) -> tuple[PyExecutor, EngineInfo]:
+                       dist=None, device: torch.device | None = None, ep=None) -> tuple[PyExecutor, EngineInfo]:
     """Build every rank-side piece. ``tp``/``dist`` are set under MPI (one rank otherwise)."""
     t0 = time.monotonic()
     tp = tp or TPGroup()
@@ -61,7 +61,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     dtype = resolve_dtype(args.dtype, source, device)
     cfg = source.config
     max_seq_len = resolve_max_seq_len(args, source)
-    model = build_model(source, dtype, device, tp, args.load_format, args.seed)
+    adp = args.enable_attention_dp and dist is not None and dist.size > 1
+    model = build_model(source, dtype, device, tp, args.load_format, args.seed,
+                        **({"ep": ep} if cfg.is_moe and ep is not None else {}))
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
     kv_dtype = dtype if kvc.dtype == "auto" else resolve_dtype(kvc.dtype, source, device)
@@ -86,7 +88,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     scheduler = Scheduler(limits, kv)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
-    if device.type == "cuda" and args.cuda_graph_config is not None:
+    if device.type == "cuda" and args.cuda_graph_config is not None and not adp:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:
             from phalanx.executor.cuda_graph import CudaGraphRunner
@@ -94,8 +96,14 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                                             num_blocks, args.cuda_graph_config.enable_padding, device)
             runner.graphs.capture()
             extra["graph_capture_s"] = runner.graphs.capture_seconds
-    executor = PyExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size, max_seq_len, dist,
-                          disable_overlap=args.disable_overlap_scheduler)
+    if adp:   # each rank owns its requests; sync loop (see attention_dp/executor.py)
+        from phalanx.attention_dp.executor import AdpExecutor
+        executor: PyExecutor = AdpExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size,
+                                           max_seq_len, dist, disable_overlap=True,
+                                           adp_config=args.attention_dp_config, capacity=args.max_batch_size)
+    else:
+        executor = PyExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size, max_seq_len, dist,
+                              disable_overlap=args.disable_overlap_scheduler)
     info = EngineInfo(max_seq_len, cfg.vocab_size, num_blocks, kvc.tokens_per_block, time.monotonic() - t0,
                       {"weights_s": t_weights, "profile_s": t_profile, **extra})
     logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks (%d tokens)", device, dtype, info.startup_seconds,

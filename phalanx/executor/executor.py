@@ -120,7 +120,9 @@ class GenerationExecutor(ABC):
                     self._results.pop(resp.request_id, None)
 
     def _dispatch_other(self, obj: object) -> None:
-        if isinstance(obj, TokenBatch):
+        if isinstance(obj, list):
+            self._dispatch([r for r in obj if isinstance(r, Response)])
+        elif isinstance(obj, TokenBatch):
             self._dispatch(obj.responses())
         elif isinstance(obj, ControlResult):
             waiter = self._controls.pop(obj.control_id, None)

@@ -45,7 +45,8 @@ class Response:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     error: str | None = None
-    first_scheduled_time: float = 0.0         # monotonic seconds on rank 0 (queue-time metric)
+    first_scheduled_time: float = 0.0         # monotonic seconds (queue-time metric)
+    rank: int = -1                            # the rank serving the request (attention DP)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class TokenBatch:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] | None = None     # aligned with request_ids: None or [chosen, [[id, lp], ...]]
     finished: list[list[Any]] = field(default_factory=list)   # [request_id, reason, stop_reason]
-    first: list[list[Any]] = field(default_factory=list)   # [request_id, cached, prompt tokens, scheduled at]
+    first: list[list[Any]] = field(default_factory=list)   # [request_id, cached, prompt, scheduled at, rank]
 
     def responses(self) -> list[Response]:
         done = {f[0]: f for f in self.finished}
@@ -69,7 +70,7 @@ class TokenBatch:
             lp = self.logprobs[i] if self.logprobs is not None else None
             out.append(Response(rid, [tok], [lp] if lp is not None else None, fin[1] if fin else None,
                                 fin[2] if fin else None, fst[1] if fst else 0, fst[2] if fst else 0,
-                                first_scheduled_time=fst[3] if fst else 0.0))
+                                first_scheduled_time=fst[3] if fst else 0.0, rank=fst[4] if fst else -1))
         return out
 
 

@@ -205,6 +205,20 @@ class ModelRunner:
                     logprobs[i] = x
         return StepResult(tokens, logprobs)
 
+    @torch.inference_mode()
+    def dummy_step(self) -> None:
+        """A forward over one token in the scratch block no request owns (attention-DP ranks
+        without work still have to join the MoE layers' collectives)."""
+        dev, B = self.device, self.tokens_per_block
+        scratch = self.kv_pool.num_blocks - 1
+        i32 = dict(dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(slot_mapping=torch.tensor([scratch * B], device=dev),
+                                 query_start=torch.tensor([0, 1], **i32), seq_lens=torch.tensor([1], **i32),
+                                 block_tables=torch.tensor([[scratch]], **i32), max_query_len=1, max_seq_len=1,
+                                 tokens_per_block=B, is_decode_only=True)
+        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        self.model(zero, zero, meta, self.kv_pool.tensor)
+
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one step synchronously and return host-side results."""
         return self.collect(self.launch(batch))

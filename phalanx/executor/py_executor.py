@@ -90,6 +90,7 @@ class PyExecutor:
         self.dist = dist
         self.rank = dist.rank if dist is not None else 0
         self.multi_rank = dist is not None and dist.size > 1
+        self.check_digests = True   # identical schedulers on every rank (not so under attention DP)
         self.disable_overlap = disable_overlap
         self.shutdown_requested = False
         self.iteration = 0
@@ -129,7 +130,7 @@ class PyExecutor:
             return None
         batch = self.scheduler.schedule()
         self.iteration += 1
-        if self.multi_rank:
+        if self.multi_rank and self.check_digests:
             self.dist.check_digest(batch.digest(), self.iteration)
         return batch if batch.requests else None
 
@@ -166,15 +167,18 @@ class PyExecutor:
         for req in inp.new:
             self._add(req)
         for rid in inp.cancel:
-            req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
-            if req is not None:
-                self._finished(req)
-                self._send([Response(rid, finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
-                                     num_prompt_tokens=req.num_prompt_tokens)])
+            self._cancel(rid)
         for ctl in inp.control:
             self._control(ctl)
         if inp.shutdown:
             self.shutdown_requested = True
+
+    def _cancel(self, request_id: int) -> None:
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is not None:
+            self._finished(req)
+            self._send([Response(request_id, finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
+                                 num_prompt_tokens=req.num_prompt_tokens)])
 
     def _add(self, msg: GenerationRequest) -> None:
         try:
@@ -256,8 +260,13 @@ class PyExecutor:
 
     # -- output ----------------------------------------------------------------------------------
     def _send(self, responses: list[Response]) -> None:
-        if self.sender is not None and responses:
-            self.sender.send_responses(responses)
+        if responses:
+            self._emit(responses)
+
+    def _emit(self, obj: Any) -> None:
+        """Hand a message for the user process to rank 0's sender (other ranks drop it)."""
+        if self.sender is not None:
+            self.sender.send(obj)
 
     def _respond_step(self, batch: ScheduledBatch, result: StepResult, outcome: StepOutcome) -> None:
         finished = {r.request_id for r in outcome.finished}
@@ -273,12 +282,12 @@ class PyExecutor:
                 msg.logprobs.append(list(lp) if lp is not None else None)
             if req.num_output_tokens == 1:
                 msg.first.append([req.request_id, req.num_cached_tokens, req.num_prompt_tokens,
-                                  req.first_scheduled_time])
+                                  req.first_scheduled_time, self.rank])
             if req.request_id in finished:
                 msg.finished.append([req.request_id, req.finish_reason, req.stop_reason])
                 self._finished(req)
-        if msg.request_ids and self.sender is not None:
-            self.sender.send(msg)
+        if msg.request_ids:
+            self._emit(msg)
 
     def _finished(self, req: Request) -> None:
         self.runner.release(req.request_id)

@@ -113,6 +113,7 @@ class GenerationResult:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
+        self.rank = -1                      # the rank that served it
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.token_times: list[float] = []
@@ -139,6 +140,8 @@ class GenerationResult:
             self.cached_tokens = max(self.cached_tokens, resp.num_cached_tokens)
             if resp.first_scheduled_time and self.first_scheduled_time is None:
                 self.first_scheduled_time = resp.first_scheduled_time
+            if resp.rank >= 0:
+                self.rank = resp.rank
             if seq.add(resp) and resp.finish_reason is None:
                 stopped.append(resp.request_id)
             done = self.is_done
@@ -185,7 +188,7 @@ class GenerationResult:
             }
 
     def metrics(self) -> dict[str, float]:
-        m: dict[str, float] = {"arrival_time": self.arrival_time}
+        m: dict[str, float] = {"arrival_time": self.arrival_time, "rank": self.rank}
         if self.first_token_time is not None:
             m["ttft"] = self.first_token_time - self.arrival_time
         if self.finish_time is not None:

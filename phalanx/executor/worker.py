@@ -153,7 +153,6 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
     from phalanx.executor.dist import init_torch_distributed
     from phalanx.executor.py_executor import BroadcastRequestQueue, RequestQueue
     from phalanx.models.loader import resolve_model
-    from phalanx.models.parallel import TPGroup
 
     args = LlmArgs(**init.llm_args)
     if args.world_size != dist.size:
@@ -164,11 +163,31 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = init_torch_distributed(dist, device.type, rendezvous_dir) if dist.size > 1 else None
-    tp = TPGroup(dist.rank, dist.size, group)
+    tp, ep = parallel_groups(args, dist.rank, dist.size, group)
     source = resolve_model(args.model, args.trust_remote_code)
     queue = BroadcastRequestQueue(dist, RequestQueue() if dist.rank == 0 else None)
-    engine, info = create_py_executor(args, source, link.sender if link else None, queue, tp, dist, device)
+    engine, info = create_py_executor(args, source, link.sender if link else None, queue, tp, dist, device, ep)
     return engine, vars(info)
+
+
+def parallel_groups(args: Any, rank: int, size: int, group: Any):
+    """(attention/dense TP group, expert-parallel group) of this rank.
+
+    Attention DP: attention and dense layers replicated, experts split over all ranks.
+    Otherwise: tensor parallel over all ranks; experts split over them (ep = world, the
+    default) or each expert split along its intermediate dim (ep = 1)."""
+    from phalanx.models.moe import EPGroup
+    from phalanx.models.parallel import TPGroup
+    ep_size = args.moe_expert_parallel_size or size
+    if ep_size not in (1, size):
+        raise ValueError(f"moe_expert_parallel_size must be 1 or the number of ranks ({size}), got {ep_size}")
+    if args.enable_attention_dp:
+        if ep_size != size:
+            raise ValueError("with enable_attention_dp, experts are split over all ranks: "
+                             f"moe_expert_parallel_size must be {size}")
+        return TPGroup(), EPGroup(rank, size, group, attention_dp=True)
+    ep = EPGroup(rank, size, group) if ep_size == size and size > 1 else EPGroup()
+    return TPGroup(rank, size, group), ep
 
 
 def _report_fatal(rank: int, tb: str, sender: IpcSender | None) -> None:

@@ -94,6 +94,16 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(silu_and_mul(x), weight)
 
 
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              first: int) -> torch.Tensor:
+    """Σ over this rank's (token, expert) pairs of weight · down(silu(gate) · up) -> [T, H]."""
+    if use_triton(x):
+        from phalanx.kernels import triton_moe
+        return triton_moe.fused_moe(x, ids, weights, w13, w2, first)
+    from phalanx.models.moe import experts_ref
+    return experts_ref(x, ids, weights, w13, w2, first)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     if use_triton(k):

@@ -57,7 +57,7 @@ class RequestOutput:
         self.cached_tokens = 0
         self.error: str | None = None
         self.metrics: dict[str, float] = {}
-        self._version = -1
+        self._version = 0   # the state starts at version 0: wait for its first change
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id}, finished={self.finished}, "

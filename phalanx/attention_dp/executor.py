@@ -1,0 +1,132 @@
+"""AdpExecutor: attention data parallelism. Each rank owns its requests, KV pool and
+scheduler; the MoE layers exchange tokens every step, so all ranks step together.
+
+Per iteration, on every rank: receive rank 0's broadcast; place new requests with the router
+(allgather of each rank's prefix-match lengths and load; every rank computes the same
+placement and keeps its share); agree whether any rank has work; run a step — a dummy step on
+a rank with nothing scheduled, so the collectives line up; gather every rank's outputs to
+rank 0, which sends them to the user process. Runs the sync loop (no overlap) and without CUDA
+graphs (the token exchange has data-dependent sizes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from phalanx.attention_dp.router import RouterConfig, place
+from phalanx.executor.messages import GenerationRequest, Response, pack, unpack
+from phalanx.executor.py_executor import PyExecutor
+from phalanx.executor.request import RequestStatus
+
+logger = logging.getLogger("phalanx")
+
+
+class AdpExecutor(PyExecutor):
+    def __init__(self, *args: Any, adp_config: Any = None, capacity: int = 2048, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from phalanx.config import AttentionDpConfig
+        self.check_digests = False      # each rank schedules its own requests
+        self.adp = adp_config or AttentionDpConfig()
+        self.router = RouterConfig(self.adp.load_balance_weight, self.adp.routing == "load")
+        self.capacity = capacity
+        self.pending: list[GenerationRequest] = []
+        self.waited = 0
+        self.outbox: list[Any] = []
+        self.num_dummy_steps = 0
+        self.num_placed = [0] * self.dist.size
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        any_work = False
+        while not self.shutdown_requested:
+            self._fetch(idle=not any_work and not self.pending)
+            self._place(any_work)
+            any_work = self._any_work()
+            if any_work:
+                self._step()
+            self._flush()
+        self._abort_all()
+        self._flush()
+
+    def _step(self) -> None:
+        batch = self._schedule() if self.scheduler.has_work else None
+        if batch is None:
+            self.runner.dummy_step()
+            self.num_dummy_steps += 1
+            return
+        self._process(self._launch(batch))
+
+    def _any_work(self) -> bool:
+        flags = self.dist.allgather_bytes(b"1" if self.scheduler.has_work else b"0")
+        return b"1" in flags
+
+    # -- intake: new requests wait for placement --------------------------------------------------
+    def _add(self, msg: GenerationRequest) -> None:
+        self.pending.append(msg)
+
+    def _place(self, any_work: bool) -> None:
+        if not self.pending:
+            return
+        world = self.dist.size
+        if (self.adp.enable_balance and any_work and len(self.pending) < world
+                and self.waited < min(self.adp.batching_wait_iters, self.adp.timeout_iters)):
+            self.waited += 1
+            return
+        valid, reqs = [], []
+        for msg in self.pending:
+            try:
+                reqs.append(self._make_request(msg))
+                valid.append(msg)
+            except (ValueError, TypeError) as e:
+                if self.rank == 0:
+                    self._emit([Response(msg.request_id, finish_reason="error", error=str(e))])
+        self.pending, self.waited = [], 0
+        if not reqs:
+            return
+        kv = self.scheduler.kv
+        mine = {"m": [kv.match(r.token_ids, r.extra_key).num_tokens for r in reqs],
+                "l": len(self.scheduler.requests), "c": self.capacity}
+        per_rank = [unpack(b) for b in self.dist.allgather_bytes(pack(mine))]
+        ranks = place([r.num_prompt_tokens for r in reqs], [p["m"] for p in per_rank], [p["l"] for p in per_rank],
+                      [p["c"] for p in per_rank], self.router)
+        for req, r in zip(reqs, ranks):
+            self.num_placed[r] += 1
+            if r != self.rank:
+                continue
+            error = self.scheduler.add_request(req)
+            if error is not None:
+                self._emit([Response(req.request_id, finish_reason="error", error=error)])
+
+    # -- cancels: a request not placed yet is dropped everywhere (rank 0 answers) ----------------------
+    def _cancel(self, request_id: int) -> None:
+        for i, msg in enumerate(self.pending):
+            if msg.request_id == request_id:
+                del self.pending[i]
+                if self.rank == 0:
+                    self._emit([Response(request_id, finish_reason="abort")])
+                return
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is not None:   # only the owner has it
+            self._finished(req)
+            self._emit([Response(request_id, finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
+                                 num_prompt_tokens=req.num_prompt_tokens)])
+
+    # -- outputs: every rank's messages reach the user through rank 0 ---------------------------------
+    def _emit(self, obj: Any) -> None:
+        self.outbox.append(obj)
+
+    def _flush(self) -> None:
+        gathered = self.dist.allgather_bytes(pack(self.outbox))
+        self.outbox = []
+        if self.sender is None:
+            return
+        for data in gathered:
+            for obj in unpack(data):
+                self.sender.send(obj) if not isinstance(obj, list) else self.sender.send_responses(obj)
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        s.update({"num_dummy_steps": self.num_dummy_steps, "num_placed": list(self.num_placed),
+                  "num_owned": len(self.scheduler.requests)})
+        return s

@@ -1,0 +1,211 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with its gated shared expert), Qwen3-MoE.
+
+Routing as each model defines it: softmax over the router logits in float32, top-k, and
+renormalised top-k weights where the model asks for it (Mixtral always, Qwen per
+``norm_topk_prob``).
+
+Experts are split across the ranks of the expert-parallel group (``EPGroup``): rank r holds
+experts [r·E/ep, (r+1)·E/ep). With ``ep == 1`` and tensor parallelism, every expert's
+intermediate dimension is split instead. Each rank computes its experts' share for the tokens
+it sees and the shares are summed: an all-reduce when every rank sees the same tokens (tensor
+parallel), or — with attention data parallelism, where each rank has its own tokens —
+all-gather of the tokens (ragged counts), local experts, then reduce-scatter back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.kernels import ops
+from phalanx.models.config import ModelConfig
+from phalanx.models.layers import _param, default_loader
+from phalanx.models.llama import MLP, CausalLM
+from phalanx.models.parallel import TPGroup, split_range
+
+
+@dataclass
+class EPGroup:
+    """The expert-parallel group; ``attention_dp`` means each rank brings its own tokens."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    attention_dp: bool = False
+
+
+# -- token exchange for attention DP -------------------------------------------------------------------
+def gather_tokens(x: torch.Tensor, ep: EPGroup) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's rows of x concatenated in rank order, and the row counts (ragged)."""
+    counts_t = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
+    all_counts = [torch.zeros_like(counts_t) for _ in range(ep.size)]
+    torch.distributed.all_gather(all_counts, counts_t, group=ep.group)
+    counts = [int(c.item()) for c in all_counts]
+    pad = max(counts)
+    xp = x.new_zeros(pad, x.shape[1])
+    xp[:x.shape[0]] = x
+    parts = [torch.empty_like(xp) for _ in range(ep.size)]
+    torch.distributed.all_gather(parts, xp, group=ep.group)
+    return torch.cat([p[:n] for p, n in zip(parts, counts)]), counts
+
+
+def scatter_tokens(y: torch.Tensor, counts: list[int], ep: EPGroup) -> torch.Tensor:
+    """Sum every rank's y (rows in gather order) and keep this rank's rows (reduce-scatter)."""
+    pad = max(counts)
+    full = y.new_zeros(ep.size, pad, y.shape[1])
+    start = 0
+    for r, n in enumerate(counts):
+        full[r, :n] = y[start:start + n]
+        start += n
+    if y.is_cuda and hasattr(torch.distributed, "reduce_scatter_tensor"):
+        out = y.new_empty(pad, y.shape[1])
+        torch.distributed.reduce_scatter_tensor(out, full.view(ep.size * pad, -1), group=ep.group)
+    else:  # gloo has no reduce-scatter: all-reduce and keep ours
+        torch.distributed.all_reduce(full, group=ep.group)
+        out = full[ep.rank]
+    return out[:counts[ep.rank]]
+
+
+# -- expert computation ---------------------------------------------------------------------------------
+def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                first: int) -> torch.Tensor:
+    """Reference grouped expert computation.
+
+    x [T, H]; ids/weights [T, k] (global expert ids, routing weights); w13 [E_local, 2I, H]
+    (gate ‖ up); w2 [E_local, H, I]; experts ``first .. first + E_local`` are local. Returns
+    Σ over the local (token, expert) pairs of weight · down(silu(gate) * up): [T, H].
+    """
+    out = torch.zeros_like(x, dtype=torch.float32)
+    local = ids - first
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        tok, pos = torch.where(local == e)
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, tok, (y * weights[tok, pos, None]).float())
+    return out.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, ep: EPGroup) -> None:
+        super().__init__()
+        H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.cfg, self.tp, self.ep = cfg, tp, ep
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob or cfg.model_type == "mixtral"
+        self.first, last = split_range(E, ep.rank, ep.size)
+        self.num_local = last - self.first
+        # ep == 1 under tensor parallelism: split each expert's intermediate dim instead
+        self.i_range = split_range(I, tp.rank, tp.size) if ep.size == 1 else (0, I)
+        i_local = self.i_range[1] - self.i_range[0]
+        self.gate = nn.Linear(H, E, bias=False)
+        self.gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
+        self.w13 = _param((self.num_local, 2 * i_local, H), self._load_expert)
+        self.w2 = _param((self.num_local, H, i_local), self._load_expert)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, False, tp)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+            self.shared_expert_gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
+
+    def _load_expert(self, param: torch.Tensor, w: torch.Tensor, shard: Any) -> None:
+        """shard = (global expert id, "gate" | "up" | "down"); other ranks' experts are skipped."""
+        expert, kind = shard
+        e = expert - self.first
+        if not 0 <= e < self.num_local:
+            return
+        s, t = self.i_range
+        n = t - s
+        if kind == "down":
+            param.data[e].copy_(w[:, s:t])
+        else:
+            off = 0 if kind == "gate" else n
+            param.data[e, off:off + n].copy_(w[s:t])
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        counts = None
+        tokens = x
+        if self.ep.attention_dp and self.ep.size > 1:
+            tokens, counts = gather_tokens(x, self.ep)
+        weights, ids = self.route(tokens)
+        y = ops.fused_moe(tokens, ids, weights, self.w13, self.w2, self.first)
+        if counts is not None:
+            y = scatter_tokens(y, counts, self.ep)
+        elif self.ep.size > 1 or self.tp.size > 1:
+            y = self.tp.all_reduce(y) if self.ep.size == 1 else _all_reduce(y, self.ep)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return y
+
+
+def _all_reduce(y: torch.Tensor, ep: EPGroup) -> torch.Tensor:
+    torch.distributed.all_reduce(y, group=ep.group)
+    return y
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+class MoECausalLM(CausalLM):
+    """Llama-family attention with sparse MoE MLPs (dense where the config says so)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, ep: EPGroup | None = None) -> None:
+        self.ep = ep or EPGroup()
+        tp = tp or TPGroup()
+
+        def mlp(c: ModelConfig, i: int, t: TPGroup) -> nn.Module:
+            return SparseMoE(c, t, self.ep) if self.is_sparse(c, i) else MLP(c.hidden_size, c.intermediate_size,
+                                                                            c.mlp_bias, t)
+        super().__init__(cfg, tp, mlp)
+
+    @staticmethod
+    def is_sparse(cfg: ModelConfig, layer: int) -> bool:
+        return layer not in cfg.mlp_only_layers and (layer + 1) % cfg.decoder_sparse_step == 0
+
+    def map_weight_name(self, name: str) -> tuple[str, object]:
+        m = _EXPERT.match(name)
+        if m:
+            layer, expert, kind = int(m.group(1)), int(m.group(2)), _KIND[m.group(3)]
+            return f"model.layers.{layer}.mlp.{'w2' if kind == 'down' else 'w13'}", (expert, kind)
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+        return super().map_weight_name(name)
+
+    def mlp_checkpoint_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        c = self.config
+        if not self.is_sparse(c, layer):
+            return super().mlp_checkpoint_shapes(layer)
+        H, I = c.hidden_size, c.moe_intermediate_size
+        if c.model_type == "mixtral":
+            p = f"model.layers.{layer}.block_sparse_moe."
+            names = {"w1": (I, H), "w3": (I, H), "w2": (H, I)}
+        else:
+            p = f"model.layers.{layer}.mlp."
+            names = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+        shapes = {p + "gate.weight": (c.num_experts, H)}
+        for e in range(c.num_experts):
+            for n, shape in names.items():
+                shapes[f"{p}experts.{e}.{n}.weight"] = shape
+        if c.shared_expert_intermediate_size:
+            S = c.shared_expert_intermediate_size
+            shapes.update({p + "shared_expert.gate_proj.weight": (S, H), p + "shared_expert.up_proj.weight": (S, H),
+                           p + "shared_expert.down_proj.weight": (H, S), p + "shared_expert_gate.weight": (1, H)})
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # experts of other ranks are skipped by the loader, so every expert tensor counts as placed
+        super().load_weights(weights)
