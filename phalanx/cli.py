@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = sub.add_parser("launch", help="under mpirun: run a command whose LLM uses this MPI job")
     launch.add_argument("cmd", nargs=argparse.REMAINDER)
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("kind", choices=["throughput", "decode", "serve", "prefix", "kv", "overhead"])
+    bench.add_argument("kind", choices=["throughput", "decode", "serve", "prefix", "kv", "overhead", "adp"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "serve":

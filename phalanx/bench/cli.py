@@ -8,6 +8,8 @@ def run_bench(kind: str, argv: list[str]) -> int:
         from phalanx.bench.throughput import main
     elif kind == "decode":
         from phalanx.bench.decode import main
+    elif kind == "adp":
+        from phalanx.bench.adp_routing import main
     elif kind == "overhead":
         from phalanx.bench.overhead import main
     elif kind == "kv":

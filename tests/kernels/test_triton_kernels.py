@@ -192,3 +192,20 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
     assert all(calls.get(n, 0) > 0 for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
                                              "copy_blocks", "fused_add_rms_norm", "silu_and_mul")), calls
+
+
+@pytest.mark.parametrize("T,k,E,first,local", [(1, 2, 4, 0, 4), (7, 2, 8, 4, 4), (19, 3, 6, 0, 3)]
+                         + ([(256, 8, 128, 64, 64), (2048, 8, 128, 0, 128)] if CUDA else []))
+def test_fused_moe_against_the_reference(T, k, E, first, local):
+    from phalanx.kernels import triton_moe
+    from phalanx.models.moe import experts_ref
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    H, I = (2048, 768) if CUDA and T >= 256 else (32, 24)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(DEV, dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
+    w = torch.rand(T, k, generator=g).to(DEV)
+    w13 = (torch.randn(local, 2 * I, H, generator=g) / H ** 0.5).to(DEV, dtype)
+    w2 = (torch.randn(local, H, I, generator=g) / I ** 0.5).to(DEV, dtype)
+    ref = experts_ref(x, ids, w, w13, w2, first)
+    close(triton_moe.fused_moe(x, ids, w, w13, w2, first), ref, dtype)

@@ -1,0 +1,131 @@
+"""Fused mixture-of-experts on the GPU: (token, expert) pairs sorted by expert into blocks of
+BLOCK_M rows, then two grouped GEMMs — gate‖up with SiLU-and-mul, and down scaled by the
+routing weight — each block using its expert's weights. Checked against
+``models.moe.experts_ref``.
+
+The bookkeeping uses only fixed-size tensor ops (no host synchronisation), so a decode step
+with MoE layers can be captured in a CUDA graph::
+
+    pairs P = T·k, local experts E, padded rows ≤ P + E·(BLOCK_M − 1)
+    sorted_pair[row]   pair index at each padded row (P = empty)
+    block_expert[b]    local expert of block b (E = empty block)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def align(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pair [R], block_expert [R // block_m]) for the pairs of ``ids`` [T, k] that fall on
+    this rank's experts ``first .. first + num_local``."""
+    P = ids.numel()
+    dev = ids.device
+    local = ids.reshape(-1) - first
+    local = torch.where((local >= 0) & (local < num_local), local, num_local)
+    counts = torch.zeros(num_local + 1, dtype=torch.long, device=dev).scatter_add_(0, local, torch.ones_like(local))
+    counts = counts[:num_local]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(local, stable=True)
+    sorted_e = local[order]
+    valid = sorted_e < num_local
+    e = sorted_e.clamp(max=num_local - 1)
+    rank_in_e = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[e]
+    rows = P + num_local * (block_m - 1)
+    rows = triton.cdiv(rows, block_m) * block_m
+    dst = torch.where(valid, starts[e] + rank_in_e, rows)          # invalid pairs go to a spill row
+    sorted_pair = torch.full((rows + 1,), P, dtype=torch.long, device=dev)
+    sorted_pair.scatter_(0, dst, order)
+    block_expert = torch.searchsorted(ends, torch.arange(0, rows, block_m, device=dev), right=True)
+    return sorted_pair[:rows], block_expert
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I, E,
+                        s_xt, s_we, s_wn, s_ar,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(bexp_ptr + b)
+    if e < E:
+        rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows)
+        rm = pair < P
+        tok = pair // TOPK
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < I
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        wb = w_ptr + e.to(tl.int64) * s_we
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < H
+            x = tl.load(x_ptr + tok[:, None] * s_xt + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            wg = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            wu = tl.load(wb + (I + n)[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC)
+            acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + rows[:, None] * s_ar + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,
+                     s_ar, s_we, s_wn, s_yr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(bexp_ptr + b)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < H
+    if e < E:
+        pair = tl.load(pair_ptr + rows)
+        rm = pair < P
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        wb = w_ptr + e.to(tl.int64) * s_we
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < I
+            a = tl.load(act_ptr + rows[:, None] * s_ar + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            w = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += tl.dot(a, tl.trans(w), input_precision=PREC)
+        rw = tl.load(rw_ptr + pair, mask=rm, other=0.0)
+        acc = acc * rw[:, None]
+        tl.store(y_ptr + rows[:, None] * s_yr + n[None, :], acc, mask=rm[:, None] & nm[None, :])
+    else:
+        tl.store(y_ptr + rows[:, None] * s_yr + n[None, :], tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                 mask=nm[None, :])
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              first: int) -> torch.Tensor:
+    """x [T, H]; ids/weights [T, k]; w13 [E, 2I, H]; w2 [E, H, I] (local experts from ``first``)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    P = T * k
+    block_m = 16 if P <= 256 else 64
+    sorted_pair, block_expert = align(ids, first, E, block_m)
+    R = sorted_pair.shape[0]
+    x = x.contiguous()
+    act = torch.empty(R, I, dtype=x.dtype, device=x.device)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    bn, bk = 64, 64
+    _moe_gate_up_kernel[(R // block_m, triton.cdiv(I, bn))](
+        x, w13, sorted_pair, block_expert, act, P, k, H, I, E, x.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec)
+    y = torch.empty(R, H, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(R // block_m, triton.cdiv(H, bn))](
+        act, w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(), y, P, H, I, E,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec)
+    out = torch.zeros(T + 1, H, dtype=torch.float32, device=x.device)
+    tok = torch.where(sorted_pair < P, sorted_pair // k, T)
+    out.index_add_(0, tok, y)
+    return out[:T].to(x.dtype)
