@@ -22,7 +22,7 @@ from phalanx.executor.messages import (
     Control, ControlResult, GenerationRequest, IterationInput, Response, TokenBatch, pack, unpack,
 )
 from phalanx.executor.model_runner import InFlightStep, ModelRunner, StepResult
-from phalanx.executor.request import Request, RequestStatus
+from phalanx.executor.request import Request, RequestStatus, check_prompt
 from phalanx.executor.scheduler import ScheduledBatch, Scheduler, StepOutcome
 from phalanx.llmapi.sampling_params import SamplingParams
 
@@ -192,14 +192,7 @@ class PyExecutor:
 
     def _make_request(self, msg: GenerationRequest) -> Request:
         ids = msg.prompt_token_ids
-        if not ids:
-            raise ValueError("prompt must contain at least one token")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len {self.max_seq_len} allows at most "
-                             f"{self.max_seq_len - 1} prompt tokens")
+        check_prompt(ids, self.vocab_size, self.max_seq_len)
         params = SamplingParams.from_dict(msg.sampling_params)
         params.check_vocab(self.vocab_size)
         limit = self.max_seq_len if params.max_tokens is None else min(self.max_seq_len, len(ids) + params.max_tokens)

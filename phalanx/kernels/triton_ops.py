@@ -63,6 +63,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 # -- rotary + K/V write -----------------------------------------------------------------------------
 @triton.jit
+def _rotate(x1, x2, cos, sin):
+    """Rotate-half of one head: (x1, x2) halves in float32 -> rotated halves."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rope_kernel(pos_ptr, cs_ptr, x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
                  HALF: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
@@ -75,10 +81,10 @@ def _rope_kernel(pos_ptr, cs_ptr, x_ptr, out_ptr, stride_xt, stride_xh, stride_o
     base = x_ptr + t * stride_xt + h * stride_xh
     x1 = tl.load(base + i, mask=m, other=0.0)
     x2 = tl.load(base + HALF + i, mask=m, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    r1, r2 = _rotate(x1.to(tl.float32), x2.to(tl.float32), cos, sin)
     o = out_ptr + t * stride_ot + h * stride_oh
-    tl.store(o + i, (x1f * cos - x2f * sin).to(x1.dtype), mask=m)
-    tl.store(o + HALF + i, (x2f * cos + x1f * sin).to(x1.dtype), mask=m)
+    tl.store(o + i, r1.to(x1.dtype), mask=m)
+    tl.store(o + HALF + i, r2.to(x1.dtype), mask=m)
 
 
 def _rope(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -112,8 +118,8 @@ def _rope_write_kv_kernel(pos_ptr, cs_ptr, slot_ptr, k_ptr, v_ptr, kc_ptr, vc_pt
         pos = tl.load(pos_ptr + t)
         cos = tl.load(cs_ptr + pos * (2 * HALF) + i, mask=m, other=0.0)
         sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=m, other=0.0)
-        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-        k1, k2 = (k1f * cos - k2f * sin).to(k1.dtype), (k2f * cos + k1f * sin).to(k1.dtype)
+        r1, r2 = _rotate(k1.to(tl.float32), k2.to(tl.float32), cos, sin)
+        k1, k2 = r1.to(k1.dtype), r2.to(k1.dtype)
     cb = kc_ptr + slot * stride_cs + h * stride_ch
     tl.store(cb + i, k1.to(kc_ptr.dtype.element_ty), mask=m)
     tl.store(cb + HALF + i, k2.to(kc_ptr.dtype.element_ty), mask=m)
@@ -149,10 +155,10 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
         vd = vc_ptr + slot * s_cs + (h - H) * s_ch
         tl.store(vd + i, tl.load(vb + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
         tl.store(vd + HALF + i, tl.load(vb + HALF + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
-    x1 = tl.load(base + i, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=m)
-    tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=m)
+    r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
+                     tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
+    tl.store(dst + i, r1.to(dst.dtype.element_ty), mask=m)
+    tl.store(dst + HALF + i, r2.to(dst.dtype.element_ty), mask=m)
 
 
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -98,14 +98,8 @@ class LLM:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(inputs).__name__}")
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt must contain at least one token")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_seq_len is {self.max_seq_len} "
-                             f"(at most {self.max_seq_len - 1} prompt tokens leave room for output)")
+        from phalanx.executor.request import check_prompt
+        check_prompt(ids, self.vocab_size, self.max_seq_len)
         params.check_vocab(self.vocab_size)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
