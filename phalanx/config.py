@@ -68,6 +68,8 @@ class AttentionDpConfig(StrictModel):
     timeout_iters: int = Field(50, ge=0)
     load_balance_weight: float = Field(1.0, ge=0.0, description="β in score = uncached tokens + β·normalised load.")
     routing: Literal["cache_aware", "load"] = "cache_aware"
+    balance_threshold: int = Field(4, ge=1, description="Load gap (requests) at which the router balances "
+                                                       "instead of following the cache.")
 
 
 class LlmArgs(StrictModel):

@@ -28,7 +28,8 @@ class AdpExecutor(PyExecutor):
         from phalanx.config import AttentionDpConfig
         self.check_digests = False      # each rank schedules its own requests
         self.adp = adp_config or AttentionDpConfig()
-        self.router = RouterConfig(self.adp.load_balance_weight, self.adp.routing == "load")
+        self.router = RouterConfig(self.adp.load_balance_weight, self.adp.routing == "load",
+                                   self.adp.balance_threshold)
         self.capacity = capacity
         self.pending: list[GenerationRequest] = []
         self.waited = 0

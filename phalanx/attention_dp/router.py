@@ -11,8 +11,12 @@ For a request of L prompt tokens and rank r::
 the tokens r would have to compute plus its load as a share of its capacity, in units of the
 request (β = 0 routes on cache alone, larger β balances harder). Lowest score wins; ties go to
 the lowest rank; a rank at capacity is skipped unless every rank is. Requests are placed in
-arrival order and each placement adds one to that rank's load. With ``load_only`` the match
-lengths are ignored (score = load / capacity).
+arrival order and each placement adds one to that rank's load.
+
+A shared prefix (a chat template's system prompt) would otherwise pull every request onto the
+one rank that holds it: once the loads differ by ``balance_threshold`` requests or more, the
+next request goes to the least-loaded rank instead. With ``load_only`` the match lengths are
+ignored (score = load / capacity).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 class RouterConfig:
     load_balance_weight: float = 1.0   # β
     load_only: bool = False
+    balance_threshold: int = 4         # load gap (requests) beyond which balance overrides the cache
 
 
 def place(prompt_lens: Sequence[int], matches: Sequence[Sequence[int]], loads: Sequence[int],
@@ -39,7 +44,10 @@ def place(prompt_lens: Sequence[int], matches: Sequence[Sequence[int]], loads: S
     out = []
     for i, L in enumerate(prompt_lens):
         open_ranks = [r for r in ranks if loads[r] < capacities[r]] or list(ranks)
-        best = min(open_ranks, key=lambda r: (_score(L, matches[r][i], loads[r], capacities[r], cfg), r))
+        if max(loads) - min(loads) >= cfg.balance_threshold:
+            best = min(open_ranks, key=lambda r: (loads[r] / max(1, capacities[r]), r))
+        else:
+            best = min(open_ranks, key=lambda r: (_score(L, matches[r][i], loads[r], capacities[r], cfg), r))
         loads[best] += 1
         out.append(best)
     return out

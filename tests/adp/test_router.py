@@ -13,9 +13,15 @@ from phalanx.attention_dp.router import RouterConfig, place
     # rank 1 holds 90 of 100 tokens: the cache wins over a small load difference
     ([100], [[0], [90]], [0, 2], [8, 8], RouterConfig(), [1]),
     # ... but not over a large one: score0 = 100, score1 = 10 + 100 * 7/8 = 97.5 -> still 1; at 8/8 it is full
-    ([100], [[0], [90]], [0, 8], [8, 8], RouterConfig(), [0]),
-    # β = 0: cache only, even when loaded
-    ([100], [[0], [90]], [0, 7], [8, 8], RouterConfig(load_balance_weight=0.0), [1]),
+    ([100], [[0], [90]], [0, 8], [8, 8], RouterConfig(balance_threshold=100), [0]),
+    ([100], [[0], [90]], [0, 7], [8, 8], RouterConfig(balance_threshold=100), [1]),
+    # a load gap of balance_threshold overrides the cache
+    ([100], [[0], [90]], [0, 4], [64, 64], RouterConfig(), [0]),
+    ([100], [[0], [90]], [0, 3], [64, 64], RouterConfig(), [1]),
+    # a burst sharing a prefix held by rank 0 fills it up to the threshold, then spreads
+    ([50] * 8, [[40] * 8, [0] * 8], [0, 0], [64, 64], RouterConfig(), [0, 0, 0, 0, 1, 0, 1, 0]),
+    # β = 0: cache only, even when loaded (below the balance threshold)
+    ([100], [[0], [90]], [0, 3], [8, 8], RouterConfig(load_balance_weight=0.0), [1]),
     # load-only routing ignores the cache
     ([100], [[0], [90]], [0, 2], [8, 8], RouterConfig(load_only=True), [0]),
     # every rank full: still placed (least loaded share)
