@@ -6,6 +6,7 @@ touches the engine, and a client that goes away has its request aborted on every
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -373,8 +374,10 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
 
     async def pump(i: int, fut: RequestOutput) -> None:
         try:
-            async for out in fut:
-                await queue.put((i, out, None))
+            async for out in fut:   # the future mutates itself on every pull: queue a copy
+                snap = copy.copy(out)
+                snap.outputs = [copy.copy(o) for o in out.outputs]
+                await queue.put((i, snap, None))
         except Exception as e:  # noqa: BLE001 - forwarded to the consumer
             await queue.put((i, None, e))
         await queue.put((i, None, None))
