@@ -10,9 +10,9 @@ requests each rank served.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from typing import Any
+from phalanx.bench.metrics import emit_report
 
 
 def workload(groups: int, per_group: int, system: int, question: int, vocab: int, seed: int = 0):
@@ -64,9 +64,5 @@ def main(argv: list[str]) -> int:
     waves = workload(a.groups, a.per_group, a.system, a.question, vocab)
     report = {"settings": vars(a), "modes": [run_mode(model, r, waves, a.osl, a.tp, dummy)
                                              for r in ("cache_aware", "load")]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, a.output)
     return 0

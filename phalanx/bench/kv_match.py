@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
 from phalanx.kv_manager import KVCacheManager
+from phalanx.bench.metrics import emit_report
 
 
 def measure(num_blocks: int = 4096, tokens_per_block: int = 32, prompt_blocks: int = 64,
@@ -55,9 +55,5 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--output", default=None, help="write the JSON here too")
     a = ap.parse_args(argv)
     res = measure(prompt_blocks=a.prompt_blocks, num_prompts=a.num_prompts)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write(text + "\n")
+    emit_report(res, a.output)
     return 0

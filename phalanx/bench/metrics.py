@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from typing import Any
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -38,3 +40,12 @@ def request_latencies(start: float, token_times: Sequence[float]) -> dict[str, f
     tpot = (e2e - ttft) / (n - 1) if n > 1 else math.nan
     itl = [b - a for a, b in zip(token_times, token_times[1:])]
     return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}
+
+
+def emit_report(report: dict[str, Any], path: str | None) -> None:
+    """Print the report as JSON and, when ``path`` is given, write it there too."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")

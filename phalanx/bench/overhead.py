@@ -4,10 +4,9 @@ streamed token, against the same engine in-process (same model, same prompts).""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
-from phalanx.bench.metrics import summarize
+from phalanx.bench.metrics import emit_report, summarize
 
 
 def _latencies(llm, n: int, max_tokens: int) -> dict:
@@ -73,9 +72,5 @@ def main(argv: list[str]) -> int:
         for k in ("request_us", "token_us"):
             mi, mp = report["inprocess"][what][k]["median"], report["mpi"][what][k]["median"]
             report.setdefault("proxy_overhead_us", {})[f"{what}.{k}.median"] = mp - mi
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write(text + "\n")
+    emit_report(report, a.output)
     return 0

@@ -4,7 +4,7 @@ behind one endpoint, requests placed by the router, metrics summed over ranks.""
 import httpx
 import pytest
 
-from conftest_serve import KEY, start_server, stop_server
+from serve_helpers import KEY, start_server, stop_server
 
 pytestmark = pytest.mark.mpi
 

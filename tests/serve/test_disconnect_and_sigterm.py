@@ -6,7 +6,7 @@ import time
 import httpx
 import psutil
 
-from conftest import KEY, start_server, stop_server
+from serve_helpers import KEY, start_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
 H = {"Authorization": f"Bearer {KEY}"}

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port, start_server, stop_server
+from serve_helpers import free_port, start_server, stop_server
 from phalanx.executor.proxy import find_mpirun
 from phalanx.serve.cli import instructions
 

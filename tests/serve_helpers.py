@@ -1,4 +1,4 @@
-"""Starting and stopping a real `phalanx serve` (shared with tests/serve/conftest.py)."""
+"""Start and stop a real `phalanx serve` on loopback (used by tests/serve and tests/adp)."""
 
 import os
 import signal
