@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any
 
-from phalanx.bench.metrics import summarize
+from phalanx.bench.metrics import emit_report, summarize
 from phalanx.bench.throughput import make_prompts
 
 
@@ -123,10 +123,5 @@ def main(argv: list[str]) -> int:
                       flush=True)
         finally:
             llm.shutdown()
-    text = json.dumps(report, indent=2)
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    emit_report(report, a.output, echo=False)
     return 0

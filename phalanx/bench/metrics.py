@@ -42,10 +42,12 @@ def request_latencies(start: float, token_times: Sequence[float]) -> dict[str, f
     return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}
 
 
-def emit_report(report: dict[str, Any], path: str | None) -> None:
-    """Print the report as JSON and, when ``path`` is given, write it there too."""
+def emit_report(report: dict[str, Any], path: str | None, echo: bool = True) -> None:
+    """Write the report as JSON to ``path`` (when given) and print it (when ``echo``, or
+    when there is no path)."""
     text = json.dumps(report, indent=2)
-    print(text)
+    if echo or not path:
+        print(text)
     if path:
         with open(path, "w") as f:
             f.write(text + "\n")

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import time
 from typing import Any
 
-from phalanx.bench.metrics import request_latencies, summarize
+from phalanx.bench.metrics import emit_report, request_latencies, summarize
 
 
 def make_prompts(num: int, isl: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -156,10 +155,9 @@ def main(argv: list[str]) -> int:
     }
     report["settings"]["device"] = _device_name()
 
-    def save() -> None:
+    def save() -> None:   # after every point: a run cut short still leaves its figures
         if a.output:
-            with open(a.output, "w") as f:
-                f.write(json.dumps(report, indent=2) + "\n")
+            emit_report(report, a.output, echo=False)
 
     try:
         for c in a.concurrency:
@@ -186,12 +184,7 @@ def main(argv: list[str]) -> int:
             save()
             print(f"concurrency {run['concurrency']:4d}: HF generate {hf['output_throughput']:9.1f} out tok/s "
                   f"-> phalanx ×{run['speedup_vs_hf']:.2f}", flush=True)
-    text = json.dumps(report, indent=2)
-    if a.output:
-        with open(a.output, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    emit_report(report, a.output, echo=False)
     return 0
 
 

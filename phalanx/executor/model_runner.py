@@ -13,7 +13,7 @@ the next step gathers it from that buffer on the device; its position comes from
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,9 +53,6 @@ class InFlightStep:
     sampled: SampleOutput | None
     host_tokens: torch.Tensor | None
     ready: torch.cuda.Event | None = None
-    gpu_start: torch.cuda.Event | None = None
-    gpu_end: torch.cuda.Event | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -187,7 +184,7 @@ class ModelRunner:
         ready = _event(self.stream is not None)
         if timing:
             self.timings.append((start, end))
-        return InFlightStep(batch, rows, sampled, host, ready, start, end)
+        return InFlightStep(batch, rows, sampled, host, ready)
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a launched step's tokens on the host (after the next step is launched)."""

@@ -50,13 +50,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return reference.fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
-    if use_triton(q):
-        from phalanx.kernels import triton_ops
-        return triton_ops.rotary(positions, q, k, cos_sin)
-    return reference.rotary_ref(positions, q, k, cos_sin)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         from phalanx.kernels import triton_ops
@@ -102,14 +95,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
         return triton_moe.fused_moe(x, ids, weights, w13, w2, first)
     from phalanx.models.moe import experts_ref
     return experts_ref(x, ids, weights, w13, w2, first)
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    if use_triton(k):
-        from phalanx.kernels import triton_ops
-        return triton_ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    attention_ref.write_kv_ref(k_cache, v_cache, k, v, meta.slot_mapping)
 
 
 def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:

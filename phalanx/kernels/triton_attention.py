@@ -31,6 +31,18 @@ def _precision(dtype: torch.dtype) -> tl.constexpr:
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
+    """Fold one tile of masked scores qk [M, N] and values v [N, D] into the running max m_i,
+    normaliser l_i and unnormalised output acc (flash-attention update)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp(qk - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
                          scale, window,
@@ -63,12 +75,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
         v = tl.load(vc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
         qk = tl.where(km[None, :], qk, NEG)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
     empty = hi <= lo
     out = tl.where(empty, 0.0, acc / tl.maximum(l_i, 1e-30)[:, None])
     lse = tl.where(empty, NEG, m_i + tl.log(tl.maximum(l_i, 1e-30)))
@@ -162,12 +169,7 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
             ok = (kpos[None, :] <= q_pos[:, None]) & kin[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
             qk = tl.where(ok, qk, NEG)
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + (q0 + offs_m)[:, None] * s_ot + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=mm[:, None] & dm[None, :])

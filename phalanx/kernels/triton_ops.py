@@ -1,7 +1,7 @@
 """Triton kernels for the per-token ops; each mirrors a torch reference in ``reference.py``.
 
-RMSNorm (+ fused residual add), rotary embedding fused with the K/V write into the paged pool,
-SiLU-and-mul, and the partial-reuse block copy. Shapes are in the docstrings; every kernel is
+RMSNorm (+ fused residual add), rotary embedding of q and k fused with the K/V write into the
+paged pool (one launch per layer), SiLU-and-mul, and the partial-reuse block copy. Shapes are in the docstrings; every kernel is
 checked against its reference by tests/kernels (interpreter on CPU, full sweep on a GPU).
 """
 
@@ -69,69 +69,6 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
-def _rope_kernel(pos_ptr, cs_ptr, x_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    i = tl.arange(0, BLOCK)
-    m = i < HALF
-    pos = tl.load(pos_ptr + t)
-    cos = tl.load(cs_ptr + pos * (2 * HALF) + i, mask=m, other=0.0)
-    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=m, other=0.0)
-    base = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + i, mask=m, other=0.0)
-    x2 = tl.load(base + HALF + i, mask=m, other=0.0)
-    r1, r2 = _rotate(x1.to(tl.float32), x2.to(tl.float32), cos, sin)
-    o = out_ptr + t * stride_ot + h * stride_oh
-    tl.store(o + i, r1.to(x1.dtype), mask=m)
-    tl.store(o + HALF + i, r2.to(x1.dtype), mask=m)
-
-
-def _rope(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    T, H, D = x.shape
-    if T:
-        _rope_kernel[(T, H)](positions, cos_sin, x, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                             HALF=D // 2, BLOCK=_pow2(D // 2))
-    return out
-
-
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
-    """positions [T]; q [T, H, D]; k [T, Hkv, D] (strided views are fine) -> new q, k."""
-    return (_rope(positions, q, cos_sin, torch.empty(q.shape, dtype=q.dtype, device=q.device)),
-            _rope(positions, k, cos_sin, torch.empty(k.shape, dtype=k.dtype, device=k.device)))
-
-
-@triton.jit
-def _rope_write_kv_kernel(pos_ptr, cs_ptr, slot_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr,
-                          stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
-                          HALF: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr):
-    """Rotate k (when ROPE) and write k, v of token t, head h into the pool slot of t."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    i = tl.arange(0, BLOCK)
-    m = i < HALF
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    kb = k_ptr + t * stride_kt + h * stride_kh
-    k1 = tl.load(kb + i, mask=m, other=0.0)
-    k2 = tl.load(kb + HALF + i, mask=m, other=0.0)
-    if ROPE:
-        pos = tl.load(pos_ptr + t)
-        cos = tl.load(cs_ptr + pos * (2 * HALF) + i, mask=m, other=0.0)
-        sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=m, other=0.0)
-        r1, r2 = _rotate(k1.to(tl.float32), k2.to(tl.float32), cos, sin)
-        k1, k2 = r1.to(k1.dtype), r2.to(k1.dtype)
-    cb = kc_ptr + slot * stride_cs + h * stride_ch
-    tl.store(cb + i, k1.to(kc_ptr.dtype.element_ty), mask=m)
-    tl.store(cb + HALF + i, k2.to(kc_ptr.dtype.element_ty), mask=m)
-    vb = v_ptr + t * stride_vt + h * stride_vh
-    v1 = tl.load(vb + i, mask=m, other=0.0)
-    v2 = tl.load(vb + HALF + i, mask=m, other=0.0)
-    cv = vc_ptr + slot * stride_cs + h * stride_ch
-    tl.store(cv + i, v1.to(vc_ptr.dtype.element_ty), mask=m)
-    tl.store(cv + HALF + i, v2.to(vc_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr,
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H,
                      HALF: tl.constexpr, BLOCK: tl.constexpr):
@@ -177,21 +114,6 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), H,
             HALF=D // 2, BLOCK=_pow2(D // 2))
     return q_out
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
-             cos_sin: torch.Tensor | None = None) -> None:
-    """k, v [T, Hkv, D] into the pool at ``slot_mapping`` (rotating k first when cos_sin is given)."""
-    T, Hkv, D = k.shape
-    if T == 0:
-        return
-    kc = k_cache.view(-1, Hkv, D)
-    rope = cos_sin is not None
-    _rope_write_kv_kernel[(T, Hkv)](
-        positions if rope else slot_mapping, cos_sin if rope else k, slot_mapping, k, v, kc, v_cache.view(-1, Hkv, D),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
-        HALF=D // 2, BLOCK=_pow2(D // 2), ROPE=rope)
 
 
 # -- SiLU and mul -------------------------------------------------------------------------------------

@@ -189,7 +189,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embedding with a float32 cos/sin table over positions."""
+    """The float32 cos ‖ sin table over positions for rotate-half rotary embedding; attention
+    applies it together with the K/V write (``ops.rope_and_write_kv``)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> None:
         super().__init__()
@@ -198,9 +199,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)                      # [P, D/2]
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, H, D], k: [T, Hkv, D]
-        return ops.rotary(positions, q, k, self.cos_sin)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:

@@ -71,23 +71,23 @@ def _job_pids(job_pid):
     return [job_pid] + [c.pid for c in root.children(recursive=True)]
 
 
-def test_interpreter_exit_without_shutdown_leaves_nothing(tmp_path, tiny_models):
-    script = tmp_path / "exit.py"
+def _run_exit_script(tmp_path, model: str, mode: str) -> tuple[subprocess.Popen, int]:
+    """Start EXIT_SCRIPT in ``mode``; returns the process and its MPI job's pid."""
+    script = tmp_path / f"{mode}.py"
     script.write_text(EXIT_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), tiny_models["qwen2"], "exit"], stdout=subprocess.PIPE,
-                            text=True)
-    job = int(proc.stdout.readline().split()[1])
+    proc = subprocess.Popen([sys.executable, str(script), model, mode], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline().split()[1])
+
+
+def test_interpreter_exit_without_shutdown_leaves_nothing(tmp_path, tiny_models):
+    proc, job = _run_exit_script(tmp_path, tiny_models["qwen2"], "exit")
     pids = _job_pids(job)
     assert proc.wait(timeout=120) == 0
     assert _wait_gone(pids, 15) == []
 
 
 def test_killed_user_process_takes_the_job_down(tmp_path, tiny_models):
-    script = tmp_path / "kill.py"
-    script.write_text(EXIT_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), tiny_models["qwen2"], "kill"], stdout=subprocess.PIPE,
-                            text=True)
-    job = int(proc.stdout.readline().split()[1])
+    proc, job = _run_exit_script(tmp_path, tiny_models["qwen2"], "kill")
     assert proc.stdout.readline().startswith("READY")
     pids = _job_pids(job)
     proc.send_signal(signal.SIGKILL)
