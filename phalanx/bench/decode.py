@@ -90,19 +90,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="both")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--orchestrator", default=None, choices=["mpi", "inprocess"])
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
     ap.add_argument("--output", default=None)
     a = ap.parse_args(argv)
     from phalanx import LLM
     from phalanx.bench.shapes import resolve_model_arg
+    from phalanx.config import merge_yaml
     model, dummy = resolve_model_arg(a.model)
     report: dict[str, Any] = {"settings": vars(a), "bandwidth": measure_bandwidth(), "runs": []}
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
     for overlap in modes:
+        kwargs: dict[str, Any] = {
+            "load_format": "dummy" if dummy else "auto", "dtype": a.dtype, "disable_overlap_scheduler": not overlap,
+            "max_batch_size": max(a.batch), "orchestrator_type": a.orchestrator, "tensor_parallel_size": a.tp,
+            "max_seq_len": a.prompt_len + a.steps + 64, "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))}}
+        if a.config:
+            kwargs = merge_yaml(kwargs, a.config)
         t0 = time.perf_counter()
-        llm = LLM(model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, dtype=a.dtype,
-                  disable_overlap_scheduler=not overlap, max_batch_size=max(a.batch), orchestrator_type=a.orchestrator,
-                  max_seq_len=a.prompt_len + a.steps + 64,
-                  cuda_graph_config={"batch_sizes": sorted(set(a.batch))})
+        llm = LLM(model, skip_tokenizer_init=True, **kwargs)
         startup = time.perf_counter() - t0
         try:
             for b in a.batch:

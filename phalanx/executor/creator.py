@@ -115,9 +115,14 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     from phalanx.kernels import ops
     if not ops.triton_available():
         return {}
-    from phalanx.kernels import triton_gemv
-    weights = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n]
-    return triton_gemv.tune(weights)
+    from phalanx.kernels import triton_gemv as tg
+
+    def neighbour(name: str) -> str:   # what runs in front of this projection (models/llama.py)
+        if name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")):
+            return tg.NORM
+        return tg.SILU if name.endswith("down_proj.weight") else tg.PLAIN
+    weights = [(p, neighbour(n)) for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n]
+    return tg.tune(weights)
 
 
 @torch.inference_mode()

@@ -87,6 +87,22 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(silu_and_mul(x), weight)
 
 
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) Wᵀ + b, x + residual): the norm in front of a projection, fused
+    into the skinny kernel for small GPU batches. Without a residual the second result is x."""
+    if use_triton(x):
+        from phalanx.kernels import triton_gemv
+        out = triton_gemv.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+        if out is not None:
+            return out
+    if residual is None:
+        h, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(h, weight, bias), residual
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int) -> torch.Tensor:
     """Σ over this rank's (token, expert) pairs of weight · down(silu(gate) · up) -> [T, H]."""

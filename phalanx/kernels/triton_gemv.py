@@ -2,10 +2,16 @@
 between it and cuBLAS.
 
 At batch 1 a decode step is a stream of weight reads; the kernel walks W in [BLOCK_N, BLOCK_K]
-tiles with wide loads and a pipelined K loop (rows of x padded to 16 for tensor-core dots). Which
-of a few tile configurations — or cuBLAS — is fastest depends on (N, K) and the GPU, so it is
-measured once per weight shape (``tune``) before CUDA graphs are captured, and looked up after.
-The torch reference is ``torch.nn.functional.linear``.
+tiles with wide loads and a pipelined K loop (rows of x padded to 16 for tensor-core dots). Two
+neighbours ride along so that they cost no launch of their own: SiLU-and-mul on the input of the
+down projection, and the residual add + RMSNorm in front of the q/k/v and gate/up projections
+(every program recomputes the row's norm from the same few KB, which sit in L2).
+
+Which of a few tile configurations — or cuBLAS (with the neighbour as its own kernel) — is fastest
+depends on (N, K), on the neighbour and on the GPU, so it is measured once per weight shape
+(``tune``) before CUDA graphs are captured, and looked up after. Timing replays a CUDA graph over
+several copies of the weight, so that it is read from memory as in a real step and not from L2.
+The torch reference is ``torch.nn.functional.linear`` after the references of the neighbours.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ import triton.language as tl
 MAX_ROWS = 4
 CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (16, 512, 4, 3), (32, 256, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3),
+    (16, 256, 4, 4), (32, 512, 8, 3), (16, 1024, 8, 2),
 ]
+# what sits in front of the matmul: nothing, silu(gate) * up, or residual add + RMSNorm
+PLAIN, SILU, NORM = "plain", "silu", "norm"
 
 
 @triton.jit
@@ -48,6 +57,66 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
     tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
+@triton.jit
+def _norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rout_ptr, M, N, K, s_xm, s_rm, s_wn, s_ym, eps,
+                      HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PREC: tl.constexpr):
+    """y = rms_norm(x + r) Wᵀ; program 0 also stores x + r (the new residual) to rout. The
+    normalised row is rounded to x's dtype before the product, as the separate kernels do."""
+    pid = tl.program_id(0)
+    m = tl.arange(0, 16)
+    mm = m < M
+    ss = tl.zeros([16], tl.float32)
+    for k0 in range(0, K, BLOCK_K):          # pass 1: the row's sum of squares
+        k = k0 + tl.arange(0, BLOCK_K)
+        xm = mm[:, None] & (k < K)[None, :]
+        h = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
+        if HAS_RES:
+            h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
+            if pid == 0:
+                tl.store(rout_ptr + m[:, None] * K + k[None, :], h, mask=xm)
+        hf = h.to(tl.float32)
+        ss += tl.sum(hf * hf, 1)
+    rstd = 1.0 / tl.sqrt(ss / K + eps)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):          # pass 2: the product with the normalised row
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        xm = mm[:, None] & km[None, :]
+        h = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
+        if HAS_RES:
+            h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
+        g = tl.load(nw_ptr + k, mask=km, other=0.0)
+        xn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype) * g[None, :]
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc += tl.dot(xn.to(w.dtype), tl.trans(w), input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, bias: torch.Tensor | None = None,
+              config: tuple[int, int, int, int] = CONFIGS[1]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) Wᵀ + b, x + residual) for x [M, K], M <= 16; without a residual
+    the second result is x itself."""
+    M, K = x.shape
+    N = weight.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    r = None if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    rout = torch.empty(M, K, dtype=x.dtype, device=x.device) if r is not None else x
+    bn, bk, warps, stages = config
+    _norm_gemv_kernel[(triton.cdiv(N, bn),)](
+        x, r if r is not None else x, norm_weight, weight, bias if bias is not None else weight, y, rout,
+        M, N, K, x.stride(0), r.stride(0) if r is not None else 0, weight.stride(0), y.stride(0), eps,
+        HAS_RES=r is not None, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+    return y, rout
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, int, int, int] = CONFIGS[1], silu: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 16), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and
@@ -65,24 +134,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
-# (N, K, dtype) -> a CONFIGS entry, or None for cuBLAS
-_CHOICE: dict[tuple[int, int, torch.dtype], tuple[int, int, int, int] | None] = {}
+# (N, K, dtype, neighbour) -> a CONFIGS entry, or None for cuBLAS
+_CHOICE: dict[tuple[int, int, torch.dtype, str], tuple[int, int, int, int] | None] = {}
 
 
-def choice(weight: torch.Tensor) -> tuple[int, int, int, int] | None:
-    return _CHOICE.get((weight.shape[0], weight.shape[1], weight.dtype))
+def choice(weight: torch.Tensor, kind: str = PLAIN) -> tuple[int, int, int, int] | None:
+    return _CHOICE.get((weight.shape[0], weight.shape[1], weight.dtype, kind))
 
 
-def _time(fn, reps: int = 20) -> float:
-    """Milliseconds per call, replayed from a CUDA graph (as decode runs), so launch overhead
-    does not hide the kernel's own speed."""
-    for _ in range(3):
-        fn()
+def _time(fn, copies: int, reps: int = 24) -> float:
+    """Milliseconds per call of fn(i) (i picks one of ``copies`` weight copies), replayed from a
+    CUDA graph as decode runs, so launch overhead does not hide the kernel's own speed."""
+    for i in range(3):
+        fn(i % copies)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+        for i in range(reps):
+            fn(i % copies)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -93,35 +162,68 @@ def _time(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / (3 * reps)
 
 
-def tune(weights: list[torch.Tensor], rows: int = 1) -> dict[str, float]:
-    """Measure cuBLAS and each tile config on every distinct weight shape at ``rows`` rows;
-    remember the fastest. Returns the bandwidth each shape reaches (GB/s), for the log."""
+def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]):
+    """cuBLAS (None) and each tile config, as fn(i) over the weight copies, with the neighbour."""
+    from phalanx.kernels import triton_ops
+    if kind == SILU:
+        yield None, lambda i: F.linear(triton_ops.silu_and_mul(x), ws[i])
+        for cfg in CONFIGS:
+            yield cfg, lambda i, cfg=cfg: gemv(x, ws[i], None, cfg, silu=True)
+    elif kind == NORM:
+        yield None, lambda i: F.linear(triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i])
+        for cfg in CONFIGS:
+            yield cfg, lambda i, cfg=cfg: norm_gemv(x, r, g, 1e-6, ws[i], None, cfg)
+    else:
+        yield None, lambda i: F.linear(x, ws[i])
+        for cfg in CONFIGS:
+            yield cfg, lambda i, cfg=cfg: gemv(x, ws[i], None, cfg)
+
+
+def tune(weights: list[tuple[torch.Tensor, str]], rows: int = 1, l2_bytes: int = 256 << 20) -> dict[str, float]:
+    """Measure cuBLAS and each tile config on every distinct (weight shape, neighbour) at ``rows``
+    rows; remember the fastest. Returns the bandwidth each reaches (GB/s of weight), for the log."""
     report: dict[str, float] = {}
-    for w in weights:
-        key = (w.shape[0], w.shape[1], w.dtype)
+    for w, kind in weights:
+        key = (w.shape[0], w.shape[1], w.dtype, kind)
         if key in _CHOICE or w.dim() != 2 or not w.is_cuda:
             continue
-        x = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
-        best, best_ms = None, _time(lambda: F.linear(x, w))
-        for cfg in CONFIGS:
+        nbytes = w.numel() * w.element_size()
+        ws = [w] + [torch.randn_like(w) for _ in range(min(7, -(-l2_bytes // nbytes) - 1))]
+        K = w.shape[1]
+        x = torch.randn(rows, 2 * K if kind == SILU else K, dtype=w.dtype, device=w.device)
+        r = torch.randn(rows, K, dtype=w.dtype, device=w.device)
+        g = torch.ones(K, dtype=w.dtype, device=w.device)
+        best, best_ms = None, float("inf")
+        for cfg, fn in _candidates(kind, x, r, g, ws):
             try:
-                ms = _time(lambda cfg=cfg: gemv(x, w, None, cfg))
+                ms = _time(fn, len(ws))
             except Exception:  # a config the compiler rejects on this GPU
                 continue
             if ms < best_ms:
                 best, best_ms = cfg, ms
+        del ws
         _CHOICE[key] = best
-        report[f"{w.shape[0]}x{w.shape[1]}:{'cublas' if best is None else best}"] = \
-            w.numel() * w.element_size() / best_ms / 1e6
+        report[f"{w.shape[0]}x{w.shape[1]}/{kind}:{'cublas' if best is None else best}"] = nbytes / best_ms / 1e6
     return report
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up times Wᵀ in one kernel for small batches; None when not applicable."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        cfg = choice(weight)
+        cfg = choice(weight, SILU)
         if cfg is not None:
             return gemv(x, weight, None, cfg, silu=True)
+    return None
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None):
+    """(rms_norm(x + residual) Wᵀ + b, new residual) in one kernel for small batches; None when
+    not applicable or when cuBLAS after a separate norm measured faster."""
+    if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+        cfg = choice(weight, NORM)
+        if cfg is not None:
+            return norm_gemv(x, residual, norm_weight, eps, weight, bias, cfg)
     return None
 
 

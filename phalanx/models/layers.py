@@ -97,7 +97,9 @@ class QKVParallelLinear(nn.Module):
         _copy(param.data[dst], src)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = ops.linear(x, self.weight, self.bias)
+        return self.split(ops.linear(x, self.weight, self.bias))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -186,6 +188,11 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_linear(self, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Module):
+        """(linear(norm(x + residual)), x + residual) for a column-parallel ``linear``; one
+        kernel for small GPU batches. Without a residual, x is the residual."""
+        return ops.add_rms_norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias)
 
 
 class RotaryEmbedding(nn.Module):

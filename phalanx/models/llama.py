@@ -39,11 +39,12 @@ class Attention(nn.Module):
         kv_of_q = None if self.heads.uniform_groups else torch.tensor(self.heads.kv_of_q)
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
+        """qkv: the output of ``qkv_proj`` (the decoder layer fuses it with the input norm)."""
+        T = qkv.shape[0]
         H, Hkv, D = self.heads.num_heads, self.heads.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x)
+        q, k, v = self.qkv_proj.split(qkv)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -79,11 +80,12 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp_factory(cfg, layer_idx, tp)
 
     def forward(self, positions, x, residual, meta, k_cache, v_cache):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, k_cache, v_cache)
+        # each norm travels with the projection after it (one kernel at small batch sizes)
+        qkv, residual = self.input_layernorm.forward_linear(x, residual, self.self_attn.qkv_proj)
+        x = self.self_attn(positions, qkv, meta, k_cache, v_cache)
+        if isinstance(self.mlp, MLP):
+            gate_up, residual = self.post_attention_layernorm.forward_linear(x, residual, self.mlp.gate_up_proj)
+            return self.mlp.down_proj.forward_silu(gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

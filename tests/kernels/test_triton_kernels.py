@@ -150,9 +150,38 @@ def test_gemv_every_config(M, N, K):
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
     ref_silu = torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float())
+    r = torch.randn(M, K, generator=g).to(DEV, dtype)
+    gn = torch.rand(K, generator=g).to(DEV, dtype) + 0.5
+    h_ref, res_ref = reference.fused_add_rms_norm_ref(x, r, gn, 1e-5)
+    ref_norm = torch.nn.functional.linear(h_ref.float(), w.float(), b.float())
+    ref_norm0 = torch.nn.functional.linear(reference.rms_norm_ref(x, gn, 1e-5).float(), w.float())
     for cfg in (triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]):
         close(triton_gemv.gemv(x, w, b, cfg), ref, dtype)
         close(triton_gemv.gemv(xx, w, None, cfg, silu=True), ref_silu, dtype)
+        y, res = triton_gemv.norm_gemv(x, r, gn, 1e-5, w, b, cfg)
+        close(y, ref_norm, dtype)
+        assert torch.equal(res, res_ref)                     # the new residual, bit for bit
+        y0, res0 = triton_gemv.norm_gemv(x, None, gn, 1e-5, w, None, cfg)
+        close(y0, ref_norm0, dtype)
+        assert res0 is x
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_norm_gemv_equals_norm_then_gemv(M):
+    """Fusing the norm changes the residual by no bit and the product by rounding only (the
+    row's sum of squares is added up in another order)."""
+    from phalanx.kernels import triton_gemv
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    K, N = (4096, 1024) if CUDA else (64, 48)
+    g = torch.Generator().manual_seed(M)
+    x, r = (torch.randn(M, K, generator=g).to(DEV, dtype) for _ in range(2))
+    gn = torch.rand(K, generator=g).to(DEV, dtype) + 0.5
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    cfg = triton_gemv.CONFIGS[1]
+    h, res = triton_ops.fused_add_rms_norm(x, r, gn, 1e-6)
+    y, res2 = triton_gemv.norm_gemv(x, r, gn, 1e-6, w, None, cfg)
+    assert torch.equal(res, res2)
+    close(y, triton_gemv.gemv(h, w, None, cfg), dtype)
 
 
 def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_models, monkeypatch):
@@ -171,7 +200,8 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
             return real(*a, **kw)
         monkeypatch.setattr(mod, name, wrapper)
 
-    for mod, name in ((triton_gemv, "gemv"), (triton_gemv, "silu_and_mul_linear"), (triton_attention, "decode_attention"),
+    for mod, name in ((triton_gemv, "gemv"), (triton_gemv, "silu_and_mul_linear"), (triton_gemv, "norm_gemv"),
+                      (triton_attention, "decode_attention"),
                       (triton_attention, "extend_attention"), (triton_ops, "rope_and_write_kv"),
                       (triton_ops, "copy_blocks"), (triton_ops, "fused_add_rms_norm"), (triton_ops, "silu_and_mul")):
         counting(mod, name)
@@ -180,14 +210,16 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
              kv_cache_config={"tokens_per_block": 16}, max_num_tokens=24, cuda_graph_config=None) as llm:
         for p in llm._executor.engine.runner.model.parameters():
             if p.dim() == 2:
-                monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype), triton_gemv.CONFIGS[1])
+                for kind in (triton_gemv.PLAIN, triton_gemv.SILU, triton_gemv.NORM):
+                    monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind),
+                                        triton_gemv.CONFIGS[1])
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
     for p, o, o2 in zip(prompts, outs, again):
         ref, gaps = hf_greedy(hf_models["llama"], p, 6)
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
-    assert all(calls.get(n, 0) > 0 for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
+    assert all(calls.get(n, 0) > 0 for n in ("gemv", "silu_and_mul_linear", "norm_gemv", "decode_attention", "extend_attention", "rope_and_write_kv",
                                              "copy_blocks", "fused_add_rms_norm", "silu_and_mul")), calls
 
 
