@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT.
-#   usage: tools/gpu_suite.sh [tests|decode|throughput|all]...
+#   usage: tools/gpu_suite.sh [tests|gputests|multi|profile1|decode1|decode|decode_tp|throughput128|
+#                              throughput1000|throughput_tp2|moe|all]...
+# multi, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi comes from
+# `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -13,9 +16,29 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for what in "${@:-all}"; do
   case $what in
     tests|all)
-      timeout 280 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
+      timeout 250 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu/test_gpu_engine.py 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
     gputests)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -40 > "$OUT/gputests.txt" ;;
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py 2>&1 | tail -40 > "$OUT/gputests.txt" ;;
+    multi)
+      PHALANX_RESULTS_DIR="$OUT" timeout 330 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_multi_gpu.py 2>&1 | tail -60 > "$OUT/multi.txt" ;;
+    profile1)
+      timeout 200 python3 tools/profile_decode.py --output "$OUT/profile1.json" > "$OUT/profile1.txt" 2>&1 ;;
+    decode_tp)
+      for tp in 1 2; do
+        timeout 200 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \
+          --steps 128 --overlap on --tp $tp --output "$OUT/decode_tp$tp.json" > "$OUT/decode_tp$tp.txt" 2>&1
+      done ;;
+    throughput_tp2)
+      timeout 240 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 1000 --osl 1000 --tp 2 \
+        --concurrency 1 16 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
+        --output "$OUT/throughput_1000_tp2.json" > "$OUT/throughput_1000_tp2.txt" 2>&1 ;;
+    moe)
+      timeout 200 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --isl 1000 --osl 250 --tp 2 --num-requests 256 \
+        --concurrency 64 256 --max-batch-size 256 --config tools/gpu_moe_adp.yaml \
+        --output "$OUT/moe_adp_ep2.json" > "$OUT/moe_adp_ep2.txt" 2>&1
+      timeout 200 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --isl 1000 --osl 250 --tp 2 --num-requests 256 \
+        --concurrency 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
+        --output "$OUT/moe_tp2.json" > "$OUT/moe_tp2.txt" 2>&1 ;;
     decode1)
       PHALANX_LOG_LEVEL=INFO PHALANX_ECHO_WORKER_STDERR=1 timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 \
         --prompt-len 128 --steps 256 --overlap on --output "$OUT/decode1.json" > "$OUT/decode1.txt" 2>&1 ;;
