@@ -137,12 +137,11 @@ def test_serve_under_launch_tp2_on_two_gpus(tmp_path):
     model = smollm2_shaped_dir(tmp_path)
     (tmp_path / "extra.yaml").write_text("load_format: dummy\n")
     port = free_port()
-    exe = os.path.join(os.path.dirname(sys.executable), "phalanx")
+    phalanx = [sys.executable, "-m", "phalanx.cli"]
     cmd = [find_mpirun(), "-n", "2", "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    cmd += [exe if os.path.exists(exe) else "phalanx", "launch", "--", exe if os.path.exists(exe) else "phalanx",
-            "serve", model, "--served_model_name", "smollm2-shape", "--tp_size", "2", "--port", str(port), "--max_seq_len", "512",
+    cmd += [*phalanx, "launch", "--", *phalanx, "serve", model, "--served_model_name", "smollm2-shape", "--tp_size", "2", "--port", str(port), "--max_seq_len", "512",
             "--config", str(tmp_path / "extra.yaml")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -164,7 +163,8 @@ def test_serve_under_launch_tp2_on_two_gpus(tmp_path):
         used = gpus_in_use()
         assert len(used) >= 2 or not used, f"ranks should sit on two GPUs, nvidia-smi shows {used}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
