@@ -88,7 +88,12 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     scheduler = Scheduler(limits, kv)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
-    if device.type == "cuda" and args.cuda_graph_config is not None and not adp:
+    # heads split unevenly over ranks (kv_of_q) take the torch attention reference, which a CUDA
+    # graph cannot hold (it plans on the host): such models decode eagerly
+    uneven = any(getattr(m, "kv_of_q", None) is not None for m in model.modules())
+    if uneven and device.type == "cuda" and args.cuda_graph_config is not None:
+        logger.warning("attention heads split unevenly over %d ranks: CUDA graphs off", tp.size)
+    if device.type == "cuda" and args.cuda_graph_config is not None and not adp and not uneven:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:
             from phalanx.executor.cuda_graph import CudaGraphRunner
