@@ -38,15 +38,25 @@ class EPGroup:
     size: int = 1
     group: Any = None
     attention_dp: bool = False
+    # attention DP: every rank's token count for the step being run, exchanged once per forward
+    # (MoECausalLM.forward) so that the MoE layers need no host synchronisation of their own
+    step_counts: list[int] | None = None
 
 
 # -- token exchange for attention DP -------------------------------------------------------------------
-def gather_tokens(x: torch.Tensor, ep: EPGroup) -> tuple[torch.Tensor, list[int]]:
-    """Every rank's rows of x concatenated in rank order, and the row counts (ragged)."""
-    counts_t = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
+def exchange_counts(n: int, ep: EPGroup, device: torch.device) -> list[int]:
+    """Every rank's row count (one host synchronisation)."""
+    counts_t = torch.tensor([n], dtype=torch.long, device=device)
     all_counts = [torch.zeros_like(counts_t) for _ in range(ep.size)]
     torch.distributed.all_gather(all_counts, counts_t, group=ep.group)
-    counts = [int(c.item()) for c in all_counts]
+    return torch.cat(all_counts).tolist()
+
+
+def gather_tokens(x: torch.Tensor, ep: EPGroup) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's rows of x concatenated in rank order, and the row counts (ragged)."""
+    counts = ep.step_counts if ep.step_counts is not None else exchange_counts(x.shape[0], ep, x.device)
+    if counts[ep.rank] != x.shape[0]:
+        raise RuntimeError(f"rank {ep.rank} brings {x.shape[0]} tokens, the step's counts say {counts}")
     pad = max(counts)
     xp = x.new_zeros(pad, x.shape[1])
     xp[:x.shape[0]] = x
@@ -172,6 +182,17 @@ class MoECausalLM(CausalLM):
             return SparseMoE(c, t, self.ep) if self.is_sparse(c, i) else MLP(c.hidden_size, c.intermediate_size,
                                                                             c.mlp_bias, t)
         super().__init__(cfg, tp, mlp)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_pool: torch.Tensor) -> torch.Tensor:
+        if not (self.ep.attention_dp and self.ep.size > 1):
+            return super().forward(input_ids, positions, meta, kv_pool)
+        # the ranks' token counts once per step, not once per MoE layer: a host wait in every
+        # layer would stop the CPU from queueing the next layers while the GPU works
+        self.ep.step_counts = exchange_counts(input_ids.shape[0], self.ep, input_ids.device)
+        try:
+            return super().forward(input_ids, positions, meta, kv_pool)
+        finally:
+            self.ep.step_counts = None
 
     @staticmethod
     def is_sparse(cfg: ModelConfig, layer: int) -> bool:
