@@ -130,4 +130,7 @@ class AdpExecutor(PyExecutor):
         s = super().stats()
         s.update({"num_dummy_steps": self.num_dummy_steps, "num_placed": list(self.num_placed),
                   "num_owned": len(self.scheduler.requests)})
+        ep = getattr(self.runner.model, "ep", None)
+        if ep is not None:
+            s.update({"moe_forwards": ep.num_forwards, "moe_count_exchanges": ep.num_count_exchanges})
         return s

@@ -41,11 +41,14 @@ class EPGroup:
     # attention DP: every rank's token count for the step being run, exchanged once per forward
     # (MoECausalLM.forward) so that the MoE layers need no host synchronisation of their own
     step_counts: list[int] | None = None
+    num_forwards: int = 0           # attention-DP forwards, and host exchanges of token counts
+    num_count_exchanges: int = 0
 
 
 # -- token exchange for attention DP -------------------------------------------------------------------
 def exchange_counts(n: int, ep: EPGroup, device: torch.device) -> list[int]:
     """Every rank's row count (one host synchronisation)."""
+    ep.num_count_exchanges += 1
     counts_t = torch.tensor([n], dtype=torch.long, device=device)
     all_counts = [torch.zeros_like(counts_t) for _ in range(ep.size)]
     torch.distributed.all_gather(all_counts, counts_t, group=ep.group)
@@ -188,6 +191,7 @@ class MoECausalLM(CausalLM):
             return super().forward(input_ids, positions, meta, kv_pool)
         # the ranks' token counts once per step, not once per MoE layer: a host wait in every
         # layer would stop the CPU from queueing the next layers while the GPU works
+        self.ep.num_forwards += 1
         self.ep.step_counts = exchange_counts(input_ids.shape[0], self.ep, input_ids.device)
         try:
             return super().forward(input_ids, positions, meta, kv_pool)

@@ -59,6 +59,8 @@ def test_attention_dp_uneven_load_neither_hangs_nor_changes_results(tiny_moe_mod
         stats = llm._executor.stats()
         idle = [s for s in stats if s["rank"] != out.metrics["rank"]][0]
         assert idle["num_dummy_steps"] >= 39          # the other rank stepped along, idle
+        for s in stats:   # token counts cross ranks once per forward, not once per MoE layer
+            assert s["moe_forwards"] >= 40 and s["moe_count_exchanges"] == s["moe_forwards"], s
         check(llm, hf, prompts(5, seed=2))            # and everything still works afterwards
 
 
