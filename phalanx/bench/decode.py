@@ -102,13 +102,13 @@ def main(argv: list[str]) -> int:
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
     for overlap in modes:
         kwargs: dict[str, Any] = {
-            "load_format": "dummy" if dummy else "auto", "dtype": a.dtype, "disable_overlap_scheduler": not overlap,
+            "load_format": "dummy" if dummy else "auto", "skip_tokenizer_init": True, "dtype": a.dtype, "disable_overlap_scheduler": not overlap,
             "max_batch_size": max(a.batch), "orchestrator_type": a.orchestrator, "tensor_parallel_size": a.tp,
             "max_seq_len": a.prompt_len + a.steps + 64, "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))}}
         if a.config:
             kwargs = merge_yaml(kwargs, a.config)
         t0 = time.perf_counter()
-        llm = LLM(model, skip_tokenizer_init=True, **kwargs)
+        llm = LLM(model, **kwargs)
         startup = time.perf_counter() - t0
         try:
             for b in a.batch:

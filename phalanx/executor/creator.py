@@ -88,12 +88,14 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     scheduler = Scheduler(limits, kv)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
-    # heads split unevenly over ranks (kv_of_q) take the torch attention reference, which a CUDA
-    # graph cannot hold (it plans on the host): such models decode eagerly
-    uneven = any(getattr(m, "kv_of_q", None) is not None for m in model.modules())
-    if uneven and device.type == "cuda" and args.cuda_graph_config is not None:
-        logger.warning("attention heads split unevenly over %d ranks: CUDA graphs off", tp.size)
-    if device.type == "cuda" and args.cuda_graph_config is not None and not adp and not uneven:
+    # attention that takes the torch reference (heads split unevenly over ranks, blocks under 16
+    # tokens: see triton_attention.supports) plans on the host, which a CUDA graph cannot hold
+    ref_attention = (kvc.tokens_per_block < 16
+                     or any(getattr(m, "kv_of_q", None) is not None for m in model.modules()))
+    if ref_attention and device.type == "cuda" and args.cuda_graph_config is not None:
+        logger.warning("attention runs the torch reference here (uneven head split over %d ranks or "
+                       "tokens_per_block %d < 16): CUDA graphs off", tp.size, kvc.tokens_per_block)
+    if device.type == "cuda" and args.cuda_graph_config is not None and not adp and not ref_attention:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:
             from phalanx.executor.cuda_graph import CudaGraphRunner
@@ -121,13 +123,16 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     if not ops.triton_available():
         return {}
     from phalanx.kernels import triton_gemv as tg
-
-    def neighbour(name: str) -> str:   # what runs in front of this projection (models/llama.py)
-        if name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")):
-            return tg.NORM
-        return tg.SILU if name.endswith("down_proj.weight") else tg.PLAIN
-    weights = [(p, neighbour(n)) for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n]
+    weights = [(p, gemv_neighbour(n)) for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n]
     return tg.tune(weights)
+
+
+def gemv_neighbour(name: str) -> str:
+    """What runs in front of the projection a parameter belongs to (models/llama.py): the
+    residual add + RMSNorm, SiLU-and-mul, or nothing ("norm", "silu", "plain")."""
+    if name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) and ".shared_expert." not in name:
+        return "norm"
+    return "silu" if name.endswith("down_proj.weight") else "plain"
 
 
 @torch.inference_mode()

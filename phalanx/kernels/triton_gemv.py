@@ -188,7 +188,7 @@ def tune(weights: list[tuple[torch.Tensor, str]], rows: int = 1, l2_bytes: int =
         if key in _CHOICE or w.dim() != 2 or not w.is_cuda:
             continue
         nbytes = w.numel() * w.element_size()
-        ws = [w] + [torch.randn_like(w) for _ in range(min(7, -(-l2_bytes // nbytes) - 1))]
+        ws = [w] + [torch.randn_like(w) for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
         K = w.shape[1]
         x = torch.randn(rows, 2 * K if kind == SILU else K, dtype=w.dtype, device=w.device)
         r = torch.randn(rows, K, dtype=w.dtype, device=w.device)

@@ -184,6 +184,48 @@ def test_norm_gemv_equals_norm_then_gemv(M):
     close(y, triton_gemv.gemv(h, w, None, cfg), dtype)
 
 
+@pytest.mark.parametrize("tuned", ["triton", "cublas"])
+def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
+    """With a tile config tuned for (shape, neighbour) the fused kernel runs; with cuBLAS tuned,
+    the separate neighbour kernel and F.linear run. Both give the reference's numbers."""
+    from phalanx.kernels import ops, triton_gemv
+    monkeypatch.setattr(ops, "FORCE_TRITON", True)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    M, K, N = 2, 64, 48
+    g = torch.Generator().manual_seed(11)
+    x, r = (torch.randn(M, K, generator=g).to(DEV, dtype) for _ in range(2))
+    xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
+    gn = torch.rand(K, generator=g).to(DEV, dtype) + 0.5
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    cfg = triton_gemv.CONFIGS[1] if tuned == "triton" else None
+    for kind in (triton_gemv.NORM, triton_gemv.SILU):
+        monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, kind), cfg)
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.PLAIN), triton_gemv.CONFIGS[0])
+    calls = []
+    for name in ("norm_gemv", "gemv"):
+        real = getattr(triton_gemv, name)
+        monkeypatch.setattr(triton_gemv, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    y, res = ops.add_rms_norm_linear(x, r, gn, 1e-6, w)
+    h_ref, res_ref = reference.fused_add_rms_norm_ref(x, r, gn, 1e-6)
+    close(y, torch.nn.functional.linear(h_ref.float(), w.float()), dtype)
+    assert torch.equal(res, res_ref)
+    z = ops.silu_and_mul_linear(xx, w)
+    close(z, torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float()), dtype)
+    # the plain entry of the same shape (another weight's tuning) is never borrowed
+    assert calls == (["norm_gemv", "gemv"] if tuned == "triton" else []), calls
+
+
+def test_gemv_neighbour_of_each_parameter():
+    from phalanx.executor.creator import gemv_neighbour
+    assert gemv_neighbour("model.layers.3.self_attn.qkv_proj.weight") == "norm"
+    assert gemv_neighbour("model.layers.3.mlp.gate_up_proj.weight") == "norm"
+    assert gemv_neighbour("model.layers.3.mlp.down_proj.weight") == "silu"
+    assert gemv_neighbour("model.layers.3.mlp.shared_expert.gate_up_proj.weight") == "plain"
+    assert gemv_neighbour("model.layers.3.mlp.shared_expert.down_proj.weight") == "silu"
+    assert gemv_neighbour("model.layers.3.self_attn.o_proj.weight") == "plain"
+    assert gemv_neighbour("lm_head.weight") == "plain"
+
+
 def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_models, monkeypatch):
     """All Triton kernels wired into the engine (interpreter on CPU; real kernels on a GPU)."""
     from hf_reference import assert_same_greedy, hf_greedy
