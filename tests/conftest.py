@@ -12,6 +12,16 @@ if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVIC
 from hf_reference import _moe_configs, hf_models_from, tiny_model_dirs  # noqa: E402
 
 
+def pytest_sessionstart(session):
+    """SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so `finally` blocks stop the servers
+    and MPI jobs the tests started in their own sessions instead of leaving them running."""
+    import signal
+
+    def unwind(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, unwind)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """model type -> directory with config.json + model.safetensors (fp32, seeded)."""

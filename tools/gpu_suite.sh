@@ -13,7 +13,10 @@ export PHALANX_CACHE_DIR=/tmp/phalanx-cache
 export PHALANX_STARTUP_TIMEOUT=200
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
+# whatever a section leaves on a GPU (a server whose test was cut off) goes before the next one
+free_gpus() { nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null; }
 for what in "${@:-all}"; do
+  free_gpus
   case $what in
     tests|all)
       timeout 250 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu/test_gpu_engine.py 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
@@ -57,4 +60,5 @@ for what in "${@:-all}"; do
         --hf-baseline --hf-max-new-tokens 128 --output "$OUT/throughput_1000.json" > "$OUT/throughput_1000.txt" 2>&1 ;;
   esac
 done
+free_gpus
 ls -la "$OUT"
