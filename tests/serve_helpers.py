@@ -52,3 +52,40 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
     return proc.returncode
+
+
+def start_launched_server(*serve_args: str, ranks: int = 2, timeout: float = 240.0, env: dict | None = None):
+    """`mpirun -n RANKS phalanx launch -- phalanx serve ARGS` on a free loopback port, healthy;
+    returns (process, url). Stop it with stop_launched_server."""
+    from phalanx.executor.proxy import find_mpirun
+    port = free_port()
+    phalanx = [sys.executable, "-m", "phalanx.cli"]
+    cmd = [find_mpirun(), "-n", str(ranks), "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += [*phalanx, "launch", "--", *phalanx, "serve", *serve_args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, **(env or {})))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"launched server exited: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    stop_launched_server(proc)
+    raise RuntimeError("launched server did not become healthy")
+
+
+def stop_launched_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the whole job (mpirun and its ranks), SIGKILL after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

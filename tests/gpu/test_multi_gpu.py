@@ -5,20 +5,15 @@ GPU, for a tiny float32 model and for a Llama-3.1-8B-shaped bf16 model with rand
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 import torch
 
 from hf_reference import assert_same_greedy, hf_greedy
-from serve_helpers import free_port
+from serve_helpers import start_launched_server, stop_launched_server
 from phalanx import LLM, SamplingParams
 from phalanx.bench.shapes import shape_dir
-from phalanx.executor.proxy import find_mpirun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -139,24 +134,9 @@ def gib_used(device: int) -> float:
 def test_serve_under_launch_tp2_on_two_gpus(tmp_path):
     model = smollm2_shaped_dir(tmp_path)
     (tmp_path / "extra.yaml").write_text("load_format: dummy\n")
-    port = free_port()
-    phalanx = [sys.executable, "-m", "phalanx.cli"]
-    cmd = [find_mpirun(), "-n", "2", "--oversubscribe", "--bind-to", "none"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    cmd += [*phalanx, "launch", "--", *phalanx, "serve", model, "--served_model_name", "smollm2-shape", "--tp_size", "2", "--port", str(port), "--max_seq_len", "512",
-            "--config", str(tmp_path / "extra.yaml")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_launched_server(model, "--served_model_name", "smollm2-shape", "--tp_size", "2",
+                                      "--max_seq_len", "512", "--config", str(tmp_path / "extra.yaml"), timeout=300)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": "smollm2-shape", "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 16, "temperature": 0, "ignore_eos": True})
@@ -166,10 +146,4 @@ def test_serve_under_launch_tp2_on_two_gpus(tmp_path):
         used = [gib_used(i) for i in range(2)]     # each rank's KV pool takes most of its GPU
         assert min(used) > 8, f"ranks should sit on two GPUs; GiB in use per GPU: {used}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_launched_server(proc)

@@ -1,18 +1,14 @@
 """`mpirun -n 2 phalanx launch -- phalanx serve --tp_size 2` answers; the snippets `phalanx
 serve` prints work as printed."""
 
-import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from serve_helpers import free_port, start_server, stop_server
-from phalanx.executor.proxy import find_mpirun
+from serve_helpers import start_launched_server, start_server, stop_launched_server, stop_server
 from phalanx.serve.cli import instructions
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,33 +34,11 @@ def test_printed_curl_and_openai_snippet_work_as_printed():
 
 @pytest.mark.mpi
 def test_serve_under_launch_with_tp2():
-    port = free_port()
-    cmd = [find_mpirun(), "-n", "2", "--oversubscribe", "--bind-to", "none"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    cmd += [os.path.join(os.path.dirname(sys.executable), "phalanx"), "launch", "--",
-            os.path.join(os.path.dirname(sys.executable), "phalanx"), "serve", "--tp_size", "2", "--port", str(port),
-            "--max_seq_len", "512"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=dict(os.environ, OMPI_MCA_btl="^tcp"))
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_launched_server("--tp_size", "2", "--max_seq_len", "512", env={"OMPI_MCA_btl": "^tcp"})
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 16, "temperature": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_launched_server(proc)
