@@ -28,6 +28,12 @@ def start_server(*args: str, key: str | None = KEY, timeout: float = 180.0):
     if key:
         cmd += ["--api-key", key]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, wait_healthy(proc, port, timeout, proc.kill)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, give_up) -> str:
+    """The server's URL once /health answers 200; raises with its output if it exits, and
+    calls give_up() first if it is not healthy within ``timeout`` seconds."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -35,11 +41,11 @@ def start_server(*args: str, key: str | None = KEY, timeout: float = 180.0):
             raise RuntimeError(f"server exited: {proc.stdout.read()[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    give_up()
     raise RuntimeError("server did not become healthy")
 
 
@@ -66,18 +72,7 @@ def start_launched_server(*serve_args: str, ranks: int = 2, timeout: float = 240
     cmd += [*phalanx, "launch", "--", *phalanx, "serve", *serve_args, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=dict(os.environ, **(env or {})))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"launched server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    stop_launched_server(proc)
-    raise RuntimeError("launched server did not become healthy")
+    return proc, wait_healthy(proc, port, timeout, lambda: stop_launched_server(proc))
 
 
 def stop_launched_server(proc: subprocess.Popen) -> None:
