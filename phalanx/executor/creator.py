@@ -13,6 +13,7 @@ from phalanx.executor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_blo
 from phalanx.executor.model_runner import ModelRunner
 from phalanx.executor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
 from phalanx.executor.sampler import Sampler
+from phalanx.kernels import ops
 from phalanx.executor.scheduler import Scheduler, SchedulerLimits
 from phalanx.kv_manager import KVCacheManager
 from phalanx.models.loader import ModelSource, build_model, resolve_dtype
@@ -88,13 +89,10 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     scheduler = Scheduler(limits, kv)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
-    # attention that takes the torch reference (heads split unevenly over ranks, blocks under 16
-    # tokens: see triton_attention.supports) plans on the host, which a CUDA graph cannot hold
-    ref_attention = (kvc.tokens_per_block < 16
-                     or any(getattr(m, "kv_of_q", None) is not None for m in model.modules()))
-    if ref_attention and device.type == "cuda" and args.cuda_graph_config is not None:
-        logger.warning("attention runs the torch reference here (uneven head split over %d ranks or "
-                       "tokens_per_block %d < 16): CUDA graphs off", tp.size, kvc.tokens_per_block)
+    ref_attention = device.type == "cuda" and not ops.triton_attention_everywhere(model, kvc.tokens_per_block)
+    if ref_attention and args.cuda_graph_config is not None:
+        logger.warning("attention takes the torch reference here (uneven head split over %d ranks, "
+                       "tokens_per_block %d): CUDA graphs off", tp.size, kvc.tokens_per_block)
     if device.type == "cuda" and args.cuda_graph_config is not None and not adp and not ref_attention:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:
@@ -119,20 +117,11 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
 
 
 def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
-    from phalanx.kernels import ops
     if not ops.triton_available():
         return {}
-    from phalanx.kernels import triton_gemv as tg
-    weights = [(p, gemv_neighbour(n)) for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n]
-    return tg.tune(weights)
-
-
-def gemv_neighbour(name: str) -> str:
-    """What runs in front of the projection a parameter belongs to (models/llama.py): the
-    residual add + RMSNorm, SiLU-and-mul, or nothing ("norm", "silu", "plain")."""
-    if name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) and ".shared_expert." not in name:
-        return "norm"
-    return "silu" if name.endswith("down_proj.weight") else "plain"
+    from phalanx.kernels import triton_gemv
+    return triton_gemv.tune([(p, getattr(p, "gemv_neighbour", ops.PLAIN)) for n, p in model.named_parameters()
+                             if p.dim() == 2 and "embed_tokens" not in n])
 
 
 @torch.inference_mode()

@@ -36,6 +36,23 @@ def use_triton(x: torch.Tensor) -> bool:
     return (x.is_cuda or FORCE_TRITON) and triton_available()
 
 
+# what runs in front of a projection, fused into its skinny kernel where that measures faster
+# (a parameter's ``gemv_neighbour``, set by the model): nothing, silu(gate) * up, or residual
+# add + RMSNorm
+PLAIN, SILU, NORM = "plain", "silu", "norm"
+
+
+def triton_attention_everywhere(model: torch.nn.Module, tokens_per_block: int) -> bool:
+    """Whether every attention layer runs the Triton kernels on a GPU. The torch reference plans
+    on the host (uneven head splits, small blocks), so a CUDA graph can hold only the former."""
+    if not triton_available():
+        return False
+    from phalanx.kernels import triton_attention
+    return all(triton_attention.supports_layout(tokens_per_block, m.heads.num_heads, m.heads.num_kv_heads,
+                                                m.kv_of_q is not None)
+               for m in model.modules() if hasattr(m, "kv_of_q"))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         from phalanx.kernels import triton_ops

@@ -193,9 +193,13 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def supports_layout(tokens_per_block: int, num_heads: int, num_kv_heads: int, uneven: bool) -> bool:
+    """Layouts these kernels handle (others fall back to the reference)."""
+    return not uneven and tokens_per_block >= 16 and num_heads % num_kv_heads == 0
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, kv_of_q: torch.Tensor | None) -> bool:
-    """Shapes these kernels handle (others fall back to the reference)."""
-    return kv_of_q is None and k_cache.shape[1] >= 16 and q.shape[1] % k_cache.shape[2] == 0
+    return supports_layout(k_cache.shape[1], q.shape[1], k_cache.shape[2], kv_of_q is not None)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

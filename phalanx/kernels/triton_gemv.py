@@ -21,13 +21,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from phalanx.kernels.ops import NORM, PLAIN, SILU  # noqa: F401  (what sits in front of the matmul)
+
 MAX_ROWS = 4
 CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (16, 512, 4, 3), (32, 256, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3),
     (16, 256, 4, 4), (32, 512, 8, 3), (16, 1024, 8, 2),
 ]
-# what sits in front of the matmul: nothing, silu(gate) * up, or residual add + RMSNorm
-PLAIN, SILU, NORM = "plain", "silu", "norm"
+
 
 
 @triton.jit

@@ -58,6 +58,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
+        self.down_proj.weight.gemv_neighbour = ops.SILU     # forward_silu: SiLU-and-mul in front
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_silu(self.gate_up_proj(x))
@@ -78,6 +79,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, tp, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp_factory(cfg, layer_idx, tp)
+        # the norms that forward() fuses into the projection after them
+        self.self_attn.qkv_proj.weight.gemv_neighbour = ops.NORM
+        if isinstance(self.mlp, MLP):
+            self.mlp.gate_up_proj.weight.gemv_neighbour = ops.NORM
 
     def forward(self, positions, x, residual, meta, k_cache, v_cache):
         # each norm travels with the projection after it (one kernel at small batch sizes)

@@ -57,9 +57,8 @@ def exchange_counts(n: int, ep: EPGroup, device: torch.device) -> list[int]:
 
 def gather_tokens(x: torch.Tensor, ep: EPGroup) -> tuple[torch.Tensor, list[int]]:
     """Every rank's rows of x concatenated in rank order, and the row counts (ragged)."""
-    counts = ep.step_counts if ep.step_counts is not None else exchange_counts(x.shape[0], ep, x.device)
-    if counts[ep.rank] != x.shape[0]:
-        raise RuntimeError(f"rank {ep.rank} brings {x.shape[0]} tokens, the step's counts say {counts}")
+    counts = ep.step_counts          # set by MoECausalLM.forward for the step being run
+    assert counts is not None and counts[ep.rank] == x.shape[0], "gather_tokens outside MoECausalLM.forward"
     pad = max(counts)
     xp = x.new_zeros(pad, x.shape[1])
     xp[:x.shape[0]] = x

@@ -215,15 +215,37 @@ def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
     assert calls == (["norm_gemv", "gemv"] if tuned == "triton" else []), calls
 
 
-def test_gemv_neighbour_of_each_parameter():
-    from phalanx.executor.creator import gemv_neighbour
-    assert gemv_neighbour("model.layers.3.self_attn.qkv_proj.weight") == "norm"
-    assert gemv_neighbour("model.layers.3.mlp.gate_up_proj.weight") == "norm"
-    assert gemv_neighbour("model.layers.3.mlp.down_proj.weight") == "silu"
-    assert gemv_neighbour("model.layers.3.mlp.shared_expert.gate_up_proj.weight") == "plain"
-    assert gemv_neighbour("model.layers.3.mlp.shared_expert.down_proj.weight") == "silu"
-    assert gemv_neighbour("model.layers.3.self_attn.o_proj.weight") == "plain"
-    assert gemv_neighbour("lm_head.weight") == "plain"
+def test_cuda_graphs_only_where_every_attention_layer_runs_triton(tiny_models):
+    """The rule the engine uses to decide whether decode steps may be captured in graphs is the
+    one the attention dispatch uses to pick Triton over the host-planned reference."""
+    from phalanx.kernels import ops
+    from phalanx.models.loader import build_model, resolve_model
+    from phalanx.models.parallel import TPGroup
+    model = build_model(resolve_model(tiny_models["llama"]), torch.float32, torch.device("cpu"), TPGroup(), "dummy", 0)
+    assert ops.triton_attention_everywhere(model, 32) and ops.triton_attention_everywhere(model, 16)
+    assert not ops.triton_attention_everywhere(model, 8)
+    assert not triton_attention.supports_layout(32, 5, 2, uneven=True)
+    assert not triton_attention.supports_layout(32, 5, 2, uneven=False)   # 5 query heads over 2 KV heads
+
+
+def test_gemv_neighbour_of_each_parameter(tiny_models, tiny_moe_models):
+    """The kernel in front of each projection, as the models declare it for the tuner."""
+    from phalanx.models.loader import build_model, resolve_model
+    from phalanx.models.parallel import TPGroup
+
+    def neighbours(path):
+        model = build_model(resolve_model(path), torch.float32, torch.device("cpu"), TPGroup(), "dummy", 0)
+        return {n: getattr(p, "gemv_neighbour", "plain") for n, p in model.named_parameters() if p.dim() == 2}
+    dense = neighbours(tiny_models["llama"])
+    assert dense["model.layers.1.self_attn.qkv_proj.weight"] == "norm"
+    assert dense["model.layers.1.mlp.gate_up_proj.weight"] == "norm"
+    assert dense["model.layers.1.mlp.down_proj.weight"] == "silu"
+    assert dense["model.layers.1.self_attn.o_proj.weight"] == "plain"
+    assert dense["lm_head.weight"] == "plain"
+    moe = neighbours(tiny_moe_models["qwen2_moe"])
+    assert moe["model.layers.0.self_attn.qkv_proj.weight"] == "norm"
+    assert moe["model.layers.0.mlp.shared_expert.gate_up_proj.weight"] == "plain"
+    assert moe["model.layers.0.mlp.shared_expert.down_proj.weight"] == "silu"
 
 
 def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_models, monkeypatch):
