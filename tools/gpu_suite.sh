@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT.
-#   usage: tools/gpu_suite.sh [tests|gputests|multi|profile1|decode1|decode|decode_tp|throughput128|
+#   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|decode1|decode|decode_tp|throughput128|
 #                              throughput1000|throughput_tp2|moe|all]...
 # multi, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi comes from
 # `python tools/export_tokenizer.py` (carry .gpu_assets).
@@ -20,8 +20,10 @@ for what in "${@:-all}"; do
   case $what in
     tests|all)
       timeout 250 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu/test_gpu_engine.py 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
+    kernels)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/kernels.txt" 2>&1 ;;
     gputests)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py 2>&1 | tail -40 > "$OUT/gputests.txt" ;;
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py > "$OUT/gputests.txt" 2>&1 ;;
     multi)
       PHALANX_RESULTS_DIR="$OUT" timeout 330 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_multi_gpu.py 2>&1 | tail -60 > "$OUT/multi.txt" ;;
     profile1)

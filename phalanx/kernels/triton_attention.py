@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from phalanx.kernels import pdl
 from phalanx.kernels.metadata import AttentionMetadata
+from phalanx.kernels.pdl import prologue
 
 NEG = tl.constexpr(-1.0e30)
 
@@ -47,7 +49,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
                          scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         B: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr):
+                         B: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -86,7 +89,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
 
 @triton.jit
 def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, s_ps, s_ph, s_psp, s_ls, s_lh, s_os, s_oh,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SP: tl.constexpr):
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SP: tl.constexpr,
+                         PDL: tl.constexpr):
+    prologue(PDL)
     s = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_SP)
@@ -122,12 +127,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, SPLITS=splits, PREC=_precision(q.dtype))
+        BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, SPLITS=splits, PREC=_precision(q.dtype),
+        **pdl.launch(q))
     out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)
     _decode_merge_kernel[(S, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
                                  lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                                  D=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
-                                 BLOCK_SP=max(2, triton.next_power_of_2(splits)))
+                                 BLOCK_SP=max(2, triton.next_power_of_2(splits)), **pdl.launch(q))
     return out
 
 

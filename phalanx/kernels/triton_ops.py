@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from phalanx.kernels import pdl
+from phalanx.kernels.pdl import prologue
+
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
@@ -19,7 +22,8 @@ def _pow2(n: int) -> int:
 # -- RMSNorm ---------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                     H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -46,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     H = x2.shape[1]
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), H, eps,
-                                     HAS_RES=False, BLOCK=_pow2(H))
+                                     HAS_RES=False, BLOCK=_pow2(H), **pdl.launch(x2))
     return out.view(x.shape)
 
 
@@ -57,7 +61,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     H = x2.shape[1]
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
-                                     H, eps, HAS_RES=True, BLOCK=_pow2(H))
+                                     H, eps, HAS_RES=True, BLOCK=_pow2(H), **pdl.launch(x2))
     return out.view(x.shape), res_out.view(x.shape)
 
 
@@ -71,9 +75,10 @@ def _rotate(x1, x2, cos, sin):
 @triton.jit
 def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr,
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+                     HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One launch for a whole layer: programs h < H rotate query head h; the others rotate
     KV head h - H and write it, with its V, into the pool."""
+    prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -112,13 +117,14 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         _rope_qkv_kernel[(T, H + Hkv)](
             positions, cos_sin, slot_mapping, q, k, v, q_out, kc, vc, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), H,
-            HALF=D // 2, BLOCK=_pow2(D // 2))
+            HALF=D // 2, BLOCK=_pow2(D // 2), **pdl.launch(q))
     return q_out
 
 
 # -- SiLU and mul -------------------------------------------------------------------------------------
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -135,7 +141,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
         BLOCK = min(1024, _pow2(N))
-        _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK)
+        _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK,
+                                                            **pdl.launch(x))
     return out
 
 

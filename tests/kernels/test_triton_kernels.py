@@ -155,10 +155,11 @@ def test_gemv_every_config(M, N, K):
     h_ref, res_ref = reference.fused_add_rms_norm_ref(x, r, gn, 1e-5)
     ref_norm = torch.nn.functional.linear(h_ref.float(), w.float(), b.float())
     ref_norm0 = torch.nn.functional.linear(reference.rms_norm_ref(x, gn, 1e-5).float(), w.float())
-    for cfg in (triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]):
-        close(triton_gemv.gemv(x, w, b, cfg), ref, dtype)
-        close(triton_gemv.gemv(xx, w, None, cfg, silu=True), ref_silu, dtype)
-        y, res = triton_gemv.norm_gemv(x, r, gn, 1e-5, w, b, cfg)
+    for cfg, p in ([(c, p) for c in triton_gemv.CONFIGS for p in (False, True)] if CUDA
+                   else [(c, False) for c in triton_gemv.CONFIGS[:2]]):
+        close(triton_gemv.gemv(x, w, b, cfg, use_pdl=p), ref, dtype)
+        close(triton_gemv.gemv(xx, w, None, cfg, silu=True, use_pdl=p), ref_silu, dtype)
+        y, res = triton_gemv.norm_gemv(x, r, gn, 1e-5, w, b, cfg, use_pdl=p)
         close(y, ref_norm, dtype)
         assert torch.equal(res, res_ref)                     # the new residual, bit for bit
         y0, res0 = triton_gemv.norm_gemv(x, None, gn, 1e-5, w, None, cfg)
@@ -184,10 +185,11 @@ def test_norm_gemv_equals_norm_then_gemv(M):
     close(y, triton_gemv.gemv(h, w, None, cfg), dtype)
 
 
-@pytest.mark.parametrize("tuned", ["triton", "cublas"])
+@pytest.mark.parametrize("tuned", ["fused", "separate", "cublas"])
 def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
-    """With a tile config tuned for (shape, neighbour) the fused kernel runs; with cuBLAS tuned,
-    the separate neighbour kernel and F.linear run. Both give the reference's numbers."""
+    """The plan tuned for (shape, neighbour) is the one that runs: the fused kernel, the norm
+    kernel then the skinny one, or the neighbour kernel then F.linear. All give the reference's
+    numbers."""
     from phalanx.kernels import ops, triton_gemv
     monkeypatch.setattr(ops, "FORCE_TRITON", True)
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -197,10 +199,14 @@ def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
     xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
     gn = torch.rand(K, generator=g).to(DEV, dtype) + 0.5
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
-    cfg = triton_gemv.CONFIGS[1] if tuned == "triton" else None
-    for kind in (triton_gemv.NORM, triton_gemv.SILU):
-        monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, kind), cfg)
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.PLAIN), triton_gemv.CONFIGS[0])
+    cfg = triton_gemv.CONFIGS[1]
+    norm_plan = {"fused": triton_gemv.Plan("norm_gemv", cfg), "separate": triton_gemv.Plan("gemv", cfg),
+                 "cublas": triton_gemv.CUBLAS}[tuned]
+    silu_plan = triton_gemv.CUBLAS if tuned == "cublas" else triton_gemv.Plan("gemv", cfg)
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM), norm_plan)
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.SILU), silu_plan)
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.PLAIN),
+                        triton_gemv.Plan("gemv", triton_gemv.CONFIGS[0]))
     calls = []
     for name in ("norm_gemv", "gemv"):
         real = getattr(triton_gemv, name)
@@ -212,7 +218,50 @@ def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
     z = ops.silu_and_mul_linear(xx, w)
     close(z, torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float()), dtype)
     # the plain entry of the same shape (another weight's tuning) is never borrowed
-    assert calls == (["norm_gemv", "gemv"] if tuned == "triton" else []), calls
+    assert calls == {"fused": ["norm_gemv", "gemv"], "separate": ["gemv", "gemv"], "cublas": []}[tuned], calls
+
+
+def test_pdl_only_on_gpus_that_have_it():
+    """Programmatic dependent launch is requested only for CUDA tensors on compute capability
+    9.0 or later; on CPU tensors (the interpreter) never."""
+    from phalanx.kernels import pdl
+    assert pdl.launch(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+    assert pdl.launch(torch.zeros(1), True) == {"PDL": False, "launch_pdl": False}
+    if CUDA:
+        want = torch.cuda.get_device_capability()[0] >= 9 and pdl.gdc_wait is not None
+        assert pdl.launch(torch.zeros(1, device="cuda"))["launch_pdl"] == want
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs and PDL need a GPU")
+def test_pdl_chain_in_a_graph_equals_the_chain_without():
+    """Each kernel of a dependent chain (norm -> projection -> SiLU projection -> norm ...), each
+    reading what the previous one wrote, gives bit-identical results launched with PDL inside a
+    CUDA graph and launched plainly: the wait orders every read after the previous write."""
+    from phalanx.kernels import triton_gemv
+    g = torch.Generator().manual_seed(3)
+    H, I, L = 1024, 2048, 6
+    ws = [((torch.randn(2 * I, H, generator=g) / H ** 0.5).to(DEV, torch.bfloat16),
+           (torch.randn(H, I, generator=g) / I ** 0.5).to(DEV, torch.bfloat16)) for _ in range(L)]
+    gn = torch.ones(H, device=DEV, dtype=torch.bfloat16)
+    x0 = torch.randn(1, H, generator=g).to(DEV, torch.bfloat16)
+
+    def chain(p):
+        x, r = x0, x0
+        for up, down in ws:
+            h, r = triton_ops.fused_add_rms_norm(x, r, gn, 1e-6)
+            u = triton_gemv.gemv(h, up, None, triton_gemv.CONFIGS[0], use_pdl=p)
+            x = triton_gemv.gemv(u, down, None, triton_gemv.CONFIGS[2], silu=True, use_pdl=p)
+        return x
+    plain = chain(False)
+    static = chain(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = chain(True)
+    for _ in range(3):
+        static.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, plain)
 
 
 def test_cuda_graphs_only_where_every_attention_layer_runs_triton(tiny_models):
@@ -275,8 +324,9 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         for p in llm._executor.engine.runner.model.parameters():
             if p.dim() == 2:
                 for kind in (triton_gemv.PLAIN, triton_gemv.SILU, triton_gemv.NORM):
-                    monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind),
-                                        triton_gemv.CONFIGS[1])
+                    plan = triton_gemv.Plan("norm_gemv" if kind == triton_gemv.NORM else "gemv",
+                                            triton_gemv.CONFIGS[1])
+                    monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind), plan)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
     for p, o, o2 in zip(prompts, outs, again):
@@ -302,3 +352,13 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
     w2 = (torch.randn(local, H, I, generator=g) / I ** 0.5).to(DEV, dtype)
     ref = experts_ref(x, ids, w, w13, w2, first)
     close(triton_moe.fused_moe(x, ids, w, w13, w2, first), ref, dtype)
+
+
+def test_skinny_kernel_stages_fit_in_shared_memory():
+    """A config whose tiles times stages would overflow shared memory (fp32, the 16 padded rows
+    of the dot path, a fused SiLU's two inputs) runs with fewer stages instead of failing."""
+    from phalanx.kernels import triton_gemv
+    assert triton_gemv._fit_stages(4, 16 << 10) == 4
+    assert triton_gemv._fit_stages(2, 128 << 10) == 1          # 16 x 1024 fp32 tile + 16 rows of x
+    assert all(s * b <= triton_gemv.SMEM_BYTES or s == 1
+               for b in (40 << 10, 96 << 10, 300 << 10) for s in [triton_gemv._fit_stages(4, b)])
