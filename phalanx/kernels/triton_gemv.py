@@ -3,7 +3,8 @@ between it and cuBLAS.
 
 At batch 1 a decode step is a stream of weight reads; the kernel walks W in [BLOCK_N, BLOCK_K]
 tiles with wide loads and a pipelined K loop. One row is multiplied with float32 FMAs and summed
-once at the end; two to four rows are padded to 16 for tensor-core dots. Two neighbours can ride
+once at the end; two to four rows are padded to 16 for ``tl.dot`` (tensor cores in bf16/fp16).
+Two neighbours can ride
 along so that they cost no launch of their own: SiLU-and-mul on the input of the down projection,
 and the residual add + RMSNorm in front of the q/k/v and gate/up projections (every program
 recomputes the row's norm from the same few KB, which sit in L2).
@@ -131,7 +132,8 @@ def _norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rout_ptr, M, N,
             h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
         g = tl.load(nw_ptr + k, mask=km, other=0.0)
         xn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype) * g[None, :]
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                    eviction_policy="evict_first")
         acc += tl.dot(xn.to(w.dtype), tl.trans(w), input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -184,7 +186,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 class Plan(NamedTuple):
-    """How one (weight shape, neighbour) runs at decode batches of at most MAX_ROWS rows.
+    """How one (weight shape, neighbour) runs at decode batches of one row, or of two to
+    MAX_ROWS rows (the two take different code paths and are tuned apart).
 
     kernel: "cublas" (the neighbour as its own kernel, then F.linear), "gemv" (the skinny kernel;
     for SILU with the SiLU fused in, for NORM after the separate norm kernel) or "norm_gemv" (the
@@ -199,12 +202,16 @@ class Plan(NamedTuple):
 
 CUBLAS = Plan("cublas")
 
-# (N, K, dtype, neighbour) -> the measured fastest Plan
-_CHOICE: dict[tuple[int, int, torch.dtype, str], Plan] = {}
+# (N, K, dtype, neighbour, one row?) -> the measured fastest Plan
+_CHOICE: dict[tuple[int, int, torch.dtype, str, bool], Plan] = {}
 
 
-def choice(weight: torch.Tensor, kind: str = PLAIN) -> Plan:
-    return _CHOICE.get((weight.shape[0], weight.shape[1], weight.dtype, kind), CUBLAS)
+def _key(weight: torch.Tensor, kind: str, rows: int) -> tuple[int, int, torch.dtype, str, bool]:
+    return weight.shape[0], weight.shape[1], weight.dtype, kind, rows == 1
+
+
+def choice(weight: torch.Tensor, kind: str = PLAIN, rows: int = 1) -> Plan:
+    return _CHOICE.get(_key(weight, kind, rows), CUBLAS)
 
 
 def _time(fn, copies: int, reps: int = 24) -> float:
@@ -241,47 +248,53 @@ def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws
         for cfg, p in tiles:
             yield Plan("gemv", cfg, p), lambda i, cfg=cfg, p=p: gemv(
                 triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i], None, cfg, use_pdl=p)
-        for cfg in CONFIGS:
-            yield Plan("norm_gemv", cfg, pdls[-1]), lambda i, cfg=cfg: norm_gemv(x, r, g, 1e-6, ws[i], None, cfg,
-                                                                                 use_pdl=pdls[-1])
+        for cfg, p in tiles:
+            yield Plan("norm_gemv", cfg, p), lambda i, cfg=cfg, p=p: norm_gemv(x, r, g, 1e-6, ws[i], None, cfg,
+                                                                               use_pdl=p)
     else:
         yield CUBLAS, lambda i: F.linear(x, ws[i])
         for cfg, p in tiles:
             yield Plan("gemv", cfg, p), lambda i, cfg=cfg, p=p: gemv(x, ws[i], None, cfg, use_pdl=p)
 
 
-def tune(weights: list[tuple[torch.Tensor, str]], rows: int = 1, l2_bytes: int = 256 << 20) -> dict[str, float]:
-    """Measure every Plan on each distinct (weight shape, neighbour) at ``rows`` rows; remember
-    the fastest. Returns the bandwidth each reaches (GB/s of weight), for the log."""
+def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = (1, MAX_ROWS),
+         l2_bytes: int = 256 << 20) -> dict[str, float]:
+    """Measure every Plan on each distinct (weight shape, neighbour) at one row and at MAX_ROWS
+    rows; remember the fastest for each. Returns the bandwidth each reaches (GB/s of weight), for
+    the log."""
     report: dict[str, float] = {}
-    for w, kind in weights:
-        key = (w.shape[0], w.shape[1], w.dtype, kind)
-        if key in _CHOICE or w.dim() != 2 or not w.is_cuda:
+    for (w, kind), n_rows in [(wk, n) for n in rows for wk in weights]:
+        if w.dim() != 2 or not w.is_cuda or _key(w, kind, n_rows) in _CHOICE:
             continue
-        nbytes = w.numel() * w.element_size()
-        ws = [w] + [torch.randn_like(w) for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
-        K = w.shape[1]
-        x = torch.randn(rows, 2 * K if kind == SILU else K, dtype=w.dtype, device=w.device)
-        r = torch.randn(rows, K, dtype=w.dtype, device=w.device)
-        g = torch.ones(K, dtype=w.dtype, device=w.device)
-        best, best_ms = CUBLAS, float("inf")
-        for plan, fn in _candidates(kind, x, r, g, ws):
-            try:
-                ms = _time(fn, len(ws))
-            except Exception:  # a config the compiler rejects on this GPU
-                continue
-            if ms < best_ms:
-                best, best_ms = plan, ms
-        del ws
-        _CHOICE[key] = best
-        report[f"{w.shape[0]}x{w.shape[1]}/{kind}:{best}"] = nbytes / best_ms / 1e6
+        best, ms = _tune_one(w, kind, n_rows, l2_bytes)
+        _CHOICE[_key(w, kind, n_rows)] = best
+        report[f"{w.shape[0]}x{w.shape[1]}/{kind}/rows={n_rows}:{best}"] = w.numel() * w.element_size() / ms / 1e6
     return report
+
+
+def _tune_one(w: torch.Tensor, kind: str, rows: int, l2_bytes: int) -> tuple[Plan, float]:
+    """The fastest Plan for one weight shape and neighbour at ``rows`` rows, and its time (ms)."""
+    nbytes = w.numel() * w.element_size()
+    ws = [w] + [torch.randn_like(w) for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
+    K = w.shape[1]
+    x = torch.randn(rows, 2 * K if kind == SILU else K, dtype=w.dtype, device=w.device)
+    r = torch.randn(rows, K, dtype=w.dtype, device=w.device)
+    g = torch.ones(K, dtype=w.dtype, device=w.device)
+    best, best_ms = CUBLAS, float("inf")
+    for plan, fn in _candidates(kind, x, r, g, ws):
+        try:
+            ms = _time(fn, len(ws))
+        except Exception:  # a config the compiler rejects on this GPU
+            continue
+        if ms < best_ms:
+            best, best_ms = plan, ms
+    return best, best_ms
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up times Wᵀ in one kernel for small batches; None when not applicable."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        plan = choice(weight, SILU)
+        plan = choice(weight, SILU, x.shape[0])
         if plan.kernel == "gemv":
             return gemv(x, weight, None, plan.config, silu=True, use_pdl=plan.pdl)
     return None
@@ -292,7 +305,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     """(rms_norm(x + residual) Wᵀ + b, new residual) for small batches, as the tuner measured
     fastest: the fused kernel, or the norm kernel then the skinny one; None for cuBLAS."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        plan = choice(weight, NORM)
+        plan = choice(weight, NORM, x.shape[0])
         if plan.kernel == "norm_gemv":
             return norm_gemv(x, residual, norm_weight, eps, weight, bias, plan.config, use_pdl=plan.pdl)
         if plan.kernel == "gemv":
@@ -308,7 +321,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, or the tuned skinny kernel for decode batches of at most MAX_ROWS rows."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        plan = choice(weight)
+        plan = choice(weight, PLAIN, x.shape[0])
         if plan.kernel == "gemv":
             return gemv(x, weight, bias, plan.config, use_pdl=plan.pdl)
     return F.linear(x, weight, bias)
