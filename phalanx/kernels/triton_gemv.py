@@ -101,43 +101,74 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
 @triton.jit
 def _norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rout_ptr, M, N, K, s_xm, s_rm, s_wn, s_ym, eps,
                       HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREC: tl.constexpr, PDL: tl.constexpr):
+                      PREC: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
     """y = rms_norm(x + r) Wᵀ; program 0 also stores x + r (the new residual) to rout. The
-    normalised row is rounded to x's dtype before the product, as the separate kernels do."""
+    normalised row is rounded to x's dtype before the product, as the separate kernels do.
+    ONE_ROW: float32 FMAs as in the plain kernel; otherwise rows padded to 16 for ``tl.dot``."""
     prologue(PDL)
     pid = tl.program_id(0)
-    m = tl.arange(0, 16)
-    mm = m < M
-    ss = tl.zeros([16], tl.float32)
-    for k0 in range(0, K, BLOCK_K):          # pass 1: the row's sum of squares
-        k = k0 + tl.arange(0, BLOCK_K)
-        xm = mm[:, None] & (k < K)[None, :]
-        h = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
-        if HAS_RES:
-            h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
-            if pid == 0:
-                tl.store(rout_ptr + m[:, None] * K + k[None, :], h, mask=xm)
-        hf = h.to(tl.float32)
-        ss += tl.sum(hf * hf, 1)
-    rstd = 1.0 / tl.sqrt(ss / K + eps)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):          # pass 2: the product with the normalised row
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < K
-        xm = mm[:, None] & km[None, :]
-        h = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
-        if HAS_RES:
-            h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
-        g = tl.load(nw_ptr + k, mask=km, other=0.0)
-        xn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype) * g[None, :]
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        acc += tl.dot(xn.to(w.dtype), tl.trans(w), input_precision=PREC)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+    if ONE_ROW:
+        ss1 = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):      # pass 1: the row's sum of squares
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            h = tl.load(x_ptr + k, mask=km, other=0.0)
+            if HAS_RES:
+                h = h + tl.load(r_ptr + k, mask=km, other=0.0)
+                if pid == 0:
+                    tl.store(rout_ptr + k, h, mask=km)
+            hf = h.to(tl.float32)
+            ss1 += hf * hf
+        rstd1 = 1.0 / tl.sqrt(tl.sum(ss1, 0) / K + eps)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):      # pass 2: the product with the normalised row
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            h = tl.load(x_ptr + k, mask=km, other=0.0)
+            if HAS_RES:
+                h = h + tl.load(r_ptr + k, mask=km, other=0.0)
+            xn = (h.to(tl.float32) * rstd1).to(h.dtype) * tl.load(nw_ptr + k, mask=km, other=0.0)
+            w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc1 += w.to(tl.float32) * xn.to(w.dtype).to(tl.float32)[None, :]
+        y = tl.sum(acc1, 1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+    else:
+        m = tl.arange(0, 16)
+        mm = m < M
+        ss = tl.zeros([16], tl.float32)
+        for k0 in range(0, K, BLOCK_K):      # pass 1: the row's sum of squares
+            k = k0 + tl.arange(0, BLOCK_K)
+            xm = mm[:, None] & (k < K)[None, :]
+            h = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
+            if HAS_RES:
+                h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
+                if pid == 0:
+                    tl.store(rout_ptr + m[:, None] * K + k[None, :], h, mask=xm)
+            hf = h.to(tl.float32)
+            ss += tl.sum(hf * hf, 1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):      # pass 2: the product with the normalised row
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            xm = mm[:, None] & km[None, :]
+            h = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
+            if HAS_RES:
+                h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
+            g = tl.load(nw_ptr + k, mask=km, other=0.0)
+            xn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype) * g[None, :]
+            w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc += tl.dot(xn.to(w.dtype), tl.trans(w), input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mm[:, None] & nm[None, :])
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -152,13 +183,14 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     rout = torch.empty(M, K, dtype=x.dtype, device=x.device) if r is not None else x
     bn, bk, warps, stages = config
-    bn = max(bn, 16)                                    # a tensor-core dot needs 16 columns
-    stages = _fit_stages(stages, (bn * bk + 2 * 16 * bk + bk) * x.element_size())
+    if M > 1:
+        bn = max(bn, 16)                                # a tensor-core dot needs 16 columns
+    stages = _fit_stages(stages, (bn * bk + (2 * 16 * bk if M > 1 else 2 * bk) + bk) * x.element_size())
     _norm_gemv_kernel[(triton.cdiv(N, bn),)](
         x, r if r is not None else x, norm_weight, weight, bias if bias is not None else weight, y, rout,
         M, N, K, x.stride(0), r.stride(0) if r is not None else 0, weight.stride(0), y.stride(0), eps,
         HAS_RES=r is not None, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", ONE_ROW=M == 1, num_warps=warps, num_stages=stages,
         **pdl.launch(x, use_pdl))
     return y, rout
 
