@@ -4,7 +4,8 @@ Two kernels over the pool layout [num_blocks, B, Hkv, D] (B = tokens_per_block >
 
 * decode (one query per sequence): split-KV "flash decoding". Grid (S, Hkv, SPLITS); each
   program takes the G = H / Hkv query heads of one KV head over one slice of the context and
-  writes a partial output and its log-sum-exp; a second kernel merges the slices. The slice
+  writes a partial output and its log-sum-exp; a second kernel merges the slices (with one
+  slice, the first kernel writes the answer itself). The slice
   length is computed from each sequence's length inside the kernel, so the grid depends only
   on (S, SPLITS): CUDA graphs can capture it.
 * extend (packed variable-length queries: prefill over a cached prefix, chunked prefill,
@@ -83,8 +84,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
     out = tl.where(empty, 0.0, acc / tl.maximum(l_i, 1e-30)[:, None])
     lse = tl.where(empty, NEG, m_i + tl.log(tl.maximum(l_i, 1e-30)))
     h = kvh * G + g
-    tl.store(out_ptr + s * s_os + h[:, None] * s_oh + split * s_osp + d[None, :], out, mask=gm[:, None] & dm[None, :])
-    tl.store(lse_ptr + s * s_ls + h * s_lh + split, lse, mask=gm)
+    tl.store(out_ptr + s * s_os + h[:, None] * s_oh + split * s_osp + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gm[:, None] & dm[None, :])
+    if SPLITS > 1:
+        tl.store(lse_ptr + s * s_ls + h * s_lh + split, lse, mask=gm)
 
 
 @triton.jit
@@ -120,8 +123,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     S, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     G = H // Hkv
-    part = torch.empty(S, H, splits, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(S, H, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)
+    if splits == 1:   # one slice is the whole answer: written in q's dtype, no merge
+        part, lse = out.unsqueeze(2), out
+    else:
+        part = torch.empty(S, H, splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(S, H, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(S, Hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -129,7 +136,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, SPLITS=splits, PREC=_precision(q.dtype),
         **pdl.launch(q))
-    out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)
+    if splits == 1:
+        return out
     _decode_merge_kernel[(S, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
                                  lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                                  D=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
