@@ -118,7 +118,10 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         h, residual = rms_norm(x, norm_weight, eps), x
     else:
         h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return torch.nn.functional.linear(h, weight, bias), residual   # cuBLAS: what the fused kernel was timed against
+    if use_triton(h):   # the projection as tuned behind a separate norm: skinny kernel or cuBLAS
+        from phalanx.kernels import triton_gemv
+        return triton_gemv.linear(h, weight, bias, NORM), residual
+    return torch.nn.functional.linear(h, weight, bias), residual
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

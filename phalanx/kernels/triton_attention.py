@@ -125,7 +125,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     G = H // Hkv
     out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)
     if splits == 1:   # one slice is the whole answer: written in q's dtype, no merge
-        part, lse = out.unsqueeze(2), out
+        part, lse = out.unsqueeze(2), out      # lse: a placeholder, never written with one slice
     else:
         part = torch.empty(S, H, splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(S, H, splits, dtype=torch.float32, device=q.device)

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from phalanx.kernels import pdl
+from phalanx.kernels import pdl, triton_ops
 from phalanx.kernels.ops import NORM, PLAIN, SILU  # noqa: F401  (what sits in front of the matmul)
 from phalanx.kernels.pdl import prologue
+from phalanx.kernels.triton_ops import silu_mul
 
 MAX_ROWS = 4
 CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -48,13 +49,37 @@ def _fit_stages(stages: int, bytes_per_stage: int) -> int:
 
 
 @triton.jit
+def _w_tile(w_ptr, s_wn, n, nm, k, km):
+    """A [BLOCK_N, BLOCK_K] tile of W, loaded evict-first: each weight is read once per step, and
+    keeping it out of L2's way measured 6 % faster at batch 1."""
+    return tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS: tl.constexpr):
+    """One row: sum the [BLOCK_N, BLOCK_K] FMA partials, add the bias, store."""
+    y = tl.sum(acc1, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr):
+    """Padded rows: add the bias to the [16, BLOCK_N] dot result, store the real rows."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                  SILU: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
     """SILU: x holds gate ‖ up ([M, 2K]) and the kernel multiplies silu(gate) * up on the fly.
     ONE_ROW (M == 1): products summed in float32 FMAs, no padding; otherwise rows are padded to
-    16 for tensor-core dots. Weights are loaded evict-first: each is read once per step, and
-    keeping it out of L2's way measured 6 % faster at batch 1."""
+    16 for tensor-core dots."""
     prologue(PDL)
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,18 +89,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
-            w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = _w_tile(w_ptr, s_wn, n, nm, k, km)
             x = tl.load(x_ptr + k, mask=km, other=0.0)
             if SILU:
-                u = tl.load(x_ptr + K + k, mask=km, other=0.0)
-                g = x.to(tl.float32)
-                x = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
+                x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
             acc1 += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc1, 1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
-        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+        _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS)
     else:
         m = tl.arange(0, 16)
         mm = m < M
@@ -83,19 +102,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
-            w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = _w_tile(w_ptr, s_wn, n, nm, k, km)
             xm = mm[:, None] & km[None, :]
             x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
             if SILU:
-                u = tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0)
-                g = x.to(tl.float32)
-                x = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
+                x = silu_mul(x, tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0))
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mm[:, None] & nm[None, :])
+        _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
 
 
 @triton.jit
@@ -130,13 +143,9 @@ def _norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rout_ptr, M, N,
             if HAS_RES:
                 h = h + tl.load(r_ptr + k, mask=km, other=0.0)
             xn = (h.to(tl.float32) * rstd1).to(h.dtype) * tl.load(nw_ptr + k, mask=km, other=0.0)
-            w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = _w_tile(w_ptr, s_wn, n, nm, k, km)
             acc1 += w.to(tl.float32) * xn.to(w.dtype).to(tl.float32)[None, :]
-        y = tl.sum(acc1, 1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
-        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+        _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS)
     else:
         m = tl.arange(0, 16)
         mm = m < M
@@ -162,13 +171,9 @@ def _norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rout_ptr, M, N,
                 h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
             g = tl.load(nw_ptr + k, mask=km, other=0.0)
             xn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype) * g[None, :]
-            w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = _w_tile(w_ptr, s_wn, n, nm, k, km)
             acc += tl.dot(xn.to(w.dtype), tl.trans(w), input_precision=PREC)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mm[:, None] & nm[None, :])
+        _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -268,7 +273,6 @@ def _time(fn, copies: int, reps: int = 24) -> float:
 
 def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]):
     """Each Plan for the neighbour kind, as fn(i) over the weight copies, neighbour included."""
-    from phalanx.kernels import triton_ops
     pdls = (False, True) if pdl.enabled(x) else (False,)
     tiles = [(cfg, p) for cfg in CONFIGS for p in pdls]
     if kind == SILU:
@@ -334,26 +338,21 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor |
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None):
-    """(rms_norm(x + residual) Wᵀ + b, new residual) for small batches, as the tuner measured
-    fastest: the fused kernel, or the norm kernel then the skinny one; None for cuBLAS."""
+    """(rms_norm(x + residual) Wᵀ + b, new residual) in one kernel for small batches where the
+    tuner measured that fastest; None otherwise (the norm then runs as its own kernel, followed
+    by ``linear(..., kind=NORM)``)."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
         plan = choice(weight, NORM, x.shape[0])
         if plan.kernel == "norm_gemv":
             return norm_gemv(x, residual, norm_weight, eps, weight, bias, plan.config, use_pdl=plan.pdl)
-        if plan.kernel == "gemv":
-            from phalanx.kernels import triton_ops
-            if residual is None:
-                h, residual = triton_ops.rms_norm(x, norm_weight, eps), x
-            else:
-                h, residual = triton_ops.fused_add_rms_norm(x, residual, norm_weight, eps)
-            return gemv(h, weight, bias, plan.config, use_pdl=plan.pdl), residual
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, or the tuned skinny kernel for decode batches of at most MAX_ROWS rows."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str = PLAIN) -> torch.Tensor:
+    """F.linear, or the skinny kernel tuned for this weight behind its ``kind`` of neighbour, for
+    decode batches of at most MAX_ROWS rows."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        plan = choice(weight, PLAIN, x.shape[0])
+        plan = choice(weight, kind, x.shape[0])
         if plan.kernel == "gemv":
             return gemv(x, weight, bias, plan.config, use_pdl=plan.pdl)
     return F.linear(x, weight, bias)

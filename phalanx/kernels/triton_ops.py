@@ -123,14 +123,20 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 # -- SiLU and mul -------------------------------------------------------------------------------------
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up, the sigmoid in float32, the product in up's dtype (as the reference)."""
+    g = gate.to(tl.float32)
+    return (g / (1.0 + tl.exp(-g))).to(up.dtype) * up
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
     prologue(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
-    g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0)
-    y = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
+    y = silu_mul(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0),
+                 tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0))
     tl.store(out_ptr + row * stride_o + cols, y, mask=m)
 
 
