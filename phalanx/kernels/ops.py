@@ -36,9 +36,9 @@ def use_triton(x: torch.Tensor) -> bool:
     return (x.is_cuda or FORCE_TRITON) and triton_available()
 
 
-# what runs in front of a projection, fused into its skinny kernel where that measures faster
-# (a parameter's ``gemv_neighbour``, set by the model): nothing, silu(gate) * up, or residual
-# add + RMSNorm
+# what runs in front of a projection (a parameter's ``gemv_neighbour``, set by the model), timed
+# with it when the skinny kernel is tuned: nothing, silu(gate) * up (fused into the skinny kernel
+# where that measures faster), or residual add + RMSNorm
 PLAIN, SILU, NORM = "plain", "silu", "norm"
 
 
@@ -107,13 +107,8 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) Wᵀ + b, x + residual): the norm in front of a projection, fused
-    into the skinny kernel for small GPU batches. Without a residual the second result is x."""
-    if use_triton(x):
-        from phalanx.kernels import triton_gemv
-        out = triton_gemv.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-        if out is not None:
-            return out
+    """(rms_norm(x + residual) Wᵀ + b, x + residual): the norm in front of a projection, the
+    projection as tuned behind it. Without a residual the second result is x."""
     if residual is None:
         h, residual = rms_norm(x, norm_weight, eps), x
     else:

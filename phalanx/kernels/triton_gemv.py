@@ -4,17 +4,17 @@ between it and cuBLAS.
 At batch 1 a decode step is a stream of weight reads; the kernel walks W in [BLOCK_N, BLOCK_K]
 tiles with wide loads and a pipelined K loop. One row is multiplied with float32 FMAs and summed
 once at the end; two to four rows are padded to 16 for ``tl.dot`` (tensor cores in bf16/fp16).
-Two neighbours can ride
-along so that they cost no launch of their own: SiLU-and-mul on the input of the down projection,
-and the residual add + RMSNorm in front of the q/k/v and gate/up projections (every program
-recomputes the row's norm from the same few KB, which sit in L2).
+SiLU-and-mul on the input of the down projection rides along so that it costs no launch of its
+own. (RMSNorm fused the same way, every program recomputing the row's norm, never beat a
+separate norm kernel on an H200, in the dot or in the FMA form, and was removed.)
 
 Which plan is fastest — a tile configuration, launched with or without programmatic dependent
-launch (``pdl``), with the neighbour fused or as its own kernel, or cuBLAS — depends on (N, K),
-on the neighbour and on the GPU, so it is measured once per weight shape (``tune``) before CUDA
-graphs are captured, and looked up after. Timing replays a CUDA graph over several copies of the
-weight, so that it is read from memory as in a real step and not from L2. The torch reference is
-``torch.nn.functional.linear`` after the references of the neighbours.
+launch (``pdl``), or cuBLAS — depends on (N, K), on the neighbour (timed with it: the norm
+kernel in front, the SiLU fused or its own kernel) and on the GPU, so it is measured once per
+weight shape (``tune``) before CUDA graphs are captured, and looked up after. Timing replays a
+CUDA graph over several copies of the weight, so that it is read from memory as in a real step
+and not from L2. The torch reference is ``torch.nn.functional.linear`` after the references of
+the neighbours.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ MAX_ROWS = 4
 CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (8, 512, 4, 4), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 4, 4), (8, 1024, 4, 3),
 ]
+# the ones tried for two to MAX_ROWS rows (padded to 16 for tl.dot, so BLOCK_N < 16 would only
+# repeat a 16-wide config); each tried config is a compile at start-up
+ROWS_CONFIGS = [(16, 512, 4, 3), (32, 256, 4, 4)]
 
 
 SMEM_BYTES = 200 << 10
@@ -111,95 +114,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
         _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
 
 
-@triton.jit
-def _norm_gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rout_ptr, M, N, K, s_xm, s_rm, s_wn, s_ym, eps,
-                      HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREC: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
-    """y = rms_norm(x + r) Wᵀ; program 0 also stores x + r (the new residual) to rout. The
-    normalised row is rounded to x's dtype before the product, as the separate kernels do.
-    ONE_ROW: float32 FMAs as in the plain kernel; otherwise rows padded to 16 for ``tl.dot``."""
-    prologue(PDL)
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    if ONE_ROW:
-        ss1 = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):      # pass 1: the row's sum of squares
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            h = tl.load(x_ptr + k, mask=km, other=0.0)
-            if HAS_RES:
-                h = h + tl.load(r_ptr + k, mask=km, other=0.0)
-                if pid == 0:
-                    tl.store(rout_ptr + k, h, mask=km)
-            hf = h.to(tl.float32)
-            ss1 += hf * hf
-        rstd1 = 1.0 / tl.sqrt(tl.sum(ss1, 0) / K + eps)
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):      # pass 2: the product with the normalised row
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            h = tl.load(x_ptr + k, mask=km, other=0.0)
-            if HAS_RES:
-                h = h + tl.load(r_ptr + k, mask=km, other=0.0)
-            xn = (h.to(tl.float32) * rstd1).to(h.dtype) * tl.load(nw_ptr + k, mask=km, other=0.0)
-            w = _w_tile(w_ptr, s_wn, n, nm, k, km)
-            acc1 += w.to(tl.float32) * xn.to(w.dtype).to(tl.float32)[None, :]
-        _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS)
-    else:
-        m = tl.arange(0, 16)
-        mm = m < M
-        ss = tl.zeros([16], tl.float32)
-        for k0 in range(0, K, BLOCK_K):      # pass 1: the row's sum of squares
-            k = k0 + tl.arange(0, BLOCK_K)
-            xm = mm[:, None] & (k < K)[None, :]
-            h = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
-            if HAS_RES:
-                h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
-                if pid == 0:
-                    tl.store(rout_ptr + m[:, None] * K + k[None, :], h, mask=xm)
-            hf = h.to(tl.float32)
-            ss += tl.sum(hf * hf, 1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = tl.zeros([16, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):      # pass 2: the product with the normalised row
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            xm = mm[:, None] & km[None, :]
-            h = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
-            if HAS_RES:
-                h = h + tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=xm, other=0.0)
-            g = tl.load(nw_ptr + k, mask=km, other=0.0)
-            xn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype) * g[None, :]
-            w = _w_tile(w_ptr, s_wn, n, nm, k, km)
-            acc += tl.dot(xn.to(w.dtype), tl.trans(w), input_precision=PREC)
-        _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
-
-
-def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-              weight: torch.Tensor, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int] = CONFIGS[1], use_pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) Wᵀ + b, x + residual) for x [M, K], M <= 16; without a residual
-    the second result is x itself."""
-    M, K = x.shape
-    N = weight.shape[0]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    r = None if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    rout = torch.empty(M, K, dtype=x.dtype, device=x.device) if r is not None else x
-    bn, bk, warps, stages = config
-    if M > 1:
-        bn = max(bn, 16)                                # a tensor-core dot needs 16 columns
-    stages = _fit_stages(stages, (bn * bk + (2 * 16 * bk if M > 1 else 2 * bk) + bk) * x.element_size())
-    _norm_gemv_kernel[(triton.cdiv(N, bn),)](
-        x, r if r is not None else x, norm_weight, weight, bias if bias is not None else weight, y, rout,
-        M, N, K, x.stride(0), r.stride(0) if r is not None else 0, weight.stride(0), y.stride(0), eps,
-        HAS_RES=r is not None, HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", ONE_ROW=M == 1, num_warps=warps, num_stages=stages,
-        **pdl.launch(x, use_pdl))
-    return y, rout
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, int, int, int] = CONFIGS[1], silu: bool = False, use_pdl: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 16), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and
@@ -226,9 +140,9 @@ class Plan(NamedTuple):
     """How one (weight shape, neighbour) runs at decode batches of one row, or of two to
     MAX_ROWS rows (the two take different code paths and are tuned apart).
 
-    kernel: "cublas" (the neighbour as its own kernel, then F.linear), "gemv" (the skinny kernel;
-    for SILU with the SiLU fused in, for NORM after the separate norm kernel) or "norm_gemv" (the
-    norm fused into the skinny kernel). config: the tile config; pdl: launched with PDL."""
+    kernel: "cublas" (the neighbour as its own kernel, then F.linear) or "gemv" (the skinny kernel;
+    for SILU with the SiLU fused in, for NORM after the norm kernel). config: the tile config;
+    pdl: launched with PDL."""
     kernel: str
     config: tuple[int, int, int, int] | None = None
     pdl: bool = False
@@ -274,7 +188,7 @@ def _time(fn, copies: int, reps: int = 24) -> float:
 def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]):
     """Each Plan for the neighbour kind, as fn(i) over the weight copies, neighbour included."""
     pdls = (False, True) if pdl.enabled(x) else (False,)
-    tiles = [(cfg, p) for cfg in CONFIGS for p in pdls]
+    tiles = [(cfg, p) for cfg in (CONFIGS if x.shape[0] == 1 else ROWS_CONFIGS) for p in pdls]
     if kind == SILU:
         yield CUBLAS, lambda i: F.linear(triton_ops.silu_and_mul(x), ws[i])
         for cfg, p in tiles:
@@ -284,9 +198,6 @@ def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws
         for cfg, p in tiles:
             yield Plan("gemv", cfg, p), lambda i, cfg=cfg, p=p: gemv(
                 triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i], None, cfg, use_pdl=p)
-        for cfg, p in tiles:
-            yield Plan("norm_gemv", cfg, p), lambda i, cfg=cfg, p=p: norm_gemv(x, r, g, 1e-6, ws[i], None, cfg,
-                                                                               use_pdl=p)
     else:
         yield CUBLAS, lambda i: F.linear(x, ws[i])
         for cfg, p in tiles:
@@ -333,18 +244,6 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor |
         plan = choice(weight, SILU, x.shape[0])
         if plan.kernel == "gemv":
             return gemv(x, weight, None, plan.config, silu=True, use_pdl=plan.pdl)
-    return None
-
-
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None):
-    """(rms_norm(x + residual) Wᵀ + b, new residual) in one kernel for small batches where the
-    tuner measured that fastest; None otherwise (the norm then runs as its own kernel, followed
-    by ``linear(..., kind=NORM)``)."""
-    if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        plan = choice(weight, NORM, x.shape[0])
-        if plan.kernel == "norm_gemv":
-            return norm_gemv(x, residual, norm_weight, eps, weight, bias, plan.config, use_pdl=plan.pdl)
     return None
 
 

@@ -150,46 +150,17 @@ def test_gemv_every_config(M, N, K, dtype):
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
     ref_silu = torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float())
-    r = torch.randn(M, K, generator=g).to(DEV, dtype)
-    gn = torch.rand(K, generator=g).to(DEV, dtype) + 0.5
-    h_ref, res_ref = reference.fused_add_rms_norm_ref(x, r, gn, 1e-5)
-    ref_norm = torch.nn.functional.linear(h_ref.float(), w.float(), b.float())
-    ref_norm0 = torch.nn.functional.linear(reference.rms_norm_ref(x, gn, 1e-5).float(), w.float())
-    for cfg, p in ([(c, p) for c in triton_gemv.CONFIGS for p in (False, True)] if CUDA
-                   else [(c, False) for c in triton_gemv.CONFIGS[:2]]):
+    configs = triton_gemv.CONFIGS if M == 1 else triton_gemv.ROWS_CONFIGS
+    for cfg, p in ([(c, p) for c in configs for p in (False, True)] if CUDA else [(c, False) for c in configs[:2]]):
         close(triton_gemv.gemv(x, w, b, cfg, use_pdl=p), ref, dtype)
         close(triton_gemv.gemv(xx, w, None, cfg, silu=True, use_pdl=p), ref_silu, dtype)
-        y, res = triton_gemv.norm_gemv(x, r, gn, 1e-5, w, b, cfg, use_pdl=p)
-        close(y, ref_norm, dtype)
-        assert torch.equal(res, res_ref)                     # the new residual, bit for bit
-        y0, res0 = triton_gemv.norm_gemv(x, None, gn, 1e-5, w, None, cfg, use_pdl=p)
-        close(y0, ref_norm0, dtype)
-        assert res0 is x
 
 
-@pytest.mark.parametrize("M", [1, 4])
-def test_norm_gemv_equals_norm_then_gemv(M):
-    """Fusing the norm changes the residual by no bit and the product by rounding only (the
-    row's sum of squares is added up in another order)."""
-    from phalanx.kernels import triton_gemv
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    K, N = (4096, 1024) if CUDA else (64, 48)
-    g = torch.Generator().manual_seed(M)
-    x, r = (torch.randn(M, K, generator=g).to(DEV, dtype) for _ in range(2))
-    gn = torch.rand(K, generator=g).to(DEV, dtype) + 0.5
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
-    cfg = triton_gemv.CONFIGS[1]
-    h, res = triton_ops.fused_add_rms_norm(x, r, gn, 1e-6)
-    y, res2 = triton_gemv.norm_gemv(x, r, gn, 1e-6, w, None, cfg)
-    assert torch.equal(res, res2)
-    close(y, triton_gemv.gemv(h, w, None, cfg), dtype)
-
-
-@pytest.mark.parametrize("tuned", ["fused", "separate", "cublas"])
+@pytest.mark.parametrize("tuned", ["gemv", "cublas"])
 def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
-    """The plan tuned for (shape, neighbour) is the one that runs: the fused kernel, the norm
-    kernel then the skinny one, or the neighbour kernel then F.linear. All give the reference's
-    numbers."""
+    """The plan tuned for (shape, neighbour) is the one that runs: the skinny kernel (behind the
+    norm kernel, or with the SiLU fused in) or the neighbour kernel then F.linear. Both give the
+    reference's numbers."""
     from phalanx.kernels import ops, triton_gemv
     monkeypatch.setattr(ops, "FORCE_TRITON", True)
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -200,20 +171,18 @@ def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
     gn = torch.rand(K, generator=g).to(DEV, dtype) + 0.5
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
     cfg = triton_gemv.CONFIGS[1]
-    norm_plan = {"fused": triton_gemv.Plan("norm_gemv", cfg), "separate": triton_gemv.Plan("gemv", cfg),
-                 "cublas": triton_gemv.CUBLAS}[tuned]
-    silu_plan = triton_gemv.CUBLAS if tuned == "cublas" else triton_gemv.Plan("gemv", cfg)
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM, False), norm_plan)
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.SILU, False), silu_plan)
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.PLAIN, False),
-                        triton_gemv.Plan("gemv", triton_gemv.CONFIGS[0]))
-    # the one-row entries (tuned apart: another code path) are not used for two rows
+    plan = {"gemv": triton_gemv.Plan("gemv", cfg), "cublas": triton_gemv.CUBLAS}[tuned]
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM, False), plan)
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.SILU, False), plan)
+    # neither the plain entry of the same shape (another weight's tuning) nor the one-row
+    # entries (tuned apart: another code path) are used for two rows behind these neighbours
+    other = triton_gemv.CUBLAS if tuned == "gemv" else triton_gemv.Plan("gemv", triton_gemv.CONFIGS[0])
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.PLAIN, False), other)
     for kind in (triton_gemv.NORM, triton_gemv.SILU):
-        monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, kind, True), triton_gemv.Plan("norm_gemv", cfg))
+        monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, kind, True), other)
     calls = []
-    for name in ("norm_gemv", "gemv"):
-        real = getattr(triton_gemv, name)
-        monkeypatch.setattr(triton_gemv, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    real = triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(kw.get("silu", False)) or real(*a, **kw))
     y, res = ops.add_rms_norm_linear(x, r, gn, 1e-6, w)
     h_ref, res_ref = reference.fused_add_rms_norm_ref(x, r, gn, 1e-6)
     close(y, torch.nn.functional.linear(h_ref.float(), w.float()), dtype)
@@ -221,7 +190,7 @@ def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
     z = ops.silu_and_mul_linear(xx, w)
     close(z, torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float()), dtype)
     # the plain entry of the same shape (another weight's tuning) is never borrowed
-    assert calls == {"fused": ["norm_gemv", "gemv"], "separate": ["gemv", "gemv"], "cublas": []}[tuned], calls
+    assert calls == {"gemv": [False, True], "cublas": []}[tuned], calls
 
 
 def test_pdl_only_on_gpus_that_have_it():
@@ -323,7 +292,7 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
             return real(*a, **kw)
         monkeypatch.setattr(mod, name, wrapper)
 
-    for mod, name in ((triton_gemv, "gemv"), (triton_gemv, "silu_and_mul_linear"), (triton_gemv, "norm_gemv"),
+    for mod, name in ((triton_gemv, "gemv"), (triton_gemv, "silu_and_mul_linear"),
                       (triton_attention, "decode_attention"),
                       (triton_attention, "extend_attention"), (triton_ops, "rope_and_write_kv"),
                       (triton_ops, "copy_blocks"), (triton_ops, "fused_add_rms_norm"), (triton_ops, "silu_and_mul")):
@@ -334,8 +303,7 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         for p in llm._executor.engine.runner.model.parameters():
             if p.dim() == 2:
                 for kind in (triton_gemv.PLAIN, triton_gemv.SILU, triton_gemv.NORM):
-                    plan = triton_gemv.Plan("norm_gemv" if kind == triton_gemv.NORM else "gemv",
-                                            triton_gemv.CONFIGS[1])
+                    plan = triton_gemv.Plan("gemv", triton_gemv.CONFIGS[1])
                     for one_row in (True, False):
                         monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind, one_row),
                                             plan)
@@ -345,7 +313,7 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         ref, gaps = hf_greedy(hf_models["llama"], p, 6)
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
-    assert all(calls.get(n, 0) > 0 for n in ("gemv", "silu_and_mul_linear", "norm_gemv", "decode_attention", "extend_attention", "rope_and_write_kv",
+    assert all(calls.get(n, 0) > 0 for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
                                              "copy_blocks", "fused_add_rms_norm", "silu_and_mul")), calls
 
 
