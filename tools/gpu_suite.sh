@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT.
-#   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|decode1|decode|decode_tp|throughput128|
-#                              throughput1000|throughput_tp2|moe|all]...
+#   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|profile64|attention|decode1|decode|decode_tp|
+#                              throughput128|throughput1000|throughput_tp2|moe|all]...
 # multi, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi comes from
 # `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -20,10 +20,20 @@ for what in "${@:-all}"; do
   case $what in
     tests|all)
       timeout 250 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu/test_gpu_engine.py 2>&1 | tail -40 > "$OUT/tests.txt" ;;&
-    kernels)
-      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels > "$OUT/kernels.txt" 2>&1 ;;
+    kernels)   # spread over processes when pytest-xdist came with the wheels (compiles are CPU-bound)
+      python3 -c "import xdist" 2>/dev/null && par="-n 6" || par=""
+      timeout 240 python3 -m pytest -q -p no:cacheprovider $par tests/kernels > "$OUT/kernels.txt" 2>&1 ;;
     gputests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py > "$OUT/gputests.txt" 2>&1 ;;
+    kernels+gputests)   # both at once
+      python3 -c "import xdist" 2>/dev/null && par="-n 5" || par=""
+      timeout 270 python3 -m pytest -q -p no:cacheprovider $par tests/kernels > "$OUT/kernels.txt" 2>&1 &
+      timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py > "$OUT/gputests.txt" 2>&1
+      wait ;;
+    attention)
+      timeout 150 python3 tools/bench_attention.py --output "$OUT/attention.json" > "$OUT/attention.txt" 2>&1 ;;
+    profile64)
+      timeout 200 python3 tools/profile_decode.py --batch 64 --output "$OUT/profile64.json" > "$OUT/profile64.txt" 2>&1 ;;
     multi)
       PHALANX_RESULTS_DIR="$OUT" timeout 330 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_multi_gpu.py 2>&1 | tail -60 > "$OUT/multi.txt" ;;
     profile1)

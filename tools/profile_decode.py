@@ -1,7 +1,8 @@
-"""Where a batch-1 decode step spends its GPU time: kernels of the Llama-3.1-8B-shaped dummy
-model under the torch profiler, per step, with CUDA graphs (as served) and without.
+"""Where a decode step spends its GPU time: kernels of the Llama-3.1-8B-shaped dummy model under
+the torch profiler, per step, with CUDA graphs (as served) and without, at a batch of sequences
+of 128-token prompts (1 by default).
 
-    python tools/profile_decode.py --output profile.json
+    python tools/profile_decode.py --batch 64 --output profile.json
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    report = {}
+    report = {"batch": a.batch}
     for graphs in (True, False):
         llm = LLM(shape_dir(a.model), load_format="dummy", skip_tokenizer_init=True, orchestrator_type="inprocess",
-                  max_batch_size=8, max_seq_len=512, cuda_graph_config={"batch_sizes": [1]} if graphs else None)
+                  max_batch_size=max(8, a.batch), max_seq_len=512,
+                  cuda_graph_config={"batch_sizes": [a.batch]} if graphs else None)
         try:
-            prompt = list(range(1000, 1128))
+            prompt = [list(range(1000 + 128 * i, 1128 + 128 * i)) for i in range(a.batch)]
             llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
             torch.cuda.synchronize()
             sp = SamplingParams(max_tokens=a.steps + 1, ignore_eos=True, detokenize=False)

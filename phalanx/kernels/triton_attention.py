@@ -12,6 +12,9 @@ Two kernels over the pool layout [num_blocks, B, Hkv, D] (B = tokens_per_block >
   partial reuse, mixed batches). Grid (query blocks, S, H); causal within the new tokens,
   optional sliding window.
 
+Both walk the context in tiles of BLOCK_N keys (``_kv_tile``); each key looks up its own block
+in the table, so a tile spans several 32-token blocks and each step has more bytes in flight.
+
 Masked scores use a large finite negative instead of -inf so that a row whose first keys are
 all masked never computes inf - inf.
 """
@@ -46,11 +49,26 @@ def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
+             B: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys and values of positions p0 .. p0 + BLOCK_N (those in [lo, hi)) of one KV head:
+    each position finds its block in the sequence's table, so a tile may span several blocks."""
+    kpos = p0 + tl.arange(0, BLOCK_N)
+    km = (kpos >= lo) & (kpos < hi)
+    blk = tl.load(bt_row + kpos // B, mask=km, other=0).to(tl.int64)
+    off = blk[:, None] * s_cb + (kpos % B)[:, None] * s_ct + kvh * s_ch + d[None, :]
+    k = tl.load(kc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
+    v = tl.load(vc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
+    return kpos, km, k, v
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
                          scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         B: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                         B: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
+                         PDL: tl.constexpr):
     prologue(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -69,14 +87,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
     m_i = tl.full([BLOCK_G], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    t = tl.arange(0, B)
-    for p0 in range(lo - lo % B, hi, B):
-        blk = tl.load(bt_ptr + s * s_bt + p0 // B).to(tl.int64)
-        kpos = p0 + t
-        km = (kpos >= lo) & (kpos < hi)
-        off = blk * s_cb + t[:, None] * s_ct + kvh * s_ch + d[None, :]
-        k = tl.load(kc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
-        v = tl.load(vc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
+    for p0 in range(lo - lo % B, hi, BLOCK_N):
+        kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
+                                  B, BLOCK_N)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
         qk = tl.where(km[None, :], qk, NEG)
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
@@ -117,12 +130,20 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tokens_per_bl
     return int(max(1, min(want, cap, 64)))
 
 
+# keys per inner step, and the launch's warps and pipeline stages
+DECODE_CONFIG = (64, 4, 3)
+EXTEND_CONFIG = (64, 4, 3)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, window: int | None, splits: int) -> torch.Tensor:
-    """q [S, H, D] (one query per sequence) -> [S, H, D]."""
+                     seq_lens: torch.Tensor, scale: float, window: int | None, splits: int,
+                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """q [S, H, D] (one query per sequence) -> [S, H, D]. config: (keys per step, warps,
+    stages), DECODE_CONFIG by default."""
     S, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     G = H // Hkv
+    block_n, warps, stages = config or DECODE_CONFIG
     out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)
     if splits == 1:   # one slice is the whole answer: written in q's dtype, no merge
         part, lse = out.unsqueeze(2), out      # lse: a placeholder, never written with one slice
@@ -134,8 +155,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, SPLITS=splits, PREC=_precision(q.dtype),
-        **pdl.launch(q))
+        BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_N=max(block_n, 16), SPLITS=splits,
+        PREC=_precision(q.dtype), num_warps=warps, num_stages=stages, **pdl.launch(q))
     if splits == 1:
         return out
     _decode_merge_kernel[(S, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
@@ -149,7 +170,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     h = tl.program_id(2)
@@ -171,16 +192,11 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         hi = tl.minimum(L, ctx + (mb + 1) * BLOCK_M)
         lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
-        t = tl.arange(0, B)
-        for p0 in range(lo - lo % B, hi, B):
-            blk = tl.load(bt_ptr + s * s_bt + p0 // B).to(tl.int64)
-            kpos = p0 + t
-            off = blk * s_cb + t[:, None] * s_ct + kvh * s_ch + d[None, :]
-            kin = kpos < L
-            k = tl.load(kc_ptr + off, mask=kin[:, None] & dm[None, :], other=0.0)
-            v = tl.load(vc_ptr + off, mask=kin[:, None] & dm[None, :], other=0.0)
+        for p0 in range(lo - lo % B, hi, BLOCK_N):
+            kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
+                                      B, BLOCK_N)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
-            ok = (kpos[None, :] <= q_pos[:, None]) & kin[None, :]
+            ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
             qk = tl.where(ok, qk, NEG)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
@@ -191,19 +207,22 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                     window: int | None, block_m: int = 64) -> torch.Tensor:
-    """q [T, H, D] packed over S sequences -> [T, H, D]."""
+                     window: int | None, block_m: int = 64,
+                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """q [T, H, D] packed over S sequences -> [T, H, D]. config: (keys per step, warps, stages),
+    EXTEND_CONFIG by default."""
     T, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     S = seq_lens.shape[0]
     out = torch.empty_like(q)
+    block_n, warps, stages = config or EXTEND_CONFIG
     block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
     _extend_kernel[(triton.cdiv(max_query_len, block_m), S, H)](
         q, k_cache, v_cache, block_tables, query_start, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0,
         G=H // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
-        PREC=_precision(q.dtype))
+        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), num_warps=warps, num_stages=stages)
     return out
 
 

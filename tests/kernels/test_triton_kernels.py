@@ -104,6 +104,9 @@ def _ref(q, kc, vc, meta, window):
     return attention_ref.paged_attention_ref(q, kc, vc, plan, q.shape[-1] ** -0.5, window)
 
 
+# key tiles: the default (several blocks), 16 keys (one block here, half of one on a GPU), and on a
+# GPU one block and four
+KEY_TILES = [None, (16, 4, 2)] + ([(32, 4, 3), (128, 4, 2), (128, 8, 3)] if CUDA else [])
 DECODE_CASES = [([1], 4, 2, 32), ([5, 40, 17], 4, 2, 32), ([33, 64], 8, 1, 16)]
 if CUDA:
     DECODE_CASES += [([1, 100, 1000, 4097], 32, 8, 128), ([32768], 32, 8, 128), ([7] * 64, 8, 8, 64),
@@ -118,8 +121,10 @@ def test_decode_attention_split_kv(seq_lens, H, Hkv, D, dtype, window):
     q, kc, vc, meta = _paged_case(seq_lens, [1] * len(seq_lens), H, Hkv, D, B, dtype)
     ref = _ref(q, kc, vc, meta, window)
     for splits in (1, 3, triton_attention.num_splits(len(seq_lens), Hkv, max(seq_lens), B)):
-        out = triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, window, splits)
-        close(out, ref, dtype)
+        for config in KEY_TILES:
+            out = triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, window,
+                                                    splits, config)
+            close(out, ref, dtype)
 
 
 EXTEND_CASES = [([9], [9], 4, 2, 32), ([20, 7, 40], [3, 7, 40], 4, 4, 16), ([50, 1], [17, 1], 4, 1, 32)]
@@ -134,9 +139,12 @@ if CUDA:
 def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype, window):
     B = 32 if CUDA else 16
     q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=len(seq_lens))
-    out = triton_attention.extend_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
-                                            meta.max_query_len, D ** -0.5, window, block_m=16 if not CUDA else 64)
-    close(out, _ref(q, kc, vc, meta, window), dtype)
+    ref = _ref(q, kc, vc, meta, window)
+    for config in KEY_TILES:
+        out = triton_attention.extend_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
+                                                meta.max_query_len, D ** -0.5, window,
+                                                block_m=16 if not CUDA else 64, config=config)
+        close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 48, 64), (3, 100, 96)] + ([(1, 4096, 4096), (4, 14336, 4096), (2, 4096, 14336)] if CUDA else []))
