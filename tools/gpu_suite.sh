@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT.
-#   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|profile64|attention|decode1|decode|decode_tp|
+#   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|profile64|attention|gemv|decode1|decode_rows|decode|decode_tp|
 #                              throughput128|throughput1000|throughput_tp2|moe|all]...
 # multi, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi comes from
 # `python tools/export_tokenizer.py` (carry .gpu_assets).
@@ -30,6 +30,11 @@ for what in "${@:-all}"; do
       timeout 270 python3 -m pytest -q -p no:cacheprovider $par tests/kernels > "$OUT/kernels.txt" 2>&1 &
       timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py > "$OUT/gputests.txt" 2>&1
       wait ;;
+    gemv)
+      timeout 150 python3 tools/bench_gemv.py --output "$OUT/gemv.json" > "$OUT/gemv.txt" 2>&1 ;;
+    decode_rows)
+      timeout 200 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 16 64 \
+        --prompt-len 128 --steps 64 --overlap on --output "$OUT/decode_rows.json" > "$OUT/decode_rows.txt" 2>&1 ;;
     attention)
       timeout 150 python3 tools/bench_attention.py --output "$OUT/attention.json" > "$OUT/attention.txt" 2>&1 ;;
     profile64)

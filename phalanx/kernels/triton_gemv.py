@@ -3,7 +3,9 @@ between it and cuBLAS.
 
 At batch 1 a decode step is a stream of weight reads; the kernel walks W in [BLOCK_N, BLOCK_K]
 tiles with wide loads and a pipelined K loop. One row is multiplied with float32 FMAs and summed
-once at the end; two to four rows are padded to 16 for ``tl.dot`` (tensor cores in bf16/fp16).
+once at the end. Up to 64 rows are padded to 16 or 64 for ``tl.dot`` (tensor cores in
+bf16/fp16); where there are too few column tiles to fill the GPU, K is split over programs and
+the last slice of each tile adds the partials up (split-K with no second kernel).
 SiLU-and-mul on the input of the down projection rides along so that it costs no launch of its
 own. (RMSNorm fused the same way, every program recomputing the row's norm, never beat a
 separate norm kernel on an H200, in the dot or in the FMA form, and was removed.)
@@ -31,13 +33,14 @@ from phalanx.kernels.ops import NORM, PLAIN, SILU  # noqa: F401  (what sits in f
 from phalanx.kernels.pdl import prologue
 from phalanx.kernels.triton_ops import silu_mul
 
-MAX_ROWS = 4
-CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+ROW_BUCKETS = (1, 16, 64)     # a plan is tuned for each, at its upper bound
+MAX_ROWS = ROW_BUCKETS[-1]
+CONFIGS = [  # one row: (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (8, 512, 4, 4), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 4, 4), (8, 1024, 4, 3),
 ]
-# the ones tried for two to MAX_ROWS rows (padded to 16 for tl.dot, so BLOCK_N < 16 would only
-# repeat a 16-wide config); each tried config is a compile at start-up
-ROWS_CONFIGS = [(16, 512, 4, 3), (32, 256, 4, 4)]
+# more rows (padded to 16 or 64 for tl.dot): (BLOCK_N, BLOCK_K, num_warps, num_stages), each tried
+# whole and split over K (``auto_splits``); each is a compile at start-up
+ROWS_CONFIGS = [(32, 256, 4, 4), (64, 128, 4, 3)]
 
 
 SMEM_BYTES = 200 << 10
@@ -77,74 +80,136 @@ def _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                 SILU: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
-    """SILU: x holds gate ‖ up ([M, 2K]) and the kernel multiplies silu(gate) * up on the fly.
-    ONE_ROW (M == 1): products summed in float32 FMAs, no padding; otherwise rows are padded to
-    16 for tensor-core dots."""
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                 PDL: tl.constexpr):
+    """One row: products summed in float32 FMAs, no padding. SILU: x holds gate ‖ up ([1, 2K])
+    and the kernel multiplies silu(gate) * up on the fly."""
     prologue(PDL)
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    if ONE_ROW:
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            w = _w_tile(w_ptr, s_wn, n, nm, k, km)
-            x = tl.load(x_ptr + k, mask=km, other=0.0)
-            if SILU:
-                x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
-            acc1 += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        w = _w_tile(w_ptr, s_wn, n, nm, k, km)
+        x = tl.load(x_ptr + k, mask=km, other=0.0)
+        if SILU:
+            x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
+        acc1 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS)
+
+
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, s_xm, s_wn, s_ym,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREC: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """Up to BLOCK_M rows, padded for tensor-core dots; program (n, s) multiplies K-slice s.
+    SPLIT: each slice's [M, BLOCK_N] partial goes to part[s], and the slice that finishes last
+    (a counter per column tile, reset by it) sums the partials in slice order and stores the
+    result — no reduce kernel, and the same sum whichever slice finishes last."""
+    prologue(PDL)
+    pid = tl.program_id(0)
+    sk = tl.program_id(1)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    m = tl.arange(0, BLOCK_M)
+    mm = m < M
+    k_lo = sk * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < k_hi
+        w = _w_tile(w_ptr, s_wn, n, nm, k, km)
+        xm = mm[:, None] & km[None, :]
+        x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
+        if SILU:
+            x = silu_mul(x, tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0))
+        acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
+    if SPLIT:
+        splits = tl.num_programs(1)
+        tile = m[:, None] * N + n[None, :]
+        tl.store(part_ptr + sk * M * N + tile, acc, mask=mm[:, None] & nm[None, :])
+        tl.debug_barrier()                      # every thread's partial is written before the count
+        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+        if done == splits - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in range(0, splits):          # L2 only (".cg"): the partials of other SMs
+                acc += tl.load(part_ptr + j * M * N + tile, mask=mm[:, None] & nm[None, :], other=0.0,
+                               cache_modifier=".cg")
+            tl.store(count_ptr + pid, 0)
+            _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
     else:
-        m = tl.arange(0, 16)
-        mm = m < M
-        acc = tl.zeros([16, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            w = _w_tile(w_ptr, s_wn, n, nm, k, km)
-            xm = mm[:, None] & km[None, :]
-            x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
-            if SILU:
-                x = silu_mul(x, tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0))
-            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
         _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
 
 
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The split-K counters of a device (zero between kernels: the last slice resets its own);
+    made once, before any CUDA graph is captured (``tune``). None when there are too few."""
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    return _COUNTS[device] if tiles <= _COUNTS[device].numel() else None
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] = CONFIGS[1], silu: bool = False, use_pdl: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= 16), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and
-    the product is silu(gate) * up times Wᵀ. ``use_pdl``: launch with programmatic dependent
-    launch where the GPU has it (``pdl``)."""
+         config: tuple[int, ...] = CONFIGS[1], silu: bool = False, use_pdl: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up
+    and the product is silu(gate) * up times Wᵀ. config: (BLOCK_N, BLOCK_K, warps, stages) for
+    one row; for more, a ROWS_CONFIGS entry (BLOCK_N, BLOCK_K, warps, stages, K slices). ``use_pdl``:
+    launch with programmatic dependent launch where the GPU has it (``pdl``)."""
     M = x.shape[0]
     N, K = weight.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = config
     elem = x.element_size()
-    if M > 1:
-        bn = max(bn, 16)                                # a tensor-core dot needs 16 columns
-    stages = _fit_stages(stages, (bn * bk + (16 if M > 1 else 1) * bk * (2 if silu else 1)) * elem)
-    _gemv_kernel[(triton.cdiv(N, bn),)](
-        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        SILU=silu, ONE_ROW=M == 1, num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
+    bias_arg = bias if bias is not None else weight
+    if M == 1:
+        bn, bk, warps, stages = config[:4]
+        stages = _fit_stages(stages, (bn * bk + bk * (2 if silu else 1)) * elem)
+        _gemv_kernel[(triton.cdiv(N, bn),)](
+            x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+            SILU=silu, num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
+        return y
+    bn, bk, warps, stages, splits = config if len(config) == 5 else (*config, 1)
+    bn = max(bn, 16)                                   # a tensor-core dot needs 16 columns
+    bm = max(16, triton.next_power_of_2(M))
+    tiles = triton.cdiv(N, bn)
+    k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
+    splits = triton.cdiv(K, k_per)
+    counts = _counts(x.device, tiles) if splits > 1 else None
+    if counts is None:
+        splits, k_per = 1, K
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
+    stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * elem)
+    _rows_kernel[(tiles, splits)](
+        x, weight, bias_arg, y, part, counts if counts is not None else y, M, N, K, k_per,
+        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=silu, SPLIT=splits > 1, num_warps=warps,
+        num_stages=stages, **pdl.launch(x, use_pdl))
     return y
 
 
+def auto_splits(N: int, K: int, config: tuple[int, ...], num_sms: int) -> int:
+    """K slices that give about two programs per SM for a tile config (at least 4 K steps each)."""
+    bn, bk = max(config[0], 16), config[1]
+    return max(1, min(triton.cdiv(2 * num_sms, triton.cdiv(N, bn)), K // (4 * bk)))
+
+
 class Plan(NamedTuple):
-    """How one (weight shape, neighbour) runs at decode batches of one row, or of two to
-    MAX_ROWS rows (the two take different code paths and are tuned apart).
+    """How one (weight shape, neighbour) runs at decode batches of a bucket of row counts
+    (ROW_BUCKETS: one row, and up to each larger bound; each takes its own code path or tile).
 
     kernel: "cublas" (the neighbour as its own kernel, then F.linear) or "gemv" (the skinny kernel;
     for SILU with the SiLU fused in, for NORM after the norm kernel). config: the tile config;
     pdl: launched with PDL."""
     kernel: str
-    config: tuple[int, int, int, int] | None = None
+    config: tuple[int, ...] | None = None
     pdl: bool = False
 
     def __str__(self) -> str:
@@ -153,12 +218,17 @@ class Plan(NamedTuple):
 
 CUBLAS = Plan("cublas")
 
-# (N, K, dtype, neighbour, one row?) -> the measured fastest Plan
-_CHOICE: dict[tuple[int, int, torch.dtype, str, bool], Plan] = {}
+# (N, K, dtype, neighbour, row bucket) -> the measured fastest Plan
+_CHOICE: dict[tuple[int, int, torch.dtype, str, int], Plan] = {}
 
 
-def _key(weight: torch.Tensor, kind: str, rows: int) -> tuple[int, int, torch.dtype, str, bool]:
-    return weight.shape[0], weight.shape[1], weight.dtype, kind, rows == 1
+def bucket(rows: int) -> int:
+    """The row bucket (its upper bound) that a batch of ``rows`` rows is tuned and run as."""
+    return next(b for b in ROW_BUCKETS if rows <= b)
+
+
+def _key(weight: torch.Tensor, kind: str, rows: int) -> tuple[int, int, torch.dtype, str, int]:
+    return weight.shape[0], weight.shape[1], weight.dtype, kind, bucket(rows)
 
 
 def choice(weight: torch.Tensor, kind: str = PLAIN, rows: int = 1) -> Plan:
@@ -186,9 +256,15 @@ def _time(fn, copies: int, reps: int = 24) -> float:
 
 
 def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]):
-    """Each Plan for the neighbour kind, as fn(i) over the weight copies, neighbour included."""
-    pdls = (False, True) if pdl.enabled(x) else (False,)
-    tiles = [(cfg, p) for cfg in (CONFIGS if x.shape[0] == 1 else ROWS_CONFIGS) for p in pdls]
+    """Each Plan for the neighbour kind, as fn(i) over the weight copies, neighbour included. One
+    row: every config with and without PDL; more: every config whole and split over K, with PDL
+    where the GPU has it (fewer compiles at start-up)."""
+    if x.shape[0] == 1:
+        tiles = [(cfg, p) for cfg in CONFIGS for p in ((False, True) if pdl.enabled(x) else (False,))]
+    else:
+        N, K = ws[0].shape
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        tiles = [((*cfg, k), pdl.enabled(x)) for cfg in ROWS_CONFIGS for k in sorted({1, auto_splits(N, K, cfg, sms)})]
     if kind == SILU:
         yield CUBLAS, lambda i: F.linear(triton_ops.silu_and_mul(x), ws[i])
         for cfg, p in tiles:
@@ -204,10 +280,10 @@ def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws
             yield Plan("gemv", cfg, p), lambda i, cfg=cfg, p=p: gemv(x, ws[i], None, cfg, use_pdl=p)
 
 
-def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = (1, MAX_ROWS),
+def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = ROW_BUCKETS,
          l2_bytes: int = 256 << 20) -> dict[str, float]:
-    """Measure every Plan on each distinct (weight shape, neighbour) at one row and at MAX_ROWS
-    rows; remember the fastest for each. Returns the bandwidth each reaches (GB/s of weight), for
+    """Measure every Plan on each distinct (weight shape, neighbour) at each row bucket's upper
+    bound; remember the fastest for each. Returns the bandwidth each reaches (GB/s of weight), for
     the log."""
     report: dict[str, float] = {}
     for (w, kind), n_rows in [(wk, n) for n in rows for wk in weights]:

@@ -147,7 +147,9 @@ def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype
         close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (3, 100, 96)] + ([(1, 4096, 4096), (4, 14336, 4096), (2, 4096, 14336)] if CUDA else []))
+@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (3, 100, 96), (20, 40, 160)]
+                         + ([(1, 4096, 4096), (4, 14336, 4096), (2, 4096, 14336), (16, 6144, 4096), (64, 4096, 14336),
+                             (37, 1000, 4096)] if CUDA else []))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if CUDA else [torch.float32])
 def test_gemv_every_config(M, N, K, dtype):
     from phalanx.kernels import triton_gemv
@@ -158,10 +160,29 @@ def test_gemv_every_config(M, N, K, dtype):
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
     ref_silu = torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float())
-    configs = triton_gemv.CONFIGS if M == 1 else triton_gemv.ROWS_CONFIGS
+    configs = triton_gemv.CONFIGS if M == 1 else [(*c, k) for c in triton_gemv.ROWS_CONFIGS for k in (1, 3)]
     for cfg, p in ([(c, p) for c in configs for p in (False, True)] if CUDA else [(c, False) for c in configs[:2]]):
         close(triton_gemv.gemv(x, w, b, cfg, use_pdl=p), ref, dtype)
         close(triton_gemv.gemv(xx, w, None, cfg, silu=True, use_pdl=p), ref_silu, dtype)
+
+
+def test_split_k_adds_slices_in_order_and_resets_its_counters():
+    """Split over K, the last slice to finish sums the partials in slice order: the same bits on
+    every run and the same numbers as unsplit up to rounding; its counters are back at zero."""
+    from phalanx.kernels import triton_gemv
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    M, N, K = (48, 4096, 14336) if CUDA else (5, 40, 1024)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    b = torch.randn(N, generator=g).to(DEV, dtype)
+    cfg = triton_gemv.ROWS_CONFIGS[0]
+    whole = triton_gemv.gemv(x, w, b, (*cfg, 1))
+    split = [triton_gemv.gemv(x, w, b, (*cfg, 4)) for _ in range(3)]
+    assert all(torch.equal(split[0], y) for y in split[1:])
+    close(split[0], whole, dtype)
+    close(split[0], torch.nn.functional.linear(x.float(), w.float(), b.float()), dtype)
+    assert int(triton_gemv._COUNTS[x.device].count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("tuned", ["gemv", "cublas"])
@@ -180,14 +201,15 @@ def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
     cfg = triton_gemv.CONFIGS[1]
     plan = {"gemv": triton_gemv.Plan("gemv", cfg), "cublas": triton_gemv.CUBLAS}[tuned]
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM, False), plan)
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.SILU, False), plan)
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM, 16), plan)
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.SILU, 16), plan)
     # neither the plain entry of the same shape (another weight's tuning) nor the one-row
     # entries (tuned apart: another code path) are used for two rows behind these neighbours
     other = triton_gemv.CUBLAS if tuned == "gemv" else triton_gemv.Plan("gemv", triton_gemv.CONFIGS[0])
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.PLAIN, False), other)
+    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.PLAIN, 16), other)
     for kind in (triton_gemv.NORM, triton_gemv.SILU):
-        monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, kind, True), other)
+        for rows in (1, 64):
+            monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, kind, rows), other)
     calls = []
     real = triton_gemv.gemv
     monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(kw.get("silu", False)) or real(*a, **kw))
@@ -311,18 +333,21 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         for p in llm._executor.engine.runner.model.parameters():
             if p.dim() == 2:
                 for kind in (triton_gemv.PLAIN, triton_gemv.SILU, triton_gemv.NORM):
-                    plan = triton_gemv.Plan("gemv", triton_gemv.CONFIGS[1])
-                    for one_row in (True, False):
-                        monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind, one_row),
-                                            plan)
+                    for rows in triton_gemv.ROW_BUCKETS:   # the split-K path for more than one row
+                        cfg = triton_gemv.CONFIGS[1] if rows == 1 else (*triton_gemv.ROWS_CONFIGS[0], 2)
+                        plan = triton_gemv.Plan("gemv", cfg)
+                        if kind == triton_gemv.SILU and rows == triton_gemv.MAX_ROWS:
+                            plan = triton_gemv.CUBLAS     # prefill chunks of 17-24 rows: SiLU kernel, cuBLAS
+                        monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind, rows), plan)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
     for p, o, o2 in zip(prompts, outs, again):
         ref, gaps = hf_greedy(hf_models["llama"], p, 6)
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
-    assert all(calls.get(n, 0) > 0 for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
-                                             "copy_blocks", "fused_add_rms_norm", "silu_and_mul")), calls
+    missing = {n for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
+                           "copy_blocks", "fused_add_rms_norm", "silu_and_mul") if not calls.get(n)}
+    assert not missing, (missing, calls)
 
 
 @pytest.mark.parametrize("T,k,E,first,local", [(1, 2, 4, 0, 4), (7, 2, 8, 4, 4), (19, 3, 6, 0, 3)]
