@@ -258,7 +258,7 @@ def _time(fn, copies: int, reps: int = 24) -> float:
 def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]):
     """Each Plan for the neighbour kind, as fn(i) over the weight copies, neighbour included. One
     row: every config with and without PDL; more: every config whole and split over K, with PDL
-    where the GPU has it (fewer compiles at start-up)."""
+    where the GPU has it (fewer compiles at start-up), SiLU as its own kernel."""
     if x.shape[0] == 1:
         tiles = [(cfg, p) for cfg in CONFIGS for p in ((False, True) if pdl.enabled(x) else (False,))]
     else:
@@ -267,7 +267,9 @@ def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws
         tiles = [((*cfg, k), pdl.enabled(x)) for cfg in ROWS_CONFIGS for k in sorted({1, auto_splits(N, K, cfg, sms)})]
     if kind == SILU:
         yield CUBLAS, lambda i: F.linear(triton_ops.silu_and_mul(x), ws[i])
-        for cfg, p in tiles:
+        # with more rows every column tile recomputes SiLU over [rows, K]: 3-10x slower than
+        # cuBLAS on an H200 (tools/bench_gemv.py), so not tried
+        for cfg, p in tiles if x.shape[0] == 1 else []:
             yield Plan("gemv", cfg, p), lambda i, cfg=cfg, p=p: gemv(x, ws[i], None, cfg, silu=True, use_pdl=p)
     elif kind == NORM:
         yield CUBLAS, lambda i: F.linear(triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -73,9 +74,15 @@ def serve(a: argparse.Namespace) -> int:
     if a.chat_template:
         with open(a.chat_template) as f:
             template = f.read()
+    try:   # the port first: a taken port is reported at once, and no engine port can take it
+        sock = listen_socket(a.host, a.port)
+    except OSError as e:
+        print(f"phalanx serve: cannot listen on {a.host}:{a.port} (--host/--port): {e.strerror or e}", file=sys.stderr)
+        return 1
     try:
         llm = LLM(a.model, **llm_kwargs(a))
     except Exception as e:
+        sock.close()
         print(f"phalanx serve: the engine did not start: {e}", file=sys.stderr)
         return 1
     name = a.served_model_name or (llm.source.name if a.model else "SmolLM2-135M-Instruct")
@@ -96,7 +103,20 @@ def serve(a: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        userver.run()
+        userver.run(sockets=[sock])
     finally:
         llm.shutdown()
     return 0
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), for uvicorn to listen on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -42,3 +42,20 @@ def test_serve_under_launch_with_tp2():
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
     finally:
         stop_launched_server(proc)
+
+
+def test_a_taken_port_is_named_and_no_engine_starts():
+    """The port is claimed before the engine starts: one already taken is reported with the flag
+    that set it, exit code 1, and no engine comes up (nothing is left running)."""
+    import socket
+
+    from serve_helpers import phalanx_bin
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        res = subprocess.run([phalanx_bin(), "serve", "--port", str(port), "--log_level", "info"],
+                             capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"cannot listen on 127.0.0.1:{port} (--host/--port)" in res.stderr, res.stderr
+    assert "engine ready" not in res.stdout + res.stderr
