@@ -5,9 +5,10 @@ Two kernels over the pool layout [num_blocks, B, Hkv, D] (B = tokens_per_block >
 * decode (one query per sequence): split-KV "flash decoding". Grid (S, Hkv, SPLITS); each
   program takes the G = H / Hkv query heads of one KV head over one slice of the context and
   writes a partial output and its log-sum-exp; a second kernel merges the slices (with one
-  slice, the first kernel writes the answer itself). The slice
-  length is computed from each sequence's length inside the kernel, so the grid depends only
-  on (S, SPLITS): CUDA graphs can capture it.
+  slice, the first kernel writes the answer itself). The slice length is computed from each
+  sequence's length inside the kernel, so the grid depends only on (S, SPLITS): CUDA graphs can
+  capture it. Slices are whole blocks, so a short context fills only the first few; the others
+  return at once and the merge reads only the filled ones.
 * extend (packed variable-length queries: prefill over a cached prefix, chunked prefill,
   partial reuse, mixed batches). Grid (query blocks, S, H); causal within the new tokens,
   optional sliding window.
@@ -63,6 +64,14 @@ def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
 
 
 @triton.jit
+def _slice(L, window, SPLITS: tl.constexpr, B: tl.constexpr):
+    """Where a sequence of L keys starts (sliding window) and its slice length: whole blocks,
+    the context spread over SPLITS slices; the slices past the last key have none."""
+    first = tl.where(window > 0, tl.maximum(L - window, 0), 0)
+    return first, tl.cdiv(tl.cdiv(L - first, SPLITS), B) * B
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
                          scale, window,
@@ -74,44 +83,44 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     L = tl.load(len_ptr + s)
-    first = tl.where(window > 0, tl.maximum(L - window, 0), 0)
-    chunk = tl.cdiv(tl.cdiv(L - first, SPLITS), B) * B
+    first, chunk = _slice(L, window, SPLITS, B)
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, L)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    gm = g < G
-    dm = d < D
-    q = tl.load(q_ptr + s * s_qs + (kvh * G + g)[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :],
-                other=0.0)
-    m_i = tl.full([BLOCK_G], NEG, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for p0 in range(lo - lo % B, hi, BLOCK_N):
-        kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                  B, BLOCK_N)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
-        qk = tl.where(km[None, :], qk, NEG)
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
-    empty = hi <= lo
-    out = tl.where(empty, 0.0, acc / tl.maximum(l_i, 1e-30)[:, None])
-    lse = tl.where(empty, NEG, m_i + tl.log(tl.maximum(l_i, 1e-30)))
-    h = kvh * G + g
-    tl.store(out_ptr + s * s_os + h[:, None] * s_oh + split * s_osp + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=gm[:, None] & dm[None, :])
-    if SPLITS > 1:
-        tl.store(lse_ptr + s * s_ls + h * s_lh + split, lse, mask=gm)
+    if lo < hi:   # a slice past the last key writes nothing: the merge reads only those before
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        gm = g < G
+        dm = d < D
+        q = tl.load(q_ptr + s * s_qs + (kvh * G + g)[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :],
+                    other=0.0)
+        m_i = tl.full([BLOCK_G], NEG, tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for p0 in range(lo - lo % B, hi, BLOCK_N):
+            kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
+                                      B, BLOCK_N)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
+            qk = tl.where(km[None, :], qk, NEG)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
+        h = kvh * G + g
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + s * s_os + h[:, None] * s_oh + split * s_osp + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+        if SPLITS > 1:
+            tl.store(lse_ptr + s * s_ls + h * s_lh + split, m_i + tl.log(tl.maximum(l_i, 1e-30)), mask=gm)
 
 
 @triton.jit
-def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, s_ps, s_ph, s_psp, s_ls, s_lh, s_os, s_oh,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SP: tl.constexpr,
-                         PDL: tl.constexpr):
+def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, len_ptr, s_ps, s_ph, s_psp, s_ls, s_lh, s_os, s_oh, window,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr, SPLITS: tl.constexpr,
+                         BLOCK_SP: tl.constexpr, PDL: tl.constexpr):
     prologue(PDL)
     s = tl.program_id(0)
     h = tl.program_id(1)
+    L = tl.load(len_ptr + s)
+    first, chunk = _slice(L, window, SPLITS, B)
     sp = tl.arange(0, BLOCK_SP)
-    spm = sp < SPLITS
+    spm = sp < tl.cdiv(L - first, chunk)        # the slices that have keys
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     lse = tl.load(lse_ptr + s * s_ls + h * s_lh + sp, mask=spm, other=NEG)
@@ -159,9 +168,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PREC=_precision(q.dtype), num_warps=warps, num_stages=stages, **pdl.launch(q))
     if splits == 1:
         return out
-    _decode_merge_kernel[(S, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2),
-                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                                 D=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
+    _decode_merge_kernel[(S, H)](part, lse, out, seq_lens, part.stride(0), part.stride(1), part.stride(2),
+                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), window or 0,
+                                 D=D, BLOCK_D=triton.next_power_of_2(D), B=B, SPLITS=splits,
                                  BLOCK_SP=max(2, triton.next_power_of_2(splits)), **pdl.launch(q))
     return out
 
