@@ -13,26 +13,12 @@ import json
 
 import torch
 
-from phalanx.kernels import triton_attention
+from phalanx.kernels import triton_attention, triton_gemv
 
 
-def _time(fn, reps: int = 20) -> float:
-    """Microseconds per call, replayed from a CUDA graph."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (3 * reps)
+def _time(fn) -> float:
+    """Microseconds per call, replayed from a CUDA graph (the GEMV tuner's timing)."""
+    return triton_gemv._time(lambda i: fn(), 1) * 1e3
 
 
 def _pool(S: int, ctx: int, Hkv: int, D: int, B: int, dtype, gen):
