@@ -178,7 +178,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return y
     bn, bk, warps, stages, splits = config if len(config) == 5 else (*config, 1)
     bn = max(bn, 16)                                   # a tensor-core dot needs 16 columns
-    bm = max(16, triton.next_power_of_2(M))
+    bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
     tiles = triton.cdiv(N, bn)
     k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     splits = triton.cdiv(K, k_per)
