@@ -73,7 +73,7 @@ def _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr):
-    """Padded rows: add the bias to the [16, BLOCK_N] dot result, store the real rows."""
+    """Padded rows: add the bias to the [BLOCK_M, BLOCK_N] dot result, store the real rows."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -149,8 +149,9 @@ _COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The split-K counters of a device (zero between kernels: the last slice resets its own);
-    made once, before any CUDA graph is captured (``tune``). None when there are too few."""
+    """The split-K counters of a device (zero between kernels: the last slice resets its own),
+    made on first use — the tuner's warm-up, before any CUDA graph is captured. None when a
+    weight has more column tiles than there are counters."""
     if device not in _COUNTS:
         _COUNTS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
     return _COUNTS[device] if tiles <= _COUNTS[device].numel() else None
@@ -176,8 +177,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
             SILU=silu, num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
         return y
-    bn, bk, warps, stages, splits = config if len(config) == 5 else (*config, 1)
-    bn = max(bn, 16)                                   # a tensor-core dot needs 16 columns
+    bn, bk, warps, stages, splits = _rows_tile(config)
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
     tiles = triton.cdiv(N, bn)
     k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
@@ -195,9 +195,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
+def _rows_tile(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, K slices) of a config for more than one row: a
+    tensor-core dot needs 16 columns; a 4-entry config is unsplit."""
+    bn, bk, warps, stages, splits = config if len(config) == 5 else (*config, 1)
+    return max(bn, 16), bk, warps, stages, splits
+
+
 def auto_splits(N: int, K: int, config: tuple[int, ...], num_sms: int) -> int:
     """K slices that give about two programs per SM for a tile config (at least 4 K steps each)."""
-    bn, bk = max(config[0], 16), config[1]
+    bn, bk = _rows_tile(config)[:2]
     return max(1, min(triton.cdiv(2 * num_sms, triton.cdiv(N, bn)), K // (4 * bk)))
 
 

@@ -219,7 +219,6 @@ def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
     assert torch.equal(res, res_ref)
     z = ops.silu_and_mul_linear(xx, w)
     close(z, torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float()), dtype)
-    # the plain entry of the same shape (another weight's tuning) is never borrowed
     assert calls == {"gemv": [False, True], "cublas": []}[tuned], calls
 
 
