@@ -86,12 +86,26 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x Wᵀ + b; tuned skinny kernels for small decode batches on a GPU, else cuBLAS/CPU BLAS."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = PLAIN) -> torch.Tensor:
+    """y = x Wᵀ + b; tuned skinny kernels for small decode batches on a GPU (as tuned behind its
+    ``kind`` of neighbour), else cuBLAS/CPU BLAS."""
     if use_triton(x):
         from phalanx.kernels import triton_gemv
-        return triton_gemv.linear(x, weight, bias)
+        return triton_gemv.linear(x, weight, bias, kind)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def qkv_rope_and_write_kv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor | None:
+    """The q/k/v projection of one normed token with rotary and the K/V write in one kernel, on a
+    GPU where the tuner chose the skinny kernel for it; returns the rotated q [1, H, D], or None
+    (then: ``linear``, then ``rope_and_write_kv``, which give the same result)."""
+    if use_triton(h):
+        from phalanx.kernels import triton_gemv
+        return triton_gemv.qkv_rope(h, weight, bias, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                    num_heads, num_kv_heads, head_dim)
+    return None
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,18 @@
 
 A kernel launched with PDL may be scheduled while the kernel before it in the stream is still
 running, once every program of that kernel has said so. Each of our kernels that takes a ``PDL``
-flag therefore begins with ``prologue(PDL)``: it tells the next kernel it may be scheduled
-(``gdc_launch_dependents``), then waits until the previous kernel has finished and its writes are
-visible (``gdc_wait``) before it reads or writes anything. Nothing is read early, so results are
-the same with or without it; what it saves is the launch gap between the dozens of short
-kernels of a decode step. Kernels without the flag (cuBLAS, torch ops) wait for their
-predecessor as usual, and a PDL kernel after one of them simply starts when it ends.
+flag therefore begins with ``release(PDL)``: it tells the next kernel it may be scheduled
+(``gdc_launch_dependents``); then ``wait(PDL)`` blocks until the previous kernel has finished and
+its writes are visible (``gdc_wait``). ``prologue(PDL)`` is the two together. What it saves is the
+launch gap between the dozens of short kernels of a decode step. Kernels without the flag
+(cuBLAS, torch ops) wait for their predecessor as usual, and a PDL kernel after one of them simply
+starts when it ends.
+
+Between ``release`` and ``wait`` a kernel may read only what no kernel of the current chain of
+PDL launches writes: weights and constant tables, and the step's metadata (positions, slots,
+sequence lengths, block tables), which are copied in before the forward begins. A chain can run
+ahead by more than one kernel (each releases at its start), so nothing a neighbour produces —
+activations, the KV pool, split-K counters — may be touched before the wait.
 
 Off on CPU tensors (the interpreter knows no grid dependencies), before compute capability 9.0,
 on Triton builds without the intrinsics, and with ``PHALANX_PDL=0``.
@@ -29,10 +35,21 @@ except ImportError:  # an older Triton: PDL stays off and the prologue compiles 
 
 
 @triton.jit
-def prologue(PDL: tl.constexpr):
+def release(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    if PDL:
         gdc_wait()
+
+
+@triton.jit
+def prologue(PDL: tl.constexpr):
+    release(PDL)
+    wait(PDL)
 
 
 @functools.cache

@@ -21,6 +21,7 @@ the neighbours.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -30,7 +31,7 @@ import triton.language as tl
 
 from phalanx.kernels import pdl, triton_ops
 from phalanx.kernels.ops import NORM, PLAIN, SILU  # noqa: F401  (what sits in front of the matmul)
-from phalanx.kernels.pdl import prologue
+from phalanx.kernels.pdl import prologue, release, wait
 from phalanx.kernels.triton_ops import silu_mul
 
 ROW_BUCKETS = (1, 16, 64)     # a plan is tuned for each, at its upper bound
@@ -41,6 +42,9 @@ CONFIGS = [  # one row: (BLOCK_N, BLOCK_K, num_warps, num_stages)
 # more rows (padded to 16 or 64 for tl.dot): (BLOCK_N, BLOCK_K, num_warps, num_stages), each tried
 # whole and split over K (``auto_splits``); each is a compile at start-up
 ROWS_CONFIGS = [(32, 256, 4, 4), (64, 128, 4, 3)]
+# K tiles of its weight rows a one-row program launched with PDL loads before it waits for the
+# kernel in front (0: none; a power of two)
+PRELOAD = int(os.environ.get("PHALANX_GEMV_PRELOAD", "2"))
 
 
 SMEM_BYTES = 200 << 10
@@ -63,9 +67,8 @@ def _w_tile(w_ptr, s_wn, n, nm, k, km):
 
 
 @triton.jit
-def _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS: tl.constexpr):
-    """One row: sum the [BLOCK_N, BLOCK_K] FMA partials, add the bias, store."""
-    y = tl.sum(acc1, 1)
+def _store_row(y_ptr, b_ptr, n, nm, y, HAS_BIAS: tl.constexpr):
+    """One row: add the bias to the [BLOCK_N] sums, store."""
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
@@ -80,17 +83,19 @@ def _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                 PDL: tl.constexpr):
-    """One row: products summed in float32 FMAs, no padding. SILU: x holds gate ‖ up ([1, 2K])
-    and the kernel multiplies silu(gate) * up on the fly."""
-    prologue(PDL)
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
+def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                 PRE_K: tl.constexpr, PDL: tl.constexpr):
+    """x · W[n] for one row x ([1, K], or gate ‖ up [1, 2K] with SILU) over the weight rows n:
+    float32 FMAs summed once at the end -> [BLOCK_N] float32. Opens the kernel's PDL window: the
+    first PRE_K columns of the weight rows are loaded before the wait (weights are never written
+    by the kernels in front), so they stream while the short kernels before this one run."""
+    release(PDL)
+    if PRE_K > 0:
+        kp = tl.arange(0, PRE_K)
+        w_pre = _w_tile(w_ptr, s_wn, n, nm, kp, kp < K)
+    wait(PDL)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(PRE_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
         w = _w_tile(w_ptr, s_wn, n, nm, k, km)
@@ -98,7 +103,67 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn,
         if SILU:
             x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
         acc1 += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    _store_row(y_ptr, b_ptr, n, nm, acc1, HAS_BIAS)
+    y = tl.sum(acc1, 1)
+    if PRE_K > 0:
+        x = tl.load(x_ptr + kp, mask=kp < K, other=0.0)
+        if SILU:
+            x = silu_mul(x, tl.load(x_ptr + K + kp, mask=kp < K, other=0.0))
+        y += tl.sum(w_pre.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    return y
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                 PRE_K: tl.constexpr, PDL: tl.constexpr):
+    """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
+    gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, SILU, PRE_K, PDL)
+    _store_row(y_ptr, b_ptr, n, nm, y, HAS_BIAS)
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh, s_cs, s_ch,
+                     H, Hkv, HAS_BIAS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
+    """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
+    program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
+    interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
+    output is rounded to the model's dtype before it is rotated, as when the projection and
+    ``rope_and_write_kv`` run apart, so the two paths give the same bits."""
+    col0 = tl.program_id(0) * BLOCK_N
+    head = col0 // D
+    r = tl.arange(0, BLOCK_N)
+    rotated = head < H + Hkv
+    j0 = (col0 % D) // 2
+    n = tl.where(rotated, head * D + j0 + r // 2 + (r % 2) * (D // 2), col0 + r)
+    nm = n < (H + 2 * Hkv) * D
+    pos = tl.load(pos_ptr)                      # metadata: read before the wait
+    slot = tl.load(slot_ptr).to(tl.int64)
+    j = j0 + tl.arange(0, BLOCK_N // 2)
+    cos = tl.load(cs_ptr + pos * D + j)
+    sin = tl.load(cs_ptr + pos * D + D // 2 + j)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE_K, PDL)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    y = y.to(q_ptr.dtype.element_ty)
+    if rotated:
+        x1, x2 = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+        if head < H:
+            dst = q_ptr + head * s_qh
+        else:
+            dst = kc_ptr + slot * s_cs + (head - H) * s_ch
+        tl.store(dst + j, r1.to(dst.dtype.element_ty))
+        tl.store(dst + D // 2 + j, r2.to(dst.dtype.element_ty))
+    else:
+        vh = head - H - Hkv
+        tl.store(vc_ptr + slot * s_cs + vh * s_ch + col0 % D + r, y.to(vc_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -173,9 +238,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if M == 1:
         bn, bk, warps, stages = config[:4]
         stages = _fit_stages(stages, (bn * bk + bk * (2 if silu else 1)) * elem)
+        launch = pdl.launch(x, use_pdl)
         _gemv_kernel[(triton.cdiv(N, bn),)](
             x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-            SILU=silu, num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
+            SILU=silu, PRE_K=PRELOAD * bk, num_warps=warps, num_stages=stages, **launch)
         return y
     bn, bk, warps, stages, splits = _rows_tile(config)
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
@@ -193,6 +259,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=silu, SPLIT=splits > 1, num_warps=warps,
         num_stages=stages, **pdl.launch(x, use_pdl))
     return y
+
+
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+             cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor | None:
+    """For one token behind its norm, where the tuner chose the skinny kernel for the q/k/v
+    weight: the projection, rotary and the K/V write in one kernel (``_qkv_rope_kernel``);
+    returns the rotated q [1, H, D]. None where it does not apply (more rows, cuBLAS chosen, a
+    tile that does not divide the head)."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        return None
+    plan = choice(weight, NORM, 1)
+    D = head_dim
+    if plan.kernel != "gemv" or D % plan.config[0] or plan.config[0] % 2 or D % 2:
+        return None
+    bn, bk, warps, stages = plan.config[:4]
+    stages = _fit_stages(stages, (bn * bk + bk) * x.element_size())
+    H, Hkv = num_heads, num_kv_heads
+    q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
+    kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    launch = pdl.launch(x, plan.pdl)
+    _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
+        x, weight, bias if bias is not None else weight, positions, cos_sin, slot_mapping, q, kc, vc, x.shape[1],
+        weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv, HAS_BIAS=bias is not None, D=D,
+        BLOCK_N=bn, BLOCK_K=bk, PRE_K=PRELOAD * bk, num_warps=warps, num_stages=stages, **launch)
+    return q
 
 
 def _rows_tile(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import pdl
-from phalanx.kernels.pdl import prologue
+from phalanx.kernels.pdl import prologue, release, wait
 
 
 def _pow2(n: int) -> int:
@@ -23,17 +23,18 @@ def _pow2(n: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
                      H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    prologue(PDL)
+    release(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)     # a weight: read before the wait
+    wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * H + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (xf * rstd).to(x.dtype) * w
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
@@ -77,8 +78,9 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One launch for a whole layer: programs h < H rotate query head h; the others rotate
-    KV head h - H and write it, with its V, into the pool."""
-    prologue(PDL)
+    KV head h - H and write it, with its V, into the pool. Positions, slots and the cos/sin table
+    are read before the PDL wait (written before the forward)."""
+    release(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -86,11 +88,12 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
     pos = tl.load(pos_ptr + t)
     cos = tl.load(cs_ptr + pos * (2 * HALF) + i, mask=m, other=0.0)
     sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=m, other=0.0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    wait(PDL)
     if h < H:
         base = q_ptr + t * s_qt + h * s_qh
         dst = qo_ptr + t * s_ot + h * s_oh
     else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         base = k_ptr + t * s_kt + (h - H) * s_kh
         dst = kc_ptr + slot * s_cs + (h - H) * s_ch
         vb = v_ptr + t * s_vt + (h - H) * s_vh

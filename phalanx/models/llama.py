@@ -39,16 +39,21 @@ class Attention(nn.Module):
         kv_of_q = None if self.heads.uniform_groups else torch.tensor(self.heads.kv_of_q)
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """qkv: the output of ``qkv_proj`` (the decoder layer fuses it with the input norm)."""
-        T = qkv.shape[0]
+        """h: the normed hidden states [T, hidden] (the decoder layer's input norm)."""
+        T = h.shape[0]
         H, Hkv, D = self.heads.num_heads, self.heads.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj.split(qkv)
-        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = ops.rope_and_write_kv(positions, q, k, v, self.rotary[0].cos_sin, k_cache, v_cache, meta)
+        w, b, cos_sin = self.qkv_proj.weight, self.qkv_proj.bias, self.rotary[0].cos_sin
+        q = None
+        if self.q_norm is None:   # one token: projection, rotary and K/V write may be one kernel
+            q = ops.qkv_rope_and_write_kv(h, w, b, positions, cos_sin, k_cache, v_cache, meta, H, Hkv, D)
+        if q is None:
+            q, k, v = self.qkv_proj.split(ops.linear(h, w, b, ops.NORM))
+            q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = ops.rope_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta)
         o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q)
         return self.o_proj(o.reshape(T, H * D))
 
@@ -85,9 +90,9 @@ class DecoderLayer(nn.Module):
             self.mlp.gate_up_proj.weight.gemv_neighbour = ops.NORM
 
     def forward(self, positions, x, residual, meta, k_cache, v_cache):
-        # each norm travels with the projection after it (one kernel at small batch sizes)
-        qkv, residual = self.input_layernorm.forward_linear(x, residual, self.self_attn.qkv_proj)
-        x = self.self_attn(positions, qkv, meta, k_cache, v_cache)
+        # each norm travels with the projection after it (the projection tuned behind it)
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x = self.self_attn(positions, h, meta, k_cache, v_cache)
         if isinstance(self.mlp, MLP):
             gate_up, residual = self.post_attention_layernorm.forward_linear(x, residual, self.mlp.gate_up_proj)
             return self.mlp.down_proj.forward_silu(gate_up), residual

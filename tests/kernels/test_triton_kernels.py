@@ -125,6 +125,8 @@ def test_decode_attention_split_kv(seq_lens, H, Hkv, D, dtype, window):
             out = triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, window,
                                                     splits, config)
             close(out, ref, dtype)
+    # the slice that merged reset its counter: the next launch (a graph replay) starts from zero
+    assert int(triton_attention._MERGE_COUNTS[q.device].count_nonzero()) == 0
 
 
 EXTEND_CASES = [([9], [9], 4, 2, 32), ([20, 7, 40], [3, 7, 40], 4, 4, 16), ([50, 1], [17, 1], 4, 1, 32)]
@@ -164,6 +166,53 @@ def test_gemv_every_config(M, N, K, dtype):
     for cfg, p in ([(c, p) for c in configs for p in (False, True)] if CUDA else [(c, False) for c in configs[:2]]):
         close(triton_gemv.gemv(x, w, b, cfg, use_pdl=p), ref, dtype)
         close(triton_gemv.gemv(xx, w, None, cfg, silu=True, use_pdl=p), ref_silu, dtype)
+
+
+@pytest.mark.parametrize("preload", [0, 1, 2, 4])
+def test_one_row_gemv_with_columns_loaded_before_the_wait(preload, monkeypatch):
+    """The first PRELOAD K tiles (loaded before the PDL wait) and the loop over the rest add up
+    to the product, with and without SiLU, K not a multiple of the tile."""
+    from phalanx.kernels import triton_gemv
+    monkeypatch.setattr(triton_gemv, "PRELOAD", preload)
+    g = torch.Generator().manual_seed(7)
+    N, K = 24, 200
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    b = torch.randn(N, generator=g).to(DEV, dtype)
+    xx = torch.randn(1, 2 * K, generator=g).to(DEV, dtype)
+    for use_pdl in (False, True) if CUDA else (False,):
+        close(triton_gemv.gemv(x, w, b, (8, 32, 4, 2), use_pdl=use_pdl),
+              torch.nn.functional.linear(x.float(), w.float(), b.float()), dtype)
+        close(triton_gemv.gemv(xx, w, None, (8, 32, 4, 2), silu=True, use_pdl=use_pdl),
+              torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float()), dtype)
+
+
+@pytest.mark.parametrize("H,Hkv,D,bias", [(4, 2, 32, False), (6, 2, 16, True)] + ([(32, 8, 128, False)] if CUDA else []))
+def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv, D, bias, monkeypatch):
+    """The fused q/k/v projection + rotary + K/V write gives the bits of the projection, then
+    ``rope_and_write_kv`` — for every one-row tile config, with PDL where the GPU has it."""
+    from phalanx.kernels import triton_gemv, triton_ops
+    g = torch.Generator().manual_seed(11)
+    dtype = torch.bfloat16
+    K, N, B, nb = 64 if not CUDA else 4096, (H + 2 * Hkv) * D, 16, 6
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    b = torch.randn(N, generator=g).to(DEV, dtype) if bias else None
+    cs = torch.randn(40, D, generator=g).to(DEV)
+    pos, slot = torch.tensor([37], device=DEV), torch.tensor([3 * B + 5], device=DEV)
+    for cfg in triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]:
+        for use_pdl in (False, True) if CUDA else (False,):
+            monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM, 1),
+                                triton_gemv.Plan("gemv", cfg, use_pdl))
+            caches = [torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV) for _ in range(4)]
+            q = triton_gemv.qkv_rope(x, w, b, pos, cs, caches[0], caches[1], slot, H, Hkv, D)
+            qkv = triton_gemv.gemv(x, w, b, cfg, use_pdl=use_pdl)
+            q_ref = triton_ops.rope_and_write_kv(pos, qkv[:, :H * D].view(1, H, D), qkv[:, H * D:(H + Hkv) * D].view(1, Hkv, D),
+                                                 qkv[:, (H + Hkv) * D:].view(1, Hkv, D), cs, caches[2], caches[3], slot)
+            assert torch.equal(q, q_ref), cfg
+            assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), cfg
+            assert caches[0].view(-1, Hkv, D)[3 * B + 5].abs().sum() > 0   # it wrote the slot
 
 
 def test_split_k_adds_slices_in_order_and_resets_its_counters():
@@ -326,6 +375,13 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
                       (triton_attention, "extend_attention"), (triton_ops, "rope_and_write_kv"),
                       (triton_ops, "copy_blocks"), (triton_ops, "fused_add_rms_norm"), (triton_ops, "silu_and_mul")):
         counting(mod, name)
+    real_qkv_rope = triton_gemv.qkv_rope
+
+    def fused_qkv(*a, **kw):   # counted where the one-token kernel ran, not where it declined
+        q = real_qkv_rope(*a, **kw)
+        calls["qkv_rope"] = calls.get("qkv_rope", 0) + (q is not None)
+        return q
+    monkeypatch.setattr(triton_gemv, "qkv_rope", fused_qkv)
     prompts = [[3, 1, 4, 1, 5], list(range(10, 50)), [7]]
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
              kv_cache_config={"tokens_per_block": 16}, max_num_tokens=24, cuda_graph_config=None) as llm:
@@ -340,12 +396,14 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
                         monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind, rows), plan)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
+        alone = llm.generate(prompts[:1], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # batch 1
     for p, o, o2 in zip(prompts, outs, again):
         ref, gaps = hf_greedy(hf_models["llama"], p, 6)
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
+    assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     missing = {n for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
-                           "copy_blocks", "fused_add_rms_norm", "silu_and_mul") if not calls.get(n)}
+                           "copy_blocks", "fused_add_rms_norm", "silu_and_mul", "qkv_rope") if not calls.get(n)}
     assert not missing, (missing, calls)
 
 
