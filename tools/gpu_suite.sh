@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT.
-#   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|profile64|attention|gemv|preload|decode1|decode_rows|decode|decode_tp|
+#   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|profile64|attention|gemv|decode1|decode_rows|decode|decode_tp|
 #                              throughput128|throughput1000|throughput_tp2|moe|all]...
 # multi, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi comes from
 # `python tools/export_tokenizer.py` (carry .gpu_assets).
@@ -59,11 +59,6 @@ for what in "${@:-all}"; do
       timeout 200 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --isl 1000 --osl 250 --tp 2 --num-requests 256 \
         --concurrency 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
         --output "$OUT/moe_tp2.json" > "$OUT/moe_tp2.txt" 2>&1 ;;
-    preload)   # batch-1 decode with 0, 1, 2 and 4 weight tiles loaded before the PDL wait
-      for n in ${PRELOAD_TILES:-0 1 2 4}; do
-        PHALANX_GEMV_PRELOAD=$n timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 \
-          --prompt-len 128 --steps 256 --overlap on --orchestrator inprocess --output "$OUT/preload$n.json" > "$OUT/preload$n.txt" 2>&1
-      done ;;
     decode1)
       PHALANX_LOG_LEVEL=INFO PHALANX_ECHO_WORKER_STDERR=1 timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 \
         --prompt-len 128 --steps 256 --overlap on --output "$OUT/decode1.json" > "$OUT/decode1.txt" 2>&1 ;;

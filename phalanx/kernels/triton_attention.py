@@ -75,9 +75,9 @@ def _slice(L, window, SPLITS: tl.constexpr, B: tl.constexpr):
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_ps, s_ph, s_psp, s_ls, s_lh,
                          scale, window,
-                         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         B: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
-                         PDL: tl.constexpr):
+                         G: tl.constexpr, BLOCK_G: tl.constexpr, MG: tl.constexpr, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                         PREC: tl.constexpr, PDL: tl.constexpr):
     release(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -111,31 +111,43 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, part_p
             tl.store(part_ptr + s * s_ps + h[:, None] * s_ph + split * s_psp + d[None, :], out, mask=om)
             tl.store(lse_ptr + s * s_ls + h * s_lh + split, m_i + tl.log(tl.maximum(l_i, 1e-30)), mask=gm)
             _merge_if_last(part_ptr, lse_ptr, out_ptr, count_ptr + s * tl.num_programs(1) + kvh,
-                           tl.cdiv(L - first, chunk), s, h, gm, d, dm, s_os, s_oh, s_ps, s_ph, s_psp, s_ls, s_lh,
-                           BLOCK_G, BLOCK_D)
+                           tl.cdiv(L - first, chunk), s, kvh, s_os, s_oh, s_ps, s_ph, s_psp, s_ls, s_lh,
+                           G, MG, D, BLOCK_D, 16)
 
 
 @triton.jit
-def _merge_if_last(part_ptr, lse_ptr, out_ptr, count_ptr, filled, s, h, gm, d, dm,
-                   s_os, s_oh, s_ps, s_ph, s_psp, s_ls, s_lh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_if_last(part_ptr, lse_ptr, out_ptr, count_ptr, filled, s, kvh, s_os, s_oh, s_ps, s_ph, s_psp, s_ls, s_lh,
+                   G: tl.constexpr, MG: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr):
     """The slice of (sequence, KV head) that finishes last (a counter, reset by it) weighs the
-    filled slices' partial outputs by their log-sum-exp and writes the answer: no merge kernel,
-    and the same sum in slice order whichever slice is last."""
+    filled slices' partial outputs of its G heads by their log-sum-exp and writes the answer: no
+    merge kernel, and the same sum in slice order whichever slice is last. The partials are read
+    CH slices at a time for all G heads at once (one round trip to L2 per CH slices)."""
     tl.debug_barrier()                           # every thread's partial is written before the count
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     if done == filled - 1:
-        mx = tl.full([BLOCK_G], NEG, tl.float32)
-        for j in range(0, filled):               # L2 only (".cg"): the partials of other SMs
-            mx = tl.maximum(mx, tl.load(lse_ptr + s * s_ls + h * s_lh + j, mask=gm, other=NEG, cache_modifier=".cg"))
-        num = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        den = tl.zeros([BLOCK_G], tl.float32)
-        for j in range(0, filled):
-            w = tl.exp(tl.load(lse_ptr + s * s_ls + h * s_lh + j, mask=gm, other=NEG, cache_modifier=".cg") - mx)
-            num += w[:, None] * tl.load(part_ptr + s * s_ps + h[:, None] * s_ph + j * s_psp + d[None, :],
-                                        mask=gm[:, None] & dm[None, :], other=0.0, cache_modifier=".cg")
-            den += w
-        tl.store(out_ptr + s * s_os + h[:, None] * s_oh + d[None, :],
-                 (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+        g = tl.arange(0, MG)
+        gm = g < G
+        h = kvh * G + g
+        c = tl.arange(0, CH)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        m = tl.full([MG], NEG, tl.float32)
+        den = tl.zeros([MG], tl.float32)
+        num = tl.zeros([MG, BLOCK_D], tl.float32)
+        for j0 in range(0, filled, CH):          # L2 only (".cg"): the partials of other SMs
+            lm = gm[:, None] & ((j0 + c) < filled)[None, :]
+            lse = tl.load(lse_ptr + s * s_ls + h[:, None] * s_lh + (j0 + c)[None, :], mask=lm, other=NEG,
+                          cache_modifier=".cg")
+            part = tl.load(part_ptr + s * s_ps + h[:, None, None] * s_ph + (j0 + c)[None, :, None] * s_psp
+                           + d[None, None, :], mask=lm[:, :, None] & dm[None, None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(lse, 1))
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(lse - m_new[:, None])
+            num = num * alpha[:, None] + tl.sum(w[:, :, None] * part, 1)
+            den = den * alpha + tl.sum(w, 1)
+            m = m_new
+        tl.store(out_ptr + s * s_os + h[:, None] * s_oh + d[None, :], (num / den[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=gm[:, None] & dm[None, :])
         tl.store(count_ptr, 0)
 
 
@@ -187,7 +199,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, counts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
+        scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), MG=max(2, triton.next_power_of_2(G)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_N=max(block_n, 16), SPLITS=splits,
         PREC=_precision(q.dtype), num_warps=warps, num_stages=stages, **pdl.launch(q))
     return out

@@ -21,7 +21,6 @@ the neighbours.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -42,9 +41,9 @@ CONFIGS = [  # one row: (BLOCK_N, BLOCK_K, num_warps, num_stages)
 # more rows (padded to 16 or 64 for tl.dot): (BLOCK_N, BLOCK_K, num_warps, num_stages), each tried
 # whole and split over K (``auto_splits``); each is a compile at start-up
 ROWS_CONFIGS = [(32, 256, 4, 4), (64, 128, 4, 3)]
-# K tiles of its weight rows a one-row program launched with PDL loads before it waits for the
-# kernel in front (0: none; a power of two)
-PRELOAD = int(os.environ.get("PHALANX_GEMV_PRELOAD", "2"))
+# one row, launched with PDL: K tiles of its weight rows a program may load before it waits for
+# the kernel in front (a power of two); tuned per shape with 0 (none)
+PRELOADS = (1, 2)
 
 
 SMEM_BYTES = 200 << 10
@@ -223,7 +222,7 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, ...] = CONFIGS[1], silu: bool = False, use_pdl: bool = False) -> torch.Tensor:
+         config: tuple[int, ...] = CONFIGS[1], silu: bool = False, use_pdl: bool = False, pre: int = 0) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up
     and the product is silu(gate) * up times Wᵀ. config: (BLOCK_N, BLOCK_K, warps, stages) for
     one row; for more, a ROWS_CONFIGS entry (BLOCK_N, BLOCK_K, warps, stages, K slices). ``use_pdl``:
@@ -241,7 +240,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         launch = pdl.launch(x, use_pdl)
         _gemv_kernel[(triton.cdiv(N, bn),)](
             x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-            SILU=silu, PRE_K=PRELOAD * bk, num_warps=warps, num_stages=stages, **launch)
+            SILU=silu, PRE_K=pre * bk, num_warps=warps, num_stages=stages, **launch)
         return y
     bn, bk, warps, stages, splits = _rows_tile(config)
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
@@ -283,7 +282,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
         x, weight, bias if bias is not None else weight, positions, cos_sin, slot_mapping, q, kc, vc, x.shape[1],
         weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv, HAS_BIAS=bias is not None, D=D,
-        BLOCK_N=bn, BLOCK_K=bk, PRE_K=PRELOAD * bk, num_warps=warps, num_stages=stages, **launch)
+        BLOCK_N=bn, BLOCK_K=bk, PRE_K=plan.pre * bk, num_warps=warps, num_stages=stages, **launch)
     return q
 
 
@@ -306,13 +305,16 @@ class Plan(NamedTuple):
 
     kernel: "cublas" (the neighbour as its own kernel, then F.linear) or "gemv" (the skinny kernel;
     for SILU with the SiLU fused in, for NORM after the norm kernel). config: the tile config;
-    pdl: launched with PDL."""
+    pdl: launched with PDL; pre: one row, K tiles of W loaded before the PDL wait."""
     kernel: str
     config: tuple[int, ...] | None = None
     pdl: bool = False
+    pre: int = 0
 
     def __str__(self) -> str:
-        return self.kernel if self.config is None else f"{self.kernel}{self.config}{'+pdl' if self.pdl else ''}"
+        if self.config is None:
+            return self.kernel
+        return f"{self.kernel}{self.config}{'+pdl' if self.pdl else ''}{f'+pre{self.pre}' if self.pre else ''}"
 
 
 CUBLAS = Plan("cublas")
@@ -356,29 +358,32 @@ def _time(fn, copies: int, reps: int = 24) -> float:
 
 def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]):
     """Each Plan for the neighbour kind, as fn(i) over the weight copies, neighbour included. One
-    row: every config with and without PDL; more: every config whole and split over K, with PDL
-    where the GPU has it (fewer compiles at start-up), SiLU as its own kernel."""
+    row: every config without PDL, with it, and with it and PRELOADS tiles loaded before the wait;
+    more: every config whole and split over K, with PDL where the GPU has it (fewer compiles at
+    start-up), SiLU as its own kernel."""
     if x.shape[0] == 1:
-        tiles = [(cfg, p) for cfg in CONFIGS for p in ((False, True) if pdl.enabled(x) else (False,))]
+        launches = [(False, 0)] + ([(True, 0)] + [(True, p) for p in PRELOADS] if pdl.enabled(x) else [])
+        plans = [Plan("gemv", cfg, p, pre) for cfg in CONFIGS for p, pre in launches]
     else:
         N, K = ws[0].shape
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        tiles = [((*cfg, k), pdl.enabled(x)) for cfg in ROWS_CONFIGS for k in sorted({1, auto_splits(N, K, cfg, sms)})]
+        plans = [Plan("gemv", (*cfg, k), pdl.enabled(x)) for cfg in ROWS_CONFIGS
+                 for k in sorted({1, auto_splits(N, K, cfg, sms)})]
+    run = lambda p, i, h, silu=False: gemv(h, ws[i], None, p.config, silu=silu, use_pdl=p.pdl, pre=p.pre)  # noqa: E731
     if kind == SILU:
         yield CUBLAS, lambda i: F.linear(triton_ops.silu_and_mul(x), ws[i])
         # with more rows every column tile recomputes SiLU over [rows, K]: 3-10x slower than
         # cuBLAS on an H200 (tools/bench_gemv.py), so not tried
-        for cfg, p in tiles if x.shape[0] == 1 else []:
-            yield Plan("gemv", cfg, p), lambda i, cfg=cfg, p=p: gemv(x, ws[i], None, cfg, silu=True, use_pdl=p)
+        for p in plans if x.shape[0] == 1 else []:
+            yield p, lambda i, p=p: run(p, i, x, silu=True)
     elif kind == NORM:
         yield CUBLAS, lambda i: F.linear(triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i])
-        for cfg, p in tiles:
-            yield Plan("gemv", cfg, p), lambda i, cfg=cfg, p=p: gemv(
-                triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i], None, cfg, use_pdl=p)
+        for p in plans:
+            yield p, lambda i, p=p: run(p, i, triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0])
     else:
         yield CUBLAS, lambda i: F.linear(x, ws[i])
-        for cfg, p in tiles:
-            yield Plan("gemv", cfg, p), lambda i, cfg=cfg, p=p: gemv(x, ws[i], None, cfg, use_pdl=p)
+        for p in plans:
+            yield p, lambda i, p=p: run(p, i, x)
 
 
 def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = ROW_BUCKETS,
@@ -420,7 +425,7 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor |
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
         plan = choice(weight, SILU, x.shape[0])
         if plan.kernel == "gemv":
-            return gemv(x, weight, None, plan.config, silu=True, use_pdl=plan.pdl)
+            return gemv(x, weight, None, plan.config, silu=True, use_pdl=plan.pdl, pre=plan.pre)
     return None
 
 
@@ -430,5 +435,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kin
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
         plan = choice(weight, kind, x.shape[0])
         if plan.kernel == "gemv":
-            return gemv(x, weight, bias, plan.config, use_pdl=plan.pdl)
+            return gemv(x, weight, bias, plan.config, use_pdl=plan.pdl, pre=plan.pre)
     return F.linear(x, weight, bias)

@@ -107,7 +107,7 @@ def _ref(q, kc, vc, meta, window):
 # key tiles: the default (several blocks), 16 keys (one block here, half of one on a GPU), and on a
 # GPU one block and four
 KEY_TILES = [None, (16, 4, 2)] + ([(32, 4, 3), (128, 4, 2), (128, 8, 3)] if CUDA else [])
-DECODE_CASES = [([1], 4, 2, 32), ([5, 40, 17], 4, 2, 32), ([33, 64], 8, 1, 16)]
+DECODE_CASES = [([1], 4, 2, 32), ([5, 40, 17], 4, 2, 32), ([33, 64], 8, 1, 16), ([600, 3], 4, 2, 16)]
 if CUDA:
     DECODE_CASES += [([1, 100, 1000, 4097], 32, 8, 128), ([32768], 32, 8, 128), ([7] * 64, 8, 8, 64),
                      ([300, 2000], 28, 4, 128)]
@@ -120,7 +120,8 @@ def test_decode_attention_split_kv(seq_lens, H, Hkv, D, dtype, window):
     B = 32 if CUDA else 16
     q, kc, vc, meta = _paged_case(seq_lens, [1] * len(seq_lens), H, Hkv, D, B, dtype)
     ref = _ref(q, kc, vc, meta, window)
-    for splits in (1, 3, triton_attention.num_splits(len(seq_lens), Hkv, max(seq_lens), B)):
+    # 40 slices: at 600 keys 38 hold some, merged 16 at a time
+    for splits in (1, 3, 40, triton_attention.num_splits(len(seq_lens), Hkv, max(seq_lens), B)):
         for config in KEY_TILES:
             out = triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, window,
                                                     splits, config)
@@ -168,12 +169,11 @@ def test_gemv_every_config(M, N, K, dtype):
         close(triton_gemv.gemv(xx, w, None, cfg, silu=True, use_pdl=p), ref_silu, dtype)
 
 
-@pytest.mark.parametrize("preload", [0, 1, 2, 4])
-def test_one_row_gemv_with_columns_loaded_before_the_wait(preload, monkeypatch):
-    """The first PRELOAD K tiles (loaded before the PDL wait) and the loop over the rest add up
+@pytest.mark.parametrize("pre", [0, 1, 2, 4])
+def test_one_row_gemv_with_columns_loaded_before_the_wait(pre):
+    """The first ``pre`` K tiles (loaded before the PDL wait) and the loop over the rest add up
     to the product, with and without SiLU, K not a multiple of the tile."""
     from phalanx.kernels import triton_gemv
-    monkeypatch.setattr(triton_gemv, "PRELOAD", preload)
     g = torch.Generator().manual_seed(7)
     N, K = 24, 200
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -182,9 +182,9 @@ def test_one_row_gemv_with_columns_loaded_before_the_wait(preload, monkeypatch):
     b = torch.randn(N, generator=g).to(DEV, dtype)
     xx = torch.randn(1, 2 * K, generator=g).to(DEV, dtype)
     for use_pdl in (False, True) if CUDA else (False,):
-        close(triton_gemv.gemv(x, w, b, (8, 32, 4, 2), use_pdl=use_pdl),
+        close(triton_gemv.gemv(x, w, b, (8, 32, 4, 2), use_pdl=use_pdl, pre=pre),
               torch.nn.functional.linear(x.float(), w.float(), b.float()), dtype)
-        close(triton_gemv.gemv(xx, w, None, (8, 32, 4, 2), silu=True, use_pdl=use_pdl),
+        close(triton_gemv.gemv(xx, w, None, (8, 32, 4, 2), silu=True, use_pdl=use_pdl, pre=pre),
               torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float()), dtype)
 
 
@@ -202,12 +202,15 @@ def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv,
     cs = torch.randn(40, D, generator=g).to(DEV)
     pos, slot = torch.tensor([37], device=DEV), torch.tensor([3 * B + 5], device=DEV)
     for cfg in triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]:
-        for use_pdl in (False, True) if CUDA else (False,):
+        for use_pdl, pre in ((False, 0), (True, 0), (True, 1)) if CUDA else ((False, 0), (False, 1)):
             monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM, 1),
-                                triton_gemv.Plan("gemv", cfg, use_pdl))
+                                triton_gemv.Plan("gemv", cfg, use_pdl, pre))
             caches = [torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV) for _ in range(4)]
             q = triton_gemv.qkv_rope(x, w, b, pos, cs, caches[0], caches[1], slot, H, Hkv, D)
-            qkv = triton_gemv.gemv(x, w, b, cfg, use_pdl=use_pdl)
+            if D % cfg[0]:      # a tile wider than a head: declined, the kernels apart run instead
+                assert q is None
+                continue
+            qkv = triton_gemv.gemv(x, w, b, cfg, use_pdl=use_pdl, pre=pre)
             q_ref = triton_ops.rope_and_write_kv(pos, qkv[:, :H * D].view(1, H, D), qkv[:, H * D:(H + Hkv) * D].view(1, Hkv, D),
                                                  qkv[:, (H + Hkv) * D:].view(1, Hkv, D), cs, caches[2], caches[3], slot)
             assert torch.equal(q, q_ref), cfg
