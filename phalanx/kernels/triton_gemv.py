@@ -30,7 +30,7 @@ import triton.language as tl
 
 from phalanx.kernels import pdl, triton_ops
 from phalanx.kernels.ops import NORM, PLAIN, SILU  # noqa: F401  (what sits in front of the matmul)
-from phalanx.kernels.pdl import prologue, release, wait
+from phalanx.kernels.pdl import prologue
 from phalanx.kernels.triton_ops import silu_mul
 
 ROW_BUCKETS = (1, 16, 64)     # a plan is tuned for each, at its upper bound
@@ -41,9 +41,6 @@ CONFIGS = [  # one row: (BLOCK_N, BLOCK_K, num_warps, num_stages)
 # more rows (padded to 16 or 64 for tl.dot): (BLOCK_N, BLOCK_K, num_warps, num_stages), each tried
 # whole and split over K (``auto_splits``); each is a compile at start-up
 ROWS_CONFIGS = [(32, 256, 4, 4), (64, 128, 4, 3)]
-# one row, launched with PDL: K tiles of its weight rows a program may load before it waits for
-# the kernel in front (a power of two); tuned per shape with 0 (none)
-PRELOADS = (1, 2)
 
 
 SMEM_BYTES = 200 << 10
@@ -83,18 +80,14 @@ def _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                 PRE_K: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """x · W[n] for one row x ([1, K], or gate ‖ up [1, 2K] with SILU) over the weight rows n:
-    float32 FMAs summed once at the end -> [BLOCK_N] float32. Opens the kernel's PDL window: the
-    first PRE_K columns of the weight rows are loaded before the wait (weights are never written
-    by the kernels in front), so they stream while the short kernels before this one run."""
-    release(PDL)
-    if PRE_K > 0:
-        kp = tl.arange(0, PRE_K)
-        w_pre = _w_tile(w_ptr, s_wn, n, nm, kp, kp < K)
-    wait(PDL)
+    float32 FMAs summed once at the end -> [BLOCK_N] float32. (Loading the first weight tiles
+    before the PDL wait, to stream them while the short kernels in front run, measured slower in
+    a whole decode step on an H200: the early programs hold registers the running kernel needs.)"""
+    prologue(PDL)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(PRE_K, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
         w = _w_tile(w_ptr, s_wn, n, nm, k, km)
@@ -102,31 +95,25 @@ def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: t
         if SILU:
             x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
         acc1 += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc1, 1)
-    if PRE_K > 0:
-        x = tl.load(x_ptr + kp, mask=kp < K, other=0.0)
-        if SILU:
-            x = silu_mul(x, tl.load(x_ptr + K + kp, mask=kp < K, other=0.0))
-        y += tl.sum(w_pre.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-    return y
+    return tl.sum(acc1, 1)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                 PRE_K: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
     gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, SILU, PRE_K, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, SILU, PDL)
     _store_row(y_ptr, b_ptr, n, nm, y, HAS_BIAS)
 
 
 @triton.jit
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh, s_cs, s_ch,
                      H, Hkv, HAS_BIAS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
@@ -144,7 +131,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_p
     j = j0 + tl.arange(0, BLOCK_N // 2)
     cos = tl.load(cs_ptr + pos * D + j)
     sin = tl.load(cs_ptr + pos * D + D // 2 + j)
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE_K, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PDL)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     y = y.to(q_ptr.dtype.element_ty)
@@ -222,7 +209,7 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, ...] = CONFIGS[1], silu: bool = False, use_pdl: bool = False, pre: int = 0) -> torch.Tensor:
+         config: tuple[int, ...] = CONFIGS[1], silu: bool = False, use_pdl: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up
     and the product is silu(gate) * up times Wᵀ. config: (BLOCK_N, BLOCK_K, warps, stages) for
     one row; for more, a ROWS_CONFIGS entry (BLOCK_N, BLOCK_K, warps, stages, K slices). ``use_pdl``:
@@ -240,7 +227,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         launch = pdl.launch(x, use_pdl)
         _gemv_kernel[(triton.cdiv(N, bn),)](
             x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-            SILU=silu, PRE_K=pre * bk, num_warps=warps, num_stages=stages, **launch)
+            SILU=silu, num_warps=warps, num_stages=stages, **launch)
         return y
     bn, bk, warps, stages, splits = _rows_tile(config)
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
@@ -282,7 +269,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
         x, weight, bias if bias is not None else weight, positions, cos_sin, slot_mapping, q, kc, vc, x.shape[1],
         weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv, HAS_BIAS=bias is not None, D=D,
-        BLOCK_N=bn, BLOCK_K=bk, PRE_K=plan.pre * bk, num_warps=warps, num_stages=stages, **launch)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
     return q
 
 
@@ -305,16 +292,13 @@ class Plan(NamedTuple):
 
     kernel: "cublas" (the neighbour as its own kernel, then F.linear) or "gemv" (the skinny kernel;
     for SILU with the SiLU fused in, for NORM after the norm kernel). config: the tile config;
-    pdl: launched with PDL; pre: one row, K tiles of W loaded before the PDL wait."""
+    pdl: launched with PDL."""
     kernel: str
     config: tuple[int, ...] | None = None
     pdl: bool = False
-    pre: int = 0
 
     def __str__(self) -> str:
-        if self.config is None:
-            return self.kernel
-        return f"{self.kernel}{self.config}{'+pdl' if self.pdl else ''}{f'+pre{self.pre}' if self.pre else ''}"
+        return self.kernel if self.config is None else f"{self.kernel}{self.config}{'+pdl' if self.pdl else ''}"
 
 
 CUBLAS = Plan("cublas")
@@ -358,18 +342,16 @@ def _time(fn, copies: int, reps: int = 24) -> float:
 
 def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]):
     """Each Plan for the neighbour kind, as fn(i) over the weight copies, neighbour included. One
-    row: every config without PDL, with it, and with it and PRELOADS tiles loaded before the wait;
-    more: every config whole and split over K, with PDL where the GPU has it (fewer compiles at
-    start-up), SiLU as its own kernel."""
+    row: every config with and without PDL; more: every config whole and split over K, with PDL
+    where the GPU has it (fewer compiles at start-up), SiLU as its own kernel."""
     if x.shape[0] == 1:
-        launches = [(False, 0)] + ([(True, 0)] + [(True, p) for p in PRELOADS] if pdl.enabled(x) else [])
-        plans = [Plan("gemv", cfg, p, pre) for cfg in CONFIGS for p, pre in launches]
+        plans = [Plan("gemv", cfg, p) for cfg in CONFIGS for p in ((False, True) if pdl.enabled(x) else (False,))]
     else:
         N, K = ws[0].shape
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         plans = [Plan("gemv", (*cfg, k), pdl.enabled(x)) for cfg in ROWS_CONFIGS
                  for k in sorted({1, auto_splits(N, K, cfg, sms)})]
-    run = lambda p, i, h, silu=False: gemv(h, ws[i], None, p.config, silu=silu, use_pdl=p.pdl, pre=p.pre)  # noqa: E731
+    run = lambda p, i, h, silu=False: gemv(h, ws[i], None, p.config, silu=silu, use_pdl=p.pdl)  # noqa: E731
     if kind == SILU:
         yield CUBLAS, lambda i: F.linear(triton_ops.silu_and_mul(x), ws[i])
         # with more rows every column tile recomputes SiLU over [rows, K]: 3-10x slower than
@@ -425,7 +407,7 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor |
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
         plan = choice(weight, SILU, x.shape[0])
         if plan.kernel == "gemv":
-            return gemv(x, weight, None, plan.config, silu=True, use_pdl=plan.pdl, pre=plan.pre)
+            return gemv(x, weight, None, plan.config, silu=True, use_pdl=plan.pdl)
     return None
 
 
@@ -435,5 +417,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kin
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
         plan = choice(weight, kind, x.shape[0])
         if plan.kernel == "gemv":
-            return gemv(x, weight, bias, plan.config, use_pdl=plan.pdl, pre=plan.pre)
+            return gemv(x, weight, bias, plan.config, use_pdl=plan.pdl)
     return F.linear(x, weight, bias)
