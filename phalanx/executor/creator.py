@@ -120,8 +120,13 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     if not ops.triton_available():
         return {}
     from phalanx.kernels import triton_gemv
-    return triton_gemv.tune([(p, getattr(p, "gemv_neighbour", ops.PLAIN)) for n, p in model.named_parameters()
-                             if p.dim() == 2 and "embed_tokens" not in n])
+    weights = [(p, getattr(p, "gemv_neighbour", ops.PLAIN)) for n, p in model.named_parameters()
+               if p.dim() == 2 and "embed_tokens" not in n]
+    report = triton_gemv.tune(weights)
+    # one token may get silu(gate) * up ready from the gate ‖ up kernel (``ops.gate_up_silu``):
+    # the down projection is also timed on a ready input, at one row
+    report.update(triton_gemv.tune([(p, ops.PLAIN) for p, kind in weights if kind == ops.SILU], rows=(1,)))
+    return report
 
 
 @torch.inference_mode()

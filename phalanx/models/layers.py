@@ -189,11 +189,6 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def forward_linear(self, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Module):
-        """(linear(norm(x + residual)), x + residual) for a column-parallel ``linear``, the
-        projection tuned as the norm's neighbour. Without a residual, x is the residual."""
-        return ops.add_rms_norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias)
-
 
 class RotaryEmbedding(nn.Module):
     """The float32 cos ‖ sin table over positions for rotate-half rotary embedding; attention

@@ -68,6 +68,15 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_silu(self.gate_up_proj(x))
 
+    def forward_normed(self, h: torch.Tensor) -> torch.Tensor:
+        """forward() of the decoder layer's normed hidden states, gate ‖ up tuned behind that norm;
+        one token may take silu(gate) * up straight from the projection's kernel."""
+        gu = self.gate_up_proj
+        act = ops.gate_up_silu(h, gu.weight, gu.bias, self.down_proj.weight)
+        if act is not None:
+            return self.down_proj(act)
+        return self.down_proj.forward_silu(ops.linear(h, gu.weight, gu.bias, ops.NORM))
+
 
 MlpFactory = Callable[[ModelConfig, int, TPGroup], nn.Module]
 
@@ -93,10 +102,9 @@ class DecoderLayer(nn.Module):
         # each norm travels with the projection after it (the projection tuned behind it)
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, h, meta, k_cache, v_cache)
-        if isinstance(self.mlp, MLP):
-            gate_up, residual = self.post_attention_layernorm.forward_linear(x, residual, self.mlp.gate_up_proj)
-            return self.mlp.down_proj.forward_silu(gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
+        if isinstance(self.mlp, MLP):
+            return self.mlp.forward_normed(x), residual
         return self.mlp(x), residual
 
 

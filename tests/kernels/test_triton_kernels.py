@@ -197,6 +197,34 @@ def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv,
             assert caches[0].view(-1, Hkv, D)[3 * B + 5].abs().sum() > 0   # it wrote the slot
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias, monkeypatch):
+    """silu(gate) * up from the gate ‖ up kernel's epilogue gives the bits of the projection, then
+    the SiLU-and-mul kernel, for every one-row tile config; it runs only where the down
+    projection measured faster on a ready input, and for one row."""
+    from phalanx.kernels import triton_gemv, triton_ops
+    g = torch.Generator().manual_seed(12)
+    dtype = torch.bfloat16
+    K, I = (64, 40) if not CUDA else (4096, 14336)
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * I, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    b = torch.randn(2 * I, generator=g).to(DEV, dtype) if bias else None
+    down = torch.randn(K, I, generator=g).to(DEV, dtype)
+    key = lambda kind: (K, I, dtype, kind, 1)  # noqa: E731  (the down weight's entries)
+    monkeypatch.setitem(triton_gemv._MS, key(triton_gemv.SILU), 2.0)
+    for cfg in triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]:
+        for use_pdl in (False, True) if CUDA else (False,):
+            monkeypatch.setitem(triton_gemv._CHOICE, (2 * I, K, dtype, triton_gemv.NORM, 1),
+                                triton_gemv.Plan("gemv", cfg, use_pdl))
+            monkeypatch.setitem(triton_gemv._MS, key(triton_gemv.PLAIN), 1.0)
+            act = triton_gemv.gate_up_silu(x, w, b, down)
+            ref = triton_ops.silu_and_mul(triton_gemv.gemv(x, w, b, cfg, use_pdl=use_pdl))
+            assert torch.equal(act, ref), cfg
+            assert triton_gemv.gate_up_silu(x.expand(2, K), w, b, down) is None      # more rows
+            monkeypatch.setitem(triton_gemv._MS, key(triton_gemv.PLAIN), 3.0)      # down slower so
+            assert triton_gemv.gate_up_silu(x, w, b, down) is None
+
+
 def test_split_k_adds_slices_in_order_and_resets_its_counters():
     """Split over K, the last slice to finish sums the partials in slice order: the same bits on
     every run and the same numbers as unsplit up to rounding; its counters are back at zero."""
@@ -244,7 +272,8 @@ def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
     calls = []
     real = triton_gemv.gemv
     monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(kw.get("silu", False)) or real(*a, **kw))
-    y, res = ops.add_rms_norm_linear(x, r, gn, 1e-6, w)
+    h, res = ops.fused_add_rms_norm(x, r, gn, 1e-6)
+    y = ops.linear(h, w, None, ops.NORM)
     h_ref, res_ref = reference.fused_add_rms_norm_ref(x, r, gn, 1e-6)
     close(y, torch.nn.functional.linear(h_ref.float(), w.float()), dtype)
     assert torch.equal(res, res_ref)
@@ -364,6 +393,13 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         calls["qkv_rope"] = calls.get("qkv_rope", 0) + (q is not None)
         return q
     monkeypatch.setattr(triton_gemv, "qkv_rope", fused_qkv)
+    real_gate_up_silu = triton_gemv.gate_up_silu
+
+    def fused_act(*a, **kw):
+        act = real_gate_up_silu(*a, **kw)
+        calls["gate_up_silu"] = calls.get("gate_up_silu", 0) + (act is not None)
+        return act
+    monkeypatch.setattr(triton_gemv, "gate_up_silu", fused_act)
     prompts = [[3, 1, 4, 1, 5], list(range(10, 50)), [7]]
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
              kv_cache_config={"tokens_per_block": 16}, max_num_tokens=24, cuda_graph_config=None) as llm:
@@ -376,6 +412,9 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
                         if kind == triton_gemv.SILU and rows == triton_gemv.MAX_ROWS:
                             plan = triton_gemv.CUBLAS     # prefill chunks of 17-24 rows: SiLU kernel, cuBLAS
                         monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind, rows), plan)
+                        # the down projection runs faster on silu(gate) * up made by gate ‖ up's kernel
+                        monkeypatch.setitem(triton_gemv._MS, (p.shape[0], p.shape[1], p.dtype, kind, rows),
+                                            2.0 if kind == triton_gemv.SILU else 1.0)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
         alone = llm.generate(prompts[:1], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # batch 1
@@ -385,7 +424,8 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
     assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     missing = {n for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
-                           "copy_blocks", "fused_add_rms_norm", "silu_and_mul", "qkv_rope") if not calls.get(n)}
+                           "copy_blocks", "fused_add_rms_norm", "silu_and_mul", "qkv_rope", "gate_up_silu")
+               if not calls.get(n)}
     assert not missing, (missing, calls)
 
 
