@@ -122,7 +122,7 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def gate_up_silu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  down_weight: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of one normed token straight from the gate ‖ up projection, on a GPU where
-    the tuner measured that faster; None otherwise (then: ``linear``, then ``silu_and_mul_linear``,
+    the tuner measured that path faster; None otherwise (then: ``linear``, then ``silu_and_mul_linear``,
     which give the same result)."""
     if use_triton(h):
         from phalanx.kernels import triton_gemv

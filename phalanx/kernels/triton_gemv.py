@@ -295,15 +295,16 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  down_weight: torch.Tensor) -> torch.Tensor | None:
     """For one token behind its norm: silu(gate) * up [1, I] straight from the gate ‖ up
-    projection (``_gate_up_silu_kernel``), where the tuner chose the skinny kernel for gate ‖ up
-    and the down projection measured faster on a ready input than with the SiLU in front. None
-    where that does not hold (then: the projection, then ``silu_and_mul_linear``)."""
-    if x.dim() != 2 or x.shape[0] != 1:
+    projection (``_gate_up_silu_kernel``), where ``tune_gate_up_silu`` measured that path faster
+    than the projections apart, with the config it chose. None elsewhere (then: the projection,
+    then ``silu_and_mul_linear``)."""
+    plan = _ACT.get((_key(weight, NORM, 1), _key(down_weight, PLAIN, 1))) if x.dim() == 2 else None
+    if plan is None or x.shape[0] != 1:
         return None
-    plan = choice(weight, NORM, 1)
-    plain, fused = _MS.get(_key(down_weight, PLAIN, 1)), _MS.get(_key(down_weight, SILU, 1))
-    if plan.kernel != "gemv" or plan.config[0] % 2 or plain is None or fused is None or plain >= fused:
-        return None
+    return _gate_up_silu(x, weight, bias, plan)
+
+
+def _gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     bn, bk, warps, stages = plan.config[:4]
@@ -346,9 +347,11 @@ class Plan(NamedTuple):
 
 CUBLAS = Plan("cublas")
 
-# (N, K, dtype, neighbour, row bucket) -> the measured fastest Plan, and its milliseconds
+# (N, K, dtype, neighbour, row bucket) -> the measured fastest Plan
 _CHOICE: dict[tuple[int, int, torch.dtype, str, int], Plan] = {}
-_MS: dict[tuple[int, int, torch.dtype, str, int], float] = {}
+# (gate ‖ up key behind a norm, down key on a ready input), one row -> the gate ‖ up plan of the
+# fused path (``gate_up_silu``), or None where the projections apart measured faster
+_ACT: dict[tuple[tuple, tuple], Plan | None] = {}
 
 
 def bucket(rows: int) -> int:
@@ -423,15 +426,69 @@ def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = ROW_BU
             continue
         best, ms = _tune_one(w, kind, n_rows, l2_bytes)
         _CHOICE[_key(w, kind, n_rows)] = best
-        _MS[_key(w, kind, n_rows)] = ms
         report[f"{w.shape[0]}x{w.shape[1]}/{kind}/rows={n_rows}:{best}"] = w.numel() * w.element_size() / ms / 1e6
     return report
 
 
+def tune_gate_up_silu(pairs: list[tuple[torch.Tensor, torch.Tensor]], l2_bytes: int = 256 << 20) -> dict[str, float]:
+    """For each distinct (gate ‖ up, down) pair of weights, one token through the MLP two ways,
+    each timed as the chain it runs as: the norm, gate ‖ up and down with SiLU in front, each as
+    tuned (``tune``, first); against the norm, gate ‖ up with SiLU-and-mul as its epilogue (every
+    one-row config, with and without PDL) and down on the ready input as tuned for one row of
+    PLAIN. Remembers the fused plan where one wins (``gate_up_silu``). Timing the pair, not each
+    kernel alone, matters: configs of gate ‖ up that tie alone differ by 9 % in a decode step.
+    Returns GB/s of both weights for the log."""
+    report: dict[str, float] = {}
+    for gu, down in pairs:
+        key = (_key(gu, NORM, 1), _key(down, PLAIN, 1))
+        if not gu.is_cuda or key in _ACT or gu.shape[0] % 2:
+            continue
+        gus, downs = _copies(gu, l2_bytes), _copies(down, l2_bytes)
+        n = max(len(gus), len(downs))
+        K = gu.shape[1]
+        x, r = (torch.randn(1, K, dtype=gu.dtype, device=gu.device) for _ in range(2))
+        g = torch.ones(K, dtype=gu.dtype, device=gu.device)
+        norm = lambda: triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]  # noqa: E731
+        gu_plan, silu_plan, plain_plan = choice(gu, NORM, 1), choice(down, SILU, 1), choice(down, PLAIN, 1)
+
+        def apart(i):
+            y = _apply(gu_plan, norm(), gus[i % len(gus)])
+            _apply(silu_plan, y, downs[i % len(downs)], silu=True)
+
+        best, best_ms = None, _time(apart, n)
+        for plan in [Plan("gemv", cfg, p) for cfg in CONFIGS if cfg[0] % 2 == 0
+                     for p in ((False, True) if pdl.enabled(x) else (False,))]:
+            def fused(i, plan=plan):
+                _apply(plain_plan, _gate_up_silu(norm(), gus[i % len(gus)], None, plan), downs[i % len(downs)])
+            try:
+                ms = _time(fused, n)
+            except Exception:  # a config the compiler rejects on this GPU
+                continue
+            if ms < best_ms:
+                best, best_ms = plan, ms
+        _ACT[key] = best
+        nbytes = (gu.numel() + down.numel()) * gu.element_size()
+        report[f"{gu.shape[0]}x{gu.shape[1]}+{down.shape[0]}x{down.shape[1]}/mlp/rows=1:{best or 'apart'}"] = \
+            nbytes / best_ms / 1e6
+    return report
+
+
+def _apply(plan: Plan, x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    """x Wᵀ by a tuned plan (with silu(gate) * up of x in front)."""
+    if plan.kernel == "gemv":
+        return gemv(x, w, None, plan.config, silu=silu, use_pdl=plan.pdl)
+    return F.linear(triton_ops.silu_and_mul(x) if silu else x, w)
+
+
+def _copies(w: torch.Tensor, l2_bytes: int) -> list[torch.Tensor]:
+    """w and random copies of it, together larger than L2: timing reads them from memory."""
+    nbytes = w.numel() * w.element_size()
+    return [w] + [torch.randn_like(w) for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
+
+
 def _tune_one(w: torch.Tensor, kind: str, rows: int, l2_bytes: int) -> tuple[Plan, float]:
     """The fastest Plan for one weight shape and neighbour at ``rows`` rows, and its time (ms)."""
-    nbytes = w.numel() * w.element_size()
-    ws = [w] + [torch.randn_like(w) for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
+    ws = _copies(w, l2_bytes)
     K = w.shape[1]
     x = torch.randn(rows, 2 * K if kind == SILU else K, dtype=w.dtype, device=w.device)
     r = torch.randn(rows, K, dtype=w.dtype, device=w.device)

@@ -200,8 +200,8 @@ def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv,
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias, monkeypatch):
     """silu(gate) * up from the gate ‖ up kernel's epilogue gives the bits of the projection, then
-    the SiLU-and-mul kernel, for every one-row tile config; it runs only where the down
-    projection measured faster on a ready input, and for one row."""
+    the SiLU-and-mul kernel, for every one-row tile config; it runs for one row, only where the
+    tuner chose it for the (gate ‖ up, down) pair."""
     from phalanx.kernels import triton_gemv, triton_ops
     g = torch.Generator().manual_seed(12)
     dtype = torch.bfloat16
@@ -210,19 +210,42 @@ def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias, monkeypatch)
     w = (torch.randn(2 * I, K, generator=g) / K ** 0.5).to(DEV, dtype)
     b = torch.randn(2 * I, generator=g).to(DEV, dtype) if bias else None
     down = torch.randn(K, I, generator=g).to(DEV, dtype)
-    key = lambda kind: (K, I, dtype, kind, 1)  # noqa: E731  (the down weight's entries)
-    monkeypatch.setitem(triton_gemv._MS, key(triton_gemv.SILU), 2.0)
+    pair = ((2 * I, K, dtype, triton_gemv.NORM, 1), (K, I, dtype, triton_gemv.PLAIN, 1))
     for cfg in triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]:
         for use_pdl in (False, True) if CUDA else (False,):
-            monkeypatch.setitem(triton_gemv._CHOICE, (2 * I, K, dtype, triton_gemv.NORM, 1),
-                                triton_gemv.Plan("gemv", cfg, use_pdl))
-            monkeypatch.setitem(triton_gemv._MS, key(triton_gemv.PLAIN), 1.0)
+            monkeypatch.setitem(triton_gemv._ACT, pair, triton_gemv.Plan("gemv", cfg, use_pdl))
             act = triton_gemv.gate_up_silu(x, w, b, down)
             ref = triton_ops.silu_and_mul(triton_gemv.gemv(x, w, b, cfg, use_pdl=use_pdl))
             assert torch.equal(act, ref), cfg
             assert triton_gemv.gate_up_silu(x.expand(2, K), w, b, down) is None      # more rows
-            monkeypatch.setitem(triton_gemv._MS, key(triton_gemv.PLAIN), 3.0)      # down slower so
-            assert triton_gemv.gate_up_silu(x, w, b, down) is None
+    monkeypatch.setitem(triton_gemv._ACT, pair, None)                               # apart was faster
+    assert triton_gemv.gate_up_silu(x, w, b, down) is None
+    monkeypatch.delitem(triton_gemv._ACT, pair)                                     # not tuned
+    assert triton_gemv.gate_up_silu(x, w, b, down) is None
+
+
+@pytest.mark.skipif(not CUDA, reason="tuning times CUDA graphs")
+def test_gate_up_silu_pair_tuning_picks_a_path_that_runs(monkeypatch):
+    """The pair tuner times both paths of a (gate ‖ up, down) pair and remembers a plan or None;
+    either way the MLP of one token then gives the bits of the path it names."""
+    from phalanx.kernels import triton_gemv, triton_ops
+    monkeypatch.setattr(triton_gemv, "_CHOICE", {})
+    monkeypatch.setattr(triton_gemv, "_ACT", {})
+    K, I, dtype = 1024, 2816, torch.bfloat16
+    g = torch.Generator().manual_seed(13)
+    gu = (torch.randn(2 * I, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    down = (torch.randn(K, I, generator=g) / I ** 0.5).to(DEV, dtype)
+    triton_gemv.tune([(gu, triton_gemv.NORM), (down, triton_gemv.SILU)], rows=(1,), l2_bytes=64 << 20)
+    triton_gemv.tune([(down, triton_gemv.PLAIN)], rows=(1,), l2_bytes=64 << 20)
+    report = triton_gemv.tune_gate_up_silu([(gu, down)], l2_bytes=64 << 20)
+    assert len(report) == 1 and all(v > 0 for v in report.values()), report
+    plan = triton_gemv._ACT[((2 * I, K, dtype, triton_gemv.NORM, 1), (K, I, dtype, triton_gemv.PLAIN, 1))]
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    act = triton_gemv.gate_up_silu(x, gu, None, down)
+    if plan is None:
+        assert act is None
+    else:
+        assert torch.equal(act, triton_ops.silu_and_mul(triton_gemv.gemv(x, gu, None, plan.config, use_pdl=plan.pdl)))
 
 
 def test_split_k_adds_slices_in_order_and_resets_its_counters():
@@ -412,9 +435,12 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
                         if kind == triton_gemv.SILU and rows == triton_gemv.MAX_ROWS:
                             plan = triton_gemv.CUBLAS     # prefill chunks of 17-24 rows: SiLU kernel, cuBLAS
                         monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind, rows), plan)
-                        # the down projection runs faster on silu(gate) * up made by gate ‖ up's kernel
-                        monkeypatch.setitem(triton_gemv._MS, (p.shape[0], p.shape[1], p.dtype, kind, rows),
-                                            2.0 if kind == triton_gemv.SILU else 1.0)
+        for m in llm._executor.engine.runner.model.modules():   # one token: silu(gate) * up from gate ‖ up
+            if hasattr(m, "forward_normed"):
+                gu, dn = m.gate_up_proj.weight, m.down_proj.weight
+                monkeypatch.setitem(triton_gemv._ACT, ((*gu.shape, gu.dtype, triton_gemv.NORM, 1),
+                                                       (*dn.shape, dn.dtype, triton_gemv.PLAIN, 1)),
+                                    triton_gemv.Plan("gemv", triton_gemv.CONFIGS[1]))
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
         alone = llm.generate(prompts[:1], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # batch 1
