@@ -243,10 +243,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if M == 1:
         bn, bk, warps, stages = config[:4]
         stages = _fit_stages(stages, (bn * bk + bk * (2 if silu else 1)) * elem)
-        launch = pdl.launch(x, use_pdl)
         _gemv_kernel[(triton.cdiv(N, bn),)](
             x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-            SILU=silu, num_warps=warps, num_stages=stages, **launch)
+            SILU=silu, num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
         return y
     bn, bk, warps, stages, splits = _rows_tile(config)
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
@@ -279,16 +278,17 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     D = head_dim
     if plan.kernel != "gemv" or D % plan.config[0] or plan.config[0] % 2 or D % 2:
         return None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     bn, bk, warps, stages = plan.config[:4]
     stages = _fit_stages(stages, (bn * bk + bk) * x.element_size())
     H, Hkv = num_heads, num_kv_heads
     q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
     kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
-    launch = pdl.launch(x, plan.pdl)
     _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
         x, weight, bias if bias is not None else weight, positions, cos_sin, slot_mapping, q, kc, vc, x.shape[1],
         weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv, HAS_BIAS=bias is not None, D=D,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl.launch(x, plan.pdl))
     return q
 
 
