@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT.
+# One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT (and all of $OUT in
+# $OUT/suite.tgz).
 #   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|profile64|attention|gemv|decode1|decode_rows|decode|decode_tp|
 #                              throughput128|throughput1000|throughput_tp2|moe|all]...
 # multi, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi comes from
@@ -78,4 +79,6 @@ for what in "${@:-all}"; do
   esac
 done
 free_gpus
+# one archive of everything as well: the device tool brings back only a few files per call
+t=$(mktemp) && tar czf "$t" -C "$OUT" --exclude=suite.tgz . && mv "$t" "$OUT/suite.tgz"
 ls -la "$OUT"
