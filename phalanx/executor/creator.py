@@ -124,9 +124,7 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
                if p.dim() == 2 and "embed_tokens" not in n]
     report = triton_gemv.tune(weights)
     # one token may get silu(gate) * up ready from the gate ‖ up kernel (``ops.gate_up_silu``):
-    # the down projection is also tuned on a ready input at one row, then each MLP's pair is
-    # timed both ways
-    report.update(triton_gemv.tune([(p, ops.PLAIN) for p, kind in weights if kind == ops.SILU], rows=(1,)))
+    # each MLP's pair is timed both ways
     mlps = [m for m in model.modules()
             if hasattr(m, "forward_normed") and getattr(m.gate_up_proj.weight, "gemv_neighbour", None) == ops.NORM]
     report.update(triton_gemv.tune_gate_up_silu([(m.gate_up_proj.weight, m.down_proj.weight) for m in mlps]))

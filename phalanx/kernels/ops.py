@@ -109,13 +109,13 @@ def qkv_rope_and_write_kv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) Wᵀ for x = gate ‖ up: one fused kernel for small GPU batches."""
+    """(silu(gate) * up) Wᵀ for x = gate ‖ up: small GPU batches as tuned (fused where that won)."""
     if use_triton(x):
         from phalanx.kernels import triton_gemv
         y = triton_gemv.silu_and_mul_linear(x, weight)
         if y is not None:
             return y
-    # not the tuned `linear`: the measured alternative to the fused kernel was cuBLAS
+    # larger batches, CPU: the SiLU kernel, then BLAS
     return torch.nn.functional.linear(silu_and_mul(x), weight)
 
 

@@ -238,11 +238,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    elem = x.element_size()
     bias_arg = bias if bias is not None else weight
     if M == 1:
-        bn, bk, warps, stages = config[:4]
-        stages = _fit_stages(stages, (bn * bk + bk * (2 if silu else 1)) * elem)
+        bn, bk, warps, stages = _row_tile(config, x, silu)
         _gemv_kernel[(triton.cdiv(N, bn),)](
             x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
             SILU=silu, num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
@@ -256,7 +254,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if counts is None:
         splits, k_per = 1, K
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
-    stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * elem)
+    stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * x.element_size())
     _rows_kernel[(tiles, splits)](
         x, weight, bias_arg, y, part, counts if counts is not None else y, M, N, K, k_per,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -280,8 +278,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
         return None
     if x.stride(-1) != 1:
         x = x.contiguous()
-    bn, bk, warps, stages = plan.config[:4]
-    stages = _fit_stages(stages, (bn * bk + bk) * x.element_size())
+    bn, bk, warps, stages = _row_tile(plan.config, x)
     H, Hkv = num_heads, num_kv_heads
     q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
     kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
@@ -298,23 +295,30 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     projection (``_gate_up_silu_kernel``), where ``tune_gate_up_silu`` measured that path faster
     than the projections apart, with the config it chose. None elsewhere (then: the projection,
     then ``silu_and_mul_linear``)."""
-    plan = _ACT.get((_key(weight, NORM, 1), _key(down_weight, PLAIN, 1))) if x.dim() == 2 else None
-    if plan is None or x.shape[0] != 1:
+    if x.dim() != 2 or x.shape[0] != 1:
         return None
-    return _gate_up_silu(x, weight, bias, plan)
+    plan = _ACT.get((_key(weight, NORM, 1), _key(down_weight, PLAIN, 1)))
+    return None if plan is None else _gate_up_silu(x, weight, bias, plan)
 
 
 def _gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
-    bn, bk, warps, stages = plan.config[:4]
+    bn, bk, warps, stages = _row_tile(plan.config, x)
     I = weight.shape[0] // 2
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, bn // 2),)](
         x, weight, bias if bias is not None else weight, act, I, x.shape[1], weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=_fit_stages(stages, (bn * bk + bk) * x.element_size()), **pdl.launch(x, plan.pdl))
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        **pdl.launch(x, plan.pdl))
     return act
+
+
+def _row_tile(config: tuple[int, ...], x: torch.Tensor, silu: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of a one-row config for input x (gate ‖ up with silu),
+    the stages cut to what fits in shared memory."""
+    bn, bk, warps, stages = config[:4]
+    return bn, bk, warps, _fit_stages(stages, (bn * bk + bk * (2 if silu else 1)) * x.element_size())
 
 
 def _rows_tile(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
@@ -398,21 +402,20 @@ def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         plans = [Plan("gemv", (*cfg, k), pdl.enabled(x)) for cfg in ROWS_CONFIGS
                  for k in sorted({1, auto_splits(N, K, cfg, sms)})]
-    run = lambda p, i, h, silu=False: gemv(h, ws[i], None, p.config, silu=silu, use_pdl=p.pdl)  # noqa: E731
     if kind == SILU:
         yield CUBLAS, lambda i: F.linear(triton_ops.silu_and_mul(x), ws[i])
         # with more rows every column tile recomputes SiLU over [rows, K]: 3-10x slower than
         # cuBLAS on an H200 (tools/bench_gemv.py), so not tried
         for p in plans if x.shape[0] == 1 else []:
-            yield p, lambda i, p=p: run(p, i, x, silu=True)
+            yield p, lambda i, p=p: _apply(p, x, ws[i], silu=True)
     elif kind == NORM:
         yield CUBLAS, lambda i: F.linear(triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i])
         for p in plans:
-            yield p, lambda i, p=p: run(p, i, triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0])
+            yield p, lambda i, p=p: _apply(p, triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i])
     else:
         yield CUBLAS, lambda i: F.linear(x, ws[i])
         for p in plans:
-            yield p, lambda i, p=p: run(p, i, x)
+            yield p, lambda i, p=p: _apply(p, x, ws[i])
 
 
 def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = ROW_BUCKETS,
@@ -433,7 +436,7 @@ def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = ROW_BU
 def tune_gate_up_silu(pairs: list[tuple[torch.Tensor, torch.Tensor]], l2_bytes: int = 256 << 20) -> dict[str, float]:
     """For each distinct (gate ‖ up, down) pair of weights, one token through the MLP two ways,
     each timed as the chain it runs as: the norm, gate ‖ up and down with SiLU in front, each as
-    tuned (``tune``, first); against the norm, gate ‖ up with SiLU-and-mul as its epilogue (every
+    tuned (``tune``); against the norm, gate ‖ up with SiLU-and-mul as its epilogue (every
     one-row config, with and without PDL) and down on the ready input as tuned for one row of
     PLAIN. Remembers the fused plan where one wins (``gate_up_silu``). Timing the pair, not each
     kernel alone, matters: configs of gate ‖ up that tie alone differ by 9 % in a decode step.
@@ -443,6 +446,8 @@ def tune_gate_up_silu(pairs: list[tuple[torch.Tensor, torch.Tensor]], l2_bytes: 
         key = (_key(gu, NORM, 1), _key(down, PLAIN, 1))
         if not gu.is_cuda or key in _ACT or gu.shape[0] % 2:
             continue
+        # the plans of each side (``tune`` skips those already tuned), down on a ready input too
+        report.update(tune([(gu, NORM), (down, SILU), (down, PLAIN)], rows=(1,), l2_bytes=l2_bytes))
         gus, downs = _copies(gu, l2_bytes), _copies(down, l2_bytes)
         n = max(len(gus), len(downs))
         K = gu.shape[1]
@@ -473,11 +478,12 @@ def tune_gate_up_silu(pairs: list[tuple[torch.Tensor, torch.Tensor]], l2_bytes: 
     return report
 
 
-def _apply(plan: Plan, x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> torch.Tensor:
-    """x Wᵀ by a tuned plan (with silu(gate) * up of x in front)."""
+def _apply(plan: Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           silu: bool = False) -> torch.Tensor:
+    """x Wᵀ (+ b) by a plan: the skinny kernel or cuBLAS (with silu(gate) * up of x in front)."""
     if plan.kernel == "gemv":
-        return gemv(x, w, None, plan.config, silu=silu, use_pdl=plan.pdl)
-    return F.linear(triton_ops.silu_and_mul(x) if silu else x, w)
+        return gemv(x, w, bias, plan.config, silu=silu, use_pdl=plan.pdl)
+    return F.linear(triton_ops.silu_and_mul(x) if silu else x, w, bias)
 
 
 def _copies(w: torch.Tensor, l2_bytes: int) -> list[torch.Tensor]:
@@ -505,11 +511,10 @@ def _tune_one(w: torch.Tensor, kind: str, rows: int, l2_bytes: int) -> tuple[Pla
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up times Wᵀ in one kernel for small batches; None when not applicable."""
+    """silu(gate) * up times Wᵀ for small batches, as tuned (the SiLU fused into the skinny
+    kernel, or its own kernel then cuBLAS); None for larger ones."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        plan = choice(weight, SILU, x.shape[0])
-        if plan.kernel == "gemv":
-            return gemv(x, weight, None, plan.config, silu=True, use_pdl=plan.pdl)
+        return _apply(choice(weight, SILU, x.shape[0]), x, weight, silu=True)
     return None
 
 
@@ -517,7 +522,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kin
     """F.linear, or the skinny kernel tuned for this weight behind its ``kind`` of neighbour, for
     decode batches of at most MAX_ROWS rows."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        plan = choice(weight, kind, x.shape[0])
-        if plan.kernel == "gemv":
-            return gemv(x, weight, bias, plan.config, use_pdl=plan.pdl)
+        return _apply(choice(weight, kind, x.shape[0]), x, weight, bias)
     return F.linear(x, weight, bias)
