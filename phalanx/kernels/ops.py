@@ -38,8 +38,9 @@ def use_triton(x: torch.Tensor) -> bool:
 
 # what runs in front of a projection (a parameter's ``gemv_neighbour``, set by the model), timed
 # with it when the skinny kernel is tuned: nothing, silu(gate) * up (fused into the skinny kernel
-# where that measures faster), or residual add + RMSNorm
-PLAIN, SILU, NORM = "plain", "silu", "norm"
+# where that measures faster), residual add + RMSNorm, or the attention kernels (nothing to time
+# with, but short: behind them and behind a norm a one-row kernel starts loading its weight early)
+PLAIN, SILU, NORM, ATTN = "plain", "silu", "norm", "attn"
 
 
 def triton_attention_everywhere(model: torch.nn.Module, tokens_per_block: int) -> bool:

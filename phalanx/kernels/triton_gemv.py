@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import pdl, triton_ops
-from phalanx.kernels.ops import NORM, PLAIN, SILU  # noqa: F401  (what sits in front of the matmul)
-from phalanx.kernels.pdl import prologue
+from phalanx.kernels.ops import ATTN, NORM, PLAIN, SILU  # noqa: F401  (what sits in front of the matmul)
+from phalanx.kernels.pdl import prologue, release, wait
 from phalanx.kernels.triton_ops import silu_mul
 
 ROW_BUCKETS = (1, 16, 64)     # a plan is tuned for each, at its upper bound
@@ -44,6 +44,11 @@ ROWS_CONFIGS = [(32, 256, 4, 4), (64, 128, 4, 3)]
 
 
 SMEM_BYTES = 200 << 10
+
+# neighbours short enough that a one-row kernel behind them loads its first weight tile before the
+# PDL wait (``_row_product``): on an H200 that took batch-1 decode from 251.3 to 256.7 tok/s
+# (q/k/v and gate ‖ up behind their norms, o_proj behind the attention)
+PRELOAD_BEHIND = (NORM, ATTN)
 
 
 def _fit_stages(stages: int, bytes_per_stage: int) -> int:
@@ -80,40 +85,56 @@ def _store_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PRE: tl.constexpr, PDL: tl.constexpr):
     """x · W[n] for one row x ([1, K], or gate ‖ up [1, 2K] with SILU) over the weight rows n:
-    float32 FMAs summed once at the end -> [BLOCK_N] float32. (Loading the first weight tiles
-    before the PDL wait, to stream them while the short kernels in front run, measured slower in
-    a whole decode step on an H200: the early programs hold registers the running kernel needs.)"""
-    prologue(PDL)
+    float32 FMAs summed once at the end -> [BLOCK_N] float32.
+
+    PRE: the first weight tile is loaded before the PDL wait (a weight: nothing in the chain writes
+    it), so that it streams while the kernel in front finishes. That pays where the kernel in
+    front is short (a norm, the attention) and leaves most of the GPU idle; behind a long kernel
+    (down behind gate ‖ up) the early programs hold registers its later waves need, and it
+    measured slower (``PRELOAD_BEHIND``)."""
+    release(PDL)
+    k = tl.arange(0, BLOCK_K)
+    km = k < K
+    if PRE:
+        w0 = _w_tile(w_ptr, s_wn, n, nm, k, km)
+    wait(PDL)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PRE:
+        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, SILU)
+    for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
-        w = _w_tile(w_ptr, s_wn, n, nm, k, km)
-        x = tl.load(x_ptr + k, mask=km, other=0.0)
-        if SILU:
-            x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
-        acc1 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, SILU)
     return tl.sum(acc1, 1)
+
+
+@triton.jit
+def _fma_tile(acc1, w, x_ptr, k, km, K, SILU: tl.constexpr):
+    """acc1 + a weight tile times the matching tile of x (silu(gate) * up of it with SILU)."""
+    x = tl.load(x_ptr + k, mask=km, other=0.0)
+    if SILU:
+        x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
+    return acc1 + w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PRE: tl.constexpr, PDL: tl.constexpr):
     """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
     gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, SILU, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, SILU, PRE, PDL)
     _store_row(y_ptr, b_ptr, n, nm, y, HAS_BIAS)
 
 
 @triton.jit
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh, s_cs, s_ch,
                      H, Hkv, HAS_BIAS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
@@ -131,7 +152,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_p
     j = j0 + tl.arange(0, BLOCK_N // 2)
     cos = tl.load(cs_ptr + pos * D + j)
     sin = tl.load(cs_ptr + pos * D + D // 2 + j)
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE, PDL)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     y = y.to(q_ptr.dtype.element_ty)
@@ -154,7 +175,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_p
 
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, a_ptr, I, K, s_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """The gate ‖ up projection of one token with SiLU-and-mul as its epilogue: a program takes
     BLOCK_N // 2 pairs of rows (gate j and up j, interleaved) and writes silu(gate) * up for
     them, so the down projection reads I values instead of 2I and computes no SiLU. Outputs are
@@ -163,7 +184,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, a_ptr, I, K, s_wn, HAS_BIAS: tl.co
     j0 = tl.program_id(0) * (BLOCK_N // 2)
     n = j0 + r // 2 + (r % 2) * I
     nm = j0 + r // 2 < I
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE, PDL)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(y.to(a_ptr.dtype.element_ty), [BLOCK_N // 2, 2]))
@@ -228,11 +249,13 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, ...] = CONFIGS[1], silu: bool = False, use_pdl: bool = False) -> torch.Tensor:
+         config: tuple[int, ...] = CONFIGS[1], silu: bool = False, use_pdl: bool = False,
+         preload: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up
     and the product is silu(gate) * up times Wᵀ. config: (BLOCK_N, BLOCK_K, warps, stages) for
     one row; for more, a ROWS_CONFIGS entry (BLOCK_N, BLOCK_K, warps, stages, K slices). ``use_pdl``:
-    launch with programmatic dependent launch where the GPU has it (``pdl``)."""
+    launch with programmatic dependent launch where the GPU has it (``pdl``); ``preload``: one row
+    loads its first weight tile before the PDL wait (``PRELOAD_BEHIND``)."""
     M = x.shape[0]
     N, K = weight.shape
     if x.stride(-1) != 1:
@@ -243,7 +266,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bn, bk, warps, stages = _row_tile(config, x, silu)
         _gemv_kernel[(triton.cdiv(N, bn),)](
             x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-            SILU=silu, num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
+            SILU=silu, PRE=preload, num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
         return y
     bn, bk, warps, stages, splits = _rows_tile(config)
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
@@ -285,7 +308,8 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
         x, weight, bias if bias is not None else weight, positions, cos_sin, slot_mapping, q, kc, vc, x.shape[1],
         weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv, HAS_BIAS=bias is not None, D=D,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **pdl.launch(x, plan.pdl))
+        BLOCK_N=bn, BLOCK_K=bk, PRE=NORM in PRELOAD_BEHIND, num_warps=warps, num_stages=stages,
+        **pdl.launch(x, plan.pdl))
     return q
 
 
@@ -309,8 +333,8 @@ def _gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, bn // 2),)](
         x, weight, bias if bias is not None else weight, act, I, x.shape[1], weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-        **pdl.launch(x, plan.pdl))
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, PRE=NORM in PRELOAD_BEHIND, num_warps=warps,
+        num_stages=stages, **pdl.launch(x, plan.pdl))
     return act
 
 
@@ -411,11 +435,11 @@ def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws
     elif kind == NORM:
         yield CUBLAS, lambda i: F.linear(triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i])
         for p in plans:
-            yield p, lambda i, p=p: _apply(p, triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i])
-    else:
+            yield p, lambda i, p=p: _apply(p, triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i], preload=True)
+    else:   # PLAIN, ATTN: timed back to back
         yield CUBLAS, lambda i: F.linear(x, ws[i])
         for p in plans:
-            yield p, lambda i, p=p: _apply(p, x, ws[i])
+            yield p, lambda i, p=p: _apply(p, x, ws[i], preload=kind in PRELOAD_BEHIND)
 
 
 def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = ROW_BUCKETS,
@@ -457,7 +481,7 @@ def tune_gate_up_silu(pairs: list[tuple[torch.Tensor, torch.Tensor]], l2_bytes: 
         gu_plan, silu_plan, plain_plan = choice(gu, NORM, 1), choice(down, SILU, 1), choice(down, PLAIN, 1)
 
         def apart(i):
-            y = _apply(gu_plan, norm(), gus[i % len(gus)])
+            y = _apply(gu_plan, norm(), gus[i % len(gus)], preload=True)
             _apply(silu_plan, y, downs[i % len(downs)], silu=True)
 
         best, best_ms = None, _time(apart, n)
@@ -479,10 +503,10 @@ def tune_gate_up_silu(pairs: list[tuple[torch.Tensor, torch.Tensor]], l2_bytes: 
 
 
 def _apply(plan: Plan, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           silu: bool = False) -> torch.Tensor:
+           silu: bool = False, preload: bool = False) -> torch.Tensor:
     """x Wᵀ (+ b) by a plan: the skinny kernel or cuBLAS (with silu(gate) * up of x in front)."""
     if plan.kernel == "gemv":
-        return gemv(x, w, bias, plan.config, silu=silu, use_pdl=plan.pdl)
+        return gemv(x, w, bias, plan.config, silu=silu, use_pdl=plan.pdl, preload=preload)
     return F.linear(triton_ops.silu_and_mul(x) if silu else x, w, bias)
 
 
@@ -522,5 +546,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kin
     """F.linear, or the skinny kernel tuned for this weight behind its ``kind`` of neighbour, for
     decode batches of at most MAX_ROWS rows."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        return _apply(choice(weight, kind, x.shape[0]), x, weight, bias)
+        return _apply(choice(weight, kind, x.shape[0]), x, weight, bias, preload=kind in PRELOAD_BEHIND)
     return F.linear(x, weight, bias)

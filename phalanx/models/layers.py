@@ -120,8 +120,9 @@ class RowParallelLinear(nn.Module):
     def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
         _copy(param, torch.cat([w[:, s:e] for s, e in self.in_ranges], dim=1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(ops.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, kind: str = ops.PLAIN) -> torch.Tensor:
+        """kind: what runs in front (``ops.linear``)."""
+        y = self.tp.all_reduce(ops.linear(x, self.weight, None, kind))
         return y + self.bias if self.bias is not None else y
 
     def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ class Attention(nn.Module):
         q0, nq = self.heads.q_start, self.heads.num_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, cfg.o_bias, tp,
                                         in_ranges=[(q0 * D, (q0 + nq) * D)])
+        self.o_proj.weight.gemv_neighbour = ops.ATTN
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = [rotary]  # shared; a list keeps it out of this module's parameters
@@ -55,7 +56,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = ops.rope_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta)
         o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q)
-        return self.o_proj(o.reshape(T, H * D))
+        return self.o_proj(o.reshape(T, H * D), ops.ATTN)
 
 
 class MLP(nn.Module):
