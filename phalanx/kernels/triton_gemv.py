@@ -8,7 +8,10 @@ bf16/fp16); where there are too few column tiles to fill the GPU, K is split ove
 the last slice of each tile adds the partials up (split-K with no second kernel).
 SiLU-and-mul on the input of the down projection rides along so that it costs no launch of its
 own. (RMSNorm fused the same way, every program recomputing the row's norm, never beat a
-separate norm kernel on an H200, in the dot or in the FMA form, and was removed.)
+separate norm kernel on an H200, in the dot or in the FMA form, and was removed; nor did the norm
+taken in the same pass as the product, squares summed while the row streams: 250.2 vs 251.4
+tok/s in a decode step.) Behind a short kernel a one-row program loads its first weight tile
+before it waits for that kernel (``PRELOAD_BEHIND``).
 
 Which plan is fastest — a tile configuration, launched with or without programmatic dependent
 launch (``pdl``), or cuBLAS — depends on (N, K), on the neighbour (timed with it: the norm
@@ -35,7 +38,10 @@ from phalanx.kernels.triton_ops import silu_mul
 
 ROW_BUCKETS = (1, 16, 64)     # a plan is tuned for each, at its upper bound
 MAX_ROWS = ROW_BUCKETS[-1]
-CONFIGS = [  # one row: (BLOCK_N, BLOCK_K, num_warps, num_stages)
+# one row: (BLOCK_N, BLOCK_K, num_warps, num_stages). Five more, (4, 1024, 4, 3), (4, 2048, 4, 2),
+# (8, 256, 4, 6), (16, 256, 4, 4) and (8, 2048, 8, 2), won alone for every shape (q/k/v 3.55 ->
+# 3.79 TB/s) and lost in the decode step on an H200 (257.5 vs 258.1 tok/s): not tried.
+CONFIGS = [
     (8, 512, 4, 4), (16, 512, 4, 3), (16, 1024, 8, 2), (32, 256, 4, 4), (8, 1024, 4, 3),
 ]
 # more rows (padded to 16 or 64 for tl.dot): (BLOCK_N, BLOCK_K, num_warps, num_stages), each tried
@@ -91,9 +97,9 @@ def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: t
 
     PRE: the first weight tile is loaded before the PDL wait (a weight: nothing in the chain writes
     it), so that it streams while the kernel in front finishes. That pays where the kernel in
-    front is short (a norm, the attention) and leaves most of the GPU idle; behind a long kernel
-    (down behind gate ‖ up) the early programs hold registers its later waves need, and it
-    measured slower (``PRELOAD_BEHIND``)."""
+    front is short (a norm, the attention) and leaves most of the GPU idle (``PRELOAD_BEHIND``).
+    Preloading in every one-row GEMV measured 2-7 % slower on an H200: behind a long kernel the
+    early programs hold registers and slots its later waves need."""
     release(PDL)
     k = tl.arange(0, BLOCK_K)
     km = k < K
