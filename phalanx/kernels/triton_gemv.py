@@ -57,6 +57,11 @@ SMEM_BYTES = 200 << 10
 PRELOAD_BEHIND = (NORM, ATTN)
 
 
+def _preload(kind: str) -> bool:
+    """Whether a one-row kernel behind this kind of neighbour loads its first weight tile early."""
+    return kind in PRELOAD_BEHIND
+
+
 def _fit_stages(stages: int, bytes_per_stage: int) -> int:
     """Fewer pipeline stages where the tiles of a config would not fit in shared memory (fp32,
     wide K tiles, the padded rows of the dot path)."""
@@ -314,7 +319,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
         x, weight, bias if bias is not None else weight, positions, cos_sin, slot_mapping, q, kc, vc, x.shape[1],
         weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv, HAS_BIAS=bias is not None, D=D,
-        BLOCK_N=bn, BLOCK_K=bk, PRE=NORM in PRELOAD_BEHIND, num_warps=warps, num_stages=stages,
+        BLOCK_N=bn, BLOCK_K=bk, PRE=_preload(NORM), num_warps=warps, num_stages=stages,
         **pdl.launch(x, plan.pdl))
     return q
 
@@ -339,7 +344,7 @@ def _gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, bn // 2),)](
         x, weight, bias if bias is not None else weight, act, I, x.shape[1], weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, PRE=NORM in PRELOAD_BEHIND, num_warps=warps,
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, PRE=_preload(NORM), num_warps=warps,
         num_stages=stages, **pdl.launch(x, plan.pdl))
     return act
 
@@ -441,11 +446,12 @@ def _candidates(kind: str, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor, ws
     elif kind == NORM:
         yield CUBLAS, lambda i: F.linear(triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i])
         for p in plans:
-            yield p, lambda i, p=p: _apply(p, triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i], preload=True)
+            yield p, lambda i, p=p: _apply(p, triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0], ws[i],
+                                           preload=_preload(NORM))
     else:   # PLAIN, ATTN: timed back to back
         yield CUBLAS, lambda i: F.linear(x, ws[i])
         for p in plans:
-            yield p, lambda i, p=p: _apply(p, x, ws[i], preload=kind in PRELOAD_BEHIND)
+            yield p, lambda i, p=p: _apply(p, x, ws[i], preload=_preload(kind))
 
 
 def tune(weights: list[tuple[torch.Tensor, str]], rows: tuple[int, ...] = ROW_BUCKETS,
@@ -487,7 +493,7 @@ def tune_gate_up_silu(pairs: list[tuple[torch.Tensor, torch.Tensor]], l2_bytes: 
         gu_plan, silu_plan, plain_plan = choice(gu, NORM, 1), choice(down, SILU, 1), choice(down, PLAIN, 1)
 
         def apart(i):
-            y = _apply(gu_plan, norm(), gus[i % len(gus)], preload=True)
+            y = _apply(gu_plan, norm(), gus[i % len(gus)], preload=_preload(NORM))
             _apply(silu_plan, y, downs[i % len(downs)], silu=True)
 
         best, best_ms = None, _time(apart, n)
@@ -552,5 +558,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kin
     """F.linear, or the skinny kernel tuned for this weight behind its ``kind`` of neighbour, for
     decode batches of at most MAX_ROWS rows."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        return _apply(choice(weight, kind, x.shape[0]), x, weight, bias, preload=kind in PRELOAD_BEHIND)
+        return _apply(choice(weight, kind, x.shape[0]), x, weight, bias, preload=_preload(kind))
     return F.linear(x, weight, bias)
