@@ -374,8 +374,9 @@ class Plan(NamedTuple):
     (ROW_BUCKETS: one row, and up to each larger bound; each takes its own code path or tile).
 
     kernel: "cublas" (the neighbour as its own kernel, then F.linear) or "gemv" (the skinny kernel;
-    for SILU with the SiLU fused in, for NORM after the norm kernel). config: the tile config;
-    pdl: launched with PDL."""
+    for SILU with the SiLU fused in, for NORM after the norm kernel; one row behind the kinds in
+    PRELOAD_BEHIND loads its first weight tile early). config: the tile config; pdl: launched
+    with PDL."""
     kernel: str
     config: tuple[int, ...] | None = None
     pdl: bool = False

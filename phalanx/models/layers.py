@@ -68,8 +68,9 @@ class MergedColumnParallelLinear(nn.Module):
         s, e = self.ranges[i]
         _copy(param.data[self.offsets[i]:self.offsets[i + 1]], w[s:e])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, kind: str = ops.PLAIN) -> torch.Tensor:
+        """kind: what runs in front (``ops.linear``)."""
+        return ops.linear(x, self.weight, self.bias, kind)
 
 
 class QKVParallelLinear(nn.Module):
@@ -96,8 +97,9 @@ class QKVParallelLinear(nn.Module):
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         _copy(param.data[dst], src)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.split(ops.linear(x, self.weight, self.bias))
+    def forward(self, x: torch.Tensor, kind: str = ops.PLAIN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v); kind: what runs in front (``ops.linear``)."""
+        return self.split(ops.linear(x, self.weight, self.bias, kind))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -50,7 +50,7 @@ class Attention(nn.Module):
         if self.q_norm is None:   # one token: projection, rotary and K/V write may be one kernel
             q = ops.qkv_rope_and_write_kv(h, w, b, positions, cos_sin, k_cache, v_cache, meta, H, Hkv, D)
         if q is None:
-            q, k, v = self.qkv_proj.split(ops.linear(h, w, b, ops.NORM))
+            q, k, v = self.qkv_proj(h, ops.NORM)
             q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -66,8 +66,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
         self.down_proj.weight.gemv_neighbour = ops.SILU     # forward_silu: SiLU-and-mul in front
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor, kind: str = ops.PLAIN) -> torch.Tensor:
+        """kind: what runs in front of gate ‖ up (``ops.linear``)."""
+        return self.down_proj.forward_silu(self.gate_up_proj(x, kind))
 
     def forward_normed(self, h: torch.Tensor) -> torch.Tensor:
         """forward() of the decoder layer's normed hidden states, gate ‖ up tuned behind that norm;
@@ -76,7 +77,7 @@ class MLP(nn.Module):
         act = ops.gate_up_silu(h, gu.weight, gu.bias, self.down_proj.weight)
         if act is not None:
             return self.down_proj(act)
-        return self.down_proj.forward_silu(ops.linear(h, gu.weight, gu.bias, ops.NORM))
+        return self.forward(h, ops.NORM)
 
 
 MlpFactory = Callable[[ModelConfig, int, TPGroup], nn.Module]
