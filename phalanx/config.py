@@ -96,6 +96,11 @@ class LlmArgs(StrictModel):
     trust_remote_code: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    engine_iteration_timeout: float = Field(
+        120.0, ge=0.0,
+        description="Seconds without a heartbeat from the ranks' loop (one comes at least every iteration) "
+                    "after which the engine is declared stalled: pending requests fail naming the stuck rank, "
+                    "health turns 503 and the job is stopped. 0 disables the watchdog.")
     backend: Literal["pytorch"] = "pytorch"
     orchestrator_type: Literal["mpi", "inprocess"] | None = Field(
         None, description="None/'mpi': ranks in an MPI job behind a proxy (the default); "

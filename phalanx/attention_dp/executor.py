@@ -86,7 +86,7 @@ class AdpExecutor(PyExecutor):
         if not reqs:
             return
         kv = self.scheduler.kv
-        mine = {"m": [kv.match(r.token_ids, r.extra_key).num_tokens for r in reqs],
+        mine = {"m": [kv.match(r.token_ids, r.extra_key, r.reuses_prefix).num_tokens for r in reqs],
                 "l": len(self.scheduler.requests), "c": self.capacity}
         per_rank = [unpack(b) for b in self.dist.allgather_bytes(pack(mine))]
         ranks = place([r.num_prompt_tokens for r in reqs], [p["m"] for p in per_rank], [p["l"] for p in per_rank],

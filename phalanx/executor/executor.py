@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
+import time
 import traceback
 from abc import ABC, abstractmethod
 
-from phalanx.executor.messages import Control, ControlResult, GenerationRequest, Response, TokenBatch
+from phalanx.executor.messages import Control, ControlResult, GenerationRequest, Heartbeat, Response, TokenBatch
 from phalanx.executor.result import GenerationResult
-from phalanx.llmapi.sampling_params import SamplingParams
+from phalanx.llmapi.sampling_params import SamplingParams, child_seed
 from phalanx.llmapi.tokenizer import Tokenizer
 
 logger = logging.getLogger("phalanx")
@@ -32,6 +34,10 @@ class GenerationExecutor(ABC):
         self.dead_error: str | None = None
         self._controls: dict[int, tuple[threading.Event, list]] = {}
         self._control_ids = itertools.count(1)
+        self._stopping = False
+        self._last_beat = time.monotonic()
+        self._beats: dict[int, Heartbeat] = {}        # rank -> its latest heartbeat
+        self.rank_processes: list[tuple[str, int]] = []   # (host, pid) of every rank, when known
 
     # -- transport (subclasses) ----------------------------------------------------------------------
     @abstractmethod
@@ -60,7 +66,9 @@ class GenerationExecutor(ABC):
         wire = params.to_dict()
         msgs = []
         for i, cid in enumerate(child_ids):
-            child = dict(wire, n=1, seed=None if params.seed is None else params.seed + i)
+            child = dict(wire, n=1, seed=child_seed(params.seed, i))
+            if i > 0:
+                child["prompt_logprobs"] = None   # one sequence reports the shared prompt's
             msgs.append(GenerationRequest(cid, list(prompt_token_ids), child, list(eos_token_ids),
                                           max_total_tokens, cache_salt, priority, result.arrival_time))
         with self._lock:
@@ -100,9 +108,53 @@ class GenerationExecutor(ABC):
         import json
         return [json.loads(r) for r in self.control("stats").per_rank]
 
+    def latest_stats(self) -> list[dict]:
+        """Every rank's counters from its latest heartbeat (at most a heartbeat interval old);
+        answers at once, also while the engine is busy or stalled."""
+        return [self._beats[r].stats for r in sorted(self._beats)]
+
     @property
     def num_pending(self) -> int:
         return len(self._results)
+
+    # -- liveness -------------------------------------------------------------------------------------
+    def _start_watchdog(self, timeout: float) -> None:
+        """Declare the engine dead after ``timeout`` seconds without a heartbeat (0: never)."""
+        self._last_beat = time.monotonic()
+        if timeout > 0:
+            threading.Thread(target=self._watch, args=(timeout,), name="phalanx-watchdog", daemon=True).start()
+
+    def _watch(self, timeout: float) -> None:
+        while self.dead_error is None and not self._stopping:
+            time.sleep(min(0.5, timeout / 4))
+            silent = time.monotonic() - self._last_beat
+            if silent > timeout and self.dead_error is None and not self._stopping:
+                reason = f"the engine stalled: {self._stall_reason(silent)}"
+                logger.error("%s; failing every pending request", reason)
+                self._fail_all(reason)
+                self._stop_stalled_engine()
+                return
+
+    def _stall_reason(self, silent: float) -> str:
+        """Name the rank that holds the others up, when a local process state shows it."""
+        import psutil
+        here = socket.gethostname()
+        for rank, (host, pid) in enumerate(self.rank_processes):
+            if host != here:
+                continue
+            try:
+                status = psutil.Process(pid).status()
+            except psutil.NoSuchProcess:
+                return f"rank {rank} (pid {pid}) is gone"
+            if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE,
+                          psutil.STATUS_DEAD):
+                return f"rank {rank} (pid {pid}) is {status}; no progress for {silent:.1f}s"
+        last = self._beats.get(0)
+        at = f" after iteration {last.iteration}" if last is not None else ""
+        return f"no heartbeat from rank 0's loop for {silent:.1f}s{at} (a rank is stuck in a collective or a kernel)"
+
+    def _stop_stalled_engine(self) -> None:
+        """After a stall: release what the engine holds, if this side can (the proxy kills the job)."""
 
     # -- results --------------------------------------------------------------------------------------
     def _dispatch(self, responses: list[Response]) -> None:
@@ -124,6 +176,9 @@ class GenerationExecutor(ABC):
             self._dispatch([r for r in obj if isinstance(r, Response)])
         elif isinstance(obj, TokenBatch):
             self._dispatch(obj.responses())
+        elif isinstance(obj, Heartbeat):
+            self._beats[obj.rank] = obj
+            self._last_beat = time.monotonic()
         elif isinstance(obj, ControlResult):
             waiter = self._controls.pop(obj.control_id, None)
             if waiter is not None:
@@ -131,11 +186,13 @@ class GenerationExecutor(ABC):
                 waiter[0].set()
 
     def _fail_all(self, error: str) -> None:
-        """The engine died: every pending request fails once; new submits fail fast."""
-        self.dead_error = error
+        """The engine died: every pending request fails once; new submits fail fast. The
+        first cause stays the engine's ``dead_error``."""
+        if self.dead_error is None:
+            self.dead_error = error
         with self._lock:
             pending, self._results = set(self._results.values()), {}
         for result in pending:
-            result.fail(error)
+            result.fail(self.dead_error)
         for event, _ in list(self._controls.values()):
             event.set()

@@ -20,6 +20,7 @@ class InProcessExecutor(GenerationExecutor):
         self.engine, self.info = create_py_executor(args, source, self, self.queue)
         self._thread = threading.Thread(target=self._run, name="phalanx-executor", daemon=True)
         self._thread.start()
+        self._start_watchdog(args.engine_iteration_timeout)
 
     def _run(self) -> None:
         try:
@@ -46,6 +47,7 @@ class InProcessExecutor(GenerationExecutor):
         self._dispatch_other(obj)
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
         if self._thread.is_alive():
             self.queue.put_shutdown()
             self._thread.join(timeout)

@@ -47,6 +47,8 @@ class Response:
     error: str | None = None
     first_scheduled_time: float = 0.0         # monotonic seconds (queue-time metric)
     rank: int = -1                            # the rank serving the request (attention DP)
+    prompt_logprobs: list[Any] | None = None  # per prompt position from prompt_logprobs_start:
+    prompt_logprobs_start: int = 0            # [logprob of the next prompt token, [[id, logprob], ...]]
 
 
 @dataclass
@@ -85,6 +87,20 @@ class IterationInput:
 
     def __bool__(self) -> bool:
         return bool(self.new or self.cancel or self.shutdown or self.control)
+
+
+@dataclass
+class Heartbeat:
+    """Rank -> user, at most every ``HEARTBEAT_INTERVAL`` seconds while its loop makes progress:
+    the loop's iteration and the rank's engine counters (as ``PyExecutor.stats``). Silence
+    longer than ``engine_iteration_timeout`` means the engine is stalled."""
+
+    rank: int
+    iteration: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+HEARTBEAT_INTERVAL = 0.25
 
 
 @dataclass
@@ -132,7 +148,7 @@ class ControlResult:
 _TYPES: dict[str, type] = {
     "req": GenerationRequest, "cancel": CancelRequest, "resp": Response, "iter": IterationInput, "tok": TokenBatch,
     "init": Init, "ready": Ready, "fatal": Fatal, "shutdown": Shutdown, "ctl": Control,
-    "ctl_result": ControlResult,
+    "ctl_result": ControlResult, "beat": Heartbeat,
 }
 _TAGS = {cls: tag for tag, cls in _TYPES.items()}
 

@@ -19,10 +19,34 @@ import numpy as np
 import torch
 
 from phalanx.executor.kv_pool import KVPool
-from phalanx.executor.sampler import SampleOutput, Sampler
+from phalanx.executor.sampler import RowSettings, SampleOutput, Sampler
 from phalanx.executor.scheduler import ScheduledBatch
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.parallel import TPGroup
+
+
+class RequestFailures(Exception):
+    """Per-request host work for a step failed for some rows (nothing reached the device).
+
+    ``errors`` maps batch row -> message. The caller fails those requests alone and launches
+    the step again without them."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        super().__init__(f"{len(errors)} request(s) failed while preparing a step")
+        self.errors = errors
+
+
+@dataclass
+class PromptLogprobRows:
+    """Prompt positions whose next-token log-probabilities a step computes.
+
+    Position p of a request yields the log-probability of prompt token p + 1. Each entry of
+    ``spans`` is (batch row, first position, count, top-k); the device tensors list the packed
+    row of every such position and its target token, span after span."""
+
+    spans: list[tuple[int, int, int, int]]
+    indices: torch.Tensor          # [N] packed rows
+    targets: torch.Tensor          # [N] the prompt token each position predicts
 
 
 @dataclass
@@ -32,16 +56,40 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor   # [S_sample] packed row of each sampling row's last token
     sample_rows: list[int]         # batch rows that sample
+    sampling: list[RowSettings]    # one per sampling row
     gather_dst: torch.Tensor | None = None    # [G] packed rows whose token is in flight
     gather_slot: torch.Tensor | None = None   # [G] their request slots
+    prompt_logprobs: PromptLogprobRows | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """Device tensors of one step's prompt log-probabilities (see ``PromptLogprobRows``)."""
+
+    spans: list[tuple[int, int, int, int]]
+    chosen: torch.Tensor           # [N]
+    top_ids: torch.Tensor          # [N, k]
+    top_logprobs: torch.Tensor     # [N, k]
+
+    def host(self) -> dict[int, tuple[int, list]]:
+        """{batch row: (first position, [[chosen, [[id, logprob], ...]], ...])}. Synchronizes."""
+        chosen, ids, vals = self.chosen.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+        out, j = {}, 0
+        for row, first, count, k in self.spans:
+            out[row] = (first, [[chosen[i], [list(p) for p in zip(ids[i][:k], vals[i][:k])]]
+                                for i in range(j, j + count)])
+            j += count
+        return out
 
 
 @dataclass
 class StepResult:
-    """Per batch row: the sampled token (None if the row did not sample) and its logprobs."""
+    """Per batch row: the sampled token (None if the row did not sample) and its logprobs;
+    prompt log-probabilities by row for the rows that asked."""
 
     token_ids: list[int | None]
     logprobs: list | None = None
+    prompt_logprobs: dict[int, tuple[int, list]] | None = None
 
 
 @dataclass
@@ -53,6 +101,7 @@ class InFlightStep:
     sampled: SampleOutput | None
     host_tokens: torch.Tensor | None
     ready: torch.cuda.Event | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelRunner:
@@ -67,6 +116,7 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs = None                   # CudaGraphRunner for decode-only steps (GPU)
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
+        self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # -- request slots -----------------------------------------------------------------------------
@@ -92,7 +142,11 @@ class ModelRunner:
 
     # -- packing ---------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Host lists -> device tensors for one step (numpy on the host side)."""
+        """Host lists -> device tensors for one step (numpy on the host side).
+
+        Per-request work (packing a row, its sampling settings, its prompt-logprob positions)
+        runs row by row; rows that fail are reported together by ``RequestFailures`` before
+        anything is sent to the device."""
         B = self.tokens_per_block
         S = len(batch)
         starts = np.fromiter(batch.num_computed_tokens, np.int64, S)
@@ -105,21 +159,33 @@ class ModelRunner:
         slots = np.empty(T, np.int64)
         gather_dst: list[int] = []
         gather_slot: list[int] = []
+        prompt_spans: list[tuple[int, int, int, int]] = []
+        failed: dict[int, str] = {}
         for row, (req, start, n, table) in enumerate(zip(batch.requests, batch.num_computed_tokens,
                                                           batch.num_scheduled_tokens, batch.block_tables)):
             q0 = int(query_start[row])
-            known = req.token_ids[start:start + n]
-            ids[q0:q0 + len(known)] = known
-            if len(known) < n:   # the last input token is still in flight: gather it on the device
-                gather_dst.append(q0 + len(known))
-                gather_slot.append(self.slot_of(req.request_id))
-            if n == 1:
-                slots[q0] = table[start // B] * B + start % B
-            else:
-                pos = np.arange(start, start + n)
-                slots[q0:q0 + n] = np.asarray(table, np.int64)[pos // B] * B + pos % B
-        positions = np.repeat(starts - query_start[:-1], counts) + np.arange(T)   # start_i + offset in row i
+            try:
+                known = req.token_ids[start:start + n]
+                ids[q0:q0 + len(known)] = known
+                if len(known) < n:   # the last input token is still in flight: gather it on the device
+                    gather_dst.append(q0 + len(known))
+                    gather_slot.append(self.slot_of(req.request_id))
+                if n == 1:
+                    slots[q0] = table[start // B] * B + start % B
+                else:
+                    pos = np.arange(start, start + n)
+                    slots[q0:q0 + n] = np.asarray(table, np.int64)[pos // B] * B + pos % B
+                span = _prompt_logprob_span(req, start, n)
+                if span is not None:
+                    prompt_spans.append((row, *span))
+            except (ValueError, TypeError, OverflowError, IndexError) as e:
+                failed[row] = f"preparing the step: {type(e).__name__}: {e}"
         sample_rows = [i for i, x in enumerate(batch.samples) if x]
+        settings, bad = self.sampler.plan([batch.requests[i] for i in sample_rows])
+        failed.update({sample_rows[j]: msg for j, msg in bad.items()})
+        if failed:
+            raise RequestFailures(failed)
+        positions = np.repeat(starts - query_start[:-1], counts) + np.arange(T)   # start_i + offset in row i
         logits_indices = query_start[1:][sample_rows] - 1 if sample_rows else np.zeros(0, np.int64)
         widths = [len(t) for t in batch.block_tables]
         tables = np.zeros((S, max(widths)), np.int32)
@@ -137,23 +203,55 @@ class ModelRunner:
             is_decode_only=T == S,
         )
         inputs = StepInputs(_tensor(ids, dev), _tensor(positions.astype(np.int64), dev), meta,
-                            _tensor(np.asarray(logits_indices, np.int64), dev), sample_rows)
+                            _tensor(np.asarray(logits_indices, np.int64), dev), sample_rows, settings)
         if gather_dst:
             inputs.gather_dst = _tensor(np.asarray(gather_dst, np.int64), dev)
             inputs.gather_slot = _tensor(np.asarray(gather_slot, np.int64), dev)
+        if prompt_spans:
+            inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
         return inputs
+
+    def _prompt_rows(self, batch: ScheduledBatch, spans: list[tuple[int, int, int, int]],
+                     query_start: np.ndarray) -> PromptLogprobRows:
+        indices, targets = [], []
+        for row, first, count, _ in spans:
+            req, start = batch.requests[row], batch.num_computed_tokens[row]
+            q = int(query_start[row]) + first - start
+            indices.append(np.arange(q, q + count, dtype=np.int64))
+            targets.append(np.asarray(req.prompt_token_ids[first + 1:first + 1 + count], np.int64))
+        return PromptLogprobRows(spans, _tensor(np.concatenate(indices), self.device),
+                                 _tensor(np.concatenate(targets), self.device))
 
     # -- running ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, inputs: StepInputs) -> torch.Tensor:
-        """Copies, forward, logits of the sampling rows: [S_sample, V] float32."""
+        """Copies, forward, logits of the sampling rows: [S_sample, V] float32. Prompt
+        log-probabilities, when the step has any, are left in ``self.last_prompt_logprobs``."""
         if inputs.gather_dst is not None:
             inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
         self.kv_pool.copy_blocks(batch.copy_ops)
-        if self.graphs is not None and inputs.meta.is_decode_only and self.graphs.graph_size(len(batch)):
+        self.last_prompt_logprobs = None
+        if (self.graphs is not None and inputs.meta.is_decode_only and inputs.prompt_logprobs is None
+                and self.graphs.graph_size(len(batch))):
             return self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool.tensor)
+        if inputs.prompt_logprobs is not None:
+            self.last_prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprobs)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> PromptLogprobs:
+        """Log-softmax over the prompt positions' logits, a slice of rows at a time (a long
+        prompt's [N, V] float32 logits would not fit at once)."""
+        k = max(span[3] for span in rows.spans)
+        chosen, top_ids, top_vals = [], [], []
+        for lo in range(0, rows.indices.shape[0], PROMPT_LOGPROB_ROWS):
+            idx = rows.indices[lo:lo + PROMPT_LOGPROB_ROWS]
+            lp = self.model.compute_logits(hidden[idx])[:, :self.sampler.vocab_size].log_softmax(dim=-1)
+            chosen.append(lp.gather(1, rows.targets[lo:lo + PROMPT_LOGPROB_ROWS, None]).squeeze(1))
+            vals, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+            top_ids.append(ids)
+            top_vals.append(vals)
+        return PromptLogprobs(rows.spans, torch.cat(chosen), torch.cat(top_ids), torch.cat(top_vals))
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> InFlightStep:
@@ -173,7 +271,7 @@ class ModelRunner:
         sampled = host = None
         if rows:
             requests = [batch.requests[i] for i in rows]
-            sampled = self.sampler.sample(logits, requests)
+            sampled = self.sampler.sample(logits, requests, inputs.sampling)
             if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
                 torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)
             slots = _tensor(np.fromiter((self.slot_of(r.request_id) for r in requests), np.int64, len(requests)),
@@ -184,7 +282,7 @@ class ModelRunner:
         ready = _event(self.stream is not None)
         if timing:
             self.timings.append((start, end))
-        return InFlightStep(batch, rows, sampled, host, ready)
+        return InFlightStep(batch, rows, sampled, host, ready, self.last_prompt_logprobs)
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a launched step's tokens on the host (after the next step is launched)."""
@@ -195,12 +293,13 @@ class ModelRunner:
                 step.ready.synchronize()
             for i, t in zip(step.sample_rows, step.host_tokens.tolist()):
                 tokens[i] = t
-            lp = step.sampled.host_logprobs([step.batch.requests[i] for i in step.sample_rows])
+            lp = step.sampled.host_logprobs()
             if lp is not None:
                 logprobs = [None] * len(step.batch)
                 for i, x in zip(step.sample_rows, lp):
                     logprobs[i] = x
-        return StepResult(tokens, logprobs)
+        prompt = step.prompt_logprobs.host() if step.prompt_logprobs is not None else None
+        return StepResult(tokens, logprobs, prompt)
 
     @torch.inference_mode()
     def dummy_step(self) -> None:
@@ -231,6 +330,22 @@ class ModelRunner:
         return {"steps": len(self.timings), "busy_ms": busy, "gap_ms": sum(gaps), "span_ms": total,
                 "idle_fraction": sum(gaps) / total if total > 0 else float("nan"),
                 "mean_gap_ms": sum(gaps) / len(gaps)}
+
+
+PROMPT_LOGPROB_ROWS = 1024
+
+
+def _prompt_logprob_span(req, start: int, n: int) -> tuple[int, int, int] | None:
+    """(first position, count, top-k) of the prompt positions in ``[start, start + n)`` whose
+    log-probabilities the request still needs, or None. Position p predicts prompt token
+    p + 1, so positions run up to the second-to-last prompt token; positions already reported
+    (before a preemption, say) are not computed again."""
+    k = req.sampling.prompt_logprobs
+    if k is None:
+        return None
+    first = max(start, req.num_prompt_logprobs)
+    last = min(start + n, req.num_prompt_tokens - 1)
+    return (first, last - first, k) if last > first else None
 
 
 def _event(enabled: bool) -> torch.cuda.Event | None:

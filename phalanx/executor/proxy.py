@@ -29,7 +29,8 @@ from phalanx.config import LlmArgs
 from phalanx.executor import ipc
 from phalanx.executor.executor import GenerationExecutor
 from phalanx.executor.messages import (
-    CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Init, Ready, Response, Shutdown, TokenBatch,
+    CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Heartbeat, Init, Ready, Response, Shutdown,
+    TokenBatch,
 )
 from phalanx.executor.worker import DIR_ENV, FATAL_MARKER
 
@@ -73,7 +74,6 @@ class MpiProxyExecutor(GenerationExecutor):
         super().__init__()
         self.args = args
         self._send_lock = threading.Lock()
-        self._stopping = False
         self.proc: subprocess.Popen | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
         self._failed_rank_line: str | None = None
@@ -97,10 +97,12 @@ class MpiProxyExecutor(GenerationExecutor):
             self._kill_job()
             self._close()
             raise
+        self.rank_processes = [(h, p) for h, p in getattr(self.info, "rank_processes", [])]
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="phalanx-dispatch", daemon=True)
         self._dispatcher.start()
         if self.proc is not None:
             threading.Thread(target=self._monitor, name="phalanx-job-monitor", daemon=True).start()
+        self._start_watchdog(args.engine_iteration_timeout)
 
     # -- start-up ------------------------------------------------------------------------------------
     def _spawn(self, world: int, key: bytes, req_addr: str, resp_addr: str) -> None:
@@ -170,7 +172,7 @@ class MpiProxyExecutor(GenerationExecutor):
                 continue
             if isinstance(msg, list):
                 self._dispatch([m for m in msg if isinstance(m, Response)])
-            elif isinstance(msg, (ControlResult, TokenBatch)):
+            elif isinstance(msg, (ControlResult, TokenBatch, Heartbeat)):
                 self._dispatch_other(msg)
             elif isinstance(msg, Fatal):
                 threading.Thread(target=self._fail_after_job, args=(msg.error,), daemon=True).start()
@@ -238,6 +240,9 @@ class MpiProxyExecutor(GenerationExecutor):
         self._fail_all("the engine has been shut down")
         self._dispatcher.join(timeout=2.0)
         self._close()
+
+    def _stop_stalled_engine(self) -> None:
+        self._kill_job()
 
     def _kill_job(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

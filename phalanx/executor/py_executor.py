@@ -15,13 +15,15 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import traceback
 from typing import Any, Protocol
 
 from phalanx.executor.messages import (
-    Control, ControlResult, GenerationRequest, IterationInput, Response, TokenBatch, pack, unpack,
+    HEARTBEAT_INTERVAL, Control, ControlResult, GenerationRequest, Heartbeat, IterationInput, Response, TokenBatch,
+    pack, unpack,
 )
-from phalanx.executor.model_runner import InFlightStep, ModelRunner, StepResult
+from phalanx.executor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
 from phalanx.executor.request import Request, RequestStatus, check_prompt
 from phalanx.executor.scheduler import ScheduledBatch, Scheduler, StepOutcome
 from phalanx.llmapi.sampling_params import SamplingParams
@@ -95,6 +97,7 @@ class PyExecutor:
         self.shutdown_requested = False
         self.iteration = 0
         self._fail_next_forward = False   # set by the "fail_next_forward" control (fault injection)
+        self._last_beat = 0.0
 
     # -- the loops: one switch, two short functions -----------------------------------------------------
     def run(self) -> None:
@@ -140,6 +143,10 @@ class PyExecutor:
                 self._fail_next_forward = False
                 raise RuntimeError(f"injected forward failure on rank {self.rank}")
             return self.runner.launch(batch)
+        except RequestFailures as e:   # found before the device ran anything: fail those alone
+            self._fail_rows(batch, e.errors)
+            rest = batch.without(e.errors)
+            return self._launch(rest) if rest.requests else None
         except Exception:
             if self.multi_rank:
                 raise
@@ -157,12 +164,15 @@ class PyExecutor:
                 raise
             self._fail_batch(step.batch, traceback.format_exc())
             return None
+        if result.prompt_logprobs:
+            self._respond_prompt_logprobs(step.batch, result.prompt_logprobs)
         outcome = self.scheduler.update(step.batch, result.token_ids)
         self._respond_step(step.batch, result, outcome)
         return None
 
     # -- intake ----------------------------------------------------------------------------------
     def _fetch(self, idle: bool) -> None:
+        self._beat()
         inp = self.queue.fetch(idle=idle)
         for req in inp.new:
             self._add(req)
@@ -201,6 +211,13 @@ class PyExecutor:
         salt = (msg.cache_salt or "").encode()
         return Request(msg.request_id, list(ids), params, tuple(msg.eos_token_ids), limit,
                        extra_key=salt, priority=msg.priority)
+
+    def _beat(self) -> None:
+        """Tell the user process this loop is alive (once per HEARTBEAT_INTERVAL at most)."""
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_INTERVAL:
+            self._last_beat = now
+            self._emit(Heartbeat(self.rank, self.iteration, self.stats()))
 
     # -- inspection ------------------------------------------------------------------------------
     def _control(self, ctl: Control) -> None:
@@ -282,8 +299,31 @@ class PyExecutor:
         if msg.request_ids:
             self._emit(msg)
 
+    def _respond_prompt_logprobs(self, batch: ScheduledBatch, rows: dict[int, tuple[int, list]]) -> None:
+        """Send each request's new prompt log-probabilities (before the step's tokens)."""
+        out = []
+        for row, (first, entries) in rows.items():
+            req = batch.requests[row]
+            if req.status != RequestStatus.RUNNING or first != req.num_prompt_logprobs:
+                continue   # ended or preempted meanwhile: the positions are computed again
+            req.num_prompt_logprobs = first + len(entries)
+            out.append(Response(req.request_id, prompt_logprobs=entries, prompt_logprobs_start=first))
+        self._send(out)
+
     def _finished(self, req: Request) -> None:
         self.runner.release(req.request_id)
+
+    def _fail_rows(self, batch: ScheduledBatch, errors: dict[int, str]) -> None:
+        """Fail the requests of some rows (their own inputs broke); the others go on."""
+        out = []
+        for row, error in errors.items():
+            req = batch.requests[row]
+            logger.warning("request %d failed alone: %s", req.request_id, error)
+            if self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR) is not None:
+                self._finished(req)
+                out.append(Response(req.request_id, finish_reason="error", error=error,
+                                    num_prompt_tokens=req.num_prompt_tokens))
+        self._send(out)
 
     def _fail_batch(self, batch: ScheduledBatch, tb: str) -> None:
         logger.error("forward failed; failing %d requests:\n%s", len(batch), tb)

@@ -10,6 +10,8 @@ Counters, in the vocabulary of the glossary::
     num_output_tokens    tokens sampled so far (known on the host)
     num_inflight_tokens  tokens scheduled to be sampled but not read yet (at most 2: the
                          overlap loop schedules step n+1 before step n's token is known)
+    num_prompt_logprobs  prompt positions whose next-token log-probabilities were sent (only
+                         for requests that ask for prompt logprobs)
 
 A step schedules ``num_scheduled_tokens`` positions starting at ``num_computed_tokens``; when
 computed catches up with ``num_total_tokens`` the step also samples one token. Prefill,
@@ -61,6 +63,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_inflight_tokens: int = 0
+    num_prompt_logprobs: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None   # the stop token id that ended it, if any
     error: str | None = None
@@ -71,6 +74,12 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.max_total_tokens <= 0:
             raise ValueError("max_total_tokens must be set")
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether cached KV may stand in for its prompt (not when prompt logprobs are asked:
+        every prompt position's logits must then be computed)."""
+        return self.sampling.prompt_logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -131,7 +140,7 @@ def check_prompt(ids: list[int], vocab_size: int, max_seq_len: int) -> None:
     from any client of the socket)."""
     if not ids:
         raise ValueError("prompt must contain at least one token")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_seq_len:

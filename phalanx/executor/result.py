@@ -46,9 +46,7 @@ class _Sequence:
         self.token_ids.extend(resp.token_ids)
         if self.logprobs is not None and resp.logprobs:
             for tok, (chosen, top) in zip(resp.token_ids, resp.logprobs):
-                entry = {int(t): Logprob(float(lp), rank + 1) for rank, (t, lp) in enumerate(top)}
-                entry.setdefault(tok, Logprob(float(chosen), None))
-                self.logprobs.append(entry)
+                self.logprobs.append(_logprob_entry(tok, (chosen, top)))
                 self.cumulative_logprob += float(chosen)
         hit = False
         if self.detok is not None and resp.token_ids:
@@ -110,6 +108,9 @@ class GenerationResult:
         self.version = 0
         self.error: str | None = None
         self.cached_tokens = 0
+        # position i: the log-probabilities of prompt token i (None for the first token)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
@@ -132,6 +133,9 @@ class GenerationResult:
                 return self.is_done
             if resp.error is not None:
                 self.error = resp.error
+            if resp.prompt_logprobs and self.prompt_logprobs is not None:
+                self.prompt_logprobs.extend(_logprob_entry(tok, lp) for tok, lp in zip(
+                    self.prompt_token_ids[resp.prompt_logprobs_start + 1:], resp.prompt_logprobs))
             now = time.monotonic()
             if resp.token_ids:
                 self.first_token_time = self.first_token_time or now
@@ -180,6 +184,7 @@ class GenerationResult:
             return {
                 "version": self.version, "finished": self.is_done, "error": self.error,
                 "cached_tokens": self.cached_tokens, "metrics": self.metrics(),
+                "prompt_logprobs": list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
                 "seqs": [{"text": s.visible_text(), "token_ids": list(s.token_ids),
                           "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
                           "logprobs": list(s.logprobs) if s.logprobs is not None else None,
@@ -220,6 +225,15 @@ class GenerationResult:
                     return
                 version = self.version
             await self.await_change(version)
+
+
+def _logprob_entry(token_id: int, wire: Any) -> dict[int, Logprob]:
+    """{token id: Logprob} from the wire's [chosen logprob, [[id, logprob], ...]]: the top
+    alternatives ranked from 1, and the token itself (rank None unless it is among them)."""
+    chosen, top = wire
+    entry = {int(t): Logprob(float(lp), rank + 1) for rank, (t, lp) in enumerate(top)}
+    entry.setdefault(int(token_id), Logprob(float(chosen), None))
+    return entry
 
 
 def _set_if_pending(fut: asyncio.Future) -> None:

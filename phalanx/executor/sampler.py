@@ -4,6 +4,11 @@ Order per row: logit_bias, min_tokens (EOS and stop ids masked), repetition / pr
 frequency penalties, then greedy argmax or temperature → top-k → top-p → min-p → a draw.
 Logprobs are those of the raw model distribution (log-softmax of the unprocessed logits).
 
+Per-request work is done on the host first, one row at a time (``RowSettings.of``): every
+value a row contributes to the batched tensors is converted and checked there, so a request
+whose settings cannot be turned into tensors fails alone (``Sampler.plan`` names its row)
+instead of failing the batched operations of everyone sampled with it.
+
 A row with a ``seed`` draws from its own generator, advanced by exactly one draw per token, so
 its tokens do not depend on what else is in the batch. Other rows share the sampler's
 generator; every rank holds the same one, so all ranks sample the same ids.
@@ -27,18 +32,66 @@ class SampleOutput:
     chosen_logprobs: torch.Tensor | None = None   # [R] logprob of the sampled token
     top_ids: torch.Tensor | None = None           # [R, k]
     top_logprobs: torch.Tensor | None = None      # [R, k]
+    top_k: list[int] | None = None                # [R] alternatives each row asked for
 
-    def host_logprobs(self, requests: list[Request]) -> list | None:
+    def host_logprobs(self) -> list | None:
         """Per row: (chosen logprob, [(id, logprob), ...]) or None. Synchronizes."""
         if self.logprob_rows is None:
             return None
         chosen = self.chosen_logprobs.tolist()
         ids, vals = self.top_ids.tolist(), self.top_logprobs.tolist()
-        out: list = [None] * len(requests)
-        for j, i in enumerate(self.logprob_rows):
-            n = requests[i].sampling.logprobs
+        out: list = [None] * len(self.token_ids)
+        for j, (i, n) in enumerate(zip(self.logprob_rows, self.top_k)):
             out[i] = (chosen[j], list(zip(ids[j][:n], vals[j][:n])))
         return out
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """One row's sampling settings as plain, checked Python values (built on the host)."""
+
+    greedy: bool
+    temperature: float = 1.0
+    top_k: int = 0                    # 0: off (values above the vocabulary are off too)
+    top_p: float = 1.0
+    min_p: float = 0.0
+    bias_ids: tuple[int, ...] = ()
+    bias_values: tuple[float, ...] = ()
+    banned: tuple[int, ...] = ()      # masked at this step (min_tokens not reached)
+    penalties: tuple[float, float, float] | None = None   # (repetition, frequency, presence)
+    seed: int | None = None
+    logprobs: int | None = None
+
+    @property
+    def needs_processing(self) -> bool:
+        return bool(self.bias_ids or self.banned or self.penalties)
+
+    @classmethod
+    def of(cls, r: Request, vocab_size: int) -> RowSettings:
+        """Raises (ValueError, TypeError, OverflowError) for settings no tensor can hold."""
+        sp = r.sampling
+        bias_ids = tuple(int(t) for t in (sp.logit_bias or {}))
+        banned: tuple[int, ...] = ()
+        if _num_before(r) < sp.min_tokens:
+            banned = tuple(sorted({int(t) for t in sp.stop_token_ids or []}
+                                  | (set() if sp.ignore_eos else {int(t) for t in r.eos_token_ids})))
+        for t in bias_ids + banned:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
+        top_k = int(sp.top_k or 0)
+        settings = cls(
+            greedy=sp.is_greedy, temperature=float(sp.effective_temperature),
+            top_k=top_k if 0 < top_k < vocab_size else 0,
+            top_p=float(sp.top_p) if sp.top_p is not None else 1.0, min_p=float(sp.min_p or 0.0),
+            bias_ids=bias_ids, bias_values=tuple(float(v) for v in (sp.logit_bias or {}).values()),
+            banned=banned,
+            penalties=((float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty))
+                       if sp.needs_penalties else None),
+            seed=None if sp.seed is None else int(sp.seed) & 0xFFFF_FFFF_FFFF,
+            logprobs=None if sp.logprobs is None else int(sp.logprobs))
+        if not settings.greedy and not settings.temperature > 0.0:
+            raise ValueError(f"temperature {settings.temperature} cannot scale logits")
+        return settings
 
 
 class Sampler:
@@ -52,64 +105,80 @@ class Sampler:
         """Forget a finished request's generator."""
         self._request_generators.pop(request_id, None)
 
+    def plan(self, requests: list[Request]) -> tuple[list[RowSettings], dict[int, str]]:
+        """Every row's settings, and {row: error} for the rows whose settings failed."""
+        settings: list[RowSettings] = []
+        failed: dict[int, str] = {}
+        for i, r in enumerate(requests):
+            try:
+                settings.append(RowSettings.of(r, self.vocab_size))
+            except (ValueError, TypeError, OverflowError) as e:
+                failed[i] = f"sampling settings: {type(e).__name__}: {e}"
+        return settings, failed
+
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
-        """logits: [S, V] float32 (one row per sampling request) -> SampleOutput."""
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               settings: list[RowSettings] | None = None) -> SampleOutput:
+        """logits: [S, V] float32 (one row per sampling request) -> SampleOutput.
+
+        ``settings`` comes from ``plan`` (which the model runner calls before the forward);
+        without it the rows are planned here and a bad row raises."""
+        if settings is None:
+            settings = [RowSettings.of(r, self.vocab_size) for r in requests]
         logits = logits[:, :self.vocab_size]
         raw = logits
-        if any(_needs_processing(r) for r in requests):
-            logits = self._process(logits.clone(), requests)
-        token_ids = self._draw(logits, requests)
+        if any(s.needs_processing for s in settings):
+            logits = self._process(logits.clone(), requests, settings)
+        token_ids = self._draw(logits, requests, settings)
         out = SampleOutput(token_ids)
-        if any(r.sampling.logprobs is not None for r in requests):
-            _logprobs(out, raw, requests)
+        if any(s.logprobs is not None for s in settings):
+            _logprobs(out, raw, settings)
         return out
 
     # -- logit processing ---------------------------------------------------------------------
-    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        for i, r in enumerate(requests):
-            sp = r.sampling
-            if sp.logit_bias:
-                ids = torch.tensor(list(sp.logit_bias), device=logits.device)
-                logits[i].index_add_(0, ids, torch.tensor(list(sp.logit_bias.values()), device=logits.device))
-            if _num_before(r) < sp.min_tokens:
-                banned = set(sp.stop_token_ids or []) | (set() if sp.ignore_eos else set(r.eos_token_ids))
-                if banned:
-                    logits[i, torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
-        rows = [i for i, r in enumerate(requests) if r.sampling.needs_penalties]
+    def _process(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings]) -> torch.Tensor:
+        dev = logits.device
+        for i, s in enumerate(settings):
+            if s.bias_ids:
+                logits[i].index_add_(0, torch.tensor(s.bias_ids, device=dev),
+                                     torch.tensor(s.bias_values, dtype=logits.dtype, device=dev))
+            if s.banned:
+                logits[i, torch.tensor(s.banned, device=dev)] = float("-inf")
+        rows = [i for i, s in enumerate(settings) if s.penalties is not None]
         if rows:
-            logits[rows] = _apply_penalties(logits[rows], [requests[i] for i in rows], self.vocab_size)
+            logits[rows] = _apply_penalties(logits[rows], [requests[i] for i in rows],
+                                            [settings[i].penalties for i in rows], self.vocab_size)
         return logits
 
     # -- drawing --------------------------------------------------------------------------------
-    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
-        rows = [i for i, r in enumerate(requests) if not r.sampling.is_greedy]
+        rows = [i for i, s in enumerate(settings) if not s.greedy]
         if not rows:
             return greedy
         sub = logits[rows]
-        params = [requests[i].sampling for i in rows]
-        temps = torch.tensor([p.effective_temperature for p in params], device=sub.device)
+        params = [settings[i] for i in rows]
+        temps = torch.tensor([s.temperature for s in params], device=sub.device)
         sub = _filter(sub / temps[:, None], params)
         probs = sub.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        shared = [j for j, i in enumerate(rows) if requests[i].sampling.seed is None]
+        shared = [j for j, s in enumerate(params) if s.seed is None]
         if shared:
             noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
                 generator=self.generator)
         for j, i in enumerate(rows):
-            if requests[i].sampling.seed is not None:
+            if settings[i].seed is not None:
                 noise[j] = torch.empty(probs.shape[1], device=probs.device).exponential_(
-                    generator=self._generator_for(requests[i]))
+                    generator=self._generator_for(requests[i].request_id, settings[i].seed))
         # Exponential race: argmax p_i / E_i draws i with probability p_i.
         greedy[rows] = (probs / noise).argmax(dim=-1)
         return greedy
 
-    def _generator_for(self, r: Request) -> torch.Generator:
-        g = self._request_generators.get(r.request_id)
+    def _generator_for(self, request_id: int, seed: int) -> torch.Generator:
+        g = self._request_generators.get(request_id)
         if g is None:
-            g = torch.Generator(device=self.device).manual_seed(int(r.sampling.seed) & 0xFFFF_FFFF_FFFF)
-            self._request_generators[r.request_id] = g
+            g = torch.Generator(device=self.device).manual_seed(seed)
+            self._request_generators[request_id] = g
         return g
 
 
@@ -118,12 +187,7 @@ def _num_before(r: Request) -> int:
     return r.num_output_tokens + max(0, r.num_inflight_tokens - 1)
 
 
-def _needs_processing(r: Request) -> bool:
-    sp = r.sampling
-    return bool(sp.logit_bias) or _num_before(r) < sp.min_tokens or sp.needs_penalties
-
-
-def _apply_penalties(logits: torch.Tensor, requests: list[Request], vocab: int) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: list, vocab: int) -> torch.Tensor:
     """HF-style repetition penalty over prompt + output; OpenAI presence/frequency over output."""
     dev = logits.device
     S = len(requests)
@@ -134,24 +198,22 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], vocab: int) 
         out = r.output_token_ids
         if out:
             out_counts[i].index_add_(0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))
-    rep = torch.tensor([r.sampling.repetition_penalty for r in requests], device=dev)[:, None]
+    rep, freq, pres = (torch.tensor(col, device=dev)[:, None] for col in zip(*penalties))
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    freq = torch.tensor([r.sampling.frequency_penalty for r in requests], device=dev)[:, None]
-    pres = torch.tensor([r.sampling.presence_penalty for r in requests], device=dev)[:, None]
     return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
 
 
-def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
+def _filter(logits: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
     """Top-k, then top-p, then min-p, each only where asked; filtered logits are -inf."""
     V = logits.shape[1]
-    ks = [p.top_k if p.top_k not in (None, 0, -1) else V for p in params]
+    ks = [s.top_k if s.top_k > 0 else V for s in params]
     if any(k < V for k in ks):
-        k = torch.tensor(ks, device=logits.device).clamp(max=V)
+        k = torch.tensor(ks, device=logits.device)
         sorted_desc = logits.sort(dim=-1, descending=True).values
         kth = sorted_desc.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    ps = [p.top_p if p.top_p is not None else 1.0 for p in params]
+    ps = [s.top_p for s in params]
     if any(p < 1.0 for p in ps):
         top_p = torch.tensor(ps, device=logits.device)[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -159,7 +221,7 @@ def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
         drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p  # keep the token that crosses p
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    mins = [p.min_p or 0.0 for p in params]
+    mins = [s.min_p for s in params]
     if any(m > 0.0 for m in mins):
         probs = logits.softmax(dim=-1)
         floor = torch.tensor(mins, device=logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -167,13 +229,14 @@ def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
     return logits
 
 
-def _logprobs(out: SampleOutput, raw: torch.Tensor, requests: list[Request]) -> None:
+def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings]) -> None:
     """Raw-distribution logprobs of the sampled token and the top-k, left on the device."""
-    rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+    rows = [i for i, s in enumerate(settings) if s.logprobs is not None]
     lp = raw[rows].log_softmax(dim=-1)
     out.logprob_rows = rows
+    out.top_k = [settings[i].logprobs for i in rows]
     out.chosen_logprobs = lp.gather(1, out.token_ids[rows][:, None]).squeeze(1)
-    k = max(requests[i].sampling.logprobs for i in rows)
+    k = min(max(out.top_k), lp.shape[1])
     if k > 0:
         out.top_logprobs, out.top_ids = lp.topk(k, dim=-1)
     else:

@@ -78,6 +78,19 @@ class ScheduledBatch:
         self.block_tables.append(list(block_table))
         self.samples.append(req.num_computed_tokens + num_tokens >= req.num_total_tokens)
 
+    def without(self, rows: Iterable[int]) -> ScheduledBatch:
+        """The same decision minus some rows (requests that failed before the forward)."""
+        drop = set(rows)
+        out = ScheduledBatch(self.step, copy_ops=self.copy_ops, preempted=self.preempted)
+        for i, req in enumerate(self.requests):
+            if i not in drop:
+                out.requests.append(req)
+                out.num_scheduled_tokens.append(self.num_scheduled_tokens[i])
+                out.num_computed_tokens.append(self.num_computed_tokens[i])
+                out.block_tables.append(self.block_tables[i])
+                out.samples.append(self.samples[i])
+        return out
+
     def digest(self) -> bytes:
         """A short hash of the decision, compared across ranks to detect divergence."""
         h = hashlib.blake2b(digest_size=16)
@@ -209,7 +222,7 @@ class Scheduler:
         reserved = self._reserved_blocks() if self.limits.policy == GUARANTEED_NO_EVICT else 0
         while self.waiting and budget > 0 and len(batch) < self.limits.max_batch_size:
             req = self.waiting[0]
-            match = self.kv.match(req.token_ids, req.extra_key)
+            match = self.kv.match(req.token_ids, req.extra_key, req.reuses_prefix)
             n = req.num_tokens - match.num_tokens
             if n > budget:
                 if not self.limits.enable_chunked_prefill:

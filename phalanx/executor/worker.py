@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -114,7 +115,9 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
             r, tb = failed[0]
             link.sender.send(Fatal(r, f"rank {r} failed to start:\n{tb}"))
         return 1
+    processes = [p.decode() for p in dist.allgather_bytes(f"{socket.gethostname()} {os.getpid()}".encode())]
     if rank0:
+        info["rank_processes"] = [[host, int(pid)] for host, pid in (p.split() for p in processes)]
         link.sender.send(Ready(info))
         threading.Thread(target=link.pump, args=(engine.queue.local,), name="phalanx-ipc-pump", daemon=True).start()
     try:

@@ -112,14 +112,15 @@ class KVCacheManager:
         return self._seqs[request_id].block_ids
 
     # -- match (read-only) -----------------------------------------------------------------
-    def match(self, tokens: Sequence[int], extra_key: bytes = b"") -> PrefixMatch:
+    def match(self, tokens: Sequence[int], extra_key: bytes = b"", reuse: bool = True) -> PrefixMatch:
         """How much of ``tokens`` can be reused; mutates nothing.
 
         The last token is never reused (it must be computed to produce logits), so at most
-        ``len(tokens) - 1`` tokens match.
+        ``len(tokens) - 1`` tokens match. ``reuse=False`` gives the empty match (a request
+        that must compute every position).
         """
         max_tokens = len(tokens) - 1
-        if not self.enable_block_reuse or max_tokens < 1:
+        if not self.enable_block_reuse or not reuse or max_tokens < 1:
             return PrefixMatch(TreeMatch([]), 0, 0)
         tm = self.tree.match(tokens, extra_key, max_tokens, self.enable_partial_reuse)
         refs = self.pool.ref_counts

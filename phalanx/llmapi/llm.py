@@ -15,9 +15,10 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from phalanx.config import LlmArgs, make_llm_args
+from phalanx.executor.messages import ControlResult
 from phalanx.llmapi.outputs import RequestOutput
 from phalanx.llmapi.sampling_params import SamplingParams
 from phalanx.llmapi.tokenizer import Tokenizer, load_tokenizer
@@ -25,6 +26,14 @@ from phalanx.llmapi.tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger("phalanx")
 
 PromptInput = str | list[int] | dict[str, Any]
+
+
+class PreparedPrompt(NamedTuple):
+    """A prompt tokenized and checked, ready to submit."""
+
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
 
 
 class LLM:
@@ -57,25 +66,53 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, cache_salt: str | None = None) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt or a batch; returns one RequestOutput per prompt (a single
-        one for a single prompt). ``sampling_params`` is one for all or a list with one per prompt."""
+        one for a single prompt). ``sampling_params`` is one for all or a list with one per prompt.
+
+        Every prompt is tokenized and checked before any is submitted; if one fails later (or
+        the caller is interrupted), the others are aborted."""
         single = _is_single(inputs)
         prompts = [inputs] if single else list(inputs)  # type: ignore[list-item]
         params = _per_prompt(sampling_params, len(prompts))
-        futures = [self.generate_async(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, params)]
-        outs = [f.result() for f in _progress(futures, use_tqdm and len(futures) > 1)]
+        prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
+        futures = self._submit_all(prepared, cache_salt)
+        try:
+            outs = [f.result() for f in _progress(futures, use_tqdm and len(futures) > 1)]
+        except BaseException:
+            for f in futures:
+                f.abort()
+            raise
         return outs[0] if single else outs
 
     def generate_async(self, inputs: PromptInput, sampling_params: SamplingParams | None = None,
                        streaming: bool = False, cache_salt: str | None = None) -> RequestOutput:
         """Submit one prompt; returns a RequestOutput future (``.result()``, ``await .aresult()``,
         ``async for`` when streaming)."""
+        return self._submit_all([self._prepare(inputs, sampling_params)], cache_salt)[0]
+
+    def _prepare(self, inputs: PromptInput, sampling_params: SamplingParams | None) -> PreparedPrompt:
+        """Tokenize and check one prompt and its params (raises ValueError naming the field)."""
         self._check_open()
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()   # the fields may have been changed since it was built
         prompt, ids = self._tokenize(inputs)
         self._check_prompt(ids, params)
-        eos = (params.end_id,) if params.end_id is not None else self._eos_token_ids()
-        state = self._executor.submit(ids, params, self.tokenizer, prompt, eos, cache_salt)
-        return RequestOutput(state)
+        return PreparedPrompt(prompt, ids, params)
+
+    def _submit_all(self, prepared: list[PreparedPrompt], cache_salt: str | None) -> list[RequestOutput]:
+        """Submit checked prompts; if one submit fails, the ones already sent are aborted."""
+        futures: list[RequestOutput] = []
+        try:
+            for p in prepared:
+                eos = (p.params.end_id,) if p.params.end_id is not None else self._eos_token_ids()
+                state = self._executor.submit(p.token_ids, p.params, self.tokenizer, p.prompt, eos, cache_salt)
+                futures.append(RequestOutput(state))
+        except BaseException:
+            for f in futures:
+                f.abort()
+            raise
+        return futures
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         if self.tokenizer is not None:
@@ -85,7 +122,10 @@ class LLM:
     def _tokenize(self, inputs: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(inputs, dict):
             if "prompt_token_ids" in inputs:
-                return inputs.get("prompt"), list(inputs["prompt_token_ids"])
+                ids = inputs["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+                return inputs.get("prompt"), list(ids)
             inputs = inputs.get("prompt", "")
         if isinstance(inputs, str):
             if not inputs:
@@ -93,7 +133,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer (skip_tokenizer_init=True): pass token ids")
             return inputs, self.tokenizer.encode(inputs)
-        if isinstance(inputs, (list, tuple)) and all(isinstance(t, int) for t in inputs):
+        if isinstance(inputs, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in inputs):
             return None, list(inputs)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(inputs).__name__}")
 
@@ -107,6 +147,36 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("apply_chat_template needs a tokenizer (skip_tokenizer_init=True)")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+    # -- the engine, for servers, benchmarks and operators ---------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        """True while the engine can serve (not shut down, no rank dead or stalled)."""
+        return not self._closed and self._executor.dead_error is None
+
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine stopped serving (None while it is alive)."""
+        return "this LLM has been shut down" if self._closed else self._executor.dead_error
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every rank's engine counters, asked of the ranks between two iterations (blocks up to
+        30 s): running and waiting requests, KV blocks and usage, prefix-cache counters, ..."""
+        return self._executor.stats()
+
+    def latest_stats(self) -> list[dict[str, Any]]:
+        """The same counters as of each rank's latest heartbeat (a fraction of a second old);
+        never blocks, also while the engine is stalled."""
+        return self._executor.latest_stats()
+
+    def control(self, op: str, timeout: float = 30.0) -> ControlResult:
+        """Run an inspection op on every rank between iterations ("check_integrity", "stats",
+        "timing:on" / "timing" / "timing:off"; fault injection for tests). Returns each rank's answer."""
+        return self._executor.control(op, timeout)
+
+    def check_integrity(self) -> list[str]:
+        """KV-cache integrity on every rank; raises AssertionError naming the failing ranks."""
+        return self._executor.check_integrity()
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -55,6 +55,7 @@ class RequestOutput:
         self.outputs: list[CompletionOutput] = [CompletionOutput(i) for i in range(state.n)]
         self.finished = False
         self.cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.error: str | None = None
         self.metrics: dict[str, float] = {}
         self._version = 0   # the state starts at version 0: wait for its first change
@@ -118,6 +119,7 @@ class RequestOutput:
         self._version = snap["version"]
         self.finished, self.cached_tokens, self.error = snap["finished"], snap["cached_tokens"], snap["error"]
         self.metrics = snap["metrics"]
+        self.prompt_logprobs = snap["prompt_logprobs"]
         for out, s in zip(self.outputs, snap["seqs"]):
             out.text_diff = s["text"][len(out.text):]
             out.token_ids_diff = s["token_ids"][len(out.token_ids):]

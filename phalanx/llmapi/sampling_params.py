@@ -2,12 +2,19 @@
 
 Defaults follow TensorRT-LLM: ``temperature``, ``top_k`` and ``top_p`` unset means greedy
 decoding; setting any sampling knob without a temperature samples at temperature 1.0.
-Invalid values raise ``ValueError`` naming the field and the allowed range.
+
+One validation serves every entry point (the LLM class, the HTTP server, and the ranks, which
+check again whatever arrives on the socket): ``validate`` raises ``ValueError`` naming the field
+and its allowed range. Types are strict (a bool is not an integer, a string is not a number)
+and every bound is one the engine can represent: counts fit in 32 bits, seeds in 64, floats are
+finite. Token ids are checked against the vocabulary by ``check_vocab`` once it is known.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +22,12 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
+MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
 @dataclass
@@ -24,10 +36,13 @@ class SamplingParams:
 
     max_tokens: tokens to generate (None: up to max_seq_len). min_tokens: EOS and
     stop_token_ids are suppressed until this many tokens exist. temperature 0 is greedy.
-    top_k 0/None/-1 disables; top_p in (0, 1]; min_p in [0, 1]. seed makes sampling
-    reproducible for this request whatever else is in the batch. n > 1 returns n sequences.
-    stop: strings that end the output (cut from the text unless include_stop_str_in_output).
-    logprobs: return the log-probability of each token and this many top alternatives.
+    top_k 0/None/-1 disables (values above the vocabulary size keep every token); top_p in
+    (0, 1]; min_p in [0, 1]. seed makes sampling reproducible for this request whatever else
+    is in the batch. n > 1 returns n sequences. stop: strings that end the output (cut from
+    the text unless include_stop_str_in_output). logprobs: return the log-probability of each
+    generated token and this many top alternatives. prompt_logprobs: the same for every prompt
+    token after the first (a request asking for them does not reuse cached prefixes: their
+    logits must be computed).
     """
 
     max_tokens: int | None = 32
@@ -47,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     end_id: int | None = None  # overrides the tokenizer's EOS when set
@@ -55,11 +71,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_strings = list(self.stop)
         else:
-            self.stop_strings = list(self.stop or [])
+            _check(self.stop is None, "stop", "must be a string or a list of strings", self.stop)
+        if self.stop_token_ids is not None:
+            _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "must be a list of token ids",
+                   self.stop_token_ids)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.logit_bias is not None:
+            self.logit_bias = _bias_map(self.logit_bias)
         self.validate()
 
     # -- derived -------------------------------------------------------------------------
@@ -82,38 +103,39 @@ class SamplingParams:
 
     # -- checks --------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ValueError naming the first field out of range."""
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", "must be an integer >= 1", self.max_tokens)
-        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        """Raise ValueError naming the first field whose type or value is out of range."""
+        _int(self.max_tokens, "max_tokens", 1, INT32_MAX, optional=True)
+        _int(self.min_tokens, "min_tokens", 0, INT32_MAX)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                "min_tokens", f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(self.temperature is None or 0.0 <= self.temperature <= 100.0,
-               "temperature", "must be in [0, 100]", self.temperature)
-        _check(self.top_k is None or self.top_k >= -1, "top_k", "must be -1, 0 (off) or >= 1", self.top_k)
-        _check(self.top_p is None or 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
-        _check(self.min_p is None or 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
-        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]", self.n)
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]",
-               self.presence_penalty)
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]",
-               self.frequency_penalty)
-        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]",
-               self.repetition_penalty)
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-               f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _real(self.temperature, "temperature", 0.0, 100.0, optional=True)
+        _int(self.top_k, "top_k", -1, INT32_MAX, optional=True, rule="must be -1, 0 (off) or in [1, 2**31 - 1]")
+        _real(self.top_p, "top_p", 0.0, 1.0, optional=True, open_low=True)
+        _real(self.min_p, "min_p", 0.0, 1.0, optional=True)
+        _int(self.seed, "seed", INT64_MIN, INT64_MAX, optional=True, rule="must be a 64-bit signed integer")
+        _int(self.n, "n", 1, MAX_N)
+        _real(self.presence_penalty, "presence_penalty", -2.0, 2.0)
+        _real(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        _real(self.repetition_penalty, "repetition_penalty", 0.0, 10.0, open_low=True)
+        _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS, optional=True)
+        _int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        _int(self.end_id, "end_id", 0, INT32_MAX, optional=True)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            _check(isinstance(getattr(self, name), bool), name, "must be true or false", getattr(self, name))
         _check(len(self.stop_strings) <= MAX_STOP_STRINGS, "stop",
                f"at most {MAX_STOP_STRINGS} strings", len(self.stop_strings))
         for s in self.stop_strings:
             _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop",
                    f"each must be a non-empty string of at most {MAX_STOP_STRING_LEN} characters", s)
+        _check(len(self.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids or []))
+        for t in self.stop_token_ids or []:
+            _int(t, "stop_token_ids", 0, INT32_MAX, rule="must be token ids (integers >= 0)")
         _check(len(self.logit_bias or {}) <= MAX_LOGIT_BIAS, "logit_bias",
                f"at most {MAX_LOGIT_BIAS} entries", len(self.logit_bias or {}))
-        for v in (self.logit_bias or {}).values():
-            _check(-100.0 <= v <= 100.0, "logit_bias", "values must be in [-100, 100]", v)
-        for t in self.stop_token_ids or []:
-            _check(isinstance(t, int) and t >= 0, "stop_token_ids", "must be non-negative integers", t)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer", self.seed)
+        for t, v in (self.logit_bias or {}).items():
+            _int(t, "logit_bias", 0, INT32_MAX, rule="keys must be token ids (integers >= 0)")
+            _real(v, "logit_bias", -100.0, 100.0, rule="values must be numbers in [-100, 100]")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the params must exist in the vocabulary."""
@@ -121,6 +143,8 @@ class SamplingParams:
             _check(t < vocab_size, "stop_token_ids", f"must be < vocab size {vocab_size}", t)
         for t in (self.logit_bias or {}):
             _check(0 <= t < vocab_size, "logit_bias", f"token ids must be in [0, {vocab_size})", t)
+        _check(self.end_id is None or self.end_id < vocab_size, "end_id", f"must be < vocab size {vocab_size}",
+               self.end_id)
 
     # -- wire form -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -132,11 +156,51 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         d = dict(d)
-        if d.get("logit_bias"):
-            d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"]}
+        bias = d.get("logit_bias")
+        if bias:
+            _check(isinstance(bias, list) and all(isinstance(p, list) and len(p) == 2 for p in bias),
+                   "logit_bias", "must be a list of [token id, bias] pairs on the wire", type(bias).__name__)
+            d["logit_bias"] = dict(bias)
         return cls(**d)
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of the ``index``-th of n sequences: ``seed + index``, wrapped into 64 bits."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def _bias_map(bias: Any) -> dict[int, float]:
+    """logit_bias as {token id: bias}; keys may be ints or decimal strings (JSON objects)."""
+    _check(isinstance(bias, dict), "logit_bias", "must be a mapping of token id to bias", type(bias).__name__)
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        if isinstance(k, str):
+            _check(_TOKEN_ID_KEY.fullmatch(k) is not None and len(k) <= 12, "logit_bias",
+                   "keys must be token ids written as decimal integers", k)
+            k = int(k)
+        out[k] = v
+    return out
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        shown = repr(value)
+        raise ValueError(f"{name} {rule}, got {shown if len(shown) <= 80 else shown[:77] + '...'}")
+
+
+def _int(value: Any, name: str, low: int, high: int, optional: bool = False, rule: str | None = None) -> None:
+    if value is None and optional:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+    _check(ok, name, rule or f"must be an integer in [{low}, {high}]", value)
+
+
+def _real(value: Any, name: str, low: float, high: float, optional: bool = False, open_low: bool = False,
+          rule: str | None = None) -> None:
+    if value is None and optional:
+        return
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (low < value if open_low else low <= value) and value <= high)
+    _check(ok, name, rule or f"must be a number in {'(' if open_low else '['}{low:g}, {high:g}]", value)

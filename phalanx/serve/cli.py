@@ -33,6 +33,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log_level", default="info")
     p.add_argument("--drain_timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--max_request_body_bytes", type=int, default=8 << 20)
+    p.add_argument("--engine_iteration_timeout", type=float, default=None,
+                   help="seconds without progress from the ranks before the engine is declared stalled (0: off)")
     p.add_argument("--enable_debug_endpoints", action="store_true",
                    help="serve /debug/check_integrity and /debug/stats (KV integrity and engine counters per rank)")
 
@@ -42,7 +44,8 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"tokenizer": a.tokenizer, "tensor_parallel_size": a.tp_size,
                           "moe_expert_parallel_size": a.ep_size, "max_batch_size": a.max_batch_size,
                           "max_num_tokens": a.max_num_tokens, "max_seq_len": a.max_seq_len,
-                          "trust_remote_code": a.trust_remote_code or None}
+                          "trust_remote_code": a.trust_remote_code or None,
+                          "engine_iteration_timeout": a.engine_iteration_timeout}
     if a.kv_cache_free_gpu_memory_fraction is not None:
         kw["kv_cache_config"] = {"free_gpu_memory_fraction": a.kv_cache_free_gpu_memory_fraction}
     kw = {k: v for k, v in kw.items() if v is not None}

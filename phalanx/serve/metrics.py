@@ -1,8 +1,8 @@
 """Prometheus metrics (prefix ``phalanx:``, semantics as vLLM's).
 
 Latencies are observed in the server per request (from arrival); engine state — running and
-waiting requests, KV usage, prefix-cache queries and hits, preemptions — is read from the ranks
-when Prometheus scrapes.
+waiting requests, KV usage, prefix-cache queries and hits, preemptions — comes from the ranks'
+latest heartbeats, so a scrape answers at once even while the engine is busy or stalled.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("phalanx:generation_tokens", "Tokens generated.", lab, registry=r)
         self.request_success = Counter("phalanx:request_success", "Finished requests.", lab + ["finished_reason"],
                                        registry=r)
+        self.client_aborts = Counter("phalanx:client_aborts", "Requests aborted because their client went away "
+                                     "before the answer was complete.", lab, registry=r)
         self.ttft = Histogram("phalanx:time_to_first_token_seconds", "Time to first token.", lab,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("phalanx:inter_token_latency_seconds", "Time between output tokens.", lab,

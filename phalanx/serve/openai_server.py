@@ -1,6 +1,16 @@
-"""The OpenAI-compatible HTTP server (FastAPI). Handlers are thin: validate, tokenize, call
-``LLM.generate_async``, shape the response. Errors are OpenAI-shaped; a bad request never
-touches the engine, and a client that goes away has its request aborted on every rank.
+"""The OpenAI-compatible HTTP server (FastAPI). Handlers are thin: parse, tokenize, call
+``LLM.generate_async``, shape the response.
+
+What a hostile or careless client cannot do:
+- fail anyone else's request: a body is parsed and checked whole (``protocol.parse_body``)
+  before anything reaches the engine; every prompt of a request is tokenized and checked before
+  any is submitted, and if one submit fails the others are aborted;
+- stall other clients: tokenization and chat templates run in a thread pool, off the event
+  loop; bodies are capped at ``max_body_bytes`` however they are sent (chunked included);
+- leave work behind: a client that goes away, streaming or not, has its requests aborted on
+  every rank;
+- get anything but an OpenAI-shaped error (``{"error": {"message", "type", "param",
+  "code"}}``), whatever raised it: routing errors, bad JSON, validation, the engine.
 """
 
 from __future__ import annotations
@@ -12,23 +22,29 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phalanx import __version__
 from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import SamplingParams
 from phalanx.serve.metrics import ServerMetrics
-from phalanx.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from phalanx.serve.protocol import (
+    BodyError, ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body, parse_body,
+)
 
 logger = logging.getLogger("phalanx")
 
-OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+OPEN_PATHS = ("/health", "/metrics")      # answered without the API key (probes and scrapers)
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -37,49 +53,96 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+class BodyTooLarge(Exception):
+    """The client sent more body bytes than the server accepts."""
+
+
 def _err(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+class Guard:
+    """ASGI middleware in front of every route: the API key and the body-size limit.
+
+    Written against ASGI directly (not as an ``@app.middleware("http")`` function, whose
+    wrapper hides the client's disconnect from the handlers). The size limit is enforced on
+    the bytes actually received, so a chunked upload without a Content-Length is cut off too.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                return await _err(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')")(
+                    scope, receive, send)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return await _err(413, f"the request body of {length} bytes exceeds the limit of "
+                                   f"{self.max_body_bytes}")(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge(f"the request body exceeds the limit of {self.max_body_bytes} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 class OpenAIServer:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, chat_template: str | None = None,
-                 max_body_bytes: int = 8 << 20, debug_endpoints: bool = False) -> None:
+                 max_body_bytes: int = 8 << 20, debug_endpoints: bool = False, tokenizer_threads: int = 4) -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.debug_endpoints = debug_endpoints
         self.chat_template, self.max_body_bytes = chat_template, max_body_bytes
         self.created = int(time.time())
         sum_ranks = bool(getattr(llm.args, "enable_attention_dp", False))
-        self.metrics = ServerMetrics(model_name, llm._executor.stats, sum_ranks)
+        self.metrics = ServerMetrics(model_name, llm.latest_stats, sum_ranks)
+        self._text_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phalanx-tokenize")
         self.app = FastAPI(title="phalanx", version=__version__)
         self._routes()
+        self.app.openapi = self._openapi   # type: ignore[method-assign]
+        self.app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _routes(self) -> None:
         app = self.app
 
-        @app.middleware("http")
-        async def guard(request: Request, call_next):
-            if self.api_key and not request.url.path.startswith(OPEN_PATHS):
-                given = request.headers.get("authorization", "")
-                token = given[7:] if given.lower().startswith("bearer ") else ""
-                if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                    return _err(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')")
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-                return _err(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
-            return await call_next(request)
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException):
+            if exc.status_code == 404:
+                return _err(404, f"there is no route {request.method} {request.url.path}")
+            if exc.status_code == 405:
+                return _err(405, f"method {request.method} is not allowed on {request.url.path}")
+            return _err(exc.status_code, str(exc.detail))
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_: Request, exc: RequestValidationError):
-            first = exc.errors()[0] if exc.errors() else {}
-            loc = [str(x) for x in first.get("loc", []) if x != "body"]
-            msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+            errors = exc.errors()
+            first = errors[0] if errors else {}
+            loc = [str(x) for x in first.get("loc", []) if x not in ("body", "path", "query")]
             param = ".".join(loc) or None
+            msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
             return _err(400, f"{param}: {msg}" if param else msg, param)
 
         @app.exception_handler(ApiError)
         async def api_error(_: Request, exc: ApiError):
             return _err(exc.status, exc.message, exc.param)
+
+        @app.exception_handler(BodyTooLarge)
+        async def too_large(_: Request, exc: BodyTooLarge):
+            return _err(413, str(exc))
 
         @app.exception_handler(Exception)
         async def internal(_: Request, exc: Exception):
@@ -91,18 +154,49 @@ class OpenAIServer:
         app.get("/version")(lambda: {"version": __version__})
         app.get("/metrics")(lambda: Response(self.metrics.render(), media_type="text/plain; version=0.0.4"))
         app.get("/v1/models")(self.models)
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat)
+        app.get("/v1/models/{model_id:path}")(self.model_card_route)
+        app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))(self.completions)
+        app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))(self.chat)
         if self.debug_endpoints:   # inspection for tests and operators; off by default
             app.get("/debug/check_integrity")(self.debug_integrity)
-            app.get("/debug/stats")(lambda: self.llm._executor.stats())
+            app.get("/debug/stats")(self.debug_stats)
 
-    async def debug_integrity(self):
-        res = await asyncio.to_thread(self.llm._executor.control, "check_integrity")
-        return JSONResponse({"ok": res.ok, "per_rank": res.per_rank}, status_code=200 if res.ok else 500)
+    def _openapi(self) -> dict[str, Any]:
+        """The OpenAPI document with the answers the server really gives: request bodies as
+        parsed by ``protocol``, and OpenAI-shaped errors (400, never FastAPI's 422)."""
+        if self.app.openapi_schema:
+            return self.app.openapi_schema
+        doc = get_openapi(title="phalanx", version=__version__, routes=self.app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest, ErrorResponse):
+            defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(defs.pop("$defs", {}))
+            schemas[model.__name__] = defs
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        for path, ops in doc.get("paths", {}).items():
+            for op in ops.values():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                codes = ["401", "500", "503"] if path not in OPEN_PATHS else ["503"]
+                if op.get("requestBody") or "{" in path:
+                    codes += ["400", "404", "413"]
+                for code in codes:
+                    responses.setdefault(code, {"description": "An OpenAI-shaped error", **error})
+        self.app.openapi_schema = doc
+        return doc
 
-    def _engine_alive(self) -> bool:
-        return self.llm._executor.dead_error is None
+    async def _text(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer / template work in the text pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, lambda: fn(*args))
+
+    async def _parse(self, request: Request, model: type[T]) -> T:
+        raw = await request.body()
+        try:
+            return parse_body(raw, model)   # type: ignore[type-var]
+        except BodyError as e:
+            raise ApiError(400, e.message, e.param) from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -110,29 +204,47 @@ class OpenAIServer:
 
     # -- simple routes -------------------------------------------------------------------------------
     async def health(self):
-        if self._engine_alive():
+        if self.llm.is_alive:
             return Response(status_code=200)
-        return _err(503, f"the engine is not running: {self.llm._executor.dead_error}")
+        return _err(503, f"the engine is not running: {self.llm.dead_error}")
 
     async def health_generate(self):
-        if not self._engine_alive():
-            return _err(503, "the engine is not running")
+        if not self.llm.is_alive:
+            return _err(503, f"the engine is not running: {self.llm.dead_error}")
+        timeout = 30.0
         try:
-            ids = [self.llm._eos_token_ids()[0] if self.llm._eos_token_ids() else 0]
-            fut = self.llm.generate_async(ids, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
-            await asyncio.wait_for(fut.aresult(), timeout=30)
+            eos = self.llm._eos_token_ids()
+            fut = self.llm.generate_async([eos[0] if eos else 0],
+                                          SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+            await asyncio.wait_for(fut.aresult(), timeout=timeout)
+        except asyncio.TimeoutError:
+            fut.abort()
+            return _err(503, f"no token within {timeout:.0f}s")
         except Exception as e:
             return _err(503, f"generation failed: {e}")
         return Response(status_code=200)
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "phalanx",
+                "root": self.model_name, "max_model_len": self.llm.max_seq_len}
+
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                             "owned_by": "phalanx", "root": self.model_name,
-                                             "max_model_len": self.llm.max_seq_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model_card_route(self, model_id: str):
+        self._check_model(model_id)
+        return self._model_card()
+
+    async def debug_integrity(self):
+        res = await asyncio.to_thread(self.llm.control, "check_integrity")
+        return JSONResponse({"ok": res.ok, "per_rank": res.per_rank}, status_code=200 if res.ok else 500)
+
+    async def debug_stats(self):
+        return await asyncio.to_thread(self.llm.stats)
 
     # -- shared pieces ---------------------------------------------------------------------------------
-    def _sampling(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
+    def _sampling(self, req: Any, max_tokens: int | None, logprobs: int | None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -141,8 +253,8 @@ class OpenAIServer:
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty or 1.0, logit_bias=bias, logprobs=logprobs,
-                skip_special_tokens=req.skip_special_tokens)
+                repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
@@ -160,15 +272,23 @@ class OpenAIServer:
                            "max_tokens")
         return asked
 
-    def _submit(self, ids: list[int], sp: SamplingParams, salt: str | None) -> RequestOutput:
-        if not ids:
-            raise ApiError(400, "the prompt is empty", "prompt")
+    def _submit_all(self, jobs: list[tuple[list[int], SamplingParams]], salt: str | None,
+                    what: str) -> list[RequestOutput]:
+        """Submit checked prompts; if one is refused, the ones already submitted are aborted."""
+        futs: list[RequestOutput] = []
         try:
-            return self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt)
+            for ids, sp in jobs:
+                futs.append(self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt))
         except ValueError as e:
-            raise ApiError(400, str(e), "prompt") from None
+            _abort(futs)
+            raise ApiError(400, str(e), what) from None
         except RuntimeError as e:
+            _abort(futs)
             raise ApiError(503, f"the engine is not running: {e}") from None
+        except BaseException:
+            _abort(futs)
+            raise
+        return futs
 
     async def _collect(self, futs: list[RequestOutput], request: Request) -> list[RequestOutput]:
         """Wait for every request; abort all of them if the client goes away."""
@@ -180,17 +300,19 @@ class OpenAIServer:
         watch = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait({done, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:   # the client left, or this handler was cancelled: nothing may keep running
             watch.cancel()
-        if not done.done():
-            for f in futs:
-                f.abort()
-            done.cancel()
+            gone = not done.done()
+            if gone:
+                _abort(futs)
+                done.cancel()
+                self.metrics.client_aborts.labels(self.model_name).inc()
+        if gone:
             raise ApiError(499, "client disconnected")
         try:
             return done.result()
         except RequestError as e:
-            raise ApiError(500 if self._engine_alive() else 503, f"generation failed: {e}") from None
+            raise ApiError(503 if not self.llm.is_alive else 500, f"generation failed: {e}") from None
 
     def _observe(self, fut: RequestOutput) -> None:
         self.metrics.observe(fut._state, len(fut.prompt_token_ids), [o.finish_reason for o in fut.outputs])
@@ -204,19 +326,23 @@ class OpenAIServer:
     def _token_str(self, token_id: int) -> str:
         return self.llm.tokenizer.token_text(token_id) if self.llm.tokenizer else str(token_id)
 
+    def _error_event(self, error: Exception) -> str:
+        return _sse(error_body(f"generation failed: {error}", 500 if self.llm.is_alive else 503))
+
     # -- /v1/completions -------------------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, request: Request):
+        body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
             raise ApiError(400, "best_of must equal n (best-of selection is not supported)", "best_of")
-        prompts = self._prompts(body.prompt)
-        futs, texts = [], []
-        for text, ids in prompts:
-            sp = self._sampling(body, self._output_limit(len(ids), body.max_tokens, "prompt"), body.logprobs)
-            futs.append(self._submit(ids, sp, body.cache_salt))
-            texts.append(text)
+        prompts = await self._text(self._prompts, body.prompt)
+        prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        jobs = [(ids, self._sampling(body, self._output_limit(len(ids), body.max_tokens, "prompt"), body.logprobs,
+                                     prompt_lp)) for _, ids in prompts]
+        futs = self._submit_all(jobs, body.cache_salt, "prompt")
+        texts = [text for text, _ in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return self._sse(self._stream_completions(rid, body, futs, texts))
@@ -229,67 +355,94 @@ class OpenAIServer:
                 choice = {"index": i * body.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
                           "stop_reason": o.stop_reason, "logprobs": None}
                 if body.logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(o, len(prefix))
+                    choice["logprobs"] = self._completion_logprobs(out, o, body.echo)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(outs)}
 
     def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of every prompt; all are checked before any is submitted."""
         tok = self.llm.tokenizer
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
-        if not prompt:
-            raise ApiError(400, "prompt must not be empty", "prompt")
         out = []
-        for p in prompt:
+        for i, p in enumerate(prompt):
+            where = "prompt" if len(prompt) == 1 else f"prompt.{i}"
+            if not p:
+                raise ApiError(400, f"{where} must not be empty", "prompt")
             if isinstance(p, str):
-                if not p:
-                    raise ApiError(400, "prompt must not be empty", "prompt")
                 if tok is None:
                     raise ApiError(400, "this server has no tokenizer: send token ids", "prompt")
                 out.append((p, tok.encode(p)))
             else:
-                if not p:
-                    raise ApiError(400, "prompt must not be empty", "prompt")
                 bad = next((t for t in p if not 0 <= t < self.llm.vocab_size), None)
                 if bad is not None:
-                    raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {self.llm.vocab_size})", "prompt")
+                    raise ApiError(400, f"{where}: token id {bad} is outside the vocabulary [0, "
+                                        f"{self.llm.vocab_size})", "prompt")
                 out.append((tok.decode(p, skip_special_tokens=False) if tok else None, list(p)))
         return out
 
-    def _completion_logprobs(self, o: Any, offset: int) -> dict[str, Any]:
-        tokens, lps, tops, offsets = [], [], [], []
-        pos = offset
-        for tid, entry in zip(o.token_ids, o.logprobs or []):
+    def _completion_logprobs(self, out: RequestOutput, o: Any, echo: bool) -> dict[str, Any]:
+        """OpenAI's completion logprobs: with ``echo`` the prompt's tokens come first (the very
+        first one has no logprob), then the generated ones."""
+        lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        pos = 0
+        if echo:
+            pos = self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], pos)
+        self._add_logprobs(lp, o.token_ids, o.logprobs or [], pos)
+        return lp
+
+    def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, pos: int) -> int:
+        for tid, entry in zip(token_ids, entries):
             s = self._token_str(tid)
-            tokens.append(s)
-            lps.append(entry[tid].logprob)
-            tops.append({self._token_str(t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
-            offsets.append(pos)
+            lp["tokens"].append(s)
+            lp["token_logprobs"].append(entry[tid].logprob if entry is not None else None)
+            lp["top_logprobs"].append({self._token_str(t): x.logprob for t, x in entry.items() if x.rank is not None}
+                                      if entry is not None else None)
+            lp["text_offset"].append(pos)
             pos += len(s)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+        return pos
 
     async def _stream_completions(self, rid: str, body: CompletionRequest, futs: list[RequestOutput],
                                   texts: list[str | None]) -> AsyncIterator[str]:
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-        if body.echo:
+        # echo: the prompt goes first; with logprobs it waits for the prompt's logprobs (computed
+        # with the first token) and carries them
+        echo_due = [body.echo] * len(futs)
+        offsets = [0] * (len(futs) * body.n)
+        if body.echo and body.logprobs is None:
             for i, text in enumerate(texts):
                 for k in range(body.n):
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": text or "", "logprobs": None,
                                                      "finish_reason": None}]})
+                    offsets[i * body.n + k] = len(text or "")
+            echo_due = [False] * len(futs)
         async for i, out in _merge(futs):
             if isinstance(out, Exception):
-                yield _sse(error_body(f"generation failed: {out}", 500 if self._engine_alive() else 503))
+                yield self._error_event(out)
                 break
+            if echo_due[i]:
+                echo_due[i] = False
+                for k in range(body.n):
+                    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                    offsets[i * body.n + k] = self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [],
+                                                                 0)
+                    yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
+                                                     "finish_reason": None}]})
             for o in out.outputs:
                 finishing = out.finished and o.finish_reason is not None
-                if not o.text_diff and not finishing:
+                if not o.text_diff and not o.token_ids_diff and not finishing:
                     continue
-                choice = {"index": i * body.n + o.index, "text": o.text_diff, "logprobs": None,
-                          "finish_reason": o.finish_reason if finishing else None}
+                index = i * body.n + o.index
+                choice: dict[str, Any] = {"index": index, "text": o.text_diff, "logprobs": None,
+                                          "finish_reason": o.finish_reason if finishing else None}
+                if body.logprobs is not None:
+                    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                    offsets[index] = self._add_logprobs(lp, o.token_ids_diff, o.logprobs_diff, offsets[index])
+                    choice["logprobs"] = lp
                 if finishing:
                     choice["stop_reason"] = o.stop_reason
                 yield _sse({**base, "choices": [choice]})
@@ -300,21 +453,23 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions --------------------------------------------------------------------------
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    async def chat(self, request: Request):
+        body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         if self.llm.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: chat needs one", "messages")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = self.llm.tokenizer.encode_chat(messages, body.add_generation_prompt, self.chat_template,
-                                                 **(body.chat_template_kwargs or {}))
+            ids = await self._text(lambda: self.llm.tokenizer.encode_chat(
+                messages, body.add_generation_prompt, self.chat_template, **(body.chat_template_kwargs or {})))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # template errors (e.g. roles it does not accept)
             raise ApiError(400, f"the chat template failed: {e}", "messages") from None
         k = (body.top_logprobs or 0) if body.logprobs else None
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages"), k)
-        fut = self._submit(ids, sp, body.cache_salt)
+        [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return self._sse(self._stream_chat(rid, body, fut))
@@ -347,7 +502,7 @@ class OpenAIServer:
                                              "logprobs": None, "finish_reason": None}]})
         async for _, out in _merge([fut]):
             if isinstance(out, Exception):
-                yield _sse(error_body(f"generation failed: {out}", 500 if self._engine_alive() else 503))
+                yield self._error_event(out)
                 break
             for o in out.outputs:
                 finishing = out.finished and o.finish_reason is not None
@@ -364,7 +519,32 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     def _sse(self, gen: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(self._counting_aborts(gen), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _counting_aborts(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Pass a stream through; count it in /metrics if the client leaves before its end."""
+        finished = False
+        try:
+            async for chunk in gen:
+                yield chunk
+                finished = chunk == "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.metrics.client_aborts.labels(self.model_name).inc()
+                await gen.aclose()   # type: ignore[attr-defined]
+
+
+def _abort(futs: list[RequestOutput]) -> None:
+    for f in futs:
+        if not f.done:
+            f.abort()
+
+
+def _body_doc(model: type) -> dict[str, Any]:
+    """The request body of a route whose handler parses it itself (see protocol.parse_body)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
 async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -397,10 +577,9 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
     finally:
         for t in tasks:
             t.cancel()
-        for f in futs:
-            if not f.done:
-                f.abort()
+        _abort(futs)
 
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+

@@ -1,14 +1,22 @@
 """OpenAI request bodies with their bounds, checked before anything is tokenized.
 
-Unknown fields are accepted and ignored (clients send many). Every limit here names the field
-when it is exceeded; the handler turns the pydantic error into an OpenAI-shaped 400.
+Types are strict, as OpenAI's API has them: a boolean is not an integer, a string is not a
+boolean, a number is not a string. Every limit names its field when it is exceeded; the
+handler turns the pydantic error into an OpenAI-shaped 400.
+
+Unknown fields are refused (400 naming the field): a field that would change what is generated
+is never silently ignored. Fields that only label a request (``user``, ``metadata``, ``store``,
+``service_tier``) are accepted. Strings that cannot be encoded as UTF-8 (lone surrogates such
+as ``"\\ud800"``, which JSON can spell) are refused wherever they appear, and so is nesting
+deeper than ``MAX_DEPTH``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_N = 16
 MAX_PROMPTS = 256
@@ -17,18 +25,24 @@ MAX_STOP_LEN = 256
 MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 4096
 MAX_TEXT_CHARS = 4 * 1024 * 1024
+MAX_PROMPT_TOKEN_IDS = 1 << 20
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_DEPTH = 32
+INT32_MAX = 2**31 - 1
+
+LABEL_FIELDS = ("user", "metadata", "store", "service_tier")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Strict):
     """Fields shared by completions and chat (OpenAI plus the extension fields of API.md)."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -41,9 +55,13 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    # labels only: accepted, never change what is generated
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=64)
     # extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
@@ -65,6 +83,13 @@ class SamplingFields(BaseModel):
             raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_LEN} characters")
         return stops
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(not 0 <= t <= INT32_MAX for t in v):
+            raise ValueError("token ids must be integers >= 0")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_bounds(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -73,8 +98,8 @@ class SamplingFields(BaseModel):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
         for k, b in v.items():
-            if not str(k).lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not (k.isascii() and k.isdigit() and len(k) <= 10):
+                raise ValueError(f"keys must be token ids written as decimal integers, got {k[:20]!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {b}")
         return v
@@ -94,36 +119,66 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_bounds(cls, v: Any) -> Any:
+    def _prompt_shape(cls, v: Any) -> Any:
+        """One of: a string, a list of strings, a list of token ids, a list of token-id lists."""
         if isinstance(v, str):
             if len(v) > MAX_TEXT_CHARS:
                 raise ValueError(f"at most {MAX_TEXT_CHARS} characters")
             return v
-        if isinstance(v, list) and len(v) > (MAX_PROMPTS if v and not isinstance(v[0], int) else MAX_TEXT_CHARS):
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a non-empty string, or a non-empty list of strings, token ids or "
+                             "token-id lists")
+        if all(_is_token_id(t) for t in v):
+            if len(v) > MAX_PROMPT_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_PROMPT_TOKEN_IDS} token ids")
+            return v
+        if len(v) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts")
-        if isinstance(v, list) and v and isinstance(v[0], str) and any(len(p) > MAX_TEXT_CHARS for p in v):
-            raise ValueError(f"each prompt must have at most {MAX_TEXT_CHARS} characters")
-        return v
+        if all(isinstance(p, str) for p in v):
+            if any(len(p) > MAX_TEXT_CHARS for p in v):
+                raise ValueError(f"each prompt must have at most {MAX_TEXT_CHARS} characters")
+            return v
+        if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in v):
+            if sum(len(p) for p in v) > MAX_PROMPT_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_PROMPT_TOKEN_IDS} token ids in all")
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids (integers >= 0) or a list of "
+                         "token-id lists; these forms do not mix")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = Field(None, max_length=256)
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if not isinstance(v, list):
+            return v
+        for i, part in enumerate(v):
+            if part.get("type") != "text":
+                raise ValueError(f"part {i}: only parts of type 'text' are supported, got {part.get('type')!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: 'text' must be a string")
+            extra = set(part) - {"type", "text"}
+            if extra:
+                raise ValueError(f"part {i}: unsupported field(s) {sorted(extra)}")
+        return v
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text":
-                raise ValueError(f"content parts of type {p.get('type')!r} are not supported (text only)")
-            parts.append(str(p.get("text", "")))
-        return "".join(parts)
+        return "".join(p["text"] for p in self.content)
+
+    def num_chars(self) -> int:
+        if isinstance(self.content, list):
+            return sum(len(p["text"]) for p in self.content)
+        return len(self.content or "")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -133,14 +188,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
 
     @field_validator("messages")
     @classmethod
     def _messages_present(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
             raise ValueError("must contain at least one message")
-        if sum(len(m.content) if isinstance(m.content, str) else 0 for m in v) > MAX_TEXT_CHARS:
+        if sum(m.num_chars() for m in v) > MAX_TEXT_CHARS:
             raise ValueError(f"at most {MAX_TEXT_CHARS} characters in all")
         return v
 
@@ -155,7 +210,95 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers, whatever raised it."""
+
+    error: ErrorDetail
+
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
+               413: "BadRequestError", 500: "InternalServerError", 501: "NotImplementedError",
+               503: "ServiceUnavailableError"}
+
+
 def error_body(message: str, status: int, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
-    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
-             500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
-    return {"error": {"message": message, "type": kind or kinds.get(status, "Error"), "param": param, "code": status}}
+    return {"error": {"message": message, "type": kind or ERROR_TYPES.get(status, "Error"), "param": param,
+                      "code": status}}
+
+
+class BodyError(ValueError):
+    """A request body that cannot be served: the message and the field it names."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """Bytes of a JSON body -> a validated ``model``; raises BodyError naming the field."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(f"the body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise BodyError(f"the body is nested deeper than {MAX_DEPTH} levels") from None
+    except json.JSONDecodeError as e:
+        raise BodyError(f"the body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise BodyError("the body must be a JSON object")
+    _check_values(data, "", 0)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise BodyError(*describe(e)) from None
+
+
+def describe(e: ValidationError) -> tuple[str, str | None]:
+    """(message, param) of a pydantic error: the first problem, its field path as the param."""
+    first = e.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return f"{param}: this field is not supported by phalanx", param
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def _is_type_tag(p: Any) -> bool:
+    """Pydantic puts the union member tried ('str', 'list[int]', ...) into error locations."""
+    return isinstance(p, str) and (p in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in p)
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _check_values(value: Any, path: str, depth: int) -> None:
+    """Refuse strings UTF-8 cannot encode and nesting deeper than MAX_DEPTH, naming the path."""
+    if depth > MAX_DEPTH:
+        raise BodyError(f"{path or 'body'}: nested deeper than {MAX_DEPTH} levels", path or None)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BodyError(f"{path or 'body'}: the text has a lone surrogate (U+{ord(value[e.start]):04X} at index "
+                            f"{e.start}) and is not valid Unicode", path or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_values(k, path, depth + 1)
+            _check_values(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_values(v, f"{path}.{i}" if path else str(i), depth + 1)

@@ -5,7 +5,7 @@ import torch
 
 from phalanx import LLM, SamplingParams
 from phalanx.executor.request import Request
-from phalanx.executor.sampler import Sampler
+from phalanx.executor.sampler import RowSettings, Sampler
 
 CPU = torch.device("cpu")
 
@@ -22,7 +22,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
     r = req(logprobs=2)
     out = Sampler(5, CPU).sample(logits, [r])
     assert out.token_ids.tolist() == [1]
-    chosen, top = out.host_logprobs([r])[0]
+    chosen, top = out.host_logprobs()[0]
     lp = logits.log_softmax(-1)[0]
     assert chosen == pytest.approx(lp[1].item())
     assert [t for t, _ in top] == [1, 3] and top[1][1] == pytest.approx(lp[3].item())
@@ -40,22 +40,26 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 def test_repetition_presence_frequency_penalties():
     logits = torch.tensor([[2.0, -1.0, 1.0, 0.5]])
     s = Sampler(4, CPU)
-    out = s._process(logits.clone(), [req(prompt=(0, 1), repetition_penalty=4.0)])
+
+    def process(r):
+        return s._process(logits.clone(), [r], [RowSettings.of(r, 4)])
+    out = process(req(prompt=(0, 1), repetition_penalty=4.0))
     assert out[0].tolist() == pytest.approx([0.5, -4.0, 1.0, 0.5])
-    out = s._process(logits.clone(), [req(prompt=(1,), output=(2, 2, 3), presence_penalty=0.5, frequency_penalty=0.25)])
+    out = process(req(prompt=(1,), output=(2, 2, 3), presence_penalty=0.5, frequency_penalty=0.25))
     assert out[0].tolist() == pytest.approx([2.0, -1.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25])
-    out = s._process(logits.clone(), [req(logit_bias={3: 10.0})])
+    out = process(req(logit_bias={3: 10.0}))
     assert out[0, 3].item() == pytest.approx(10.5)
 
 
 def test_top_k_top_p_min_p_filters():
     from phalanx.executor.sampler import _filter
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    keep = lambda sp: torch.isfinite(_filter(logits.clone(), [sp]))[0].tolist()
-    assert keep(SamplingParams(top_k=2)) == [True, True, False, False]
-    assert keep(SamplingParams(top_p=0.7)) == [True, True, False, False]
-    assert keep(SamplingParams(top_p=0.5)) == [True, False, False, False]
-    assert keep(SamplingParams(min_p=0.5)) == [True, True, False, False]
+    keep = lambda sp: torch.isfinite(_filter(logits.clone(), [RowSettings.of(req(**sp), 4)]))[0].tolist()
+    assert keep(dict(top_k=2)) == [True, True, False, False]
+    assert keep(dict(top_k=2**31 - 1)) == [True, True, True, True]   # above the vocabulary: off
+    assert keep(dict(top_p=0.7)) == [True, True, False, False]
+    assert keep(dict(top_p=0.5)) == [True, False, False, False]
+    assert keep(dict(min_p=0.5)) == [True, True, False, False]
 
 
 def test_sampling_follows_the_distribution():
