@@ -84,3 +84,18 @@ def stop_launched_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def job_exposure(root_pid: int) -> tuple[bool, list]:
+    """(whether every process of the job below ``root_pid`` runs in a network namespace of its
+    own, the (pid, address) of every socket the job listens on in this host's namespace beyond
+    loopback)."""
+    import psutil
+    root = psutil.Process(root_pid)
+    job = [root] + root.children(recursive=True)
+    own = os.readlink("/proc/self/ns/net")
+    isolated = all(os.readlink(f"/proc/{p.pid}/ns/net") != own for p in job if p.pid != os.getpid())
+    pids = {p.pid for p in job}
+    exposed = [(c.pid, c.laddr) for c in psutil.net_connections("inet")
+               if c.status == psutil.CONN_LISTEN and c.pid in pids and c.laddr.ip not in ("127.0.0.1", "::1")]
+    return isolated, exposed

@@ -28,6 +28,7 @@ from typing import Any
 from phalanx.config import LlmArgs
 from phalanx.executor import ipc
 from phalanx.executor.executor import GenerationExecutor
+from phalanx.executor.netns import FALLBACK_MARKER
 from phalanx.executor.messages import (
     CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Heartbeat, Init, Ready, Response, Shutdown,
     TokenBatch,
@@ -38,6 +39,7 @@ logger = logging.getLogger("phalanx")
 
 LAUNCH_ENV = "PHALANX_LAUNCH"          # set by `phalanx launch` for the user command
 STARTUP_TIMEOUT_ENV = "PHALANX_STARTUP_TIMEOUT"
+NETNS_ENV = "PHALANX_MPI_NETNS"        # "0": start the job in the host's network namespace
 MPI_ENV_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "MPI_", "UCX_", "I_MPI_", "HYDRA_", "MPICH_")
 
 
@@ -106,15 +108,30 @@ class MpiProxyExecutor(GenerationExecutor):
 
     # -- start-up ------------------------------------------------------------------------------------
     def _spawn(self, world: int, key: bytes, req_addr: str, resp_addr: str) -> None:
+        """Start ``mpirun`` for a job on this host.
+
+        Nothing of the job may be reachable from another machine and nothing may outlive it:
+        the launcher starts in a private network namespace (``executor/netns.py``: Open MPI's
+        launcher listens on every interface otherwise); ranks talk through shared memory (no
+        TCP transport); Open MPI's session files go to a directory inside the proxy's private
+        one, which ``_close`` removes (after a SIGKILL Open MPI cannot clean up itself)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_ENV_PREFIXES)}
         env.update({ipc.KEY_ENV: key.hex(), ipc.REQUEST_ADDR_ENV: req_addr, ipc.RESPONSE_ADDR_ENV: resp_addr,
                     ipc.PROXY_PID_ENV: str(os.getpid()), DIR_ENV: self._dir or ""})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
         env.setdefault("OMPI_MCA_btl", "^tcp")   # one host: ranks talk through shared memory, no TCP listener
+        session = os.path.join(self._dir or "", "mpi")
+        os.makedirs(session, mode=0o700, exist_ok=True)
+        for name in ("PRTE_MCA_prte_tmpdir_base", "OMPI_MCA_orte_tmpdir_base", "OMPI_MCA_btl_sm_backing_directory",
+                     "OMPI_MCA_btl_vader_backing_directory"):
+            env[name] = session
         if not shutil.which("ssh") and not shutil.which("rsh"):
             # Open MPI 4 refuses to start without a remote-shell agent even for local ranks
             env.setdefault("OMPI_MCA_plm_rsh_agent", "false")
-        self.proc = subprocess.Popen(mpirun_command(world), env=env, stdin=subprocess.DEVNULL,
+        cmd = mpirun_command(world)
+        if os.environ.get(NETNS_ENV, "1") != "0" and sys.platform == "linux":
+            cmd = [sys.executable, "-m", "phalanx.executor.netns", "--", *cmd]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         threading.Thread(target=self._read_stderr, name="phalanx-job-stderr", daemon=True).start()
 
@@ -125,6 +142,8 @@ class MpiProxyExecutor(GenerationExecutor):
             self._stderr_tail.append(line)
             if line.startswith(FATAL_MARKER) and self._failed_rank_line is None:
                 self._failed_rank_line = line
+            if line.startswith(FALLBACK_MARKER):
+                logger.warning("%s", line[len(FALLBACK_MARKER) + 2:])
             if os.environ.get("PHALANX_ECHO_WORKER_STDERR"):
                 print(line, file=sys.stderr)
 
@@ -245,18 +264,30 @@ class MpiProxyExecutor(GenerationExecutor):
         self._kill_job()
 
     def _kill_job(self) -> None:
+        """SIGTERM, then SIGKILL, to the launcher's group and to every rank below it (Open MPI
+        puts each rank in a process group of its own, and a SIGKILLed launcher leaves them)."""
         if self.proc is None or self.proc.poll() is not None:
             return
+        import psutil
+        try:
+            ranks = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            ranks = []
         for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
+                pass
             try:
                 self.proc.wait(wait)
-                return
+                break
             except subprocess.TimeoutExpired:
                 continue
+        for p in ranks:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
 
     def _close(self) -> None:
         for q in (getattr(self, "requests", None), getattr(self, "responses", None)):

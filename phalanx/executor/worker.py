@@ -90,9 +90,27 @@ class Rank0Link:
                     return
 
 
+def exit_with_launcher() -> None:
+    """A rank whose launcher is gone (it was SIGKILLed: its ranks are reparented) exits at once,
+    whatever its loop is doing, instead of living on without a job."""
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        try:   # stderr was the launcher's pipe: it may be gone too
+            print(f"{FATAL_MARKER} rank={os.environ.get('OMPI_COMM_WORLD_RANK', '?')}: the MPI launcher "
+                  f"(pid {launcher}) is gone; exiting", file=sys.stderr, flush=True)
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="phalanx-launcher-watch", daemon=True).start()
+
+
 def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None) -> int:
     """The body every rank runs. Rank 0 passes its ``link``; returns the exit code."""
     from phalanx.executor.dist import Dist
+    exit_with_launcher()
     dist = Dist()
     rank0 = dist.rank == 0
     if rank0 and link is None:

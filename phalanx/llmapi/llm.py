@@ -59,7 +59,10 @@ class LLM:
             from phalanx.executor.inprocess import InProcessExecutor
             return InProcessExecutor(self.args, self.source)
         from phalanx.executor.proxy import MpiProxyExecutor
-        return MpiProxyExecutor(self.args)
+        args = self.args
+        if self.source.kind == "hf" and args.model != self.source.path:   # a hub id: ranks read the download
+            args = args.model_copy(update={"model": self.source.path})
+        return MpiProxyExecutor(args)
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, inputs: PromptInput | Sequence[PromptInput],
@@ -132,8 +135,8 @@ class LLM:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer (skip_tokenizer_init=True): pass token ids")
-            return inputs, self.tokenizer.encode(inputs)
-        if isinstance(inputs, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in inputs):
+            return inputs, self.tokenizer.encode(inputs, max_tokens=self.max_seq_len - 1)
+        if isinstance(inputs, (list, tuple)):   # token ids: check_prompt checks each
             return None, list(inputs)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(inputs).__name__}")
 

@@ -5,6 +5,7 @@ Text work happens only in the user process; ranks see token ids.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from typing import Any
@@ -59,8 +60,30 @@ class Tokenizer:
         self.vocab_size = len(hf_tokenizer)
         self._specials = set(getattr(hf_tokenizer, "all_special_ids", []) or [])
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text``. With ``max_tokens``, a text too long to fit is refused before
+        it is tokenized (ValueError): tokenizing megabytes takes seconds."""
+        if max_tokens is not None:
+            self.check_length(text, max_tokens)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters one token can stand for, where that bounds tokens from below:
+        a fast tokenizer without a normalizer (one that may delete characters) whose vocabulary
+        spells each token with at least as many characters as it decodes to (byte-level BPE and
+        SentencePiece do). None where no such bound is known."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        return max((len(t) for t in self.hf.get_vocab()), default=0) or None
+
+    def check_length(self, text: str, max_tokens: int) -> None:
+        """Raise ValueError if ``text`` must tokenize to more than ``max_tokens`` tokens."""
+        per_token = self.max_chars_per_token
+        if per_token is not None and len(text) > max_tokens * per_token:
+            raise ValueError(f"the text has {len(text)} characters, more than {max_tokens} tokens can hold "
+                             f"(a token of this vocabulary spans at most {per_token} characters)")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -87,14 +110,17 @@ class Tokenizer:
         return self._special_strings
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, **kwargs: Any) -> list[int]:
+                    chat_template: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> list[int]:
         """Token ids of a chat. Control tokens come only from the template: text inside a
-        message that spells one (e.g. "<|im_end|>") is tokenized as plain text."""
+        message that spells one (e.g. "<|im_end|>") is tokenized as plain text. With
+        ``max_tokens``, a chat too long to fit is refused before it is tokenized."""
         specials = self.special_strings()
         contents = [m.get("content") or "" for m in messages]
         if not any(sp in c for c in contents if isinstance(c, str) for sp in specials):
             text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
-            return self.encode(text, add_special_tokens=False)
+            return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        if max_tokens is not None:
+            self.check_length("".join(c for c in contents if isinstance(c, str)), max_tokens)
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         masked = [dict(m, content=mark) for m, mark in zip(messages, marks)]
         text = self.apply_chat_template(masked, add_generation_prompt, chat_template, **kwargs)

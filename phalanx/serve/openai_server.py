@@ -375,7 +375,11 @@ class OpenAIServer:
             if isinstance(p, str):
                 if tok is None:
                     raise ApiError(400, "this server has no tokenizer: send token ids", "prompt")
-                out.append((p, tok.encode(p)))
+                try:
+                    out.append((p, tok.encode(p, max_tokens=self.llm.max_seq_len - 1)))
+                except ValueError as e:
+                    raise ApiError(400, f"{where}: {e}; this model's maximum context length is "
+                                        f"{self.llm.max_seq_len} tokens", "prompt") from None
             else:
                 bad = next((t for t in p if not 0 <= t < self.llm.vocab_size), None)
                 if bad is not None:
@@ -462,7 +466,8 @@ class OpenAIServer:
                     for m in body.messages]
         try:
             ids = await self._text(lambda: self.llm.tokenizer.encode_chat(
-                messages, body.add_generation_prompt, self.chat_template, **(body.chat_template_kwargs or {})))
+                messages, body.add_generation_prompt, self.chat_template, self.llm.max_seq_len - 1,
+                **(body.chat_template_kwargs or {})))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # template errors (e.g. roles it does not accept)

@@ -34,7 +34,7 @@ LABEL_FIELDS = ("user", "metadata", "store", "service_tier")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
@@ -262,17 +262,20 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise BodyError(*describe(e)) from None
+        raise BodyError(*describe(e, model)) from None
 
 
-def describe(e: ValidationError) -> tuple[str, str | None]:
-    """(message, param) of a pydantic error: the first problem, its field path as the param."""
+def describe(e: ValidationError, model: type[BaseModel] | None = None) -> tuple[str, str | None]:
+    """(message, param) of a pydantic error: the first problem, its field path as the param
+    (for a check across fields, the field its message starts with)."""
     first = e.errors()[0]
     loc = [str(p) for p in first.get("loc", ()) if not _is_type_tag(p)]
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
         return f"{param}: this field is not supported by phalanx", param
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None and model is not None and msg.split(" ", 1)[0] in model.model_fields:
+        return msg, msg.split(" ", 1)[0]
     return (f"{param}: {msg}" if param else msg), param
 
 

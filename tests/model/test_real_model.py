@@ -68,6 +68,19 @@ def test_shared_200_token_prefix_reports_cached_tokens(llm):
     ({"inputs": "hi", "sp": {"top_p": 0.0}}, "top_p"),
     ({"inputs": "hi", "sp": {"top_p": 1.01}}, "top_p"),
     ({"inputs": [5] * 9000}, "max_seq_len"),
+    ({"inputs": [True, False]}, "prompt_token_ids"),
+    ({"inputs": {"prompt_token_ids": 7}}, "prompt_token_ids"),
+    ({"inputs": "hi", "sp": {"top_k": 2**63}}, "top_k"),
+    ({"inputs": "hi", "sp": {"seed": 2**64}}, "seed"),
+    ({"inputs": "hi", "sp": {"max_tokens": True}}, "max_tokens"),
+    ({"inputs": "hi", "sp": {"temperature": "0.5"}}, "temperature"),
+    ({"inputs": "hi", "sp": {"temperature": float("nan")}}, "temperature"),
+    ({"inputs": "hi", "sp": {"logit_bias": {"--5": 1.0}}}, "logit_bias"),
+    ({"inputs": "hi", "sp": {"logit_bias": {49152: 1.0}}}, "logit_bias"),
+    ({"inputs": "hi", "sp": {"stop_token_ids": [1.5]}}, "stop_token_ids"),
+    ({"inputs": "hi", "sp": {"ignore_eos": "yes"}}, "ignore_eos"),
+    ({"inputs": "hi", "sp": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    ({"inputs": "hello " * 600_000}, "characters"),
 ])
 def test_bad_input_raises_value_error_naming_the_field_and_llm_keeps_working(llm, kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -75,6 +88,15 @@ def test_bad_input_raises_value_error_naming_the_field_and_llm_keeps_working(llm
         llm.generate(kwargs["inputs"], sp, use_tqdm=False)
     out = llm.generate("Say hello.", SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_a_list_with_one_bad_prompt_submits_none(llm):
+    before = llm.stats()[0]["iteration"]
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(["fine", [1, 2, 49152]], SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    stats = llm.stats()[0]
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["iteration"] - before < 5       # nothing was generated for "fine"
 
 
 def test_idle_engine_has_no_kv_leak(llm):

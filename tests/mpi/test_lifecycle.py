@@ -12,6 +12,7 @@ import pytest
 from phalanx import LLM, SamplingParams
 from phalanx.executor.executor import EngineDeadError
 from phalanx.llmapi.outputs import RequestError
+from serve_helpers import job_exposure
 
 pytestmark = pytest.mark.mpi
 
@@ -74,15 +75,36 @@ def test_key_in_no_argv_and_no_log(tp2):
 
 
 def test_internal_sockets_listen_on_loopback_or_ipc_only(tp2):
-    # phalanx's own processes (the user process and the Python ranks); Open MPI's launcher
-    # daemon (prterun/orted) runs its own out-of-band listener, configured by Open MPI's MCA.
-    ranks = [p for p in job_processes(tp2) if p.cmdline()[:1] and "python" in p.cmdline()[0]]
-    assert len(ranks) == 2
-    for proc in ranks + [psutil.Process()]:
-        for c in proc.net_connections(kind="inet"):
-            if c.status == psutil.CONN_LISTEN:
-                assert c.laddr.ip in ("127.0.0.1", "::1"), (proc.name(), c)
+    """The user process listens on loopback or ipc:// only; the job (Open MPI's launcher, which
+    binds every interface, and the ranks) runs in a network namespace of its own."""
+    for c in psutil.Process().net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN:
+            assert c.laddr.ip in ("127.0.0.1", "::1"), c
     assert tp2._executor.requests.address.startswith("ipc://")
+    isolated, exposed = job_exposure(tp2._executor.proc.pid)
+    assert not exposed, exposed
+    if not isolated:
+        pytest.skip("no network namespace can be created here: the launcher runs in the host's")
+
+
+def test_a_sigkilled_launcher_takes_its_ranks_and_leaves_no_files(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True)
+    ranks = [p for p in job_processes(llm)[1:] if "python" in p.cmdline()[0]]
+    private = llm._executor._dir
+    assert len(ranks) == 2 and os.listdir(os.path.join(private, "mpi"))   # Open MPI's session files
+    os.kill(llm._executor.proc.pid, signal.SIGKILL)
+    deadline = time.time() + 5
+    while time.time() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks):
+        time.sleep(0.1)
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    deadline = time.time() + 5
+    while time.time() < deadline and llm.is_alive:
+        time.sleep(0.1)
+    assert "exited" in llm.dead_error
+    with pytest.raises(EngineDeadError):
+        llm.generate_async([1, 2, 3], greedy())
+    llm.shutdown()
+    assert not os.path.exists(private)
 
 
 def test_bad_frames_are_dropped_and_serving_continues(tp2):
@@ -170,6 +192,28 @@ def test_forward_exception_on_rank1_fails_pending_naming_the_rank(tiny_models):
         job = llm._executor.proc.pid
         llm.shutdown()
     assert job not in {j.pid for j in mpi_jobs()}
+
+
+def test_a_stopped_rank_is_found_and_named(tiny_models):
+    """SIGSTOP of rank 1: rank 0 hangs in a collective, its heartbeats stop, and after the
+    iteration timeout every pending request fails naming rank 1; the job is taken down."""
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True, engine_iteration_timeout=3)
+    try:
+        fut = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True), streaming=True)
+        next(iter(fut))
+        rank1 = [p for p in job_processes(llm) if p.environ().get("OMPI_COMM_WORLD_RANK") == "1"][0]
+        t0 = time.time()
+        rank1.suspend()
+        with pytest.raises(RequestError, match=r"stalled: rank 1 \(pid \d+\) is stopped"):
+            fut.result(timeout=30)
+        assert 2 <= time.time() - t0 < 10    # measured from the last heartbeat, before the stop
+        assert not llm.is_alive and "rank 1" in llm.dead_error
+        deadline = time.time() + 10
+        while time.time() < deadline and rank1.is_running() and rank1.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.1)
+        assert not rank1.is_running() or rank1.status() == psutil.STATUS_ZOMBIE
+    finally:
+        llm.shutdown()
 
 
 def test_rank_divergence_is_detected_and_named(tiny_models):

@@ -1,0 +1,106 @@
+"""One bad request never fails another: a request whose settings break on the rank fails
+alone and the others in its batch keep their tokens; prompt log-probabilities equal
+transformers' log-softmax over the prompt."""
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.executor import py_executor
+from phalanx.executor.kv_pool import KVPool
+from phalanx.executor.model_runner import ModelRunner, RequestFailures
+from phalanx.executor.request import Request
+from phalanx.executor.sampler import Sampler
+from phalanx.executor.scheduler import Scheduler, SchedulerLimits
+from phalanx.kv_manager import KVCacheManager
+from phalanx.llmapi.outputs import RequestError
+from phalanx.models.loader import build_model, resolve_model
+
+CPU = torch.device("cpu")
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_models):
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
+        yield llm
+
+
+def _params():
+    return [SamplingParams(max_tokens=10, ignore_eos=True),
+            SamplingParams(max_tokens=10, temperature=0.8, seed=11, ignore_eos=True),
+            SamplingParams(max_tokens=10, logprobs=2, ignore_eos=True),
+            SamplingParams(max_tokens=10, top_k=3, seed=5, ignore_eos=True)]
+
+
+def test_a_request_whose_settings_break_on_the_rank_fails_alone(tiny_llm, monkeypatch):
+    """The rank re-validates what arrives, but a value that passes and still cannot become a
+    tensor (simulated: a temperature made NaN behind validation) must fail only its request."""
+    alone = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, _params(), use_tqdm=False)]
+    original = py_executor.SamplingParams.from_dict
+
+    def tampered(d):
+        sp = original(d)
+        if sp.seed == 666:
+            object.__setattr__(sp, "temperature", float("nan"))
+        return sp
+    monkeypatch.setattr(py_executor.SamplingParams, "from_dict", staticmethod(tampered))
+    bad = SamplingParams(max_tokens=10, temperature=0.5, seed=666, ignore_eos=True)
+    for round_ in range(3):
+        futs = [tiny_llm.generate_async(p, sp) for p, sp in zip(PROMPTS[:2], _params()[:2])]
+        victim = tiny_llm.generate_async([3, 4, 5], bad)
+        futs += [tiny_llm.generate_async(p, sp) for p, sp in zip(PROMPTS[2:], _params()[2:])]
+        with pytest.raises(RequestError, match="temperature"):
+            victim.result(timeout=60)
+        assert [f.result(timeout=60).outputs[0].token_ids for f in futs] == alone, round_
+    stats = tiny_llm.stats()[0]
+    assert stats["num_running"] == 0 and stats["num_available_blocks"] == stats["num_blocks"]
+
+
+def test_the_runner_names_the_failing_rows_before_the_device_runs(tiny_models):
+    source = resolve_model(tiny_models["llama"])
+    cfg = source.config
+    runner = ModelRunner(build_model(source, torch.float32, CPU),
+                         KVPool(cfg.num_layers, 32, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU),
+                         Sampler(cfg.vocab_size, CPU), CPU)
+    sched = Scheduler(SchedulerLimits(8, 64, 128), KVCacheManager(32, 8))
+    reqs = [Request(i, p, SamplingParams(max_tokens=4, temperature=1.0, seed=i), max_total_tokens=len(p) + 4)
+            for i, p in enumerate(PROMPTS)]
+    object.__setattr__(reqs[1].sampling, "logit_bias", {cfg.vocab_size + 5: 1.0})   # past validation
+    object.__setattr__(reqs[3].sampling, "seed", float("inf"))
+    for r in reqs:
+        sched.add_request(r)
+    batch = sched.schedule()
+    with pytest.raises(RequestFailures) as e:
+        runner.launch(batch)
+    assert sorted(e.value.errors) == [1, 3]
+    assert "outside the vocabulary" in e.value.errors[1] and "OverflowError" in e.value.errors[3]
+    rest = batch.without(e.value.errors)
+    assert [r.request_id for r in rest.requests] == [0, 2]
+    assert all(t is not None for t in runner.execute(rest).token_ids)
+
+
+@pytest.mark.parametrize("max_num_tokens", [16, 512])
+def test_prompt_logprobs_equal_transformers(tiny_models, hf_models, max_num_tokens):
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 256, (45,)).tolist()
+    with torch.no_grad():
+        ref = hf_models["llama"](torch.tensor([prompt])).logits[0].log_softmax(-1)
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             max_num_tokens=max_num_tokens) as llm:
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)          # its prefix is now cached
+        out = llm.generate(prompt, SamplingParams(max_tokens=3, n=2, prompt_logprobs=3), use_tqdm=False)
+        plp = out.prompt_logprobs
+        assert plp[0] is None and len(plp) == len(prompt)
+        for i in range(1, len(prompt)):
+            assert plp[i][prompt[i]].logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+            top = ref[i - 1].topk(3)
+            ranked = sorted((lp.rank, t) for t, lp in plp[i].items() if lp.rank is not None)
+            assert [t for _, t in ranked] == top.indices.tolist()
+        one = llm.generate(prompt, SamplingParams(max_tokens=3, prompt_logprobs=0), use_tqdm=False)
+        assert one.cached_tokens == 0          # every position computed, none reused
+        assert [e[t].logprob for e, t in zip(one.prompt_logprobs[1:], prompt[1:])] == \
+            [e[t].logprob for e, t in zip(plp[1:], prompt[1:])]
+        plain = llm.generate(prompt, SamplingParams(max_tokens=3), use_tqdm=False)
+        assert plain.prompt_logprobs is None and plain.cached_tokens > 0
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
