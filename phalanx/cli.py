@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         from phalanx.serve.cli import serve
         return serve(args)
     if args.command == "launch":
-        from phalanx.executor.launch import launch as run_launch
+        from phalanx.pyexecutor.launch import launch as run_launch
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return run_launch(cmd)
     if args.command == "bench":

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from phalanx.executor.request import Request
-from phalanx.executor.scheduler import GUARANTEED_NO_EVICT, ScheduledBatch, Scheduler, SchedulerLimits
+from phalanx.pyexecutor.request import Request
+from phalanx.pyexecutor.scheduler import GUARANTEED_NO_EVICT, ScheduledBatch, Scheduler, SchedulerLimits
 from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.sampling_params import SamplingParams
 

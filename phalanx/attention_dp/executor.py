@@ -16,8 +16,8 @@ from typing import Any
 
 from phalanx.attention_dp.router import RouterConfig, place
 from phalanx.executor.messages import GenerationRequest, Response, pack, unpack
-from phalanx.executor.py_executor import PyExecutor
-from phalanx.executor.request import RequestStatus
+from phalanx.pyexecutor.py_executor import PyExecutor
+from phalanx.pyexecutor.request import RequestStatus
 
 logger = logging.getLogger("phalanx")
 

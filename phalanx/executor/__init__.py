@@ -1,2 +1,2 @@
-"""Executor: user-side client (proxy), transport, rank entry point, the per-rank loop, scheduler,
-sampler and model runner. Only scheduler, request and messages are imported eagerly (no torch)."""
+"""The user side of the process boundary and the wire: the executor client (submit, abort,
+results), the proxy to an MPI job, the in-process executor, IPC and the message types."""

@@ -6,10 +6,10 @@ import threading
 import traceback
 
 from phalanx.config import LlmArgs
-from phalanx.executor.creator import create_py_executor
+from phalanx.pyexecutor.creator import create_py_executor
 from phalanx.executor.executor import GenerationExecutor
 from phalanx.executor.messages import GenerationRequest
-from phalanx.executor.py_executor import RequestQueue
+from phalanx.pyexecutor.py_executor import RequestQueue
 from phalanx.models.loader import ModelSource
 
 

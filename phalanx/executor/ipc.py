@@ -30,6 +30,8 @@ KEY_ENV = "PHALANX_IPC_KEY"
 REQUEST_ADDR_ENV = "PHALANX_IPC_REQUEST_ADDR"
 RESPONSE_ADDR_ENV = "PHALANX_IPC_RESPONSE_ADDR"
 PROXY_PID_ENV = "PHALANX_PROXY_PID"
+DIR_ENV = "PHALANX_IPC_DIR"            # the proxy's private directory (torch.distributed's file store, MPI files)
+FATAL_MARKER = "PHALANX_RANK_FAILED"   # starts the stderr line of a rank that failed
 
 
 def new_key() -> bytes:

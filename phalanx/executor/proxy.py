@@ -1,7 +1,7 @@
 """MpiProxyExecutor: the user side of the MPI job.
 
 It binds two PAIR sockets (requests out, responses in) in a private 0700 directory, starts
-``mpirun -n <world> python -m phalanx.executor.worker`` with the addresses and a fresh key in
+``mpirun -n <world> python -m phalanx.pyexecutor.worker`` with the addresses and a fresh key in
 the environment (or, under ``phalanx launch``, attaches to the job that launched this process),
 sends ``Init`` and waits for ``Ready`` or the failing rank's traceback within a bounded time.
 
@@ -27,13 +27,13 @@ from typing import Any
 
 from phalanx.config import LlmArgs
 from phalanx.executor import ipc
+from phalanx.executor.ipc import DIR_ENV, FATAL_MARKER
 from phalanx.executor.executor import GenerationExecutor
 from phalanx.executor.netns import FALLBACK_MARKER
 from phalanx.executor.messages import (
     CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Heartbeat, Init, Ready, Response, Shutdown,
     TokenBatch,
 )
-from phalanx.executor.worker import DIR_ENV, FATAL_MARKER
 
 logger = logging.getLogger("phalanx")
 
@@ -68,7 +68,7 @@ def mpirun_command(world_size: int) -> list[str]:
     cmd = [find_mpirun(), "-n", str(world_size), "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    return cmd + [sys.executable, "-m", "phalanx.executor.worker"]
+    return cmd + [sys.executable, "-m", "phalanx.pyexecutor.worker"]
 
 
 class MpiProxyExecutor(GenerationExecutor):

@@ -1,6 +1,6 @@
 """Paged KV cache bookkeeping in pure Python (no torch): block pool, radix tree, manager.
 
-The tensors themselves live in ``phalanx.executor.kv_pool``; this package only decides block ids.
+The tensors themselves live in ``phalanx.pyexecutor.kv_pool``; this package only decides block ids.
 """
 
 from phalanx.kv_manager.block_pool import BlockPool, NoFreeBlocksError

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from phalanx.config import LlmArgs, make_llm_args
 from phalanx.executor.messages import ControlResult
 from phalanx.llmapi.outputs import RequestOutput
-from phalanx.llmapi.sampling_params import SamplingParams
+from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
 from phalanx.llmapi.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("phalanx")
@@ -141,7 +141,6 @@ class LLM:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(inputs).__name__}")
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        from phalanx.executor.request import check_prompt
         check_prompt(ids, self.vocab_size, self.max_seq_len)
         params.check_vocab(self.vocab_size)
 

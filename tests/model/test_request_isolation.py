@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from phalanx import LLM, SamplingParams
-from phalanx.executor import py_executor
-from phalanx.executor.kv_pool import KVPool
-from phalanx.executor.model_runner import ModelRunner, RequestFailures
-from phalanx.executor.request import Request
-from phalanx.executor.sampler import Sampler
-from phalanx.executor.scheduler import Scheduler, SchedulerLimits
+from phalanx.pyexecutor import py_executor
+from phalanx.pyexecutor.kv_pool import KVPool
+from phalanx.pyexecutor.model_runner import ModelRunner, RequestFailures
+from phalanx.pyexecutor.request import Request
+from phalanx.pyexecutor.sampler import Sampler
+from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
 from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.outputs import RequestError
 from phalanx.models.loader import build_model, resolve_model

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from phalanx import LLM, SamplingParams
-from phalanx.executor.request import Request
-from phalanx.executor.sampler import RowSettings, Sampler
+from phalanx.pyexecutor.request import Request
+from phalanx.pyexecutor.sampler import RowSettings, Sampler
 
 CPU = torch.device("cpu")
 
@@ -52,7 +52,7 @@ def test_repetition_presence_frequency_penalties():
 
 
 def test_top_k_top_p_min_p_filters():
-    from phalanx.executor.sampler import _filter
+    from phalanx.pyexecutor.sampler import _filter
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     keep = lambda sp: torch.isfinite(_filter(logits.clone(), [RowSettings.of(req(**sp), 4)]))[0].tolist()
     assert keep(dict(top_k=2)) == [True, True, False, False]

@@ -17,7 +17,7 @@ def test_a_stopped_rank_fails_pending_requests_with_503_naming_it():
     proc, url = start_server("--engine_iteration_timeout", "3")
     try:
         rank = next(p for p in psutil.Process(proc.pid).children(recursive=True)
-                    if "phalanx.executor.worker" in " ".join(p.cmdline()) and "python" in p.cmdline()[0])
+                    if "phalanx.pyexecutor.worker" in " ".join(p.cmdline()) and "python" in p.cmdline()[0])
         answers = {}
 
         def pending():

@@ -9,10 +9,12 @@ HEAVY = ("torch", "triton", "transformers", "mpi4py", "fastapi", "numpy")
 PURE_MODULES = [
     "phalanx",
     "phalanx.kv_manager",
-    "phalanx.executor.scheduler",
-    "phalanx.executor.request",
+    "phalanx.pyexecutor.scheduler",
+    "phalanx.pyexecutor.request",
     "phalanx.executor.messages",
     "phalanx.llmapi.sampling_params",
+    "phalanx.attention_dp.router",
+    "phalanx.config",
 ]
 
 

@@ -1,8 +1,8 @@
 import pytest
 
 from helpers import FakeRunner, fake_token, make_request, run_to_completion, tiny_scheduler
-from phalanx.executor.request import RequestStatus
-from phalanx.executor.scheduler import MAX_UTILIZATION
+from phalanx.pyexecutor.request import RequestStatus
+from phalanx.pyexecutor.scheduler import MAX_UTILIZATION
 
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from phalanx.executor.kv_pool import KVPool
-from phalanx.executor.sampler import RowSettings, SampleOutput, Sampler
-from phalanx.executor.scheduler import ScheduledBatch
+from phalanx.pyexecutor.kv_pool import KVPool
+from phalanx.pyexecutor.sampler import RowSettings, SampleOutput, Sampler
+from phalanx.pyexecutor.scheduler import ScheduledBatch
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.parallel import TPGroup
 

@@ -1,4 +1,4 @@
-"""The rank entry point: ``mpirun -n N python -m phalanx.executor.worker``.
+"""The rank entry point: ``mpirun -n N python -m phalanx.pyexecutor.worker``.
 
 Every rank: wait for the user's ``Init`` (rank 0 receives it over IPC and broadcasts it), start
 torch.distributed, build its engine shard, report (rank 0 sends ``Ready`` or the first failing
@@ -24,14 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from phalanx.executor import ipc
+from phalanx.executor.ipc import DIR_ENV, FATAL_MARKER
 from phalanx.executor.messages import (
     CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Init, Ready, Response, Shutdown, pack, unpack,
 )
 
 logger = logging.getLogger("phalanx")
 
-FATAL_MARKER = "PHALANX_RANK_FAILED"
-DIR_ENV = "PHALANX_IPC_DIR"
 
 
 class IpcSender:
@@ -109,7 +108,7 @@ def exit_with_launcher() -> None:
 
 def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None) -> int:
     """The body every rank runs. Rank 0 passes its ``link``; returns the exit code."""
-    from phalanx.executor.dist import Dist
+    from phalanx.pyexecutor.dist import Dist
     exit_with_launcher()
     dist = Dist()
     rank0 = dist.rank == 0
@@ -170,9 +169,9 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
     import torch
 
     from phalanx.config import LlmArgs
-    from phalanx.executor.creator import create_py_executor, resolve_device
-    from phalanx.executor.dist import init_torch_distributed
-    from phalanx.executor.py_executor import BroadcastRequestQueue, RequestQueue
+    from phalanx.pyexecutor.creator import create_py_executor, resolve_device
+    from phalanx.pyexecutor.dist import init_torch_distributed
+    from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, RequestQueue
     from phalanx.models.loader import resolve_model
 
     args = LlmArgs(**init.llm_args)

@@ -14,14 +14,14 @@ import sys
 
 from phalanx.executor import ipc
 from phalanx.executor.proxy import LAUNCH_ENV, MPI_ENV_PREFIXES
-from phalanx.executor.worker import Rank0Link, run_worker
+from phalanx.pyexecutor.worker import Rank0Link, run_worker
 
 
 def launch(command: list[str]) -> int:
     if not command:
         print("usage: mpirun -n N phalanx launch -- <command> [args...]", file=sys.stderr)
         return 2
-    from phalanx.executor.dist import Dist
+    from phalanx.pyexecutor.dist import Dist
     dist = Dist()
     child = None
     link = None

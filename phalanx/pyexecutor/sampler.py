@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from phalanx.executor.request import Request
+from phalanx.pyexecutor.request import Request
 
 
 @dataclass

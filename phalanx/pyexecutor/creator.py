@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from phalanx.config import LlmArgs
-from phalanx.executor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
-from phalanx.executor.model_runner import ModelRunner
-from phalanx.executor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
-from phalanx.executor.sampler import Sampler
+from phalanx.pyexecutor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
+from phalanx.pyexecutor.model_runner import ModelRunner
+from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
+from phalanx.pyexecutor.sampler import Sampler
 from phalanx.kernels import ops
-from phalanx.executor.scheduler import Scheduler, SchedulerLimits
+from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
 from phalanx.kv_manager import KVCacheManager
 from phalanx.models.loader import ModelSource, build_model, resolve_dtype
 from phalanx.models.parallel import TPGroup, shard_heads
@@ -96,7 +96,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     if device.type == "cuda" and args.cuda_graph_config is not None and not adp and not ref_attention:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:
-            from phalanx.executor.cuda_graph import CudaGraphRunner
+            from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
             runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-max_seq_len // B), B, max_seq_len,
                                             num_blocks, args.cuda_graph_config.enable_padding, device)
             runner.graphs.capture()

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from phalanx.executor.request import Request, RequestStatus
+from phalanx.pyexecutor.request import Request, RequestStatus
 from phalanx.kv_manager import CopyOp, KVCacheManager
 
 GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"

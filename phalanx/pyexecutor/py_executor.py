@@ -23,10 +23,10 @@ from phalanx.executor.messages import (
     HEARTBEAT_INTERVAL, Control, ControlResult, GenerationRequest, Heartbeat, IterationInput, Response, TokenBatch,
     pack, unpack,
 )
-from phalanx.executor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
-from phalanx.executor.request import Request, RequestStatus, check_prompt
-from phalanx.executor.scheduler import ScheduledBatch, Scheduler, StepOutcome
-from phalanx.llmapi.sampling_params import SamplingParams
+from phalanx.pyexecutor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
+from phalanx.pyexecutor.request import Request, RequestStatus
+from phalanx.pyexecutor.scheduler import ScheduledBatch, Scheduler, StepOutcome
+from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
 
 logger = logging.getLogger("phalanx")
 
