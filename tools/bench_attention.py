@@ -13,12 +13,12 @@ import json
 
 import torch
 
-from phalanx.kernels import triton_attention, triton_gemv
+from phalanx.kernels import gemv_tuner, triton_attention
 
 
 def _time(fn) -> float:
     """Microseconds per call, replayed from a CUDA graph (the GEMV tuner's timing)."""
-    return triton_gemv._time(lambda i: fn(), 1) * 1e3
+    return gemv_tuner.time_graph(lambda i: fn(), 1) * 1e3
 
 
 def _pool(S: int, ctx: int, Hkv: int, D: int, B: int, dtype, gen):

@@ -11,7 +11,8 @@ import json
 
 import torch
 
-from phalanx.kernels import triton_gemv
+from phalanx.kernels import gemv_tuner
+from phalanx.kernels.linear_plan import ROW_BUCKETS, Neighbour
 
 SHAPES = [(6144, 4096, "norm"), (4096, 4096, "plain"), (28672, 4096, "norm"), (4096, 14336, "silu"),
           (128256, 4096, "plain")]
@@ -19,20 +20,20 @@ SHAPES = [(6144, 4096, "norm"), (4096, 4096, "plain"), (28672, 4096, "norm"), (4
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=list(triton_gemv.ROW_BUCKETS))
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROW_BUCKETS))
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     rows_out = []
     for N, K, kind in SHAPES:
         w = torch.randn(N, K, dtype=torch.bfloat16, device="cuda")
         nbytes = w.numel() * w.element_size()
-        ws = [w] + [torch.randn_like(w) for _ in range(min(31, -(-(256 << 20) // nbytes) - 1))]
+        ws = gemv_tuner.weight_copies(w)
         for M in a.rows:
             x = torch.randn(M, 2 * K if kind == "silu" else K, dtype=w.dtype, device="cuda")
             r = torch.randn(M, K, dtype=w.dtype, device="cuda")
             g = torch.ones(K, dtype=w.dtype, device="cuda")
-            for plan, fn in triton_gemv._candidates(kind, x, r, g, ws):
-                ms = triton_gemv._time(fn, len(ws))
+            for plan, fn in gemv_tuner.candidates(Neighbour(kind), x, r, g, ws):
+                ms = gemv_tuner.time_graph(fn, len(ws))
                 rows_out.append({"N": N, "K": K, "kind": kind, "rows": M, "plan": str(plan), "ms": ms,
                                  "gb_s": nbytes / ms / 1e6})
                 print(f"{N:6d}x{K:5d} {kind:5s} rows={M:3d} {str(plan):34s} {ms * 1e3:8.1f} us "

@@ -1,4 +1,5 @@
-"""Device dispatch for every kernel: Triton on CUDA when available, torch references elsewhere.
+"""Device dispatch for the kernels that are not projections: Triton on CUDA when available, torch
+references elsewhere. (Projections run their plan: kernels/linear_plan.py.)
 
 Implementations are imported lazily so that importing this module needs neither triton nor a GPU.
 Set ``PHALANX_KERNELS=ref`` to force the references everywhere (debugging, comparisons), or
@@ -34,13 +35,6 @@ FORCE_TRITON = os.environ.get("PHALANX_KERNELS") == "triton"
 
 def use_triton(x: torch.Tensor) -> bool:
     return (x.is_cuda or FORCE_TRITON) and triton_available()
-
-
-# what runs in front of a projection (a parameter's ``gemv_neighbour``, set by the model), timed
-# with it when the skinny kernel is tuned: nothing, silu(gate) * up (fused into the skinny kernel
-# where that measures faster), residual add + RMSNorm, or the attention kernels (nothing to time
-# with, but short: behind them and behind a norm a one-row kernel starts loading its weight early)
-PLAIN, SILU, NORM, ATTN = "plain", "silu", "norm", "attn"
 
 
 def triton_attention_everywhere(model: torch.nn.Module, tokens_per_block: int) -> bool:
@@ -87,58 +81,13 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = PLAIN) -> torch.Tensor:
-    """y = x Wᵀ + b; tuned skinny kernels for small decode batches on a GPU (as tuned behind its
-    ``kind`` of neighbour), else cuBLAS/CPU BLAS."""
-    if use_triton(x):
-        from phalanx.kernels import triton_gemv
-        return triton_gemv.linear(x, weight, bias, kind)
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-def qkv_rope_and_write_kv(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                          num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor | None:
-    """The q/k/v projection of one normed token with rotary and the K/V write in one kernel, on a
-    GPU where the tuner chose the skinny kernel for it; returns the rotated q [1, H, D], or None
-    (then: ``linear``, then ``rope_and_write_kv``, which give the same result)."""
-    if use_triton(h):
-        from phalanx.kernels import triton_gemv
-        return triton_gemv.qkv_rope(h, weight, bias, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
-                                    num_heads, num_kv_heads, head_dim)
-    return None
-
-
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) Wᵀ for x = gate ‖ up: small GPU batches as tuned (fused where that won)."""
-    if use_triton(x):
-        from phalanx.kernels import triton_gemv
-        y = triton_gemv.silu_and_mul_linear(x, weight)
-        if y is not None:
-            return y
-    # larger batches, CPU: the SiLU kernel, then BLAS
-    return torch.nn.functional.linear(silu_and_mul(x), weight)
-
-
-def gate_up_silu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 down_weight: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of one normed token straight from the gate ‖ up projection, on a GPU where
-    the tuner measured that path faster; None otherwise (then: ``linear``, then ``silu_and_mul_linear``,
-    which give the same result)."""
-    if use_triton(h):
-        from phalanx.kernels import triton_gemv
-        return triton_gemv.gate_up_silu(h, weight, bias, down_weight)
-    return None
-
-
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int) -> torch.Tensor:
     """Σ over this rank's (token, expert) pairs of weight · down(silu(gate) · up) -> [T, H]."""
     if use_triton(x):
         from phalanx.kernels import triton_moe
         return triton_moe.fused_moe(x, ids, weights, w13, w2, first)
-    from phalanx.models.moe import experts_ref
-    return experts_ref(x, ids, weights, w13, w2, first)
+    return reference.experts_ref(x, ids, weights, w13, w2, first)
 
 
 def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:

@@ -1,5 +1,5 @@
-"""Plain torch references for the small per-token ops. Used on the CPU and as the ground
-truth the Triton kernels are tested against."""
+"""Plain torch references for the per-token ops and the grouped experts of a MoE layer. Used on
+the CPU and as the ground truth the Triton kernels are tested against."""
 
 from __future__ import annotations
 
@@ -41,3 +41,23 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2N] (gate ‖ up) -> silu(gate) * up: [T, N]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                first: int) -> torch.Tensor:
+    """Reference grouped expert computation.
+
+    x [T, H]; ids/weights [T, k] (global expert ids, routing weights); w13 [E_local, 2I, H]
+    (gate ‖ up); w2 [E_local, H, I]; experts ``first .. first + E_local`` are local. Returns
+    Σ over the local (token, expert) pairs of weight · down(silu(gate) * up): [T, H].
+    """
+    out = torch.zeros_like(x, dtype=torch.float32)
+    local = ids - first
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        tok, pos = torch.where(local == e)
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, tok, (y * weights[tok, pos, None]).float())
+    return out.to(x.dtype)

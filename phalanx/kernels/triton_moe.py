@@ -1,7 +1,7 @@
 """Fused mixture-of-experts on the GPU: (token, expert) pairs sorted by expert into blocks of
 BLOCK_M rows, then two grouped GEMMs — gate‖up with SiLU-and-mul, and down scaled by the
 routing weight — each block using its expert's weights. Checked against
-``models.moe.experts_ref``.
+``reference.experts_ref``.
 
 The bookkeeping uses only fixed-size tensor ops (no host synchronisation), so a decode step
 with MoE layers can be captured in a CUDA graph::

@@ -3,6 +3,10 @@
 Every parameter that comes from a checkpoint has a ``weight_loader(param, full_tensor,
 shard_id)`` that copies this rank's slice of the full (unsharded) tensor. At tp size 1 the
 slices are the whole tensors.
+
+Every projection is a ``Projection``: it says at construction what runs in front of it
+(``behind``) and holds the ``LinearPlan`` it runs with — the reference until the engine's tuner
+replaces it, once, at build time (pyexecutor/creator.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.kernels import ops
+from phalanx.kernels.linear_plan import LinearPlan, Neighbour
 from phalanx.models.parallel import HeadShard, TPGroup, split_range
 
 
@@ -34,11 +39,27 @@ def default_loader(param: torch.Tensor, w: torch.Tensor, shard_id: object = None
     _copy(param, w)
 
 
-class ColumnParallelLinear(nn.Module):
+class Projection(nn.Module):
+    """A layer computing x Wᵀ (+ b) through its plan. ``behind``: the kernel in front of it."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(self, behind: Neighbour = Neighbour.PLAIN) -> None:
+        super().__init__()
+        self.behind = behind
+        self.plan = LinearPlan(behind)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.plan(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(Projection):
     """y = x Wᵀ with W's output rows split across ranks (no communication)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
-        super().__init__()
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 behind: Neighbour = Neighbour.PLAIN) -> None:
+        super().__init__(behind)
         self.tp = tp
         self.start, self.end = split_range(out_features, tp.rank, tp.size)
         self.weight = _param((self.end - self.start, in_features), self._load)
@@ -48,14 +69,15 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, w[self.start:self.end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.project(x)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(Projection):
     """Several column-parallel projections of the same input in one matmul (gate ‖ up)."""
 
-    def __init__(self, in_features: int, out_features: list[int], bias: bool, tp: TPGroup) -> None:
-        super().__init__()
+    def __init__(self, in_features: int, out_features: list[int], bias: bool, tp: TPGroup,
+                 behind: Neighbour = Neighbour.PLAIN) -> None:
+        super().__init__(behind)
         self.ranges = [split_range(n, tp.rank, tp.size) for n in out_features]
         self.offsets = [0]
         for s, e in self.ranges:
@@ -64,20 +86,20 @@ class MergedColumnParallelLinear(nn.Module):
         self.bias = _param((self.offsets[-1],), self._load) if bias else None
 
     def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
-        i = int(shard_id)  # type: ignore[arg-type]
+        i = int(shard_id)  # type: ignore[call-overload]
         s, e = self.ranges[i]
         _copy(param.data[self.offsets[i]:self.offsets[i + 1]], w[s:e])
 
-    def forward(self, x: torch.Tensor, kind: str = ops.PLAIN) -> torch.Tensor:
-        """kind: what runs in front (``ops.linear``)."""
-        return ops.linear(x, self.weight, self.bias, kind)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(Projection):
     """q ‖ k ‖ v projections of this rank's heads in one matmul."""
 
-    def __init__(self, hidden: int, head_dim: int, heads: HeadShard, bias: bool) -> None:
-        super().__init__()
+    def __init__(self, hidden: int, head_dim: int, heads: HeadShard, bias: bool,
+                 behind: Neighbour = Neighbour.NORM) -> None:
+        super().__init__(behind)
         self.heads, self.head_dim = heads, head_dim
         self.q_size = heads.num_heads * head_dim
         self.kv_size = heads.num_kv_heads * head_dim
@@ -97,20 +119,17 @@ class QKVParallelLinear(nn.Module):
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         _copy(param.data[dst], src)
 
-    def forward(self, x: torch.Tensor, kind: str = ops.PLAIN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v); kind: what runs in front (``ops.linear``)."""
-        return self.split(ops.linear(x, self.weight, self.bias, kind))
-
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) of x [T, hidden]: [T, H·D], [T, Hkv·D], [T, Hkv·D]."""
+        return self.project(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Projection):
     """y = x Wᵀ with W's input columns split across ranks; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
-                 in_ranges: list[tuple[int, int]] | None = None) -> None:
-        super().__init__()
+                 in_ranges: list[tuple[int, int]] | None = None, behind: Neighbour = Neighbour.PLAIN) -> None:
+        super().__init__(behind)
         self.tp = tp
         # in_ranges: the input columns of this rank as ranges of the full matrix (heads may
         # be split unevenly); default is an even split.
@@ -122,14 +141,13 @@ class RowParallelLinear(nn.Module):
     def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
         _copy(param, torch.cat([w[:, s:e] for s, e in self.in_ranges], dim=1))
 
-    def forward(self, x: torch.Tensor, kind: str = ops.PLAIN) -> torch.Tensor:
-        """kind: what runs in front (``ops.linear``)."""
-        y = self.tp.all_reduce(ops.linear(x, self.weight, None, kind))
-        return y + self.bias if self.bias is not None else y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: this rank's input columns (gate ‖ up behind SILU) -> the full output on every rank."""
+        return self.reduce(self.plan(x, self.weight, None))
 
-    def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up) for gate_up = gate ‖ up, fused where a kernel allows."""
-        y = self.tp.all_reduce(ops.silu_and_mul_linear(gate_up, self.weight))
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's partial product, then the bias."""
+        y = self.tp.all_reduce(partial)
         return y + self.bias if self.bias is not None else y
 
 
@@ -158,13 +176,14 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(Projection):
     """logits = h Wᵀ over this rank's vocab rows, gathered to the full vocabulary."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup,
                  tied: VocabParallelEmbedding | None = None) -> None:
-        super().__init__()
+        super().__init__(Neighbour.PLAIN)
         self.tp, self.vocab_size = tp, vocab_size
+        self.bias = None
         if tied is not None:
             self.weight = tied.weight
             self.per_rank, self.start, self.end = tied.per_rank, tied.start, tied.end
@@ -174,8 +193,7 @@ class ParallelLMHead(nn.Module):
             self.weight = emb.weight
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = ops.linear(h, self.weight)
-        return self.tp.all_gather_last_dim(logits)[..., :self.vocab_size]
+        return self.tp.all_gather_last_dim(self.project(h))[..., :self.vocab_size]
 
 
 class RMSNorm(nn.Module):

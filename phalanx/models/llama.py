@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from phalanx.kernels import ops
+from phalanx.kernels.linear_plan import GateUpSiluPlan, Neighbour, QkvRopePlan
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.config import ModelConfig
 from phalanx.models.layers import (
@@ -23,61 +24,67 @@ from phalanx.models.parallel import TPGroup, shard_heads
 
 
 class Attention(nn.Module):
+    """Self-attention over the paged KV pool. One token may take the fused q/k/v + rotary + K/V
+    write kernel (``one_token_qkv``, set by the tuner where its q/k/v plan allows)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding) -> None:
         super().__init__()
         D = cfg.head_dim
         self.heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
         self.head_dim, self.scale = D, D ** -0.5
         self.window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, D, self.heads, cfg.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, D, self.heads, cfg.qkv_bias, behind=Neighbour.NORM)
         q0, nq = self.heads.q_start, self.heads.num_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, cfg.o_bias, tp,
-                                        in_ranges=[(q0 * D, (q0 + nq) * D)])
-        self.o_proj.weight.gemv_neighbour = ops.ATTN
+                                        in_ranges=[(q0 * D, (q0 + nq) * D)], behind=Neighbour.ATTN)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = [rotary]  # shared; a list keeps it out of this module's parameters
         kv_of_q = None if self.heads.uniform_groups else torch.tensor(self.heads.kv_of_q)
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
+        self.one_token_qkv: QkvRopePlan | None = None
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """h: the normed hidden states [T, hidden] (the decoder layer's input norm)."""
         T = h.shape[0]
-        H, Hkv, D = self.heads.num_heads, self.heads.num_kv_heads, self.head_dim
-        w, b, cos_sin = self.qkv_proj.weight, self.qkv_proj.bias, self.rotary[0].cos_sin
-        q = None
-        if self.q_norm is None:   # one token: projection, rotary and K/V write may be one kernel
-            q = ops.qkv_rope_and_write_kv(h, w, b, positions, cos_sin, k_cache, v_cache, meta, H, Hkv, D)
-        if q is None:
-            q, k, v = self.qkv_proj(h, ops.NORM)
-            q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q = ops.rope_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta)
+        H, D = self.heads.num_heads, self.head_dim
+        if T == 1 and self.one_token_qkv is not None:
+            q = self.one_token_qkv(h, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary[0].cos_sin,
+                                   k_cache, v_cache, meta.slot_mapping, H, self.heads.num_kv_heads, D)
+        else:
+            q = self.qkv_rope(positions, h, meta, k_cache, v_cache)
         o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q)
-        return self.o_proj(o.reshape(T, H * D), ops.ATTN)
+        return self.o_proj(o.reshape(T, H * D))
+
+    def qkv_rope(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q/k/v projection, q/k norms, rotary, K/V write -> the rotated q [T, H, D]."""
+        T = h.shape[0]
+        H, Hkv, D = self.heads.num_heads, self.heads.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(h)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return ops.rope_and_write_kv(positions, q, k, v, self.rotary[0].cos_sin, k_cache, v_cache, meta)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup) -> None:
+    """down(silu(gate) * up) of x. One token may take silu(gate) * up straight from the gate ‖ up
+    kernel (``one_token``, set by the tuner where that measured faster)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup,
+                 behind: Neighbour = Neighbour.NORM) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, tp)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
-        self.down_proj.weight.gemv_neighbour = ops.SILU     # forward_silu: SiLU-and-mul in front
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, tp, behind)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp, behind=Neighbour.SILU)
+        self.one_token: GateUpSiluPlan | None = None
 
-    def forward(self, x: torch.Tensor, kind: str = ops.PLAIN) -> torch.Tensor:
-        """kind: what runs in front of gate ‖ up (``ops.linear``)."""
-        return self.down_proj.forward_silu(self.gate_up_proj(x, kind))
-
-    def forward_normed(self, h: torch.Tensor) -> torch.Tensor:
-        """forward() of the decoder layer's normed hidden states, gate ‖ up tuned behind that norm;
-        one token may take silu(gate) * up straight from the projection's kernel."""
-        gu = self.gate_up_proj
-        act = ops.gate_up_silu(h, gu.weight, gu.bias, self.down_proj.weight)
-        if act is not None:
-            return self.down_proj(act)
-        return self.forward(h, ops.NORM)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.one_token is not None:
+            act = self.one_token.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            return self.down_proj.reduce(self.one_token.down_proj(act, self.down_proj.weight))
+        return self.down_proj(self.gate_up_proj(x))   # down takes gate ‖ up: silu(gate) * up in front
 
 
 MlpFactory = Callable[[ModelConfig, int, TPGroup], nn.Module]
@@ -95,19 +102,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, tp, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp_factory(cfg, layer_idx, tp)
-        # the norms that forward() fuses into the projection after them
-        self.self_attn.qkv_proj.weight.gemv_neighbour = ops.NORM
-        if isinstance(self.mlp, MLP):
-            self.mlp.gate_up_proj.weight.gemv_neighbour = ops.NORM
 
     def forward(self, positions, x, residual, meta, k_cache, v_cache):
-        # each norm travels with the projection after it (the projection tuned behind it)
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, h, meta, k_cache, v_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        if isinstance(self.mlp, MLP):
-            return self.mlp.forward_normed(x), residual
-        return self.mlp(x), residual
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):

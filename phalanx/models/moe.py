@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.kernels import ops
+from phalanx.kernels.linear_plan import Neighbour
 from phalanx.models.config import ModelConfig
 from phalanx.models.layers import _param, default_loader
 from phalanx.models.llama import MLP, CausalLM
@@ -84,27 +85,6 @@ def scatter_tokens(y: torch.Tensor, counts: list[int], ep: EPGroup) -> torch.Ten
     return out[:counts[ep.rank]]
 
 
-# -- expert computation ---------------------------------------------------------------------------------
-def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                first: int) -> torch.Tensor:
-    """Reference grouped expert computation.
-
-    x [T, H]; ids/weights [T, k] (global expert ids, routing weights); w13 [E_local, 2I, H]
-    (gate ‖ up); w2 [E_local, H, I]; experts ``first .. first + E_local`` are local. Returns
-    Σ over the local (token, expert) pairs of weight · down(silu(gate) * up): [T, H].
-    """
-    out = torch.zeros_like(x, dtype=torch.float32)
-    local = ids - first
-    for e in torch.unique(local).tolist():
-        if not 0 <= e < w13.shape[0]:
-            continue
-        tok, pos = torch.where(local == e)
-        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
-        out.index_add_(0, tok, (y * weights[tok, pos, None]).float())
-    return out.to(x.dtype)
-
-
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, ep: EPGroup) -> None:
         super().__init__()
@@ -123,7 +103,7 @@ class SparseMoE(nn.Module):
         self.w2 = _param((self.num_local, H, i_local), self._load_expert)
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, False, tp)
+            self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, False, tp, behind=Neighbour.PLAIN)
             self.shared_expert_gate = nn.Linear(H, 1, bias=False)
             self.shared_expert_gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
 

@@ -117,17 +117,24 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
 
 
 def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
+    """Hand every projection its plan, and attention and MLP layers their one-token paths, by
+    timing on this GPU (kernels/gemv_tuner.py). Returns GB/s per tuned shape, for the log."""
     if not ops.triton_available():
         return {}
-    from phalanx.kernels import triton_gemv
-    weights = [(p, getattr(p, "gemv_neighbour", ops.PLAIN)) for n, p in model.named_parameters()
-               if p.dim() == 2 and "embed_tokens" not in n]
-    report = triton_gemv.tune(weights)
-    # one token may get silu(gate) * up ready from the gate ‖ up kernel (``ops.gate_up_silu``):
-    # each MLP's pair is timed both ways
-    mlps = [m for m in model.modules()
-            if hasattr(m, "forward_normed") and getattr(m.gate_up_proj.weight, "gemv_neighbour", None) == ops.NORM]
-    report.update(triton_gemv.tune_gate_up_silu([(m.gate_up_proj.weight, m.down_proj.weight) for m in mlps]))
+    from phalanx.kernels import gemv_tuner
+    from phalanx.kernels.linear_plan import Neighbour
+    from phalanx.models.layers import Projection
+    from phalanx.models.llama import MLP, Attention
+    report: dict[str, float] = {}
+    for m in model.modules():
+        if isinstance(m, Projection) and m.weight.is_cuda:
+            m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report)
+    for m in model.modules():
+        if isinstance(m, Attention) and m.q_norm is None:
+            m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)
+        elif isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda:
+            m.one_token = gemv_tuner.gate_up_silu_plan(m.gate_up_proj.weight, m.gate_up_proj.plan,
+                                                       m.down_proj.weight, m.down_proj.plan, report)
     return report
 
 

@@ -152,8 +152,9 @@ def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype
                          + ([(1, 4096, 4096), (4, 14336, 4096), (2, 4096, 14336), (16, 6144, 4096), (64, 4096, 14336),
                              (37, 1000, 4096)] if CUDA else []))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if CUDA else [torch.float32])
-def test_gemv_every_config(M, N, K, dtype):
-    from phalanx.kernels import triton_gemv
+def test_gemv_every_tile(M, N, K, dtype):
+    from phalanx.kernels import gemv
+    from phalanx.kernels.linear_plan import RowsTile
     g = torch.Generator().manual_seed(5)
     x = torch.randn(M, K, generator=g).to(DEV, dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
@@ -161,20 +162,20 @@ def test_gemv_every_config(M, N, K, dtype):
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
     ref_silu = torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float())
-    configs = triton_gemv.CONFIGS if M == 1 else [(*c, k) for c in triton_gemv.ROWS_CONFIGS for k in (1, 3)]
-    for cfg, p in ([(c, p) for c in configs for p in (False, True)] if CUDA else [(c, False) for c in configs[:2]]):
-        close(triton_gemv.gemv(x, w, b, cfg, use_pdl=p), ref, dtype)
-        close(triton_gemv.gemv(xx, w, None, cfg, silu=True, use_pdl=p), ref_silu, dtype)
+    tiles = gemv.ONE_ROW_TILES if M == 1 else [RowsTile(*t[:4], k) for t in gemv.ROWS_TILES for k in (1, 3)]
+    for tile, p in ([(t, p) for t in tiles for p in (False, True)] if CUDA else [(t, False) for t in tiles[:2]]):
+        close(gemv.gemv(x, w, b, tile, pdl=p), ref, dtype)
+        close(gemv.gemv(xx, w, None, tile, silu=True, pdl=p), ref_silu, dtype)
         if M == 1:   # the first weight tile loaded before the PDL wait: the same sums in the same order
-            assert torch.equal(triton_gemv.gemv(x, w, b, cfg, use_pdl=p, preload=True),
-                               triton_gemv.gemv(x, w, b, cfg, use_pdl=p))
+            assert torch.equal(gemv.gemv(x, w, b, tile, pdl=p, preload=True), gemv.gemv(x, w, b, tile, pdl=p))
 
 
 @pytest.mark.parametrize("H,Hkv,D,bias", [(4, 2, 32, False), (6, 2, 16, True)] + ([(32, 8, 128, False)] if CUDA else []))
-def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv, D, bias, monkeypatch):
+def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv, D, bias):
     """The fused q/k/v projection + rotary + K/V write gives the bits of the projection, then
-    ``rope_and_write_kv`` — for every one-row tile config, with PDL where the GPU has it."""
-    from phalanx.kernels import triton_gemv, triton_ops
+    ``rope_and_write_kv`` — for every one-row tile that fits a head, with PDL where the GPU has it."""
+    from phalanx.kernels import gemv
+    from phalanx.kernels.linear_plan import QkvRopePlan
     g = torch.Generator().manual_seed(11)
     dtype = torch.bfloat16
     K, N, B, nb = 64 if not CUDA else 4096, (H + 2 * Hkv) * D, 16, 6
@@ -183,29 +184,30 @@ def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv,
     b = torch.randn(N, generator=g).to(DEV, dtype) if bias else None
     cs = torch.randn(40, D, generator=g).to(DEV)
     pos, slot = torch.tensor([37], device=DEV), torch.tensor([3 * B + 5], device=DEV)
-    for cfg in triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]:
+    for tile in gemv.ONE_ROW_TILES if CUDA else gemv.ONE_ROW_TILES[:2]:
+        if not QkvRopePlan.fits(tile, D):   # a tile wider than a head: the tuner leaves the kernels apart
+            with pytest.raises(ValueError):
+                QkvRopePlan(tile, False)(x, w, b, pos, cs, *[torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV)] * 2,
+                                         slot, H, Hkv, D)
+            continue
         for use_pdl in (False, True) if CUDA else (False,):
-            monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM, 1),
-                                triton_gemv.Plan("gemv", cfg, use_pdl))
             caches = [torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV) for _ in range(4)]
-            q = triton_gemv.qkv_rope(x, w, b, pos, cs, caches[0], caches[1], slot, H, Hkv, D)
-            if D % cfg[0]:      # a tile wider than a head: declined, the kernels apart run instead
-                assert q is None
-                continue
-            qkv = triton_gemv.gemv(x, w, b, cfg, use_pdl=use_pdl)
+            q = QkvRopePlan(tile, use_pdl)(x, w, b, pos, cs, caches[0], caches[1], slot, H, Hkv, D)
+            qkv = gemv.gemv(x, w, b, tile, pdl=use_pdl)
             q_ref = triton_ops.rope_and_write_kv(pos, qkv[:, :H * D].view(1, H, D), qkv[:, H * D:(H + Hkv) * D].view(1, Hkv, D),
                                                  qkv[:, (H + Hkv) * D:].view(1, Hkv, D), cs, caches[2], caches[3], slot)
-            assert torch.equal(q, q_ref), cfg
-            assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), cfg
+            assert torch.equal(q, q_ref), tile
+            assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), tile
             assert caches[0].view(-1, Hkv, D)[3 * B + 5].abs().sum() > 0   # it wrote the slot
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias, monkeypatch):
+def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias):
     """silu(gate) * up from the gate ‖ up kernel's epilogue gives the bits of the projection, then
-    the SiLU-and-mul kernel, for every one-row tile config; it runs for one row, only where the
-    tuner chose it for the (gate ‖ up, down) pair."""
-    from phalanx.kernels import triton_gemv, triton_ops
+    the SiLU-and-mul kernel, for every one-row tile; the MLP of one token takes that path only
+    where its plan says so."""
+    from phalanx.kernels import gemv
+    from phalanx.kernels.linear_plan import CUBLAS, GateUpSiluPlan
     g = torch.Generator().manual_seed(12)
     dtype = torch.bfloat16 if CUDA else torch.float32   # the interpreter's bfloat16 SiLU is not exact
     K, I = (64, 40) if not CUDA else (4096, 14336)
@@ -213,99 +215,82 @@ def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias, monkeypatch)
     w = (torch.randn(2 * I, K, generator=g) / K ** 0.5).to(DEV, dtype)
     b = torch.randn(2 * I, generator=g).to(DEV, dtype) if bias else None
     down = torch.randn(K, I, generator=g).to(DEV, dtype)
-    pair = ((2 * I, K, dtype, triton_gemv.NORM, 1), (K, I, dtype, triton_gemv.PLAIN, 1))
-    for cfg in triton_gemv.CONFIGS if CUDA else triton_gemv.CONFIGS[:2]:
+    for tile in gemv.ONE_ROW_TILES if CUDA else gemv.ONE_ROW_TILES[:2]:
         for use_pdl in (False, True) if CUDA else (False,):
-            monkeypatch.setitem(triton_gemv._ACT, pair, triton_gemv.Plan("gemv", cfg, use_pdl))
-            act = triton_gemv.gate_up_silu(x, w, b, down)
-            ref = triton_ops.silu_and_mul(triton_gemv.gemv(x, w, b, cfg, use_pdl=use_pdl))
-            assert torch.equal(act, ref), cfg
-            assert triton_gemv.gate_up_silu(x.expand(2, K), w, b, down) is None      # more rows
-    monkeypatch.setitem(triton_gemv._ACT, pair, None)                               # apart was faster
-    assert triton_gemv.gate_up_silu(x, w, b, down) is None
-    monkeypatch.delitem(triton_gemv._ACT, pair)                                     # not tuned
-    assert triton_gemv.gate_up_silu(x, w, b, down) is None
+            plan = GateUpSiluPlan(tile, use_pdl, CUBLAS)
+            act = plan.gate_up_silu(x, w, b)
+            assert torch.equal(act, triton_ops.silu_and_mul(gemv.gemv(x, w, b, tile, pdl=use_pdl))), tile
+            close(plan.down_proj(act, down), torch.nn.functional.linear(act.float(), down.float()), dtype)
 
 
 @pytest.mark.skipif(not CUDA, reason="tuning times CUDA graphs")
-def test_gate_up_silu_pair_tuning_picks_a_path_that_runs(monkeypatch):
-    """The pair tuner times both paths of a (gate ‖ up, down) pair and remembers a plan or None;
-    either way the MLP of one token then gives the bits of the path it names."""
-    from phalanx.kernels import triton_gemv, triton_ops
-    monkeypatch.setattr(triton_gemv, "_CHOICE", {})
-    monkeypatch.setattr(triton_gemv, "_ACT", {})
+def test_gate_up_silu_pair_tuning_picks_a_path_that_runs():
+    """The pair tuner times both paths of a (gate ‖ up, down) pair and returns a plan or None;
+    an MLP of one token given it gives the bits of the path it names."""
+    from phalanx.kernels import gemv, gemv_tuner
+    from phalanx.kernels.linear_plan import Neighbour
+    from phalanx.models.llama import MLP
+    from phalanx.models.parallel import TPGroup
     K, I, dtype = 1024, 2816, torch.bfloat16
-    g = torch.Generator().manual_seed(13)
-    gu = (torch.randn(2 * I, K, generator=g) / K ** 0.5).to(DEV, dtype)
-    down = (torch.randn(K, I, generator=g) / I ** 0.5).to(DEV, dtype)
-    triton_gemv.tune([(gu, triton_gemv.NORM), (down, triton_gemv.SILU)], rows=(1,), l2_bytes=64 << 20)
-    triton_gemv.tune([(down, triton_gemv.PLAIN)], rows=(1,), l2_bytes=64 << 20)
-    report = triton_gemv.tune_gate_up_silu([(gu, down)], l2_bytes=64 << 20)
+    mlp = MLP(K, I, False, TPGroup()).to(DEV, dtype)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=K ** -0.5)
+    gu, dn = mlp.gate_up_proj, mlp.down_proj
+    gu.plan = gemv_tuner.tune_linear(gu.weight, Neighbour.NORM)
+    dn.plan = gemv_tuner.tune_linear(dn.weight, Neighbour.SILU)
+    report = {}
+    plan = gemv_tuner.gate_up_silu_plan(gu.weight, gu.plan, dn.weight, dn.plan, report)
     assert len(report) == 1 and all(v > 0 for v in report.values()), report
-    plan = triton_gemv._ACT[((2 * I, K, dtype, triton_gemv.NORM, 1), (K, I, dtype, triton_gemv.PLAIN, 1))]
-    x = torch.randn(1, K, generator=g).to(DEV, dtype)
-    act = triton_gemv.gate_up_silu(x, gu, None, down)
-    if plan is None:
-        assert act is None
-    else:
-        assert torch.equal(act, triton_ops.silu_and_mul(triton_gemv.gemv(x, gu, None, plan.config, use_pdl=plan.pdl)))
+    x = torch.randn(1, K, device=DEV, dtype=dtype)
+    apart = dn(gu(x))
+    mlp.one_token = plan
+    if plan is not None:
+        act = triton_ops.silu_and_mul(gemv.gemv(x, gu.weight, None, plan.tile, pdl=plan.pdl))
+        assert torch.equal(mlp(x), plan.down_proj(act, dn.weight))
+    close(mlp(x), apart, dtype)
 
 
 def test_split_k_adds_slices_in_order_and_resets_its_counters():
     """Split over K, the last slice to finish sums the partials in slice order: the same bits on
     every run and the same numbers as unsplit up to rounding; its counters are back at zero."""
-    from phalanx.kernels import triton_gemv
+    from phalanx.kernels import gemv
+    from phalanx.kernels.linear_plan import RowsTile
     dtype = torch.bfloat16 if CUDA else torch.float32
     M, N, K = (48, 4096, 14336) if CUDA else (5, 40, 1024)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(M, K, generator=g).to(DEV, dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
     b = torch.randn(N, generator=g).to(DEV, dtype)
-    cfg = triton_gemv.ROWS_CONFIGS[0]
-    whole = triton_gemv.gemv(x, w, b, (*cfg, 1))
-    split = [triton_gemv.gemv(x, w, b, (*cfg, 4)) for _ in range(3)]
+    tile = gemv.ROWS_TILES[0]
+    whole = gemv.gemv(x, w, b, RowsTile(*tile[:4], 1))
+    split = [gemv.gemv(x, w, b, RowsTile(*tile[:4], 4)) for _ in range(3)]
     assert all(torch.equal(split[0], y) for y in split[1:])
     close(split[0], whole, dtype)
     close(split[0], torch.nn.functional.linear(x.float(), w.float(), b.float()), dtype)
-    assert int(triton_gemv._COUNTS[x.device].count_nonzero()) == 0
+    assert int(gemv._COUNTS[x.device].count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("tuned", ["gemv", "cublas"])
-def test_norm_and_silu_projections_follow_the_tuned_choice(tuned, monkeypatch):
-    """The plan tuned for (shape, neighbour) is the one that runs: the skinny kernel (behind the
-    norm kernel, or with the SiLU fused in) or the neighbour kernel then F.linear. Both give the
-    reference's numbers."""
-    from phalanx.kernels import ops, triton_gemv
-    monkeypatch.setattr(ops, "FORCE_TRITON", True)
+@pytest.mark.parametrize("behind", ["norm", "silu"])
+def test_a_projection_runs_the_plan_of_its_row_bucket(behind, monkeypatch):
+    """A plan runs the Plan of the batch's row bucket — the skinny kernel (with the SiLU fused
+    in behind SILU) or cuBLAS — and cuBLAS past the last bucket; every path gives the reference."""
+    from phalanx.kernels import gemv
+    from phalanx.kernels.linear_plan import CUBLAS, LinearPlan, Neighbour, Plan, RowsTile
+    neighbour = Neighbour(behind)
     dtype = torch.bfloat16 if CUDA else torch.float32
-    M, K, N = 2, 64, 48
+    K, N = 64, 48
     g = torch.Generator().manual_seed(11)
-    x, r = (torch.randn(M, K, generator=g).to(DEV, dtype) for _ in range(2))
-    xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
-    gn = torch.rand(K, generator=g).to(DEV, dtype) + 0.5
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
-    cfg = triton_gemv.CONFIGS[1]
-    plan = {"gemv": triton_gemv.Plan("gemv", cfg), "cublas": triton_gemv.CUBLAS}[tuned]
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.NORM, 16), plan)
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.SILU, 16), plan)
-    # neither the plain entry of the same shape (another weight's tuning) nor the one-row
-    # entries (tuned apart: another code path) are used for two rows behind these neighbours
-    other = triton_gemv.CUBLAS if tuned == "gemv" else triton_gemv.Plan("gemv", triton_gemv.CONFIGS[0])
-    monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, triton_gemv.PLAIN, 16), other)
-    for kind in (triton_gemv.NORM, triton_gemv.SILU):
-        for rows in (1, 64):
-            monkeypatch.setitem(triton_gemv._CHOICE, (N, K, dtype, kind, rows), other)
     calls = []
-    real = triton_gemv.gemv
-    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(kw.get("silu", False)) or real(*a, **kw))
-    h, res = ops.fused_add_rms_norm(x, r, gn, 1e-6)
-    y = ops.linear(h, w, None, ops.NORM)
-    h_ref, res_ref = reference.fused_add_rms_norm_ref(x, r, gn, 1e-6)
-    close(y, torch.nn.functional.linear(h_ref.float(), w.float()), dtype)
-    assert torch.equal(res, res_ref)
-    z = ops.silu_and_mul_linear(xx, w)
-    close(z, torch.nn.functional.linear(reference.silu_and_mul_ref(xx).float(), w.float()), dtype)
-    assert calls == {"gemv": [False, True], "cublas": []}[tuned], calls
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append((a[0].shape[0], kw["silu"])) or real(*a, **kw))
+    plan = LinearPlan(neighbour, (Plan("gemv", gemv.ONE_ROW_TILES[1]), CUBLAS, Plan("gemv", RowsTile(32, 256, 4, 4, 2))))
+    for rows in (1, 2, 40, 70):
+        x = torch.randn(rows, 2 * K if behind == "silu" else K, generator=g).to(DEV, dtype)
+        want = reference.silu_and_mul_ref(x) if behind == "silu" else x
+        close(plan(x, w), torch.nn.functional.linear(want.float(), w.float()), dtype)
+    assert calls == [(1, behind == "silu"), (40, behind == "silu")], calls
+    assert LinearPlan(neighbour).is_reference and not plan.is_reference
 
 
 def test_pdl_only_on_gpus_that_have_it():
@@ -328,7 +313,7 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
     what the previous one wrote, replayed from a CUDA graph with PDL launches on a new input each
     time, gives bit for bit what the same kernels give launched without PDL: every read waits
     for the previous write."""
-    from phalanx.kernels import pdl, triton_gemv
+    from phalanx.kernels import gemv, pdl
     g = torch.Generator().manual_seed(3)
     H, I, L = 1024, 2048, 6
     ws = [((torch.randn(2 * I, H, generator=g) / H ** 0.5).to(DEV, torch.bfloat16),
@@ -340,8 +325,8 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
         x, r = x0, x0
         for up, down in ws:
             h, r = triton_ops.fused_add_rms_norm(x, r, gn, 1e-6)
-            u = triton_gemv.gemv(h, up, None, triton_gemv.CONFIGS[0], use_pdl=True)
-            x = triton_gemv.gemv(u, down, None, triton_gemv.CONFIGS[2], silu=True, use_pdl=True)
+            u = gemv.gemv(h, up, None, gemv.ONE_ROW_TILES[0], pdl=True)
+            x = gemv.gemv(u, down, None, gemv.ONE_ROW_TILES[2], silu=True, pdl=True)
         return x
     x0.copy_(torch.randn(1, H, generator=g))
     static = chain()
@@ -371,31 +356,36 @@ def test_cuda_graphs_only_where_every_attention_layer_runs_triton(tiny_models):
     assert not triton_attention.supports_layout(32, 5, 2, uneven=False)   # 5 query heads over 2 KV heads
 
 
-def test_gemv_neighbour_of_each_parameter(tiny_models, tiny_moe_models):
-    """The kernel in front of each projection, as the models declare it for the tuner."""
+def test_the_kernel_in_front_of_each_projection(tiny_models, tiny_moe_models):
+    """What each projection declares runs in front of it (what the tuner times it with)."""
+    from phalanx.models.layers import Projection
     from phalanx.models.loader import build_model, resolve_model
     from phalanx.models.parallel import TPGroup
 
-    def neighbours(path):
+    def behind(path):
         model = build_model(resolve_model(path), torch.float32, torch.device("cpu"), TPGroup(), "dummy", 0)
-        return {n: getattr(p, "gemv_neighbour", "plain") for n, p in model.named_parameters() if p.dim() == 2}
-    dense = neighbours(tiny_models["llama"])
-    assert dense["model.layers.1.self_attn.qkv_proj.weight"] == "norm"
-    assert dense["model.layers.1.mlp.gate_up_proj.weight"] == "norm"
-    assert dense["model.layers.1.mlp.down_proj.weight"] == "silu"
-    assert dense["model.layers.1.self_attn.o_proj.weight"] == "attn"
-    assert dense["lm_head.weight"] == "plain"
-    moe = neighbours(tiny_moe_models["qwen2_moe"])
-    assert moe["model.layers.0.self_attn.qkv_proj.weight"] == "norm"
-    assert moe["model.layers.0.mlp.shared_expert.gate_up_proj.weight"] == "plain"
-    assert moe["model.layers.0.mlp.shared_expert.down_proj.weight"] == "silu"
+        return {n: m.behind.value for n, m in model.named_modules() if isinstance(m, Projection)}
+    dense = behind(tiny_models["llama"])
+    assert dense["model.layers.1.self_attn.qkv_proj"] == "norm"
+    assert dense["model.layers.1.mlp.gate_up_proj"] == "norm"
+    assert dense["model.layers.1.mlp.down_proj"] == "silu"
+    assert dense["model.layers.1.self_attn.o_proj"] == "attn"
+    assert dense["lm_head"] == "plain"
+    moe = behind(tiny_moe_models["qwen2_moe"])
+    assert moe["model.layers.0.self_attn.qkv_proj"] == "norm"
+    assert moe["model.layers.0.mlp.shared_expert.gate_up_proj"] == "plain"
+    assert moe["model.layers.0.mlp.shared_expert.down_proj"] == "silu"
 
 
 def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_models, monkeypatch):
-    """All Triton kernels wired into the engine (interpreter on CPU; real kernels on a GPU)."""
+    """All Triton kernels wired into the engine (interpreter on CPU; real kernels on a GPU): every
+    projection given a skinny-kernel plan, the one-token q/k/v and MLP paths included."""
     from hf_reference import assert_same_greedy, hf_greedy
     from phalanx import LLM, SamplingParams
-    from phalanx.kernels import ops, triton_attention, triton_gemv, triton_ops
+    from phalanx.kernels import gemv, ops, triton_attention, triton_ops
+    from phalanx.kernels.linear_plan import CUBLAS, GateUpSiluPlan, LinearPlan, Neighbour, Plan, QkvRopePlan, RowsTile
+    from phalanx.models.layers import Projection
+    from phalanx.models.llama import MLP, Attention
     monkeypatch.setattr(ops, "FORCE_TRITON", True)
     calls = {}
 
@@ -407,43 +397,23 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
             return real(*a, **kw)
         monkeypatch.setattr(mod, name, wrapper)
 
-    for mod, name in ((triton_gemv, "gemv"), (triton_gemv, "silu_and_mul_linear"),
+    for mod, name in ((gemv, "gemv"), (gemv, "qkv_rope"), (gemv, "gate_up_silu"),
                       (triton_attention, "decode_attention"),
                       (triton_attention, "extend_attention"), (triton_ops, "rope_and_write_kv"),
                       (triton_ops, "copy_blocks"), (triton_ops, "fused_add_rms_norm"), (triton_ops, "silu_and_mul")):
         counting(mod, name)
-    real_qkv_rope = triton_gemv.qkv_rope
-
-    def fused_qkv(*a, **kw):   # counted where the one-token kernel ran, not where it declined
-        q = real_qkv_rope(*a, **kw)
-        calls["qkv_rope"] = calls.get("qkv_rope", 0) + (q is not None)
-        return q
-    monkeypatch.setattr(triton_gemv, "qkv_rope", fused_qkv)
-    real_gate_up_silu = triton_gemv.gate_up_silu
-
-    def fused_act(*a, **kw):
-        act = real_gate_up_silu(*a, **kw)
-        calls["gate_up_silu"] = calls.get("gate_up_silu", 0) + (act is not None)
-        return act
-    monkeypatch.setattr(triton_gemv, "gate_up_silu", fused_act)
     prompts = [[3, 1, 4, 1, 5], list(range(10, 50)), [7]]
+    one_row = Plan("gemv", gemv.ONE_ROW_TILES[1])
+    rows = Plan("gemv", RowsTile(*gemv.ROWS_TILES[0][:4], 2))     # the split-K path for more than one row
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
              kv_cache_config={"tokens_per_block": 16}, max_num_tokens=24, cuda_graph_config=None) as llm:
-        for p in llm._executor.engine.runner.model.parameters():
-            if p.dim() == 2:
-                for kind in (triton_gemv.PLAIN, triton_gemv.SILU, triton_gemv.NORM, triton_gemv.ATTN):
-                    for rows in triton_gemv.ROW_BUCKETS:   # the split-K path for more than one row
-                        cfg = triton_gemv.CONFIGS[1] if rows == 1 else (*triton_gemv.ROWS_CONFIGS[0], 2)
-                        plan = triton_gemv.Plan("gemv", cfg)
-                        if kind == triton_gemv.SILU and rows == triton_gemv.MAX_ROWS:
-                            plan = triton_gemv.CUBLAS     # prefill chunks of 17-24 rows: SiLU kernel, cuBLAS
-                        monkeypatch.setitem(triton_gemv._CHOICE, (p.shape[0], p.shape[1], p.dtype, kind, rows), plan)
-        for m in llm._executor.engine.runner.model.modules():   # one token: silu(gate) * up from gate ‖ up
-            if hasattr(m, "forward_normed"):
-                gu, dn = m.gate_up_proj.weight, m.down_proj.weight
-                monkeypatch.setitem(triton_gemv._ACT, ((*gu.shape, gu.dtype, triton_gemv.NORM, 1),
-                                                       (*dn.shape, dn.dtype, triton_gemv.PLAIN, 1)),
-                                    triton_gemv.Plan("gemv", triton_gemv.CONFIGS[1]))
+        for m in llm._executor.engine.runner.model.modules():
+            if isinstance(m, Projection):   # prefill chunks of 17-24 rows behind SILU: its kernel, cuBLAS
+                m.plan = LinearPlan(m.behind, (one_row, rows, CUBLAS if m.behind is Neighbour.SILU else rows))
+            elif isinstance(m, Attention):
+                m.one_token_qkv = QkvRopePlan(one_row.tile, False)
+            elif isinstance(m, MLP):
+                m.one_token = GateUpSiluPlan(one_row.tile, False, one_row)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
         alone = llm.generate(prompts[:1], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # batch 1
@@ -452,9 +422,8 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
     assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
-    missing = {n for n in ("gemv", "silu_and_mul_linear", "decode_attention", "extend_attention", "rope_and_write_kv",
-                           "copy_blocks", "fused_add_rms_norm", "silu_and_mul", "qkv_rope", "gate_up_silu")
-               if not calls.get(n)}
+    missing = {n for n in ("gemv", "decode_attention", "extend_attention", "rope_and_write_kv", "copy_blocks",
+                           "fused_add_rms_norm", "silu_and_mul", "qkv_rope", "gate_up_silu") if not calls.get(n)}
     assert not missing, (missing, calls)
 
 
@@ -462,7 +431,7 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
                          + ([(256, 8, 128, 64, 64), (2048, 8, 128, 0, 128)] if CUDA else []))
 def test_fused_moe_against_the_reference(T, k, E, first, local):
     from phalanx.kernels import triton_moe
-    from phalanx.models.moe import experts_ref
+    from phalanx.kernels.reference import experts_ref
     dtype = torch.bfloat16 if CUDA else torch.float32
     H, I = (2048, 768) if CUDA and T >= 256 else (32, 24)
     g = torch.Generator().manual_seed(T)
@@ -477,9 +446,9 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
 
 def test_skinny_kernel_stages_shrink_to_the_shared_memory_budget():
     """The stage count is cut only as far as the budget needs (the kernels themselves run at
-    every config in fp32 and bf16, one and several rows, in test_gemv_every_config)."""
-    from phalanx.kernels import triton_gemv
-    assert triton_gemv._fit_stages(4, 16 << 10) == 4
-    assert triton_gemv._fit_stages(4, 60 << 10) == 3
-    assert triton_gemv._fit_stages(2, 128 << 10) == 1          # 16 x 1024 fp32 tile + 16 rows of x
-    assert triton_gemv._fit_stages(3, 300 << 10) == 1          # never below one stage
+    every tile in fp32 and bf16, one and several rows, in test_gemv_every_tile)."""
+    from phalanx.kernels import gemv
+    assert gemv._fit_stages(4, 16 << 10) == 4
+    assert gemv._fit_stages(4, 60 << 10) == 3
+    assert gemv._fit_stages(2, 128 << 10) == 1          # 16 x 1024 fp32 tile + 16 rows of x
+    assert gemv._fit_stages(3, 300 << 10) == 1          # never below one stage

@@ -1,0 +1,329 @@
+"""Skinny matmul kernels y = x Wᵀ (+ b) for decode batches of a few rows, and their launchers.
+
+At batch 1 a decode step is a stream of weight reads; the one-row kernel walks W in [BLOCK_N,
+BLOCK_K] tiles with wide loads and a pipelined K loop, multiplies with float32 FMAs and sums once
+at the end. Up to 64 rows are padded to 16 or 64 for ``tl.dot`` (tensor cores in bf16/fp16);
+where there are too few column tiles to fill the GPU, K is split over programs and the last slice
+of each tile adds the partials up in slice order (split-K with no second kernel, deterministic).
+SiLU-and-mul on the input of the down projection rides along so that it costs no launch of its
+own. For one token, two epilogues fuse more: the q/k/v projection with rotary and the K/V write
+(``qkv_rope``), and gate ‖ up with silu(gate) * up (``gate_up_silu``).
+
+Launchers take plain tiles (``linear_plan.OneRowTile`` / ``RowsTile``); which tile, PDL and
+preload a projection runs with is decided once by the tuner (``gemv_tuner``) and held by the
+layer as its plan (``linear_plan``). The reference is ``torch.nn.functional.linear`` after the
+references of the neighbours.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from phalanx.kernels import pdl as _pdl
+from phalanx.kernels.linear_plan import OneRowTile, QkvRopePlan, RowsTile, bucket
+from phalanx.kernels.pdl import prologue, release, wait
+from phalanx.kernels.triton_ops import silu_mul
+
+# the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages) ...
+ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile(16, 1024, 8, 2),
+                 OneRowTile(32, 256, 4, 4), OneRowTile(8, 1024, 4, 3)]
+# ... and more rows (padded to 16 or 64 for tl.dot), each tried whole and split over K (``auto_splits``);
+# each is a compile at start-up
+ROWS_TILES = [RowsTile(32, 256, 4, 4), RowsTile(64, 128, 4, 3)]
+SMEM_BYTES = 200 << 10
+
+
+def _fit_stages(stages: int, bytes_per_stage: int) -> int:
+    """Fewer pipeline stages where the tiles would not fit in shared memory (fp32, wide K tiles,
+    the padded rows of the dot path)."""
+    while stages > 1 and stages * bytes_per_stage > SMEM_BYTES:
+        stages -= 1
+    return stages
+
+
+@triton.jit
+def _w_tile(w_ptr, s_wn, n, nm, k, km):
+    """A [BLOCK_N, BLOCK_K] tile of W, loaded evict-first: each weight is read once per step, so
+    it should not push anything else out of L2."""
+    return tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _store_one_row(y_ptr, b_ptr, n, nm, y, HAS_BIAS: tl.constexpr):
+    """One row: add the bias to the [BLOCK_N] sums, store."""
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _store_padded_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr):
+    """Padded rows: add the bias to the [BLOCK_M, BLOCK_N] dot result, store the real rows."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                 PRE: tl.constexpr, PDL: tl.constexpr):
+    """x · W[n] for one row x ([1, K], or gate ‖ up [1, 2K] with SILU) over the weight rows n:
+    float32 FMAs summed once at the end -> [BLOCK_N] float32.
+
+    PRE: the first weight tile is loaded before the PDL wait (a weight: nothing in the chain writes
+    it), so that it streams while the kernel in front finishes. That pays where the kernel in
+    front is short (a norm, the attention) and leaves most of the GPU idle
+    (``linear_plan.PRELOAD_BEHIND``); behind a long kernel the early programs would hold
+    registers and slots its later waves need (docs/gpu_notes.md has the measurements)."""
+    release(PDL)
+    k = tl.arange(0, BLOCK_K)
+    km = k < K
+    if PRE:
+        w0 = _w_tile(w_ptr, s_wn, n, nm, k, km)
+    wait(PDL)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if PRE:
+        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, SILU)
+    for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, SILU)
+    return tl.sum(acc1, 1)
+
+
+@triton.jit
+def _fma_tile(acc1, w, x_ptr, k, km, K, SILU: tl.constexpr):
+    """acc1 + a weight tile times the matching tile of x (silu(gate) * up of it with SILU)."""
+    x = tl.load(x_ptr + k, mask=km, other=0.0)
+    if SILU:
+        x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
+    return acc1 + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                 PRE: tl.constexpr, PDL: tl.constexpr):
+    """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
+    gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, SILU, PRE, PDL)
+    _store_one_row(y_ptr, b_ptr, n, nm, y, HAS_BIAS)
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh, s_cs, s_ch,
+                     H, Hkv, HAS_BIAS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+    """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
+    program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
+    interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
+    output is rounded to the model's dtype before it is rotated, as when the projection and
+    ``rope_and_write_kv`` run apart, so the two paths give the same bits."""
+    col0 = tl.program_id(0) * BLOCK_N
+    head = col0 // D
+    r = tl.arange(0, BLOCK_N)
+    rotated = head < H + Hkv
+    j0 = (col0 % D) // 2
+    n = tl.where(rotated, head * D + j0 + r // 2 + (r % 2) * (D // 2), col0 + r)
+    nm = n < (H + 2 * Hkv) * D
+    pos = tl.load(pos_ptr)                      # metadata: read before the wait
+    slot = tl.load(slot_ptr).to(tl.int64)
+    j = j0 + tl.arange(0, BLOCK_N // 2)
+    cos = tl.load(cs_ptr + pos * D + j)
+    sin = tl.load(cs_ptr + pos * D + D // 2 + j)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE, PDL)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    y = y.to(q_ptr.dtype.element_ty)
+    if rotated:
+        x1, x2 = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+        if head < H:
+            dst = q_ptr + head * s_qh
+        else:
+            dst = kc_ptr + slot * s_cs + (head - H) * s_ch
+        tl.store(dst + j, r1.to(dst.dtype.element_ty))
+        tl.store(dst + D // 2 + j, r2.to(dst.dtype.element_ty))
+    else:
+        vh = head - H - Hkv
+        tl.store(vc_ptr + slot * s_cs + vh * s_ch + col0 % D + r, y.to(vc_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, a_ptr, I, K, s_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+    """The gate ‖ up projection of one token with SiLU-and-mul as its epilogue: a program takes
+    BLOCK_N // 2 pairs of rows (gate j and up j, interleaved) and writes silu(gate) * up for
+    them, so the down projection reads I values instead of 2I and computes no SiLU. Outputs are
+    rounded to the model's dtype before the SiLU, as when the two run apart: the same bits."""
+    r = tl.arange(0, BLOCK_N)
+    j0 = tl.program_id(0) * (BLOCK_N // 2)
+    n = j0 + r // 2 + (r % 2) * I
+    nm = j0 + r // 2 < I
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE, PDL)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    gate, up = tl.split(tl.reshape(y.to(a_ptr.dtype.element_ty), [BLOCK_N // 2, 2]))
+    j = j0 + tl.arange(0, BLOCK_N // 2)
+    tl.store(a_ptr + j, silu_mul(gate, up), mask=j < I)
+
+
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, s_xm, s_wn, s_ym,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREC: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """Up to BLOCK_M rows, padded for tensor-core dots; program (n, s) multiplies K-slice s.
+    SPLIT: each slice's [M, BLOCK_N] partial goes to part[s], and the slice that finishes last
+    (a counter per column tile, reset by it) sums the partials in slice order and stores the
+    result — no reduce kernel, and the same sum whichever slice finishes last."""
+    prologue(PDL)
+    pid = tl.program_id(0)
+    sk = tl.program_id(1)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    m = tl.arange(0, BLOCK_M)
+    mm = m < M
+    k_lo = sk * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < k_hi
+        w = _w_tile(w_ptr, s_wn, n, nm, k, km)
+        xm = mm[:, None] & km[None, :]
+        x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
+        if SILU:
+            x = silu_mul(x, tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0))
+        acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
+    if SPLIT:
+        splits = tl.num_programs(1)
+        tile = m[:, None] * N + n[None, :]
+        tl.store(part_ptr + sk * M * N + tile, acc, mask=mm[:, None] & nm[None, :])
+        tl.debug_barrier()                      # every thread's partial is written before the count
+        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+        if done == splits - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in range(0, splits):          # L2 only (".cg"): the partials of other SMs
+                acc += tl.load(part_ptr + j * M * N + tile, mask=mm[:, None] & nm[None, :], other=0.0,
+                               cache_modifier=".cg")
+            tl.store(count_ptr + pid, 0)
+            _store_padded_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
+    else:
+        _store_padded_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The split-K counters of a device (zero between kernels: the last slice resets its own),
+    made on first use — the tuner's warm-up, before any CUDA graph is captured. None when a
+    weight has more column tiles than there are counters."""
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    return _COUNTS[device] if tiles <= _COUNTS[device].numel() else None
+
+
+def _one_row_launch(tile: OneRowTile, x: torch.Tensor, silu: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of a one-row tile for input x (gate ‖ up with silu), the
+    stages cut to what fits in shared memory."""
+    bn, bk, warps, stages = tile
+    return bn, bk, warps, _fit_stages(stages, (bn * bk + bk * (2 if silu else 1)) * x.element_size())
+
+
+def _padded_rows_launch(tile: RowsTile) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, K slices) of a tile for more than one row: a tensor-core
+    dot needs 16 columns."""
+    bn, bk, warps, stages, splits = tile
+    return max(bn, 16), bk, warps, stages, splits
+
+
+def auto_splits(N: int, K: int, tile: RowsTile, num_sms: int) -> int:
+    """K slices that give about two programs per SM for a tile (at least 4 K steps each)."""
+    bn, bk = _padded_rows_launch(tile)[:2]
+    return max(1, min(triton.cdiv(2 * num_sms, triton.cdiv(N, bn)), K // (4 * bk)))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile | RowsTile,
+         silu: bool = False, pdl: bool = False, preload: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= 64), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and the
+    product is silu(gate) * up times Wᵀ. ``tile``: a OneRowTile for one row, a RowsTile for more.
+    ``pdl``: launched with programmatic dependent launch where the GPU has it; ``preload``: one
+    row loads its first weight tile before the PDL wait."""
+    M = x.shape[0]
+    N, K = weight.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else weight
+    if M == 1 and isinstance(tile, OneRowTile):
+        bn, bk, warps, stages = _one_row_launch(tile, x, silu)
+        _gemv_kernel[(triton.cdiv(N, bn),)](
+            x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+            SILU=silu, PRE=preload, num_warps=warps, num_stages=stages, **_pdl.launch(x, pdl))
+        return y
+    rows_tile = tile if isinstance(tile, RowsTile) else RowsTile(*tile)
+    bn, bk, warps, stages, splits = _padded_rows_launch(rows_tile)
+    bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
+    tiles = triton.cdiv(N, bn)
+    k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
+    splits = triton.cdiv(K, k_per)
+    counts = _counts(x.device, tiles) if splits > 1 else None
+    if counts is None:
+        splits, k_per = 1, K
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
+    stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * x.element_size())
+    _rows_kernel[(tiles, splits)](
+        x, weight, bias_arg, y, part, counts if counts is not None else y, M, N, K, k_per,
+        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=silu, SPLIT=splits > 1, num_warps=warps,
+        num_stages=stages, **_pdl.launch(x, pdl))
+    return y
+
+
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+             cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             num_heads: int, num_kv_heads: int, head_dim: int, tile: OneRowTile, pdl: bool) -> torch.Tensor:
+    """One token behind its norm: the q/k/v projection, rotary and the K/V write in one kernel
+    (``_qkv_rope_kernel``); returns the rotated q [1, H, D]. The tile must hold whole rotary pairs
+    of one head (``QkvRopePlan.fits``)."""
+    D = head_dim
+    if x.shape[0] != 1 or not QkvRopePlan.fits(tile, D):
+        raise ValueError(f"qkv_rope takes one row and a tile within a head of {D}, got {x.shape[0]} rows, {tile}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    bn, bk, warps, stages = _one_row_launch(tile, x)
+    H, Hkv = num_heads, num_kv_heads
+    q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
+    kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
+        x, weight, bias if bias is not None else weight, positions, cos_sin, slot_mapping, q, kc, vc, x.shape[1],
+        weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv, HAS_BIAS=bias is not None, D=D,
+        BLOCK_N=bn, BLOCK_K=bk, PRE=True, num_warps=warps, num_stages=stages, **_pdl.launch(x, pdl))
+    return q
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile,
+                 pdl: bool) -> torch.Tensor:
+    """One token behind its norm: silu(gate) * up [1, I] straight from the gate ‖ up projection
+    (``_gate_up_silu_kernel``)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"gate_up_silu takes one row, got {x.shape[0]}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    bn, bk, warps, stages = _one_row_launch(tile, x)
+    I = weight.shape[0] // 2
+    act = torch.empty(1, I, dtype=x.dtype, device=x.device)
+    _gate_up_silu_kernel[(triton.cdiv(I, bn // 2),)](
+        x, weight, bias if bias is not None else weight, act, I, x.shape[1], weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, PRE=True, num_warps=warps,
+        num_stages=stages, **_pdl.launch(x, pdl))
+    return act

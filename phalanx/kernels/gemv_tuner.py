@@ -1,0 +1,168 @@
+"""The GEMV tuner: picks each projection's plan by timing, once, when the engine is built.
+
+Which plan is fastest — a tile, launched with or without programmatic dependent launch, or
+cuBLAS — depends on the weight's shape, on the kernel in front of it (timed with it: the norm
+kernel in front, the SiLU fused or its own kernel) and on the GPU. So every candidate is timed
+per (shape, dtype, neighbour) at each row bucket's upper bound, replaying a CUDA graph over
+several copies of the weight (together larger than L2, so weights are read from memory as in a
+real step). Results are memoised per process by (shape, dtype, neighbour, device), so layers of
+one shape are tuned once; the memo is consulted only here, never while the engine runs.
+
+The one-token MLP path (gate ‖ up with SiLU as its epilogue, then down on the ready input) is
+chosen per (gate ‖ up, down) pair by timing both chains as they run in a step — the norm, gate ‖
+up and down with SiLU in front, against the norm, the fused kernel and down — because configs
+that tie when timed alone differ by several percent in a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from phalanx.kernels import gemv, pdl, triton_ops
+from phalanx.kernels.linear_plan import (
+    CUBLAS, ROW_BUCKETS, GateUpSiluPlan, LinearPlan, Neighbour, OneRowTile, Plan, QkvRopePlan, RowsTile, launcher,
+)
+
+L2_BYTES = 256 << 20
+_MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, dtype, neighbour, rows, device) -> (plan, ms)
+_PAIR_MEMO: dict[tuple, GateUpSiluPlan | None] = {}
+
+
+def time_graph(fn: Callable[[int], object], copies: int, reps: int = 24) -> float:
+    """Milliseconds per call of fn(i) (i picks one of ``copies`` weight copies), replayed from a
+    CUDA graph as decode runs, so launch overhead does not hide the kernel's own speed."""
+    for i in range(3):
+        fn(i % copies)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i % copies)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (3 * reps)
+
+
+def weight_copies(w: torch.Tensor, l2_bytes: int = L2_BYTES) -> list[torch.Tensor]:
+    """w and random copies of it, together larger than L2: timing reads them from memory."""
+    nbytes = w.numel() * w.element_size()
+    return [w] + [torch.randn_like(w) for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
+
+
+def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor,
+               ws: list[torch.Tensor]) -> Iterator[tuple[Plan, Callable[[int], object]]]:
+    """Each Plan for a projection behind ``neighbour``, as fn(i) over the weight copies, the
+    neighbour included. One row: every tile with and without PDL; more: every tile whole and
+    split over K, with PDL where the GPU has it (fewer compiles at start-up)."""
+    if x.shape[0] == 1:
+        plans = [Plan("gemv", t, p) for t in gemv.ONE_ROW_TILES for p in ((False, True) if pdl.enabled(x) else (False,))]
+    else:
+        N, K = ws[0].shape
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        plans = [Plan("gemv", RowsTile(*t[:4], k), pdl.enabled(x)) for t in gemv.ROWS_TILES
+                 for k in sorted({1, gemv.auto_splits(N, K, t, sms)})]
+        if neighbour is Neighbour.SILU:
+            plans = []   # with more rows every column tile recomputes SiLU over [rows, K]: far slower
+    if neighbour is Neighbour.NORM:
+        def front() -> torch.Tensor:
+            return triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
+    else:
+        def front() -> torch.Tensor:
+            return x
+    for plan in [CUBLAS, *plans]:
+        run = launcher(plan, neighbour)
+        yield plan, lambda i, run=run: run(front(), ws[i])
+
+
+def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L2_BYTES) -> tuple[Plan, float]:
+    """The fastest Plan for one weight shape behind ``neighbour`` at ``rows`` rows, and its time."""
+    key = (*w.shape, w.dtype, neighbour, rows, str(w.device))
+    if key in _MEMO:
+        return _MEMO[key]
+    ws = weight_copies(w, l2_bytes)
+    K = w.shape[1]
+    x = torch.randn(rows, 2 * K if neighbour is Neighbour.SILU else K, dtype=w.dtype, device=w.device)
+    r = torch.randn(rows, K, dtype=w.dtype, device=w.device)
+    g = torch.ones(K, dtype=w.dtype, device=w.device)
+    best, best_ms = CUBLAS, float("inf")
+    for plan, fn in candidates(neighbour, x, r, g, ws):
+        try:
+            ms = time_graph(fn, len(ws))
+        except Exception:  # a config the compiler rejects on this GPU
+            continue
+        if ms < best_ms:
+            best, best_ms = plan, ms
+    _MEMO[key] = (best, best_ms)
+    return best, best_ms
+
+
+def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] | None = None) -> LinearPlan:
+    """The plan of one projection: the fastest Plan at each row bucket. ``report`` collects the
+    bandwidth each reaches (GB/s of weight), for the log."""
+    plans = []
+    for rows in ROW_BUCKETS:
+        plan, ms = tune_one(w, neighbour, rows)
+        plans.append(plan)
+        if report is not None:
+            report[f"{w.shape[0]}x{w.shape[1]}/{neighbour.value}/rows={rows}:{plan}"] = \
+                w.numel() * w.element_size() / ms / 1e6
+    return LinearPlan(neighbour, tuple(plans))
+
+
+def qkv_rope_plan(qkv: LinearPlan, head_dim: int) -> QkvRopePlan | None:
+    """The one-token q/k/v + rotary + K/V write kernel, where the q/k/v projection's one-row plan
+    is the skinny kernel with a tile that holds whole rotary pairs of a head."""
+    one = qkv.one_row()
+    if one.kernel != "gemv" or not isinstance(one.tile, OneRowTile) or not QkvRopePlan.fits(one.tile, head_dim):
+        return None
+    return QkvRopePlan(one.tile, one.pdl)
+
+
+def gate_up_silu_plan(gu: torch.Tensor, gu_plan: LinearPlan, down: torch.Tensor, down_plan: LinearPlan,
+                      report: dict[str, float] | None = None, l2_bytes: int = L2_BYTES) -> GateUpSiluPlan | None:
+    """For one token: the fused gate ‖ up + SiLU path where it measured faster than the two
+    projections apart (each as tuned), with the gate ‖ up tile that won; None otherwise."""
+    key = (*gu.shape, *down.shape, gu.dtype, str(gu.device))
+    if key in _PAIR_MEMO:
+        return _PAIR_MEMO[key]
+    down_ready, _ = tune_one(down, Neighbour.PLAIN, 1, l2_bytes)
+    gus, downs = weight_copies(gu, l2_bytes), weight_copies(down, l2_bytes)
+    n = max(len(gus), len(downs))
+    K = gu.shape[1]
+    x, r = (torch.randn(1, K, dtype=gu.dtype, device=gu.device) for _ in range(2))
+    g = torch.ones(K, dtype=gu.dtype, device=gu.device)
+
+    def norm() -> torch.Tensor:
+        return triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
+
+    def apart(i: int) -> None:
+        down_plan(gu_plan(norm(), gus[i % len(gus)]), downs[i % len(downs)])
+
+    best, best_ms = None, time_graph(apart, n)
+    for tile in [t for t in gemv.ONE_ROW_TILES if t.block_n % 2 == 0]:
+        for use_pdl in (False, True) if pdl.enabled(x) else (False,):
+            plan = GateUpSiluPlan(tile, use_pdl, down_ready)
+
+            def fused(i: int, plan: GateUpSiluPlan = plan) -> None:
+                plan.down_proj(plan.gate_up_silu(norm(), gus[i % len(gus)], None), downs[i % len(downs)])
+            try:
+                ms = time_graph(fused, n)
+            except Exception:  # a config the compiler rejects on this GPU
+                continue
+            if ms < best_ms:
+                best, best_ms = plan, ms
+    _PAIR_MEMO[key] = best
+    if report is not None:
+        nbytes = (gu.numel() + down.numel()) * gu.element_size()
+        name = f"gemv{tuple(best.tile)}{'+pdl' if best.pdl else ''}" if best else "apart"
+        report[f"{gu.shape[0]}x{gu.shape[1]}+{down.shape[0]}x{down.shape[1]}/mlp/rows=1:{name}"] = \
+            nbytes / best_ms / 1e6
+    return best
+

@@ -1,0 +1,193 @@
+"""Plans: how each projection of the model runs, decided once when the engine is built.
+
+A projection layer holds a frozen ``LinearPlan``. For each bucket of decode rows (``ROW_BUCKETS``:
+one row, up to 16, up to 64) the plan names one way to compute x Wᵀ (+ b) — the skinny Triton
+kernel with a tile, launched with or without programmatic dependent launch, or cuBLAS — and
+keeps the launcher bound to it; batches of more rows always take cuBLAS. Calling the plan is one
+comparison of the row count and one call: no registry, no per-call decision.
+
+A plan also knows what runs in front of its projection (``Neighbour``), because the tuner times
+each candidate with it and some candidates take it in:
+
+    PLAIN  nothing special                     SILU  the input is gate ‖ up; silu(gate) * up is
+    NORM   the residual add + RMSNorm kernel         taken first (inside the skinny kernel where
+    ATTN   the attention kernels                     that was chosen, else its own kernel)
+
+Behind the short kernels (NORM, ATTN) a one-row skinny kernel loads its first weight tile before
+its PDL wait (see kernels/pdl.py: weights are never written by the chain).
+
+Two one-token paths fuse more than a projection, and are chosen per layer the same way:
+``QkvRopePlan`` (q/k/v projection + rotary + K/V write in one kernel) and ``GateUpSiluPlan``
+(gate ‖ up with silu(gate) * up as its epilogue, then the down projection on the ready input).
+
+Where no tuner ran (on a CPU, or with the Triton kernels unavailable) every plan is the
+reference: cuBLAS/BLAS for every bucket. This module imports no Triton; launchers are imported
+when a tuned plan is built.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.kernels import ops
+
+ROW_BUCKETS = (1, 16, 64)      # a plan is tuned for each, at its upper bound
+MAX_ROWS = ROW_BUCKETS[-1]
+
+
+class Neighbour(str, enum.Enum):
+    """The kernel in front of a projection (what the tuner times it with)."""
+
+    PLAIN = "plain"
+    SILU = "silu"
+    NORM = "norm"
+    ATTN = "attn"
+
+
+PRELOAD_BEHIND = frozenset({Neighbour.NORM, Neighbour.ATTN})
+
+
+class OneRowTile(NamedTuple):
+    """Tile of the one-row kernel: [BLOCK_N, BLOCK_K] weight tiles, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+class RowsTile(NamedTuple):
+    """Tile of the padded-rows (tensor-core) kernel, and the number of K slices."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    splits: int = 1
+
+
+class Plan(NamedTuple):
+    """One way to run a projection for one bucket of rows."""
+
+    kernel: str                              # "cublas" or "gemv"
+    tile: OneRowTile | RowsTile | None = None
+    pdl: bool = False
+
+    def __str__(self) -> str:
+        return self.kernel if self.tile is None else f"{self.kernel}{tuple(self.tile)}{'+pdl' if self.pdl else ''}"
+
+
+CUBLAS = Plan("cublas")
+Launch = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def bucket_index(rows: int) -> int:
+    """Index of the row bucket a batch of ``rows`` runs as (len(ROW_BUCKETS): larger than all)."""
+    if rows <= 1:
+        return 0
+    if rows <= 16:
+        return 1
+    return 2 if rows <= 64 else 3
+
+
+def bucket(rows: int) -> int:
+    """The upper bound of the bucket of ``rows`` (what a plan for it was tuned at)."""
+    return ROW_BUCKETS[bucket_index(rows)]
+
+
+def run_cublas(neighbour: Neighbour) -> Launch:
+    """F.linear (cuBLAS on a GPU), after silu(gate) * up behind SILU."""
+    if neighbour is Neighbour.SILU:
+        return lambda x, w, b=None: F.linear(ops.silu_and_mul(x), w, b)
+    return F.linear
+
+
+def launcher(plan: Plan, neighbour: Neighbour) -> Launch:
+    """The call that runs ``plan`` for a projection behind ``neighbour``."""
+    if plan.kernel == "cublas":
+        return run_cublas(neighbour)
+    from phalanx.kernels import gemv
+    silu = neighbour is Neighbour.SILU
+    preload = neighbour in PRELOAD_BEHIND and isinstance(plan.tile, OneRowTile)
+
+    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return gemv.gemv(x, w, b, plan.tile, silu=silu, pdl=plan.pdl, preload=preload)
+    return run
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The plan of one projection: a ``Plan`` per row bucket, behind its ``neighbour``."""
+
+    neighbour: Neighbour = Neighbour.PLAIN
+    plans: tuple[Plan, ...] = (CUBLAS,) * len(ROW_BUCKETS)
+    launches: tuple[Launch, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.plans) != len(ROW_BUCKETS):
+            raise ValueError(f"a LinearPlan needs one plan per row bucket {ROW_BUCKETS}, got {len(self.plans)}")
+        if not self.launches:   # bound once: the plans of each bucket, then cuBLAS for larger batches
+            launches = tuple(launcher(p, self.neighbour) for p in self.plans) + (run_cublas(self.neighbour),)
+            object.__setattr__(self, "launches", launches)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] (gate ‖ up [M, 2K] behind SILU) -> x Wᵀ (+ b) [M, N]."""
+        return self.launches[bucket_index(x.shape[0])](x, weight, bias)
+
+    @property
+    def is_reference(self) -> bool:
+        return all(p.kernel == "cublas" for p in self.plans)
+
+    def one_row(self) -> Plan:
+        return self.plans[0]
+
+    def __str__(self) -> str:
+        return f"{self.neighbour.value}: " + ", ".join(f"≤{n} rows {p}" for n, p in zip(ROW_BUCKETS, self.plans))
+
+
+@dataclass(frozen=True)
+class QkvRopePlan:
+    """One token's q/k/v projection with rotary and the K/V write as its epilogue, one kernel."""
+
+    tile: OneRowTile
+    pdl: bool
+
+    def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """h [1, K] (normed) -> the rotated q [1, H, D]; k and v are written to their slot."""
+        from phalanx.kernels import gemv
+        return gemv.qkv_rope(h, weight, bias, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
+                             num_kv_heads, head_dim, self.tile, self.pdl)
+
+    @staticmethod
+    def fits(tile: OneRowTile, head_dim: int) -> bool:
+        """A program must hold whole rotary pairs of one head."""
+        return head_dim % 2 == 0 and tile.block_n % 2 == 0 and head_dim % tile.block_n == 0
+
+
+@dataclass(frozen=True)
+class GateUpSiluPlan:
+    """One token through an MLP: gate ‖ up with silu(gate) * up as its epilogue, then the down
+    projection on that ready input with ``down`` (a one-row plan behind PLAIN)."""
+
+    tile: OneRowTile
+    pdl: bool
+    down: Plan
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_down", launcher(self.down, Neighbour.PLAIN))
+
+    def gate_up_silu(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """h [1, K] (normed) -> silu(gate) * up [1, I]."""
+        from phalanx.kernels import gemv
+        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl)
+
+    def down_proj(self, act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._down(act, weight, None)   # type: ignore[attr-defined]
