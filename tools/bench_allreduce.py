@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="all-reduces captured in one graph")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--chunk-bytes", type=int, default=4096)
-    ap.add_argument("--max-programs", type=int, default=64)
+    ap.add_argument("--max-programs", type=int, default=128)
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     if torch.cuda.device_count() < WORLD:

@@ -1,0 +1,1 @@
+"""Collectives between the ranks of one host."""
