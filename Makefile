@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make test    creates .venv, installs everything, runs the test suite
+#   make test    creates .venv, installs everything, runs ruff and mypy, then the test suite
 #   make serve   creates .venv, installs everything, serves the bundled model on 127.0.0.1:8000
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,7 +9,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup test serve quickstart clean
+.PHONY: setup lint test serve quickstart clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 serve: setup

@@ -8,7 +8,7 @@ def main() -> None:
         questions = ["What is the capital of France?", "Give me three tips for staying focused."]
         prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
         outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))
-        for q, out in zip(questions, outs):
+        for q, out in zip(questions, outs, strict=True):
             print(f"Q: {q}\nA: {out.outputs[0].text.strip()}\n")
 
 

@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from phalanx.serve.cli import serve
-        return serve(args)
+        from phalanx.serve.cli import serve as run_serve
+        return run_serve(args)
     if args.command == "launch":
         from phalanx.pyexecutor.launch import launch as run_launch
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd

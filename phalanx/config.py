@@ -75,9 +75,11 @@ class AttentionDpConfig(StrictModel):
 class LlmArgs(StrictModel):
     """Everything ``LLM(...)`` accepts."""
 
-    model: str | None = Field(None, description="HF directory, .gguf file or HF id; None: the bundled SmolLM2-135M-Instruct.")
+    model: str | None = Field(
+        None, description="HF directory, .gguf file or HF id; None: the bundled SmolLM2-135M-Instruct.")
     tokenizer: str | None = None
-    skip_tokenizer_init: bool = Field(False, description="No tokenizer: prompts must be token ids and outputs carry no text.")
+    skip_tokenizer_init: bool = Field(
+        False, description="No tokenizer: prompts must be token ids and outputs carry no text.")
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     pipeline_parallel_size: int = Field(1, ge=1, le=1)
     enable_attention_dp: bool = False

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from phalanx.pyexecutor.request import Request
-from phalanx.pyexecutor.scheduler import GUARANTEED_NO_EVICT, ScheduledBatch, Scheduler, SchedulerLimits
 from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.sampling_params import SamplingParams
+from phalanx.pyexecutor.request import Request
+from phalanx.pyexecutor.scheduler import GUARANTEED_NO_EVICT, ScheduledBatch, Scheduler, SchedulerLimits
 
 _ids = itertools.count(1000)
 
@@ -45,7 +45,7 @@ class FakeRunner:
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         self.batches.append(batch)
-        return [fake_token(r) if s else None for r, s in zip(batch.requests, batch.samples)]
+        return [fake_token(r) if s else None for r, s in zip(batch.requests, batch.samples, strict=True)]
 
 
 def run_to_completion(sched: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_000) -> FakeRunner:

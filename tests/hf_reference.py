@@ -81,7 +81,7 @@ def _hf_greedy(model, prompt, max_new_tokens):
 
 def assert_same_greedy(ours: list[int], ref: list[int], gaps: list[float], what: str = "") -> None:
     """Equal token for token; a divergence is tolerated only right at a numerical near-tie."""
-    for i, (a, b) in enumerate(zip(ours, ref)):
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         if a != b:
             assert gaps[i] < TIE_GAP, f"{what}: token {i} differs ({a} vs {b}) with top-2 gap {gaps[i]:.2e}"
             return

@@ -9,6 +9,7 @@ server. Decode reports the KV bytes read per second; extend, the attention FLOP/
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -60,8 +61,8 @@ def main() -> None:
             nbytes = 2 * S * ctx * Hkv * D * kc.element_size()
             for splits in sorted({auto, max(1, auto // 4), 4 * auto}):
                 for cfg in a.configs:
-                    us = _time(lambda: triton_attention.decode_attention(q, kc, vc, bt, lens, D ** -0.5, None,
-                                                                         splits, cfg))
+                    us = _time(functools.partial(triton_attention.decode_attention, q, kc, vc, bt, lens, D ** -0.5,
+                                                 None, splits, cfg))
                     rows.append({"kernel": "decode", "batch": S, "context": ctx, "splits": splits,
                                  "auto_splits": splits == auto, "config": cfg, "us": us,
                                  "tb_s": nbytes / us / 1e6})
@@ -74,8 +75,8 @@ def main() -> None:
         qs = torch.tensor([0, T], dtype=torch.int32, device="cuda")
         flops = 4 * H * D * T * (T + 1) / 2
         for cfg in a.configs:
-            us = _time(lambda: triton_attention.extend_attention(q, kc, vc, bt, qs, lens, T, D ** -0.5, None,
-                                                                 config=cfg))
+            us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T, D ** -0.5,
+                                         None, config=cfg))
             rows.append({"kernel": "extend", "tokens": T, "config": cfg, "us": us, "tflop_s": flops / us / 1e6})
             print(f"extend  T={T:6d} cfg={cfg}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
     if a.output:

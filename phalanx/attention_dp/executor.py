@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from phalanx.attention_dp.router import RouterConfig, place
+from phalanx.attention_dp.router import PlacementProbe, RouterConfig, place
 from phalanx.executor.messages import GenerationRequest, Response, pack, unpack
 from phalanx.pyexecutor.py_executor import PyExecutor
 from phalanx.pyexecutor.request import RequestStatus
@@ -86,12 +86,12 @@ class AdpExecutor(PyExecutor):
         if not reqs:
             return
         kv = self.scheduler.kv
-        mine = {"m": [kv.match(r.token_ids, r.extra_key, r.reuses_prefix).num_tokens for r in reqs],
-                "l": len(self.scheduler.requests), "c": self.capacity}
-        per_rank = [unpack(b) for b in self.dist.allgather_bytes(pack(mine))]
-        ranks = place([r.num_prompt_tokens for r in reqs], [p["m"] for p in per_rank], [p["l"] for p in per_rank],
-                      [p["c"] for p in per_rank], self.router)
-        for req, r in zip(reqs, ranks):
+        mine = PlacementProbe([kv.match(r.token_ids, r.extra_key, r.reuses_prefix).num_tokens for r in reqs],
+                              len(self.scheduler.requests), self.capacity)
+        per_rank = [PlacementProbe(*unpack(b)) for b in self.dist.allgather_bytes(pack(mine))]
+        ranks = place([r.num_prompt_tokens for r in reqs], [p.matches for p in per_rank], [p.load for p in per_rank],
+                      [p.capacity for p in per_rank], self.router)
+        for req, r in zip(reqs, ranks, strict=True):
             self.num_placed[r] += 1
             if r != self.rank:
                 continue

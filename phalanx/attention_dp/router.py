@@ -23,6 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class PlacementProbe(NamedTuple):
+    """What one rank tells the others about itself before a placement (travels as an array)."""
+
+    matches: list[int]     # cached prompt tokens of each new request on this rank
+    load: int              # requests this rank owns now
+    capacity: int          # most requests it takes
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,7 @@ class RouterConfig:
 
 
 def place(prompt_lens: Sequence[int], matches: Sequence[Sequence[int]], loads: Sequence[int],
-          capacities: Sequence[int], cfg: RouterConfig = RouterConfig()) -> list[int]:
+          capacities: Sequence[int], cfg: RouterConfig = RouterConfig()) -> list[int]:  # noqa: B008 (frozen)
     """The rank of each new request.
 
     prompt_lens[i]: tokens of request i; matches[r][i]: tokens of request i cached on rank r;

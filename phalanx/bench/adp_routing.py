@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 from typing import Any
+
 from phalanx.bench.metrics import emit_report
 
 
@@ -33,7 +34,7 @@ def run_mode(model: str | None, routing: str, waves, osl: int, tp: int, dummy: b
              attention_dp_config={"routing": routing}) as llm:
         first = llm.generate([g[0] for g in waves], sp, use_tqdm=False)
         rest = llm.generate([p for g in waves for p in g[1:]], sp, use_tqdm=False)
-        stats = llm._executor.stats()
+        stats = llm.stats()
     outs = list(first) + list(rest)
     served = [0] * tp
     for o in outs:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import time
+from itertools import pairwise
 from typing import Any
 
 from phalanx.bench.metrics import emit_report, summarize
@@ -40,9 +42,9 @@ def measure_bandwidth(gib: float = 4.0) -> dict[str, float]:
         e.synchronize()
         return s.elapsed_time(e) / reps / 1e3
 
-    copy_s = timed(lambda: y.copy_(x))
-    read_s = timed(lambda: x.sum(dtype=torch.float32))
-    del x, y
+    copy_s = timed(functools.partial(torch.Tensor.copy_, y, x))
+    read_s = timed(functools.partial(torch.sum, x, dtype=torch.float32))
+    del x, y   # free the memory before the engine starts
     torch.cuda.empty_cache()
     return {"copy_tb_s": 2 * n * 2 / copy_s / 1e12, "read_tb_s": n * 2 / read_s / 1e12}
 
@@ -64,20 +66,21 @@ async def _decode(llm: Any, prompts: list[list[int]], steps: int) -> list[list[f
 def run_batch(llm: Any, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
     prompts = make_prompts(batch, prompt_len, llm.vocab_size, seed=batch)
     asyncio.run(_decode(llm, prompts[: max(1, batch // 4)], 4))   # warm-up
-    llm._executor.control("timing:on")
+    llm.control("timing:on")
     times = asyncio.run(_decode(llm, prompts, steps))
-    timing = json.loads(llm._executor.control("timing").per_rank[0])
-    llm._executor.control("timing:off")
+    timing = json.loads(llm.control("timing").per_rank[0])
+    llm.control("timing:off")
     start = max(t[0] for t in times)                 # every request is decoding from here on
     end = min(t[-1] for t in times)
     tokens = sum(sum(1 for x in t if start <= x <= end) for t in times)
-    gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= start]
-    return {"batch": batch, "itl_ms": summarize(gaps, 1e3), "decode_tok_s": tokens / (end - start) if end > start else None,
+    gaps = [b - a for t in times for a, b in pairwise(t) if a >= start]
+    return {"batch": batch, "itl_ms": summarize(gaps, 1e3),
+            "decode_tok_s": tokens / (end - start) if end > start else None,
             "gpu": timing}
 
 
 def weight_bytes(llm: Any) -> int | None:
-    stats = llm._executor.control("stats").per_rank
+    stats = llm.control("stats").per_rank
     return json.loads(stats[0]).get("weight_bytes_per_step")
 
 
@@ -102,7 +105,8 @@ def main(argv: list[str]) -> int:
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
     for overlap in modes:
         kwargs: dict[str, Any] = {
-            "load_format": "dummy" if dummy else "auto", "skip_tokenizer_init": True, "dtype": a.dtype, "disable_overlap_scheduler": not overlap,
+            "load_format": "dummy" if dummy else "auto", "skip_tokenizer_init": True, "dtype": a.dtype,
+            "disable_overlap_scheduler": not overlap,
             "max_batch_size": max(a.batch), "orchestrator_type": a.orchestrator, "tensor_parallel_size": a.tp,
             "max_seq_len": a.prompt_len + a.steps + 64, "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))}}
         if a.config:

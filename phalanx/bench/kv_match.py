@@ -6,8 +6,8 @@ import argparse
 import random
 import time
 
-from phalanx.kv_manager import KVCacheManager
 from phalanx.bench.metrics import emit_report
+from phalanx.kv_manager import KVCacheManager
 
 
 def measure(num_blocks: int = 4096, tokens_per_block: int = 32, prompt_blocks: int = 64,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 
@@ -27,7 +28,7 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
             "p99": percentile(v, 99), "min": min(v), "max": max(v)}
 
 
-def request_latencies(start: float, token_times: Sequence[float]) -> dict[str, float | list[float]]:
+def request_latencies(start: float, token_times: Sequence[float]) -> dict[str, Any]:
     """TTFT, TPOT (mean gap after the first token), ITLs and E2E of one request.
 
     ``token_times[i]`` is when output token i arrived (a chunk of k tokens counts k arrivals at
@@ -38,7 +39,7 @@ def request_latencies(start: float, token_times: Sequence[float]) -> dict[str, f
     e2e = token_times[-1] - start
     n = len(token_times)
     tpot = (e2e - ttft) / (n - 1) if n > 1 else math.nan
-    itl = [b - a for a, b in zip(token_times, token_times[1:])]
+    itl = [b - a for a, b in pairwise(token_times)]
     return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}
 
 

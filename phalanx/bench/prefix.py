@@ -24,7 +24,7 @@ import random
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from phalanx.kv_manager import KVCacheManager
@@ -166,7 +166,7 @@ class TokenRadix:
 
     def _evict(self, need: int, protect: _TNode) -> None:
         guarded = set()
-        p = protect
+        p: _TNode | None = protect
         while p is not None:
             guarded.add(id(p))
             p = p.parent
@@ -254,7 +254,8 @@ def trace_random(rng: random.Random, n: int = 200) -> Trace:
     return [(_rand(rng, rng.randrange(100, 600)), _rand(rng, rng.randrange(20, 100))) for _ in range(n)]
 
 
-TRACES = {"system_prompt": trace_system_prompt, "multi_turn": trace_multi_turn, "agent_tree": trace_agent_tree,
+TRACES: dict[str, Callable[[random.Random], Trace]] = {
+          "system_prompt": trace_system_prompt, "multi_turn": trace_multi_turn, "agent_tree": trace_agent_tree,
           "rag": trace_rag, "random": trace_random}
 
 
@@ -287,7 +288,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
-    for ax, pressure in zip(axes, ("low", "high")):
+    for ax, pressure in zip(axes, ("low", "high"), strict=True):
         for j, idx in enumerate(("hashed16", "radix32", "token_radix")):
             vals = [next(r["hit_rate"] for r in rows if r["trace"] == t and r["pressure"] == pressure
                          and r["index"] == idx) for t in traces]

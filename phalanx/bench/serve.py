@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.bench.datasets import (
-    BenchRequest, jsonl_requests, multi_turn_requests, random_requests, shared_prefix_requests,
+    BenchRequest,
+    jsonl_requests,
+    multi_turn_requests,
+    random_requests,
+    shared_prefix_requests,
 )
 from phalanx.bench.metrics import request_latencies, summarize
 
@@ -65,7 +69,7 @@ def summarize_run(records: list[Record], duration: float, slo: dict[str, float])
     """The report's numbers from per-request records (pure arithmetic; tested)."""
     ok = [r for r in records if r.ok]
     lats = [request_latencies(r.start, r.token_times) for r in ok]
-    for r, lat in zip(ok, lats):   # TPOT over tokens, even when a chunk carried several
+    for r, lat in zip(ok, lats, strict=True):   # TPOT over tokens, even when a chunk carried several
         if r.completion_tokens > 1:
             lat["tpot"] = (lat["e2e"] - lat["ttft"]) / (r.completion_tokens - 1)
     out_tokens = sum(r.completion_tokens for r in ok)
@@ -143,7 +147,8 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
 
 
 async def run(client: Client, requests: list[BenchRequest] | list[list[BenchRequest]], rate: float,
-              burstiness: float, concurrency: int | None, seed: int, progress: bool, decode=None) -> tuple[list[Record], float]:
+              burstiness: float, concurrency: int | None, seed: int, progress: bool,
+              decode=None) -> tuple[list[Record], float]:
     sem = asyncio.Semaphore(concurrency or 1 << 30)
     records: list[Record] = []
     total = sum(len(x) if isinstance(x, list) else 1 for x in requests)
@@ -169,9 +174,10 @@ async def run(client: Client, requests: list[BenchRequest] | list[list[BenchRequ
 
     tasks = []
     t0 = time.perf_counter()
-    for item, gap in zip(requests, arrival_gaps(len(requests), rate, burstiness, seed)):
+    for item, gap in zip(requests, arrival_gaps(len(requests), rate, burstiness, seed), strict=True):
         await asyncio.sleep(gap)
-        tasks.append(asyncio.ensure_future(conversation(item) if isinstance(item, list) else one(item)))
+        job = conversation(item) if isinstance(item, list) else one(item)  # type: ignore[arg-type]  # one request
+        tasks.append(asyncio.ensure_future(job))
     await asyncio.gather(*tasks)
     if bar:
         bar.close()
@@ -307,4 +313,5 @@ def print_table(s: dict[str, Any]) -> None:
     print(f"{'cached prompt-token share':32s} {s['cached_token_share']:.3f}")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         m = s[key]
-        print(f"{key[:-3].upper() + ' (ms) mean / median / p99':32s} {m['mean']:.1f} / {m['median']:.1f} / {m['p99']:.1f}")
+        label = key[:-3].upper() + " (ms) mean / median / p99"
+        print(f"{label:32s} {m['mean']:.1f} / {m['median']:.1f} / {m['p99']:.1f}")

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 
 from phalanx.executor.messages import Control, ControlResult, GenerationRequest, Heartbeat, Response, TokenBatch
 from phalanx.executor.result import GenerationResult
+from phalanx.kv_manager.radix_tree import DEFAULT_PRIORITY
 from phalanx.llmapi.sampling_params import SamplingParams, child_seed
 from phalanx.llmapi.tokenizer import Tokenizer
 
@@ -55,7 +56,7 @@ class GenerationExecutor(ABC):
     # -- API ------------------------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
                prompt: str | None = None, eos_token_ids: tuple[int, ...] = (), cache_salt: str | None = None,
-               max_total_tokens: int = 0, priority: int = 35) -> GenerationResult:
+               max_total_tokens: int = 0, priority: int = DEFAULT_PRIORITY) -> GenerationResult:
         """Send a request (n sequences = n rank requests) and return its result handle."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
@@ -153,7 +154,7 @@ class GenerationExecutor(ABC):
         at = f" after iteration {last.iteration}" if last is not None else ""
         return f"no heartbeat from rank 0's loop for {silent:.1f}s{at} (a rank is stuck in a collective or a kernel)"
 
-    def _stop_stalled_engine(self) -> None:
+    def _stop_stalled_engine(self) -> None:  # noqa: B027 (a hook: only the proxy has a job to kill)
         """After a stall: release what the engine holds, if this side can (the proxy kills the job)."""
 
     # -- results --------------------------------------------------------------------------------------

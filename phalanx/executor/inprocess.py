@@ -6,23 +6,25 @@ import threading
 import traceback
 
 from phalanx.config import LlmArgs
-from phalanx.pyexecutor.creator import create_py_executor
 from phalanx.executor.executor import GenerationExecutor
 from phalanx.executor.messages import GenerationRequest
-from phalanx.pyexecutor.py_executor import RequestQueue
 from phalanx.models.loader import ModelSource
+from phalanx.pyexecutor.creator import create_py_executor
+from phalanx.pyexecutor.py_executor import PyExecutor, RequestQueue
 
 
 class InProcessExecutor(GenerationExecutor):
     def __init__(self, args: LlmArgs, source: ModelSource) -> None:
         super().__init__()
         self.queue = RequestQueue()
+        self.engine: PyExecutor | None
         self.engine, self.info = create_py_executor(args, source, self, self.queue)
         self._thread = threading.Thread(target=self._run, name="phalanx-executor", daemon=True)
         self._thread.start()
         self._start_watchdog(args.engine_iteration_timeout)
 
     def _run(self) -> None:
+        assert self.engine is not None
         try:
             self.engine.run()
         except BaseException:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
+
+from phalanx.kv_manager.radix_tree import DEFAULT_PRIORITY
 
 
 @dataclass
@@ -24,7 +26,7 @@ class GenerationRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     max_total_tokens: int = 0                 # finish by length at this many tokens
     cache_salt: str | None = None
-    priority: int = 35
+    priority: int = DEFAULT_PRIORITY
     arrival_time: float = 0.0
 
 
@@ -51,28 +53,53 @@ class Response:
     prompt_logprobs_start: int = 0            # [logprob of the next prompt token, [[id, logprob], ...]]
 
 
+class FirstToken(NamedTuple):
+    """A TokenBatch row for a request's first output token: what is reported about it once."""
+
+    request_id: int
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    first_scheduled_time: float     # monotonic seconds (queue-time metric)
+    rank: int                       # the rank serving the request (attention DP)
+
+
+class Finished(NamedTuple):
+    """A TokenBatch row for a request that finished at this step."""
+
+    request_id: int
+    finish_reason: str
+    stop_reason: int | None
+
+
 @dataclass
 class TokenBatch:
     """Rank 0 -> user: one step's new tokens for many requests, column by column (cheap to
-    pack at hundreds of requests per step)."""
+    pack at hundreds of requests per step). Rows travel as msgpack arrays."""
 
     request_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] | None = None     # aligned with request_ids: None or [chosen, [[id, lp], ...]]
-    finished: list[list[Any]] = field(default_factory=list)   # [request_id, reason, stop_reason]
-    first: list[list[Any]] = field(default_factory=list)   # [request_id, cached, prompt, scheduled at, rank]
+    finished: list[Finished] = field(default_factory=list)
+    first: list[FirstToken] = field(default_factory=list)
+
+    def __post_init__(self) -> None:   # from the wire, rows arrive as lists
+        self.finished = [f if isinstance(f, Finished) else Finished(*f) for f in self.finished]
+        self.first = [f if isinstance(f, FirstToken) else FirstToken(*f) for f in self.first]
 
     def responses(self) -> list[Response]:
-        done = {f[0]: f for f in self.finished}
-        first = {f[0]: f for f in self.first}
+        done = {f.request_id: f for f in self.finished}
+        first = {f.request_id: f for f in self.first}
         out = []
-        for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids)):
-            fin = done.get(rid)
-            fst = first.get(rid)
+        for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids, strict=True)):
+            fin, fst = done.get(rid), first.get(rid)
             lp = self.logprobs[i] if self.logprobs is not None else None
-            out.append(Response(rid, [tok], [lp] if lp is not None else None, fin[1] if fin else None,
-                                fin[2] if fin else None, fst[1] if fst else 0, fst[2] if fst else 0,
-                                first_scheduled_time=fst[3] if fst else 0.0, rank=fst[4] if fst else -1))
+            resp = Response(rid, [tok], [lp] if lp is not None else None)
+            if fin is not None:
+                resp.finish_reason, resp.stop_reason = fin.finish_reason, fin.stop_reason
+            if fst is not None:
+                resp.num_cached_tokens, resp.num_prompt_tokens = fst.num_cached_tokens, fst.num_prompt_tokens
+                resp.first_scheduled_time, resp.rank = fst.first_scheduled_time, fst.rank
+            out.append(resp)
         return out
 
 
@@ -176,7 +203,8 @@ def from_wire(value: Any) -> Any:
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(to_wire(obj), use_bin_type=True)
+    data: bytes = msgpack.packb(to_wire(obj), use_bin_type=True)
+    return data
 
 
 def unpack(data: bytes) -> Any:

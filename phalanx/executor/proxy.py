@@ -14,6 +14,7 @@ process group.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import re
@@ -27,13 +28,22 @@ from typing import Any
 
 from phalanx.config import LlmArgs
 from phalanx.executor import ipc
-from phalanx.executor.ipc import DIR_ENV, FATAL_MARKER
 from phalanx.executor.executor import GenerationExecutor
-from phalanx.executor.netns import FALLBACK_MARKER
+from phalanx.executor.ipc import DIR_ENV, FATAL_MARKER
 from phalanx.executor.messages import (
-    CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Heartbeat, Init, Ready, Response, Shutdown,
+    CancelRequest,
+    Control,
+    ControlResult,
+    Fatal,
+    GenerationRequest,
+    Heartbeat,
+    Init,
+    Ready,
+    Response,
+    Shutdown,
     TokenBatch,
 )
+from phalanx.executor.netns import FALLBACK_MARKER
 
 logger = logging.getLogger("phalanx")
 
@@ -242,10 +252,8 @@ class MpiProxyExecutor(GenerationExecutor):
             return
         self._stopping = True
         if self.dead_error is None:
-            try:
+            with contextlib.suppress(Exception):
                 self._put(Shutdown())
-            except Exception:
-                pass
         if self.proc is not None:
             try:
                 self.proc.wait(timeout)
@@ -274,20 +282,16 @@ class MpiProxyExecutor(GenerationExecutor):
         except psutil.NoSuchProcess:
             ranks = []
         for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
             try:
                 self.proc.wait(wait)
                 break
             except subprocess.TimeoutExpired:
                 continue
         for p in ranks:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
 
     def _close(self) -> None:
         for q in (getattr(self, "requests", None), getattr(self, "responses", None)):

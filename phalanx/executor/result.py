@@ -45,7 +45,7 @@ class _Sequence:
         """Apply a response; True if a stop string ended the sequence here."""
         self.token_ids.extend(resp.token_ids)
         if self.logprobs is not None and resp.logprobs:
-            for tok, (chosen, top) in zip(resp.token_ids, resp.logprobs):
+            for tok, (chosen, top) in zip(resp.token_ids, resp.logprobs, strict=True):
                 self.logprobs.append(_logprob_entry(tok, (chosen, top)))
                 self.cumulative_logprob += float(chosen)
         hit = False
@@ -134,8 +134,10 @@ class GenerationResult:
             if resp.error is not None:
                 self.error = resp.error
             if resp.prompt_logprobs and self.prompt_logprobs is not None:
+                start = resp.prompt_logprobs_start + 1       # the chunk's entries are for these tokens
+                targets = self.prompt_token_ids[start:start + len(resp.prompt_logprobs)]
                 self.prompt_logprobs.extend(_logprob_entry(tok, lp) for tok, lp in zip(
-                    self.prompt_token_ids[resp.prompt_logprobs_start + 1:], resp.prompt_logprobs))
+                    targets, resp.prompt_logprobs, strict=True))
             now = time.monotonic()
             if resp.token_ids:
                 self.first_token_time = self.first_token_time or now
@@ -167,7 +169,7 @@ class GenerationResult:
 
     def abort(self) -> None:
         """Cancel every unfinished sequence (the final 'abort' responses arrive later)."""
-        for seq, cid in zip(self._seqs, self.child_ids):
+        for seq, cid in zip(self._seqs, self.child_ids, strict=True):
             if not seq.finished:
                 self._abort(cid)
 

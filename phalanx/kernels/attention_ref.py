@@ -29,7 +29,7 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
 
 def copy_blocks_ref(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
     """kv_pool: [L, 2, num_blocks, B, Hkv, D]; copies rows [0, n) of block src into dst."""
-    for s, d, n in zip(src, dst, num_tokens):
+    for s, d, n in zip(src, dst, num_tokens, strict=True):
         kv_pool[:, :, d, :n] = kv_pool[:, :, s, :n]
 
 

@@ -146,10 +146,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_p
         x2 = x2.to(tl.float32)
         r1 = x1 * cos - x2 * sin
         r2 = x2 * cos + x1 * sin
-        if head < H:
-            dst = q_ptr + head * s_qh
-        else:
-            dst = kc_ptr + slot * s_cs + (head - H) * s_ch
+        dst = q_ptr + head * s_qh if head < H else kc_ptr + slot * s_cs + (head - H) * s_ch
         tl.store(dst + j, r1.to(dst.dtype.element_ty))
         tl.store(dst + D // 2 + j, r2.to(dst.dtype.element_ty))
     else:
@@ -158,8 +155,9 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_p
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, a_ptr, I, K, s_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (I: intermediate size)
+                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
+                         PDL: tl.constexpr):
     """The gate ‖ up projection of one token with SiLU-and-mul as its epilogue: a program takes
     BLOCK_N // 2 pairs of rows (gate j and up j, interleaved) and writes silu(gate) * up for
     them, so the down projection reads I values instead of 2I and computes no SiLU. Outputs are
@@ -320,7 +318,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.stride(-1) != 1:
         x = x.contiguous()
     bn, bk, warps, stages = _one_row_launch(tile, x)
-    I = weight.shape[0] // 2
+    I = weight.shape[0] // 2  # noqa: E741 (the intermediate size, as everywhere in the MLP code)
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, bn // 2),)](
         x, weight, bias if bias is not None else weight, act, I, x.shape[1], weight.stride(0),

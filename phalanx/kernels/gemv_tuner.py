@@ -16,13 +16,23 @@ that tie when timed alone differ by several percent in a step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
 
 from phalanx.kernels import gemv, pdl, triton_ops
 from phalanx.kernels.linear_plan import (
-    CUBLAS, ROW_BUCKETS, GateUpSiluPlan, LinearPlan, Neighbour, OneRowTile, Plan, QkvRopePlan, RowsTile, launcher,
+    CUBLAS,
+    ROW_BUCKETS,
+    GateUpSiluPlan,
+    LinearPlan,
+    Neighbour,
+    OneRowTile,
+    Plan,
+    QkvRopePlan,
+    RowsTile,
+    launcher,
 )
 
 L2_BYTES = 256 << 20
@@ -62,7 +72,8 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
     neighbour included. One row: every tile with and without PDL; more: every tile whole and
     split over K, with PDL where the GPU has it (fewer compiles at start-up)."""
     if x.shape[0] == 1:
-        plans = [Plan("gemv", t, p) for t in gemv.ONE_ROW_TILES for p in ((False, True) if pdl.enabled(x) else (False,))]
+        launches = (False, True) if pdl.enabled(x) else (False,)
+        plans = [Plan("gemv", t, p) for t in gemv.ONE_ROW_TILES for p in launches]
     else:
         N, K = ws[0].shape
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -77,8 +88,12 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
         def front() -> torch.Tensor:
             return x
     for plan in [CUBLAS, *plans]:
-        run = launcher(plan, neighbour)
-        yield plan, lambda i, run=run: run(front(), ws[i])
+        yield plan, functools.partial(_timed_call, launcher(plan, neighbour), front, ws)
+
+
+def _timed_call(run: Callable[..., torch.Tensor], front: Callable[[], torch.Tensor], ws: list[torch.Tensor],
+                i: int) -> torch.Tensor:
+    return run(front(), ws[i])
 
 
 def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L2_BYTES) -> tuple[Plan, float]:

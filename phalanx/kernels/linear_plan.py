@@ -103,21 +103,25 @@ def bucket(rows: int) -> int:
 
 def run_cublas(neighbour: Neighbour) -> Launch:
     """F.linear (cuBLAS on a GPU), after silu(gate) * up behind SILU."""
-    if neighbour is Neighbour.SILU:
-        return lambda x, w, b=None: F.linear(ops.silu_and_mul(x), w, b)
-    return F.linear
+    if neighbour is not Neighbour.SILU:
+        return F.linear
+
+    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(ops.silu_and_mul(x), w, b)
+    return run
 
 
 def launcher(plan: Plan, neighbour: Neighbour) -> Launch:
     """The call that runs ``plan`` for a projection behind ``neighbour``."""
-    if plan.kernel == "cublas":
+    if plan.kernel == "cublas" or plan.tile is None:
         return run_cublas(neighbour)
     from phalanx.kernels import gemv
+    tile = plan.tile
     silu = neighbour is Neighbour.SILU
-    preload = neighbour in PRELOAD_BEHIND and isinstance(plan.tile, OneRowTile)
+    preload = neighbour in PRELOAD_BEHIND and isinstance(tile, OneRowTile)
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv.gemv(x, w, b, plan.tile, silu=silu, pdl=plan.pdl, preload=preload)
+        return gemv.gemv(x, w, b, tile, silu=silu, pdl=plan.pdl, preload=preload)
     return run
 
 
@@ -148,7 +152,8 @@ class LinearPlan:
         return self.plans[0]
 
     def __str__(self) -> str:
-        return f"{self.neighbour.value}: " + ", ".join(f"≤{n} rows {p}" for n, p in zip(ROW_BUCKETS, self.plans))
+        buckets = zip(ROW_BUCKETS, self.plans, strict=True)
+        return f"{self.neighbour.value}: " + ", ".join(f"≤{n} rows {p}" for n, p in buckets)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -43,9 +44,9 @@ def triton_attention_everywhere(model: torch.nn.Module, tokens_per_block: int) -
     if not triton_available():
         return False
     from phalanx.kernels import triton_attention
+    layers: list[Any] = [m for m in model.modules() if hasattr(m, "kv_of_q")]   # the attention layers
     return all(triton_attention.supports_layout(tokens_per_block, m.heads.num_heads, m.heads.num_kv_heads,
-                                                m.kv_of_q is not None)
-               for m in model.modules() if hasattr(m, "kv_of_q"))
+                                                m.kv_of_q is not None) for m in layers)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -45,7 +45,7 @@ def align(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I, E,
+def _moe_gate_up_kernel(x_ptr, w_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I, E,  # noqa: E741 (I: intermediate size)
                         s_xt, s_we, s_wn, s_ar,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
@@ -75,7 +75,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,
+def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,  # noqa: E741 (I: intermediate size)
                      s_ar, s_we, s_wn, s_yr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
@@ -109,7 +109,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
-    I = two_i // 2
+    I = two_i // 2  # noqa: E741 (I: intermediate size)
     P = T * k
     block_m = 16 if P <= 256 else 64
     sorted_pair, block_expert = align(ids, first, E, block_m)

@@ -1,8 +1,9 @@
 """Triton kernels for the per-token ops; each mirrors a torch reference in ``reference.py``.
 
 RMSNorm (+ fused residual add), rotary embedding of q and k fused with the K/V write into the
-paged pool (one launch per layer), SiLU-and-mul, and the partial-reuse block copy. Shapes are in the docstrings; every kernel is
-checked against its reference by tests/kernels (interpreter on CPU, full sweep on a GPU).
+paged pool (one launch per layer), SiLU-and-mul, and the partial-reuse block copy. Shapes are in
+the docstrings; every kernel is checked against its reference by tests/kernels (interpreter on
+CPU, full sweep on a GPU).
 """
 
 from __future__ import annotations

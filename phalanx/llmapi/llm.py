@@ -11,6 +11,7 @@ caller's process; the executor sees token ids.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import time
 import weakref
@@ -42,8 +43,9 @@ class LLM:
         self.args: LlmArgs = make_llm_args(model=model, tokenizer=tokenizer, **kwargs)
         from phalanx.models.loader import resolve_model
         self.source = resolve_model(self.args.model, self.args.trust_remote_code)
-        self.tokenizer: Tokenizer | None = (None if self.args.skip_tokenizer_init else
-                                            load_tokenizer(self.source, self.args.tokenizer, self.args.trust_remote_code))
+        self.tokenizer: Tokenizer | None = None
+        if not self.args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(self.source, self.args.tokenizer, self.args.trust_remote_code)
         self._executor = self._create_executor()
         self.engine_info = self._executor.info
         self.max_seq_len: int = self._executor.info.max_seq_len
@@ -74,9 +76,9 @@ class LLM:
         Every prompt is tokenized and checked before any is submitted; if one fails later (or
         the caller is interrupted), the others are aborted."""
         single = _is_single(inputs)
-        prompts = [inputs] if single else list(inputs)  # type: ignore[list-item]
+        prompts: list[Any] = [inputs] if single else list(inputs)  # type: ignore[arg-type, unused-ignore]
         params = _per_prompt(sampling_params, len(prompts))
-        prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
+        prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
         futures = self._submit_all(prepared, cache_salt)
         try:
             outs = [f.result() for f in _progress(futures, use_tqdm and len(futures) > 1)]
@@ -195,10 +197,8 @@ class LLM:
         self.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass
 
     def _check_open(self) -> None:
         if self._closed:
@@ -214,7 +214,7 @@ def _is_single(inputs: Any) -> bool:
 def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
     if sp is None or isinstance(sp, SamplingParams):
         return [sp] * n
-    sps = list(sp)
+    sps: list[SamplingParams | None] = list(sp)
     if len(sps) != n:
         raise ValueError(f"sampling_params: got {len(sps)} for {n} prompts (give one, or one per prompt)")
     return sps
@@ -233,7 +233,5 @@ _live: weakref.WeakSet[LLM] = weakref.WeakSet()
 @atexit.register
 def _shutdown_all() -> None:
     for llm in list(_live):
-        try:
+        with contextlib.suppress(Exception):
             llm.shutdown()
-        except Exception:
-            pass

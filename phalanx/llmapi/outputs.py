@@ -120,7 +120,7 @@ class RequestOutput:
         self.finished, self.cached_tokens, self.error = snap["finished"], snap["cached_tokens"], snap["error"]
         self.metrics = snap["metrics"]
         self.prompt_logprobs = snap["prompt_logprobs"]
-        for out, s in zip(self.outputs, snap["seqs"]):
+        for out, s in zip(self.outputs, snap["seqs"], strict=True):
             out.text_diff = s["text"][len(out.text):]
             out.token_ids_diff = s["token_ids"][len(out.token_ids):]
             if s["logprobs"] is not None:

@@ -122,7 +122,7 @@ class Tokenizer:
         if max_tokens is not None:
             self.check_length("".join(c for c in contents if isinstance(c, str)), max_tokens)
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        masked = [dict(m, content=mark) for m, mark in zip(messages, marks)]
+        masked = [dict(m, content=mark) for m, mark in zip(messages, marks, strict=True)]
         text = self.apply_chat_template(masked, add_generation_prompt, chat_template, **kwargs)
         ids: list[int] = []
         for i, mark in enumerate(marks):
@@ -186,7 +186,7 @@ class IncrementalDetokenizer:
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        delta = full[len(prefix):] if full.startswith(prefix) else full[len(prefix):]
+        delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta

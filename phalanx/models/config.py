@@ -89,7 +89,8 @@ class ModelConfig:
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(getattr(hf, "attention_bias", False)),
-            o_bias=mt not in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and bool(getattr(hf, "attention_bias", False)),
+            o_bias=(mt not in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+                    and bool(getattr(hf, "attention_bias", False))),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=mt in ("qwen3", "qwen3_moe"),
             sliding_windows=_sliding_windows(hf, mt),
@@ -98,7 +99,8 @@ class ModelConfig:
             torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             num_experts=int(num_experts),
             num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0),
-            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or getattr(hf, "intermediate_size", 0) or 0),
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0)
+                                      or getattr(hf, "intermediate_size", 0) or 0),
             norm_topk_prob=bool(getattr(hf, "norm_topk_prob", mt == "mixtral")),
             shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
             decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),

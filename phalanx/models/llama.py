@@ -17,8 +17,13 @@ from phalanx.kernels.linear_plan import GateUpSiluPlan, Neighbour, QkvRopePlan
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.config import ModelConfig
 from phalanx.models.layers import (
-    MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-    RowParallelLinear, VocabParallelEmbedding,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
 from phalanx.models.parallel import TPGroup, shard_heads
 
@@ -39,8 +44,9 @@ class Attention(nn.Module):
                                         in_ranges=[(q0 * D, (q0 + nq) * D)], behind=Neighbour.ATTN)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = [rotary]  # shared; a list keeps it out of this module's parameters
+        self.rotary: list[RotaryEmbedding] = [rotary]  # shared; a list keeps it out of this module's parameters
         kv_of_q = None if self.heads.uniform_groups else torch.tensor(self.heads.kv_of_q)
+        self.kv_of_q: torch.Tensor | None
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
         self.one_token_qkv: QkvRopePlan | None = None
 
@@ -64,7 +70,7 @@ class Attention(nn.Module):
         H, Hkv, D = self.heads.num_heads, self.heads.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(h)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return ops.rope_and_write_kv(positions, q, k, v, self.rotary[0].cos_sin, k_cache, v_cache, meta)
 
@@ -169,7 +175,7 @@ class CausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param.weight_loader(param, w.to(param.dtype), shard)
+            param.weight_loader(param, w.to(param.dtype), shard)  # type: ignore[attr-defined]  # set by layers._param
             loaded.add(target)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
@@ -205,7 +211,7 @@ class CausalLM(nn.Module):
 
     def mlp_checkpoint_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         c, p = self.config, f"model.layers.{layer}.mlp."
-        shapes = {p + "gate_proj.weight": (c.intermediate_size, c.hidden_size),
+        shapes: dict[str, tuple[int, ...]] = {p + "gate_proj.weight": (c.intermediate_size, c.hidden_size),
                   p + "up_proj.weight": (c.intermediate_size, c.hidden_size),
                   p + "down_proj.weight": (c.hidden_size, c.intermediate_size)}
         if c.mlp_bias:

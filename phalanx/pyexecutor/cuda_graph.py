@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from phalanx.kernels.metadata import AttentionMetadata
 
+if TYPE_CHECKING:
+    from phalanx.models.llama import CausalLM
+
 logger = logging.getLogger("phalanx")
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, kv_tensor: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
+    def __init__(self, model: CausalLM, kv_tensor: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
                  tokens_per_block: int, max_seq_len: int, scratch_block: int, enable_padding: bool,
                  device: torch.device) -> None:
         self.model, self.kv_tensor, self.device = model, kv_tensor, device

@@ -41,7 +41,7 @@ class Dist:
             self.comm.Bcast([n, self.MPI.INT64_T], root=0)
         if n[0] == 0:
             return b""
-        buf = bytearray(data) if self.rank == 0 else bytearray(n[0])
+        buf = bytearray(data or b"") if self.rank == 0 else bytearray(n[0])
         self.comm.Bcast([buf, self.MPI.BYTE], root=0)
         return bytes(buf)
 
@@ -52,7 +52,7 @@ class Dist:
         offsets = [sum(lengths[:i]) for i in range(self.size)]
         out = bytearray(sum(lengths))
         self.comm.Allgatherv([bytearray(data), self.MPI.BYTE], [out, list(lengths), offsets, self.MPI.BYTE])
-        return [bytes(out[o:o + n]) for o, n in zip(offsets, lengths)]
+        return [bytes(out[o:o + n]) for o, n in zip(offsets, lengths, strict=True)]
 
     def check_digest(self, digest: bytes, iteration: int) -> None:
         """Raise RankDivergenceError naming the ranks whose decision differs from rank 0's."""

@@ -14,15 +14,21 @@ the next step gathers it from that buffer on the device; its position comes from
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from phalanx.kernels.metadata import AttentionMetadata
+from phalanx.models.parallel import TPGroup
 from phalanx.pyexecutor.kv_pool import KVPool
 from phalanx.pyexecutor.sampler import RowSettings, SampleOutput, Sampler
 from phalanx.pyexecutor.scheduler import ScheduledBatch
-from phalanx.kernels.metadata import AttentionMetadata
-from phalanx.models.parallel import TPGroup
+
+if TYPE_CHECKING:
+    from phalanx.models.llama import CausalLM
+    from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
 
 
 class RequestFailures(Exception):
@@ -76,7 +82,7 @@ class PromptLogprobs:
         chosen, ids, vals = self.chosen.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
         out, j = {}, 0
         for row, first, count, k in self.spans:
-            out[row] = (first, [[chosen[i], [list(p) for p in zip(ids[i][:k], vals[i][:k])]]
+            out[row] = (first, [[chosen[i], [list(p) for p in zip(ids[i][:k], vals[i][:k], strict=True)]]
                                 for i in range(j, j + count)])
             j += count
         return out
@@ -105,7 +111,7 @@ class InFlightStep:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, sampler: Sampler, device: torch.device,
+    def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler, device: torch.device,
                  tp: TPGroup | None = None, max_slots: int = 256) -> None:
         self.model, self.kv_pool, self.sampler, self.device = model, kv_pool, sampler, device
         self.tp = tp or TPGroup()
@@ -114,7 +120,7 @@ class ModelRunner:
         self._slots: dict[int, int] = {}
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.graphs = None                   # CudaGraphRunner for decode-only steps (GPU)
+        self.graphs: CudaGraphRunner | None = None   # decode-only steps (GPU)
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -162,7 +168,7 @@ class ModelRunner:
         prompt_spans: list[tuple[int, int, int, int]] = []
         failed: dict[int, str] = {}
         for row, (req, start, n, table) in enumerate(zip(batch.requests, batch.num_computed_tokens,
-                                                          batch.num_scheduled_tokens, batch.block_tables)):
+                                                          batch.num_scheduled_tokens, batch.block_tables, strict=True)):
             q0 = int(query_start[row])
             try:
                 known = req.token_ids[start:start + n]
@@ -280,7 +286,7 @@ class ModelRunner:
             host = _to_host(sampled.token_ids)
         end = _event(timing)
         ready = _event(self.stream is not None)
-        if timing:
+        if start is not None and end is not None:
             self.timings.append((start, end))
         return InFlightStep(batch, rows, sampled, host, ready, self.last_prompt_logprobs)
 
@@ -291,12 +297,13 @@ class ModelRunner:
         if step.sampled is not None:
             if step.ready is not None:
                 step.ready.synchronize()
-            for i, t in zip(step.sample_rows, step.host_tokens.tolist()):
+            assert step.host_tokens is not None
+            for i, t in zip(step.sample_rows, step.host_tokens.tolist(), strict=True):
                 tokens[i] = t
             lp = step.sampled.host_logprobs()
             if lp is not None:
                 logprobs = [None] * len(step.batch)
-                for i, x in zip(step.sample_rows, lp):
+                for i, x in zip(step.sample_rows, lp, strict=True):
                     logprobs[i] = x
         prompt = step.prompt_logprobs.host() if step.prompt_logprobs is not None else None
         return StepResult(tokens, logprobs, prompt)
@@ -307,11 +314,12 @@ class ModelRunner:
         without work still have to join the MoE layers' collectives)."""
         dev, B = self.device, self.tokens_per_block
         scratch = self.kv_pool.num_blocks - 1
-        i32 = dict(dtype=torch.int32, device=dev)
+        i32 = torch.int32
         meta = AttentionMetadata(slot_mapping=torch.tensor([scratch * B], device=dev),
-                                 query_start=torch.tensor([0, 1], **i32), seq_lens=torch.tensor([1], **i32),
-                                 block_tables=torch.tensor([[scratch]], **i32), max_query_len=1, max_seq_len=1,
-                                 tokens_per_block=B, is_decode_only=True)
+                                 query_start=torch.tensor([0, 1], dtype=i32, device=dev),
+                                 seq_lens=torch.tensor([1], dtype=i32, device=dev),
+                                 block_tables=torch.tensor([[scratch]], dtype=i32, device=dev), max_query_len=1,
+                                 max_seq_len=1, tokens_per_block=B, is_decode_only=True)
         zero = torch.zeros(1, dtype=torch.long, device=dev)
         self.model(zero, zero, meta, self.kv_pool.tensor)
 
@@ -325,7 +333,7 @@ class ModelRunner:
             return {"steps": len(self.timings), "idle_fraction": float("nan")}
         torch.cuda.synchronize(self.device)
         busy = sum(s.elapsed_time(e) for s, e in self.timings)
-        gaps = [max(0.0, e0.elapsed_time(s1)) for (_, e0), (s1, _) in zip(self.timings, self.timings[1:])]
+        gaps = [max(0.0, e0.elapsed_time(s1)) for (_, e0), (s1, _) in pairwise(self.timings)]
         total = self.timings[0][0].elapsed_time(self.timings[-1][1])
         return {"steps": len(self.timings), "busy_ms": busy, "gap_ms": sum(gaps), "span_ms": total,
                 "idle_fraction": sum(gaps) / total if total > 0 else float("nan"),

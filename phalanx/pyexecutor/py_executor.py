@@ -20,13 +20,23 @@ import traceback
 from typing import Any, Protocol
 
 from phalanx.executor.messages import (
-    HEARTBEAT_INTERVAL, Control, ControlResult, GenerationRequest, Heartbeat, IterationInput, Response, TokenBatch,
-    pack, unpack,
+    HEARTBEAT_INTERVAL,
+    Control,
+    ControlResult,
+    Finished,
+    FirstToken,
+    GenerationRequest,
+    Heartbeat,
+    IterationInput,
+    Response,
+    TokenBatch,
+    pack,
+    unpack,
 )
+from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
 from phalanx.pyexecutor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
 from phalanx.pyexecutor.request import Request, RequestStatus
 from phalanx.pyexecutor.scheduler import ScheduledBatch, Scheduler, StepOutcome
-from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
 
 logger = logging.getLogger("phalanx")
 
@@ -79,7 +89,7 @@ class BroadcastRequestQueue:
         self.dist, self.local = dist, local
 
     def fetch(self, idle: bool) -> IterationInput:
-        data = pack(self.local.fetch(idle)) if self.dist.rank == 0 else None
+        data = pack(self.local.fetch(idle)) if self.local is not None else None
         return unpack(self.dist.bcast_bytes(data, idle))
 
 
@@ -121,7 +131,8 @@ class PyExecutor:
             self._fetch(idle=prev is None and not self.scheduler.has_work)
             batch = self._schedule()
             if batch is not None and prev is not None and _needs_known_history(batch):
-                prev = self._process(prev)   # penalties need the in-flight tokens' values
+                self._process(prev)          # penalties need the in-flight tokens' values
+                prev = None
             step = self._launch(batch) if batch is not None else None
             if prev is not None:
                 self._process(prev)
@@ -154,21 +165,20 @@ class PyExecutor:
             return None
 
     def _process(self, step: InFlightStep | None) -> None:
-        """Read a launched step's tokens, update requests, respond. Returns None."""
+        """Read a launched step's tokens, update requests, respond."""
         if step is None:
-            return None
+            return
         try:
             result = self.runner.collect(step)
         except Exception:
             if self.multi_rank:
                 raise
             self._fail_batch(step.batch, traceback.format_exc())
-            return None
+            return
         if result.prompt_logprobs:
             self._respond_prompt_logprobs(step.batch, result.prompt_logprobs)
         outcome = self.scheduler.update(step.batch, result.token_ids)
         self._respond_step(step.batch, result, outcome)
-        return None
 
     # -- intake ----------------------------------------------------------------------------------
     def _fetch(self, idle: bool) -> None:
@@ -287,14 +297,14 @@ class PyExecutor:
                 continue
             msg.request_ids.append(req.request_id)
             msg.token_ids.append(token)
-            if msg.logprobs is not None:
+            if msg.logprobs is not None and result.logprobs is not None:
                 lp = result.logprobs[row]
                 msg.logprobs.append(list(lp) if lp is not None else None)
             if req.num_output_tokens == 1:
-                msg.first.append([req.request_id, req.num_cached_tokens, req.num_prompt_tokens,
-                                  req.first_scheduled_time, self.rank])
+                msg.first.append(FirstToken(req.request_id, req.num_cached_tokens, req.num_prompt_tokens,
+                                            req.first_scheduled_time, self.rank))
             if req.request_id in finished:
-                msg.finished.append([req.request_id, req.finish_reason, req.stop_reason])
+                msg.finished.append(Finished(req.request_id, req.finish_reason or "stop", req.stop_reason))
                 self._finished(req)
         if msg.request_ids:
             self._emit(msg)

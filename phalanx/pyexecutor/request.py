@@ -24,6 +24,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from phalanx.kv_manager.radix_tree import DEFAULT_PRIORITY
 from phalanx.llmapi.sampling_params import SamplingParams
 
 
@@ -56,7 +57,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_total_tokens: int = 0        # finish by length at this many tokens (prompt + output)
     extra_key: bytes = b""           # cache_salt / LoRA id: isolates prefix reuse
-    priority: int = 35               # KV retention priority of its blocks
+    priority: int = DEFAULT_PRIORITY  # KV retention priority of its blocks
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -123,7 +124,7 @@ class Request:
         n_out = self.num_output_tokens
         last = self.token_ids[-1]
         if n_out > self.sampling.min_tokens:
-            if last in self.sampling.stop_token_ids:
+            if last in (self.sampling.stop_token_ids or ()):
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
             if not self.sampling.ignore_eos and last in self.eos_token_ids:

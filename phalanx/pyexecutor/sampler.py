@@ -38,11 +38,13 @@ class SampleOutput:
         """Per row: (chosen logprob, [(id, logprob), ...]) or None. Synchronizes."""
         if self.logprob_rows is None:
             return None
+        assert self.chosen_logprobs is not None and self.top_ids is not None and self.top_logprobs is not None
+        assert self.top_k is not None
         chosen = self.chosen_logprobs.tolist()
         ids, vals = self.top_ids.tolist(), self.top_logprobs.tolist()
         out: list = [None] * len(self.token_ids)
-        for j, (i, n) in enumerate(zip(self.logprob_rows, self.top_k)):
-            out[i] = (chosen[j], list(zip(ids[j][:n], vals[j][:n])))
+        for j, (i, n) in enumerate(zip(self.logprob_rows, self.top_k, strict=True)):
+            out[i] = (chosen[j], list(zip(ids[j][:n], vals[j][:n], strict=True)))
         return out
 
 
@@ -167,9 +169,10 @@ class Sampler:
             noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
                 generator=self.generator)
         for j, i in enumerate(rows):
-            if settings[i].seed is not None:
+            seed = settings[i].seed
+            if seed is not None:
                 noise[j] = torch.empty(probs.shape[1], device=probs.device).exponential_(
-                    generator=self._generator_for(requests[i].request_id, settings[i].seed))
+                    generator=self._generator_for(requests[i].request_id, seed))
         # Exponential race: argmax p_i / E_i draws i with probability p_i.
         greedy[rows] = (probs / noise).argmax(dim=-1)
         return greedy
@@ -198,7 +201,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: l
         out = r.output_token_ids
         if out:
             out_counts[i].index_add_(0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))
-    rep, freq, pres = (torch.tensor(col, device=dev)[:, None] for col in zip(*penalties))
+    rep, freq, pres = (torch.tensor(col, device=dev)[:, None] for col in zip(*penalties, strict=True))
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
@@ -234,7 +237,7 @@ def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings])
     rows = [i for i, s in enumerate(settings) if s.logprobs is not None]
     lp = raw[rows].log_softmax(dim=-1)
     out.logprob_rows = rows
-    out.top_k = [settings[i].logprobs for i in rows]
+    out.top_k = [settings[i].logprobs or 0 for i in rows]
     out.chosen_logprobs = lp.gather(1, out.token_ids[rows][:, None]).squeeze(1)
     k = min(max(out.top_k), lp.shape[1])
     if k > 0:

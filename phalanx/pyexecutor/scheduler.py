@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from phalanx.kv_manager import CopyOp, KVCacheManager, PrefixMatch
 from phalanx.pyexecutor.request import Request, RequestStatus
-from phalanx.kv_manager import CopyOp, KVCacheManager
 
 GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
 MAX_UTILIZATION = "MAX_UTILIZATION"
@@ -96,7 +96,7 @@ class ScheduledBatch:
         h = hashlib.blake2b(digest_size=16)
         h.update(struct.pack("<q", self.step))
         for r, n, c, bt in zip(self.requests, self.num_scheduled_tokens, self.num_computed_tokens,
-                               self.block_tables):
+                               self.block_tables, strict=True):
             h.update(struct.pack(f"<qqq{len(bt)}q", r.request_id, n, c, *bt))
         for op in self.copy_ops:
             h.update(struct.pack("<qqq", op.src, op.dst, op.num_tokens))
@@ -172,7 +172,7 @@ class Scheduler:
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
         batch.copy_ops = self.kv.take_copy_ops()
-        for req, n, samples in zip(batch.requests, batch.num_scheduled_tokens, batch.samples):
+        for req, n, samples in zip(batch.requests, batch.num_scheduled_tokens, batch.samples, strict=True):
             req.num_computed_tokens += n          # scheduled = will be computed by this step
             req.num_inflight_tokens += samples    # a placeholder until update() reads the token
         return batch
@@ -241,7 +241,7 @@ class Scheduler:
             batch.add(req, n, self.kv.block_table(req.request_id))
             budget -= n
 
-    def _admit(self, req: Request, match, slots: int) -> None:
+    def _admit(self, req: Request, match: PrefixMatch, slots: int) -> None:
         cached = self.kv.admit(req.request_id, match, slots, req.extra_key, req.priority)
         if not req.admitted:
             req.num_cached_tokens = cached
@@ -269,7 +269,7 @@ class Scheduler:
         """
         out = StepOutcome()
         for req, start, n, token in zip(batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens,
-                                        sampled):
+                                        sampled, strict=True):
             if req.status != RequestStatus.RUNNING or req.request_id not in self.requests:
                 continue
             self.kv.commit(req.request_id, req.token_ids, start + n)

@@ -13,6 +13,7 @@ environment as soon as it is read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -26,7 +27,16 @@ from typing import Any
 from phalanx.executor import ipc
 from phalanx.executor.ipc import DIR_ENV, FATAL_MARKER
 from phalanx.executor.messages import (
-    CancelRequest, Control, ControlResult, Fatal, GenerationRequest, Init, Ready, Response, Shutdown, pack, unpack,
+    CancelRequest,
+    Control,
+    Fatal,
+    GenerationRequest,
+    Init,
+    Ready,
+    Response,
+    Shutdown,
+    pack,
+    unpack,
 )
 
 logger = logging.getLogger("phalanx")
@@ -114,26 +124,26 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
     rank0 = dist.rank == 0
     if rank0 and link is None:
         link = Rank0Link(_pid_alive(int(os.environ.get(ipc.PROXY_PID_ENV, "0"))))
-    init = link.wait_init() if rank0 else None
+    init = link.wait_init() if link is not None else None
     data = dist.bcast_bytes(pack(init) if rank0 and init is not None else None, idle=True)
     if not data:
         return 0  # the user went away before starting an engine
     init = unpack(data)
     rendezvous_dir = rendezvous_dir or os.environ.get(DIR_ENV)
-    engine, info, status = None, None, "ok"
+    engine, info, status = None, {}, "ok"
     try:
         engine, info = _build(init, dist, link if rank0 else None, rendezvous_dir)
     except BaseException:
         status = traceback.format_exc()
     statuses = [s.decode() for s in dist.allgather_bytes(status.encode())]
     failed = [(r, s) for r, s in enumerate(statuses) if s != "ok"]
-    if failed:
-        if rank0:
-            r, tb = failed[0]
+    if failed or engine is None:
+        if link is not None:
+            r, tb = failed[0] if failed else (dist.rank, "no engine was built")
             link.sender.send(Fatal(r, f"rank {r} failed to start:\n{tb}"))
         return 1
     processes = [p.decode() for p in dist.allgather_bytes(f"{socket.gethostname()} {os.getpid()}".encode())]
-    if rank0:
+    if link is not None:
         info["rank_processes"] = [[host, int(pid)] for host, pid in (p.split() for p in processes)]
         link.sender.send(Ready(info))
         threading.Thread(target=link.pump, args=(engine.queue.local,), name="phalanx-ipc-pump", daemon=True).start()
@@ -141,10 +151,10 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
         engine.run()
     except BaseException:
         tb = traceback.format_exc()
-        _report_fatal(dist.rank, tb, link.sender if rank0 else None)
+        _report_fatal(dist.rank, tb, link.sender if link is not None else None)
         dist.abort(1)
         return 1
-    if rank0:
+    if link is not None:
         link.stop.set()
     dist.barrier()
     _teardown()
@@ -169,10 +179,10 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
     import torch
 
     from phalanx.config import LlmArgs
+    from phalanx.models.loader import resolve_model
     from phalanx.pyexecutor.creator import create_py_executor, resolve_device
     from phalanx.pyexecutor.dist import init_torch_distributed
     from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, RequestQueue
-    from phalanx.models.loader import resolve_model
 
     args = LlmArgs(**init.llm_args)
     if args.world_size != dist.size:
@@ -214,10 +224,8 @@ def _report_fatal(rank: int, tb: str, sender: IpcSender | None) -> None:
     last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
     print(f"{FATAL_MARKER} rank={rank}: {last}\n{tb}", file=sys.stderr, flush=True)
     if sender is not None:
-        try:
+        with contextlib.suppress(Exception):
             sender.send(Fatal(rank, f"rank {rank} failed: {last}"))
-        except Exception:
-            pass
 
 
 def _teardown() -> None:

@@ -14,7 +14,8 @@ logger = logging.getLogger("phalanx")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or HF id (default: bundled SmolLM2)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF directory, .gguf file or HF id (default: bundled SmolLM2)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", default="pytorch", choices=["pytorch"])

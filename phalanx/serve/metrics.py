@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -86,7 +87,7 @@ class ServerMetrics:
             self.request_success.labels(m, reason or "abort").inc()
         if state.first_token_time is not None:
             self.ttft.labels(m).observe(state.first_token_time - state.arrival_time)
-        for a, b in zip(state.token_times, state.token_times[1:]):
+        for a, b in pairwise(state.token_times):
             self.itl.labels(m).observe(b - a)
         if state.finish_time is not None:
             self.e2e.labels(m).observe(state.finish_time - state.arrival_time)

@@ -38,7 +38,12 @@ from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import SamplingParams
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
-    BodyError, ChatCompletionRequest, CompletionRequest, ErrorResponse, error_body, parse_body,
+    BodyError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    error_body,
+    parse_body,
 )
 
 logger = logging.getLogger("phalanx")
@@ -296,10 +301,10 @@ class OpenAIServer:
             while not await request.is_disconnected():
                 await asyncio.sleep(0.25)
 
-        done = asyncio.ensure_future(asyncio.gather(*(f.aresult() for f in futs)))
-        watch = asyncio.ensure_future(disconnected())
+        done: asyncio.Future[list[RequestOutput]] = asyncio.ensure_future(asyncio.gather(*(f.aresult() for f in futs)))
+        watch: asyncio.Future[None] = asyncio.ensure_future(disconnected())
         try:
-            await asyncio.wait({done, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([done, watch], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
         finally:   # the client left, or this handler was cancelled: nothing may keep running
             watch.cancel()
             gone = not done.done()
@@ -348,7 +353,7 @@ class OpenAIServer:
             return self._sse(self._stream_completions(rid, body, futs, texts))
         outs = await self._collect(futs, request)
         choices = []
-        for i, (out, text) in enumerate(zip(outs, texts)):
+        for i, (out, text) in enumerate(zip(outs, texts, strict=True)):
             self._observe(out)
             for o in out.outputs:
                 prefix = (text or "") if body.echo else ""
@@ -363,11 +368,9 @@ class OpenAIServer:
     def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of every prompt; all are checked before any is submitted."""
         tok = self.llm.tokenizer
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
             prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            prompt = [prompt]
-        out = []
+        out: list[tuple[str | None, list[int]]] = []
         for i, p in enumerate(prompt):
             where = "prompt" if len(prompt) == 1 else f"prompt.{i}"
             if not p:
@@ -399,7 +402,7 @@ class OpenAIServer:
         return lp
 
     def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, pos: int) -> int:
-        for tid, entry in zip(token_ids, entries):
+        for tid, entry in zip(token_ids, entries, strict=False):
             s = self._token_str(tid)
             lp["tokens"].append(s)
             lp["token_logprobs"].append(entry[tid].logprob if entry is not None else None)
@@ -431,7 +434,7 @@ class OpenAIServer:
             if echo_due[i]:
                 echo_due[i] = False
                 for k in range(body.n):
-                    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                    lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
                     offsets[i * body.n + k] = self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [],
                                                                  0)
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
@@ -460,12 +463,13 @@ class OpenAIServer:
     async def chat(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        if self.llm.tokenizer is None:
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: chat needs one", "messages")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
         try:
-            ids = await self._text(lambda: self.llm.tokenizer.encode_chat(
+            ids = await self._text(lambda: tokenizer.encode_chat(
                 messages, body.add_generation_prompt, self.chat_template, self.llm.max_seq_len - 1,
                 **(body.chat_template_kwargs or {})))
         except ValueError as e:
@@ -492,7 +496,7 @@ class OpenAIServer:
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict]) -> list[dict[str, Any]]:
         out = []
-        for tid, entry in zip(token_ids, entries):
+        for tid, entry in zip(token_ids, entries, strict=False):
             s = self._token_str(tid)
             tops = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
             out.append({"token": s, "logprob": entry[tid].logprob, "bytes": list(s.encode()),

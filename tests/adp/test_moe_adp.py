@@ -18,7 +18,7 @@ def prompts(n=6, seed=0):
 
 def check(llm, hf, ps, n=8):
     outs = llm.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)
-    for i, (p, o) in enumerate(zip(ps, outs)):
+    for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
         ref, gaps = hf_greedy(hf, p, n)
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"prompt {i}")
     return outs

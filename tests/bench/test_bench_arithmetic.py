@@ -1,7 +1,6 @@
 """Benchmark arithmetic on synthetic timelines, dataset generators, and the three prefix
 indexes on hand-built traces with known hit counts. No server, no torch."""
 
-import math
 
 import pytest
 
@@ -75,7 +74,7 @@ def test_shared_prefix_dataset_shares_exactly_the_system_prompt():
     by_group = {}
     for r in reqs:
         by_group.setdefault(r.group, []).append(r.prompt_ids)
-    for g, prompts in by_group.items():
+    for prompts in by_group.values():
         assert len(prompts) == 5 and len({tuple(p[:64]) for p in prompts}) == 1
         assert len({tuple(p[64:]) for p in prompts}) == 5
     assert len({tuple(p[0][:64]) for p in by_group.values()}) == 4

@@ -24,7 +24,7 @@ def test_gpu_greedy_equals_transformers_fp32(kind, tiny_models, hf_models):
         outs = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
         again = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert llm.engine_info.num_kv_blocks > 0
-    for i, (p, o, o2) in enumerate(zip(ps, outs, again)):
+    for i, (p, o, o2) in enumerate(zip(ps, outs, again, strict=True)):
         ref, gaps = hf_greedy(hf, p, 12)
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"{kind} prompt {i}")
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps, f"{kind} prompt {i} (cached)")

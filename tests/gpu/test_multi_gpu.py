@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hf_reference import assert_same_greedy, hf_greedy
-from serve_helpers import start_launched_server, stop_launched_server
 from phalanx import LLM, SamplingParams
 from phalanx.bench.shapes import shape_dir
+from serve_helpers import start_launched_server, stop_launched_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -60,7 +60,7 @@ def test_tiny_tp2_and_adp2_equal_transformers_and_tp1(kind, tiny_models, hf_mode
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
 def top2_gap(step: dict) -> float:

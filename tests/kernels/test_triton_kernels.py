@@ -74,7 +74,6 @@ def test_copy_blocks():
 def _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=0):
     """Random pool with scattered blocks, packed queries; returns (q, kc, vc, meta)."""
     g = torch.Generator().manual_seed(seed)
-    S = len(seq_lens)
     blocks_per = [-(-L // B) for L in seq_lens]
     nb = sum(blocks_per) + 3
     perm = torch.randperm(nb, generator=g).tolist()
@@ -170,7 +169,8 @@ def test_gemv_every_tile(M, N, K, dtype):
             assert torch.equal(gemv.gemv(x, w, b, tile, pdl=p, preload=True), gemv.gemv(x, w, b, tile, pdl=p))
 
 
-@pytest.mark.parametrize("H,Hkv,D,bias", [(4, 2, 32, False), (6, 2, 16, True)] + ([(32, 8, 128, False)] if CUDA else []))
+@pytest.mark.parametrize("H,Hkv,D,bias",
+                         [(4, 2, 32, False), (6, 2, 16, True)] + ([(32, 8, 128, False)] if CUDA else []))
 def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv, D, bias):
     """The fused q/k/v projection + rotary + K/V write gives the bits of the projection, then
     ``rope_and_write_kv`` — for every one-row tile that fits a head, with PDL where the GPU has it."""
@@ -194,8 +194,9 @@ def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv,
             caches = [torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV) for _ in range(4)]
             q = QkvRopePlan(tile, use_pdl)(x, w, b, pos, cs, caches[0], caches[1], slot, H, Hkv, D)
             qkv = gemv.gemv(x, w, b, tile, pdl=use_pdl)
-            q_ref = triton_ops.rope_and_write_kv(pos, qkv[:, :H * D].view(1, H, D), qkv[:, H * D:(H + Hkv) * D].view(1, Hkv, D),
-                                                 qkv[:, (H + Hkv) * D:].view(1, Hkv, D), cs, caches[2], caches[3], slot)
+            q_part, k_part, v_part = qkv[:, :H * D], qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
+            q_ref = triton_ops.rope_and_write_kv(pos, q_part.view(1, H, D), k_part.view(1, Hkv, D),
+                                                 v_part.view(1, Hkv, D), cs, caches[2], caches[3], slot)
             assert torch.equal(q, q_ref), tile
             assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]), tile
             assert caches[0].view(-1, Hkv, D)[3 * B + 5].abs().sum() > 0   # it wrote the slot
@@ -210,7 +211,7 @@ def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias):
     from phalanx.kernels.linear_plan import CUBLAS, GateUpSiluPlan
     g = torch.Generator().manual_seed(12)
     dtype = torch.bfloat16 if CUDA else torch.float32   # the interpreter's bfloat16 SiLU is not exact
-    K, I = (64, 40) if not CUDA else (4096, 14336)
+    K, I = (64, 40) if not CUDA else (4096, 14336)  # noqa: E741 (I: intermediate size)
     x = torch.randn(1, K, generator=g).to(DEV, dtype)
     w = (torch.randn(2 * I, K, generator=g) / K ** 0.5).to(DEV, dtype)
     b = torch.randn(2 * I, generator=g).to(DEV, dtype) if bias else None
@@ -231,7 +232,7 @@ def test_gate_up_silu_pair_tuning_picks_a_path_that_runs():
     from phalanx.kernels.linear_plan import Neighbour
     from phalanx.models.llama import MLP
     from phalanx.models.parallel import TPGroup
-    K, I, dtype = 1024, 2816, torch.bfloat16
+    K, I, dtype = 1024, 2816, torch.bfloat16  # noqa: E741 (I: intermediate size)
     mlp = MLP(K, I, False, TPGroup()).to(DEV, dtype)
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=K ** -0.5)
@@ -284,7 +285,8 @@ def test_a_projection_runs_the_plan_of_its_row_bucket(behind, monkeypatch):
     calls = []
     real = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append((a[0].shape[0], kw["silu"])) or real(*a, **kw))
-    plan = LinearPlan(neighbour, (Plan("gemv", gemv.ONE_ROW_TILES[1]), CUBLAS, Plan("gemv", RowsTile(32, 256, 4, 4, 2))))
+    plan = LinearPlan(neighbour, (Plan("gemv", gemv.ONE_ROW_TILES[1]), CUBLAS,
+                                  Plan("gemv", RowsTile(32, 256, 4, 4, 2))))
     for rows in (1, 2, 40, 70):
         x = torch.randn(rows, 2 * K if behind == "silu" else K, generator=g).to(DEV, dtype)
         want = reference.silu_and_mul_ref(x) if behind == "silu" else x
@@ -315,7 +317,7 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
     for the previous write."""
     from phalanx.kernels import gemv, pdl
     g = torch.Generator().manual_seed(3)
-    H, I, L = 1024, 2048, 6
+    H, I, L = 1024, 2048, 6  # noqa: E741 (I: intermediate size)
     ws = [((torch.randn(2 * I, H, generator=g) / H ** 0.5).to(DEV, torch.bfloat16),
            (torch.randn(H, I, generator=g) / I ** 0.5).to(DEV, torch.bfloat16)) for _ in range(L)]
     gn = torch.ones(H, device=DEV, dtype=torch.bfloat16)
@@ -417,7 +419,7 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         again = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # prefix hits
         alone = llm.generate(prompts[:1], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)  # batch 1
-    for p, o, o2 in zip(prompts, outs, again):
+    for p, o, o2 in zip(prompts, outs, again, strict=True):
         ref, gaps = hf_greedy(hf_models["llama"], p, 6)
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
@@ -433,7 +435,7 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
     from phalanx.kernels import triton_moe
     from phalanx.kernels.reference import experts_ref
     dtype = torch.bfloat16 if CUDA else torch.float32
-    H, I = (2048, 768) if CUDA and T >= 256 else (32, 24)
+    H, I = (2048, 768) if CUDA and T >= 256 else (32, 24)  # noqa: E741 (I: intermediate size)
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(DEV, dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)

@@ -41,10 +41,10 @@ def test_batched_greedy_equals_transformers(kind, reuse, chunked, preempt, tiny_
         # twice: the second round hits the prefix cache left by the first
         for round_ in range(2):
             outs = llm.generate(ps, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-            for i, (out, (ref, gaps)) in enumerate(zip(outs, refs)):
+            for i, (out, (ref, gaps)) in enumerate(zip(outs, refs, strict=True)):
                 assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{kind} prompt {i} round {round_}")
             if reuse and not preempt and round_ == 1:
-                assert all(o.cached_tokens == len(p) - 1 for o, p in zip(outs, ps)), \
+                assert all(o.cached_tokens == len(p) - 1 for o, p in zip(outs, ps, strict=True)), \
                     [o.cached_tokens for o in outs]
             if not reuse:
                 assert all(o.cached_tokens == 0 for o in outs)

@@ -4,14 +4,14 @@ through the real scheduler, paged KV pool, chunked prefill and a sliding window.
 import pytest
 import torch
 
+from phalanx.kv_manager import KVCacheManager
+from phalanx.llmapi.sampling_params import SamplingParams
+from phalanx.models.loader import build_model, resolve_model
 from phalanx.pyexecutor.kv_pool import KVPool
 from phalanx.pyexecutor.model_runner import ModelRunner
 from phalanx.pyexecutor.request import Request
 from phalanx.pyexecutor.sampler import Sampler
 from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
-from phalanx.kv_manager import KVCacheManager
-from phalanx.llmapi.sampling_params import SamplingParams
-from phalanx.models.loader import build_model, resolve_model
 
 CPU = torch.device("cpu")
 

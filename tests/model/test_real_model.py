@@ -34,7 +34,7 @@ def hf_model():
 def test_chat_batch_equals_transformers_greedy(llm, hf_model):
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         ids = torch.tensor([llm.tokenizer.encode(prompt)])
         assert ids[0].tolist() == out.prompt_token_ids
         with torch.no_grad():

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from phalanx import LLM, SamplingParams
+from phalanx.kv_manager import KVCacheManager
+from phalanx.llmapi.outputs import RequestError
+from phalanx.models.loader import build_model, resolve_model
 from phalanx.pyexecutor import py_executor
 from phalanx.pyexecutor.kv_pool import KVPool
 from phalanx.pyexecutor.model_runner import ModelRunner, RequestFailures
 from phalanx.pyexecutor.request import Request
 from phalanx.pyexecutor.sampler import Sampler
 from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
-from phalanx.kv_manager import KVCacheManager
-from phalanx.llmapi.outputs import RequestError
-from phalanx.models.loader import build_model, resolve_model
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -47,9 +47,9 @@ def test_a_request_whose_settings_break_on_the_rank_fails_alone(tiny_llm, monkey
     monkeypatch.setattr(py_executor.SamplingParams, "from_dict", staticmethod(tampered))
     bad = SamplingParams(max_tokens=10, temperature=0.5, seed=666, ignore_eos=True)
     for round_ in range(3):
-        futs = [tiny_llm.generate_async(p, sp) for p, sp in zip(PROMPTS[:2], _params()[:2])]
+        futs = [tiny_llm.generate_async(p, sp) for p, sp in zip(PROMPTS[:2], _params()[:2], strict=True)]
         victim = tiny_llm.generate_async([3, 4, 5], bad)
-        futs += [tiny_llm.generate_async(p, sp) for p, sp in zip(PROMPTS[2:], _params()[2:])]
+        futs += [tiny_llm.generate_async(p, sp) for p, sp in zip(PROMPTS[2:], _params()[2:], strict=True)]
         with pytest.raises(RequestError, match="temperature"):
             victim.result(timeout=60)
         assert [f.result(timeout=60).outputs[0].token_ids for f in futs] == alone, round_
@@ -99,8 +99,8 @@ def test_prompt_logprobs_equal_transformers(tiny_models, hf_models, max_num_toke
             assert [t for _, t in ranked] == top.indices.tolist()
         one = llm.generate(prompt, SamplingParams(max_tokens=3, prompt_logprobs=0), use_tqdm=False)
         assert one.cached_tokens == 0          # every position computed, none reused
-        assert [e[t].logprob for e, t in zip(one.prompt_logprobs[1:], prompt[1:])] == \
-            [e[t].logprob for e, t in zip(plp[1:], prompt[1:])]
+        assert [e[t].logprob for e, t in zip(one.prompt_logprobs[1:], prompt[1:], strict=True)] == \
+            [e[t].logprob for e, t in zip(plp[1:], prompt[1:], strict=True)]
         plain = llm.generate(prompt, SamplingParams(max_tokens=3), use_tqdm=False)
         assert plain.prompt_logprobs is None and plain.cached_tokens > 0
         assert out.outputs[0].token_ids == plain.outputs[0].token_ids

@@ -54,7 +54,8 @@ def test_repetition_presence_frequency_penalties():
 def test_top_k_top_p_min_p_filters():
     from phalanx.pyexecutor.sampler import _filter
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    keep = lambda sp: torch.isfinite(_filter(logits.clone(), [RowSettings.of(req(**sp), 4)]))[0].tolist()
+    def keep(sp):
+        return torch.isfinite(_filter(logits.clone(), [RowSettings.of(req(**sp), 4)]))[0].tolist()
     assert keep(dict(top_k=2)) == [True, True, False, False]
     assert keep(dict(top_k=2**31 - 1)) == [True, True, True, True]   # above the vocabulary: off
     assert keep(dict(top_p=0.7)) == [True, True, False, False]
@@ -126,7 +127,8 @@ def test_logprobs_through_the_engine(tiny_llm):
     out = tiny_llm.generate([4, 4, 4], SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True),
                             use_tqdm=False).outputs[0]
     assert len(out.logprobs) == 5
-    for tok, entry in zip(out.token_ids, out.logprobs):
+    for tok, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert tok in entry and len(entry) >= 3
         assert entry[tok].logprob == max(lp.logprob for lp in entry.values())   # greedy: the top one
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    chosen = [e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)]
+    assert out.cumulative_logprob == pytest.approx(sum(chosen))

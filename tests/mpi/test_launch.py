@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
@@ -37,7 +36,7 @@ def test_launch_runs_a_script_whose_llm_uses_the_job(tmp_path, tiny_models, hf_m
     env = dict(os.environ, OMPI_MCA_btl="^tcp")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    line = next(l for l in res.stdout.splitlines() if l.startswith("TOKENS"))
+    line = next(x for x in res.stdout.splitlines() if x.startswith("TOKENS"))
     tokens = eval(line[len("TOKENS"):])
     ref, _ = hf_greedy(hf_models["llama"], [5, 6, 7, 8], 8)
     assert tokens == ref

@@ -116,9 +116,9 @@ def test_bad_frames_are_dropped_and_serving_continues(tp2):
     after = tp2.generate([5, 6, 7], greedy(), use_tqdm=False).outputs[0].token_ids
     assert after == before
     deadline = time.time() + 5
-    while time.time() < deadline and sum("dropped an IPC frame" in l for l in ex._stderr_tail) < 2:
+    while time.time() < deadline and sum("dropped an IPC frame" in x for x in ex._stderr_tail) < 2:
         time.sleep(0.1)
-    assert sum("dropped an IPC frame" in l for l in ex._stderr_tail) == 2
+    assert sum("dropped an IPC frame" in x for x in ex._stderr_tail) == 2
 
 
 def test_fifty_concurrent_streams_are_exact(tp2):

@@ -31,9 +31,9 @@ def test_streams_add_up_and_stop_strings_cut_exactly(llm):
         return seen, deltas, out
 
     async def main():
-        return await asyncio.gather(*(stream(p, s) for p, s in zip(prompts, stops)))
+        return await asyncio.gather(*(stream(p, s) for p, s in zip(prompts, stops, strict=True)))
 
-    for (seen, deltas, out), text, stop in zip(asyncio.run(main()), full, stops):
+    for (seen, deltas, out), text, stop in zip(asyncio.run(main()), full, stops, strict=True):
         expected = text[:text.find(stop)]
         assert deltas == expected == out.outputs[0].text
         assert all(stop not in s for s in seen)

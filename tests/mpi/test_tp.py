@@ -25,7 +25,7 @@ def test_tp2_tiny_models_equal_transformers(kind, tiny_models, hf_models):
     with LLM(tiny_models[kind], tensor_parallel_size=2, skip_tokenizer_init=True,
              kv_cache_config={"tokens_per_block": 8}, max_num_tokens=24) as llm:
         outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
-        for i, (p, out) in enumerate(zip(ps, outs)):
+        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
             ref, gaps = hf_greedy(hf, p, 10)
             assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{kind} TP=2 prompt {i}")
         assert llm._executor.check_integrity() == ["ok", "ok"]
@@ -42,7 +42,7 @@ def test_tp2_smollm2_chat_equals_transformers_and_tp1():
     path = bundled_model_path()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
-    for p, ours in zip(prompts_, tp2):
+    for p, ours in zip(prompts_, tp2, strict=True):
         ids = torch.tensor([tok.encode(p)])
         with torch.no_grad():
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,

@@ -60,7 +60,7 @@ def test_eos_stop_ids_and_max_tokens_at_every_position(pair):
     ps = [p] * len(cases)
     got, want = run(ovl, ps, cases), run(sync, ps, cases)
     assert got == want
-    for (toks, reason), sp in zip(got, cases):
+    for (toks, reason), sp in zip(got, cases, strict=True):
         if sp.end_id is not None:
             assert toks == ref[:ref.index(sp.end_id) + 1] and reason == "stop"
     integrity(ovl)

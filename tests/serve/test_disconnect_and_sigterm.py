@@ -16,13 +16,13 @@ async def _stream_then_drop(url: str, i: int) -> int:
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"Write a long story number {i}."}],
             "max_tokens": 400, "stream": True, "temperature": 0.7}
     got = 0
-    async with httpx.AsyncClient(timeout=60) as c:
-        async with c.stream("POST", url + "/v1/chat/completions", json=body, headers=H) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    got += 1
-                if got >= 3:
-                    break                      # leave mid-stream
+    async with httpx.AsyncClient(timeout=60) as c, c.stream("POST", url + "/v1/chat/completions", json=body,
+                                                           headers=H) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got >= 3:
+                break                      # leave mid-stream
     return got
 
 

@@ -8,8 +8,8 @@ import sys
 import httpx
 import pytest
 
-from serve_helpers import start_launched_server, start_server, stop_launched_server, stop_server
 from phalanx.serve.cli import instructions
+from serve_helpers import start_launched_server, start_server, stop_launched_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -19,11 +19,11 @@ def test_printed_curl_and_openai_snippet_work_as_printed():
     try:
         port = int(url.rsplit(":", 1)[1])
         text = instructions("127.0.0.1", port, MODEL, None)
-        lines = [l.strip() for l in text.splitlines()]
-        curl = " ".join(l.rstrip("\\").strip() for l in lines if l.startswith("curl") or l.startswith("-d"))
+        lines = [x.strip() for x in text.splitlines()]
+        curl = " ".join(x.rstrip("\\").strip() for x in lines if x.startswith("curl") or x.startswith("-d"))
         out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
         assert '"choices"' in out.stdout and '"content"' in out.stdout, out.stdout + out.stderr
-        snippet = next(l for l in lines if l.startswith("python -c"))
+        snippet = next(x for x in lines if x.startswith("python -c"))
         args = shlex.split(snippet)
         args[0] = sys.executable
         res = subprocess.run(args, capture_output=True, text=True, timeout=120)

@@ -21,7 +21,8 @@ def test_models_list(client):
 
 
 def test_chat_plain(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+    r = client.chat.completions.create(model=MODEL,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}],
                                        max_tokens=24, temperature=0)
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -103,7 +104,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 
 def test_context_overflow_names_both_numbers(server):
     code, payload = _error(server, "/v1/completions", {"model": MODEL, "prompt": "word " * 300, "max_tokens": 300})
-    assert code == 400 and "512" in payload["error"]["message"] and "300 in the completion" in payload["error"]["message"]
+    message = payload["error"]["message"]
+    assert code == 400 and "512" in message and "300 in the completion" in message
 
 
 def test_prompt_at_the_limit_with_one_token_works(server):
@@ -114,8 +116,8 @@ def test_prompt_at_the_limit_with_one_token_works(server):
 
 def test_api_key_required_except_health_and_metrics(server):
     for key in (None, "wrong"):
-        code, payload = _error(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
-                               key=key)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        code, payload = _error(server, "/v1/chat/completions", body, key=key)
         assert code == 401 and payload["error"]["code"] == 401
     assert httpx.get(server + "/v1/models").status_code == 401
     assert httpx.get(server + "/health").status_code == 200
@@ -150,7 +152,8 @@ def test_metrics_parse_and_move(server, client):
     client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=4, temperature=0)
     client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=4, temperature=0)
     after = metrics(server)
-    assert value(after, "phalanx:time_to_first_token_seconds_count") >= value(before, "phalanx:time_to_first_token_seconds_count") + 2
+    ttft = "phalanx:time_to_first_token_seconds_count"
+    assert value(after, ttft) >= value(before, ttft) + 2
     assert value(after, "phalanx:prefix_cache_hits_total") > value(before, "phalanx:prefix_cache_hits_total")
     assert value(after, "phalanx:prompt_tokens_total") > value(before, "phalanx:prompt_tokens_total")
     assert value(after, "phalanx:generation_tokens_total") >= value(before, "phalanx:generation_tokens_total") + 8

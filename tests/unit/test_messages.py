@@ -1,7 +1,12 @@
 import pytest
 
 from phalanx.executor.messages import (
-    CancelRequest, GenerationRequest, IterationInput, Response, pack, unpack,
+    CancelRequest,
+    GenerationRequest,
+    IterationInput,
+    Response,
+    pack,
+    unpack,
 )
 from phalanx.llmapi.sampling_params import SamplingParams
 

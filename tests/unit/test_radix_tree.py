@@ -123,6 +123,7 @@ def test_referenced_blocks_are_never_evicted():
     kv.admit(1, m, 9)                                        # holds 3 blocks
     kv.commit(1, [1, 2, 3, 4, 5, 6, 7, 8, 9], 8)
     import pytest
+
     from phalanx.kv_manager import NoFreeBlocksError
     with pytest.raises(NoFreeBlocksError):
         kv.admit(2, kv.match([7] * 9), 9)

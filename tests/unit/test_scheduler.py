@@ -109,7 +109,7 @@ def test_max_utilization_preempts_the_latest_and_recomputes_identically():
     run_to_completion(s)
     assert s.num_preemptions > 0
     assert max(r.num_preemptions for r in reqs) > 0
-    for r, p in zip(reqs, prompts):
+    for r, p in zip(reqs, prompts, strict=True):
         assert r.output_token_ids == expected_output(p, 10)
     assert s.kv.pool.num_available == s.kv.num_blocks
 
@@ -123,7 +123,7 @@ def test_preemption_victim_is_the_most_recently_started():
     for _ in range(10):
         b = s.schedule()
         victims += [r.request_id for r in b.preempted]
-        s.update(b, [fake_token(r) if x else None for r, x in zip(b.requests, b.samples)])
+        s.update(b, [fake_token(r) if x else None for r, x in zip(b.requests, b.samples, strict=True)])
     assert victims and set(victims) == {second.request_id}
 
 
@@ -217,7 +217,7 @@ def test_many_requests_all_finish_exactly(policy):
     for r in reqs:
         assert s.add_request(r) is None
     run_to_completion(s, FakeRunner())
-    for r, p in zip(reqs, prompts):
+    for r, p in zip(reqs, prompts, strict=True):
         assert r.output_token_ids == expected_output(p, r.sampling.max_tokens)
     assert s.kv.pool.num_available == s.kv.num_blocks
 
