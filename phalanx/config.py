@@ -98,6 +98,10 @@ class LlmArgs(StrictModel):
     trust_remote_code: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    allreduce_strategy: Literal["AUTO", "NCCL"] = Field(
+        "AUTO", description="Tensor-parallel all-reduce: AUTO takes the custom one-host all-reduce over CUDA IPC "
+                            "(one-shot, two-shot, fused with the next RMSNorm) where it fits and NCCL above its "
+                            "limit or across hosts; NCCL always uses NCCL.")
     engine_iteration_timeout: float = Field(
         120.0, ge=0.0,
         description="Seconds without a heartbeat from the ranks' loop (one comes at least every iteration) "

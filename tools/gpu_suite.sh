@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT (and all of $OUT in
 # $OUT/suite.tgz).
-#   usage: tools/gpu_suite.sh [tests|kernels|gputests|multi|profile1|profile64|attention|gemv|decode1|decode_rows|decode|decode_tp|
-#                              throughput128|throughput1000|throughput_tp2|moe|all]...
-# multi, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi comes from
-# `python tools/export_tokenizer.py` (carry .gpu_assets).
+#   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
+#                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
+#                              throughput_tp2|moe|all]...
+# multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
+# comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -12,6 +13,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&
 export PYTHONPATH=/tmp/site:$PWD
 export PHALANX_CACHE_DIR=/tmp/phalanx-cache
 export PHALANX_STARTUP_TIMEOUT=200
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # no NVLink multicast
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
 # whatever a section leaves on a GPU (a server whose test was cut off) goes before the next one
@@ -42,24 +44,39 @@ for what in "${@:-all}"; do
       timeout 200 python3 tools/profile_decode.py --batch 64 --output "$OUT/profile64.json" > "$OUT/profile64.txt" 2>&1 ;;
     multi)
       PHALANX_RESULTS_DIR="$OUT" timeout 330 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_multi_gpu.py 2>&1 | tail -60 > "$OUT/multi.txt" ;;
+    kernels_new)   # the kernels this round touched: skinny GEMVs and their plans, MoE tiles, the all-reduce
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels -k "gemv or one_token or split_k or plan or moe or pdl or allreduce or whole_model" > "$OUT/kernels_new.txt" 2>&1 ;;
+    ar)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_custom_allreduce.py > "$OUT/ar_tests.txt" 2>&1
+      timeout 120 python3 tools/bench_allreduce.py --output "$OUT/allreduce.json" > "$OUT/allreduce.txt" 2>&1 ;;
+    profile_tp)
+      timeout 240 python3 tools/profile_decode.py --tp 2 --batch 1 64 --steps 16 --allreduce NCCL AUTO \
+        --output "$OUT/profile_tp2.json" > "$OUT/profile_tp2.txt" 2>&1 ;;
+    throughput128_c256)
+      timeout 200 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 128 --osl 128 \
+        --concurrency 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
+        --output "$OUT/throughput_128_c256.json" > "$OUT/throughput_128_c256.txt" 2>&1 ;;
     profile1)
       timeout 200 python3 tools/profile_decode.py --output "$OUT/profile1.json" > "$OUT/profile1.txt" 2>&1 ;;
-    decode_tp)
-      for tp in 1 2; do
+    decode_tp)   # TP=1, TP=2 with the custom all-reduce, TP=2 over NCCL only
+      for run in "1 tp1" "2 tp2" "2 tp2_nccl --config tools/gpu_tp_nccl.yaml"; do
+        set -- $run; tp=$1; name=$2; shift 2
         timeout 200 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \
-          --steps 128 --overlap on --tp $tp --output "$OUT/decode_tp$tp.json" > "$OUT/decode_tp$tp.txt" 2>&1
+          --steps 128 --overlap on --tp $tp "$@" --output "$OUT/decode_$name.json" > "$OUT/decode_$name.txt" 2>&1
       done ;;
     throughput_tp2)
       timeout 240 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 1000 --osl 1000 --tp 2 \
         --concurrency 1 16 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
         --output "$OUT/throughput_1000_tp2.json" > "$OUT/throughput_1000_tp2.txt" 2>&1 ;;
-    moe)
-      timeout 200 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --isl 1000 --osl 250 --tp 2 --num-requests 256 \
-        --concurrency 64 256 --max-batch-size 256 --config tools/gpu_moe_adp.yaml \
+    moe)   # attention DP + EP=2 (CUDA graphs) against TP=2, Qwen3-30B-A3B shape, 1000/250 at concurrency 256
+      timeout 240 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --isl 1000 --osl 250 --tp 2 --num-requests 256 \
+        --concurrency 256 --max-batch-size 256 --config tools/gpu_moe_adp.yaml \
         --output "$OUT/moe_adp_ep2.json" > "$OUT/moe_adp_ep2.txt" 2>&1
-      timeout 200 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --isl 1000 --osl 250 --tp 2 --num-requests 256 \
-        --concurrency 64 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
+      timeout 240 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --isl 1000 --osl 250 --tp 2 --num-requests 256 \
+        --concurrency 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
         --output "$OUT/moe_tp2.json" > "$OUT/moe_tp2.txt" 2>&1 ;;
+    multi_new)
+      timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_multi_gpu.py -k custom_allreduce 2>&1 | tail -30 > "$OUT/multi_new.txt" ;;
     decode1)
       PHALANX_LOG_LEVEL=INFO PHALANX_ECHO_WORKER_STDERR=1 timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 \
         --prompt-len 128 --steps 256 --overlap on --output "$OUT/decode1.json" > "$OUT/decode1.txt" 2>&1 ;;

@@ -1,8 +1,11 @@
 """Where a decode step spends its GPU time: kernels of the Llama-3.1-8B-shaped dummy model under
 the torch profiler, per step, with CUDA graphs (as served) and without, at a batch of sequences
-of 128-token prompts (1 by default).
+of 128-token prompts (1 by default). With ``--tp 2`` the ranks run in an MPI job and each
+profiles itself (the ``profile:start`` / ``profile:stop`` control ops); ``--allreduce AUTO NCCL``
+profiles the custom all-reduce against NCCL in one run.
 
     python tools/profile_decode.py --batch 64 --output profile.json
+    python tools/profile_decode.py --tp 2 --batch 1 64 --allreduce NCCL AUTO --output profile_tp2.json
 """
 
 from __future__ import annotations
@@ -12,59 +15,66 @@ import json
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from phalanx import LLM, SamplingParams
 from phalanx.bench.shapes import shape_dir
+from phalanx.config import merge_yaml
 
 
-def kernel_table(prof, steps: int) -> list[dict]:
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t and e.count and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
-            rows.append({"kernel": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": t / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    return rows
+def profile_steps(llm: LLM, batch: int, steps: int) -> dict:
+    prompt = [list(range(1000 + 128 * i, 1128 + 128 * i)) for i in range(batch)]
+    llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
+    sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True, detokenize=False)
+    llm.control("profile:start")
+    t0 = time.perf_counter()
+    llm.generate(prompt, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    per_rank = [json.loads(r) for r in llm.control("profile:stop", timeout=120).per_rank]
+    ranks = []
+    for rows in per_rank:
+        ranks.append({"kernel_us_per_step": sum(r["us_per_step"] for r in rows),
+                      "kernels_per_step": sum(r["calls_per_step"] for r in rows), "kernels": rows})
+    return {"wall_ms_per_step_profiled": wall * 1e3 / steps, "ranks": ranks}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--allreduce", nargs="+", default=["AUTO"], choices=["AUTO", "NCCL"])
+    ap.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
+    ap.add_argument("--config", default=None, help="YAML of extra LLM arguments (e.g. attention DP)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    report = {"batch": a.batch}
-    for graphs in (True, False):
-        llm = LLM(shape_dir(a.model), load_format="dummy", skip_tokenizer_init=True, orchestrator_type="inprocess",
-                  max_batch_size=max(8, a.batch), max_seq_len=512,
-                  cuda_graph_config={"batch_sizes": [a.batch]} if graphs else None)
-        try:
-            prompt = [list(range(1000 + 128 * i, 1128 + 128 * i)) for i in range(a.batch)]
-            llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-            torch.cuda.synchronize()
-            sp = SamplingParams(max_tokens=a.steps + 1, ignore_eos=True, detokenize=False)
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                t0 = time.perf_counter()
-                llm.generate(prompt, sp, use_tqdm=False)
-                torch.cuda.synchronize()
-                wall = time.perf_counter() - t0
-            rows = kernel_table(prof, a.steps)
-            gpu_us = sum(r["us_per_step"] for r in rows)
-            report["graphs" if graphs else "eager"] = {
-                "wall_ms_per_step_profiled": wall * 1e3 / a.steps, "kernel_us_per_step": gpu_us,
-                "kernels_per_step": sum(r["calls_per_step"] for r in rows), "kernels": rows[:40],
-                "gemv_choices": llm.engine_info.startup.get("gemv_gb_per_s")}
-            print(f"{'graphs' if graphs else 'eager'}: {gpu_us:.0f} us of kernels per step, "
-                  f"{report['graphs' if graphs else 'eager']['kernels_per_step']:.0f} kernels; top:")
-            for r in rows[:16]:
-                print(f"  {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
-        finally:
-            llm.shutdown()
+    report: dict = {"model": a.model, "tp": a.tp, "config": a.config, "runs": []}
+    for strategy in a.allreduce if a.tp > 1 else ["AUTO"]:
+        for graphs in (True, False) if a.eager else (True,):
+            kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, "tensor_parallel_size": a.tp,
+                      "orchestrator_type": "inprocess" if a.tp == 1 else None, "allreduce_strategy": strategy,
+                      "max_batch_size": max(8, *a.batch), "max_seq_len": 512,
+                      "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))} if graphs else None}
+            if a.config:
+                kwargs = merge_yaml(kwargs, a.config)
+            llm = LLM(shape_dir(a.model), **kwargs)
+            try:
+                for batch in a.batch:
+                    run = {"allreduce": strategy, "graphs": graphs, "batch": batch,
+                           **profile_steps(llm, batch, a.steps)}
+                    report["runs"].append(run)
+                    r0 = run["ranks"][0]
+                    print(f"allreduce={strategy} graphs={graphs} batch={batch}: {run['wall_ms_per_step_profiled']:.2f} "
+                          f"ms/step wall, rank 0 {r0['kernel_us_per_step']:.0f} us of kernels in "
+                          f"{r0['kernels_per_step']:.0f} kernels; top:", flush=True)
+                    for r in r0["kernels"][:12]:
+                        print(f"  {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
+            finally:
+                llm.shutdown()
     if a.output:
         with open(a.output, "w") as f:
             json.dump(report, f, indent=1)
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

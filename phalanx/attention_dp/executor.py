@@ -3,10 +3,15 @@ scheduler; the MoE layers exchange tokens every step, so all ranks step together
 
 Per iteration, on every rank: receive rank 0's broadcast; place new requests with the router
 (allgather of each rank's prefix-match lengths and load; every rank computes the same
-placement and keeps its share); agree whether any rank has work; run a step — a dummy step on
-a rank with nothing scheduled, so the collectives line up; gather every rank's outputs to
-rank 0, which sends them to the user process. Runs the sync loop (no overlap) and without CUDA
-graphs (the token exchange has data-dependent sizes).
+placement and keeps its share); schedule its own step; tell the others what it scheduled (one
+allgather: nothing to do, a step that cannot replay a graph, or a decode batch of n); run the
+step; gather every rank's outputs to rank 0, which sends them to the user process.
+
+When every rank's step is a decode batch (or nothing), all ranks replay the CUDA graph of the
+size that holds the largest: each pads its batch to that size, and a rank with nothing replays
+it on padding rows only, so the MoE layers' token exchange has fixed sizes inside the graph.
+Otherwise the step runs eagerly (counts exchanged once per forward) and a rank with nothing to
+run takes a one-token dummy step. Runs the sync loop (no overlap).
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from phalanx.attention_dp.router import PlacementProbe, RouterConfig, place
 from phalanx.executor.messages import GenerationRequest, Response, pack, unpack
 from phalanx.pyexecutor.py_executor import PyExecutor
 from phalanx.pyexecutor.request import RequestStatus
+from phalanx.pyexecutor.scheduler import ScheduledBatch
 
 logger = logging.getLogger("phalanx")
+
+NO_WORK, EAGER_STEP = -2, -1     # a rank's step, as told to the others (else: decode rows)
 
 
 class AdpExecutor(PyExecutor):
@@ -35,6 +43,7 @@ class AdpExecutor(PyExecutor):
         self.waited = 0
         self.outbox: list[Any] = []
         self.num_dummy_steps = 0
+        self.num_padding_steps = 0
         self.num_placed = [0] * self.dist.size
 
     # -- the loop --------------------------------------------------------------------------------
@@ -43,24 +52,47 @@ class AdpExecutor(PyExecutor):
         while not self.shutdown_requested:
             self._fetch(idle=not any_work and not self.pending)
             self._place(any_work)
-            any_work = self._any_work()
+            batch = self._schedule() if self.scheduler.has_work else None
+            steps = self._exchange_steps(batch)
+            any_work = any(s != NO_WORK for s in steps)
             if any_work:
-                self._step()
+                self._step(batch, self._common_graph_size(steps))
             self._flush()
         self._abort_all()
         self._flush()
 
-    def _step(self) -> None:
-        batch = self._schedule() if self.scheduler.has_work else None
-        if batch is None:
+    def _step(self, batch: ScheduledBatch | None, graph_size: int | None) -> None:
+        step = self._launch(batch, graph_size or 0) if batch is not None else None
+        if step is None:   # nothing to run here (or every row failed first): join the collectives
+            self._idle_step(graph_size)
+        self._process(step)
+
+    def _idle_step(self, graph_size: int | None) -> None:
+        if graph_size:
+            self.runner.padding_step(graph_size)
+            self.num_padding_steps += 1
+        else:
             self.runner.dummy_step()
             self.num_dummy_steps += 1
-            return
-        self._process(self._launch(batch))
 
-    def _any_work(self) -> bool:
-        flags = self.dist.allgather_bytes(b"1" if self.scheduler.has_work else b"0")
-        return b"1" in flags
+    def _exchange_steps(self, batch: ScheduledBatch | None) -> list[int]:
+        """Every rank's step this iteration: NO_WORK, EAGER_STEP, or the rows of a decode batch
+        that a CUDA graph can hold (0: work waiting, nothing scheduled)."""
+        if not self.scheduler.has_work:
+            mine = NO_WORK
+        elif batch is None:
+            mine = 0
+        else:
+            mine = len(batch) if self.runner.graphable(batch) else EAGER_STEP
+        return [int(b) for b in self.dist.allgather_bytes(str(mine).encode())]
+
+    def _common_graph_size(self, steps: list[int]) -> int | None:
+        """The graph every rank replays this step, or None (eager): only when no rank runs an
+        eager step and some rank decodes."""
+        graphs = self.runner.graphs
+        if graphs is None or EAGER_STEP in steps or max(steps) <= 0:
+            return None
+        return graphs.graph_size(max(steps))
 
     # -- intake: new requests wait for placement --------------------------------------------------
     def _add(self, msg: GenerationRequest) -> None:
@@ -128,7 +160,8 @@ class AdpExecutor(PyExecutor):
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
-        s.update({"num_dummy_steps": self.num_dummy_steps, "num_placed": list(self.num_placed),
+        s.update({"num_dummy_steps": self.num_dummy_steps, "num_padding_steps": self.num_padding_steps,
+                  "num_placed": list(self.num_placed),
                   "num_owned": len(self.scheduler.requests)})
         ep = getattr(self.runner.model, "ep", None)
         if ep is not None:

@@ -56,6 +56,7 @@ addresses fill the pointer tensor; the interpreter follows the same int64-to-poi
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import weakref
@@ -68,6 +69,8 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels.reference import fused_add_rms_norm_ref
+
+logger = logging.getLogger("phalanx")
 
 ENV_SWITCH = "PHALANX_CUSTOM_ALLREDUCE"      # "0" turns the custom path off
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -563,3 +566,38 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         return car.all_reduce_add_rms_norm(x, residual, weight, eps)
     from phalanx.kernels import ops
     return ops.fused_add_rms_norm(all_reduce(x, car, group), residual, weight, eps)
+
+
+def build_for_group(rank: int, world_size: int, device: torch.device, group: Any, same_host: bool,
+                    config: AllReduceConfig | None = None) -> CustomAllReduce | None:
+    """The custom all-reduce of a tensor-parallel group, or None where it cannot run. Collective:
+    every rank first says whether it can (one host, CUDA, cuda-python, peer access to every GPU of
+    the group), and only if all can is the buffer exchange made, so no rank waits for another that
+    gave up."""
+    exchange = exchange_over(group)
+    ok, why = _can_run(device, world_size, same_host)
+    verdicts = exchange(b"1" if ok else why.encode()[:200])
+    refusals = [f"rank {r}: {v.decode()}" for r, v in enumerate(verdicts) if v != b"1"]
+    if refusals:
+        logger.warning("custom all-reduce off, NCCL only: %s", "; ".join(refusals))
+        return None
+    car = CustomAllReduce(rank, world_size, device, exchange, config)
+    return car if car.enabled else None
+
+
+def _can_run(device: torch.device, world_size: int, same_host: bool) -> tuple[bool, str]:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False, f"{ENV_SWITCH}=0"
+    if not same_host:
+        return False, "the group spans hosts"
+    if device.type != "cuda":
+        return False, "not on a GPU"
+    try:
+        _cudart()
+    except ImportError as e:
+        return False, f"cuda-python is missing ({e})"
+    here = device.index if device.index is not None else torch.cuda.current_device()
+    peers = [d for d in range(min(world_size, torch.cuda.device_count())) if d != here]
+    if any(not torch.cuda.can_device_access_peer(here, d) for d in peers):
+        return False, "no peer access between the GPUs"
+    return True, ""

@@ -20,9 +20,12 @@ Two one-token paths fuse more than a projection, and are chosen per layer the sa
 ``QkvRopePlan`` (q/k/v projection + rotary + K/V write in one kernel) and ``GateUpSiluPlan``
 (gate ‖ up with silu(gate) * up as its epilogue, then the down projection on the ready input).
 
+A MoE layer holds a ``MoePlan``: the tile of the fused MoE kernels for each bucket of (token,
+expert) pairs, chosen the same way (kernels/triton_moe.py ``tune``).
+
 Where no tuner ran (on a CPU, or with the Triton kernels unavailable) every plan is the
-reference: cuBLAS/BLAS for every bucket. This module imports no Triton; launchers are imported
-when a tuned plan is built.
+reference: cuBLAS/BLAS for every bucket, the default MoE tiles. This module imports no Triton;
+launchers are imported when a tuned plan is built.
 """
 
 from __future__ import annotations
@@ -196,3 +199,32 @@ class GateUpSiluPlan:
 
     def down_proj(self, act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._down(act, weight, None)   # type: ignore[attr-defined]
+
+
+class MoeTile(NamedTuple):
+    """Tile of the fused MoE kernels: rows of (token, expert) pairs per block, output columns and
+    K per step, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+PAIR_BUCKETS = (64, 512, 4096)   # (token, expert) pairs of a step: a MoePlan has a tile for each, and one beyond
+
+
+def pair_bucket_index(pairs: int) -> int:
+    return next((i for i, b in enumerate(PAIR_BUCKETS) if pairs <= b), len(PAIR_BUCKETS))
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """The fused MoE kernels' tile for each bucket of pairs (PAIR_BUCKETS, then larger)."""
+
+    tiles: tuple[MoeTile, ...] = (MoeTile(16, 64, 64, 4, 3), MoeTile(16, 64, 64, 4, 3), MoeTile(64, 64, 64, 4, 3),
+                                  MoeTile(64, 64, 64, 4, 3))
+
+    def tile(self, pairs: int) -> MoeTile:
+        return self.tiles[pair_bucket_index(pairs)]

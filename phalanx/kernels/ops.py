@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx.kernels import attention_ref, reference
 from phalanx.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from phalanx.kernels.linear_plan import MoePlan
 
 
 @functools.cache
@@ -83,11 +86,12 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              first: int) -> torch.Tensor:
-    """Σ over this rank's (token, expert) pairs of weight · down(silu(gate) · up) -> [T, H]."""
+              first: int, plan: MoePlan) -> torch.Tensor:
+    """Σ over this rank's (token, expert) pairs of weight · down(silu(gate) · up) -> [T, H]
+    (``plan``: the fused kernels' tiles, where they run)."""
     if use_triton(x):
         from phalanx.kernels import triton_moe
-        return triton_moe.fused_moe(x, ids, weights, w13, w2, first)
+        return triton_moe.fused_moe(x, ids, weights, w13, w2, first, plan)
     return reference.experts_ref(x, ids, weights, w13, w2, first)
 
 

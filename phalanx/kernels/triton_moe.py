@@ -13,9 +13,23 @@ with MoE layers can be captured in a CUDA graph::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from phalanx.kernels.linear_plan import PAIR_BUCKETS, MoePlan, MoeTile
+
+DEFAULT_PLAN = MoePlan()
+# the tiles the tuner tries for each bucket of pairs (PAIR_BUCKETS, then larger)
+CANDIDATES = (
+    (MoeTile(16, 64, 64, 4, 3), MoeTile(16, 128, 64, 4, 3), MoeTile(16, 64, 128, 4, 3), MoeTile(16, 32, 128, 4, 4)),
+    (MoeTile(16, 64, 64, 4, 3), MoeTile(16, 128, 64, 4, 3), MoeTile(32, 64, 64, 4, 3), MoeTile(32, 128, 64, 4, 3)),
+    (MoeTile(32, 64, 64, 4, 3), MoeTile(64, 64, 64, 4, 3), MoeTile(64, 128, 64, 4, 3), MoeTile(64, 128, 64, 8, 3)),
+    (MoeTile(64, 64, 64, 4, 3), MoeTile(64, 128, 64, 8, 3), MoeTile(128, 128, 64, 8, 3), MoeTile(64, 128, 128, 8, 3)),
+)
+_MEMO: dict[tuple, MoePlan] = {}
 
 
 def align(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,28 +118,66 @@ def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I,
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              first: int) -> torch.Tensor:
-    """x [T, H]; ids/weights [T, k]; w13 [E, 2I, H]; w2 [E, H, I] (local experts from ``first``)."""
+              first: int, plan: MoePlan = DEFAULT_PLAN) -> torch.Tensor:
+    """x [T, H]; ids/weights [T, k]; w13 [E, 2I, H]; w2 [E, H, I] (local experts from ``first``);
+    the tiles from ``plan`` by the step's number of (token, expert) pairs."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741 (I: intermediate size)
     P = T * k
-    block_m = 16 if P <= 256 else 64
-    sorted_pair, block_expert = align(ids, first, E, block_m)
+    bm, bn, bk, warps, stages = plan.tile(P)
+    sorted_pair, block_expert = align(ids, first, E, bm)
     R = sorted_pair.shape[0]
     x = x.contiguous()
     act = torch.empty(R, I, dtype=x.dtype, device=x.device)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    bn, bk = 64, 64
-    _moe_gate_up_kernel[(R // block_m, triton.cdiv(I, bn))](
+    launch = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PREC": prec, "num_warps": warps, "num_stages": stages}
+    _moe_gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
         x, w13, sorted_pair, block_expert, act, P, k, H, I, E, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec)
+        act.stride(0), **launch)
     y = torch.empty(R, H, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(R // block_m, triton.cdiv(H, bn))](
+    _moe_down_kernel[(R // bm, triton.cdiv(H, bn))](
         act, w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(), y, P, H, I, E,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PREC=prec)
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **launch)
     out = torch.zeros(T + 1, H, dtype=torch.float32, device=x.device)
     tok = torch.where(sorted_pair < P, sorted_pair // k, T)
     out.index_add_(0, tok, y)
     return out[:T].to(x.dtype)
+
+
+def _run_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              first: int, plan: MoePlan, _copy: int) -> torch.Tensor:
+    return fused_moe(x, ids, weights, w13, w2, first, plan)
+
+
+def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, first: int) -> MoePlan:
+    """The fastest tile of each bucket of pairs for this layer's shapes, timed in a CUDA graph
+    at the bucket's bound with uniformly random routing over all ``num_experts`` experts (this
+    rank holds ``first ..``). Memoised per shape and device."""
+    from phalanx.kernels.gemv_tuner import time_graph
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, top_k, num_experts, first, str(w13.device))
+    if key in _MEMO:
+        return _MEMO[key]
+    H = w13.shape[2]
+    tiles = []
+    for i, candidates in enumerate(CANDIDATES):
+        pairs = PAIR_BUCKETS[i] if i < len(PAIR_BUCKETS) else 4 * PAIR_BUCKETS[-1]
+        T = max(1, pairs // top_k)
+        g = torch.Generator(device=w13.device).manual_seed(i)
+        x = torch.randn(T, H, dtype=w13.dtype, device=w13.device, generator=g)
+        ids = torch.rand(T, num_experts, device=w13.device, generator=g).topk(top_k, dim=-1).indices
+        weights = torch.rand(T, top_k, device=w13.device, generator=g)
+        best, best_ms = DEFAULT_PLAN.tiles[i], float("inf")
+        for tile in candidates:
+            plan = MoePlan(tuple(tile if j == i else DEFAULT_PLAN.tiles[j] for j in range(len(CANDIDATES))))
+            run = functools.partial(_run_once, x, ids, weights, w13, w2, first, plan)
+            try:
+                ms = time_graph(run, 1, reps=8)
+            except Exception:  # a tile the compiler rejects on this GPU
+                continue
+            if ms < best_ms:
+                best, best_ms = tile, ms
+        tiles.append(best)
+    _MEMO[key] = MoePlan(tuple(tiles))
+    return _MEMO[key]

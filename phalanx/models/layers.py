@@ -125,7 +125,9 @@ class QKVParallelLinear(Projection):
 
 
 class RowParallelLinear(Projection):
-    """y = x Wᵀ with W's input columns split across ranks; partial sums are all-reduced."""
+    """y = x Wᵀ with W's input columns split across ranks; partial sums are all-reduced — here,
+    or, when ``deferred`` (set by the owner at build time: a norm follows and there is no bias),
+    by that norm (``RMSNorm.forward(..., reduce=tp)``), fused with it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
                  in_ranges: list[tuple[int, int]] | None = None, behind: Neighbour = Neighbour.PLAIN) -> None:
@@ -137,16 +139,26 @@ class RowParallelLinear(Projection):
         width = sum(e - s for s, e in self.in_ranges)
         self.weight = _param((out_features, width), self._load)
         self.bias = _param((out_features,), default_loader) if bias else None
+        self.deferred = False
+
+    @property
+    def can_defer(self) -> bool:
+        """Whether a norm after it may do the reduction (several ranks, no bias to add first)."""
+        return self.tp.size > 1 and self.bias is None
 
     def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
         _copy(param, torch.cat([w[:, s:e] for s, e in self.in_ranges], dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: this rank's input columns (gate ‖ up behind SILU) -> the full output on every rank."""
-        return self.reduce(self.plan(x, self.weight, None))
+        """x: this rank's input columns (gate ‖ up behind SILU) -> the full output on every rank
+        (this rank's partial sum when ``deferred``)."""
+        return self.output(self.plan(x, self.weight, None))
 
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum of every rank's partial product, then the bias."""
+    def output(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product as the layer's output: kept partial when deferred, else
+        the sum over the ranks plus the bias."""
+        if self.deferred:
+            return partial
         y = self.tp.all_reduce(partial)
         return y + self.bias if self.bias is not None else y
 
@@ -205,9 +217,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param((hidden,), default_loader)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: TPGroup | None = None):
+        """``reduce``: x is this rank's partial sum over that group (a deferred row-parallel
+        output): all-reduce, add and norm in one (``TPGroup.all_reduce_add_rms_norm``)."""
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
+        if reduce is not None:
+            return reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 

@@ -7,7 +7,8 @@ replaced by a mixture of experts (models/moe.py) through ``mlp_factory``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -89,7 +90,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and self.one_token is not None:
             act = self.one_token.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-            return self.down_proj.reduce(self.one_token.down_proj(act, self.down_proj.weight))
+            return self.down_proj.output(self.one_token.down_proj(act, self.down_proj.weight))
         return self.down_proj(self.gate_up_proj(x))   # down takes gate ‖ up: silu(gate) * up in front
 
 
@@ -108,11 +109,28 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, tp, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp_factory(cfg, layer_idx, tp)
+        self.tp = tp
+        # row-parallel outputs reach the next norm as partial sums, and the norm reduces them
+        # (with the custom all-reduce: all-reduce, residual add and RMSNorm in one kernel)
+        self.self_attn.o_proj.deferred = self.self_attn.o_proj.can_defer
+        if isinstance(self.mlp, MLP):
+            self.mlp.down_proj.deferred = self.mlp.down_proj.can_defer
 
-    def forward(self, positions, x, residual, meta, k_cache, v_cache):
-        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+    @property
+    def output_partial(self) -> bool:
+        """Whether forward() returns this rank's partial sum (the next norm reduces it)."""
+        return isinstance(self.mlp, MLP) and self.mlp.down_proj.deferred
+
+    def forward(self, positions, x, residual, meta, k_cache, v_cache, x_partial: bool = False):
+        """x: the previous layer's output (its partial sum when ``x_partial``); returns this
+        layer's (output, residual)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual, self.tp if x_partial else None)
         x = self.self_attn(positions, h, meta, k_cache, v_cache)
-        h, residual = self.post_attention_layernorm(x, residual)
+        deferred = self.self_attn.o_proj.deferred
+        h, residual = self.post_attention_layernorm(x, residual, self.tp if deferred else None)
         return self.mlp(h), residual
 
 
@@ -124,14 +142,17 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, tp, self.rotary, mlp_factory) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp = tp
+        self.decoder_layers: list[DecoderLayer] = list(self.layers)   # type: ignore[arg-type]  # typed view
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pool: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, B, Hkv, D] -> hidden [T, hidden]
-        x, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(positions, x, residual, meta, kv_pool[i, 0], kv_pool[i, 1])
-        x, _ = self.norm(x, residual)
+        x, residual, partial = self.embed_tokens(input_ids), None, False
+        for i, layer in enumerate(self.decoder_layers):
+            x, residual = layer(positions, x, residual, meta, kv_pool[i, 0], kv_pool[i, 1], partial)
+            partial = layer.output_partial
+        x, _ = self.norm(x, residual, self.tp if partial else None)
         return x
 
 
@@ -159,6 +180,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    @contextlib.contextmanager
+    def padded_step(self, tokens: int) -> Iterator[None]:
+        """Steps run inside: every rank brings ``tokens`` tokens (a CUDA graph of that batch
+        size), so nothing about the step has to be exchanged first (see MoECausalLM)."""
+        yield
 
     # -- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

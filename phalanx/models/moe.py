@@ -14,8 +14,9 @@ all-gather of the tokens (ragged counts), local experts, then reduce-scatter bac
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.kernels import ops
-from phalanx.kernels.linear_plan import Neighbour
+from phalanx.kernels.linear_plan import MoePlan, Neighbour
 from phalanx.models.config import ModelConfig
 from phalanx.models.layers import _param, default_loader
 from phalanx.models.llama import MLP, CausalLM
@@ -42,6 +43,7 @@ class EPGroup:
     # attention DP: every rank's token count for the step being run, exchanged once per forward
     # (MoECausalLM.forward) so that the MoE layers need no host synchronisation of their own
     step_counts: list[int] | None = None
+    padded_tokens: int | None = None   # a CUDA-graph step: every rank brings this many tokens
     num_forwards: int = 0           # attention-DP forwards, and host exchanges of token counts
     num_count_exchanges: int = 0
 
@@ -101,6 +103,7 @@ class SparseMoE(nn.Module):
         self.gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
         self.w13 = _param((self.num_local, 2 * i_local, H), self._load_expert)
         self.w2 = _param((self.num_local, H, i_local), self._load_expert)
+        self.moe_plan = MoePlan()    # the fused kernels' tiles: tuned on a GPU at build time
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, False, tp, behind=Neighbour.PLAIN)
@@ -134,19 +137,14 @@ class SparseMoE(nn.Module):
         if self.ep.attention_dp and self.ep.size > 1:
             tokens, counts = gather_tokens(x, self.ep)
         weights, ids = self.route(tokens)
-        y = ops.fused_moe(tokens, ids, weights, self.w13, self.w2, self.first)
+        y = ops.fused_moe(tokens, ids, weights, self.w13, self.w2, self.first, self.moe_plan)
         if counts is not None:
             y = scatter_tokens(y, counts, self.ep)
-        elif self.ep.size > 1 or self.tp.size > 1:
-            y = self.tp.all_reduce(y) if self.ep.size == 1 else _all_reduce(y, self.ep)
+        elif self.ep.size > 1 or self.tp.size > 1:   # outside attention DP the groups are one: all ranks
+            y = self.tp.all_reduce(y)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return y
-
-
-def _all_reduce(y: torch.Tensor, ep: EPGroup) -> torch.Tensor:
-    torch.distributed.all_reduce(y, group=ep.group)
-    return y
 
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -170,13 +168,25 @@ class MoECausalLM(CausalLM):
         if not (self.ep.attention_dp and self.ep.size > 1):
             return super().forward(input_ids, positions, meta, kv_pool)
         # the ranks' token counts once per step, not once per MoE layer: a host wait in every
-        # layer would stop the CPU from queueing the next layers while the GPU works
+        # layer would stop the CPU from queueing the next layers while the GPU works; a padded
+        # step (a CUDA graph) knows them already, and its collectives have fixed sizes
         self.ep.num_forwards += 1
-        self.ep.step_counts = exchange_counts(input_ids.shape[0], self.ep, input_ids.device)
+        if self.ep.padded_tokens is not None:
+            self.ep.step_counts = [self.ep.padded_tokens] * self.ep.size
+        else:
+            self.ep.step_counts = exchange_counts(input_ids.shape[0], self.ep, input_ids.device)
         try:
             return super().forward(input_ids, positions, meta, kv_pool)
         finally:
             self.ep.step_counts = None
+
+    @contextlib.contextmanager
+    def padded_step(self, tokens: int) -> Iterator[None]:
+        self.ep.padded_tokens = tokens
+        try:
+            yield
+        finally:
+            self.ep.padded_tokens = None
 
     @staticmethod
     def is_sparse(cfg: ModelConfig, layer: int) -> bool:

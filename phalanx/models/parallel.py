@@ -1,4 +1,9 @@
-"""The tensor-parallel group a model shard belongs to, and how heads are split across it."""
+"""The tensor-parallel group a model shard belongs to, and how heads are split across it.
+
+A group's all-reduce takes the custom one-host all-reduce (phalanx/distributed) where it was set
+up and fits the tensor, else NCCL (gloo on a CPU). A row-parallel projection's partial sums are
+reduced by the norm that follows them (``all_reduce_add_rms_norm``): with the custom all-reduce
+that is one kernel — all-reduce, residual add and RMSNorm — instead of two."""
 
 from __future__ import annotations
 
@@ -10,16 +15,30 @@ import torch
 
 @dataclass
 class TPGroup:
-    """Rank ``rank`` of ``size`` ranks; ``group`` is a torch.distributed group (None at size 1)."""
+    """Rank ``rank`` of ``size`` ranks; ``group`` is a torch.distributed group (None at size 1);
+    ``custom``: the custom all-reduce (a ``CustomAllReduce``), set once at build time, or None."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    custom: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.group)
+        """The sum of x over the group (use the returned tensor: x may or may not hold it)."""
+        if self.size == 1:
+            return x
+        if self.custom is not None and self.custom.supports(x):
+            return self.custom.all_reduce(x)
+        torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual + all-reduce(x), and its RMSNorm: (normed, new residual)."""
+        if self.custom is not None and self.custom.supports_norm(x, residual, weight):
+            return self.custom.all_reduce_add_rms_norm(x, residual, weight, eps)
+        from phalanx.kernels import ops
+        return ops.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension (rank order)."""

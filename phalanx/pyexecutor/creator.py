@@ -94,7 +94,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     if ref_attention and args.cuda_graph_config is not None:
         logger.warning("attention takes the torch reference here (uneven head split over %d ranks, "
                        "tokens_per_block %d): CUDA graphs off", tp.size, kvc.tokens_per_block)
-    if device.type == "cuda" and args.cuda_graph_config is not None and not adp and not ref_attention:
+    if device.type == "cuda" and args.cuda_graph_config is not None and not ref_attention:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:
             from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
@@ -130,8 +130,13 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     for m in model.modules():
         if isinstance(m, Projection) and m.weight.is_cuda:
             m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report)
+    from phalanx.models.moe import SparseMoE
     for m in model.modules():
-        if isinstance(m, Attention) and m.q_norm is None:
+        if isinstance(m, SparseMoE) and m.w13.is_cuda:   # a rank under attention DP sees every rank's tokens
+            from phalanx.kernels import triton_moe
+            m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first)
+            report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))] = 0.0
+        elif isinstance(m, Attention) and m.q_norm is None:
             m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)
         elif isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda:
             m.one_token = gemv_tuner.gate_up_silu_plan(m.gate_up_proj.weight, m.gate_up_proj.plan,

@@ -59,12 +59,12 @@ class CudaGraphRunner:
         for bs in reversed(self.sizes):          # largest first: smaller graphs reuse its memory
             meta = self.metas[bs] = self._meta(bs)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), self.model.padded_step(bs):
                 for _ in range(2):               # compile kernels and settle the allocator outside the graph
                     self._forward(bs, meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(graph, pool=pool, stream=stream), self.model.padded_step(bs):
                 self.outputs[bs] = self._forward(bs, meta)
             pool = graph.pool()
             self.graphs[bs] = graph
@@ -84,10 +84,22 @@ class CudaGraphRunner:
                 return bs
         return None
 
-    def run(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Copy a decode step's inputs into the buffers and replay; logits [n, V]."""
-        bs = self.graph_size(n)
-        assert bs is not None
+    def run_padding(self, bs: int) -> None:
+        """Replay the graph of size ``bs`` with padding rows only (an attention-DP rank with
+        nothing to decode while the others replay theirs: the MoE collectives must line up)."""
+        self.slot_mapping[:bs].fill_(self.scratch_block * self.tokens_per_block)
+        self.seq_lens[:bs].fill_(1)
+        self.block_tables[:bs, 0].fill_(self.scratch_block)
+        self.positions[:bs].zero_()
+        self.input_ids[:bs].zero_()
+        self.graphs[bs].replay()
+
+    def run(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            bs: int | None = None) -> torch.Tensor:
+        """Copy a decode step's inputs into the buffers and replay the graph of size ``bs`` (by
+        default the smallest that holds n); logits [n, V]."""
+        bs = bs or self.graph_size(n)
+        assert bs is not None and bs >= n
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)

@@ -121,6 +121,7 @@ class ModelRunner:
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs: CudaGraphRunner | None = None   # decode-only steps (GPU)
+        self.num_graph_steps = 0                     # steps that replayed a graph
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -229,17 +230,27 @@ class ModelRunner:
                                  _tensor(np.concatenate(targets), self.device))
 
     # -- running ---------------------------------------------------------------------------------
+    def graphable(self, batch: ScheduledBatch) -> bool:
+        """Whether a step could replay a CUDA graph: decode only (one token a row, every row
+        sampling, no prompt logprobs) and a graph holds it."""
+        return (self.graphs is not None and batch.is_decode_only and self.graphs.graph_size(len(batch)) is not None
+                and all(r.sampling.prompt_logprobs is None for r in batch.requests))
+
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, batch: ScheduledBatch, inputs: StepInputs, graph_size: int | None = None) -> torch.Tensor:
         """Copies, forward, logits of the sampling rows: [S_sample, V] float32. Prompt
-        log-probabilities, when the step has any, are left in ``self.last_prompt_logprobs``."""
+        log-probabilities, when the step has any, are left in ``self.last_prompt_logprobs``.
+        ``graph_size``: replay that graph (attention DP, where every rank must replay the same
+        size) or run eagerly (0); by default decided here."""
         if inputs.gather_dst is not None:
             inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
         self.kv_pool.copy_blocks(batch.copy_ops)
         self.last_prompt_logprobs = None
-        if (self.graphs is not None and inputs.meta.is_decode_only and inputs.prompt_logprobs is None
-                and self.graphs.graph_size(len(batch))):
-            return self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta)
+        if graph_size is None and inputs.meta.is_decode_only and inputs.prompt_logprobs is None:
+            graph_size = self.graphs.graph_size(len(batch)) if self.graphs is not None else None
+        if graph_size and self.graphs is not None:
+            self.num_graph_steps += 1
+            return self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta, graph_size)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool.tensor)
         if inputs.prompt_logprobs is not None:
             self.last_prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprobs)
@@ -260,19 +271,20 @@ class ModelRunner:
         return PromptLogprobs(rows.spans, torch.cat(chosen), torch.cat(top_ids), torch.cat(top_vals))
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> InFlightStep:
-        """Queue one step on the device; returns without waiting for it."""
+    def launch(self, batch: ScheduledBatch, graph_size: int | None = None) -> InFlightStep:
+        """Queue one step on the device; returns without waiting for it. ``graph_size``: as
+        ``forward``'s."""
         if self.stream is None:
-            return self._launch(batch)
+            return self._launch(batch, graph_size)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            return self._launch(batch)
+            return self._launch(batch, graph_size)
 
-    def _launch(self, batch: ScheduledBatch) -> InFlightStep:
+    def _launch(self, batch: ScheduledBatch, graph_size: int | None) -> InFlightStep:
         timing = self.stream is not None and self.record_timing
         start = _event(timing)
         inputs = self.prepare(batch)
-        logits = self.forward(batch, inputs)
+        logits = self.forward(batch, inputs, graph_size)
         rows = inputs.sample_rows
         sampled = host = None
         if rows:
@@ -307,6 +319,17 @@ class ModelRunner:
                     logprobs[i] = x
         prompt = step.prompt_logprobs.host() if step.prompt_logprobs is not None else None
         return StepResult(tokens, logprobs, prompt)
+
+    @torch.inference_mode()
+    def padding_step(self, graph_size: int) -> None:
+        """An attention-DP rank with nothing to decode replays the others' graph size on padding."""
+        assert self.graphs is not None
+        self.num_graph_steps += 1
+        if self.stream is None:
+            return self.graphs.run_padding(graph_size)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.graphs.run_padding(graph_size)
 
     @torch.inference_mode()
     def dummy_step(self) -> None:

@@ -108,6 +108,8 @@ class PyExecutor:
         self.iteration = 0
         self._fail_next_forward = False   # set by the "fail_next_forward" control (fault injection)
         self._last_beat = 0.0
+        self._profiler: Any = None
+        self._profiled_from = 0
 
     # -- the loops: one switch, two short functions -----------------------------------------------------
     def run(self) -> None:
@@ -148,16 +150,17 @@ class PyExecutor:
             self.dist.check_digest(batch.digest(), self.iteration)
         return batch if batch.requests else None
 
-    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
+    def _launch(self, batch: ScheduledBatch, graph_size: int | None = None) -> InFlightStep | None:
+        """Launch a step (``graph_size`` as ModelRunner.forward's); None if it failed."""
         try:
             if self._fail_next_forward:
                 self._fail_next_forward = False
                 raise RuntimeError(f"injected forward failure on rank {self.rank}")
-            return self.runner.launch(batch)
+            return self.runner.launch(batch, graph_size)
         except RequestFailures as e:   # found before the device ran anything: fail those alone
             self._fail_rows(batch, e.errors)
             rest = batch.without(e.errors)
-            return self._launch(rest) if rest.requests else None
+            return self._launch(rest, graph_size) if rest.requests else None
         except Exception:
             if self.multi_rank:
                 raise
@@ -257,6 +260,16 @@ class PyExecutor:
             return "ok"
         if op == "timing":
             return json.dumps(self.runner.idle_fraction() if self.runner.timings else {})
+        if op == "profile:start":                # the torch profiler around the steps that follow
+            from torch.profiler import ProfilerActivity, profile
+            self._profiler = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+            self._profiler.__enter__()
+            self._profiled_from = self.iteration
+            return "ok"
+        if op == "profile:stop":                 # this rank's kernels per step, slowest first
+            prof, self._profiler = self._profiler, None
+            prof.__exit__(None, None, None)
+            return json.dumps(kernel_table(prof, max(1, self.iteration - self._profiled_from)))
         if op.startswith("skew_scheduler:"):      # fault injection: that rank's decisions drift
             if int(op.split(":", 1)[1]) == self.rank:
                 self.scheduler.step += 1
@@ -269,6 +282,7 @@ class PyExecutor:
                 "num_waiting": len(s.waiting), "kv_usage": kv.usage, "num_blocks": kv.num_blocks,
                 "num_available_blocks": kv.num_available_blocks, "prefix_queried_tokens": kv.num_queried_tokens,
                 "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions,
+                "num_graph_steps": self.runner.num_graph_steps,
                 "weight_bytes_per_step": self._weight_bytes()}
 
     def _weight_bytes(self) -> int:
@@ -352,6 +366,17 @@ class PyExecutor:
             self._finished(req)
             out.append(Response(req.request_id, finish_reason="abort"))
         self._send(out)
+
+
+def kernel_table(prof: Any, steps: int, top: int = 40) -> list[dict[str, Any]]:
+    """GPU kernels of a torch profile: name, calls and microseconds per step, slowest first."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.count and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            rows.append({"kernel": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": t / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
 
 
 def _needs_known_history(batch: ScheduledBatch) -> bool:

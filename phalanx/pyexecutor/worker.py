@@ -194,6 +194,9 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
         torch.cuda.set_device(device)
     group = init_torch_distributed(dist, device.type, rendezvous_dir) if dist.size > 1 else None
     tp, ep = parallel_groups(args, dist.rank, dist.size, group)
+    if device.type == "cuda" and tp.size > 1 and args.allreduce_strategy == "AUTO":
+        from phalanx.distributed.custom_allreduce import build_for_group
+        tp.custom = build_for_group(tp.rank, tp.size, device, group, len(set(dist.hostnames())) == 1)
     source = resolve_model(args.model, args.trust_remote_code)
     queue = BroadcastRequestQueue(dist, RequestQueue() if dist.rank == 0 else None)
     engine, info = create_py_executor(args, source, link.sender if link else None, queue, tp, dist, device, ep)

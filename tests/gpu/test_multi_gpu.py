@@ -59,6 +59,31 @@ def test_tiny_tp2_and_adp2_equal_transformers_and_tp1(kind, tiny_models, hf_mode
             assert_same_greedy(res[i].outputs[0].token_ids, ref, gaps, f"{kind} {name} prompt {i}")
 
 
+@pytest.mark.parametrize("kind", ["llama"])
+def test_tp2_custom_allreduce_and_adp2_graphs_give_the_same_tokens(kind, tiny_models, tiny_moe_models):
+    """TP=2 with the custom all-reduce (fused with the norms) gives NCCL's tokens; attention DP
+    replaying CUDA graphs (padded batches, fixed-size MoE exchange) gives its eager tokens —
+    fp32 tiny models, token for token."""
+    dense, moe = tiny_models[kind], tiny_moe_models["qwen3_moe"]
+    ps = prompts(256, lo=0)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def run(model, **kw):
+        with LLM(model, skip_tokenizer_init=True, dtype="float32", **kw) as llm:
+            out = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            stats = llm.stats()
+            assert llm.check_integrity() == ["ok"] * llm.args.world_size
+            return out, stats
+    custom, _ = run(dense, tensor_parallel_size=2)
+    nccl, _ = run(dense, tensor_parallel_size=2, allreduce_strategy="NCCL")
+    assert custom == nccl
+    graphs, stats = run(moe, tensor_parallel_size=2, enable_attention_dp=True)
+    eager, eager_stats = run(moe, tensor_parallel_size=2, enable_attention_dp=True, cuda_graph_config=None)
+    assert graphs == eager
+    assert all(s["num_graph_steps"] > NEW_TOKENS // 2 for s in stats), stats       # decode replayed graphs
+    assert all(s["num_graph_steps"] == 0 for s in eager_stats)
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 

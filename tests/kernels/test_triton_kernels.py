@@ -444,6 +444,22 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
     w2 = (torch.randn(local, H, I, generator=g) / I ** 0.5).to(DEV, dtype)
     ref = experts_ref(x, ids, w, w13, w2, first)
     close(triton_moe.fused_moe(x, ids, w, w13, w2, first), ref, dtype)
+    from phalanx.kernels.linear_plan import MoePlan
+    tiles = {t for bucket in triton_moe.CANDIDATES for t in bucket} if CUDA else set(triton_moe.CANDIDATES[1][1:3])
+    for tile in tiles:     # every tile the tuner may choose
+        close(triton_moe.fused_moe(x, ids, w, w13, w2, first, MoePlan((tile,) * 4)), ref, dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason="tuning times CUDA graphs")
+def test_moe_tuning_picks_a_tile_of_each_bucket_that_runs():
+    from phalanx.kernels import triton_moe
+    from phalanx.kernels.linear_plan import PAIR_BUCKETS
+    E, H, I = 16, 1024, 384  # noqa: E741 (I: intermediate size)
+    w13 = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) / H ** 0.5
+    w2 = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) / I ** 0.5
+    plan = triton_moe.tune(w13, w2, 4, 2 * E, E)
+    assert len(plan.tiles) == len(PAIR_BUCKETS) + 1
+    assert all(t in triton_moe.CANDIDATES[i] for i, t in enumerate(plan.tiles))
 
 
 def test_skinny_kernel_stages_shrink_to_the_shared_memory_budget():
