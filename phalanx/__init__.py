@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "phalanx.llmapi.llm",
     "SamplingParams": "phalanx.llmapi.sampling_params",
+    "GuidedDecodingParams": "phalanx.llmapi.sampling_params",
     "RequestOutput": "phalanx.llmapi.outputs",
     "CompletionOutput": "phalanx.llmapi.outputs",
     "KvCacheConfig": "phalanx.config",

@@ -7,6 +7,7 @@ from typing import Any
 _LAZY = {
     "LLM": "phalanx.llmapi.llm",
     "SamplingParams": "phalanx.llmapi.sampling_params",
+    "GuidedDecodingParams": "phalanx.llmapi.sampling_params",
     "RequestOutput": "phalanx.llmapi.outputs",
     "CompletionOutput": "phalanx.llmapi.outputs",
     "RequestError": "phalanx.llmapi.outputs",

@@ -16,13 +16,16 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx.config import LlmArgs, make_llm_args
 from phalanx.executor.messages import ControlResult
 from phalanx.llmapi.outputs import RequestOutput
 from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
 from phalanx.llmapi.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from phalanx.llmapi.grammar import GrammarCompiler
 
 logger = logging.getLogger("phalanx")
 
@@ -51,6 +54,7 @@ class LLM:
         self.max_seq_len: int = self._executor.info.max_seq_len
         self.vocab_size: int = self._executor.info.vocab_size
         self.startup_seconds = time.monotonic() - t0
+        self._grammars: GrammarCompiler | None = None
         self._closed = False
         _live.add(self)
 
@@ -101,6 +105,7 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()   # the fields may have been changed since it was built
+        self.check_grammar(params)
         prompt, ids = self._tokenize(inputs)
         self._check_prompt(ids, params)
         return PreparedPrompt(prompt, ids, params)
@@ -118,6 +123,17 @@ class LLM:
                 f.abort()
             raise
         return futures
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params.guided_decoding`` here (cached), so that one that does not compile is
+        refused with a ValueError naming the field before it is submitted. Without a tokenizer
+        the ranks check it instead (the request then fails with their message)."""
+        if params.guided_decoding is None or self.tokenizer is None:
+            return
+        if self._grammars is None:
+            from phalanx.llmapi.grammar import GrammarCompiler
+            self._grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self._eos_token_ids())
+        self._grammars.compile(params.guided_decoding)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         if self.tokenizer is not None:

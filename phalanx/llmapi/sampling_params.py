@@ -14,6 +14,7 @@ finite. Token ids are checked against the vocabulary by ``check_vocab`` once it 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -29,6 +30,76 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Constrain the output to a grammar (TensorRT-LLM's name). Exactly one of:
+
+    json: a JSON schema (a dict, or its JSON text) the output must validate against;
+    json_object: any JSON object; regex: a regular expression the whole output matches;
+    grammar: an EBNF grammar (xgrammar's dialect, ``root ::= ...``); choice: one of these strings.
+
+    The ranks compile it with xgrammar (cached by its text) and, every step, mask the tokens that
+    cannot continue it before sampling; generation ends when the grammar is complete."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None]
+        set_ += ["json_object"] if self.json_object is True else []
+        _check(len(set_) == 1, "guided_decoding", "must set exactly one of json, json_object, regex, grammar, choice",
+               set_)
+        _check(isinstance(self.json_object, bool), "guided_decoding.json_object", "must be true or false",
+               self.json_object)
+        if self.json is not None:
+            _check(isinstance(self.json, (dict, str)), "guided_decoding.json", "must be a JSON schema", self.json)
+            text = self.json if isinstance(self.json, str) else _dumps(self.json)
+            _check(len(text) <= MAX_GRAMMAR_CHARS, "guided_decoding.json",
+                   f"must be at most {MAX_GRAMMAR_CHARS} characters of JSON", len(text))
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"guided_decoding.json is not valid JSON: {e}") from None
+            _check(isinstance(self.json, dict), "guided_decoding.json", "must be a JSON object (a schema)",
+                   type(self.json).__name__)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, str) and 0 < len(value) <= MAX_GRAMMAR_CHARS, f"guided_decoding.{name}",
+                       f"must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters", value)
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and 0 < len(self.choice) <= MAX_CHOICES, "guided_decoding.choice",
+                   f"must be a list of 1 to {MAX_CHOICES} strings", self.choice)
+            for c in self.choice:
+                _check(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS, "guided_decoding.choice",
+                       f"each must be a non-empty string of at most {MAX_CHOICE_CHARS} characters", c)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "grammar" or "choice"."""
+        return "json_object" if self.json_object else next(
+            n for n in ("json", "regex", "grammar", "choice") if getattr(self, n) is not None)
+
+    def key(self) -> str:
+        """A canonical text of the constraint (the compiled-grammar cache key)."""
+        value = getattr(self, self.kind) if self.kind != "json_object" else True
+        return f"{self.kind}:{_dumps(value)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass
@@ -64,6 +135,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     end_id: int | None = None  # overrides the tokenizer's EOS when set
@@ -82,6 +154,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = _bias_map(self.logit_bias)
+        if isinstance(self.guided_decoding, dict):
+            self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
         self.validate()
 
     # -- derived -------------------------------------------------------------------------
@@ -121,6 +195,8 @@ class SamplingParams:
         _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS, optional=True)
         _int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
         _int(self.end_id, "end_id", 0, INT32_MAX, optional=True)
+        _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
+               "guided_decoding", "must be a GuidedDecodingParams", type(self.guided_decoding).__name__)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false", getattr(self, name))
         _check(len(self.stop_strings) <= MAX_STOP_STRINGS, "stop",
@@ -152,6 +228,8 @@ class SamplingParams:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         if d["logit_bias"]:
             d["logit_bias"] = [[k, v] for k, v in d["logit_bias"].items()]
+        if d["guided_decoding"] is not None:
+            d["guided_decoding"] = d["guided_decoding"].to_dict()
         return d
 
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,9 +12,11 @@ import torch
 from phalanx.config import LlmArgs
 from phalanx.kernels import ops
 from phalanx.kv_manager import KVCacheManager
+from phalanx.llmapi.grammar import GrammarCompiler
 from phalanx.models.llama import CausalLM
 from phalanx.models.loader import ModelSource, build_model, resolve_dtype
 from phalanx.models.parallel import TPGroup, shard_heads
+from phalanx.pyexecutor.guided_decoder import GuidedDecoder
 from phalanx.pyexecutor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
 from phalanx.pyexecutor.model_runner import ModelRunner
 from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
@@ -90,6 +93,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     scheduler = Scheduler(limits, kv)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
+    runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source), cfg.vocab_size,
+                                  max_rows=min(args.max_batch_size, 4096))
     ref_attention = device.type == "cuda" and not ops.triton_attention_everywhere(model, kvc.tokens_per_block)
     if ref_attention and args.cuda_graph_config is not None:
         logger.warning("attention takes the torch reference here (uneven head split over %d ranks, "
@@ -115,6 +120,16 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks (%d tokens)", device, dtype, info.startup_seconds,
                 num_blocks, num_blocks * kvc.tokens_per_block)
     return executor, info
+
+
+def _grammar_compiler(args: LlmArgs, source: ModelSource) -> GrammarCompiler:
+    """The grammar compiler of this model's vocabulary (on a rank: built on the first grammar)."""
+    try:
+        from phalanx.llmapi.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(source, args.tokenizer, args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any loader failure means the same thing here
+        raise ValueError(f"guided_decoding needs the model's tokenizer, which did not load: {e}") from None
+    return GrammarCompiler(tokenizer.hf, source.config.vocab_size, tokenizer.eos_token_ids)
 
 
 def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:

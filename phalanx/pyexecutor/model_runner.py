@@ -13,6 +13,7 @@ the next step gathers it from that buffer on the device; its position comes from
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING
@@ -29,6 +30,8 @@ from phalanx.pyexecutor.scheduler import ScheduledBatch
 if TYPE_CHECKING:
     from phalanx.models.llama import CausalLM
     from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
+    from phalanx.pyexecutor.guided_decoder import GuidedDecoder
+    from phalanx.pyexecutor.request import Request
 
 
 class RequestFailures(Exception):
@@ -100,7 +103,9 @@ class StepResult:
 
 @dataclass
 class InFlightStep:
-    """A launched step: device results and the event that says they reached the host."""
+    """A launched step: device results and the event that says they reached the host. While
+    ``pending`` holds the step's logits and sampling settings, its sampling is not queued yet
+    (``ModelRunner.finish_sampling``)."""
 
     batch: ScheduledBatch
     sample_rows: list[int]
@@ -108,6 +113,8 @@ class InFlightStep:
     host_tokens: torch.Tensor | None
     ready: torch.cuda.Event | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    pending: tuple[torch.Tensor, list[RowSettings]] | None = None
+    start: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -121,6 +128,7 @@ class ModelRunner:
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs: CudaGraphRunner | None = None   # decode-only steps (GPU)
+        self.guided: GuidedDecoder | None = None      # grammar state (guided decoding)
         self.num_graph_steps = 0                     # steps that replayed a graph
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
@@ -136,11 +144,13 @@ class ModelRunner:
         return slot
 
     def release(self, request_id: int) -> None:
-        """A request ended: free its slot and its sampler state."""
+        """A request ended: free its slot, its sampler state and its grammar."""
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
         self.sampler.release(request_id)
+        if self.guided is not None:
+            self.guided.release(request_id)
 
     def _grow_slots(self) -> None:
         old = self.token_buffer.shape[0]
@@ -270,40 +280,62 @@ class ModelRunner:
             top_vals.append(vals)
         return PromptLogprobs(rows.spans, torch.cat(chosen), torch.cat(top_ids), torch.cat(top_vals))
 
-    @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, graph_size: int | None = None) -> InFlightStep:
-        """Queue one step on the device; returns without waiting for it. ``graph_size``: as
-        ``forward``'s."""
+    def _on_stream(self) -> contextlib.AbstractContextManager:
         if self.stream is None:
-            return self._launch(batch, graph_size)
+            return contextlib.nullcontext()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            return self._launch(batch, graph_size)
+        return torch.cuda.stream(self.stream)
 
-    def _launch(self, batch: ScheduledBatch, graph_size: int | None) -> InFlightStep:
-        timing = self.stream is not None and self.record_timing
-        start = _event(timing)
-        inputs = self.prepare(batch)
-        logits = self.forward(batch, inputs, graph_size)
-        rows = inputs.sample_rows
-        sampled = host = None
-        if rows:
-            requests = [batch.requests[i] for i in rows]
-            sampled = self.sampler.sample(logits, requests, inputs.sampling)
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, graph_size: int | None = None,
+               defer_sampling: bool = False) -> InFlightStep:
+        """Queue one step on the device; returns without waiting for it. ``graph_size``: as
+        ``forward``'s. With ``defer_sampling``, a step with grammar rows queues only its forward:
+        its grammars cannot mask tokens before they have seen the previous step's, so the caller
+        reads that step, then calls ``finish_sampling`` (the overlap loop)."""
+        with self._on_stream():
+            timing = self.stream is not None and self.record_timing
+            start = _event(timing)
+            inputs = self.prepare(batch)
+            logits = self.forward(batch, inputs, graph_size)
+            step = InFlightStep(batch, inputs.sample_rows, None, None, prompt_logprobs=self.last_prompt_logprobs,
+                                pending=(logits, inputs.sampling), start=start)
+            waits = defer_sampling and self.guided is not None and self.guided.has_grammar(self._sampling(step))
+            if not waits:
+                self._sample(step)
+            return step
+
+    @torch.inference_mode()
+    def finish_sampling(self, step: InFlightStep) -> None:
+        """Queue the sampling of a step launched with its sampling deferred."""
+        if step.pending is not None:
+            with self._on_stream():
+                self._sample(step)
+
+    def _sampling(self, step: InFlightStep) -> list[Request]:
+        return [step.batch.requests[i] for i in step.sample_rows]
+
+    def _sample(self, step: InFlightStep) -> None:
+        assert step.pending is not None
+        (logits, settings), step.pending = step.pending, None
+        if step.sample_rows:
+            requests = self._sampling(step)
+            bitmask = self.guided.bitmask(requests) if self.guided is not None else None
+            sampled = self.sampler.sample(logits, requests, settings, bitmask)
             if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
                 torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)
             slots = _tensor(np.fromiter((self.slot_of(r.request_id) for r in requests), np.int64, len(requests)),
                             self.device)
             self.token_buffer[slots] = sampled.token_ids
-            host = _to_host(sampled.token_ids)
-        end = _event(timing)
-        ready = _event(self.stream is not None)
-        if start is not None and end is not None:
-            self.timings.append((start, end))
-        return InFlightStep(batch, rows, sampled, host, ready, self.last_prompt_logprobs)
+            step.sampled, step.host_tokens = sampled, _to_host(sampled.token_ids)
+        end = _event(step.start is not None)
+        step.ready = _event(self.stream is not None)
+        if step.start is not None and end is not None:
+            self.timings.append((step.start, end))
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a launched step's tokens on the host (after the next step is launched)."""
+        self.finish_sampling(step)
         tokens: list[int | None] = [None] * len(step.batch)
         logprobs = None
         if step.sampled is not None:

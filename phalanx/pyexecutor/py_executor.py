@@ -135,9 +135,13 @@ class PyExecutor:
             if batch is not None and prev is not None and _needs_known_history(batch):
                 self._process(prev)          # penalties need the in-flight tokens' values
                 prev = None
-            step = self._launch(batch) if batch is not None else None
+            # grammar rows sample only once step n's tokens are read (the bitmask is filled on
+            # the host while step n+1's forward runs)
+            step = self._launch(batch, defer_sampling=True) if batch is not None else None
             if prev is not None:
                 self._process(prev)
+            if step is not None:
+                self.runner.finish_sampling(step)
             prev = step
 
     # -- one step ----------------------------------------------------------------------------------
@@ -150,17 +154,18 @@ class PyExecutor:
             self.dist.check_digest(batch.digest(), self.iteration)
         return batch if batch.requests else None
 
-    def _launch(self, batch: ScheduledBatch, graph_size: int | None = None) -> InFlightStep | None:
-        """Launch a step (``graph_size`` as ModelRunner.forward's); None if it failed."""
+    def _launch(self, batch: ScheduledBatch, graph_size: int | None = None,
+                defer_sampling: bool = False) -> InFlightStep | None:
+        """Launch a step (``graph_size``, ``defer_sampling`` as ModelRunner.launch's); None if it failed."""
         try:
             if self._fail_next_forward:
                 self._fail_next_forward = False
                 raise RuntimeError(f"injected forward failure on rank {self.rank}")
-            return self.runner.launch(batch, graph_size)
+            return self.runner.launch(batch, graph_size, defer_sampling)
         except RequestFailures as e:   # found before the device ran anything: fail those alone
             self._fail_rows(batch, e.errors)
             rest = batch.without(e.errors)
-            return self._launch(rest, graph_size) if rest.requests else None
+            return self._launch(rest, graph_size, defer_sampling) if rest.requests else None
         except Exception:
             if self.multi_rank:
                 raise
@@ -180,7 +185,9 @@ class PyExecutor:
             return
         if result.prompt_logprobs:
             self._respond_prompt_logprobs(step.batch, result.prompt_logprobs)
-        outcome = self.scheduler.update(step.batch, result.token_ids)
+        guided = self.runner.guided
+        outcome = self.scheduler.update(step.batch, result.token_ids,
+                                        guided.accept if guided is not None and guided.matchers else None)
         self._respond_step(step.batch, result, outcome)
 
     # -- intake ----------------------------------------------------------------------------------
@@ -207,6 +214,8 @@ class PyExecutor:
         try:
             req = self._make_request(msg)
             error = self.scheduler.add_request(req)
+            if error is None:
+                self._track_grammar(req)
         except (ValueError, TypeError) as e:
             error = str(e)
         if error is not None:
@@ -221,6 +230,10 @@ class PyExecutor:
         limit = self.max_seq_len if params.max_tokens is None else min(self.max_seq_len, len(ids) + params.max_tokens)
         if msg.max_total_tokens:
             limit = min(limit, msg.max_total_tokens)
+        if params.guided_decoding is not None:   # refuse a grammar that does not compile, here
+            if self.runner.guided is None:
+                raise ValueError("guided_decoding is not available on this engine")
+            self.runner.guided.compile(params.guided_decoding)
         salt = (msg.cache_salt or "").encode()
         return Request(msg.request_id, list(ids), params, tuple(msg.eos_token_ids), limit,
                        extra_key=salt, priority=msg.priority)
@@ -231,6 +244,11 @@ class PyExecutor:
         if now - self._last_beat >= HEARTBEAT_INTERVAL:
             self._last_beat = now
             self._emit(Heartbeat(self.rank, self.iteration, self.stats()))
+
+    def _track_grammar(self, req: Request) -> None:
+        """A request that joined this rank's scheduler: follow its grammar, if it has one."""
+        if req.sampling.guided_decoding is not None and self.runner.guided is not None:
+            self.runner.guided.add(req)
 
     # -- inspection ------------------------------------------------------------------------------
     def _control(self, ctl: Control) -> None:
@@ -283,6 +301,7 @@ class PyExecutor:
                 "num_available_blocks": kv.num_available_blocks, "prefix_queried_tokens": kv.num_queried_tokens,
                 "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions,
                 "num_graph_steps": self.runner.num_graph_steps,
+                **(self.runner.guided.stats() if self.runner.guided is not None else {}),
                 "weight_bytes_per_step": self._weight_bytes()}
 
     def _weight_bytes(self) -> int:

@@ -119,18 +119,26 @@ class Sampler:
         return settings, failed
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, requests: list[Request],
-               settings: list[RowSettings] | None = None) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings] | None = None,
+               bitmask: tuple[torch.Tensor, list[int]] | None = None) -> SampleOutput:
         """logits: [S, V] float32 (one row per sampling request) -> SampleOutput.
 
         ``settings`` comes from ``plan`` (which the model runner calls before the forward);
-        without it the rows are planned here and a bad row raises."""
+        without it the rows are planned here and a bad row raises. ``bitmask``: the grammar rows'
+        allowed tokens (GuidedDecoder.bitmask), applied before everything else; logprobs stay
+        those of the model's own distribution."""
         if settings is None:
             settings = [RowSettings.of(r, self.vocab_size) for r in requests]
         logits = logits[:, :self.vocab_size]
         raw = logits
+        if bitmask is not None:
+            import xgrammar as xgr
+            mask, rows = bitmask
+            logits = logits.clone()
+            xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True),
+                                            vocab_size=self.vocab_size, indices=rows)
         if any(s.needs_processing for s in settings):
-            logits = self._process(logits.clone(), requests, settings)
+            logits = self._process(logits if bitmask is not None else logits.clone(), requests, settings)
         token_ids = self._draw(logits, requests, settings)
         out = SampleOutput(token_ids)
         if any(s.logprobs is not None for s in settings):

@@ -22,7 +22,7 @@ import hashlib
 import struct
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from phalanx.kv_manager import CopyOp, KVCacheManager, PrefixMatch
@@ -260,12 +260,15 @@ class Scheduler:
                    for r in self.running)
 
     # -- after the forward --------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> StepOutcome:
+    def update(self, batch: ScheduledBatch, sampled: Iterable[int | None],
+               stops_at: Callable[[Request, int], bool] | None = None) -> StepOutcome:
         """The step has run: commit its full blocks, append sampled tokens, finish requests.
 
         ``sampled[i]`` is the token of row i (None for rows that do not sample). Rows of
         requests that ended meanwhile (aborted, preempted, or finished by the step before —
         the stray step of the overlap loop) are skipped: their tokens are discarded.
+        ``stops_at(request, token)``, called for every appended token, may end a request there
+        too (a grammar that is complete).
         """
         out = StepOutcome()
         for req, start, n, token in zip(batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens,
@@ -279,6 +282,8 @@ class Scheduler:
             req.append_token(token)
             out.new_tokens[req.request_id] = token
             status = req.check_stop()
+            if stops_at is not None and stops_at(req, token) and status is None:
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.finish(req.request_id, status)
                 out.finished.append(req)

@@ -34,6 +34,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log_level", default="info")
     p.add_argument("--drain_timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--max_request_body_bytes", type=int, default=8 << 20)
+    p.add_argument("--tool_call_parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="how tool calls are read from free-running output (auto: by the chat template)")
+    p.add_argument("--reasoning_parser", default="none", choices=["none", "qwen3", "deepseek_r1"],
+                   help="split <think> blocks into reasoning_content")
     p.add_argument("--engine_iteration_timeout", type=float, default=None,
                    help="seconds without progress from the ranks before the engine is declared stalled (0: off)")
     p.add_argument("--enable_debug_endpoints", action="store_true",
@@ -90,7 +94,8 @@ def serve(a: argparse.Namespace) -> int:
         print(f"phalanx serve: the engine did not start: {e}", file=sys.stderr)
         return 1
     name = a.served_model_name or (llm.source.name if a.model else "SmolLM2-135M-Instruct")
-    server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints)
+    server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
+                          tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser)
     config = uvicorn.Config(server.app, host=a.host, port=a.port, log_level=a.log_level.lower(),
                             timeout_graceful_shutdown=a.drain_timeout, access_log=False)
     userver = uvicorn.Server(config)

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -35,13 +36,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from phalanx import __version__
 from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.outputs import RequestError, RequestOutput
-from phalanx.llmapi.sampling_params import SamplingParams
+from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams
+from phalanx.serve import tools
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    NamedToolChoice,
     error_body,
     parse_body,
 )
@@ -49,7 +52,81 @@ from phalanx.serve.protocol import (
 logger = logging.getLogger("phalanx")
 
 OPEN_PATHS = ("/health", "/metrics")      # answered without the API key (probes and scrapers)
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex", "ebnf")
 T = TypeVar("T")
+
+
+@dataclass
+class ChatPlan:
+    """How a chat request is prompted and its output read back (see serve/tools.py)."""
+
+    messages: list[dict[str, Any]]        # for the chat template
+    tools: list[dict[str, Any]] | None     # the tools in play (None: none, or tool_choice "none")
+    forced: Any                            # "required" / {"function": ...} when the grammar forces a call
+    parser: str | None                     # the tool-call parser of a free-running output
+    guided: GuidedDecodingParams | None    # the output's grammar
+    guided_field: str | None               # the request field it came from
+
+
+class _ChoiceStream:
+    """One streamed choice: its text split into reasoning, content and tool-call deltas."""
+
+    def __init__(self, plan: ChatPlan, reasoning_parser: str) -> None:
+        self.plan = plan
+        self.reasoning = (tools.ReasoningStream(reasoning_parser == "deepseek_r1")
+                          if reasoning_parser != "none" else None)
+        self.tool_stream = (tools.ToolCallStream(plan.parser, plan.tools)
+                            if plan.tools is not None and plan.parser is not None and plan.forced is None else None)
+        self.forced_text = ""
+        self.named: tools.ToolCall | None = None
+        self.called = False
+
+    def feed(self, text: str, final: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """(the delta's reasoning/content fields, its tool_calls) for new text."""
+        delta: dict[str, Any] = {}
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, final)
+            if thought:
+                delta["reasoning_content"] = thought
+        if self.plan.forced is not None:
+            return delta, self._forced(text, final)
+        if self.tool_stream is None:
+            if text:
+                delta["content"] = text
+            return delta, []
+        content = self.tool_stream.feed(text)
+        calls: list[dict[str, Any]] = []
+        if final:
+            rest, found = self.tool_stream.finish()
+            content += rest
+            calls = [c.to_openai(i) for i, c in enumerate(found)]
+            self.called = bool(found)
+        if content:
+            delta["content"] = content
+        return delta, calls
+
+    def _forced(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """A named function's arguments stream as they come; "required" is read at the end."""
+        forced = self.plan.forced
+        if forced != "required":
+            out = []
+            if self.named is None:
+                self.named = tools.ToolCall(forced["function"]["name"], "")
+                self.called = True
+                out.append(dict(self.named.to_openai(0), function={"name": self.named.name, "arguments": ""}))
+            if text:
+                out.append({"index": 0, "function": {"arguments": text}})
+            return out
+        self.forced_text += text
+        if not final:
+            return []
+        try:
+            found = tools.forced_tool_calls(self.forced_text, forced)
+        except (ValueError, KeyError, TypeError):
+            return []
+        self.called = bool(found)
+        return [c.to_openai(i) for i, c in enumerate(found)]
+
 
 
 class ApiError(Exception):
@@ -107,8 +184,11 @@ class Guard:
 
 class OpenAIServer:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, chat_template: str | None = None,
-                 max_body_bytes: int = 8 << 20, debug_endpoints: bool = False, tokenizer_threads: int = 4) -> None:
+                 max_body_bytes: int = 8 << 20, debug_endpoints: bool = False, tokenizer_threads: int = 4,
+                 tool_call_parser: str = "auto", reasoning_parser: str = "none") -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self.model_type = llm.source.config.model_type
         self.debug_endpoints = debug_endpoints
         self.chat_template, self.max_body_bytes = chat_template, max_body_bytes
         self.created = int(time.time())
@@ -249,7 +329,7 @@ class OpenAIServer:
 
     # -- shared pieces ---------------------------------------------------------------------------------
     def _sampling(self, req: Any, max_tokens: int | None, logprobs: int | None,
-                  prompt_logprobs: int | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, guided: GuidedDecodingParams | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -259,7 +339,7 @@ class OpenAIServer:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, guided_decoding=guided, skip_special_tokens=req.skip_special_tokens)
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
@@ -344,8 +424,15 @@ class OpenAIServer:
             raise ApiError(400, "best_of must equal n (best-of selection is not supported)", "best_of")
         prompts = await self._text(self._prompts, body.prompt)
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        try:
+            guided = tools.guided_params(body, None)
+        except ValueError as e:
+            raise ApiError(400, str(e), str(e).split(":", 1)[0]) from None
         jobs = [(ids, self._sampling(body, self._output_limit(len(ids), body.max_tokens, "prompt"), body.logprobs,
-                                     prompt_lp)) for _, ids in prompts]
+                                     prompt_lp, guided)) for _, ids in prompts]
+        if jobs:
+            field = next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None)
+            await self._check_grammar(jobs[0][1], field)
         futs = self._submit_all(jobs, body.cache_salt, "prompt")
         texts = [text for text, _ in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -466,33 +553,89 @@ class OpenAIServer:
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: chat needs one", "messages")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
+        plan = self._chat_plan(body, tokenizer.chat_template)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if plan.tools is not None and tools.template_renders_tools(self.chat_template or tokenizer.chat_template):
+            kwargs["tools"] = plan.tools
         try:
             ids = await self._text(lambda: tokenizer.encode_chat(
-                messages, body.add_generation_prompt, self.chat_template, self.llm.max_seq_len - 1,
-                **(body.chat_template_kwargs or {})))
+                plan.messages, body.add_generation_prompt, self.chat_template, self.llm.max_seq_len - 1, **kwargs))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # template errors (e.g. roles it does not accept)
             raise ApiError(400, f"the chat template failed: {e}", "messages") from None
         k = (body.top_logprobs or 0) if body.logprobs else None
-        sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages"), k)
+        sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages"), k, guided=plan.guided)
+        await self._check_grammar(sp, plan.guided_field)
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return self._sse(self._stream_chat(rid, body, fut))
+            return self._sse(self._stream_chat(rid, body, fut, plan))
         [out] = await self._collect([fut], request)
         self._observe(out)
         choices = []
         for o in out.outputs:
-            choice = {"index": o.index, "message": {"role": "assistant", "content": o.text},
-                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, "logprobs": None}
+            message, finish = self._chat_message(o.text, plan), o.finish_reason
+            if message.get("tool_calls") and finish == "stop":
+                finish = "tool_calls"
+            choice = {"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
+                      "logprobs": None}
             if body.logprobs:
                 choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids, o.logprobs or [])}
             choices.append(choice)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage([out])}
+
+    def _chat_plan(self, body: ChatCompletionRequest, tokenizer_template: str | None) -> ChatPlan:
+        """What a chat request asks of the output: its grammar, and how to read the text back."""
+        template = self.chat_template or tokenizer_template
+        tool_defs = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice: Any = body.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.model_dump()
+        active = tool_defs if tool_defs and choice != "none" else None
+        try:
+            forced = tools.forced_tool_grammar(active, choice, body.parallel_tool_calls) if active else None
+            guided = tools.guided_params(body, forced)
+        except ValueError as e:
+            named = str(e).split(":", 1)[0].split(" ", 1)[0]
+            raise ApiError(400, str(e), named if named in type(body).model_fields else "tool_choice") from None
+        field = ("tool_choice" if forced is not None else
+                 next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None))
+        parser = tools.choose_parser(self.tool_call_parser, template, self.model_type) if active else None
+        return ChatPlan(tools.template_messages(body.messages, active, template), active,
+                        choice if forced is not None else None, parser, guided, field)
+
+    async def _check_grammar(self, sp: SamplingParams, field: str | None) -> None:
+        """Compile the request's grammar in the text pool; one that does not compile is a 400."""
+        if sp.guided_decoding is None:
+            return
+        try:
+            await self._text(self.llm.check_grammar, sp)
+        except ValueError as e:
+            raise ApiError(400, f"{field}: {e}" if field else str(e), field or "guided_decoding") from None
+
+    def _chat_message(self, text: str, plan: ChatPlan) -> dict[str, Any]:
+        """The assistant message of an output: reasoning split off, tool calls read back."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning_parser != "none":
+            reasoning, text = tools.split_reasoning(
+                ("<think>" if self.reasoning_parser == "deepseek_r1" else "") + text)
+            message["content"] = text
+            message["reasoning_content"] = reasoning
+        calls: list[tools.ToolCall] = []
+        if plan.forced is not None:
+            try:
+                calls = tools.forced_tool_calls(message["content"], plan.forced)
+            except (ValueError, KeyError, TypeError):   # cut short (length): no complete call
+                calls = []
+            if calls:
+                message["content"] = None
+        elif plan.tools is not None and plan.parser is not None:
+            message["content"], calls = tools.parse_tool_calls(message["content"], plan.parser, plan.tools)
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        return message
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict]) -> list[dict[str, Any]]:
         out = []
@@ -504,11 +647,13 @@ class OpenAIServer:
                                           "bytes": list(self._token_str(t).encode())} for t, lp in tops]})
         return out
 
-    async def _stream_chat(self, rid: str, body: ChatCompletionRequest, fut: RequestOutput) -> AsyncIterator[str]:
+    async def _stream_chat(self, rid: str, body: ChatCompletionRequest, fut: RequestOutput,
+                           plan: ChatPlan) -> AsyncIterator[str]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
         for k in range(body.n):
             yield _sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
+        streams = [_ChoiceStream(plan, self.reasoning_parser) for _ in range(body.n)]
         async for _, out in _merge([fut]):
             if isinstance(out, Exception):
                 yield self._error_event(out)
@@ -517,11 +662,17 @@ class OpenAIServer:
                 finishing = out.finished and o.finish_reason is not None
                 if not o.text_diff and not o.token_ids_diff and not finishing:
                     continue
-                choice: dict[str, Any] = {"index": o.index, "delta": {"content": o.text_diff} if o.text_diff else {},
-                                          "logprobs": None, "finish_reason": o.finish_reason if finishing else None}
+                delta, calls = streams[o.index].feed(o.text_diff, finishing)
+                finish = o.finish_reason if finishing else None
+                if finish == "stop" and streams[o.index].called:
+                    finish = "tool_calls"
+                if calls:
+                    delta["tool_calls"] = calls
+                choice: dict[str, Any] = {"index": o.index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if body.logprobs and o.token_ids_diff:
                     choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids_diff, o.logprobs_diff)}
-                yield _sse({**base, "choices": [choice]})
+                if delta or finishing or choice["logprobs"]:
+                    yield _sse({**base, "choices": [choice]})
         self._observe(fut)
         if body.stream_options and body.stream_options.include_usage:
             yield _sse({**base, "choices": [], "usage": self._usage([fut])})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_N = 16
 MAX_PROMPTS = 256
@@ -39,6 +39,57 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is json_schema")
+        return self
+
+
+class FunctionDef(Strict):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Strict):
+    name: str = Field(..., max_length=64)
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(Strict):
+    name: str = Field(..., max_length=64)
+    arguments: str = Field(..., max_length=MAX_TEXT_CHARS)
+
+
+class MessageToolCall(Strict):
+    id: str = Field(..., max_length=256)
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class SamplingFields(Strict):
@@ -70,6 +121,14 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(None, max_length=256)
+    # structured output: response_format, or one extension field (vLLM's guided_*, SGLang's regex / ebnf)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -152,6 +211,22 @@ class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=128)     # an assistant's calls
+    tool_call_id: str | None = Field(None, max_length=256)                   # a tool message's call
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, v: list[MessageToolCall] | None, info: ValidationInfo) -> Any:
+        if v is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool calls")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _ids_are_the_tools(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("role") != "tool":
+            raise ValueError("only tool messages carry a tool_call_id")
+        return v
 
     @field_validator("content")
     @classmethod
@@ -189,6 +264,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise ValueError("tools must have distinct function names")
+        return self
 
     @field_validator("messages")
     @classmethod

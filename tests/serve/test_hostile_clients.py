@@ -58,7 +58,8 @@ def innocent_text(server):
     ("top_k", 2**63), ("top_k", 2**64), ("top_k", -2), ("seed", 2**64), ("max_tokens", 2**40),
     ("logit_bias", {"--5": 1}), ("logit_bias", {"²": 1}), ("logit_bias", {"5": 1e9}),
     ("stream", "yes"), ("logprobs", True), ("echo", 1), ("n", True), ("temperature", "0.5"),
-    ("stop", [""]), ("stop_token_ids", [True]), ("tools", []), ("response_format", {"type": "json_object"}),
+    ("stop", [""]), ("stop_token_ids", [True]), ("tools", []), ("functions", []), ("guided_decoding_backend", "x"),
+    ("response_format", {"type": "xml"}), ("guided_regex", "[a-"), ("guided_choice", []),
 ])
 def test_bad_field_is_a_400_naming_it(server, field, value):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value})

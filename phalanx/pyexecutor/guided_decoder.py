@@ -1,0 +1,101 @@
+"""GuidedDecoder: the grammar state of every request of this rank that has one.
+
+Per request an xgrammar matcher follows the tokens appended so far (``accept``, called by the
+scheduler's update for every token it appends). Before a step's sampling, ``bitmask`` fills, on
+the host, one row of allowed tokens for each grammar row of the batch; the sampler applies it on
+the device. Only the bitmask crosses to the device, so CUDA graphs (which end at the logits) are
+unaffected, and requests with and without grammars share a batch.
+
+Under the overlap scheduler, step n+1's forward is launched before step n's tokens are read; its
+sampling waits (``ModelRunner.launch(defer_sampling=True)``) until the loop has read step n and
+the matchers have accepted its tokens, then the bitmask is filled while step n+1's forward runs
+on the device. A token never reaches a matcher before it is known on the host, so aborts,
+preemption (an in-flight token dropped) and the overlap loop's stray step leave the state right.
+
+Grammars compile once per constraint (xgrammar caches them by text); the tokenizer the compiler
+needs is loaded on the first grammar request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from phalanx.llmapi.grammar import GrammarCompiler
+from phalanx.llmapi.sampling_params import GuidedDecodingParams
+from phalanx.pyexecutor.request import Request
+
+
+class GuidedDecoder:
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler], vocab_size: int, max_rows: int = 256) -> None:
+        self._make_compiler = make_compiler
+        self._compiler: GrammarCompiler | None = None
+        self.vocab_size = vocab_size
+        self.matchers: dict[int, Any] = {}       # request id -> xgrammar GrammarMatcher
+        self._bitmask: torch.Tensor | None = None
+        self._max_rows = max_rows
+        self.fill_seconds = 0.0                  # host time spent filling bitmasks (the cost per step)
+        self.num_fills = 0
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler
+
+    def compile(self, params: GuidedDecodingParams) -> Any:
+        """The compiled grammar (ValueError naming the field if it does not compile)."""
+        return self.compiler.compile(params)
+
+    def add(self, req: Request) -> None:
+        """Start following a request that has a grammar (after it joined this rank's scheduler)."""
+        params = req.sampling.guided_decoding
+        if params is None:
+            return
+        import xgrammar as xgr
+        self.matchers[req.request_id] = xgr.GrammarMatcher(self.compile(params))
+
+    def release(self, request_id: int) -> None:
+        self.matchers.pop(request_id, None)
+
+    def accept(self, req: Request, token: int) -> bool:
+        """Advance the request's grammar by a token it was given; True when it must stop here:
+        the grammar is complete (or, which a masked step cannot produce, refused the token)."""
+        matcher = self.matchers.get(req.request_id)
+        if matcher is None:
+            return False
+        if not matcher.accept_token(token):
+            return True
+        return bool(matcher.is_terminated())
+
+    def has_grammar(self, requests: list[Request]) -> bool:
+        return bool(self.matchers) and any(r.request_id in self.matchers for r in requests)
+
+    def bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
+        """For the sampling rows ``requests``: (bitmask [len, ceil(V/32)] int32 on the host, the
+        rows it constrains), or None when no row has a grammar."""
+        rows = [i for i, r in enumerate(requests) if r.request_id in self.matchers]
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        import xgrammar as xgr
+        if self._bitmask is None or self._bitmask.shape[0] < len(requests):
+            self._bitmask = xgr.allocate_token_bitmask(max(self._max_rows, len(requests)), self.vocab_size)
+        mask = self._bitmask[:len(requests)]
+        constrained = []
+        for i in rows:
+            matcher = self.matchers[requests[i].request_id]
+            if matcher.is_terminated():     # the overlap loop's stray step: its token is discarded
+                continue
+            matcher.fill_next_token_bitmask(mask, i)
+            constrained.append(i)
+        self.fill_seconds += time.perf_counter() - t0
+        self.num_fills += 1
+        return (mask, constrained) if constrained else None
+
+    def stats(self) -> dict[str, float]:
+        return {"grammar_requests": len(self.matchers),
+                "grammar_fill_us_per_step": 1e6 * self.fill_seconds / self.num_fills if self.num_fills else 0.0}

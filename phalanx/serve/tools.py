@@ -1,0 +1,299 @@
+"""Tool calling and structured output for the chat and completion routes.
+
+What a request asks for becomes at most one ``GuidedDecodingParams``:
+
+    response_format json_object / json_schema      -> json_object / json (the schema)
+    guided_json, guided_regex, guided_choice,        (vLLM's extension fields)
+    guided_grammar, regex, ebnf                      (and SGLang's)
+    tool_choice "required"                         -> json: an array of one call (or more, with
+                                                      parallel_tool_calls) of the listed tools
+    tool_choice {"function": {"name": f}}          -> json: f's parameters
+
+A forced choice is turned back into ``tool_calls`` from the JSON the grammar produced. With
+``tool_choice="auto"`` the model writes freely and its own format is parsed: Hermes / Qwen2.5 /
+Qwen3 ``<tool_call>{...}</tool_call>`` blocks, or Llama 3.x JSON (``{"name": ..., "parameters":
+...}``, optionally after ``<|python_tag|>``). A chat template that does not render ``tools`` gets
+them described in a system message in the Hermes format, which the parser then reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.llmapi.sampling_params import GuidedDecodingParams
+
+PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str              # JSON text
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+# -- requests -> one grammar -------------------------------------------------------------------------
+def guided_params(body: Any, tools_forced: GuidedDecodingParams | None) -> GuidedDecodingParams | None:
+    """The request's one constraint (ValueError naming the fields if it asks for more than one)."""
+    asked: dict[str, GuidedDecodingParams] = {}
+    rf = getattr(body, "response_format", None)
+    if rf is not None and rf.type == "json_object":
+        asked["response_format"] = GuidedDecodingParams(json_object=True)
+    elif rf is not None and rf.type == "json_schema":
+        assert rf.json_schema is not None
+        schema = rf.json_schema.schema_ or {"type": "object"}
+        asked["response_format"] = GuidedDecodingParams(json=schema)
+    for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("regex", "regex"),
+                        ("guided_choice", "choice"), ("guided_grammar", "grammar"), ("ebnf", "grammar")):
+        value = getattr(body, field, None)
+        if value is not None:
+            try:
+                asked[field] = GuidedDecodingParams(**{kind: value})
+            except ValueError as e:
+                raise ValueError(f"{field}: {e}") from None
+    if tools_forced is not None:
+        asked["tool_choice"] = tools_forced
+    if len(asked) > 1:
+        raise ValueError(f"{sorted(asked)[0]}: only one output constraint per request, got {sorted(asked)}")
+    return next(iter(asked.values()), None)
+
+
+def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any,
+                        parallel: bool = True) -> GuidedDecodingParams | None:
+    """The grammar of a forced tool choice (None for "auto" and "none")."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    if tool_choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(f)},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, f in by_name.items()]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return GuidedDecodingParams(json=schema)
+    name = tool_choice["function"]["name"]
+    if name not in by_name:
+        raise ValueError(f"tool_choice: the function {name!r} is not among the tools ({sorted(by_name)})")
+    return GuidedDecodingParams(json=_parameters(by_name[name]))
+
+
+def forced_tool_calls(text: str, tool_choice: Any) -> list[ToolCall]:
+    """The calls in the output of a forced tool choice (the JSON its grammar produced)."""
+    if tool_choice == "required":
+        return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in json.loads(text)]
+    return [ToolCall(tool_choice["function"]["name"], text)]
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+# -- the prompt ------------------------------------------------------------------------------------------
+def template_renders_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template   # type: ignore[operator]
+
+
+def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
+    """The tools described in the Hermes format (for templates that do not render tools)."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You may call one or more functions to help with the user's request. The functions are listed "
+            f"within <tools></tools> tags:\n<tools>\n{listed}\n</tools>\n\nFor each call, return a JSON object "
+            "with the function name and its arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
+                      template: str | None) -> list[dict[str, Any]]:
+    """Chat messages as templates expect them: assistant tool calls with their arguments as
+    objects, tool results with their call id; the tools described in a system message where the
+    template would not render them."""
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)}}
+                                 for c in m.tool_calls]
+            if not msg["content"]:       # show the calls to templates that print only content
+                msg["content"] = "\n".join(
+                    "<tool_call>\n" + json.dumps({"name": c.function.name,
+                                                  "arguments": _as_object(c.function.arguments)},
+                                                 ensure_ascii=False) + "\n</tool_call>" for c in m.tool_calls)
+        out.append(msg)
+    if tools and not template_renders_tools(template):
+        prompt = tools_system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + prompt)
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _as_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+# -- parsing the model's own format ----------------------------------------------------------------------
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def choose_parser(name: str, template: str | None, model_type: str) -> str:
+    """The tool-call parser to use: as named, or by the chat template / model family."""
+    if name != "auto":
+        return name
+    if template and "<|python_tag|>" in template or (model_type == "llama" and template and "ipython" in template):
+        return "llama3_json"
+    return "hermes"
+
+
+def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
+    """(content without the calls, the calls) found in a free-running output; calls naming a
+    function that is not among the tools are left in the content."""
+    names = {t["function"]["name"] for t in tools}
+    if parser == "hermes":
+        calls, spans = [], []
+        for m in _HERMES.finditer(text):
+            call = _call_from(m.group(1), names, "arguments")
+            if call is not None:
+                calls.append(call)
+                spans.append(m.span())
+        if not calls:
+            return text, []
+        content = text
+        for a, b in reversed(spans):
+            content = content[:a] + content[b:]
+        return (content.strip() or None), calls
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    calls = []
+    for part in body.split(";"):          # Llama 3.x: one JSON object per call, ";"-separated
+        call = _call_from(part.strip(), names, "parameters")
+        if call is None:
+            return text, []
+        calls.append(call)
+    return None, calls
+
+
+def _call_from(raw: str, names: set[str], key: str) -> ToolCall | None:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, answer) of a Qwen3-style output: the text inside <think>...</think> (the
+    opening tag may come from the prompt), and what follows."""
+    if "</think>" not in text:
+        return (None, text) if "<think>" not in text else (text.split("<think>", 1)[1].strip() or None, "")
+    head, tail = text.split("</think>", 1)
+    return head.split("<think>", 1)[-1].strip() or None, tail.lstrip()
+
+
+# -- streaming ---------------------------------------------------------------------------------------------
+class ReasoningStream:
+    """Splits a streamed output into reasoning and answer deltas. ``starts_in_reasoning``: the
+    prompt opened the <think> block (DeepSeek-R1 style); else reasoning is what the output puts
+    between <think> and </think> at its start (Qwen3). A tail that may begin a tag is held back."""
+
+    def __init__(self, starts_in_reasoning: bool = False) -> None:
+        self.state = "reasoning" if starts_in_reasoning else "start"
+        self.buf = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning delta, answer delta) for new text."""
+        self.buf += text
+        reasoning = answer = ""
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith("<think>"):
+                self.state, self.buf = "reasoning", head[len("<think>"):].lstrip("\n")
+            elif "<think>".startswith(head) and head and not final:
+                return "", ""                         # maybe the tag is still coming
+            else:
+                self.state = "answer"
+        if self.state == "reasoning":
+            end = self.buf.find("</think>")
+            if end >= 0:
+                reasoning, self.buf = self.buf[:end], self.buf[end + len("</think>"):].lstrip("\n")
+                self.state = "answer"
+            else:
+                keep = 0 if final else _partial_tag(self.buf, "</think>")
+                reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        if self.state == "answer":
+            answer, self.buf = self.buf, ""
+        return reasoning, answer
+
+
+class ToolCallStream:
+    """Streams the content of a free-running output with tools, holding back what may be a tool
+    call (from the parser's marker on); at the end the held text is parsed for calls."""
+
+    def __init__(self, parser: str, tools: list[dict[str, Any]]) -> None:
+        self.parser, self.tools = parser, tools
+        self.sent = ""          # content already streamed
+        self.held = ""          # text from a (possible) call marker on
+        self.text = ""
+
+    def feed(self, text: str) -> str:
+        """The content delta that is safe to stream now."""
+        self.text += text
+        if self.held or self._starts_call(self.text[len(self.sent):]):
+            self.held = self.text[len(self.sent):]
+            return ""
+        pending = self.text[len(self.sent):]
+        marker = "<tool_call>"
+        at = pending.find(marker)
+        if at >= 0:
+            out, self.held = pending[:at], pending[at:]
+        else:
+            keep = _partial_tag(pending, marker)
+            out = pending[:len(pending) - keep]
+        self.sent += out
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(the content still to stream, the calls) once the output is complete."""
+        rest = self.text[len(self.sent):]
+        if not rest:
+            return "", []
+        content, calls = parse_tool_calls(rest, self.parser, self.tools)
+        return (content or "") if calls else rest, calls
+
+    def _starts_call(self, pending: str) -> bool:
+        head = pending.lstrip()
+        return self.parser == "llama3_json" and self.sent.strip() == "" and (
+            head.startswith(("{", "<|python_tag|>")) or (head != "" and "<|python_tag|>".startswith(head)))
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

@@ -1,0 +1,83 @@
+"""The tool-call and reasoning parsers on hand-written model outputs (pure Python)."""
+
+import json
+
+from phalanx.serve.tools import (
+    ReasoningStream,
+    ToolCallStream,
+    forced_tool_calls,
+    forced_tool_grammar,
+    guided_params,
+    parse_tool_calls,
+    split_reasoning,
+)
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "add"}}]
+
+
+def test_hermes_blocks_are_calls_and_the_rest_is_content():
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    content, calls = parse_tool_calls(text, "hermes", TOOLS)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                  ("add", {"a": 1, "b": 2})]
+    assert parse_tool_calls('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', "hermes", TOOLS)[1] == []
+    assert parse_tool_calls("<tool_call>{not json</tool_call>", "hermes", TOOLS)[1] == []
+
+
+def test_llama3_json_calls():
+    content, calls = parse_tool_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+                                      '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "llama3_json", TOOLS)
+    assert content is None and [c.name for c in calls] == ["add", "get_weather"]
+    assert parse_tool_calls("The answer is 3.", "llama3_json", TOOLS) == ("The answer is 3.", [])
+
+
+def test_forced_choices_become_grammars_and_read_back():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert forced_tool_grammar(TOOLS, named).json == {"type": "object"}
+    required = forced_tool_grammar(TOOLS, "required", parallel=False)
+    assert required.json["maxItems"] == 1 and len(required.json["items"]["anyOf"]) == 2
+    assert forced_tool_grammar(TOOLS, "auto") is None
+    calls = forced_tool_calls('[{"name": "add", "arguments": {"a": 1, "b": 2}}]', "required")
+    assert calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+    assert forced_tool_calls('{"city": "Rome"}', named)[0].arguments == '{"city": "Rome"}'
+
+
+def test_one_constraint_per_request():
+    class Body:
+        response_format = None
+        guided_regex = "a+"
+        guided_choice = ["x"]
+    try:
+        guided_params(Body(), None)
+    except ValueError as e:
+        assert "only one output constraint" in str(e)
+    else:
+        raise AssertionError("two constraints were accepted")
+
+
+def test_reasoning_split_whole_and_streamed():
+    assert split_reasoning("<think>\nweigh it\n</think>\n\nYes.") == ("weigh it", "Yes.")
+    assert split_reasoning("No thinking here.") == (None, "No thinking here.")
+    pieces = ["<th", "ink>\nfirst", " second</thi", "nk>\n\nThe", " answer"]
+    stream, reasoning, answer = ReasoningStream(), "", ""
+    for i, p in enumerate(pieces):
+        r, a = stream.feed(p, final=i == len(pieces) - 1)
+        reasoning, answer = reasoning + r, answer + a
+    assert (reasoning, answer) == ("first second", "The answer")
+    r1 = ReasoningStream(starts_in_reasoning=True)
+    assert r1.feed("plan</think>done", final=True) == ("plan", "done")
+
+
+def test_tool_call_stream_holds_back_a_call_and_streams_the_rest():
+    stream = ToolCallStream("hermes", TOOLS)
+    out = [stream.feed(p) for p in ["Sure", ", one <tool", '_call>{"name": "add", "arguments": {"a": 1, "b": 1}}',
+                                    "</tool_call>"]]
+    assert "".join(out) == "Sure, one "
+    rest, calls = stream.finish()
+    assert rest == "" and calls[0].name == "add"
+    plain = ToolCallStream("hermes", TOOLS)
+    text = "".join(plain.feed(p) for p in ["No calls ", "<b>here</b>"])
+    assert text + plain.finish()[0] == "No calls <b>here</b>"
