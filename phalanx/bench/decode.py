@@ -6,6 +6,12 @@ tokens, as the client sees them), decode throughput (tokens/s over the window wh
 decode), and — on a GPU — the share of the decode window the GPU sat idle between steps,
 from CUDA events recorded around every step. Also measures the GPU's memory bandwidth in the
 same run and, at batch 1, the fraction of the weights-read roofline reached.
+
+``--guided on|both``: the same batches with every request under a JSON-schema grammar
+(``--schema FILE``, else SCHEMA below; needs a tokenizer: ``--tokenizer`` for a shape with
+random weights), reported beside the free runs of the same engine with the grammar's host cost
+per step. Random weights pick tokens blindly, so a request may close its JSON early; the window
+is where all b still decode, and the tokens each request produced are reported.
 """
 
 from __future__ import annotations
@@ -49,34 +55,77 @@ def measure_bandwidth(gib: float = 4.0) -> dict[str, float]:
     return {"copy_tb_s": 2 * n * 2 / copy_s / 1e12, "read_tb_s": n * 2 / read_s / 1e12}
 
 
-async def _decode(llm: Any, prompts: list[list[int]], steps: int) -> list[list[float]]:
-    from phalanx import SamplingParams
-    sp = SamplingParams(max_tokens=steps, ignore_eos=True, detokenize=False)
+# what --guided constrains every request to when no --schema is given: a record whose text
+# fields take most of the tokens, as in the JSON answers of an API
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "tags": {"type": "array", "items": {"enum": ["news", "science", "sport", "art"]}, "maxItems": 4},
+        "summary": {"type": "string"},
+    },
+    "required": ["title", "year", "tags", "summary"],
+}
+
+
+async def _decode(llm: Any, prompts: list[list[int]], steps: int,
+                  schema: dict | None = None) -> list[tuple[list[float], list[int]]]:
+    from phalanx import GuidedDecodingParams, SamplingParams
+    guided = GuidedDecodingParams(json=schema) if schema is not None else None
+    sp = SamplingParams(max_tokens=steps, ignore_eos=guided is None, detokenize=False, guided_decoding=guided)
 
     async def one(p):
-        times = []
+        times, tokens = [], []
         async for out in llm.generate_async(p, sp, streaming=True):
             now = time.perf_counter()
             times += [now] * len(out.outputs[0].token_ids_diff)
-        return times
+            tokens += out.outputs[0].token_ids_diff
+        return times, tokens
 
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def run_batch(llm: Any, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
+def run_batch(llm: Any, batch: int, prompt_len: int, steps: int, schema: dict | None = None) -> dict[str, Any]:
     prompts = make_prompts(batch, prompt_len, llm.vocab_size, seed=batch)
-    asyncio.run(_decode(llm, prompts[: max(1, batch // 4)], 4))   # warm-up
+    asyncio.run(_decode(llm, prompts[: max(1, batch // 4)], 4, schema))   # warm-up
+    before = _grammar_stats(llm)
     llm.control("timing:on")
-    times = asyncio.run(_decode(llm, prompts, steps))
+    runs = asyncio.run(_decode(llm, prompts, steps, schema))
     timing = json.loads(llm.control("timing").per_rank[0])
     llm.control("timing:off")
+    after = _grammar_stats(llm)
+    times = [t for t, _ in runs]
     start = max(t[0] for t in times)                 # every request is decoding from here on
     end = min(t[-1] for t in times)
     tokens = sum(sum(1 for x in t if start <= x <= end) for t in times)
     gaps = [b - a for t in times for a, b in pairwise(t) if a >= start]
-    return {"batch": batch, "itl_ms": summarize(gaps, 1e3),
-            "decode_tok_s": tokens / (end - start) if end > start else None,
-            "gpu": timing}
+    res = {"batch": batch, "itl_ms": summarize(gaps, 1e3),
+           "decode_tok_s": tokens / (end - start) if end > start else None,
+           "window_tokens": tokens, "gpu": timing, "guided": schema is not None}
+    if schema is not None:
+        fills = after["fills"] - before["fills"]
+        res["grammar_fill_us_per_step"] = 1e6 * (after["seconds"] - before["seconds"]) / fills if fills else None
+        res["output_tokens"] = summarize([len(t) for _, t in runs])
+        res["complete_json"] = sum(_valid_json(llm, t) for _, t in runs)
+    return res
+
+
+def _grammar_stats(llm: Any) -> dict[str, float]:
+    """Total fill time and fills so far on rank 0 (from its per-step average)."""
+    st = json.loads(llm.control("stats").per_rank[0])
+    n = st.get("grammar_fills", 0)
+    return {"fills": n, "seconds": st.get("grammar_fill_us_per_step", 0.0) * n / 1e6}
+
+
+def _valid_json(llm: Any, tokens: list[int]) -> bool:
+    if llm.tokenizer is None:
+        return False
+    try:
+        json.loads(llm.tokenizer.decode(tokens))
+        return True
+    except ValueError:
+        return False
 
 
 def weight_bytes(llm: Any) -> int | None:
@@ -95,8 +144,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--orchestrator", default=None, choices=["mpi", "inprocess"])
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
+    ap.add_argument("--guided", choices=["off", "on", "both"], default="off",
+                    help="every request under a JSON-schema grammar (on), or free then under it (both)")
+    ap.add_argument("--schema", default=None, help="JSON schema file for --guided (default: SCHEMA)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory (--guided with a shape:NAME model)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args(argv)
+    schema: dict | None = None
+    if a.guided != "off":
+        if a.schema:
+            with open(a.schema) as f:
+                schema = json.load(f)
+        else:
+            schema = SCHEMA
+    schemas = {"off": [None], "on": [schema], "both": [None, schema]}[a.guided]
     from phalanx import LLM
     from phalanx.bench.shapes import resolve_model_arg
     from phalanx.config import merge_yaml
@@ -105,7 +166,8 @@ def main(argv: list[str]) -> int:
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
     for overlap in modes:
         kwargs: dict[str, Any] = {
-            "load_format": "dummy" if dummy else "auto", "skip_tokenizer_init": True, "dtype": a.dtype,
+            "load_format": "dummy" if dummy else "auto", "skip_tokenizer_init": schema is None, "dtype": a.dtype,
+            "tokenizer": a.tokenizer,
             "disable_overlap_scheduler": not overlap,
             "max_batch_size": max(a.batch), "orchestrator_type": a.orchestrator, "tensor_parallel_size": a.tp,
             "max_seq_len": a.prompt_len + a.steps + 64, "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))}}
@@ -115,8 +177,8 @@ def main(argv: list[str]) -> int:
         llm = LLM(model, **kwargs)
         startup = time.perf_counter() - t0
         try:
-            for b in a.batch:
-                res = run_batch(llm, b, a.prompt_len, a.steps)
+            for b, sch in ((b, sch) for b in a.batch for sch in schemas):
+                res = run_batch(llm, b, a.prompt_len, a.steps, sch)
                 res.update({"overlap": overlap, "startup_s": startup, "engine_startup": llm.engine_info.startup})
                 wb = weight_bytes(llm)
                 if b == 1 and wb and report["bandwidth"] and res["decode_tok_s"]:
@@ -128,9 +190,11 @@ def main(argv: list[str]) -> int:
                     res["fraction_of_roofline_copy"] = res["decode_tok_s"] / res["roofline_tok_s_copy"]
                 report["runs"].append(res)
                 g = res["gpu"] or {}
+                grammar = (f"  grammar: fill {res['grammar_fill_us_per_step'] or 0:.0f} us/step, "
+                           f"{res['complete_json']}/{b} complete JSON" if sch is not None else "")
                 print(f"overlap={'on ' if overlap else 'off'} batch {b:4d}: ITL p50 {res['itl_ms']['median']:7.3f} ms  "
-                      f"{res['decode_tok_s'] or 0:9.1f} tok/s  GPU idle {g.get('idle_fraction', float('nan')):.3%}",
-                      flush=True)
+                      f"{res['decode_tok_s'] or 0:9.1f} tok/s  GPU idle {g.get('idle_fraction', float('nan')):.3%}"
+                      + grammar, flush=True)
         finally:
             llm.shutdown()
     emit_report(report, a.output, echo=False)

@@ -94,7 +94,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
     runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source), cfg.vocab_size,
-                                  max_rows=min(args.max_batch_size, 4096))
+                                  max_rows=min(args.max_batch_size, 4096), pin_memory=device.type == "cuda")
     ref_attention = device.type == "cuda" and not ops.triton_attention_everywhere(model, kvc.tokens_per_block)
     if ref_attention and args.cuda_graph_config is not None:
         logger.warning("attention takes the torch reference here (uneven head split over %d ranks, "

@@ -13,11 +13,14 @@ on the device. A token never reaches a matcher before it is known on the host, s
 preemption (an in-flight token dropped) and the overlap loop's stray step leave the state right.
 
 Grammars compile once per constraint (xgrammar caches them by text); the tokenizer the compiler
-needs is loaded on the first grammar request.
+needs is loaded on the first grammar request. The rows of a step fill together on a pool of
+``threads`` host threads (xgrammar's BatchGrammarMatcher; the count is decided at build time), into
+a pinned buffer when a GPU is present so the copy to the device does not stall the host.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +33,12 @@ from phalanx.pyexecutor.request import Request
 
 
 class GuidedDecoder:
-    def __init__(self, make_compiler: Callable[[], GrammarCompiler], vocab_size: int, max_rows: int = 256) -> None:
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler], vocab_size: int, max_rows: int = 256,
+                 threads: int | None = None, pin_memory: bool = False) -> None:
         self._make_compiler = make_compiler
+        self.threads = threads if threads is not None else default_threads()
+        self._pin = pin_memory
+        self._batch: Any = None                  # xgrammar BatchGrammarMatcher, made with the first mask
         self._compiler: GrammarCompiler | None = None
         self.vocab_size = vocab_size
         self.matchers: dict[int, Any] = {}       # request id -> xgrammar GrammarMatcher
@@ -81,21 +88,31 @@ class GuidedDecoder:
         if not rows:
             return None
         t0 = time.perf_counter()
-        import xgrammar as xgr
         if self._bitmask is None or self._bitmask.shape[0] < len(requests):
-            self._bitmask = xgr.allocate_token_bitmask(max(self._max_rows, len(requests)), self.vocab_size)
+            import xgrammar as xgr
+            mask = xgr.allocate_token_bitmask(max(self._max_rows, len(requests)), self.vocab_size)
+            self._bitmask = mask.pin_memory() if self._pin else mask
+            self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
         mask = self._bitmask[:len(requests)]
-        constrained = []
+        constrained, matchers = [], []
         for i in rows:
             matcher = self.matchers[requests[i].request_id]
             if matcher.is_terminated():     # the overlap loop's stray step: its token is discarded
                 continue
-            matcher.fill_next_token_bitmask(mask, i)
             constrained.append(i)
+            matchers.append(matcher)
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, mask, constrained)
         self.fill_seconds += time.perf_counter() - t0
         self.num_fills += 1
         return (mask, constrained) if constrained else None
 
     def stats(self) -> dict[str, float]:
-        return {"grammar_requests": len(self.matchers),
+        return {"grammar_requests": len(self.matchers), "grammar_fills": self.num_fills,
                 "grammar_fill_us_per_step": 1e6 * self.fill_seconds / self.num_fills if self.num_fills else 0.0}
+
+
+def default_threads() -> int:
+    """Host threads for filling bitmasks: half the cores (the rest run the loop and the other
+    ranks of the node), at least one, at most eight."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
