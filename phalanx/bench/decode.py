@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import time
 from itertools import pairwise
@@ -105,17 +106,21 @@ def run_batch(llm: Any, batch: int, prompt_len: int, steps: int, schema: dict | 
            "window_tokens": tokens, "gpu": timing, "guided": schema is not None}
     if schema is not None:
         fills = after["fills"] - before["fills"]
-        res["grammar_fill_us_per_step"] = 1e6 * (after["seconds"] - before["seconds"]) / fills if fills else None
+        for what in ("fill", "wait", "accept"):   # host time per step: filling, waited for, advancing
+            spent = after[what] - before[what]
+            res[f"grammar_{what}_us_per_step"] = 1e6 * spent / fills if fills else None
         res["output_tokens"] = summarize([len(t) for _, t in runs])
         res["complete_json"] = sum(_valid_json(llm, t) for _, t in runs)
     return res
 
 
 def _grammar_stats(llm: Any) -> dict[str, float]:
-    """Total fill time and fills so far on rank 0 (from its per-step average)."""
+    """Fills so far on rank 0 and the seconds spent filling, waited for and accepting (from its
+    per-step averages)."""
     st = json.loads(llm.control("stats").per_rank[0])
     n = st.get("grammar_fills", 0)
-    return {"fills": n, "seconds": st.get("grammar_fill_us_per_step", 0.0) * n / 1e6}
+    return {"fills": n, **{what: st.get(f"grammar_{what}_us_per_step", 0.0) * n / 1e6
+                           for what in ("fill", "wait", "accept")}}
 
 
 def _valid_json(llm: Any, tokens: list[int]) -> bool:
@@ -157,7 +162,9 @@ def main(argv: list[str]) -> int:
                 schema = json.load(f)
         else:
             schema = SCHEMA
-    schemas = {"off": [None], "on": [schema], "both": [None, schema]}[a.guided]
+    schemas: list[dict | None] = [None] if a.guided in ("off", "both") else []
+    if schema is not None:
+        schemas.append(schema)
     from phalanx import LLM
     from phalanx.bench.shapes import resolve_model_arg
     from phalanx.config import merge_yaml
@@ -177,7 +184,7 @@ def main(argv: list[str]) -> int:
         llm = LLM(model, **kwargs)
         startup = time.perf_counter() - t0
         try:
-            for b, sch in ((b, sch) for b in a.batch for sch in schemas):
+            for b, sch in itertools.product(a.batch, schemas):
                 res = run_batch(llm, b, a.prompt_len, a.steps, sch)
                 res.update({"overlap": overlap, "startup_s": startup, "engine_startup": llm.engine_info.startup})
                 wb = weight_bytes(llm)
@@ -190,7 +197,9 @@ def main(argv: list[str]) -> int:
                     res["fraction_of_roofline_copy"] = res["decode_tok_s"] / res["roofline_tok_s_copy"]
                 report["runs"].append(res)
                 g = res["gpu"] or {}
-                grammar = (f"  grammar: fill {res['grammar_fill_us_per_step'] or 0:.0f} us/step, "
+                grammar = (f"  grammar: fill {res['grammar_fill_us_per_step'] or 0:.0f} us/step "
+                           f"(waited {res['grammar_wait_us_per_step'] or 0:.0f}), "
+                           f"accept {res['grammar_accept_us_per_step'] or 0:.0f} us/step, "
                            f"{res['complete_json']}/{b} complete JSON" if sch is not None else "")
                 print(f"overlap={'on ' if overlap else 'off'} batch {b:4d}: ITL p50 {res['itl_ms']['median']:7.3f} ms  "
                       f"{res['decode_tok_s'] or 0:9.1f} tok/s  GPU idle {g.get('idle_fraction', float('nan')):.3%}"

@@ -8,9 +8,11 @@ unaffected, and requests with and without grammars share a batch.
 
 Under the overlap scheduler, step n+1's forward is launched before step n's tokens are read; its
 sampling waits (``ModelRunner.launch(defer_sampling=True)``) until the loop has read step n and
-the matchers have accepted its tokens, then the bitmask is filled while step n+1's forward runs
-on the device. A token never reaches a matcher before it is known on the host, so aborts,
-preemption (an in-flight token dropped) and the overlap loop's stray step leave the state right.
+the matchers have accepted its tokens. Then ``fill_ahead`` starts filling step n+1's bitmask on a
+worker thread (xgrammar releases the GIL) while the loop answers step n's requests, all of it
+while step n+1's forward runs on the device; ``bitmask`` waits for that fill. A token never
+reaches a matcher before it is known on the host, so aborts, preemption (an in-flight token
+dropped) and the overlap loop's stray step leave the state right.
 
 Grammars compile once per constraint (xgrammar caches them by text); the tokenizer the compiler
 needs is loaded on the first grammar request. The rows of a step fill together on a pool of
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,7 +47,11 @@ class GuidedDecoder:
         self.matchers: dict[int, Any] = {}       # request id -> xgrammar GrammarMatcher
         self._bitmask: torch.Tensor | None = None
         self._max_rows = max_rows
+        self._worker: ThreadPoolExecutor | None = None
+        self._ahead: tuple[tuple[int, ...], Future] | None = None   # (rows' request ids, fill running)
         self.fill_seconds = 0.0                  # host time spent filling bitmasks (the cost per step)
+        self.wait_seconds = 0.0                  # of which the loop waited for (not hidden)
+        self.accept_seconds = 0.0                # host time advancing matchers by sampled tokens
         self.num_fills = 0
 
     @property
@@ -74,26 +81,56 @@ class GuidedDecoder:
         matcher = self.matchers.get(req.request_id)
         if matcher is None:
             return False
-        if not matcher.accept_token(token):
-            return True
-        return bool(matcher.is_terminated())
+        t0 = time.perf_counter()
+        stop = not matcher.accept_token(token) or bool(matcher.is_terminated())
+        self.accept_seconds += time.perf_counter() - t0
+        return stop
 
     def has_grammar(self, requests: list[Request]) -> bool:
         return bool(self.matchers) and any(r.request_id in self.matchers for r in requests)
 
+    def fill_ahead(self, requests: list[Request]) -> None:
+        """Start filling the bitmask of the sampling rows ``requests`` on the worker thread (their
+        matchers have accepted every token known so far); ``bitmask`` of the same rows takes it."""
+        self._drain()
+        work = self._plan(requests)
+        if work is None:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="phalanx-grammar")
+        self._ahead = (_ids(requests), self._worker.submit(self._fill, *work))
+
     def bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
         """For the sampling rows ``requests``: (bitmask [len, ceil(V/32)] int32 on the host, the
-        rows it constrains), or None when no row has a grammar."""
+        rows it constrains), or None when no row has a grammar. Takes the fill ``fill_ahead``
+        started for these rows, else fills here."""
+        t0 = time.perf_counter()
+        if self._ahead is not None and self._ahead[0] == _ids(requests):
+            out = self._ahead[1].result()
+            self._ahead = None
+        else:
+            self._drain()
+            work = self._plan(requests)
+            out = self._fill(*work) if work is not None else None
+        self.wait_seconds += time.perf_counter() - t0
+        return out
+
+    def _drain(self) -> None:
+        """Finish a fill nobody took (its step failed): the buffer is shared."""
+        if self._ahead is not None:
+            self._ahead[1].result()
+            self._ahead = None
+
+    def _plan(self, requests: list[Request]) -> tuple[torch.Tensor, list[int], list[Any]] | None:
+        """On the loop's thread: the buffer, the rows to constrain and their matchers."""
         rows = [i for i, r in enumerate(requests) if r.request_id in self.matchers]
         if not rows:
             return None
-        t0 = time.perf_counter()
         if self._bitmask is None or self._bitmask.shape[0] < len(requests):
             import xgrammar as xgr
             mask = xgr.allocate_token_bitmask(max(self._max_rows, len(requests)), self.vocab_size)
             self._bitmask = mask.pin_memory() if self._pin else mask
             self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
-        mask = self._bitmask[:len(requests)]
         constrained, matchers = [], []
         for i in rows:
             matcher = self.matchers[requests[i].request_id]
@@ -101,6 +138,11 @@ class GuidedDecoder:
                 continue
             constrained.append(i)
             matchers.append(matcher)
+        return self._bitmask[:len(requests)], constrained, matchers
+
+    def _fill(self, mask: torch.Tensor, constrained: list[int],
+              matchers: list[Any]) -> tuple[torch.Tensor, list[int]] | None:
+        t0 = time.perf_counter()
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, mask, constrained)
         self.fill_seconds += time.perf_counter() - t0
@@ -108,11 +150,18 @@ class GuidedDecoder:
         return (mask, constrained) if constrained else None
 
     def stats(self) -> dict[str, float]:
+        per_step = 1e6 / self.num_fills if self.num_fills else 0.0
         return {"grammar_requests": len(self.matchers), "grammar_fills": self.num_fills,
-                "grammar_fill_us_per_step": 1e6 * self.fill_seconds / self.num_fills if self.num_fills else 0.0}
+                "grammar_fill_us_per_step": self.fill_seconds * per_step,
+                "grammar_wait_us_per_step": self.wait_seconds * per_step,
+                "grammar_accept_us_per_step": self.accept_seconds * per_step}
 
 
 def default_threads() -> int:
     """Host threads for filling bitmasks: half the cores (the rest run the loop and the other
     ranks of the node), at least one, at most eight."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def _ids(requests: list[Request]) -> tuple[int, ...]:
+    return tuple(r.request_id for r in requests)

@@ -139,7 +139,7 @@ class PyExecutor:
             # the host while step n+1's forward runs)
             step = self._launch(batch, defer_sampling=True) if batch is not None else None
             if prev is not None:
-                self._process(prev)
+                self._process(prev, ahead=step)
             if step is not None:
                 self.runner.finish_sampling(step)
             prev = step
@@ -172,8 +172,9 @@ class PyExecutor:
             self._fail_batch(batch, traceback.format_exc())
             return None
 
-    def _process(self, step: InFlightStep | None) -> None:
-        """Read a launched step's tokens, update requests, respond."""
+    def _process(self, step: InFlightStep | None, ahead: InFlightStep | None = None) -> None:
+        """Read a launched step's tokens, update requests, respond. ``ahead``: the step launched
+        after it, whose grammar bitmask starts filling as soon as the grammars have these tokens."""
         if step is None:
             return
         try:
@@ -188,6 +189,8 @@ class PyExecutor:
         guided = self.runner.guided
         outcome = self.scheduler.update(step.batch, result.token_ids,
                                         guided.accept if guided is not None and guided.matchers else None)
+        if ahead is not None:
+            self.runner.fill_ahead(ahead)
         self._respond_step(step.batch, result, outcome)
 
     # -- intake ----------------------------------------------------------------------------------
