@@ -111,6 +111,10 @@ class LlmArgs(StrictModel):
     orchestrator_type: Literal["mpi", "inprocess"] | None = Field(
         None, description="None/'mpi': ranks in an MPI job behind a proxy (the default); "
                           "'inprocess': one rank in a thread of this process (no MPI).")
+    mpi_private_network: bool = Field(
+        True, description="Start the MPI job in a network namespace of its own (loopback only: nothing it opens "
+                          "is reachable from outside). False: the host's network, which ranks need to join a "
+                          "trainer's weight-update group (init_weights_update_group) over TCP.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> LlmArgs:

@@ -58,7 +58,7 @@ class AdpExecutor(PyExecutor):
             if any_work:
                 self._step(batch, self._common_graph_size(steps))
             self._flush()
-        self._abort_all()
+        self.abort_all()
         self._flush()
 
     def _step(self, batch: ScheduledBatch | None, graph_size: int | None) -> None:
@@ -146,6 +146,17 @@ class AdpExecutor(PyExecutor):
             self._finished(req)
             self._emit([Response(request_id, finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
                                  num_prompt_tokens=req.num_prompt_tokens)])
+
+    def num_unfinished(self) -> int:
+        """Requests unfinished on all ranks together (placed or not): the same on every rank."""
+        counts = self.dist.allgather_bytes(str(len(self.scheduler.requests)).encode())
+        return sum(int(c) for c in counts) + len(self.pending)
+
+    def abort_all(self) -> None:
+        if self.rank == 0:   # not placed yet: rank 0 answers for them
+            self._emit([Response(m.request_id, finish_reason="abort") for m in self.pending])
+        self.pending = []
+        super().abort_all()
 
     # -- outputs: every rank's messages reach the user through rank 0 ---------------------------------
     def _emit(self, obj: Any) -> None:

@@ -83,14 +83,15 @@ class GenerationExecutor(ABC):
         if self.dead_error is None and request_id in self._results:
             self._send_cancel(request_id)
 
-    def control(self, op: str, timeout: float = 30.0) -> ControlResult:
-        """Run an inspection op on every rank between iterations ("check_integrity", "stats")."""
+    def control(self, op: str, timeout: float = 30.0, args: dict | None = None) -> ControlResult:
+        """Run an op on every rank between the same two iterations ("check_integrity", "stats",
+        the rollout ops of pyexecutor/rollout.py with their ``args``)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         cid = next(self._control_ids)
         done: tuple[threading.Event, list] = (threading.Event(), [])
         self._controls[cid] = done
-        self._send_control(Control(op, cid))
+        self._send_control(Control(op, cid, dict(args or {})))
         if not done[0].wait(timeout):
             self._controls.pop(cid, None)
             raise TimeoutError(f"control {op!r} got no answer within {timeout}s")
@@ -129,6 +130,8 @@ class GenerationExecutor(ABC):
         while self.dead_error is None and not self._stopping:
             time.sleep(min(0.5, timeout / 4))
             silent = time.monotonic() - self._last_beat
+            if self._controls:   # a rank loop busy with a control op answers it (each has its own timeout)
+                continue
             if silent > timeout and self.dead_error is None and not self._stopping:
                 reason = f"the engine stalled: {self._stall_reason(silent)}"
                 logger.error("%s; failing every pending request", reason)
@@ -181,6 +184,7 @@ class GenerationExecutor(ABC):
             self._beats[obj.rank] = obj
             self._last_beat = time.monotonic()
         elif isinstance(obj, ControlResult):
+            self._last_beat = time.monotonic()
             waiter = self._controls.pop(obj.control_id, None)
             if waiter is not None:
                 waiter[1].append(obj)

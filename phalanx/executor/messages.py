@@ -51,6 +51,7 @@ class Response:
     rank: int = -1                            # the rank serving the request (attention DP)
     prompt_logprobs: list[Any] | None = None  # per prompt position from prompt_logprobs_start:
     prompt_logprobs_start: int = 0            # [logprob of the next prompt token, [[id, logprob], ...]]
+    weight_version: str = ""                  # the weights that produced token_ids
 
 
 class FirstToken(NamedTuple):
@@ -81,6 +82,7 @@ class TokenBatch:
     logprobs: list[Any] | None = None     # aligned with request_ids: None or [chosen, [[id, lp], ...]]
     finished: list[Finished] = field(default_factory=list)
     first: list[FirstToken] = field(default_factory=list)
+    weight_version: str = ""              # the weights that produced this step's tokens
 
     def __post_init__(self) -> None:   # from the wire, rows arrive as lists
         self.finished = [f if isinstance(f, Finished) else Finished(*f) for f in self.finished]
@@ -93,7 +95,7 @@ class TokenBatch:
         for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids, strict=True)):
             fin, fst = done.get(rid), first.get(rid)
             lp = self.logprobs[i] if self.logprobs is not None else None
-            resp = Response(rid, [tok], [lp] if lp is not None else None)
+            resp = Response(rid, [tok], [lp] if lp is not None else None, weight_version=self.weight_version)
             if fin is not None:
                 resp.finish_reason, resp.stop_reason = fin.finish_reason, fin.stop_reason
             if fst is not None:
@@ -159,10 +161,12 @@ class Shutdown:
 
 @dataclass
 class Control:
-    """User -> ranks: an inspection request handled between iterations (e.g. KV integrity)."""
+    """User -> ranks: an operation every rank applies between the same two iterations
+    (inspection, pause, sleep, weight updates); ``args`` are plain msgpack values."""
 
     op: str
     control_id: int = 0
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -139,7 +139,7 @@ class MpiProxyExecutor(GenerationExecutor):
             # Open MPI 4 refuses to start without a remote-shell agent even for local ranks
             env.setdefault("OMPI_MCA_plm_rsh_agent", "false")
         cmd = mpirun_command(world)
-        if os.environ.get(NETNS_ENV, "1") != "0" and sys.platform == "linux":
+        if self.args.mpi_private_network and os.environ.get(NETNS_ENV, "1") != "0" and sys.platform == "linux":
             cmd = [sys.executable, "-m", "phalanx.executor.netns", "--", *cmd]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)

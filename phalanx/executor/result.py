@@ -35,6 +35,7 @@ class _Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        self.weight_versions: list[tuple[int, str]] = []   # (index of the first token, version) per span
         self.max_stop_len = max((len(s) for s in params.stop_strings), default=0)
 
     @property
@@ -43,6 +44,9 @@ class _Sequence:
 
     def add(self, resp: Response) -> bool:
         """Apply a response; True if a stop string ended the sequence here."""
+        if resp.token_ids and resp.weight_version and (
+                not self.weight_versions or self.weight_versions[-1][1] != resp.weight_version):
+            self.weight_versions.append((len(self.token_ids), resp.weight_version))
         self.token_ids.extend(resp.token_ids)
         if self.logprobs is not None and resp.logprobs:
             for tok, (chosen, top) in zip(resp.token_ids, resp.logprobs, strict=True):
@@ -115,6 +119,7 @@ class GenerationResult:
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
         self.rank = -1                      # the rank that served it
+        self.weight_version = ""            # of the latest token
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.token_times: list[float] = []
@@ -148,6 +153,8 @@ class GenerationResult:
                 self.first_scheduled_time = resp.first_scheduled_time
             if resp.rank >= 0:
                 self.rank = resp.rank
+            if resp.token_ids and resp.weight_version:
+                self.weight_version = resp.weight_version
             if seq.add(resp) and resp.finish_reason is None:
                 stopped.append(resp.request_id)
             done = self.is_done
@@ -185,11 +192,13 @@ class GenerationResult:
         with self._lock:
             return {
                 "version": self.version, "finished": self.is_done, "error": self.error,
+                "weight_version": self.weight_version,
                 "cached_tokens": self.cached_tokens, "metrics": self.metrics(),
                 "prompt_logprobs": list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
                 "seqs": [{"text": s.visible_text(), "token_ids": list(s.token_ids),
                           "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
                           "logprobs": list(s.logprobs) if s.logprobs is not None else None,
+                          "weight_versions": list(s.weight_versions),
                           "cumulative_logprob": s.cumulative_logprob if s.logprobs is not None else None}
                          for s in self._seqs],
             }

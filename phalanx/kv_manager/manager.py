@@ -18,6 +18,10 @@ so a later prompt can reuse every computed token, not only whole blocks.
 Life of a request: ``match`` (read-only) → ``admit`` → (``grow`` → step → ``commit``)* →
 ``free``. ``take_copy_ops`` hands the partial-reuse copies to the next forward;
 ``release_copy_sources`` drops the sources once that forward is launched.
+
+``invalidate`` starts a new epoch (new weights, or KV memory that was released): the epoch is
+part of every key from then on, so no later request can match a block computed before, and the
+cached blocks nobody holds are freed at once. Requests that hold blocks keep them.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class KVCacheManager:
         self._copy_sources: list[list[Node]] = []  # root paths held until the copy's forward is launched
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.epoch = b""                            # appended to every extra key (see ``invalidate``)
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -122,7 +127,7 @@ class KVCacheManager:
         max_tokens = len(tokens) - 1
         if not self.enable_block_reuse or not reuse or max_tokens < 1:
             return PrefixMatch(TreeMatch([]), 0, 0)
-        tm = self.tree.match(tokens, extra_key, max_tokens, self.enable_partial_reuse)
+        tm = self.tree.match(tokens, extra_key + self.epoch, max_tokens, self.enable_partial_reuse)
         refs = self.pool.ref_counts
         unreferenced = sum(1 for n in tm.nodes if refs[n.block_id] == 0)
         if tm.partial_node is not None and refs[tm.partial_node.block_id] == 0:
@@ -162,7 +167,7 @@ class KVCacheManager:
         if tm.partial_node is not None:
             self._copy_ops.append(CopyOp(tm.partial_node.block_id, fresh[0], tm.partial_len))
             self._copy_sources.append(source_path)
-        seq = _Sequence([n.block_id for n in tm.nodes] + fresh, list(tm.nodes), extra_key, priority)
+        seq = _Sequence([n.block_id for n in tm.nodes] + fresh, list(tm.nodes), extra_key + self.epoch, priority)
         self._seqs[request_id] = seq
         return match.num_tokens
 
@@ -219,6 +224,14 @@ class KVCacheManager:
         tick = self.pool.next_tick()
         for node in reversed(seq.nodes):
             self.tree.unref(node, tick)
+
+    def invalidate(self, epoch: bytes) -> int:
+        """Make every block cached so far unmatchable (a new ``epoch`` in every key from now on)
+        and free the cached blocks no request holds. Returns how many were freed."""
+        if epoch == self.epoch:
+            raise ValueError("invalidate needs a new epoch")
+        self.epoch = epoch
+        return self.tree.evict(self.pool.num_blocks)
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count a prefix-cache lookup for metrics (tokens asked, tokens reused)."""

@@ -198,6 +198,112 @@ class LLM:
         """KV-cache integrity on every rank; raises AssertionError naming the failing ranks."""
         return self._executor.check_integrity()
 
+    # -- rollout: what RL trainers call (pyexecutor/rollout.py) ----------------------------------------
+    def pause_generation(self, mode: str = "abort", timeout: float = 600.0) -> None:
+        """Stop generating. ``abort``: every unfinished request ends now with the tokens it has
+        (finish reason "abort"; resend prompt + tokens to go on); ``wait``: nothing new starts,
+        returns once the running requests have finished; ``keep``: no step runs, running requests
+        keep their state and go on after ``continue_generation``. New requests wait meanwhile."""
+        self._rollout("pause", {"mode": mode})
+        if mode == "wait":
+            deadline = time.monotonic() + timeout
+            while sum(s["num_running"] for s in self.stats()) > 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"pause_generation(mode='wait'): requests still running after {timeout}s")
+                time.sleep(0.02)
+
+    def continue_generation(self) -> None:
+        """Undo ``pause_generation``: waiting and kept requests go on."""
+        self._rollout("continue", {})
+
+    def sleep(self, level: int = 1, timeout: float = 600.0) -> None:
+        """Give the device memory back (engine idle: pause_generation('abort') first if needed):
+        the KV cache and CUDA graphs always; the weights to host memory (level 1) or dropped
+        (level 2: load new ones before generating)."""
+        self._rollout("sleep", {"level": level}, timeout)
+
+    def wake_up(self, tags: list[str] | None = None, timeout: float = 600.0) -> None:
+        """Take the memory back: ``tags`` "weights" and/or "kv_cache" (default both; e.g. the
+        weights first, update them, then the KV cache)."""
+        self._rollout("wake_up", {"tags": tags}, timeout)
+
+    @property
+    def is_sleeping(self) -> bool:
+        import json
+        return bool(json.loads(self._rollout("is_sleeping", {})[0]))
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights now served ("0" at start, then the caller's string or a
+        counter per update); every output says which version produced its tokens."""
+        return self._rollout("weight_version", {})[0]
+
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None, timeout: float = 600.0) -> str:
+        """Load the weights of the checkpoint at ``path`` (a Hugging Face directory or a GGUF
+        file of the same architecture). Returns the new weight version."""
+        return self._update({"source": "disk", "path": path}, weight_version, timeout)
+
+    def update_weights_from_tensors(self, named_tensors: Any, weight_version: str | None = None,
+                                    timeout: float = 600.0) -> str:
+        """Load ``(name, tensor)`` pairs (Hugging Face names, full shapes) of a trainer in this
+        host's memory: CUDA tensors are read in place through CUDA IPC, CPU tensors through shared
+        memory; nothing is pickled. Also takes the specs of ``weight_transfer.share_tensors``."""
+        from phalanx.llmapi.weight_transfer import share_tensors
+        items = list(named_tensors)
+        if items and all(isinstance(i, dict) for i in items):
+            return self._update({"source": "tensors", "specs": items}, weight_version, timeout)
+        with share_tensors(items) as shared:
+            return self._update({"source": "tensors", "specs": shared.specs}, weight_version, timeout)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  backend: str | None = None, timeout: float = 600.0) -> None:
+        """Join a trainer's process group (``weight_transfer.TrainerGroup``, rank 0): engine rank
+        r becomes rank ``rank_offset + r`` of ``world_size``. NCCL on GPUs, gloo on the CPU.
+        Blocks until the trainer has joined too."""
+        if self.args.orchestrator_type != "inprocess" and self.args.mpi_private_network:
+            raise ValueError("init_weights_update_group: the ranks run in a private network namespace and cannot "
+                             "reach the trainer; start the LLM with mpi_private_network=False")
+        self._rollout("init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "backend": backend, "timeout": timeout}, timeout + 5)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        weight_version: str | None = None, bucket_bytes: int | None = None,
+                                        timeout: float = 600.0) -> str:
+        """Receive tensors the trainer broadcasts (``TrainerGroup.send`` with the same tensors
+        and bucket size, running at the same time). Returns the new weight version."""
+        from phalanx.llmapi.weight_transfer import DEFAULT_BUCKET_BYTES
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            raise ValueError("names, dtypes and shapes must be lists of the same length")
+        specs = [{"name": n, "dtype": d, "shape": list(s) if isinstance(s, (list, tuple)) else s}
+                 for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        return self._update({"source": "distributed", "specs": specs,
+                             "bucket_bytes": bucket_bytes or DEFAULT_BUCKET_BYTES}, weight_version, timeout)
+
+    def destroy_weights_update_group(self) -> None:
+        self._rollout("destroy_weights_update_group", {})
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (nothing computed so far is reused)."""
+        self._rollout("reset_prefix_cache", {})
+
+    def _update(self, args: dict[str, Any], weight_version: str | None, timeout: float) -> str:
+        import json
+        if weight_version is not None:
+            args["weight_version"] = weight_version
+        return str(json.loads(self._rollout("update_weights", args, timeout)[0])["weight_version"])
+
+    def _rollout(self, op: str, args: dict[str, Any], timeout: float = 60.0) -> list[str]:
+        """Run a rollout op on every rank; a refusal raises ValueError with the rank's reason."""
+        self._check_open()
+        res = self._executor.control(op, timeout, args)
+        if not res.ok:
+            error = next(r for r in res.per_rank if r.startswith("error"))
+            _, kind, reason = (error.split(": ", 2) + ["", ""])[:3]
+            raise (ValueError if kind == "ValueError" else RuntimeError)(f"{op}: {reason or error}")
+        return res.per_rank
+
     # -- lifecycle --------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):

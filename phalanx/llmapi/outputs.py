@@ -38,6 +38,9 @@ class CompletionOutput:
     text_diff: str = ""
     token_ids_diff: list[int] = field(default_factory=list)
     logprobs_diff: list[dict[int, Logprob]] = field(default_factory=list)
+    # (index of the first token, weight version) for each run of tokens from the same weights:
+    # one entry unless the weights were updated while this sequence was generated
+    weight_versions: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -58,6 +61,7 @@ class RequestOutput:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.error: str | None = None
         self.metrics: dict[str, float] = {}
+        self.weight_version = ""   # the weights of the latest token ("" before the first)
         self._version = 0   # the state starts at version 0: wait for its first change
 
     def __repr__(self) -> str:
@@ -119,6 +123,7 @@ class RequestOutput:
         self._version = snap["version"]
         self.finished, self.cached_tokens, self.error = snap["finished"], snap["cached_tokens"], snap["error"]
         self.metrics = snap["metrics"]
+        self.weight_version = snap["weight_version"]
         self.prompt_logprobs = snap["prompt_logprobs"]
         for out, s in zip(self.outputs, snap["seqs"], strict=True):
             out.text_diff = s["text"][len(out.text):]
@@ -130,4 +135,5 @@ class RequestOutput:
                 out.cumulative_logprob = s["cumulative_logprob"]
             out.text, out.token_ids = s["text"], s["token_ids"]
             out.finish_reason, out.stop_reason = s["finish_reason"], s["stop_reason"]
+            out.weight_versions = s["weight_versions"]
 

@@ -188,11 +188,13 @@ class CausalLM(nn.Module):
         yield
 
     # -- weights -------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
         """Copy checkpoint tensors (Hugging Face names, full unsharded shapes) into this rank's
-        parameters. Raises ValueError naming any parameter left unloaded."""
+        parameters; returns how many were copied. Raises ValueError naming any parameter left
+        unloaded, unless ``partial`` (a weight update may bring some tensors only)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        count = 0
         for name, w in weights:
             if "rotary_emb" in name:
                 continue
@@ -204,12 +206,14 @@ class CausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param.weight_loader(param, w.to(param.dtype), shard)  # type: ignore[attr-defined]  # set by layers._param
             loaded.add(target)
+            count += 1
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
         missing = sorted(set(params) - loaded)
-        if missing:
+        if missing and not partial:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
+        return count
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor names and full (unsharded) shapes of this architecture."""

@@ -221,6 +221,6 @@ class MoECausalLM(CausalLM):
                            p + "shared_expert.down_proj.weight": (H, S), p + "shared_expert_gate.weight": (1, H)})
         return shapes
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
         # experts of other ranks are skipped by the loader, so every expert tensor counts as placed
-        super().load_weights(weights)
+        return super().load_weights(weights, partial)

@@ -73,6 +73,15 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %s) in %.1fs", len(self.graphs), self.sizes,
                     self.capture_seconds)
 
+    def release(self) -> None:
+        """Drop the graphs and their memory pool (``capture`` makes them again; the engine's
+        sleep does this, since the weights and the KV cache come back at other addresses)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.metas.clear()
+
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta, self.kv_tensor)
         return self.model.compute_logits(hidden)

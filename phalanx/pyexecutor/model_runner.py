@@ -115,6 +115,7 @@ class InFlightStep:
     prompt_logprobs: PromptLogprobs | None = None
     pending: tuple[torch.Tensor, list[RowSettings]] | None = None
     start: torch.cuda.Event | None = None
+    weight_version: str = ""            # the weights the step's forward read (set by the loop)
 
 
 class ModelRunner:

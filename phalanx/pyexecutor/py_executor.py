@@ -36,6 +36,7 @@ from phalanx.executor.messages import (
 from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
 from phalanx.pyexecutor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
 from phalanx.pyexecutor.request import Request, RequestStatus
+from phalanx.pyexecutor.rollout import Rollout
 from phalanx.pyexecutor.scheduler import ScheduledBatch, Scheduler, StepOutcome
 
 logger = logging.getLogger("phalanx")
@@ -110,17 +111,18 @@ class PyExecutor:
         self._last_beat = 0.0
         self._profiler: Any = None
         self._profiled_from = 0
+        self.rollout = Rollout(self)   # pause, sleep, weight updates and versions (RL trainers)
 
     # -- the loops: one switch, two short functions -----------------------------------------------------
     def run(self) -> None:
         """Run until a shutdown arrives and (after aborting what is left) return."""
         (self._loop_sync if self.disable_overlap else self._loop_overlap)()
-        self._abort_all()
+        self.abort_all()
 
     def _loop_sync(self) -> None:
         """Schedule, run and read each step before scheduling the next."""
         while not self.shutdown_requested:
-            self._fetch(idle=not self.scheduler.has_work)
+            self._fetch(idle=not self._has_steps)
             batch = self._schedule()
             if batch is not None:
                 self._process(self._launch(batch))
@@ -130,7 +132,7 @@ class PyExecutor:
         checks, responses, frees) runs while the device computes step n+1."""
         prev = None
         while not self.shutdown_requested or prev is not None:
-            self._fetch(idle=prev is None and not self.scheduler.has_work)
+            self._fetch(idle=prev is None and not self._has_steps)
             batch = self._schedule()
             if batch is not None and prev is not None and _needs_known_history(batch):
                 self._process(prev)          # penalties need the in-flight tokens' values
@@ -145,10 +147,16 @@ class PyExecutor:
             prev = step
 
     # -- one step ----------------------------------------------------------------------------------
+    @property
+    def _has_steps(self) -> bool:
+        """Whether a step could run now (work, not paused or asleep)."""
+        s = self.scheduler
+        return not self.rollout.holds and bool(s.running or (s.waiting and self.rollout.admits))
+
     def _schedule(self) -> ScheduledBatch | None:
-        if self.shutdown_requested or not self.scheduler.has_work:
+        if self.shutdown_requested or not self._has_steps:
             return None
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(admit=self.rollout.admits)
         self.iteration += 1
         if self.multi_rank and self.check_digests:
             self.dist.check_digest(batch.digest(), self.iteration)
@@ -161,7 +169,9 @@ class PyExecutor:
             if self._fail_next_forward:
                 self._fail_next_forward = False
                 raise RuntimeError(f"injected forward failure on rank {self.rank}")
-            return self.runner.launch(batch, graph_size, defer_sampling)
+            step = self.runner.launch(batch, graph_size, defer_sampling)
+            step.weight_version = self.rollout.weight_version
+            return step
         except RequestFailures as e:   # found before the device ran anything: fail those alone
             self._fail_rows(batch, e.errors)
             rest = batch.without(e.errors)
@@ -191,7 +201,7 @@ class PyExecutor:
                                         guided.accept if guided is not None and guided.matchers else None)
         if ahead is not None:
             self.runner.fill_ahead(ahead)
-        self._respond_step(step.batch, result, outcome)
+        self._respond_step(step.batch, result, outcome, step.weight_version)
 
     # -- intake ----------------------------------------------------------------------------------
     def _fetch(self, idle: bool) -> None:
@@ -256,7 +266,7 @@ class PyExecutor:
     # -- inspection ------------------------------------------------------------------------------
     def _control(self, ctl: Control) -> None:
         try:
-            result = self._run_control(ctl.op)
+            result = self._run_control(ctl.op, ctl.args or {})
         except Exception as e:  # an inspection failure is reported, never fatal
             result = f"error: {type(e).__name__}: {e}"
         per_rank = ([r.decode() for r in self.dist.allgather_bytes(result.encode())]
@@ -265,7 +275,11 @@ class PyExecutor:
         if self.sender is not None:
             self.sender.send(ControlResult(ctl.control_id, ok, per_rank))
 
-    def _run_control(self, op: str) -> str:
+    def _run_control(self, op: str, args: dict[str, Any]) -> str:
+        if op in Rollout.OPS:
+            if not isinstance(args, dict):
+                raise ValueError("control args must be a mapping")
+            return self.rollout.run(op, args)
         if op == "check_integrity":
             self.scheduler.kv.check_integrity()
             return "ok"
@@ -303,7 +317,8 @@ class PyExecutor:
                 "num_waiting": len(s.waiting), "kv_usage": kv.usage, "num_blocks": kv.num_blocks,
                 "num_available_blocks": kv.num_available_blocks, "prefix_queried_tokens": kv.num_queried_tokens,
                 "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions,
-                "num_graph_steps": self.runner.num_graph_steps,
+                "num_graph_steps": self.runner.num_graph_steps, "weight_version": self.rollout.weight_version,
+                "paused": self.rollout.pause_mode, "asleep": sorted(self.rollout.asleep),
                 **(self.runner.guided.stats() if self.runner.guided is not None else {}),
                 "weight_bytes_per_step": self._weight_bytes()}
 
@@ -324,9 +339,10 @@ class PyExecutor:
         if self.sender is not None:
             self.sender.send(obj)
 
-    def _respond_step(self, batch: ScheduledBatch, result: StepResult, outcome: StepOutcome) -> None:
+    def _respond_step(self, batch: ScheduledBatch, result: StepResult, outcome: StepOutcome,
+                      weight_version: str) -> None:
         finished = {r.request_id for r in outcome.finished}
-        msg = TokenBatch(logprobs=[] if result.logprobs is not None else None)
+        msg = TokenBatch(logprobs=[] if result.logprobs is not None else None, weight_version=weight_version)
         for row, req in enumerate(batch.requests):
             token = outcome.new_tokens.get(req.request_id)
             if token is None:
@@ -381,7 +397,12 @@ class PyExecutor:
                                     error=f"forward failed: {tb.strip().splitlines()[-1]}"))
         self._send(out)
 
-    def _abort_all(self) -> None:
+    def num_unfinished(self) -> int:
+        """Requests not finished on any rank (the same on every rank)."""
+        return len(self.scheduler.requests)
+
+    def abort_all(self) -> None:
+        """End every unfinished request now (finish reason "abort": each keeps its tokens)."""
         out = []
         for req in list(self.scheduler.requests.values()):
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)

@@ -161,15 +161,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step --------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, admit: bool = True) -> ScheduledBatch:
         """Decide this step. Mutates the KV manager (blocks for the scheduled positions) and
         the running/waiting lists (admissions, preemptions); request counters are advanced
-        later by ``update``."""
+        later by ``update``. ``admit=False``: no waiting request starts (a paused engine
+        letting its running requests finish)."""
         self.kv.release_copy_sources()
         batch = ScheduledBatch(self.step)
         self.step += 1
         budget = self._schedule_running(batch, self.limits.max_num_tokens)
-        if not batch.preempted:
+        if not batch.preempted and admit:
             self._schedule_waiting(batch, budget)
         batch.copy_ops = self.kv.take_copy_ops()
         for req, n, samples in zip(batch.requests, batch.num_scheduled_tokens, batch.samples, strict=True):

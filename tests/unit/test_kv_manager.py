@@ -122,3 +122,44 @@ def test_integrity_under_random_workload(seed):
     kv.check_integrity()
     assert kv.pool.num_available == kv.num_blocks
     assert kv.tree.num_evicted > 0
+
+
+def test_invalidate_makes_old_blocks_unmatchable_and_frees_the_unheld():
+    kv = tiny_kv()
+    old = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    kv.admit(1, kv.match(old), len(old))
+    kv.commit(1, old, len(old))
+    kv.free(1)                                         # cached, held by nobody
+    kv.admit(2, kv.match(old), len(old))               # a request that keeps running (holds its blocks)
+    held = list(kv.block_table(2))
+    assert kv.match(old).num_tokens == 8
+    kv.invalidate(b"v1")
+    assert kv.pool.num_cached_unreferenced == 0
+    assert kv.match(old).num_tokens == 0               # computed before: never served again
+    assert kv.block_table(2) == held                   # the holder keeps its KV
+    kv.check_integrity()
+    kv.commit(2, old + [14], len(old) + 1)             # what it commits stays under its old key
+    kv.free(2)
+    assert kv.match(old + [14]).num_tokens == 0
+    new = [1, 2, 3, 4, 5]
+    kv.admit(3, kv.match(new), 5)
+    kv.commit(3, new, 5)
+    kv.free(3)
+    assert kv.match(new).num_tokens == 4               # the new epoch caches as before
+    kv.check_integrity()
+    with pytest.raises(ValueError, match="new epoch"):
+        kv.invalidate(b"v1")
+
+
+def test_invalidate_frees_every_unheld_cached_block():
+    kv = tiny_kv()
+    for rid, start in enumerate((10, 30, 50)):
+        toks = list(range(start, start + 9))
+        kv.admit(rid, kv.match(toks), 9)
+        kv.commit(rid, toks, 9)
+        kv.free(rid)
+    cached = kv.pool.num_cached_unreferenced
+    assert cached > 0
+    assert kv.invalidate(b"e") == cached
+    assert kv.pool.num_cached_unreferenced == 0 and len(kv.tree) == 0
+    kv.check_integrity()

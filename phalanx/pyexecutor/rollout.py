@@ -1,0 +1,326 @@
+"""Rollout: what an RL trainer asks of the ranks — pause and continue, sleep and wake up, new
+weights (from disk, from tensors shared in place, through a process group), and the version of
+the weights each token comes from.
+
+Every operation is a control op (``PyExecutor._control``): rank 0 broadcasts it in the iteration
+stream, so all ranks apply it between the same two iterations and their schedulers stay equal.
+
+Pause modes (``pause``): ``abort`` ends every unfinished request now (each returns the tokens
+it has, finish reason "abort", so a caller can resend prompt + tokens); ``wait`` admits nothing
+new but lets the running requests finish; ``keep`` runs no step at all, the running requests
+keep their KV and go on after ``continue`` (if the weights changed meanwhile, their outputs span
+two versions). Requests that arrive while paused wait.
+
+Sleep (``sleep``, idle engine only): the KV cache's memory is released and the prefix cache
+forgotten, the CUDA graphs are dropped, and the weights are copied to host memory (level 1) or
+dropped (level 2, for a caller that loads new weights before generating). Memory goes back by
+resizing each storage to zero, so every tensor object — parameters, their views in the layers'
+plans, the KV pool — stays the same and takes its memory back on ``wake_up``; the graphs, which
+hold raw addresses, are captured again once both weights and KV cache are awake.
+
+Weight updates validate every name, shape and dtype against the model's checkpoint shapes
+before anything is copied (a refused update changes no weight), load through the same loader
+as start-up (each rank takes its shard, fused q/k/v and gate/up included), set the weight
+version (the caller's string, else a counter), and start a new KV epoch: no prefix computed
+with the old weights is served again (``KVCacheManager.invalidate``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.llmapi.weight_transfer import DEFAULT_BUCKET_BYTES, DTYPES, EngineGroup, open_tensors
+
+if TYPE_CHECKING:
+    from phalanx.pyexecutor.py_executor import PyExecutor
+
+logger = logging.getLogger("phalanx")
+
+PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_TAGS = ("weights", "kv_cache")
+# ModelConfig fields a checkpoint on disk may differ in and still be the same model
+_FREE_CONFIG_FIELDS = {"torch_dtype", "bos_token_id", "eos_token_ids", "max_position_embeddings"}
+
+
+class Rollout:
+    OPS = ("pause", "continue", "sleep", "wake_up", "is_sleeping", "update_weights", "init_weights_update_group",
+           "destroy_weights_update_group", "reset_prefix_cache", "weight_version")
+
+    def __init__(self, executor: PyExecutor) -> None:
+        self.ex = executor
+        self.weight_version = "0"
+        self.num_updates = 0
+        self.num_epochs = 0
+        self.pause_mode: str | None = None
+        self.asleep: set[str] = set()
+        self.sleep_level = 0
+        self._host_copies: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
+        self._kv_bytes = 0
+        self._graphs_dropped = False
+        self._group: EngineGroup | None = None
+
+    # -- what the loop asks ------------------------------------------------------------------------
+    @property
+    def holds(self) -> bool:
+        """No step may run (paused with abort/keep, or asleep)."""
+        return self.pause_mode in ("abort", "keep") or bool(self.asleep)
+
+    @property
+    def admits(self) -> bool:
+        """Waiting requests may start."""
+        return self.pause_mode is None and not self.asleep
+
+    # -- dispatch ----------------------------------------------------------------------------------
+    def run(self, op: str, args: dict[str, Any]) -> str:
+        fn = getattr(self, "_" + op)
+        return fn(**args)
+
+    def _pause(self, mode: str = "abort") -> str:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self.pause_mode = mode
+        if mode == "abort":
+            self.ex.abort_all()
+        return "ok"
+
+    def _continue(self) -> str:
+        self.pause_mode = None
+        return "ok"
+
+    def _weight_version(self) -> str:
+        return self.weight_version
+
+    def _is_sleeping(self) -> str:
+        return json.dumps(sorted(self.asleep))
+
+    def _reset_prefix_cache(self) -> str:
+        return json.dumps({"freed_blocks": self._new_epoch()})
+
+    def _new_epoch(self) -> int:
+        self.num_epochs += 1
+        return self.ex.scheduler.kv.invalidate(b"\x00epoch%d" % self.num_epochs)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _sleep(self, level: int = 1) -> str:
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 (weights to host memory) or 2 (weights dropped), got {level!r}")
+        if self.asleep:
+            raise ValueError(f"already asleep ({', '.join(sorted(self.asleep))})")
+        unfinished = self.ex.num_unfinished()
+        if unfinished:
+            raise ValueError(f"sleep needs an idle engine: {unfinished} requests are unfinished "
+                             "(pause_generation(mode='abort') ends them)")
+        runner = self.ex.runner
+        cuda = runner.device.type == "cuda"
+        before = _free_bytes(runner.device)
+        _sync(runner.device)
+        self._new_epoch()                      # the KV contents go: nothing cached may match again
+        if runner.graphs is not None:
+            runner.graphs.release()
+            self._graphs_dropped = True
+        kv = runner.kv_pool.tensor.untyped_storage()
+        self._kv_bytes = kv.nbytes()
+        kv.resize_(0)
+        self._host_copies = []
+        for storage in _weight_storages(runner.model):
+            host = None
+            if level == 1:
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=cuda)
+                host.untyped_storage().copy_(storage)
+            self._host_copies.append((storage, storage.nbytes(), host))
+            storage.resize_(0)
+        if cuda:
+            torch.cuda.empty_cache()
+        self.asleep = set(SLEEP_TAGS)
+        self.sleep_level = level
+        after = _free_bytes(runner.device)
+        return json.dumps({"level": level, "freed_bytes": after - before if cuda else self._kv_bytes + sum(
+            n for _, n, _ in self._host_copies)})
+
+    def _wake_up(self, tags: list[str] | None = None) -> str:
+        tags = list(SLEEP_TAGS) if tags is None else tags
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad or not tags:
+            raise ValueError(f"tags must be a non-empty list of {', '.join(SLEEP_TAGS)}, got {tags!r}")
+        runner = self.ex.runner
+        t0 = time.monotonic()
+        if "weights" in tags and "weights" in self.asleep:
+            for storage, nbytes, host in self._host_copies:
+                storage.resize_(nbytes)
+                if host is not None:
+                    storage.copy_(host.untyped_storage(), non_blocking=True)
+            _sync(runner.device)
+            self._host_copies = []
+            self.asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            storage = runner.kv_pool.tensor.untyped_storage()
+            storage.resize_(self._kv_bytes)
+            runner.kv_pool.tensor.zero_()
+            self.asleep.discard("kv_cache")
+        recaptured = False
+        if not self.asleep and self._graphs_dropped and runner.graphs is not None:
+            runner.graphs.capture()
+            self._graphs_dropped = False
+            recaptured = True
+        return json.dumps({"awake": [t for t in SLEEP_TAGS if t not in self.asleep], "graphs_recaptured": recaptured,
+                           "seconds": time.monotonic() - t0})
+
+    # -- weights -----------------------------------------------------------------------------------
+    def _update_weights(self, source: str, path: str | None = None, specs: list[dict[str, Any]] | None = None,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, weight_version: str | None = None) -> str:
+        if source not in ("disk", "tensors", "distributed"):
+            raise ValueError(f"source must be disk, tensors or distributed, got {source!r}")
+        if weight_version is not None and (not isinstance(weight_version, str) or len(weight_version) > 256):
+            raise ValueError("weight_version must be a string of at most 256 characters")
+        t0 = time.monotonic()
+        if source == "distributed":
+            if self._group is None:
+                raise ValueError("no weight-update group: call init_weights_update_group first")
+            try:
+                self._check_awake()
+                checked = self._check_specs(specs)
+                if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+                    raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+            except ValueError as e:
+                self._group.answer(str(e))
+                raise
+            self._group.answer(None)
+            weights: Iterable[tuple[str, torch.Tensor]] = self._group.receive(checked, bucket_bytes,
+                                                                             self.ex.runner.device)
+        elif source == "tensors":
+            self._check_awake()
+            weights = open_tensors(self._check_specs(specs))
+        else:
+            self._check_awake()
+            weights = self._disk_weights(path)
+        _sync(self.ex.runner.device)   # the step in flight reads the old weights: let it finish
+        with torch.no_grad():
+            count = self.ex.runner.model.load_weights(weights, partial=True)
+        _sync(self.ex.runner.device)
+        self.num_updates += 1
+        self.weight_version = weight_version if weight_version is not None else str(self.num_updates)
+        self._new_epoch()
+        seconds = time.monotonic() - t0
+        logger.info("weights updated from %s: %d tensors in %.2fs, version %s", source, count, seconds,
+                    self.weight_version)
+        return json.dumps({"weight_version": self.weight_version, "num_tensors": count, "seconds": seconds})
+
+    def _check_awake(self) -> None:
+        if "weights" in self.asleep:
+            raise ValueError("the weights are asleep: wake_up(tags=['weights']) first")
+
+    def _check_specs(self, specs: Any) -> list[dict[str, Any]]:
+        """Every spec names a checkpoint tensor of this model with its full shape and a dtype
+        that can travel; raises ValueError naming the first that does not."""
+        if not isinstance(specs, list) or not specs:
+            raise ValueError("named tensors: a non-empty list is needed")
+        expected = self._expected()
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ValueError(f"tensor {i}: needs a name")
+            name = spec["name"]
+            want = expected.get(name)
+            if want is None:
+                raise ValueError(f"tensor {name!r}: not a weight of this model")
+            if spec.get("dtype") not in DTYPES:
+                raise ValueError(f"tensor {name!r}: dtype {spec.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+            shape = spec.get("shape")
+            if not isinstance(shape, list) or [int(d) if isinstance(d, int) else None for d in shape] != list(want):
+                raise ValueError(f"tensor {name!r}: shape {shape!r} does not match the model's {list(want)}")
+        return specs
+
+    def _expected(self) -> dict[str, tuple[int, ...]]:
+        model = self.ex.runner.model
+        shapes = dict(model.checkpoint_shapes())
+        if model.config.tie_word_embeddings:   # a tied checkpoint may carry it; the loader skips it
+            shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+        return shapes
+
+    def _disk_weights(self, path: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint at ``path`` (a Hugging Face directory or a GGUF file), checked first:
+        the same architecture and sizes, and (safetensors) every tensor's name and shape."""
+        import dataclasses
+
+        from phalanx.models.loader import iter_gguf_weights, iter_hf_weights, resolve_model
+        if not isinstance(path, str) or not path:
+            raise ValueError("path: a checkpoint directory or .gguf file is needed")
+        try:
+            source = resolve_model(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"path {path!r}: {e}") from None
+        mine, theirs = dataclasses.asdict(self.ex.runner.model.config), dataclasses.asdict(source.config)
+        differ = sorted(k for k in mine if k not in _FREE_CONFIG_FIELDS and mine[k] != theirs.get(k))
+        if differ:
+            raise ValueError(f"path {path!r}: not the same architecture as the served model "
+                             f"(differs in {', '.join(differ[:6])})")
+        if source.kind == "gguf":
+            return iter_gguf_weights(source)
+        self._check_specs(_safetensors_specs(source.path))
+        return iter_hf_weights(source.path)
+
+    def _init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                   backend: str | None = None, timeout: float = 600.0) -> str:
+        if self._group is not None:
+            raise ValueError("a weight-update group exists: destroy_weights_update_group first")
+        ranks = self.ex.dist.size if self.ex.dist is not None else 1
+        if not (isinstance(rank_offset, int) and isinstance(world_size, int) and rank_offset >= 1
+                and rank_offset + ranks <= world_size):
+            raise ValueError(f"rank_offset {rank_offset!r} + {ranks} engine ranks must fit in world_size "
+                             f"{world_size!r} (the trainer is rank 0)")
+        device = self.ex.runner.device
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be nccl or gloo, got {backend!r}")
+        self._group = EngineGroup(master_address, int(master_port), rank_offset + self.ex.rank, world_size,
+                                  backend, posts=self.ex.rank == 0, timeout=float(timeout))
+        return json.dumps({"rank": rank_offset + self.ex.rank, "backend": backend})
+
+    def _destroy_weights_update_group(self) -> str:
+        self._group = None
+        return "ok"
+
+
+def _safetensors_specs(path: str) -> list[dict[str, Any]]:
+    """Name, dtype and shape of every tensor of a safetensors checkpoint, from the headers."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+    specs = []
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(f, framework="pt") as sf:
+            for key in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if "rotary_emb" in key:
+                    continue
+                sl = sf.get_slice(key)
+                specs.append({"name": key, "dtype": names.get(sl.get_dtype(), sl.get_dtype()),
+                              "shape": list(sl.get_shape())})
+    return specs
+
+
+def _weight_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
+    """Each distinct storage behind the model's parameters (tied weights share one)."""
+    seen: dict[int, torch.UntypedStorage] = {}
+    for p in model.parameters():
+        s = p.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen[s.data_ptr()] = s
+    return list(seen.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.mem_get_info(device)[0])

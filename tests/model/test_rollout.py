@@ -1,0 +1,261 @@
+"""The RL hand-off on one rank (CPU): weight updates from disk, from shared tensors and through
+a trainer's gloo group equal transformers on the new weights; versions on every output; no
+prefix computed with old weights is served; pause modes; sleep and wake up."""
+
+import multiprocessing as mp
+import socket
+import time
+
+import pytest
+import torch
+
+from hf_reference import _configs, assert_same_greedy, hf_greedy
+from phalanx import LLM, SamplingParams
+
+PROMPT = list(range(5, 45))
+SP = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two tiny Llama checkpoints of one architecture (a, b) and their transformers models."""
+    from transformers import AutoModelForCausalLM
+    dirs, models = {}, {}
+    for tag, seed in (("a", 11), ("b", 12)):
+        cfg = _configs()["llama"]
+        cfg.initializer_range = 0.1
+        torch.manual_seed(seed)
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        d = tmp_path_factory.mktemp(f"rollout-{tag}")
+        m.save_pretrained(d)
+        dirs[tag], models[tag] = str(d), m
+    return dirs, models
+
+
+@pytest.fixture
+def llm(checkpoints):
+    dirs, _ = checkpoints
+    with LLM(dirs["a"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             kv_cache_config={"tokens_per_block": 8}) as engine:
+        yield engine
+
+
+def greedy(llm, prompt=PROMPT, sp=SP):
+    return llm.generate(prompt, sp, use_tqdm=False)
+
+
+def check_equals(out, hf, prompt=PROMPT, n=8, what=""):
+    ref, gaps = hf_greedy(hf, prompt, n)
+    assert_same_greedy(out.outputs[0].token_ids, ref, gaps, what)
+
+
+def test_update_from_disk_serves_the_new_weights_with_their_version(llm, checkpoints):
+    dirs, hf = checkpoints
+    first = greedy(llm)
+    check_equals(first, hf["a"], what="before")
+    assert first.weight_version == "0" and first.outputs[0].weight_versions == [(0, "0")]
+    assert greedy(llm).cached_tokens > 0                       # the prompt is cached now
+    assert llm.update_weights_from_disk(dirs["b"]) == "1"       # a counter without a given version
+    after = greedy(llm)
+    check_equals(after, hf["b"], what="after an update from disk")
+    assert after.cached_tokens == 0                             # KV of the old weights is not served
+    assert after.weight_version == "1" and llm.weight_version == "1"
+    assert llm.update_weights_from_disk(dirs["a"], weight_version="step-7") == "step-7"
+    again = greedy(llm)
+    check_equals(again, hf["a"], what="back to a")
+    assert again.outputs[0].weight_versions == [(0, "step-7")]
+    llm.check_integrity()
+
+
+def test_update_from_tensors_whole_and_partial(llm, checkpoints):
+    _, hf = checkpoints
+    llm.update_weights_from_tensors(list(hf["b"].state_dict().items()), weight_version="b")
+    check_equals(greedy(llm), hf["b"], what="from shared tensors")
+    # a partial update: a's tensors of layer 1 only -> a model that is neither a nor b
+    part = [(k, v) for k, v in hf["a"].state_dict().items() if ".layers.1." in k]
+    llm.update_weights_from_tensors(part)
+    mixed = {**hf["b"].state_dict(), **dict(part)}
+    ref = type(hf["b"])(hf["b"].config).eval()
+    ref.load_state_dict(mixed)
+    check_equals(greedy(llm), ref, what="partial update")
+
+
+@pytest.mark.parametrize("specs, field", [
+    ([{"name": "model.layers.9.mlp.up_proj.weight", "dtype": "float32", "shape": [128, 64]}], "not a weight"),
+    ([{"name": "model.layers.0.mlp.up_proj.weight", "dtype": "float32", "shape": [64, 128]}], "does not match"),
+    ([{"name": "model.layers.0.mlp.up_proj.weight", "dtype": "int8", "shape": [128, 64]}], "dtype"),
+    ([], "empty"),
+])
+def test_a_refused_update_changes_no_weight(llm, checkpoints, specs, field):
+    _, hf = checkpoints
+    before = greedy(llm).outputs[0].token_ids
+    with pytest.raises(ValueError, match=field):
+        llm.update_weights_from_tensors(specs)
+    with pytest.raises(ValueError, match="not the same architecture|path"):
+        llm.update_weights_from_disk("/nonexistent/checkpoint")
+    assert greedy(llm).outputs[0].token_ids == before
+    assert llm.weight_version == "0"
+
+
+def test_bad_tensors_are_refused_before_they_travel(llm):
+    with pytest.raises(ValueError, match="cannot travel"):
+        llm.update_weights_from_tensors([("model.norm.weight", torch.zeros(64, dtype=torch.int64))])
+    with pytest.raises(ValueError, match="empty"):
+        llm.update_weights_from_tensors([])
+
+
+def _stream_until(fut, n):
+    it = iter(fut)
+    for out in it:
+        if len(out.outputs[0].token_ids) >= n:
+            return it
+    raise AssertionError("the request ended early")
+
+
+def test_pause_abort_returns_partial_tokens_and_a_resend_goes_on(llm, checkpoints):
+    _, hf = checkpoints
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    fut = llm.generate_async(PROMPT, long, streaming=True)
+    _stream_until(fut, 3)
+    llm.pause_generation("abort")
+    out = fut.result(timeout=30)
+    got = out.outputs[0].token_ids
+    assert out.outputs[0].finish_reason == "abort" and 3 <= len(got) < 400
+    waiting = llm.generate_async(PROMPT, SP)          # arrives while paused: waits
+    time.sleep(0.3)
+    assert not waiting.done
+    llm.continue_generation()
+    check_equals(waiting.result(timeout=30), hf["a"], what="after continue")
+    resent = llm.generate(PROMPT + got, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    ref, gaps = hf_greedy(hf["a"], PROMPT, len(got) + 4)
+    assert_same_greedy(got + resent.outputs[0].token_ids, ref, gaps, "aborted then resent")
+
+
+def test_pause_keep_then_update_spans_two_versions(llm, checkpoints):
+    dirs, _ = checkpoints
+    fut = llm.generate_async(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), streaming=True)
+    it = _stream_until(fut, 3)
+    llm.pause_generation("keep")
+    n = len(fut.outputs[0].token_ids)
+    time.sleep(0.3)
+    assert not fut.done
+    llm.update_weights_from_disk(dirs["b"], weight_version="b")
+    llm.continue_generation()
+    for _ in it:
+        pass
+    spans = fut.outputs[0].weight_versions
+    assert [v for _, v in spans] == ["0", "b"] and spans[0][0] == 0 and spans[1][0] >= n
+    assert len(fut.outputs[0].token_ids) == 60 and fut.weight_version == "b"
+
+
+def test_pause_wait_lets_running_finish_and_holds_new(llm):
+    running = llm.generate_async(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    while not running.done and not llm.stats()[0]["num_running"]:
+        time.sleep(0.005)
+    llm.pause_generation("wait")              # returns once the running request is done
+    assert running.done and len(running.result().outputs[0].token_ids) == 30
+    held = llm.generate_async(PROMPT, SP)
+    time.sleep(0.3)
+    assert not held.done
+    llm.continue_generation()
+    assert len(held.result(timeout=30).outputs[0].token_ids) == 8
+
+
+def _storages(llm):
+    runner = llm._executor.engine.runner
+    return [p.untyped_storage().nbytes() for p in runner.model.parameters()], \
+        runner.kv_pool.tensor.untyped_storage().nbytes()
+
+
+def test_sleep_releases_memory_and_wake_up_serves_the_same(llm, checkpoints):
+    dirs, hf = checkpoints
+    before = greedy(llm).outputs[0].token_ids
+    weights, kv = _storages(llm)
+    assert all(weights) and kv
+    keep = llm.generate_async(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), streaming=True)
+    _stream_until(keep, 1)
+    llm.pause_generation("keep")
+    with pytest.raises(ValueError, match="unfinished"):
+        llm.sleep(1)
+    llm.pause_generation("abort")
+    llm.continue_generation()
+    llm.sleep(1)
+    assert llm.is_sleeping
+    weights, kv = _storages(llm)
+    assert not any(weights) and kv == 0                          # every byte given back
+    asleep = llm.generate_async(PROMPT, SP)
+    time.sleep(0.2)
+    assert not asleep.done                                       # waits for wake_up
+    llm.wake_up()
+    assert not llm.is_sleeping
+    assert asleep.result(timeout=30).outputs[0].token_ids == before
+    # level 2: the weights are dropped; wake them, load new ones, then the KV cache
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    assert llm.is_sleeping
+    llm.update_weights_from_disk(dirs["b"], weight_version="b")
+    llm.wake_up(["kv_cache"])
+    check_equals(greedy(llm), hf["b"], what="sleep(2) + update")
+    with pytest.raises(ValueError, match="level"):
+        llm.sleep(3)
+    with pytest.raises(ValueError, match="tags"):
+        llm.wake_up(["gpu"])
+    llm.check_integrity()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer(port, state_dir, bucket_bytes, bad, results):
+    """Another process: rank 0 of the weight-update group, sending checkpoint b."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from phalanx.llmapi.weight_transfer import TrainerGroup
+        model = AutoModelForCausalLM.from_pretrained(state_dir, dtype=torch.float32)
+        group = TrainerGroup("127.0.0.1", port, world_size=2, backend="gloo", timeout=120)
+        named = list(model.state_dict().items())
+        if bad:
+            try:
+                group.send([(named[0][0], torch.zeros(3, 3))], bucket_bytes)
+            except ValueError as e:
+                results.put(("refused", str(e)))
+        group.send(named, bucket_bytes)
+        results.put(("sent", len(named)))
+    except Exception as e:   # reported to the test
+        results.put(("error", repr(e)))
+
+
+def test_weights_from_a_trainer_process_over_gloo(llm, checkpoints):
+    dirs, hf = checkpoints
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    bucket = 50_000                                              # several buckets for a ~0.3 MB model
+    proc = ctx.Process(target=_trainer, args=(port, dirs["b"], bucket, True, results), daemon=True)
+    proc.start()
+    try:
+        llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2, timeout=120)
+        state = hf["b"].state_dict()
+        first = next(iter(state))
+        with pytest.raises(ValueError, match="does not match"):   # refused: the trainer learns why
+            llm.update_weights_from_distributed([first], ["float32"], [[3, 3]], bucket_bytes=bucket)
+        assert results.get(timeout=60)[0] == "refused"
+        assert greedy(llm).weight_version == "0"
+        names = list(state)
+        version = llm.update_weights_from_distributed(
+            names, ["float32"] * len(names), [list(t.shape) for t in state.values()], weight_version="from-trainer",
+            bucket_bytes=bucket)
+        assert version == "from-trainer"
+        assert results.get(timeout=60) == ("sent", len(names))
+        out = greedy(llm)
+        check_equals(out, hf["b"], what="from the trainer's group")
+        assert out.weight_version == "from-trainer"
+        llm.destroy_weights_update_group()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
