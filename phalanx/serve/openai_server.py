@@ -37,7 +37,7 @@ from phalanx import __version__
 from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams
-from phalanx.serve import tools
+from phalanx.serve import rollout_routes, tools
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
     BodyError,
@@ -242,6 +242,7 @@ class OpenAIServer:
         app.get("/v1/models/{model_id:path}")(self.model_card_route)
         app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))(self.completions)
         app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))(self.chat)
+        rollout_routes.add_routes(self)   # the RL hand-off: pause, sleep, weight updates
         if self.debug_endpoints:   # inspection for tests and operators; off by default
             app.get("/debug/check_integrity")(self.debug_integrity)
             app.get("/debug/stats")(self.debug_stats)
@@ -448,9 +449,10 @@ class OpenAIServer:
                           "stop_reason": o.stop_reason, "logprobs": None}
                 if body.logprobs is not None:
                     choice["logprobs"] = self._completion_logprobs(out, o, body.echo)
+                _add_ids(choice, body, o, out.prompt_token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage(outs)}
+                "choices": choices, "usage": self._usage(outs), "weight_version": _weight_version(outs)}
 
     def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of every prompt; all are checked before any is submitted."""
@@ -539,7 +541,9 @@ class OpenAIServer:
                     choice["logprobs"] = lp
                 if finishing:
                     choice["stop_reason"] = o.stop_reason
-                yield _sse({**base, "choices": [choice]})
+                if body.return_token_ids:
+                    choice["token_ids"] = o.token_ids_diff
+                yield _sse({**base, "choices": [choice], "weight_version": out.weight_version})
         for f in futs:
             self._observe(f)
         if body.stream_options and body.stream_options.include_usage:
@@ -582,9 +586,13 @@ class OpenAIServer:
                       "logprobs": None}
             if body.logprobs:
                 choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids, o.logprobs or [])}
+            _add_ids(choice, body, o, None)
             choices.append(choice)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage([out])}
+        response = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                    "choices": choices, "usage": self._usage([out]), "weight_version": _weight_version([out])}
+        if body.return_token_ids:
+            response["prompt_token_ids"] = out.prompt_token_ids
+        return response
 
     def _chat_plan(self, body: ChatCompletionRequest, tokenizer_template: str | None) -> ChatPlan:
         """What a chat request asks of the output: its grammar, and how to read the text back."""
@@ -671,8 +679,10 @@ class OpenAIServer:
                 choice: dict[str, Any] = {"index": o.index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if body.logprobs and o.token_ids_diff:
                     choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids_diff, o.logprobs_diff)}
-                if delta or finishing or choice["logprobs"]:
-                    yield _sse({**base, "choices": [choice]})
+                if body.return_token_ids:
+                    choice["token_ids"] = o.token_ids_diff
+                if delta or finishing or choice["logprobs"] or choice.get("token_ids"):
+                    yield _sse({**base, "choices": [choice], "weight_version": out.weight_version})
         self._observe(fut)
         if body.stream_options and body.stream_options.include_usage:
             yield _sse({**base, "choices": [], "usage": self._usage([fut])})
@@ -693,6 +703,22 @@ class OpenAIServer:
             if not finished:
                 self.metrics.client_aborts.labels(self.model_name).inc()
                 await gen.aclose()   # type: ignore[attr-defined]
+
+
+def _weight_version(outs: list[RequestOutput]) -> str:
+    """The weights of the latest tokens of these outputs."""
+    return next((o.weight_version for o in reversed(outs) if o.weight_version), "")
+
+
+def _add_ids(choice: dict[str, Any], body: Any, o: Any, prompt_token_ids: list[int] | None) -> None:
+    """Per choice: its token ids (``return_token_ids``), and the weight versions it spans when
+    the weights changed while it was generated ([[first token index, version], ...])."""
+    if body.return_token_ids:
+        choice["token_ids"] = o.token_ids
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
+    if len(o.weight_versions) > 1:
+        choice["weight_versions"] = [list(span) for span in o.weight_versions]
 
 
 def _abort(futs: list[RequestOutput]) -> None:

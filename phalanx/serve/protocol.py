@@ -121,6 +121,7 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(None, max_length=256)
+    return_token_ids: bool = False        # choices carry their token ids (and the prompt's, when not streamed)
     # structured output: response_format, or one extension field (vLLM's guided_*, SGLang's regex / ebnf)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
