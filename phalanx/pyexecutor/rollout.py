@@ -64,6 +64,7 @@ class Rollout:
         self._kv_bytes = 0
         self._graphs_dropped = False
         self._group: EngineGroup | None = None
+        self._host_buffer: torch.Tensor | None = None
 
     # -- what the loop asks ------------------------------------------------------------------------
     @property
@@ -128,12 +129,24 @@ class Rollout:
         self._kv_bytes = kv.nbytes()
         kv.resize_(0)
         self._host_copies = []
-        for storage in _weight_storages(runner.model):
+        storages = _weight_storages(runner.model)
+        if level == 1:   # one pinned buffer for all weights, allocated at the first sleep and kept
+            total = sum(_aligned(s.nbytes()) for s in storages)
+            if self._host_buffer is None or self._host_buffer.numel() < total:
+                self._host_buffer = None
+                self._host_buffer = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+        offset = 0
+        for storage in storages:
             host = None
+            n = storage.nbytes()
             if level == 1:
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=cuda)
-                host.untyped_storage().copy_(storage)
-            self._host_copies.append((storage, storage.nbytes(), host))
+                assert self._host_buffer is not None
+                host = self._host_buffer[offset:offset + n]
+                host.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), non_blocking=True)
+                offset += _aligned(n)
+            self._host_copies.append((storage, n, host))
+        _sync(runner.device)
+        for storage in storages:
             storage.resize_(0)
         if cuda:
             torch.cuda.empty_cache()
@@ -154,7 +167,8 @@ class Rollout:
             for storage, nbytes, host in self._host_copies:
                 storage.resize_(nbytes)
                 if host is not None:
-                    storage.copy_(host.untyped_storage(), non_blocking=True)
+                    torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host,
+                                                                                               non_blocking=True)
             _sync(runner.device)
             self._host_copies = []
             self.asleep.discard("weights")
@@ -313,6 +327,10 @@ def _weight_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
         if s.nbytes() and s.data_ptr() not in seen:
             seen[s.data_ptr()] = s
     return list(seen.values())
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 512) * 512
 
 
 def _sync(device: torch.device) -> None:
