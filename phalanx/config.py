@@ -111,6 +111,10 @@ class LlmArgs(StrictModel):
     orchestrator_type: Literal["mpi", "inprocess"] | None = Field(
         None, description="None/'mpi': ranks in an MPI job behind a proxy (the default); "
                           "'inprocess': one rank in a thread of this process (no MPI).")
+    enable_sleep_mode: bool = Field(
+        False, description="Reserve at start-up the pinned host memory that sleep(level=1) copies the weights "
+                           "into (pinning ~15 GB takes seconds, which the first sleep would pay otherwise). "
+                           "sleep works without it.")
     mpi_private_network: bool = Field(
         True, description="Start the MPI job in a network namespace of its own (loopback only: nothing it opens "
                           "is reachable from outside). False: the host's network, which ranks need to join a "

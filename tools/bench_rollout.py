@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--kv-fraction", type=float, default=0.5)
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--bucket-bytes", type=int, default=1 << 30)
+    ap.add_argument("--sleep-mode", action=argparse.BooleanOptionalAction, default=True,
+                    help="enable_sleep_mode (the pinned host buffer reserved at start-up)")
     ap.add_argument("--output", default=None)
     ap.add_argument("--role", default="engine", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
@@ -122,11 +124,13 @@ def main() -> None:
     free0 = free_bytes()
     t_start, llm = timed(LLM, model_dir, load_format="dummy" if name else "auto", skip_tokenizer_init=True,
                          dtype="bfloat16", mpi_private_network=False, max_batch_size=64,
+                         enable_sleep_mode=a.sleep_mode,
                          kv_cache_config={"free_gpu_memory_fraction": a.kv_fraction},
                          cuda_graph_config={"batch_sizes": [1, 2, 4, 8, 16, 32, 64]} if cuda else None)
     with llm:
         engine_bytes = free0 - free_bytes()
         report["startup_s"], report["engine_gib"] = t_start, engine_bytes / GIB
+        report["engine_startup"] = llm.engine_info.startup
         generate()
 
         def sleep_wake(level: int, tags_sequence: list[list[str]]) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 # $OUT/suite.tgz).
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
-#                              throughput_tp2|moe|grammar|rollout|all]...
+#                              throughput_tp2|moe|grammar|rollout|ttft|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -64,6 +64,8 @@ for what in "${@:-all}"; do
       timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_rollout_gpu.py > "$OUT/rollout_tests.txt" 2>&1
       free_gpus
       timeout 300 python3 tools/bench_rollout.py --model shape:llama-3.1-8b --output "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1 ;;
+    ttft)   # TTFT cold and with a cached prefix, then one request of each under the profiler (traces in traces/)
+      timeout 240 python3 tools/profile_ttft.py --output "$OUT/ttft.json" --trace-dir "$OUT/traces" > "$OUT/ttft.txt" 2>&1 ;;
     profile1)
       timeout 200 python3 tools/profile_decode.py --output "$OUT/profile1.json" > "$OUT/profile1.txt" 2>&1 ;;
     decode_tp)   # TP=1, TP=2 with the custom all-reduce, TP=2 over NCCL only

@@ -189,10 +189,11 @@ class LLM:
         never blocks, also while the engine is stalled."""
         return self._executor.latest_stats()
 
-    def control(self, op: str, timeout: float = 30.0) -> ControlResult:
+    def control(self, op: str, timeout: float = 30.0, args: dict[str, Any] | None = None) -> ControlResult:
         """Run an inspection op on every rank between iterations ("check_integrity", "stats",
-        "timing:on" / "timing" / "timing:off"; fault injection for tests). Returns each rank's answer."""
-        return self._executor.control(op, timeout)
+        "timing:on" / "timing" / "timing:off", "profile:start" / "profile:stop" (args ``trace``:
+        a Chrome trace path); fault injection for tests). Returns each rank's answer."""
+        return self._executor.control(op, timeout, args)
 
     def check_integrity(self) -> list[str]:
         """KV-cache integrity on every rank; raises AssertionError naming the failing ranks."""

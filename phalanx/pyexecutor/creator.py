@@ -115,6 +115,10 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     else:
         executor = PyExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size, max_seq_len, dist,
                               disable_overlap=args.disable_overlap_scheduler)
+    if args.enable_sleep_mode:
+        t = time.monotonic()
+        executor.rollout.reserve_host_buffer()
+        extra["sleep_host_buffer_s"] = time.monotonic() - t
     info = EngineInfo(max_seq_len, cfg.vocab_size, num_blocks, kvc.tokens_per_block, time.monotonic() - t0,
                       {"weights_s": t_weights, "profile_s": t_profile, **extra})
     logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks (%d tokens)", device, dtype, info.startup_seconds,

@@ -304,6 +304,9 @@ class PyExecutor:
         if op == "profile:stop":                 # this rank's kernels per step, slowest first
             prof, self._profiler = self._profiler, None
             prof.__exit__(None, None, None)
+            trace = args.get("trace")
+            if isinstance(trace, str) and trace:
+                prof.export_chrome_trace(f"{trace}.rank{self.rank}.json" if self.multi_rank else trace)
             return json.dumps(kernel_table(prof, max(1, self.iteration - self._profiled_from)))
         if op.startswith("skew_scheduler:"):      # fault injection: that rank's decisions drift
             if int(op.split(":", 1)[1]) == self.rank:

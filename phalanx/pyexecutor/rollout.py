@@ -130,11 +130,8 @@ class Rollout:
         kv.resize_(0)
         self._host_copies = []
         storages = _weight_storages(runner.model)
-        if level == 1:   # one pinned buffer for all weights, allocated at the first sleep and kept
-            total = sum(_aligned(s.nbytes()) for s in storages)
-            if self._host_buffer is None or self._host_buffer.numel() < total:
-                self._host_buffer = None
-                self._host_buffer = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+        if level == 1:
+            self.reserve_host_buffer()
         offset = 0
         for storage in storages:
             host = None
@@ -155,6 +152,16 @@ class Rollout:
         after = _free_bytes(runner.device)
         return json.dumps({"level": level, "freed_bytes": after - before if cuda else self._kv_bytes + sum(
             n for _, n, _ in self._host_copies)})
+
+    def reserve_host_buffer(self) -> None:
+        """One pinned host buffer that holds every weight (level-1 sleep copies them there),
+        allocated once and kept: at start-up with ``enable_sleep_mode``, else at the first sleep."""
+        storages = _weight_storages(self.ex.runner.model)
+        total = sum(_aligned(s.nbytes()) for s in storages)
+        if self._host_buffer is None or self._host_buffer.numel() < total:
+            self._host_buffer = None
+            self._host_buffer = torch.empty(total, dtype=torch.uint8,
+                                            pin_memory=self.ex.runner.device.type == "cuda")
 
     def _wake_up(self, tags: list[str] | None = None) -> str:
         tags = list(SLEEP_TAGS) if tags is None else tags

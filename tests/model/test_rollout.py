@@ -259,3 +259,18 @@ def test_weights_from_a_trainer_process_over_gloo(llm, checkpoints):
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def test_sleep_mode_reserves_the_host_buffer_at_start_up(checkpoints):
+    dirs, hf = checkpoints
+    with LLM(dirs["a"], skip_tokenizer_init=True, orchestrator_type="inprocess", enable_sleep_mode=True) as llm:
+        rollout = llm._executor.engine.rollout
+        buffer = rollout._host_buffer
+        weights = sum(p.numel() * p.element_size() for p in llm._executor.engine.runner.model.parameters())
+        assert buffer is not None and buffer.numel() >= weights
+        assert llm.engine_info.startup["sleep_host_buffer_s"] >= 0
+        before = greedy(llm).outputs[0].token_ids
+        llm.sleep(1)
+        assert rollout._host_buffer is buffer                    # the same buffer, not a new one
+        llm.wake_up()
+        assert greedy(llm).outputs[0].token_ids == before
