@@ -45,6 +45,18 @@ class CudaGraphConfig(StrictModel):
     batch_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture.")
     max_batch_size: int = Field(128, ge=0, le=4096, description="Largest captured batch size.")
     enable_padding: bool = Field(True, description="Pad a batch up to the next captured size.")
+    extend_num_tokens: list[int] = Field(
+        [16, 32, 64, 128, 256, 512], description="Token counts of the graphs captured for steps that are not "
+        "decode-only (prompts, chunks, new tokens after a cached prefix, mixed with decodes): such a step with at "
+        "most extend_max_seqs sequences replays the smallest that holds its tokens. [] captures none.")
+    extend_max_seqs: int = Field(8, ge=1, le=256, description="Sequences an extend graph holds.")
+
+    @field_validator("extend_num_tokens")
+    @classmethod
+    def _positive_tokens(cls, v: list[int]) -> list[int]:
+        if any(t < 2 for t in v):
+            raise ValueError("every extend token count must be >= 2")
+        return sorted(set(v))
 
     @field_validator("batch_sizes")
     @classmethod

@@ -65,7 +65,7 @@ for what in "${@:-all}"; do
       free_gpus
       timeout 300 python3 tools/bench_rollout.py --model shape:llama-3.1-8b --output "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1 ;;
     ttft)   # TTFT cold and with a cached prefix, then one request of each under the profiler (traces in traces/)
-      timeout 240 python3 tools/profile_ttft.py --output "$OUT/ttft.json" --trace-dir "$OUT/traces" > "$OUT/ttft.txt" 2>&1 ;;
+      timeout 330 python3 tools/profile_ttft.py --output "$OUT/ttft.json" --trace-dir "$OUT/traces" > "$OUT/ttft.txt" 2>&1 ;;
     profile1)
       timeout 200 python3 tools/profile_decode.py --output "$OUT/profile1.json" > "$OUT/profile1.txt" 2>&1 ;;
     decode_tp)   # TP=1, TP=2 with the custom all-reduce, TP=2 over NCCL only

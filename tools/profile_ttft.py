@@ -3,7 +3,7 @@ prompts, cold and with a cached prefix, on the Llama-3.1-8B-shaped dummy model; 
 of each kind under the torch profiler (host ops and GPU kernels, one engine in this process),
 with a Chrome trace of each (the rank's host ops and kernels).
 
-    python tools/profile_ttft.py --output ttft.json --trace-dir traces/
+    python tools/profile_ttft.py --output ttft.json --trace-dir traces/     # extend graphs off, then on
 """
 
 from __future__ import annotations
@@ -44,56 +44,66 @@ async def ttft(llm: LLM, prompt: list[int]) -> float:
     raise RuntimeError("no output")
 
 
+def measure(llm: LLM, a: argparse.Namespace, run: dict[str, Any], mode: str) -> None:
+    loop = asyncio.new_event_loop()
+    for rnd in range(2):      # round 0 compiles whatever a new shape needs; round 1 is the figure
+        for name, _ in workloads(0).items():
+            times = []
+            for r in range(a.repeats):
+                prefix, prompt = workloads(100 * rnd + r + 1)[name]
+                if prefix is not None:
+                    loop.run_until_complete(ttft(llm, prefix))
+                times.append(loop.run_until_complete(ttft(llm, prompt)) * 1e3)
+            run["ttft_ms"].setdefault(name, []).append(
+                {"round": rnd, "p50": statistics.median(times), "min": min(times), "all": times})
+            print(f"extend graphs {mode}, round {rnd} {name}: TTFT p50 {statistics.median(times):.1f} ms "
+                  f"(min {min(times):.1f})", flush=True)
+    for name in workloads(0):      # one request of each kind under the engine's profiler
+        prefix, prompt = workloads(999)[name]
+        if prefix is not None:
+            loop.run_until_complete(ttft(llm, prefix))
+        trace = None
+        if a.trace_dir:
+            os.makedirs(a.trace_dir, exist_ok=True)
+            trace = os.path.abspath(os.path.join(a.trace_dir, f"{mode}_{name}.json"))
+        llm.control("profile:start")
+        t = loop.run_until_complete(ttft(llm, prompt))
+        kernels = json.loads(llm.control("profile:stop", timeout=120, args={"trace": trace}).per_rank[0])
+        gpu_us = sum(k["us_per_step"] for k in kernels)
+        run["profiles"][name] = {"ttft_ms": t * 1e3, "gpu_us": gpu_us, "kernels": kernels}
+        print(f"extend graphs {mode}, profiled {name}: TTFT {t * 1e3:.1f} ms, GPU {gpu_us / 1e3:.1f} ms", flush=True)
+        if trace and os.path.exists(trace):
+            with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
+                g.write(f.read())
+            os.remove(trace)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--config", default="tools/gpu_engine.yaml")
-    ap.add_argument("--orchestrator", default="inprocess", choices=["inprocess", "mpi"])
+    ap.add_argument("--orchestrator", default="mpi", choices=["inprocess", "mpi"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer shape (checks the tool on a CPU)")
+    ap.add_argument("--extend-graphs", choices=["on", "off", "both"], default="both",
+                    help="CUDA graphs for prefill/extend steps (cuda_graph_config.extend_num_tokens), or eager")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    kwargs: dict[str, Any] = {"load_format": "dummy", "skip_tokenizer_init": True, "max_batch_size": 256,
-                              "orchestrator_type": a.orchestrator, "max_seq_len": 4096}
+    base: dict[str, Any] = {"load_format": "dummy", "skip_tokenizer_init": True, "max_batch_size": 256,
+                            "orchestrator_type": a.orchestrator, "max_seq_len": 4096}
     if a.config:
-        kwargs = merge_yaml(kwargs, a.config)
-    report: dict[str, Any] = {"settings": vars(a), "ttft_ms": {}, "profiles": {}}
+        base = merge_yaml(base, a.config)
+    report: dict[str, Any] = {"settings": vars(a), "runs": {}}
     tiny = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 64}
-    with LLM(shape_dir(a.model, **(tiny if a.tiny else {})), **kwargs) as llm:
-        loop = asyncio.new_event_loop()
-        for rnd in range(2):      # round 0 compiles whatever a new shape needs; round 1 is the figure
-            for name, _ in workloads(0).items():
-                times = []
-                for r in range(a.repeats):
-                    prefix, prompt = workloads(100 * rnd + r + 1)[name]
-                    if prefix is not None:
-                        loop.run_until_complete(ttft(llm, prefix))
-                    times.append(loop.run_until_complete(ttft(llm, prompt)) * 1e3)
-                report["ttft_ms"].setdefault(name, []).append(
-                    {"round": rnd, "p50": statistics.median(times), "min": min(times), "all": times})
-                print(f"round {rnd} {name}: TTFT p50 {statistics.median(times):.1f} ms (min {min(times):.1f})",
-                      flush=True)
-        for name in workloads(0):      # one request of each kind under the engine's profiler
-            prefix, prompt = workloads(999)[name]
-            if prefix is not None:
-                loop.run_until_complete(ttft(llm, prefix))
-            trace = None
-            if a.trace_dir:
-                os.makedirs(a.trace_dir, exist_ok=True)
-                trace = os.path.abspath(os.path.join(a.trace_dir, f"{name}.json"))
-            llm.control("profile:start")
-            t = loop.run_until_complete(ttft(llm, prompt))
-            kernels = json.loads(llm.control("profile:stop", timeout=120, args={"trace": trace}).per_rank[0])
-            report["profiles"][name] = {"ttft_ms": t * 1e3, "gpu_us": sum(k["us_per_step"] for k in kernels),
-                                        "kernels": kernels}
-            print(f"profiled {name}: TTFT {t * 1e3:.1f} ms, GPU {report['profiles'][name]['gpu_us'] / 1e3:.1f} ms",
-                  flush=True)
-            if trace and os.path.exists(trace):
-                with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
-                    g.write(f.read())
-                os.remove(trace)
+    for mode in {"on": ["on"], "off": ["off"], "both": ["off", "on"]}[a.extend_graphs]:
+        graphs = dict(base.get("cuda_graph_config") or {})
+        if mode == "off":
+            graphs["extend_num_tokens"] = []
+        run = report["runs"][f"extend_graphs_{mode}"] = {"ttft_ms": {}, "profiles": {}}
+        with LLM(shape_dir(a.model, **(tiny if a.tiny else {})), **{**base, "cuda_graph_config": graphs}) as llm:
+            measure(llm, a, run, mode)
     if a.output:
         with open(a.output, "w") as f:
             json.dump(report, f, indent=1)

@@ -103,8 +103,11 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:
             from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
+            gcfg = args.cuda_graph_config
+            extend = [] if adp or cfg.is_moe else [t for t in gcfg.extend_num_tokens if t <= args.max_num_tokens]
             runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-max_seq_len // B), B, max_seq_len,
-                                            num_blocks, args.cuda_graph_config.enable_padding, device)
+                                            num_blocks, gcfg.enable_padding, device, extend_sizes=extend,
+                                            extend_max_seqs=gcfg.extend_max_seqs)
             runner.graphs.capture()
             extra["graph_capture_s"] = runner.graphs.capture_seconds
     if adp:   # each rank owns its requests; sync loop (see attention_dp/executor.py)

@@ -1,10 +1,20 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode steps and for small prefill / extend steps.
 
 At start-up one graph per batch size in ``cuda_graph_config`` is captured over persistent input
 buffers (token ids, positions, slots, sequence lengths, block tables). A decode step of n
 requests copies its inputs into the first n rows, pads up to the next captured size (padding
-rows attend to one token of a scratch block no request owns) and replays the graph. Anything
-else — prefill, mixed batches, a batch larger than the largest graph — runs eagerly.
+rows attend to one token of a scratch block no request owns) and replays the graph.
+
+Steps that are not decode-only (a prompt, a prompt's chunk, new tokens after a cached prefix,
+mixed with decodes) replay an *extend* graph when they have at most ``extend_max_seqs``
+sequences and at most the largest of ``extend_sizes`` tokens: one graph per token count T, each
+over ``extend_max_seqs + 1`` sequence rows. The step's tokens fill the first rows; the padding up
+to T forms one more sequence of its own, over the scratch block only, and the rows left over
+are empty sequences, which the extend attention kernel skips (its grid covers T queries of
+every row; a row's programs beyond its query length return at once). Only the rows that sample
+are turned into logits. Such steps are short on the device, so eagerly their ~300 kernel
+launches (host-bound) would cost more than the kernels themselves. Anything else — steps with
+prompt logprobs, more sequences or tokens, mixture-of-experts models — runs eagerly.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ logger = logging.getLogger("phalanx")
 class CudaGraphRunner:
     def __init__(self, model: CausalLM, kv_tensor: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
                  tokens_per_block: int, max_seq_len: int, scratch_block: int, enable_padding: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, extend_sizes: list[int] | None = None, extend_max_seqs: int = 8) -> None:
         self.model, self.kv_tensor, self.device = model, kv_tensor, device
         self.sizes = sorted(set(sizes))
         self.enable_padding = enable_padding
@@ -44,6 +54,23 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.metas: dict[int, AttentionMetadata] = {}
         self.capture_seconds = 0.0
+        # extend graphs: T tokens over extend_max_seqs + 1 sequence rows (the last for padding)
+        self.extend_sizes = sorted({t for t in extend_sizes or [] if 1 < t <= max_seq_len})
+        self.extend_max_seqs = extend_max_seqs
+        if self.extend_sizes:
+            tmax, rows = self.extend_sizes[-1], extend_max_seqs + 1
+            self.e_ids = torch.zeros(tmax, dtype=torch.long, device=device)
+            self.e_positions = torch.arange(tmax, dtype=torch.long, device=device)
+            self.e_pad_positions = torch.arange(tmax, dtype=torch.long, device=device)
+            self.e_pad_slots = scratch_block * tokens_per_block + self.e_pad_positions % tokens_per_block
+            self.e_slots = self.e_pad_slots.clone()
+            self.e_query_start = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+            self.e_seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+            self.e_block_tables = torch.full((rows, max_blocks_per_seq), scratch_block, dtype=torch.int32,
+                                             device=device)
+            self.e_logits_indices = torch.zeros(extend_max_seqs, dtype=torch.long, device=device)
+        self.extend_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.extend_outputs: dict[int, torch.Tensor] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start=self.query_start[:bs + 1],
@@ -68,23 +95,87 @@ class CudaGraphRunner:
                 self.outputs[bs] = self._forward(bs, meta)
             pool = graph.pool()
             self.graphs[bs] = graph
+        pool = None          # the extend graphs' own pool: nothing of theirs aliases a decode graph's
+        for t in reversed(self.extend_sizes):
+            meta = self._extend_meta(t)
+            self._pad_extend(0, 0, t)    # every token in the padding row: a valid step
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._extend_forward(t, meta)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.extend_outputs[t] = self._extend_forward(t, meta)
+            pool = graph.pool()
+            self.extend_graphs[t] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.monotonic() - t0
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1fs", len(self.graphs), self.sizes,
-                    self.capture_seconds)
+        logger.info("captured %d CUDA graphs (batch sizes %s; extend token counts %s) in %.1fs",
+                    len(self.graphs) + len(self.extend_graphs), self.sizes, self.extend_sizes, self.capture_seconds)
 
     def release(self) -> None:
         """Drop the graphs and their memory pool (``capture`` makes them again; the engine's
         sleep does this, since the weights and the KV cache come back at other addresses)."""
-        for graph in self.graphs.values():
+        for graph in [*self.graphs.values(), *self.extend_graphs.values()]:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
         self.metas.clear()
+        self.extend_graphs.clear()
+        self.extend_outputs.clear()
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta, self.kv_tensor)
         return self.model.compute_logits(hidden)
+
+    def _extend_meta(self, t: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.e_slots[:t], query_start=self.e_query_start,
+                                 seq_lens=self.e_seq_lens, block_tables=self.e_block_tables, max_query_len=t,
+                                 max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block)
+
+    def _extend_forward(self, t: int, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.e_ids[:t], self.e_positions[:t], meta, self.kv_tensor)
+        return self.model.compute_logits(hidden[self.e_logits_indices])
+
+    def _pad_extend(self, n: int, tokens: int, t: int) -> None:
+        """Rows past the step's n sequences: tokens ``tokens..t`` form sequence n over the
+        scratch block, and the rows after it are empty."""
+        pad = t - tokens
+        self.e_query_start[n + 1:].fill_(t)
+        self.e_seq_lens[n:n + 1].fill_(pad)
+        self.e_seq_lens[n + 1:].zero_()
+        self.e_block_tables[n].fill_(self.scratch_block)
+        if pad:
+            self.e_ids[tokens:t].zero_()
+            self.e_positions[tokens:t].copy_(self.e_pad_positions[:pad])
+            self.e_slots[tokens:t].copy_(self.e_pad_slots[:pad])
+
+    def extend_size(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The extend graph a step of ``num_tokens`` tokens over ``num_seqs`` sequences replays, or None."""
+        if num_seqs > self.extend_max_seqs or not self.extend_graphs:
+            return None
+        for t in self.extend_sizes:
+            if t >= num_tokens:
+                return t
+        return None
+
+    def run_extend(self, t: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   logits_indices: torch.Tensor) -> torch.Tensor:
+        """Copy a step's inputs into the extend buffers, pad to ``t`` tokens and replay; logits
+        [len(logits_indices), V]."""
+        n, tokens, k = meta.num_seqs, input_ids.shape[0], logits_indices.shape[0]
+        self.e_ids[:tokens].copy_(input_ids)
+        self.e_positions[:tokens].copy_(positions)
+        self.e_slots[:tokens].copy_(meta.slot_mapping)
+        self.e_query_start[:n + 1].copy_(meta.query_start)
+        self.e_seq_lens[:n].copy_(meta.seq_lens)
+        self.e_block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self._pad_extend(n, tokens, t)
+        self.e_logits_indices[:k].copy_(logits_indices)
+        self.e_logits_indices[k:].zero_()
+        self.extend_graphs[t].replay()
+        return self.extend_outputs[t][:k]
 
     def graph_size(self, n: int) -> int | None:
         """The captured size a decode batch of n runs in, or None (eager)."""

@@ -131,6 +131,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None   # decode-only steps (GPU)
         self.guided: GuidedDecoder | None = None      # grammar state (guided decoding)
         self.num_graph_steps = 0                     # steps that replayed a graph
+        self.num_extend_graph_steps = 0              # prefill / extend / mixed steps that replayed one
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -262,6 +263,12 @@ class ModelRunner:
         if graph_size and self.graphs is not None:
             self.num_graph_steps += 1
             return self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta, graph_size)
+        if graph_size is None and self.graphs is not None and inputs.prompt_logprobs is None:
+            t = self.graphs.extend_size(inputs.input_ids.shape[0], len(batch))
+            if t is not None:
+                self.num_extend_graph_steps += 1
+                return self.graphs.run_extend(t, inputs.input_ids, inputs.positions, inputs.meta,
+                                              inputs.logits_indices)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool.tensor)
         if inputs.prompt_logprobs is not None:
             self.last_prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprobs)

@@ -320,7 +320,9 @@ class PyExecutor:
                 "num_waiting": len(s.waiting), "kv_usage": kv.usage, "num_blocks": kv.num_blocks,
                 "num_available_blocks": kv.num_available_blocks, "prefix_queried_tokens": kv.num_queried_tokens,
                 "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions,
-                "num_graph_steps": self.runner.num_graph_steps, "weight_version": self.rollout.weight_version,
+                "num_graph_steps": self.runner.num_graph_steps,
+                "num_extend_graph_steps": self.runner.num_extend_graph_steps,
+                "weight_version": self.rollout.weight_version,
                 "paused": self.rollout.pause_mode, "asleep": sorted(self.rollout.asleep),
                 **(self.runner.guided.stats() if self.runner.guided is not None else {}),
                 "weight_bytes_per_step": self._weight_bytes()}

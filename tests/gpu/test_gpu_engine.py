@@ -67,3 +67,28 @@ def test_mpi_rank_on_the_gpu_serves(tiny_models, hf_models):
         assert llm._executor.check_integrity() == ["ok"]
     ref, gaps = hf_greedy(hf_models["llama"].to("cpu"), p, 8)
     assert_same_greedy(out.outputs[0].token_ids, ref, gaps)
+
+
+def test_extend_graphs_match_transformers_with_prefix_hits_chunks_and_mixed_steps(tiny_models, hf_models):
+    """Prompts, chunks of prompts and new tokens after cached prefixes, alone and mixed with
+    decodes, replay extend graphs (up to 4 sequences, 96 tokens) and give transformers' tokens;
+    with extend graphs off the same steps run eagerly."""
+    shared = list(range(3, 75))
+    ps = [shared + [100 + i] * (i + 1) for i in range(6)] + prompts(256, n=10, seed=4) + [list(range(7, 207))]
+    sp = [SamplingParams(max_tokens=3 + i % 7, ignore_eos=True) for i in range(len(ps))]
+    hf = hf_models["llama"].to("cuda")
+    for extend in ([16, 32, 64, 96], []):
+        with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+                 max_num_tokens=96, kv_cache_config={"tokens_per_block": 16},
+                 cuda_graph_config={"batch_sizes": [1, 2, 4, 8], "extend_num_tokens": extend,
+                                    "extend_max_seqs": 4}) as llm:
+            llm.generate(shared, SamplingParams(max_tokens=1), use_tqdm=False)      # the prefix is cached now
+            outs = llm.generate(ps, sp, use_tqdm=False)
+            runner = llm._executor.engine.runner
+            assert (runner.num_extend_graph_steps > 0) == bool(extend)
+            assert llm.check_integrity() == ["ok"]
+        assert sum(o.cached_tokens for o in outs) >= 6 * 64
+        for i, (p, o, s) in enumerate(zip(ps, outs, sp, strict=True)):
+            ref, gaps = hf_greedy(hf, p, s.max_tokens)
+            assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"prompt {i}, extend graphs {extend}")
+    hf.to("cpu")
