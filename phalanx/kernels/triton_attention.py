@@ -12,7 +12,12 @@ Two kernels over the pool layout [num_blocks, B, Hkv, D] (B = tokens_per_block >
   by the slice that finishes last behind an atomic counter, measured 4 % slower at batch 1.)
 * extend (packed variable-length queries: prefill over a cached prefix, chunked prefill,
   partial reuse, mixed batches). Grid (query blocks, S, H); causal within the new tokens,
-  optional sliding window.
+  optional sliding window. When that grid is too small to fill the GPU — a few new tokens over a
+  long cached prefix: 32 tokens of one sequence are 32 programs, each walking the whole context —
+  the split form runs instead: grid (query blocks, S, Hkv × SPLITS), each program taking the G
+  query heads of one KV head (so a key tile is loaded once for all of them) over one slice of
+  the keys its query block can see, writing partial outputs and log-sum-exps that a second
+  kernel merges per token and head. Slices past the keys a row sees give it no weight.
 
 Both walk the context in tiles of BLOCK_N keys (``_kv_tile``); each key looks up its own block
 in the table, so a tile spans several 32-token blocks and each step has more bytes in flight.
@@ -237,6 +242,114 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+@triton.jit
+def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, part_ptr, lse_ptr,
+                         s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window,
+                         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                         PREC: tl.constexpr):
+    mb = tl.program_id(0)
+    s = tl.program_id(1)
+    kvh = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+    q0 = tl.load(qstart_ptr + s)
+    q_len = tl.load(qstart_ptr + s + 1) - q0
+    if mb * BLOCK_M < q_len:
+        L = tl.load(len_ptr + s)
+        ctx = L - q_len
+        r = tl.arange(0, BLOCK_M * BLOCK_G)          # row r: query token r // BLOCK_G, head r % BLOCK_G
+        m = mb * BLOCK_M + r // BLOCK_G
+        g = r % BLOCK_G
+        rm = (m < q_len) & (g < G)
+        h = kvh * G + g
+        q_pos = ctx + m
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(q_ptr + (q0 + m)[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+                    mask=rm[:, None] & dm[None, :], other=0.0)
+        # the keys this query block sees, [lo, hi), cut into SPLITS slices of whole key tiles
+        hi = tl.minimum(L, ctx + (mb + 1) * BLOCK_M)
+        lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
+        start = lo - lo % B
+        chunk = tl.cdiv(tl.cdiv(hi - start, SPLITS), BLOCK_N) * BLOCK_N
+        my_lo = start + split * chunk
+        my_hi = tl.minimum(hi, my_lo + chunk)
+        m_i = tl.full([BLOCK_M * BLOCK_G], NEG, tl.float32)
+        l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
+        for p0 in range(my_lo, my_hi, BLOCK_N):
+            kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, tl.maximum(lo, my_lo), my_hi, kvh,
+                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
+            ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
+            ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
+            qk = tl.where(ok, qk, NEG)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
+        # a row that saw no key here (masked scores only) carries no weight into the merge
+        seen = m_i > NEG * 0.5
+        out = tl.where(seen[:, None], acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        lse = tl.where(seen, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG)
+        tl.store(part_ptr + (q0 + m)[:, None] * s_pt + h[:, None] * s_ph + split * s_psp + d[None, :], out,
+                 mask=rm[:, None] & dm[None, :])
+        tl.store(lse_ptr + (q0 + m) * s_lt + h * s_lh + split, lse, mask=rm)
+
+
+@triton.jit
+def _extend_merge_kernel(part_ptr, lse_ptr, out_ptr, s_pt, s_ph, s_psp, s_lt, s_lh, s_ot, s_oh,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SP: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_SP)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    lse = tl.load(lse_ptr + t * s_lt + h * s_lh + sp, mask=sp < SPLITS, other=NEG)
+    mx = tl.max(lse, 0)
+    w = tl.where(lse > NEG * 0.5, tl.exp(lse - mx), 0.0)
+    parts = tl.load(part_ptr + t * s_pt + h * s_ph + sp[:, None] * s_psp + d[None, :],
+                    mask=(sp < SPLITS)[:, None] & dm[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + t * s_ot + h * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132,
+                  block_m: int = 64) -> int:
+    """Slices of the keys for the extend kernel: 1 (the plain kernel) when its grid already
+    fills the GPU once, else enough to fill it twice, at most 16."""
+    if triton.cdiv(max_query_len, block_m) * num_seqs * num_heads >= num_sms:
+        return 1
+    rows = max(16, 128 // max(1, triton.next_power_of_2(num_heads // num_kv_heads)))
+    programs = triton.cdiv(max_query_len, rows) * num_seqs * num_kv_heads
+    return int(max(1, min(16, triton.cdiv(2 * num_sms, programs))))
+
+
+def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                           window: int | None, splits: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``extend_attention`` with the keys cut into ``splits`` slices and the G query heads of a
+    KV head in one program (few new tokens over a long context)."""
+    T, H, D = q.shape
+    _, B, Hkv, _ = k_cache.shape
+    S = seq_lens.shape[0]
+    G = H // Hkv
+    BLOCK_G = triton.next_power_of_2(G)
+    block_m = min(max(16, 128 // BLOCK_G), max(16, triton.next_power_of_2(max_query_len)))
+    block_n, warps, stages = config or EXTEND_CONFIG
+    part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+    _extend_split_kernel[(triton.cdiv(max_query_len, block_m), S, Hkv * splits)](
+        q, k_cache, v_cache, block_tables, query_start, seq_lens, part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
+        BLOCK_N=max(block_n, 16), SPLITS=splits, PREC=_precision(q.dtype), num_warps=warps, num_stages=stages)
+    out = torch.empty_like(q)
+    _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+                                 lse.stride(1), out.stride(0), out.stride(1), D=D,
+                                 BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
+                                 BLOCK_SP=max(2, triton.next_power_of_2(splits)))
+    return out
+
+
 def supports_layout(tokens_per_block: int, num_heads: int, num_kv_heads: int, uneven: bool) -> bool:
     """Layouts these kernels handle (others fall back to the reference)."""
     return not uneven and tokens_per_block >= 16 and num_heads % num_kv_heads == 0
@@ -254,6 +367,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             splits = meta.cache["splits"] = num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                                        k_cache.shape[1], _num_sms(q.device))
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, splits)
+    splits = meta.cache.get("extend_splits")
+    if splits is None:   # decided once per step (an extend graph plans for one sequence with tokens)
+        seqs = 1 if meta.cache.get("plan_one_seq") else meta.num_seqs
+        splits = meta.cache["extend_splits"] = extend_splits(meta.max_query_len, seqs, k_cache.shape[2], q.shape[1],
+                                                             _num_sms(q.device))
+    if splits > 1:
+        return extend_attention_split(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
+                                      meta.max_query_len, scale, window, splits)
     return extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
                             meta.max_query_len, scale, window)
 

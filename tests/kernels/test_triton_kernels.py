@@ -147,6 +147,32 @@ def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype
         close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D",
+                         EXTEND_CASES + [([300], [5], 8, 2, 32), ([90, 64], [33, 2], 6, 2, 16)])
+@pytest.mark.parametrize("window", [None, 12])
+def test_extend_attention_split_over_the_keys(seq_lens, q_lens, H, Hkv, D, dtype, window):
+    """The split form (G heads a program, keys in slices, merged): the reference's answer for
+    any number of slices, including more slices than a row has keys."""
+    B = 32 if CUDA else 16
+    q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=len(seq_lens) + 7)
+    ref = _ref(q, kc, vc, meta, window)
+    planned = triton_attention.extend_splits(meta.max_query_len, 1, Hkv, H, num_sms=132)
+    for splits in sorted({2, 5, 16, planned}):
+        for config in KEY_TILES[:2]:
+            out = triton_attention.extend_attention_split(q, kc, vc, meta.block_tables, meta.query_start,
+                                                          meta.seq_lens, meta.max_query_len, D ** -0.5, window,
+                                                          splits, config)
+            close(out, ref, dtype)
+
+
+def test_extend_splits_only_when_the_grid_is_small():
+    assert triton_attention.extend_splits(2048, 1, 8, 32) == 1          # 32 query blocks x 32 heads
+    assert triton_attention.extend_splits(32, 1, 8, 32) > 1             # 32 programs on 132 SMs
+    assert triton_attention.extend_splits(32, 1, 8, 32) <= 16
+    assert triton_attention.extend_splits(32, 64, 8, 32) == 1           # a mixed batch of 64 sequences
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 48, 64), (3, 100, 96), (20, 40, 160)]
                          + ([(1, 4096, 4096), (4, 14336, 4096), (2, 4096, 14336), (16, 6144, 4096), (64, 4096, 14336),
                              (37, 1000, 4096)] if CUDA else []))
