@@ -96,6 +96,8 @@ class CudaGraphRunner:
             pool = graph.pool()
             self.graphs[bs] = graph
         pool = None          # the extend graphs' own pool: nothing of theirs aliases a decode graph's
+        if self.extend_sizes:
+            self.e_logits_indices.zero_()   # rows of earlier steps may lie past a smaller graph's tokens
         for t in reversed(self.extend_sizes):
             meta = self._extend_meta(t)
             self._pad_extend(0, 0, t)    # every token in the padding row: a valid step
