@@ -1,6 +1,6 @@
 """The RL hand-off under mpirun with TP=2 (gloo on CPU): every rank takes its shard of new
-weights from disk and from a trainer process's group, at the same iteration; greedy tokens equal
-transformers on the new weights."""
+weights from disk, from a trainer process's group and from this process's tensors (shared
+memory), at the same iteration; greedy tokens equal transformers on the new weights."""
 
 import multiprocessing as mp
 import socket
@@ -44,7 +44,7 @@ def check(llm, hf, what):
     return outs
 
 
-def test_tp2_updates_from_disk_and_from_a_trainer_group(tmp_path):
+def test_tp2_updates_from_disk_a_trainer_group_and_shared_tensors(tmp_path):
     from transformers import AutoModelForCausalLM
     dirs, hf = {}, {}
     for tag, seed in (("a", 21), ("b", 22)):
@@ -77,4 +77,7 @@ def test_tp2_updates_from_disk_and_from_a_trainer_group(tmp_path):
                 proc.kill()
         outs = check(llm, hf["a"], "TP=2 from the trainer's group")
         assert all(o.weight_version == "2" for o in outs)
+        assert llm.update_weights_from_tensors(hf["b"].state_dict().items(), weight_version="shm") == "shm"
+        outs = check(llm, hf["b"], "TP=2 from this process's tensors")
+        assert all(o.weight_version == "shm" for o in outs)
         assert llm.check_integrity() == ["ok", "ok"]
