@@ -314,10 +314,12 @@ def _extend_merge_kernel(part_ptr, lse_ptr, out_ptr, s_pt, s_ph, s_psp, s_lt, s_
 def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132,
                   block_m: int = 64) -> int:
     """Slices of the keys for the extend kernel: 1 (the plain kernel) when its grid already
-    fills the GPU once, else enough to fill it twice, at most 16."""
-    if triton.cdiv(max_query_len, block_m) * num_seqs * num_heads >= num_sms:
-        return 1
-    rows = max(16, 128 // max(1, triton.next_power_of_2(num_heads // num_kv_heads)))
+    fills the GPU once or a KV head has more than 8 query heads, else enough to fill it twice,
+    at most 16."""
+    group = triton.next_power_of_2(max(1, num_heads // num_kv_heads))
+    if group > 8 or triton.cdiv(max_query_len, block_m) * num_seqs * num_heads >= num_sms:
+        return 1      # (more than 8 query heads a KV head: a split program's tile would pass 128 rows)
+    rows = max(16, 128 // group)
     programs = triton.cdiv(max_query_len, rows) * num_seqs * num_kv_heads
     return int(max(1, min(16, triton.cdiv(2 * num_sms, programs))))
 

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from phalanx.models.llama import CausalLM
 
 logger = logging.getLogger("phalanx")
+# graphs are captured again on wake_up inside a running process (the in-process engine shares it
+# with the user's threads): only this thread's calls must keep off the device during a capture
+CAPTURE_MODE = "thread_local"
 
 
 class CudaGraphRunner:
@@ -91,7 +94,8 @@ class CudaGraphRunner:
                     self._forward(bs, meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream), self.model.padded_step(bs):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE), \
+                    self.model.padded_step(bs):
                 self.outputs[bs] = self._forward(bs, meta)
             pool = graph.pool()
             self.graphs[bs] = graph
@@ -107,7 +111,7 @@ class CudaGraphRunner:
                     self._extend_forward(t, meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE):
                 self.extend_outputs[t] = self._extend_forward(t, meta)
             pool = graph.pool()
             self.extend_graphs[t] = graph
@@ -157,10 +161,10 @@ class CudaGraphRunner:
 
     def extend_size(self, num_tokens: int, num_seqs: int) -> int | None:
         """The extend graph a step of ``num_tokens`` tokens over ``num_seqs`` sequences replays, or None."""
-        if num_seqs > self.extend_max_seqs or not self.extend_graphs:
+        if num_seqs > self.extend_max_seqs:
             return None
         for t in self.extend_sizes:
-            if t >= num_tokens:
+            if t >= num_tokens and t in self.extend_graphs:
                 return t
         return None
 
@@ -184,7 +188,7 @@ class CudaGraphRunner:
     def graph_size(self, n: int) -> int | None:
         """The captured size a decode batch of n runs in, or None (eager)."""
         for bs in self.sizes:
-            if bs == n or (self.enable_padding and bs > n):
+            if bs in self.graphs and (bs == n or (self.enable_padding and bs > n)):
                 return bs
         return None
 

@@ -119,6 +119,8 @@ class Rollout:
                              "(pause_generation(mode='abort') ends them)")
         runner = self.ex.runner
         cuda = runner.device.type == "cuda"
+        if level == 1:   # what can fail (pinning host memory) comes before anything is released
+            self.reserve_host_buffer()
         before = _free_bytes(runner.device)
         _sync(runner.device)
         self._new_epoch()                      # the KV contents go: nothing cached may match again
@@ -130,8 +132,6 @@ class Rollout:
         kv.resize_(0)
         self._host_copies = []
         storages = _weight_storages(runner.model)
-        if level == 1:
-            self.reserve_host_buffer()
         offset = 0
         for storage in storages:
             host = None
@@ -186,7 +186,8 @@ class Rollout:
             self.asleep.discard("kv_cache")
         recaptured = False
         if not self.asleep and self._graphs_dropped and runner.graphs is not None:
-            runner.graphs.capture()
+            runner.graphs.release()     # whatever a failed earlier capture left
+            runner.graphs.capture()     # if this fails, steps run eagerly and the next wake_up tries again
             self._graphs_dropped = False
             recaptured = True
         return json.dumps({"awake": [t for t in SLEEP_TAGS if t not in self.asleep], "graphs_recaptured": recaptured,

@@ -171,6 +171,7 @@ def test_extend_splits_only_when_the_grid_is_small():
     assert triton_attention.extend_splits(32, 1, 8, 32) > 1             # 32 programs on 132 SMs
     assert triton_attention.extend_splits(32, 1, 8, 32) <= 16
     assert triton_attention.extend_splits(32, 64, 8, 32) == 1           # a mixed batch of 64 sequences
+    assert triton_attention.extend_splits(32, 1, 4, 64) == 1            # 16 heads a KV head: tile too tall
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 48, 64), (3, 100, 96), (20, 40, 160)]

@@ -274,3 +274,31 @@ def test_sleep_mode_reserves_the_host_buffer_at_start_up(checkpoints):
         assert rollout._host_buffer is buffer                    # the same buffer, not a new one
         llm.wake_up()
         assert greedy(llm).outputs[0].token_ids == before
+
+
+def test_a_sleep_that_cannot_pin_host_memory_releases_nothing(llm, monkeypatch):
+    before = greedy(llm).outputs[0].token_ids
+    rollout = llm._executor.engine.rollout
+
+    def no_memory():
+        raise MemoryError("cannot pin host memory")
+    monkeypatch.setattr(rollout, "reserve_host_buffer", no_memory)
+    with pytest.raises(RuntimeError, match="cannot pin"):
+        llm.sleep(1)
+    assert not llm.is_sleeping
+    weights, kv = _storages(llm)
+    assert all(weights) and kv                                   # nothing was given back
+    assert greedy(llm).outputs[0].token_ids == before
+
+
+def test_graph_sizes_are_only_those_captured():
+    """After a capture that failed part-way (a wake_up short of memory), steps that have no
+    graph run eagerly instead of failing."""
+    from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
+    runner = CudaGraphRunner(None, None, [1, 2, 4], 8, 16, 128, 0, True, torch.device("cpu"),  # type: ignore[arg-type]
+                             extend_sizes=[16, 32], extend_max_seqs=2)
+    assert runner.graph_size(3) is None and runner.extend_size(10, 1) is None
+    runner.graphs[4] = object()
+    runner.extend_graphs[32] = object()
+    assert runner.graph_size(3) == 4 and runner.graph_size(1) == 4 and runner.graph_size(5) is None
+    assert runner.extend_size(10, 1) == 32 and runner.extend_size(10, 3) is None and runner.extend_size(33, 1) is None
