@@ -52,7 +52,7 @@ class AdpExecutor(PyExecutor):
         while not self.shutdown_requested:
             self._fetch(idle=not any_work and not self.pending)
             self._place(any_work)
-            batch = self._schedule() if self.scheduler.has_work else None
+            batch = self._schedule()
             steps = self._exchange_steps(batch)
             any_work = any(s != NO_WORK for s in steps)
             if any_work:
@@ -78,7 +78,7 @@ class AdpExecutor(PyExecutor):
     def _exchange_steps(self, batch: ScheduledBatch | None) -> list[int]:
         """Every rank's step this iteration: NO_WORK, EAGER_STEP, or the rows of a decode batch
         that a CUDA graph can hold (0: work waiting, nothing scheduled)."""
-        if not self.scheduler.has_work:
+        if not self._has_steps:    # no requests, or paused / asleep (the same on every rank)
             mine = NO_WORK
         elif batch is None:
             mine = 0

@@ -102,3 +102,24 @@ def test_abort_of_a_request_owned_by_rank1(tiny_moe_models):
         for f in futs:
             if f not in owned_by_1:
                 f.abort()
+
+
+def test_attention_dp_paused_runs_no_steps_and_resumes(tiny_moe_models, hf_moe_models):
+    """pause_generation('keep') holds every rank: no forward (real or dummy) runs until
+    continue_generation, and the kept request then finishes with transformers' tokens."""
+    import time
+    hf = hf_moe_models["qwen3_moe"]
+    with LLM(tiny_moe_models["qwen3_moe"], skip_tokenizer_init=True, tensor_parallel_size=2,
+             enable_attention_dp=True) as llm:
+        p = [5, 6, 7, 8]
+        fut = llm.generate_async(p, SamplingParams(max_tokens=200, ignore_eos=True))
+        time.sleep(0.5)
+        llm.pause_generation("keep")
+        before = [(s["iteration"], s["num_dummy_steps"], s["num_padding_steps"]) for s in llm._executor.stats()]
+        time.sleep(1.0)
+        after = [(s["iteration"], s["num_dummy_steps"], s["num_padding_steps"]) for s in llm._executor.stats()]
+        assert before == after and not fut.done
+        llm.continue_generation()
+        out = fut.result(timeout=120)
+        ref, gaps = hf_greedy(hf, p, 200)
+        assert_same_greedy(out.outputs[0].token_ids, ref, gaps)
