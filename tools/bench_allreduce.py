@@ -14,7 +14,8 @@ import tempfile
 
 import torch
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from phalanx.distributed.custom_allreduce import NO_MULTICAST
+
 WORLD = 2
 SIZES = [8 << 10 << i for i in range(11)]                  # 8 KB .. 8 MB
 

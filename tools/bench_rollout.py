@@ -26,28 +26,28 @@ from typing import Any
 import torch
 
 GIB = 2**30
-TINY = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
 
 
 def trainer_tensors(model_dir: str, device: str, seed: int = 7) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint's names and shapes (from transformers, on the meta device), random values."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(cfg)
+    """The checkpoint's names and shapes, random values in bf16 (norms at one)."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
-    for name, p in meta.state_dict().items():
-        if "rotary" in name:
-            continue
-        t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
+    for name, shape in checkpoint_shapes(model_dir):
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
         if name.endswith("norm.weight"):
             t.fill_(1.0)
         else:
             t.normal_(0.0, 0.02, generator=g)
         out.append((name, t))
     return out
+
+
+def checkpoint_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the checkpoint (transformers' model on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return [(n, tuple(p.shape)) for n, p in meta.state_dict().items() if "rotary" not in n]
 
 
 def nbytes(items: list[tuple[str, torch.Tensor]]) -> int:
@@ -109,10 +109,10 @@ def main() -> None:
         return trainer_main(a)
 
     from phalanx import LLM, SamplingParams
-    from phalanx.bench.shapes import shape_dir
+    from phalanx.bench.shapes import TINY_OVERRIDES, resolve_model_arg
     cuda = torch.cuda.is_available()
-    name = a.model[len("shape:"):] if a.model.startswith("shape:") else None
-    model_dir = shape_dir(name, **(TINY if a.tiny else {})) if name else a.model
+    model_dir, dummy = resolve_model_arg(a.model, **(TINY_OVERRIDES if a.tiny else {}))
+    assert model_dir is not None
     report: dict[str, Any] = {"settings": {**vars(a), "model_dir": model_dir},
                               "gpu": torch.cuda.get_device_name(0) if cuda else None}
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -122,7 +122,7 @@ def main() -> None:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
     free0 = free_bytes()
-    t_start, llm = timed(LLM, model_dir, load_format="dummy" if name else "auto", skip_tokenizer_init=True,
+    t_start, llm = timed(LLM, model_dir, load_format="dummy" if dummy else "auto", skip_tokenizer_init=True,
                          dtype="bfloat16", mpi_private_network=False, max_batch_size=64,
                          enable_sleep_mode=a.sleep_mode,
                          kv_cache_config={"free_gpu_memory_fraction": a.kv_fraction},
@@ -181,7 +181,7 @@ def main() -> None:
                                             timeout=300)))
         join.start()
         join.join(600)
-        shapes = dict(trainer_tensors_shapes(model_dir))
+        shapes = dict(checkpoint_shapes(model_dir))
         names = list(shapes)
         group = []
         for i in range(a.updates):
@@ -206,13 +206,6 @@ def main() -> None:
     if a.output:
         with open(a.output, "w") as f:
             json.dump(report, f, indent=1)
-
-
-def trainer_tensors_shapes(model_dir: str) -> list[tuple[str, tuple[int, ...]]]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return [(n, tuple(p.shape)) for n, p in meta.state_dict().items() if "rotary" not in n]
 
 
 if __name__ == "__main__":

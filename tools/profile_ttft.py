@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from phalanx import LLM, SamplingParams
-from phalanx.bench.shapes import shape_dir
+from phalanx.bench.shapes import TINY_OVERRIDES, shape_dir
 from phalanx.config import merge_yaml
 
 SP = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
@@ -95,14 +95,14 @@ def main() -> None:
     if a.config:
         base = merge_yaml(base, a.config)
     report: dict[str, Any] = {"settings": vars(a), "runs": {}}
-    tiny = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 64}
+    tiny = {k: v for k, v in TINY_OVERRIDES.items() if k != "vocab_size"}   # the prompts use ids up to 120k
     for mode in {"on": ["on"], "off": ["off"], "both": ["off", "on"]}[a.extend_graphs]:
         graphs = dict(base.get("cuda_graph_config") or {})
         if mode == "off":
             graphs["extend_num_tokens"] = []
         run = report["runs"][f"extend_graphs_{mode}"] = {"ttft_ms": {}, "profiles": {}}
-        with LLM(shape_dir(a.model, **(tiny if a.tiny else {})), **{**base, "cuda_graph_config": graphs}) as llm:
+        model = shape_dir(a.model, **(tiny if a.tiny else {}))
+        with LLM(model, **{**base, "cuda_graph_config": graphs}) as llm:
             measure(llm, a, run, mode)
     if a.output:
         with open(a.output, "w") as f:

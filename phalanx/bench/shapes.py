@@ -27,6 +27,11 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# a two-layer shape of the same family, to check a tool on a CPU
+TINY_OVERRIDES = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
+
+
 def shape_dir(name: str, **overrides) -> str:
     """A directory holding only config.json for the named shape (for dummy weights)."""
     if name not in SHAPES:
@@ -38,8 +43,8 @@ def shape_dir(name: str, **overrides) -> str:
     return d
 
 
-def resolve_model_arg(model: str | None) -> tuple[str | None, bool]:
+def resolve_model_arg(model: str | None, **overrides) -> tuple[str | None, bool]:
     """``shape:NAME`` -> (a config-only directory, True); anything else unchanged."""
     if model and model.startswith("shape:"):
-        return shape_dir(model[len("shape:"):]), True
+        return shape_dir(model[len("shape:"):], **overrides), True
     return model, False

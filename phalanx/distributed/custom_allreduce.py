@@ -73,6 +73,8 @@ from phalanx.kernels.reference import fused_add_rms_norm_ref
 logger = logging.getLogger("phalanx")
 
 ENV_SWITCH = "PHALANX_CUSTOM_ALLREDUCE"      # "0" turns the custom path off
+# the environment that keeps NVLink multicast off in NCCL, torch symmetric memory and NVSHMEM
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_NORM_WIDTH = 8192                        # the fused kernel holds a row in registers
 ONE_SHOT, TWO_SHOT = "one_shot", "two_shot"

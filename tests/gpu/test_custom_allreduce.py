@@ -15,9 +15,10 @@ import traceback
 import pytest
 import torch
 
+from phalanx.distributed.custom_allreduce import NO_MULTICAST
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 WORLD = 2
 SIZES = [4096, 1000, 3 * 4096, 64 * 1024, 256 * 1024 + 8, 1 << 20]    # elements: 8 KB .. 2 MB in bf16
 NORM_SHAPES = [(1, 4096), (3, 4096), (40, 2048), (2, 8192), (5, 1000), (200, 4096),

@@ -3,7 +3,6 @@ a trainer's gloo group equal transformers on the new weights; versions on every 
 prefix computed with old weights is served; pause modes; sleep and wake up."""
 
 import multiprocessing as mp
-import socket
 import time
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from hf_reference import _configs, assert_same_greedy, hf_greedy
 from phalanx import LLM, SamplingParams
+from serve_helpers import free_port
 
 PROMPT = list(range(5, 45))
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -203,12 +203,6 @@ def test_sleep_releases_memory_and_wake_up_serves_the_same(llm, checkpoints):
     llm.check_integrity()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _trainer(port, state_dir, bucket_bytes, bad, results):
     """Another process: rank 0 of the weight-update group, sending checkpoint b."""
     try:
@@ -231,7 +225,7 @@ def _trainer(port, state_dir, bucket_bytes, bad, results):
 
 def test_weights_from_a_trainer_process_over_gloo(llm, checkpoints):
     dirs, hf = checkpoints
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     bucket = 50_000                                              # several buckets for a ~0.3 MB model

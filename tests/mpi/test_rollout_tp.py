@@ -3,13 +3,13 @@ weights from disk, from a trainer process's group and from this process's tensor
 memory), at the same iteration; greedy tokens equal transformers on the new weights."""
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
 
 from hf_reference import _configs, assert_same_greedy, hf_greedy
 from phalanx import LLM, SamplingParams
+from serve_helpers import free_port
 
 pytestmark = pytest.mark.mpi
 
@@ -28,12 +28,6 @@ def _trainer(port, state_dir, results):
         results.put("sent")
     except Exception as e:
         results.put(repr(e))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check(llm, hf, what):
@@ -60,7 +54,7 @@ def test_tp2_updates_from_disk_a_trainer_group_and_shared_tensors(tmp_path):
         llm.update_weights_from_disk(dirs["b"], weight_version="b")
         outs = check(llm, hf["b"], "TP=2 after an update from disk")
         assert all(o.weight_version == "b" and o.cached_tokens == 0 for o in outs)
-        port = _free_port()
+        port = free_port()
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         proc = ctx.Process(target=_trainer, args=(port, dirs["a"], results), daemon=True)
