@@ -105,6 +105,11 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
             from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
             gcfg = args.cuda_graph_config
             extend = [] if adp or cfg.is_moe else [t for t in gcfg.extend_num_tokens if t <= args.max_num_tokens]
+            dropped = sorted(set(gcfg.extend_num_tokens) - set(extend))
+            if dropped and "extend_num_tokens" in gcfg.model_fields_set:
+                logger.warning("cuda_graph_config.extend_num_tokens: no extend graphs for %s (%s): those steps run "
+                               "eagerly", dropped, "attention DP" if adp else "a mixture-of-experts model"
+                               if cfg.is_moe else f"above max_num_tokens {args.max_num_tokens}")
             runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-max_seq_len // B), B, max_seq_len,
                                             num_blocks, gcfg.enable_padding, device, extend_sizes=extend,
                                             extend_max_seqs=gcfg.extend_max_seqs)

@@ -56,26 +56,43 @@ class DiskBody(Strict):
     weight_version: str | None = Field(None, max_length=256)
 
 
+class CudaIpcSpec(Strict):
+    """Where a CUDA tensor of the trainer lives (``weight_transfer.share_tensors``; the handles
+    base64 over HTTP)."""
+    device_uuid: str = Field(min_length=1, max_length=64)
+    handle: str = Field(max_length=1024)
+    storage_bytes: int = Field(ge=0)
+    storage_offset_bytes: int = Field(ge=0)
+    ref_counter_handle: str = Field(max_length=4096)
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: str = Field("", max_length=1024)
+    event_sync_required: bool
+    element_offset: int = Field(ge=0)
+
+    @field_validator(*_IPC_BYTES)
+    @classmethod
+    def _base64(cls, v: str) -> str:
+        try:
+            base64.b64decode(v, validate=True)
+        except (binascii.Error, TypeError):
+            raise ValueError("must be base64") from None
+        return v
+
+    def spec(self) -> dict[str, Any]:
+        """The engine's form: handles as bytes."""
+        out = self.model_dump()
+        for key in _IPC_BYTES:
+            out[key] = base64.b64decode(out[key])
+        return out
+
+
 class TensorSpec(Strict):
     name: str = Field(min_length=1, max_length=512)
     dtype: str = Field(max_length=32)
     shape: list[int] = Field(max_length=8)
     shm: str | None = Field(None, max_length=255)
     offset: int | None = Field(None, ge=0)
-    cuda_ipc: dict[str, Any] | None = None
-
-    @field_validator("cuda_ipc")
-    @classmethod
-    def _decode_handles(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is None:
-            return None
-        out = dict(v)
-        for key in _IPC_BYTES:
-            try:
-                out[key] = base64.b64decode(v.get(key) or "", validate=True)
-            except (binascii.Error, TypeError):
-                raise ValueError(f"{key} must be base64") from None
-        return out
+    cuda_ipc: CudaIpcSpec | None = None
 
 
 class TensorsBody(Strict):
@@ -161,7 +178,8 @@ def add_routes(server: Any) -> None:
     @app.post("/update_weights_from_tensor")
     async def from_tensor(request: Request):
         b = await body(request, TensorsBody)
-        specs = [t.model_dump(exclude_none=True) for t in b.tensors]
+        specs = [{**t.model_dump(exclude_none=True, exclude={"cuda_ipc"}),
+                  **({"cuda_ipc": t.cuda_ipc.spec()} if t.cuda_ipc is not None else {})} for t in b.tensors]
         version = await call(llm.update_weights_from_tensors, specs, b.weight_version)
         return {"success": True, "weight_version": version}
 

@@ -74,8 +74,18 @@ def guided_params(body: Any, tools_forced: GuidedDecodingParams | None) -> Guide
 
 def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any,
                         parallel: bool = True) -> GuidedDecodingParams | None:
-    """The grammar of a forced tool choice (None for "auto" and "none")."""
+    """The grammar of a forced tool choice (None for "auto" and "none"). Under "auto" the
+    output runs free, so what only a grammar can hold it to is refused rather than ignored:
+    ``parallel_tool_calls: false`` and a function's ``strict: true``."""
     if tool_choice in (None, "auto", "none"):
+        if tool_choice != "none":
+            if not parallel:
+                raise ValueError("parallel_tool_calls: false is enforced only with tool_choice 'required' or a "
+                                 "named function (under 'auto' the output is not constrained)")
+            strict = [t["function"]["name"] for t in tools if t["function"].get("strict")]
+            if strict:
+                raise ValueError(f"tools: strict function arguments ({', '.join(strict)}) are enforced only with "
+                                 "tool_choice 'required' or a named function")
         return None
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     if tool_choice == "required":

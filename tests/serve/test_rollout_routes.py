@@ -99,3 +99,27 @@ def test_sleep_and_wake_up(server):
     assert httpx.post(server + "/wake_up", json={}, headers=AUTH, timeout=120).json() == {"success": True}
     assert httpx.get(server + "/is_sleeping", headers=AUTH).json() == {"is_sleeping": False}
     assert complete(server)["choices"][0]["text"] == before["choices"][0]["text"]
+
+
+def test_cuda_ipc_specs_are_strict():
+    """A CUDA IPC location names every field the engine reads, handles in base64; anything
+    else is refused naming the field (not a 500 on the rank)."""
+    import base64
+    import json
+
+    from phalanx.serve.protocol import BodyError, parse_body
+    from phalanx.serve.rollout_routes import TensorsBody
+    ipc = {"device_uuid": "GPU-1", "handle": base64.b64encode(b"\x01" * 64).decode(), "storage_bytes": 64,
+           "storage_offset_bytes": 0, "ref_counter_handle": base64.b64encode(b"/ref").decode(),
+           "ref_counter_offset": 0, "event_handle": "", "event_sync_required": False, "element_offset": 0}
+
+    def parse(cuda_ipc):
+        body = {"tensors": [{"name": "w", "dtype": "float32", "shape": [4, 4], "cuda_ipc": cuda_ipc}]}
+        return parse_body(json.dumps(body).encode(), TensorsBody)
+    spec = parse(ipc).tensors[0].cuda_ipc.spec()
+    assert spec["handle"] == b"\x01" * 64 and spec["ref_counter_handle"] == b"/ref" and spec["event_handle"] == b""
+    for bad, field in (({**ipc, "extra": 1}, "extra"), ({**ipc, "handle": "%%%"}, "handle"),
+                       ({k: v for k, v in ipc.items() if k != "storage_bytes"}, "storage_bytes")):
+        with pytest.raises(BodyError) as e:
+            parse(bad)
+        assert field in (e.value.param or "") + e.value.message

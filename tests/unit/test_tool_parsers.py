@@ -45,6 +45,16 @@ def test_forced_choices_become_grammars_and_read_back():
     assert forced_tool_calls('{"city": "Rome"}', named)[0].arguments == '{"city": "Rome"}'
 
 
+def test_what_only_a_grammar_enforces_is_refused_under_auto():
+    import pytest
+    with pytest.raises(ValueError, match="^parallel_tool_calls"):
+        forced_tool_grammar(TOOLS, "auto", parallel=False)
+    strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}]
+    with pytest.raises(ValueError, match="^tools: strict"):
+        forced_tool_grammar(strict, "auto")
+    assert forced_tool_grammar(strict, "required", parallel=False).json["maxItems"] == 1   # held by the grammar
+
+
 def test_one_constraint_per_request():
     class Body:
         response_format = None
