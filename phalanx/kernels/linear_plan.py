@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from phalanx.kernels import ops
 
 ROW_BUCKETS = (1, 16, 64)      # a plan is tuned for each, at its upper bound
-MAX_ROWS = ROW_BUCKETS[-1]
 
 
 class Neighbour(str, enum.Enum):

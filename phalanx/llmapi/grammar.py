@@ -27,7 +27,6 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
-        self.vocab_size = vocab_size
 
     def compile(self, params: GuidedDecodingParams) -> Any:
         """The CompiledGrammar of ``params``; ValueError naming the field if it does not compile."""

@@ -206,9 +206,10 @@ class LLM:
         returns once the running requests have finished; ``keep``: no step runs, running requests
         keep their state and go on after ``continue_generation``. New requests wait meanwhile."""
         self._rollout("pause", {"mode": mode})
-        if mode == "wait":
+        if mode == "wait":   # the ranks' heartbeats say when: no control op (and its broadcast) per poll
             deadline = time.monotonic() + timeout
-            while sum(s["num_running"] for s in self.stats()) > 0:
+            while not ((beats := self.latest_stats()) and
+                       all(s.get("paused") == "wait" and s["num_running"] == 0 for s in beats)):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"pause_generation(mode='wait'): requests still running after {timeout}s")
                 time.sleep(0.02)

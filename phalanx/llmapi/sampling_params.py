@@ -89,11 +89,6 @@ class GuidedDecodingParams:
         return "json_object" if self.json_object else next(
             n for n in ("json", "regex", "grammar", "choice") if getattr(self, n) is not None)
 
-    def key(self) -> str:
-        """A canonical text of the constraint (the compiled-grammar cache key)."""
-        value = getattr(self, self.kind) if self.kind != "json_object" else True
-        return f"{self.kind}:{_dumps(value)}"
-
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 

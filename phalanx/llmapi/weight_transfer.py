@@ -202,7 +202,7 @@ class EngineGroup:
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                  posts: bool, timeout: float = 600.0) -> None:
-        self.rank, self.posts = rank, posts
+        self.posts = posts
         self.store = _store(master_address, master_port, world_size, False, timeout)
         self.group = _process_group(self.store, rank, world_size, backend, timeout)
         self.num_updates = 0

@@ -59,7 +59,6 @@ class Rollout:
         self.num_epochs = 0
         self.pause_mode: str | None = None
         self.asleep: set[str] = set()
-        self.sleep_level = 0
         self._host_copies: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
         self._kv_bytes = 0
         self._graphs_dropped = False
@@ -148,7 +147,6 @@ class Rollout:
         if cuda:
             torch.cuda.empty_cache()
         self.asleep = set(SLEEP_TAGS)
-        self.sleep_level = level
         after = _free_bytes(runner.device)
         return json.dumps({"level": level, "freed_bytes": after - before if cuda else self._kv_bytes + sum(
             n for _, n, _ in self._host_copies)})
