@@ -89,7 +89,10 @@ class _ChoiceStream:
             if thought:
                 delta["reasoning_content"] = thought
         if self.plan.forced is not None:
-            return delta, self._forced(text, final)
+            forced = self._forced(text, final)
+            if final and self.plan.forced == "required" and not self.called and self.forced_text:
+                delta["content"] = self.forced_text      # cut short: what it wrote, as text
+            return delta, forced
         if self.tool_stream is None:
             if text:
                 delta["content"] = text
@@ -122,8 +125,8 @@ class _ChoiceStream:
             return []
         try:
             found = tools.forced_tool_calls(self.forced_text, forced)
-        except (ValueError, KeyError, TypeError):
-            return []
+        except (ValueError, KeyError, TypeError):   # cut short (length): no complete call
+            found = []
         self.called = bool(found)
         return [c.to_openai(i) for i, c in enumerate(found)]
 
@@ -579,8 +582,8 @@ class OpenAIServer:
         self._observe(out)
         choices = []
         for o in out.outputs:
-            message, finish = self._chat_message(o.text, plan), o.finish_reason
-            if message.get("tool_calls") and finish == "stop":
+            (message, called), finish = self._chat_message(o.text, plan), o.finish_reason
+            if called and finish == "stop":
                 finish = "tool_calls"
             choice = {"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
                       "logprobs": None}
@@ -623,27 +626,30 @@ class OpenAIServer:
         except ValueError as e:
             raise ApiError(400, f"{field}: {e}" if field else str(e), field or "guided_decoding") from None
 
-    def _chat_message(self, text: str, plan: ChatPlan) -> dict[str, Any]:
-        """The assistant message of an output: reasoning split off, tool calls read back."""
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+    def _chat_message(self, text: str, plan: ChatPlan) -> tuple[dict[str, Any], bool]:
+        """The assistant message of a whole output, read by the same ``_ChoiceStream`` that
+        streamed outputs go through (so both read the same reasoning, content and calls), and
+        whether it made tool calls."""
+        stream = _ChoiceStream(plan, self.reasoning_parser)
+        delta, deltas = stream.feed(text, True)
+        calls: dict[int, dict[str, Any]] = {}
+        for d in deltas:        # a named function streams its header, then its arguments
+            i = d["index"]
+            if i not in calls:
+                calls[i] = {k: (dict(v) if k == "function" else v) for k, v in d.items() if k != "index"}
+            else:
+                calls[i]["function"]["arguments"] += d["function"]["arguments"]
+        content: str | None = delta.get("content", "")
+        if calls and not (content or "").strip():
+            content = None
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning_parser != "none":
-            reasoning, text = tools.split_reasoning(
-                ("<think>" if self.reasoning_parser == "deepseek_r1" else "") + text)
-            message["content"] = text
-            message["reasoning_content"] = reasoning
-        calls: list[tools.ToolCall] = []
-        if plan.forced is not None:
-            try:
-                calls = tools.forced_tool_calls(message["content"], plan.forced)
-            except (ValueError, KeyError, TypeError):   # cut short (length): no complete call
-                calls = []
-            if calls:
-                message["content"] = None
-        elif plan.tools is not None and plan.parser is not None:
-            message["content"], calls = tools.parse_tool_calls(message["content"], plan.parser, plan.tools)
+            message["reasoning_content"] = delta.get("reasoning_content", "").strip() or None
+            if content:
+                message["content"] = content.lstrip()
         if calls:
-            message["tool_calls"] = [c.to_openai() for c in calls]
-        return message
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        return message, stream.called
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict]) -> list[dict[str, Any]]:
         out = []

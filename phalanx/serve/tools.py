@@ -216,15 +216,6 @@ def _call_from(raw: str, names: set[str], key: str) -> ToolCall | None:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """(reasoning, answer) of a Qwen3-style output: the text inside <think>...</think> (the
-    opening tag may come from the prompt), and what follows."""
-    if "</think>" not in text:
-        return (None, text) if "<think>" not in text else (text.split("<think>", 1)[1].strip() or None, "")
-    head, tail = text.split("</think>", 1)
-    return head.split("<think>", 1)[-1].strip() or None, tail.lstrip()
-
-
 # -- streaming ---------------------------------------------------------------------------------------------
 class ReasoningStream:
     """Splits a streamed output into reasoning and answer deltas. ``starts_in_reasoning``: the

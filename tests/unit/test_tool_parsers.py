@@ -9,7 +9,6 @@ from phalanx.serve.tools import (
     forced_tool_grammar,
     guided_params,
     parse_tool_calls,
-    split_reasoning,
 )
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -69,8 +68,8 @@ def test_one_constraint_per_request():
 
 
 def test_reasoning_split_whole_and_streamed():
-    assert split_reasoning("<think>\nweigh it\n</think>\n\nYes.") == ("weigh it", "Yes.")
-    assert split_reasoning("No thinking here.") == (None, "No thinking here.")
+    assert whole_message("<think>\nweigh it\n</think>\n\nYes.") == ("weigh it", "Yes.")
+    assert whole_message("No thinking here.") == (None, "No thinking here.")
     pieces = ["<th", "ink>\nfirst", " second</thi", "nk>\n\nThe", " answer"]
     stream, reasoning, answer = ReasoningStream(), "", ""
     for i, p in enumerate(pieces):
@@ -79,6 +78,16 @@ def test_reasoning_split_whole_and_streamed():
     assert (reasoning, answer) == ("first second", "The answer")
     r1 = ReasoningStream(starts_in_reasoning=True)
     assert r1.feed("plan</think>done", final=True) == ("plan", "done")
+
+
+def whole_message(text: str, reasoning_parser: str = "qwen3") -> tuple[str | None, str]:
+    """(reasoning, answer) of a whole, non-streamed chat output."""
+    from types import SimpleNamespace
+
+    from phalanx.serve.openai_server import ChatPlan, OpenAIServer
+    plan = ChatPlan([], None, None, None, None, None)
+    message, _ = OpenAIServer._chat_message(SimpleNamespace(reasoning_parser=reasoning_parser), text, plan)
+    return message["reasoning_content"], message["content"]
 
 
 def test_tool_call_stream_holds_back_a_call_and_streams_the_rest():
@@ -91,3 +100,42 @@ def test_tool_call_stream_holds_back_a_call_and_streams_the_rest():
     plain = ToolCallStream("hermes", TOOLS)
     text = "".join(plain.feed(p) for p in ["No calls ", "<b>here</b>"])
     assert text + plain.finish()[0] == "No calls <b>here</b>"
+
+
+def test_a_whole_chat_output_reads_as_its_stream():
+    """The non-streamed message is read by the streamed path itself: the same reasoning,
+    content and calls, whichever parser, tool choice or cut-off."""
+    from types import SimpleNamespace
+
+    from phalanx.serve.openai_server import ChatPlan, OpenAIServer, _ChoiceStream
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = [
+        (None, None, "qwen3", "<think>\nweigh it\n</think>\n\nYes."),
+        (None, None, "qwen3", "Hello </think> world"),                    # no opening tag: all answer
+        (None, None, "deepseek_r1", "plan it</think>done"),
+        ("hermes", None, "none", 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'),
+        (None, "required", "none", '[{"name": "add", "arguments": {"a": 1}}]'),
+        (None, "required", "none", '[{"name": "add", "argu'),               # cut short: text comes back
+        (None, named, "none", '{"city": "Rome"}'),
+    ]
+    for parser, forced, reasoning, text in cases:
+        plan = ChatPlan([], TOOLS if parser or forced else None, forced, parser, None, None)
+        message, called = OpenAIServer._chat_message(SimpleNamespace(reasoning_parser=reasoning), text, plan)
+        stream, content, thought, calls = _ChoiceStream(plan, reasoning), "", "", {}
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for i, piece in enumerate(pieces):
+            delta, deltas = stream.feed(piece, i == len(pieces) - 1)
+            content += delta.get("content", "")
+            thought += delta.get("reasoning_content", "")
+            for d in deltas:
+                calls.setdefault(d["index"], ["", ""])
+                calls[d["index"]][0] += d["function"].get("name", "")
+                calls[d["index"]][1] += d["function"]["arguments"]
+        got = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls", [])]
+        assert got == [calls[i] for i in sorted(calls)], text
+        assert (message["content"] or "").strip() == content.strip(), text
+        assert (message.get("reasoning_content") or "") == thought.strip(), text
+        assert called == stream.called == bool(got), text
+    whole, _ = OpenAIServer._chat_message(SimpleNamespace(reasoning_parser="none"), '[{"name": "add", "argu',
+                                          ChatPlan([], TOOLS, "required", None, None, None))
+    assert whole["content"] == '[{"name": "add", "argu' and "tool_calls" not in whole
