@@ -25,6 +25,7 @@ class AttentionMetadata:
     max_seq_len: int
     tokens_per_block: int
     is_decode_only: bool = False
+    plan_num_seqs: int | None = None   # sequences to plan kernels for (None: all; a graph's padding rows are empty)
     cache: dict = field(default_factory=dict)  # backend-specific per-step plans
 
     @property

@@ -311,16 +311,19 @@ def _extend_merge_kernel(part_ptr, lse_ptr, out_ptr, s_pt, s_ph, s_psp, s_lt, s_
     tl.store(out_ptr + t * s_ot + h * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=dm)
 
 
-def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132,
-                  block_m: int = 64) -> int:
+def _split_rows(group: int) -> int:
+    """Query tokens a split program takes: 128 rows of (token, head) at most."""
+    return max(16, 128 // group)
+
+
+def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132) -> int:
     """Slices of the keys for the extend kernel: 1 (the plain kernel) when its grid already
     fills the GPU once or a KV head has more than 8 query heads, else enough to fill it twice,
     at most 16."""
     group = triton.next_power_of_2(max(1, num_heads // num_kv_heads))
-    if group > 8 or triton.cdiv(max_query_len, block_m) * num_seqs * num_heads >= num_sms:
-        return 1      # (more than 8 query heads a KV head: a split program's tile would pass 128 rows)
-    rows = max(16, 128 // group)
-    programs = triton.cdiv(max_query_len, rows) * num_seqs * num_kv_heads
+    if group > 8 or triton.cdiv(max_query_len, 64) * num_seqs * num_heads >= num_sms:
+        return 1      # (the plain kernel's 64-query blocks; more than 8 heads a KV head: too tall a tile)
+    programs = triton.cdiv(max_query_len, _split_rows(group)) * num_seqs * num_kv_heads
     return int(max(1, min(16, triton.cdiv(2 * num_sms, programs))))
 
 
@@ -334,7 +337,7 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     S = seq_lens.shape[0]
     G = H // Hkv
     BLOCK_G = triton.next_power_of_2(G)
-    block_m = min(max(16, 128 // BLOCK_G), max(16, triton.next_power_of_2(max_query_len)))
+    block_m = min(_split_rows(BLOCK_G), max(16, triton.next_power_of_2(max_query_len)))
     block_n, warps, stages = config or EXTEND_CONFIG
     part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
@@ -370,8 +373,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                        k_cache.shape[1], _num_sms(q.device))
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, splits)
     splits = meta.cache.get("extend_splits")
-    if splits is None:   # decided once per step (an extend graph plans for one sequence with tokens)
-        seqs = 1 if meta.cache.get("plan_one_seq") else meta.num_seqs
+    if splits is None:   # decided once per step
+        seqs = meta.plan_num_seqs or meta.num_seqs
         splits = meta.cache["extend_splits"] = extend_splits(meta.max_query_len, seqs, k_cache.shape[2], q.shape[1],
                                                              _num_sms(q.device))
     if splits > 1:

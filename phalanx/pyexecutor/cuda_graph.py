@@ -136,11 +136,11 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)
 
     def _extend_meta(self, t: int) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping=self.e_slots[:t], query_start=self.e_query_start,
+        # most rows are empty: attention plans for one sequence with tokens
+        return AttentionMetadata(slot_mapping=self.e_slots[:t], query_start=self.e_query_start,
                                  seq_lens=self.e_seq_lens, block_tables=self.e_block_tables, max_query_len=t,
-                                 max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block)
-        meta.cache["plan_one_seq"] = True   # most rows are empty: plan attention for one sequence
-        return meta
+                                 max_seq_len=self.max_seq_len, tokens_per_block=self.tokens_per_block,
+                                 plan_num_seqs=1)
 
     def _extend_forward(self, t: int, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(self.e_ids[:t], self.e_positions[:t], meta, self.kv_tensor)
