@@ -28,6 +28,10 @@ class EngineDeadError(RuntimeError):
 
 
 class GenerationExecutor(ABC):
+    # whether the ranks run in a private network namespace (nothing outside the host's loopback
+    # reaches them, nor they it); the MPI proxy sets it from what it started
+    private_network = False
+
     def __init__(self) -> None:
         self._results: dict[int, GenerationResult] = {}  # child request id -> its result
         self._ids = itertools.count(1)

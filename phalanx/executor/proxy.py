@@ -89,6 +89,9 @@ class MpiProxyExecutor(GenerationExecutor):
         self.proc: subprocess.Popen | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
         self._failed_rank_line: str | None = None
+        # set by _spawn when it wraps the job; a fallback line from the wrapper, or attaching to
+        # `phalanx launch`, leaves the ranks on the host's network
+        self.private_network = False
         timeout = startup_timeout or float(os.environ.get(STARTUP_TIMEOUT_ENV, "600"))
         attach = os.environ.get(LAUNCH_ENV) == "1"
         if attach:
@@ -141,6 +144,7 @@ class MpiProxyExecutor(GenerationExecutor):
         cmd = mpirun_command(world)
         if self.args.mpi_private_network and os.environ.get(NETNS_ENV, "1") != "0" and sys.platform == "linux":
             cmd = [sys.executable, "-m", "phalanx.executor.netns", "--", *cmd]
+            self.private_network = True
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         threading.Thread(target=self._read_stderr, name="phalanx-job-stderr", daemon=True).start()
@@ -153,6 +157,7 @@ class MpiProxyExecutor(GenerationExecutor):
             if line.startswith(FATAL_MARKER) and self._failed_rank_line is None:
                 self._failed_rank_line = line
             if line.startswith(FALLBACK_MARKER):
+                self.private_network = False
                 logger.warning("%s", line[len(FALLBACK_MARKER) + 2:])
             if os.environ.get("PHALANX_ECHO_WORKER_STDERR"):
                 print(line, file=sys.stderr)

@@ -262,7 +262,7 @@ class LLM:
         """Join a trainer's process group (``weight_transfer.TrainerGroup``, rank 0): engine rank
         r becomes rank ``rank_offset + r`` of ``world_size``. NCCL on GPUs, gloo on the CPU.
         Blocks until the trainer has joined too."""
-        if self.args.orchestrator_type != "inprocess" and self.args.mpi_private_network:
+        if self._executor.private_network:
             raise ValueError("init_weights_update_group: the ranks run in a private network namespace and cannot "
                              "reach the trainer; start the LLM with mpi_private_network=False")
         self._rollout("init_weights_update_group", {

@@ -75,3 +75,15 @@ def test_tp2_updates_from_disk_a_trainer_group_and_shared_tensors(tmp_path):
         outs = check(llm, hf["b"], "TP=2 from this process's tensors")
         assert all(o.weight_version == "shm" for o in outs)
         assert llm.check_integrity() == ["ok", "ok"]
+
+
+def test_a_trainer_group_is_refused_only_where_the_ranks_are_really_private(tiny_models, monkeypatch):
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True) as llm:         # private by default
+        assert llm._executor.private_network
+        with pytest.raises(ValueError, match="private network namespace"):
+            llm.init_weights_update_group("127.0.0.1", free_port(), 1, 2, timeout=1)
+    monkeypatch.setenv("PHALANX_MPI_NETNS", "0")                             # asked for, not used
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True) as llm:
+        assert not llm._executor.private_network
+        with pytest.raises(RuntimeError):                                     # tried: nobody listens there
+            llm.init_weights_update_group("127.0.0.1", free_port(), 1, 2, timeout=1)
