@@ -127,11 +127,9 @@ class AdpExecutor(PyExecutor):
             self.num_placed[r] += 1
             if r != self.rank:
                 continue
-            error = self.scheduler.add_request(req)
+            error = self._enqueue(req)
             if error is not None:
                 self._emit([Response(req.request_id, finish_reason="error", error=error)])
-            else:
-                self._track_grammar(req)
 
     # -- cancels: a request not placed yet is dropped everywhere (rank 0 answers) ----------------------
     def _cancel(self, request_id: int) -> None:

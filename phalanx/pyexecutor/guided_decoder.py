@@ -65,12 +65,10 @@ class GuidedDecoder:
         return self.compiler.compile(params)
 
     def add(self, req: Request) -> None:
-        """Start following a request that has a grammar (after it joined this rank's scheduler)."""
-        params = req.sampling.guided_decoding
-        if params is None:
-            return
+        """Start following a request's compiled grammar (``req.grammar``, from ``compile``) once
+        it joined this rank's scheduler."""
         import xgrammar as xgr
-        self.matchers[req.request_id] = xgr.GrammarMatcher(self.compile(params))
+        self.matchers[req.request_id] = xgr.GrammarMatcher(req.grammar)
 
     def release(self, request_id: int) -> None:
         self.matchers.pop(request_id, None)

@@ -225,10 +225,7 @@ class PyExecutor:
 
     def _add(self, msg: GenerationRequest) -> None:
         try:
-            req = self._make_request(msg)
-            error = self.scheduler.add_request(req)
-            if error is None:
-                self._track_grammar(req)
+            error = self._enqueue(self._make_request(msg))
         except (ValueError, TypeError) as e:
             error = str(e)
         if error is not None:
@@ -243,13 +240,14 @@ class PyExecutor:
         limit = self.max_seq_len if params.max_tokens is None else min(self.max_seq_len, len(ids) + params.max_tokens)
         if msg.max_total_tokens:
             limit = min(limit, msg.max_total_tokens)
+        grammar = None
         if params.guided_decoding is not None:   # refuse a grammar that does not compile, here
             if self.runner.guided is None:
                 raise ValueError("guided_decoding is not available on this engine")
-            self.runner.guided.compile(params.guided_decoding)
+            grammar = self.runner.guided.compile(params.guided_decoding)
         salt = (msg.cache_salt or "").encode()
         return Request(msg.request_id, list(ids), params, tuple(msg.eos_token_ids), limit,
-                       extra_key=salt, priority=msg.priority)
+                       extra_key=salt, priority=msg.priority, grammar=grammar)
 
     def _beat(self) -> None:
         """Tell the user process this loop is alive (once per HEARTBEAT_INTERVAL at most)."""
@@ -258,10 +256,13 @@ class PyExecutor:
             self._last_beat = now
             self._emit(Heartbeat(self.rank, self.iteration, self.stats()))
 
-    def _track_grammar(self, req: Request) -> None:
-        """A request that joined this rank's scheduler: follow its grammar, if it has one."""
-        if req.sampling.guided_decoding is not None and self.runner.guided is not None:
+    def _enqueue(self, req: Request) -> str | None:
+        """Give a request to this rank's scheduler and, once it is in, follow its grammar;
+        the scheduler's refusal, or None."""
+        error = self.scheduler.add_request(req)
+        if error is None and req.grammar is not None and self.runner.guided is not None:
             self.runner.guided.add(req)
+        return error
 
     # -- inspection ------------------------------------------------------------------------------
     def _control(self, ctl: Control) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from phalanx.kv_manager.radix_tree import DEFAULT_PRIORITY
 from phalanx.llmapi.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class Request:
     max_total_tokens: int = 0        # finish by length at this many tokens (prompt + output)
     extra_key: bytes = b""           # cache_salt / LoRA id: isolates prefix reuse
     priority: int = DEFAULT_PRIORITY  # KV retention priority of its blocks
+    grammar: Any = None              # its compiled grammar (guided decoding), opaque here
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
