@@ -47,8 +47,11 @@ class Projection(nn.Module):
 
     def __init__(self, behind: Neighbour = Neighbour.PLAIN) -> None:
         super().__init__()
-        self.behind = behind
         self.plan = LinearPlan(behind)
+
+    @property
+    def behind(self) -> Neighbour:
+        return self.plan.neighbour
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.plan(x, self.weight, self.bias)
