@@ -31,13 +31,13 @@ def _moe_configs():
     }
 
 
-def tiny_model_dirs(make_dir, configs=None) -> dict[str, str]:
-    """model type -> directory with config.json + model.safetensors (fp32, seeded)."""
+def tiny_model_dirs(make_dir, configs=None, seed: int = 1234) -> dict[str, str]:
+    """name -> directory with config.json + model.safetensors (fp32; the i-th seeded seed + i)."""
     import torch
     from transformers import AutoModelForCausalLM
     out = {}
     for i, (name, cfg) in enumerate((configs or _configs()).items()):
-        torch.manual_seed(1234 + i)
+        torch.manual_seed(seed + i)
         cfg.initializer_range = 0.1        # peakier logits: fewer near-ties
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
         path = make_dir(name)

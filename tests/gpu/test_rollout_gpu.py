@@ -6,7 +6,7 @@ process's CUDA tensors through CUDA IPC. Skipped without CUDA."""
 import pytest
 import torch
 
-from hf_reference import _configs
+from hf_reference import _configs, tiny_model_dirs
 from phalanx import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -24,16 +24,8 @@ def prompts(vocab, n=6):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-    dirs = {}
-    for tag, seed in (("a", 21), ("b", 22)):
-        cfg = _configs()["llama"]
-        cfg.initializer_range = 0.1
-        torch.manual_seed(seed)
-        d = tmp_path_factory.mktemp(f"gpu-rollout-{tag}")
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(d)
-        dirs[tag] = str(d)
-    return dirs
+    return tiny_model_dirs(lambda tag: tmp_path_factory.mktemp(f"gpu-rollout-{tag}"),
+                           {"a": _configs()["llama"], "b": _configs()["llama"]}, seed=21)
 
 
 def engine(path):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from hf_reference import _configs, assert_same_greedy, hf_greedy
+from hf_reference import _configs, assert_same_greedy, hf_greedy, hf_models_from, tiny_model_dirs
 from phalanx import LLM, SamplingParams
 from serve_helpers import free_port
 
@@ -19,17 +19,9 @@ SP = SamplingParams(max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Two tiny Llama checkpoints of one architecture (a, b) and their transformers models."""
-    from transformers import AutoModelForCausalLM
-    dirs, models = {}, {}
-    for tag, seed in (("a", 11), ("b", 12)):
-        cfg = _configs()["llama"]
-        cfg.initializer_range = 0.1
-        torch.manual_seed(seed)
-        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        d = tmp_path_factory.mktemp(f"rollout-{tag}")
-        m.save_pretrained(d)
-        dirs[tag], models[tag] = str(d), m
-    return dirs, models
+    dirs = tiny_model_dirs(lambda tag: tmp_path_factory.mktemp(f"rollout-{tag}"),
+                           {"a": _configs()["llama"], "b": _configs()["llama"]}, seed=11)
+    return dirs, hf_models_from(dirs)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from hf_reference import _configs, assert_same_greedy, hf_greedy
+from hf_reference import _configs, assert_same_greedy, hf_greedy, hf_models_from, tiny_model_dirs
 from phalanx import LLM, SamplingParams
 from serve_helpers import free_port
 
@@ -39,15 +39,8 @@ def check(llm, hf, what):
 
 
 def test_tp2_updates_from_disk_a_trainer_group_and_shared_tensors(tmp_path):
-    from transformers import AutoModelForCausalLM
-    dirs, hf = {}, {}
-    for tag, seed in (("a", 21), ("b", 22)):
-        cfg = _configs()["qwen3"]
-        cfg.initializer_range = 0.1
-        torch.manual_seed(seed)
-        hf[tag] = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        dirs[tag] = str(tmp_path / tag)
-        hf[tag].save_pretrained(dirs[tag])
+    dirs = tiny_model_dirs(lambda tag: tmp_path / tag, {"a": _configs()["qwen3"], "b": _configs()["qwen3"]}, seed=21)
+    hf = hf_models_from(dirs)
     with LLM(dirs["a"], tensor_parallel_size=2, skip_tokenizer_init=True, mpi_private_network=False,
              kv_cache_config={"tokens_per_block": 8}) as llm:
         check(llm, hf["a"], "TP=2 before")
