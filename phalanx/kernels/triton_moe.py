@@ -1,14 +1,21 @@
-"""Fused mixture-of-experts on the GPU: (token, expert) pairs sorted by expert into blocks of
+"""Fused mixture-of-experts on the GPU: (token, expert) pairs placed by expert into blocks of
 BLOCK_M rows, then two grouped GEMMs — gate‖up with SiLU-and-mul, and down scaled by the
-routing weight — each block using its expert's weights. Checked against
-``reference.experts_ref``.
+routing weight — each block using its expert's weights; a token's k results are summed in a
+fixed order. Checked against ``reference.experts_ref``.
 
-The bookkeeping uses only fixed-size tensor ops (no host synchronisation), so a decode step
-with MoE layers can be captured in a CUDA graph::
+The bookkeeping is two small kernels of fixed shape (no sort, no host synchronisation), so a
+decode step with MoE layers can be captured in a CUDA graph::
 
-    pairs P = T·k, local experts E, padded rows ≤ P + E·(BLOCK_M − 1)
-    sorted_pair[row]   pair index at each padded row (P = empty)
-    block_expert[b]    local expert of block b (E = empty block)
+    pairs P = T·k, local experts E, padded rows R ≤ P + E·(BLOCK_M − 1)
+    _count_kernel    slot[p] = the pair's place among its expert's pairs (an atomic counter);
+                     every row of sorted_pair set empty (P)
+    _place_kernel    start[e] = Σ_{e' < e} ceil(count[e'] / BLOCK_M)·BLOCK_M (each program
+                     recomputes it from the E counters); sorted_pair[start[e] + slot[p]] = p;
+                     block_expert[b] = #{e : end[e] ≤ b·BLOCK_M} (E = empty block)
+
+The order of pairs within an expert's rows depends on the atomics, but no result does: a row's
+GEMM output depends only on that row, the down kernel writes each pair's row at its pair
+index, and ``y.view(T, k, H).sum(1)`` adds a token's k rows in pair order.
 """
 
 from __future__ import annotations
@@ -32,30 +39,67 @@ CANDIDATES = (
 _MEMO: dict[tuple, MoePlan] = {}
 
 
+ALIGN_CHUNK = 256    # pairs (or blocks) per program of the bookkeeping kernels
+
+
+@triton.jit
+def _count_kernel(ids_ptr, cnt_ptr, slot_ptr, pair_ptr, P, first, E, R, CHUNK: tl.constexpr):
+    i = tl.program_id(0)
+    p = i * CHUNK + tl.arange(0, CHUNK)
+    loc = tl.load(ids_ptr + p, mask=p < P, other=0).to(tl.int32) - first
+    ok = (p < P) & (loc >= 0) & (loc < E)
+    slot = tl.atomic_add(cnt_ptr + tl.where(ok, loc, 0), tl.full([CHUNK], 1, tl.int32), mask=ok)
+    tl.store(slot_ptr + p, slot, mask=ok)
+    for r0 in range(i * CHUNK, R, tl.num_programs(0) * CHUNK):   # every padded row starts empty
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(pair_ptr + r, tl.full([CHUNK], 0, tl.int64) + P, mask=r < R)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, cnt_ptr, slot_ptr, pair_ptr, bexp_ptr, P, first, E, NB,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    i = tl.program_id(0)
+    ex = tl.arange(0, E_PAD)
+    counts = tl.load(cnt_ptr + ex, mask=ex < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    p = i * CHUNK + tl.arange(0, CHUNK)
+    loc = tl.load(ids_ptr + p, mask=p < P, other=0).to(tl.int32) - first
+    ok = (p < P) & (loc >= 0) & (loc < E)
+    start = tl.sum(tl.where(loc[:, None] == ex[None, :], starts[None, :], 0), axis=1)
+    slot = tl.load(slot_ptr + p, mask=ok, other=0)
+    tl.store(pair_ptr + start + slot, p.to(tl.int64), mask=ok)
+    b = i * CHUNK + tl.arange(0, CHUNK)
+    row = (b * BLOCK_M).to(tl.int32)
+    e = tl.sum(((ends[None, :] <= row[:, None]) & (ex < E)[None, :]).to(tl.int32), axis=1)
+    tl.store(bexp_ptr + b, e.to(tl.int64), mask=b < NB)
+
+
+def num_rows(pairs: int, num_local: int, block_m: int) -> int:
+    """Padded rows of a step's pairs: every expert's run rounded up to whole blocks."""
+    return triton.cdiv(pairs + num_local * (block_m - 1), block_m) * block_m
+
+
 def align(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pair [R], block_expert [R // block_m]) for the pairs of ``ids`` [T, k] that fall on
-    this rank's experts ``first .. first + num_local``."""
+    this rank's experts ``first .. first + num_local``: each local expert's pairs in a run of
+    whole blocks, in expert order; rows past a run hold P (empty)."""
     P = ids.numel()
     dev = ids.device
-    local = ids.reshape(-1) - first
-    local = torch.where((local >= 0) & (local < num_local), local, num_local)
-    counts = torch.zeros(num_local + 1, dtype=torch.long, device=dev).scatter_add_(0, local, torch.ones_like(local))
-    counts = counts[:num_local]
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    order = torch.argsort(local, stable=True)
-    sorted_e = local[order]
-    valid = sorted_e < num_local
-    e = sorted_e.clamp(max=num_local - 1)
-    rank_in_e = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[e]
-    rows = P + num_local * (block_m - 1)
-    rows = triton.cdiv(rows, block_m) * block_m
-    dst = torch.where(valid, starts[e] + rank_in_e, rows)          # invalid pairs go to a spill row
-    sorted_pair = torch.full((rows + 1,), P, dtype=torch.long, device=dev)
-    sorted_pair.scatter_(0, dst, order)
-    block_expert = torch.searchsorted(ends, torch.arange(0, rows, block_m, device=dev), right=True)
-    return sorted_pair[:rows], block_expert
+    R = num_rows(P, num_local, block_m)
+    NB = R // block_m
+    ids = ids.reshape(-1).contiguous()
+    counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
+    slot = torch.empty(P, dtype=torch.int32, device=dev)
+    sorted_pair = torch.empty(R, dtype=torch.long, device=dev)
+    block_expert = torch.empty(NB, dtype=torch.long, device=dev)
+    C = ALIGN_CHUNK
+    _count_kernel[(triton.cdiv(P, C),)](ids, counts, slot, sorted_pair, P, first, num_local, R, CHUNK=C)
+    e_pad = max(16, triton.next_power_of_2(num_local))
+    _place_kernel[(triton.cdiv(max(P, NB), C),)](ids, counts, slot, sorted_pair, block_expert, P, first, num_local,
+                                                 NB, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=C)
+    return sorted_pair, block_expert
 
 
 @triton.jit
@@ -90,15 +134,15 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I
 
 @triton.jit
 def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,  # noqa: E741 (I: intermediate size)
-                     s_ar, s_we, s_wn, s_yr,
+                     s_ar, s_we, s_wn, s_yp,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < H
     if e < E:
+        rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < H
         pair = tl.load(pair_ptr + rows)
         rm = pair < P
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -111,10 +155,8 @@ def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I,
             acc += tl.dot(a, tl.trans(w), input_precision=PREC)
         rw = tl.load(rw_ptr + pair, mask=rm, other=0.0)
         acc = acc * rw[:, None]
-        tl.store(y_ptr + rows[:, None] * s_yr + n[None, :], acc, mask=rm[:, None] & nm[None, :])
-    else:
-        tl.store(y_ptr + rows[:, None] * s_yr + n[None, :], tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
-                 mask=nm[None, :])
+        tl.store(y_ptr + pair[:, None] * s_yp + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rm[:, None] & nm[None, :])
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -126,6 +168,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     E, two_i, _ = w13.shape
     I = two_i // 2  # noqa: E741 (I: intermediate size)
     P = T * k
+    if P == 0:
+        return x.new_zeros(T, H)
     bm, bn, bk, warps, stages = plan.tile(P)
     sorted_pair, block_expert = align(ids, first, E, bm)
     R = sorted_pair.shape[0]
@@ -136,14 +180,11 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     _moe_gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
         x, w13, sorted_pair, block_expert, act, P, k, H, I, E, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), **launch)
-    y = torch.empty(R, H, dtype=torch.float32, device=x.device)
+    y = torch.zeros(P, H, dtype=x.dtype, device=x.device)    # pairs of other ranks' experts stay 0
     _moe_down_kernel[(R // bm, triton.cdiv(H, bn))](
         act, w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(), y, P, H, I, E,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **launch)
-    out = torch.zeros(T + 1, H, dtype=torch.float32, device=x.device)
-    tok = torch.where(sorted_pair < P, sorted_pair // k, T)
-    out.index_add_(0, tok, y)
-    return out[:T].to(x.dtype)
+    return y.view(T, k, H).sum(1)
 
 
 def _run_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

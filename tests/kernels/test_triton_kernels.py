@@ -477,6 +477,38 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
         close(triton_moe.fused_moe(x, ids, w, w13, w2, first, MoePlan((tile,) * 4)), ref, dtype)
 
 
+@pytest.mark.parametrize("T,k,E,first,local,block_m", [(1, 2, 4, 0, 4, 16), (37, 3, 8, 4, 4, 16), (300, 2, 6, 0, 3, 32),
+                                                        (600, 4, 40, 0, 40, 16)]
+                         + ([(4096, 8, 128, 64, 64, 64)] if CUDA else []))
+def test_moe_alignment_places_every_local_pair_once_in_its_experts_blocks(T, k, E, first, local, block_m):
+    """Skewed routing (half the pairs on one expert), experts of other ranks, several programs."""
+    from phalanx.kernels import triton_moe
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[::2, 0] = first + local - 1 if ids.shape[1] == 1 else ids[::2, 0]
+    ids[1::2, -1] = torch.where((ids[1::2, :-1] == first).any(1), ids[1::2, -1], first)
+    sorted_pair, block_expert = triton_moe.align(ids.to(DEV), first, local, block_m)
+    sorted_pair, block_expert = sorted_pair.cpu(), block_expert.cpu()
+    P = ids.numel()
+    flat = ids.reshape(-1) - first
+    is_local = (flat >= 0) & (flat < local)
+    assert sorted_pair.shape[0] == triton_moe.num_rows(P, local, block_m)
+    placed = sorted_pair[sorted_pair < P]
+    assert sorted(placed.tolist()) == torch.nonzero(is_local).flatten().tolist()    # every local pair once
+    expected_blocks = [-(-int((flat == e).sum()) // block_m) for e in range(local)]
+    expected = torch.tensor(sum(([e] * n for e, n in enumerate(expected_blocks)), []), dtype=torch.long)
+    assert block_expert[:len(expected)].tolist() == expected.tolist()
+    assert (block_expert[len(expected):] == local).all()                            # empty blocks past the runs
+    row_expert = block_expert.repeat_interleave(block_m)
+    rows = torch.nonzero(sorted_pair < P).flatten()
+    assert (row_expert[rows] == flat[sorted_pair[rows]]).all()                      # each pair in its expert's blocks
+    for b in range(len(expected)):     # a run's pairs come first in its blocks, empties after
+        e = int(block_expert[b])
+        start = sum(expected_blocks[:e]) * block_m
+        n = int((flat == e).sum())
+        assert (sorted_pair[start:start + n] < P).all() and (sorted_pair[start + n:start + expected_blocks[e] * block_m] == P).all()
+
+
 @pytest.mark.skipif(not CUDA, reason="tuning times CUDA graphs")
 def test_moe_tuning_picks_a_tile_of_each_bucket_that_runs():
     from phalanx.kernels import triton_moe
