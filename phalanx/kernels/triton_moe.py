@@ -34,7 +34,7 @@ CANDIDATES = (
     (MoeTile(16, 64, 64, 4, 3), MoeTile(16, 128, 64, 4, 3), MoeTile(16, 64, 128, 4, 3), MoeTile(16, 32, 128, 4, 4)),
     (MoeTile(16, 64, 64, 4, 3), MoeTile(16, 128, 64, 4, 3), MoeTile(32, 64, 64, 4, 3), MoeTile(32, 128, 64, 4, 3)),
     (MoeTile(32, 64, 64, 4, 3), MoeTile(64, 64, 64, 4, 3), MoeTile(64, 128, 64, 4, 3), MoeTile(64, 128, 64, 8, 3)),
-    (MoeTile(64, 64, 64, 4, 3), MoeTile(64, 128, 64, 8, 3), MoeTile(128, 128, 64, 8, 3), MoeTile(64, 128, 128, 8, 3)),
+    (MoeTile(64, 64, 64, 4, 3), MoeTile(64, 128, 64, 8, 3), MoeTile(128, 128, 64, 8, 3), MoeTile(64, 128, 128, 8, 2)),
 )
 _MEMO: dict[tuple, MoePlan] = {}
 
