@@ -84,6 +84,32 @@ class AttentionDpConfig(StrictModel):
                                                        "instead of following the cache.")
 
 
+class SpeculativeConfig(StrictModel):
+    """Speculative decoding (TensorRT-LLM's shape): a proposer guesses up to ``max_draft_len``
+    tokens per step for every decoding request and the target verifies them in one forward.
+
+    NGram        drafts from the request's own history (prompt lookup): the tokens that followed
+                 the latest earlier occurrence of its last ``max_matching_ngram_size`` .. 1
+                 tokens; no extra weights.
+    DraftTarget  drafts from a smaller model with the target's vocabulary
+                 (``speculative_model_dir``), run greedily ``max_draft_len`` steps over its own
+                 KV cache, which shares the target's block tables.
+    """
+
+    decoding_type: Literal["NGram", "DraftTarget"]
+    max_draft_len: int = Field(4, ge=1, le=16, description="Draft tokens verified per step.")
+    max_matching_ngram_size: int = Field(3, ge=1, le=16, description="NGram: the longest suffix matched.")
+    speculative_model_dir: str | None = Field(None, description="DraftTarget: the draft model (HF directory).")
+
+    @model_validator(mode="after")
+    def _proposer_fields(self) -> SpeculativeConfig:
+        if self.decoding_type == "DraftTarget" and not self.speculative_model_dir:
+            raise ValueError("decoding_type DraftTarget needs speculative_model_dir (the draft model)")
+        if self.decoding_type == "NGram" and self.speculative_model_dir:
+            raise ValueError("speculative_model_dir is for decoding_type DraftTarget, not NGram")
+        return self
+
+
 class LlmArgs(StrictModel):
     """Everything ``LLM(...)`` accepts."""
 
@@ -127,6 +153,8 @@ class LlmArgs(StrictModel):
         False, description="Reserve at start-up the pinned host memory that sleep(level=1) copies the weights "
                            "into (pinning ~15 GB takes seconds, which the first sleep would pay otherwise). "
                            "sleep works without it.")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding: {decoding_type: NGram | DraftTarget, max_draft_len, ...}.")
     mpi_private_network: bool = Field(
         True, description="Start the MPI job in a network namespace of its own (loopback only: nothing it opens "
                           "is reachable from outside). False: the host's network, which ranks need to join a "
@@ -139,6 +167,8 @@ class LlmArgs(StrictModel):
                              f"tensor_parallel_size ({self.tensor_parallel_size})")
         if self.enable_attention_dp and self.tensor_parallel_size < 2:
             raise ValueError("enable_attention_dp needs tensor_parallel_size >= 2 (one rank per attention replica)")
+        if self.speculative_config is not None and self.enable_attention_dp:
+            raise ValueError("speculative_config: not supported with enable_attention_dp")
         return self
 
     @property

@@ -78,7 +78,7 @@ class TokenBatch:
     pack at hundreds of requests per step). Rows travel as msgpack arrays."""
 
     request_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int | list[int]] = field(default_factory=list)   # a list: a verify step's accepted tokens
     logprobs: list[Any] | None = None     # aligned with request_ids: None or [chosen, [[id, lp], ...]]
     finished: list[Finished] = field(default_factory=list)
     first: list[FirstToken] = field(default_factory=list)
@@ -95,7 +95,8 @@ class TokenBatch:
         for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids, strict=True)):
             fin, fst = done.get(rid), first.get(rid)
             lp = self.logprobs[i] if self.logprobs is not None else None
-            resp = Response(rid, [tok], [lp] if lp is not None else None, weight_version=self.weight_version)
+            toks = tok if isinstance(tok, list) else [tok]
+            resp = Response(rid, toks, [lp] if lp is not None else None, weight_version=self.weight_version)
             if fin is not None:
                 resp.finish_reason, resp.stop_reason = fin.finish_reason, fin.stop_reason
             if fst is not None:

@@ -47,16 +47,26 @@ class _Sequence:
         if resp.token_ids and resp.weight_version and (
                 not self.weight_versions or self.weight_versions[-1][1] != resp.weight_version):
             self.weight_versions.append((len(self.token_ids), resp.weight_version))
-        self.token_ids.extend(resp.token_ids)
-        if self.logprobs is not None and resp.logprobs:
-            for tok, (chosen, top) in zip(resp.token_ids, resp.logprobs, strict=True):
-                self.logprobs.append(_logprob_entry(tok, (chosen, top)))
-                self.cumulative_logprob += float(chosen)
         hit = False
-        if self.detok is not None and resp.token_ids:
-            before = len(self.text)
-            self.text += self.detok.add(resp.token_ids)
-            hit = self._check_stop_strings(before)
+        if self.detok is not None and self.params.stop_strings and len(resp.token_ids) > 1:
+            # several tokens at once (a speculative step): the tokens after a stop string's are dropped
+            for tok in resp.token_ids:
+                self.token_ids.append(tok)
+                before = len(self.text)
+                self.text += self.detok.add([tok])
+                if self._check_stop_strings(before):
+                    hit = True
+                    break
+        else:
+            self.token_ids.extend(resp.token_ids)
+            if self.logprobs is not None and resp.logprobs:
+                for tok, (chosen, top) in zip(resp.token_ids, resp.logprobs, strict=True):
+                    self.logprobs.append(_logprob_entry(tok, (chosen, top)))
+                    self.cumulative_logprob += float(chosen)
+            if self.detok is not None and resp.token_ids:
+                before = len(self.text)
+                self.text += self.detok.add(resp.token_ids)
+                hit = self._check_stop_strings(before)
         if resp.finish_reason is not None and not self.finished:
             if self.detok is not None:
                 before = len(self.text)

@@ -75,9 +75,18 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     pool_shape = (cfg.num_layers, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
+    draft = None
+    if args.speculative_config is not None and args.speculative_config.decoding_type == "DraftTarget":
+        draft = _build_draft(args, source, dtype, device, tp)
+        dcfg = draft.config
+        dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
+        block_bytes += bytes_per_block(dcfg.num_layers, dheads.num_kv_heads, dcfg.head_dim, kvc.tokens_per_block,
+                                       kv_dtype)   # the draft's pool has the same blocks
     extra: dict = {}
     if device.type == "cuda":
         extra["gemv_gb_per_s"] = _tune_kernels(model)
+        if draft is not None:
+            _tune_kernels(draft)
         num_blocks = _profile_num_blocks(args, model, pool_shape, block_bytes, max_seq_len, extra)
     else:
         num_blocks = _num_kv_blocks(args, device, block_bytes)
@@ -93,6 +102,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     scheduler = Scheduler(limits, kv)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
+    if args.speculative_config is not None:
+        runner.spec = _build_spec(args, cfg, draft, num_blocks + 1, max_seq_len, kv_dtype, tp, device)
     runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source), cfg.vocab_size,
                                   max_rows=min(args.max_batch_size, 4096), pin_memory=device.type == "cuda")
     ref_attention = device.type == "cuda" and not ops.triton_attention_everywhere(model, kvc.tokens_per_block)
@@ -112,7 +123,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                                if cfg.is_moe else f"above max_num_tokens {args.max_num_tokens}")
             runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-max_seq_len // B), B, max_seq_len,
                                             num_blocks, gcfg.enable_padding, device, extend_sizes=extend,
-                                            extend_max_seqs=gcfg.extend_max_seqs)
+                                            extend_max_seqs=gcfg.extend_max_seqs,
+                                            logits_per_seq=1 + (runner.spec.k if runner.spec is not None else 0))
             runner.graphs.capture()
             extra["graph_capture_s"] = runner.graphs.capture_seconds
     if adp:   # each rank owns its requests; sync loop (see attention_dp/executor.py)
@@ -132,6 +144,45 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks (%d tokens)", device, dtype, info.startup_seconds,
                 num_blocks, num_blocks * kvc.tokens_per_block)
     return executor, info
+
+
+def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device: torch.device,
+                 tp: TPGroup) -> CausalLM:
+    """The DraftTarget proposer's model: the target's vocabulary, sharded like the target."""
+    from phalanx.models.loader import resolve_model
+    sc = args.speculative_config
+    assert sc is not None and sc.speculative_model_dir is not None
+    try:
+        dsource = resolve_model(sc.speculative_model_dir, args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any loader failure means the same thing here
+        raise ValueError(f"speculative_config.speculative_model_dir: the draft model did not load: {e}") from None
+    if dsource.config.vocab_size != source.config.vocab_size:
+        raise ValueError(f"speculative_config.speculative_model_dir: the draft's vocabulary "
+                         f"({dsource.config.vocab_size}) differs from the target's ({source.config.vocab_size})")
+    if dsource.config.is_moe:
+        raise ValueError("speculative_config.speculative_model_dir: a mixture-of-experts draft is not supported")
+    return build_model(dsource, dtype, device, tp, args.load_format, args.seed)
+
+
+def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, max_seq_len: int,
+                kv_dtype: torch.dtype, tp: TPGroup, device: torch.device):
+    from phalanx.pyexecutor.speculative import DraftModelProposer, NGramProposer, SpecDecoder
+    sc = args.speculative_config
+    assert sc is not None
+    k = sc.max_draft_len
+    max_position = cfg.max_position_embeddings
+    proposer: NGramProposer | DraftModelProposer
+    if draft is None:
+        proposer = NGramProposer(k, sc.max_matching_ngram_size)
+    else:
+        dcfg = draft.config
+        dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
+        dpool = KVPool(dcfg.num_layers, pool_blocks, args.kv_cache_config.tokens_per_block, dheads.num_kv_heads,
+                       dcfg.head_dim, kv_dtype, device)
+        max_position = min(max_position, dcfg.max_position_embeddings)
+        proposer = DraftModelProposer(k, draft, dpool, cfg.vocab_size, max_position)
+    return SpecDecoder(k, proposer, cfg.vocab_size, max_seq_len, max_position, args.kv_cache_config.tokens_per_block,
+                       pool_blocks - 1, device, keep_history=draft is None)
 
 
 def _grammar_compiler(args: LlmArgs, source: ModelSource) -> GrammarCompiler:

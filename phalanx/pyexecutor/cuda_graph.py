@@ -39,7 +39,8 @@ CAPTURE_MODE = "thread_local"
 class CudaGraphRunner:
     def __init__(self, model: CausalLM, kv_tensor: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
                  tokens_per_block: int, max_seq_len: int, scratch_block: int, enable_padding: bool,
-                 device: torch.device, extend_sizes: list[int] | None = None, extend_max_seqs: int = 8) -> None:
+                 device: torch.device, extend_sizes: list[int] | None = None, extend_max_seqs: int = 8,
+                 logits_per_seq: int = 1) -> None:
         self.model, self.kv_tensor, self.device = model, kv_tensor, device
         self.sizes = sorted(set(sizes))
         self.enable_padding = enable_padding
@@ -60,6 +61,8 @@ class CudaGraphRunner:
         # extend graphs: T tokens over extend_max_seqs + 1 sequence rows (the last for padding)
         self.extend_sizes = sorted({t for t in extend_sizes or [] if 1 < t <= max_seq_len})
         self.extend_max_seqs = extend_max_seqs
+        # rows of logits an extend graph returns: one a sequence, k + 1 for speculative verify rows
+        self.extend_max_logits = extend_max_seqs * logits_per_seq if self.extend_sizes else 0
         if self.extend_sizes:
             tmax, rows = self.extend_sizes[-1], extend_max_seqs + 1
             self.e_ids = torch.zeros(tmax, dtype=torch.long, device=device)
@@ -71,7 +74,7 @@ class CudaGraphRunner:
             self.e_seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
             self.e_block_tables = torch.full((rows, max_blocks_per_seq), scratch_block, dtype=torch.int32,
                                              device=device)
-            self.e_logits_indices = torch.zeros(extend_max_seqs, dtype=torch.long, device=device)
+            self.e_logits_indices = torch.zeros(self.extend_max_logits, dtype=torch.long, device=device)
         self.extend_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.extend_outputs: dict[int, torch.Tensor] = {}
 

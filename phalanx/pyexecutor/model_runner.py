@@ -14,7 +14,7 @@ the next step gathers it from that buffer on the device; its position comes from
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
     from phalanx.pyexecutor.guided_decoder import GuidedDecoder
     from phalanx.pyexecutor.request import Request
+    from phalanx.pyexecutor.speculative import SpecDecoder, SpecStep
 
 
 class RequestFailures(Exception):
@@ -69,6 +70,8 @@ class StepInputs:
     gather_dst: torch.Tensor | None = None    # [G] packed rows whose token is in flight
     gather_slot: torch.Tensor | None = None   # [G] their request slots
     prompt_logprobs: PromptLogprobRows | None = None
+    spec: SpecStep | None = None              # speculative rows (verify, first tokens, prompts)
+    verify_settings: list[RowSettings] | None = None   # one per verify row
 
 
 @dataclass
@@ -93,10 +96,11 @@ class PromptLogprobs:
 
 @dataclass
 class StepResult:
-    """Per batch row: the sampled token (None if the row did not sample) and its logprobs;
-    prompt log-probabilities by row for the rows that asked."""
+    """Per batch row: the sampled token (None if the row did not sample; a verify row's
+    accepted tokens as a list) and its logprobs; prompt log-probabilities by row for the rows
+    that asked."""
 
-    token_ids: list[int | None]
+    token_ids: list[int | list[int] | None]
     logprobs: list | None = None
     prompt_logprobs: dict[int, tuple[int, list]] | None = None
 
@@ -116,6 +120,8 @@ class InFlightStep:
     pending: tuple[torch.Tensor, list[RowSettings]] | None = None
     start: torch.cuda.Event | None = None
     weight_version: str = ""            # the weights the step's forward read (set by the loop)
+    spec: SpecStep | None = None
+    verify_settings: list[RowSettings] | None = None
 
 
 class ModelRunner:
@@ -130,6 +136,7 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs: CudaGraphRunner | None = None   # decode-only steps (GPU)
         self.guided: GuidedDecoder | None = None      # grammar state (guided decoding)
+        self.spec: SpecDecoder | None = None          # speculative decoding (device state, proposer)
         self.num_graph_steps = 0                     # steps that replayed a graph
         self.num_extend_graph_steps = 0              # prefill / extend / mixed steps that replayed one
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
@@ -143,6 +150,8 @@ class ModelRunner:
             if not self._free_slots:
                 self._grow_slots()
             slot = self._slots[request_id] = self._free_slots.pop()
+            if self.spec is not None:
+                self.spec.ensure_rows(slot + 1)
         return slot
 
     def release(self, request_id: int) -> None:
@@ -180,10 +189,19 @@ class ModelRunner:
         gather_slot: list[int] = []
         prompt_spans: list[tuple[int, int, int, int]] = []
         failed: dict[int, str] = {}
+        spec = _SpecRows() if self.spec is not None else None
         for row, (req, start, n, table) in enumerate(zip(batch.requests, batch.num_computed_tokens,
                                                           batch.num_scheduled_tokens, batch.block_tables, strict=True)):
             q0 = int(query_start[row])
             try:
+                if spec is not None and req.spec_len:
+                    if batch.num_drafts[row]:   # inputs, positions and slots come from the device state
+                        spec.verify.append((row, q0, self.slot_of(req.request_id)))
+                        slots[q0:q0 + n] = 0
+                        continue
+                    spec.prompt.append((q0, n, start, self.slot_of(req.request_id)))
+                    if batch.samples[row]:
+                        spec.first.append((row, start + n + 1, req.max_total_tokens, self.slot_of(req.request_id)))
                 known = req.token_ids[start:start + n]
                 ids[q0:q0 + len(known)] = known
                 if len(known) < n:   # the last input token is still in flight: gather it on the device
@@ -199,13 +217,21 @@ class ModelRunner:
                     prompt_spans.append((row, *span))
             except (ValueError, TypeError, OverflowError, IndexError) as e:
                 failed[row] = f"preparing the step: {type(e).__name__}: {e}"
-        sample_rows = [i for i, x in enumerate(batch.samples) if x]
+        sample_rows = [i for i, x in enumerate(batch.samples) if x and not batch.num_drafts[i]]
         settings, bad = self.sampler.plan([batch.requests[i] for i in sample_rows])
         failed.update({sample_rows[j]: msg for j, msg in bad.items()})
+        verify_settings = None
+        if spec is not None and spec.verify:
+            verify_settings, bad = self.sampler.plan([batch.requests[row] for row, _, _ in spec.verify])
+            failed.update({spec.verify[j][0]: msg for j, msg in bad.items()})
         if failed:
             raise RequestFailures(failed)
         positions = np.repeat(starts - query_start[:-1], counts) + np.arange(T)   # start_i + offset in row i
         logits_indices = query_start[1:][sample_rows] - 1 if sample_rows else np.zeros(0, np.int64)
+        if spec is not None and spec.verify:   # every position of a verify row: k + 1 logits rows
+            k = self.spec.k if self.spec is not None else 0
+            verify_idx = (np.asarray([q0 for _, q0, _ in spec.verify], np.int64)[:, None] + np.arange(k + 1)).ravel()
+            logits_indices = np.concatenate([np.asarray(logits_indices, np.int64), verify_idx])
         widths = [len(t) for t in batch.block_tables]
         tables = np.zeros((S, max(widths)), np.int32)
         for i, t in enumerate(batch.block_tables):
@@ -228,6 +254,10 @@ class ModelRunner:
             inputs.gather_slot = _tensor(np.asarray(gather_slot, np.int64), dev)
         if prompt_spans:
             inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
+        if spec is not None and (spec.verify or spec.first or spec.prompt):
+            assert self.spec is not None
+            inputs.spec = spec.build(self.spec, sample_rows, int(ends.max()), meta.block_tables, dev)
+            inputs.verify_settings = verify_settings
         return inputs
 
     def _prompt_rows(self, batch: ScheduledBatch, spans: list[tuple[int, int, int, int]],
@@ -256,14 +286,25 @@ class ModelRunner:
         size) or run eagerly (0); by default decided here."""
         if inputs.gather_dst is not None:
             inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
+        if inputs.spec is not None and self.spec is not None:
+            self.spec.place(inputs.spec, inputs.input_ids, inputs.positions, inputs.meta)
         self.kv_pool.copy_blocks(batch.copy_ops)
+        if self.spec is not None:
+            self.spec.proposer.copy_blocks(batch.copy_ops)
         self.last_prompt_logprobs = None
+        logits = self._target_forward(batch, inputs, graph_size)
+        if self.spec is not None:   # a draft model's KV follows every target forward
+            self.spec.proposer.after_forward(inputs.input_ids, inputs.positions, inputs.meta)
+        return logits
+
+    def _target_forward(self, batch: ScheduledBatch, inputs: StepInputs, graph_size: int | None) -> torch.Tensor:
         if graph_size is None and inputs.meta.is_decode_only and inputs.prompt_logprobs is None:
             graph_size = self.graphs.graph_size(len(batch)) if self.graphs is not None else None
         if graph_size and self.graphs is not None:
             self.num_graph_steps += 1
             return self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta, graph_size)
-        if graph_size is None and self.graphs is not None and inputs.prompt_logprobs is None:
+        if (graph_size is None and self.graphs is not None and inputs.prompt_logprobs is None
+                and inputs.logits_indices.shape[0] <= self.graphs.extend_max_logits):
             t = self.graphs.extend_size(inputs.input_ids.shape[0], len(batch))
             if t is not None:
                 self.num_extend_graph_steps += 1
@@ -307,7 +348,8 @@ class ModelRunner:
             inputs = self.prepare(batch)
             logits = self.forward(batch, inputs, graph_size)
             step = InFlightStep(batch, inputs.sample_rows, None, None, prompt_logprobs=self.last_prompt_logprobs,
-                                pending=(logits, inputs.sampling), start=start)
+                                pending=(logits, inputs.sampling), start=start, spec=inputs.spec,
+                                verify_settings=inputs.verify_settings)
             waits = defer_sampling and self.guided is not None and self.guided.has_grammar(self._sampling(step))
             if not waits:
                 self._sample(step)
@@ -332,29 +374,52 @@ class ModelRunner:
     def _sample(self, step: InFlightStep) -> None:
         assert step.pending is not None
         (logits, settings), step.pending = step.pending, None
+        plain = len(step.sample_rows)
         if step.sample_rows:
             requests = self._sampling(step)
             bitmask = self.guided.bitmask(requests) if self.guided is not None else None
-            sampled = self.sampler.sample(logits, requests, settings, bitmask)
+            sampled = self.sampler.sample(logits[:plain], requests, settings, bitmask)
             if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
                 torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)
             slots = _tensor(np.fromiter((self.slot_of(r.request_id) for r in requests), np.int64, len(requests)),
                             self.device)
             self.token_buffer[slots] = sampled.token_ids
             step.sampled, step.host_tokens = sampled, _to_host(sampled.token_ids)
+        if step.spec is not None:
+            self._verify_and_propose(step, logits[plain:])
         end = _event(step.start is not None)
         step.ready = _event(self.stream is not None)
         if step.start is not None and end is not None:
             self.timings.append((step.start, end))
 
+    def _verify_and_propose(self, step: InFlightStep, verify_logits: torch.Tensor) -> None:
+        """Accept the verify rows' drafts, move every speculative row's device state on, and
+        start copying the accepted tokens to the host."""
+        spec, decoder = step.spec, self.spec
+        assert spec is not None and decoder is not None
+        if spec.verify_rows:
+            assert spec.drafts is not None and step.verify_settings is not None
+            ids = [step.batch.requests[i].request_id for i in spec.verify_rows]
+            tokens, accepted = decoder.verify(verify_logits, spec.drafts, step.verify_settings, self.sampler, ids)
+            if self.tp.size > 1:   # every rank appends rank 0's tokens
+                torch.distributed.broadcast(tokens, src=0, group=self.tp.group)
+                torch.distributed.broadcast(accepted, src=0, group=self.tp.group)
+            spec.tokens, spec.accepted = tokens, accepted
+            spec.host = _to_host(torch.cat([tokens, accepted[:, None]], dim=1))
+        first = step.sampled.token_ids[spec.first_sample_idx] if spec.first_rows and step.sampled is not None else None
+        decoder.advance(spec, first)
+
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a launched step's tokens on the host (after the next step is launched)."""
         self.finish_sampling(step)
-        tokens: list[int | None] = [None] * len(step.batch)
+        tokens: list[int | list[int] | None] = [None] * len(step.batch)
         logprobs = None
+        if step.ready is not None and (step.sampled is not None or (step.spec is not None and step.spec.host is not None)):
+            step.ready.synchronize()
+        if step.spec is not None and step.spec.host is not None:
+            for row, values in zip(step.spec.verify_rows, step.spec.host.tolist(), strict=True):
+                tokens[row] = values[:values[-1]]
         if step.sampled is not None:
-            if step.ready is not None:
-                step.ready.synchronize()
             assert step.host_tokens is not None
             for i, t in zip(step.sample_rows, step.host_tokens.tolist(), strict=True):
                 tokens[i] = t
@@ -410,6 +475,35 @@ class ModelRunner:
 
 
 PROMPT_LOGPROB_ROWS = 1024
+
+
+@dataclass
+class _SpecRows:
+    """Speculative rows found while packing a step (host lists; ``build`` makes the SpecStep)."""
+
+    verify: list[tuple[int, int, int]] = field(default_factory=list)        # (row, first packed row, slot)
+    first: list[tuple[int, int, int, int]] = field(default_factory=list)    # (row, L after it, limit, slot)
+    prompt: list[tuple[int, int, int, int]] = field(default_factory=list)   # (first packed row, n, position, slot)
+
+    def build(self, decoder: SpecDecoder, sample_rows: list[int], max_end: int, block_tables: torch.Tensor,
+              dev: torch.device) -> SpecStep:
+        from phalanx.pyexecutor.speculative import SpecStep
+
+        def col(rows: list, i: int) -> torch.Tensor:
+            return _tensor(np.asarray([r[i] for r in rows], np.int64), dev)
+        where = {row: j for j, row in enumerate(sample_rows)}
+        step = SpecStep(
+            verify_rows=[r[0] for r in self.verify], verify_q0=col(self.verify, 1), verify_slots=col(self.verify, 2),
+            first_rows=[r[0] for r in self.first], first_sample_idx=[where[r[0]] for r in self.first],
+            first_slots=col(self.first, 3), first_length=col(self.first, 1), first_limit=col(self.first, 2),
+            max_length=max_end + decoder.k + 1, block_tables=block_tables)
+        if decoder.keep_history and self.prompt:
+            src = np.concatenate([np.arange(q0, q0 + n) for q0, n, _, _ in self.prompt])
+            step.prompt_src = _tensor(src.astype(np.int64), dev)
+            step.prompt_slot = _tensor(np.concatenate([np.full(n, s, np.int64) for _, n, _, s in self.prompt]), dev)
+            step.prompt_pos = _tensor(np.concatenate([np.arange(p, p + n) for _, n, p, _ in self.prompt]
+                                                     ).astype(np.int64), dev)
+        return step
 
 
 def _prompt_logprob_span(req, start: int, n: int) -> tuple[int, int, int] | None:

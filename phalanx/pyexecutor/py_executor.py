@@ -38,6 +38,7 @@ from phalanx.pyexecutor.model_runner import InFlightStep, ModelRunner, RequestFa
 from phalanx.pyexecutor.request import Request, RequestStatus
 from phalanx.pyexecutor.rollout import Rollout
 from phalanx.pyexecutor.scheduler import ScheduledBatch, Scheduler, StepOutcome
+from phalanx.pyexecutor.speculative import speculates
 
 logger = logging.getLogger("phalanx")
 
@@ -246,8 +247,10 @@ class PyExecutor:
                 raise ValueError("guided_decoding is not available on this engine")
             grammar = self.runner.guided.compile(params.guided_decoding)
         salt = (msg.cache_salt or "").encode()
+        spec = self.runner.spec
         return Request(msg.request_id, list(ids), params, tuple(msg.eos_token_ids), limit,
-                       extra_key=salt, priority=msg.priority, grammar=grammar)
+                       extra_key=salt, priority=msg.priority, grammar=grammar,
+                       spec_len=spec.k if spec is not None and speculates(params) else 0)
 
     def _beat(self) -> None:
         """Tell the user process this loop is alive (once per HEARTBEAT_INTERVAL at most)."""
@@ -322,6 +325,8 @@ class PyExecutor:
                 "num_available_blocks": kv.num_available_blocks, "prefix_queried_tokens": kv.num_queried_tokens,
                 "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions,
                 "num_graph_steps": self.runner.num_graph_steps,
+                "spec_verify_rows": s.num_verify_rows, "spec_draft_tokens": s.num_draft_tokens,
+                "spec_accepted_drafts": s.num_accepted_drafts,
                 "num_extend_graph_steps": self.runner.num_extend_graph_steps,
                 "weight_version": self.rollout.weight_version,
                 "paused": self.rollout.pause_mode, "asleep": sorted(self.rollout.asleep),
@@ -350,15 +355,15 @@ class PyExecutor:
         finished = {r.request_id for r in outcome.finished}
         msg = TokenBatch(logprobs=[] if result.logprobs is not None else None, weight_version=weight_version)
         for row, req in enumerate(batch.requests):
-            token = outcome.new_tokens.get(req.request_id)
-            if token is None:
+            tokens = outcome.new_tokens.get(req.request_id)
+            if not tokens:
                 continue
             msg.request_ids.append(req.request_id)
-            msg.token_ids.append(token)
+            msg.token_ids.append(tokens[0] if len(tokens) == 1 else tokens)
             if msg.logprobs is not None and result.logprobs is not None:
                 lp = result.logprobs[row]
                 msg.logprobs.append(list(lp) if lp is not None else None)
-            if req.num_output_tokens == 1:
+            if req.num_output_tokens == len(tokens):
                 msg.first.append(FirstToken(req.request_id, req.num_cached_tokens, req.num_prompt_tokens,
                                             req.first_scheduled_time, self.rank))
             if req.request_id in finished:

@@ -16,6 +16,13 @@ Counters, in the vocabulary of the glossary::
 A step schedules ``num_scheduled_tokens`` positions starting at ``num_computed_tokens``; when
 computed catches up with ``num_total_tokens`` the step also samples one token. Prefill,
 chunked prefill and decode are all this one rule.
+
+Speculative decoding (``spec_len`` k > 0): once a request has scheduled its first sampling
+step (``spec_ready``), each step verifies its last token and k drafts, k + 1 positions, and
+appends 1 .. k + 1 tokens. Their positions start where the tokens accepted on the device end,
+which the host learns only when it reads the step; so while a verify step is in flight
+``num_computed_tokens`` is an upper bound (the step's k + 1 positions counted whole) and
+``update`` takes back the positions of the rejected drafts.
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ class Request:
     error: str | None = None
     admitted: bool = False           # has been admitted at least once (cached count is final)
     first_scheduled_time: float = 0.0  # monotonic clock (system-wide on Linux) at first admission
+    spec_len: int = 0                # drafts verified per step (0: no speculation for this request)
+    spec_ready: bool = False         # its device state (length, next inputs) is set: steps verify
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -83,6 +92,12 @@ class Request:
         """Whether cached KV may stand in for its prompt (not when prompt logprobs are asked:
         every prompt position's logits must then be computed)."""
         return self.sampling.prompt_logprobs is None
+
+    @property
+    def kv_limit(self) -> int:
+        """Positions its KV may need: its length limit, plus, with speculation, the drafts a
+        verify step and the draft model write past the accepted tokens."""
+        return self.max_total_tokens + 2 * self.spec_len
 
     @property
     def num_prompt_tokens(self) -> int:

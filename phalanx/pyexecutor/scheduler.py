@@ -48,6 +48,8 @@ class ScheduledBatch:
     Row i: request ``requests[i]`` computes positions
     ``[num_computed_tokens[i], num_computed_tokens[i] + num_scheduled_tokens[i])`` with KV
     blocks ``block_tables[i]``; it samples a token when that range reaches its last token.
+    A verify row (``num_drafts[i]`` = k > 0) computes k + 1 positions from where its accepted
+    tokens end on the device (at most ``num_computed_tokens[i]``) and samples 1 .. k + 1 tokens.
     ``copy_ops`` (partial prefix reuse) run before the forward.
     """
 
@@ -57,6 +59,7 @@ class ScheduledBatch:
     num_computed_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)   # k for a speculative verify row, else 0
     copy_ops: list[CopyOp] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -71,12 +74,13 @@ class ScheduledBatch:
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.num_scheduled_tokens) and all(self.samples)
 
-    def add(self, req: Request, num_tokens: int, block_table: list[int]) -> None:
+    def add(self, req: Request, num_tokens: int, block_table: list[int], num_drafts: int = 0) -> None:
         self.requests.append(req)
         self.num_scheduled_tokens.append(num_tokens)
         self.num_computed_tokens.append(req.num_computed_tokens)
         self.block_tables.append(list(block_table))
-        self.samples.append(req.num_computed_tokens + num_tokens >= req.num_total_tokens)
+        self.samples.append(num_drafts > 0 or req.num_computed_tokens + num_tokens >= req.num_total_tokens)
+        self.num_drafts.append(num_drafts)
 
     def without(self, rows: Iterable[int]) -> ScheduledBatch:
         """The same decision minus some rows (requests that failed before the forward)."""
@@ -89,15 +93,16 @@ class ScheduledBatch:
                 out.num_computed_tokens.append(self.num_computed_tokens[i])
                 out.block_tables.append(self.block_tables[i])
                 out.samples.append(self.samples[i])
+                out.num_drafts.append(self.num_drafts[i])
         return out
 
     def digest(self) -> bytes:
         """A short hash of the decision, compared across ranks to detect divergence."""
         h = hashlib.blake2b(digest_size=16)
         h.update(struct.pack("<q", self.step))
-        for r, n, c, bt in zip(self.requests, self.num_scheduled_tokens, self.num_computed_tokens,
-                               self.block_tables, strict=True):
-            h.update(struct.pack(f"<qqq{len(bt)}q", r.request_id, n, c, *bt))
+        for r, n, c, d, bt in zip(self.requests, self.num_scheduled_tokens, self.num_computed_tokens,
+                                  self.num_drafts, self.block_tables, strict=True):
+            h.update(struct.pack(f"<qqqq{len(bt)}q", r.request_id, n, c, d, *bt))
         for op in self.copy_ops:
             h.update(struct.pack("<qqq", op.src, op.dst, op.num_tokens))
         return h.digest()
@@ -107,7 +112,7 @@ class ScheduledBatch:
 class StepOutcome:
     """What one step did to requests: tokens appended, and who finished."""
 
-    new_tokens: dict[int, int] = field(default_factory=dict)  # request id -> token appended
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)  # request id -> tokens appended
     finished: list[Request] = field(default_factory=list)
 
 
@@ -125,6 +130,9 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.step = 0
         self.num_preemptions = 0
+        self.num_verify_rows = 0        # speculative decoding: verify rows read,
+        self.num_draft_tokens = 0       # drafts they carried,
+        self.num_accepted_drafts = 0    # and drafts accepted
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, req: Request) -> str | None:
@@ -134,10 +142,10 @@ class Scheduler:
         if not self.limits.enable_chunked_prefill and req.num_tokens > self.limits.max_num_tokens:
             return (f"the prompt has {req.num_tokens} tokens, more than max_num_tokens "
                     f"({self.limits.max_num_tokens}) with chunked prefill off")
-        need = self.kv.num_blocks_for(req.max_total_tokens)
+        need = self.kv.num_blocks_for(req.kv_limit)
         if need > self.kv.num_blocks:
             return (f"the request needs {need} KV blocks for prompt + max_tokens "
-                    f"({req.max_total_tokens} tokens) but the KV pool has {self.kv.num_blocks}; "
+                    f"({req.kv_limit} tokens) but the KV pool has {self.kv.num_blocks}; "
                     f"lower max_tokens or raise kv_cache_config.max_tokens")
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -187,18 +195,39 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if len(batch) >= self.limits.max_batch_size or budget <= 0:
                 break
-            if req.awaiting_last_token:
+            k = req.spec_len if req.spec_ready else 0
+            if k:        # verify: the last token and k drafts; room for the draft model's k more
+                n = k + 1
+                if n > budget:
+                    break
+                grow_to = min(req.num_computed_tokens + n + k, req.kv_limit)
+            else:
+                if req.awaiting_last_token:
+                    continue
+                n = min(req.num_total_tokens - req.num_computed_tokens, budget)
+                grow_to = req.num_computed_tokens + n + self._first_drafts(req, req.num_computed_tokens + n)
+            if not self._grow_or_preempt(req, grow_to, batch, scheduled):
                 continue
-            n = min(req.num_total_tokens - req.num_computed_tokens, budget)
-            if not self._grow_or_preempt(req, n, batch, scheduled):
-                continue
-            batch.add(req, n, self.kv.block_table(req.request_id))
+            self._add_row(batch, req, n, k)
             scheduled.add(req.request_id)
             budget -= n
         return budget
 
-    def _grow_or_preempt(self, req: Request, n: int, batch: ScheduledBatch, scheduled: set[int]) -> bool:
-        while not self.kv.grow(req.request_id, req.num_computed_tokens + n):
+    @staticmethod
+    def _first_drafts(req: Request, end: int) -> int:
+        """Positions past ``end`` a row that completes a speculative request's prompt needs: the
+        proposer writes the first token and k − 1 drafts there before the first verify step."""
+        if not req.spec_len or end < req.num_total_tokens:
+            return 0
+        return max(0, min(end + req.spec_len, req.kv_limit) - end)
+
+    def _add_row(self, batch: ScheduledBatch, req: Request, n: int, num_drafts: int = 0) -> None:
+        batch.add(req, n, self.kv.block_table(req.request_id), num_drafts)
+        if req.spec_len and batch.samples[-1]:
+            req.spec_ready = True      # the step that samples sets its device state: verify from now on
+
+    def _grow_or_preempt(self, req: Request, num_slots: int, batch: ScheduledBatch, scheduled: set[int]) -> bool:
+        while not self.kv.grow(req.request_id, num_slots):
             if self.limits.policy == GUARANTEED_NO_EVICT:
                 raise RuntimeError("KV reservation broken: a running request cannot grow")
             victims = [r for r in self.running if r.request_id not in scheduled]
@@ -214,6 +243,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_inflight_tokens = 0   # an in-flight token of a preempted request is dropped
+        req.spec_ready = False        # recomputed from its tokens; its first sampling step sets the device state
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -230,16 +260,17 @@ class Scheduler:
                     break
                 n = budget
             slots = match.num_tokens + n
+            slots += self._first_drafts(req, slots)
             need = self.kv.num_blocks_to_admit(match, slots)
             if self.limits.policy == GUARANTEED_NO_EVICT:
-                future = self.kv.num_blocks_to_admit(match, req.max_total_tokens)
+                future = self.kv.num_blocks_to_admit(match, req.kv_limit)
                 if future + reserved > self.kv.num_available_blocks:
                     break
                 reserved += future - need
             elif need > self.kv.num_available_blocks:
                 break
             self._admit(req, match, slots)
-            batch.add(req, n, self.kv.block_table(req.request_id))
+            self._add_row(batch, req, n)
             budget -= n
 
     def _admit(self, req: Request, match: PrefixMatch, slots: int) -> None:
@@ -257,34 +288,52 @@ class Scheduler:
     def _reserved_blocks(self) -> int:
         """Blocks the running requests may still need to reach their last token."""
         kv = self.kv
-        return sum(max(0, kv.num_blocks_for(r.max_total_tokens) - kv.num_held_blocks(r.request_id))
+        return sum(max(0, kv.num_blocks_for(r.kv_limit) - kv.num_held_blocks(r.request_id))
                    for r in self.running)
 
     # -- after the forward --------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: Iterable[int | None],
+    def update(self, batch: ScheduledBatch, sampled: Iterable[int | list[int] | None],
                stops_at: Callable[[Request, int], bool] | None = None) -> StepOutcome:
         """The step has run: commit its full blocks, append sampled tokens, finish requests.
 
-        ``sampled[i]`` is the token of row i (None for rows that do not sample). Rows of
-        requests that ended meanwhile (aborted, preempted, or finished by the step before —
-        the stray step of the overlap loop) are skipped: their tokens are discarded.
+        ``sampled[i]`` is the token of row i (None for rows that do not sample), or a verify
+        row's accepted tokens (1 .. k + 1: accepted drafts, then the target's own token). Rows
+        of requests that ended meanwhile (aborted, preempted, or finished by the step before —
+        the stray step of the overlap loop) are skipped: their tokens are discarded. Tokens are
+        appended one at a time and the first that ends a request drops the rest.
         ``stops_at(request, token)``, called for every appended token, may end a request there
         too (a grammar that is complete).
         """
         out = StepOutcome()
-        for req, start, n, token in zip(batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens,
-                                        sampled, strict=True):
+        for req, start, n, k, token in zip(batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens,
+                                           batch.num_drafts, sampled, strict=True):
             if req.status != RequestStatus.RUNNING or req.request_id not in self.requests:
                 continue
-            self.kv.commit(req.request_id, req.token_ids, start + n)
-            if token is None:
-                continue
-            req.num_inflight_tokens -= 1
-            req.append_token(token)
-            out.new_tokens[req.request_id] = token
-            status = req.check_stop()
-            if stops_at is not None and stops_at(req, token) and status is None:
-                status = RequestStatus.FINISHED_STOPPED
+            if k:
+                tokens = token if isinstance(token, list) else [token]
+                req.num_computed_tokens -= n - len(tokens)   # the rejected drafts' positions are free again
+                self.num_verify_rows += 1
+                self.num_draft_tokens += k
+                self.num_accepted_drafts += len(tokens) - 1
+            else:
+                self.kv.commit(req.request_id, req.token_ids, start + n)
+                if token is None:
+                    continue
+                req.num_inflight_tokens -= 1
+                tokens = [token] if isinstance(token, int) else token
+            appended: list[int] = []
+            status = None
+            for t in tokens:
+                req.append_token(t)
+                appended.append(t)
+                status = req.check_stop()
+                if stops_at is not None and stops_at(req, t) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED
+                if status is not None:
+                    break
+            if k:   # the accepted tokens' KV is written, all but the last one's
+                self.kv.commit(req.request_id, req.token_ids, req.num_tokens - 1)
+            out.new_tokens[req.request_id] = appended
             if status is not None:
                 self.finish(req.request_id, status)
                 out.finished.append(req)

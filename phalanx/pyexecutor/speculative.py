@@ -1,0 +1,329 @@
+"""Speculative decoding on the device, with the overlap loop kept on.
+
+The state a verify step needs lives on the device, one row per request slot, so step n + 1
+can be queued before the host has read step n::
+
+    length[s]          L: the request's tokens known on the device (prompt + accepted outputs);
+                       the last one's KV is not written yet
+    next_tokens[s]     [k + 1]: that last token, then k drafts — step n + 1's input ids
+    limit[s]           its length limit (L stops there)
+    history[s, :L]     its tokens (NGram only: the proposer matches in them)
+
+A verify row computes positions L − 1 .. L − 1 + k; positions, KV slots and sequence lengths
+are filled in on the device (``place``) from ``length`` and the row's block table, which the
+scheduler grew for the largest L the host cannot rule out. After the forward, ``verify``
+accepts a prefix of the drafts (greedy: equal to the target's argmax; sampled: rejection
+sampling against the target's filtered distribution, exact since the drafts are a
+deterministic function of the history), ``advance`` appends the accepted tokens, moves L and
+asks the proposer for the next k drafts. Only the accepted tokens and their count go to the
+host, read one step later like every other token.
+
+Rejected drafts' KV stays in private blocks past L − 1 and is overwritten by the next verify;
+the scheduler commits only positions below the accepted length, so the radix tree never holds
+a rejected token.
+
+Proposers (``Proposer``) get the rows that sampled this step and return k drafts each:
+
+NGram        the latest earlier occurrence of the last n tokens (n = max_matching_ngram_size
+             .. 1) in the history; its continuation, extended periodically where it runs into
+             the present (a text that repeats keeps being predicted); no match: the last token.
+DraftTarget  a draft model (the target's vocabulary) runs greedily k steps over its own KV pool,
+             which uses the target's block ids; every target forward also runs the draft on the
+             same inputs, so its KV follows the target's (prompts, prefix hits, verify steps).
+             A proposer that reads the target's hidden states (EAGLE) fits the same interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from phalanx.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from phalanx.models.llama import CausalLM
+    from phalanx.pyexecutor.kv_pool import KVPool
+    from phalanx.pyexecutor.sampler import RowSettings, Sampler
+
+logger = logging.getLogger("phalanx")
+
+
+def speculates(params) -> bool:
+    """Whether a request with these SamplingParams decodes speculatively. Settings the verify
+    step does not apply to k + 1 positions at once (penalties, logit bias, min_tokens,
+    logprobs, grammars) keep the request on plain one-token steps: honoured, not sped up."""
+    return (not params.needs_penalties and not params.logit_bias and not params.min_tokens
+            and params.logprobs is None and params.guided_decoding is None)
+
+
+@dataclass
+class SpecStep:
+    """One step's speculative rows (device tensors built by ``ModelRunner.prepare``).
+
+    Verify rows come in batch order; each has k + 1 packed query rows from ``q0``.
+    First rows: rows of speculative requests that sample their first token (their prompt
+    is complete): ``advance`` sets their device state. Prompt rows (NGram): packed rows whose
+    input ids go into the history at their positions."""
+
+    verify_rows: list[int]                 # batch rows
+    verify_q0: torch.Tensor                # [Sv] first packed query row
+    verify_slots: torch.Tensor             # [Sv]
+    first_rows: list[int]                  # batch rows
+    first_sample_idx: list[int]            # their index among the plain sampling rows
+    first_slots: torch.Tensor              # [F]
+    first_length: torch.Tensor             # [F] L after their first token
+    first_limit: torch.Tensor              # [F]
+    max_length: int                        # no row's L (or draft position + 1) exceeds this
+    block_tables: torch.Tensor             # the step's [S, M] block tables
+    prompt_src: torch.Tensor | None = None  # [N] packed rows (NGram history)
+    prompt_slot: torch.Tensor | None = None
+    prompt_pos: torch.Tensor | None = None
+    drafts: torch.Tensor | None = None     # [Sv, k] the drafts verified (set by ``place``)
+    accepted: torch.Tensor | None = None   # [Sv] 1 .. k + 1 (set after sampling)
+    tokens: torch.Tensor | None = None     # [Sv, k + 1]
+    host: torch.Tensor | None = None       # [Sv, k + 2]: tokens, then the count (on the host)
+
+
+class Proposer(Protocol):
+    def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
+                block_tables: torch.Tensor, max_length: int) -> torch.Tensor:
+        """[R, k] drafts for the rows of ``slots`` whose device state was just advanced."""
+        ...
+
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Every target forward's inputs (a draft model keeps its KV in step)."""
+        ...
+
+    def copy_blocks(self, copy_ops: list) -> None:
+        """The partial-reuse copies of the target's pool, for a pool of the proposer's own."""
+        ...
+
+
+class SpecDecoder:
+    def __init__(self, k: int, proposer: Proposer, vocab_size: int, max_seq_len: int, max_position: int,
+                 tokens_per_block: int, scratch_block: int, device: torch.device, keep_history: bool) -> None:
+        self.k, self.proposer, self.vocab_size = k, proposer, vocab_size
+        self.scratch_block = scratch_block        # the pool's block no request owns
+        self.max_position = max_position          # rope tables' length: garbage rows are clamped below it
+        self.tokens_per_block = tokens_per_block
+        self.device = device
+        self.keep_history = keep_history
+        self.cols = max_seq_len + 2 * k + 2        # history columns; the last one takes unaccepted writes
+        self.rows = 0
+        self.length = torch.zeros(0, dtype=torch.long, device=device)
+        self.limit = torch.zeros(0, dtype=torch.long, device=device)
+        self.next_tokens = torch.zeros(0, k + 1, dtype=torch.long, device=device)
+        self.history = torch.zeros(0, self.cols if keep_history else 1, dtype=torch.int32, device=device)
+        self.offsets = torch.arange(k + 1, device=device)
+
+    def ensure_rows(self, num_slots: int) -> None:
+        """Room for slots 0 .. num_slots − 1 (doubling; the slots in use are the low ones)."""
+        if num_slots <= self.rows:
+            return
+        n = max(16, self.rows)
+        while n < num_slots:
+            n *= 2
+        grow = n - self.rows
+
+        def more(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(grow, *t.shape[1:])])
+        self.length, self.limit = more(self.length), more(self.limit)
+        self.next_tokens, self.history = more(self.next_tokens), more(self.history)
+        self.rows = n
+
+    # -- before the forward ----------------------------------------------------------------------
+    def place(self, step: SpecStep, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Fill the verify rows' input ids, positions, KV slots and lengths from the device state,
+        and the history with the prompt rows' tokens."""
+        if step.prompt_src is not None:
+            self.history[step.prompt_slot, step.prompt_pos] = input_ids[step.prompt_src].to(torch.int32)
+        if not step.verify_rows:
+            return
+        B, k = self.tokens_per_block, self.k
+        slots = step.verify_slots
+        base = self.length[slots] - 1                                  # the last token's position
+        pos = base[:, None] + self.offsets                             # [Sv, k + 1]
+        idx = step.verify_q0[:, None] + self.offsets
+        rows = torch.tensor(step.verify_rows, device=input_ids.device)
+        inputs = self.next_tokens[slots]
+        input_ids[idx] = inputs
+        positions[idx] = pos.clamp(max=self.max_position - 1)
+        meta.slot_mapping[idx] = self.kv_slots(meta.block_tables[rows], pos)
+        meta.seq_lens[rows] = (base + k + 1).to(meta.seq_lens.dtype)
+        step.drafts = inputs[:, 1:]
+
+    def kv_slots(self, tables: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Pool slots of positions ``pos`` [R] or [R, n] of rows with block tables [R, M]; a
+        position past a table (a row past its length limit, whose tokens are dropped) writes
+        into the scratch block."""
+        B = self.tokens_per_block
+        blk = pos // B
+        inside = blk < tables.shape[1]
+        squeeze = pos.dim() == 1
+        if squeeze:
+            blk, inside = blk[:, None], inside[:, None]
+        block = tables.long().gather(1, blk.clamp(max=tables.shape[1] - 1))
+        block = torch.where(inside, block, self.scratch_block)
+        out = block * B + (pos[:, None] if squeeze else pos) % B
+        return out.squeeze(1) if squeeze else out
+
+    # -- after the forward -----------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, drafts: torch.Tensor, settings: list[RowSettings],
+               sampler: Sampler, request_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [Sv·(k + 1), V] of the verify rows -> (tokens [Sv, k + 1], accepted [Sv]).
+
+        Row i keeps tokens[i, :accepted[i]]: the accepted drafts, then the target's own token
+        at the first rejection (or after the last draft). Greedy rows accept a draft equal to
+        the argmax. Sampled rows accept draft d at position j with probability p_j(d) (p: the
+        row's temperature, top-k, top-p and min-p applied, as the plain sampler draws) and at
+        the first rejection draw from p_j with d removed; after k acceptances, from p_k."""
+        from phalanx.pyexecutor.sampler import _filter
+        Sv, k = drafts.shape
+        V = self.vocab_size
+        logits = logits[:, :V].reshape(Sv, k + 1, V)
+        out = logits.argmax(dim=-1)                                    # [Sv, k + 1]
+        accept = out[:, :k] == drafts
+        rows = [i for i, s in enumerate(settings) if not s.greedy]
+        if rows:
+            params = [settings[i] for i in rows]
+            temps = torch.tensor([s.temperature for s in params], device=logits.device)
+            sub = logits[rows] / temps[:, None, None]
+            flat = _filter(sub.reshape(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
+            probs = flat.softmax(dim=-1).reshape(len(rows), k + 1, V)
+            d = drafts[rows]
+            p_draft = probs[:, :k].gather(2, d[..., None]).squeeze(-1)     # [R, k]
+            uniform = torch.empty_like(p_draft)
+            noise = torch.empty_like(probs)
+            shared = [j for j, s in enumerate(params) if s.seed is None]
+            if shared:
+                uniform[shared] = torch.rand(len(shared), k, device=logits.device, generator=sampler.generator)
+                noise[shared] = torch.empty(len(shared), k + 1, V, device=logits.device).exponential_(
+                    generator=sampler.generator)
+            for j, i in enumerate(rows):
+                seed = settings[i].seed
+                if seed is not None:
+                    g = sampler._generator_for(request_ids[i], seed)
+                    uniform[j] = torch.rand(k, device=logits.device, generator=g)
+                    noise[j] = torch.empty(k + 1, V, device=logits.device).exponential_(generator=g)
+            residual = probs.clone()
+            residual[:, :k].scatter_(2, d[..., None], 0.0)
+            # exponential race over the residual: draws token t with probability ∝ residual[t]
+            drawn = (residual / noise).argmax(dim=-1)                      # [R, k + 1]
+            rows_t = torch.tensor(rows, device=logits.device)
+            out[rows_t] = drawn
+            accept[rows_t] = uniform < p_draft
+        lead = accept.long().cumprod(dim=1).sum(dim=1)                 # drafts accepted
+        padded = torch.cat([drafts, drafts.new_zeros(Sv, 1)], dim=1)
+        tokens = torch.where(self.offsets[None, :] < lead[:, None], padded, out)
+        return tokens, lead + 1
+
+    def advance(self, step: SpecStep, first_tokens: torch.Tensor | None) -> None:
+        """Append the accepted tokens (verify rows) or the first token (first rows), move L, and
+        propose the next drafts."""
+        k = self.k
+        slots_parts, length_parts, last_parts, table_rows = [], [], [], []
+        if step.verify_rows:
+            assert step.tokens is not None and step.accepted is not None
+            slots = step.verify_slots
+            L = self.length[slots]
+            if self.keep_history:
+                pos = L[:, None] + self.offsets
+                pos = torch.where(self.offsets[None, :] < step.accepted[:, None], pos, self.cols - 1)
+                self.history[slots[:, None].expand(-1, k + 1), pos] = step.tokens.to(torch.int32)
+            slots_parts.append(slots)
+            length_parts.append(torch.minimum(L + step.accepted, self.limit[slots]))
+            last_parts.append(step.tokens.gather(1, (step.accepted - 1)[:, None]).squeeze(1))
+            table_rows += step.verify_rows
+        if step.first_rows:
+            assert first_tokens is not None
+            self.limit[step.first_slots] = step.first_limit
+            if self.keep_history:
+                self.history[step.first_slots, step.first_length - 1] = first_tokens.to(torch.int32)
+            slots_parts.append(step.first_slots)
+            length_parts.append(step.first_length)
+            last_parts.append(first_tokens)
+            table_rows += step.first_rows
+        if not slots_parts:
+            return
+        slots, length, last = torch.cat(slots_parts), torch.cat(length_parts), torch.cat(last_parts)
+        self.length[slots] = length
+        tables = step.block_tables[torch.tensor(table_rows, device=slots.device)]
+        self.next_tokens[slots, 0] = last
+        self.next_tokens[slots, 1:] = self.proposer.propose(self, slots, length, tables, step.max_length)
+
+
+class NGramProposer:
+    """Prompt lookup on the device (see the module docstring)."""
+
+    def __init__(self, k: int, max_ngram: int) -> None:
+        self.k, self.max_ngram = k, max_ngram
+
+    def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
+                block_tables: torch.Tensor, max_length: int) -> torch.Tensor:
+        width = min(max_length, spec.cols - 1)
+        hist = spec.history[slots, :width].long()                      # [R, W]
+        R = hist.shape[0]
+        dev = hist.device
+        best = torch.full((R,), -1, dtype=torch.long, device=dev)      # first continuation position
+        for n in range(min(self.max_ngram, width - 1), 0, -1):
+            windows = hist.unfold(1, n, 1)                             # [R, W − n + 1, n]
+            suffix = hist.gather(1, (length - n).clamp(min=0)[:, None] + torch.arange(n, device=dev))
+            j = torch.arange(windows.shape[1], device=dev)
+            # an earlier occurrence with at least one token after it, before the suffix itself
+            hit = (windows == suffix[:, None, :]).all(dim=-1) & (j[None, :] + n <= length[:, None] - 1)
+            hit &= (length > n)[:, None]
+            latest = torch.where(hit, j[None, :], -1).max(dim=1).values
+            best = torch.where((best < 0) & (latest >= 0), latest + n, best)
+        last = hist.gather(1, (length - 1).clamp(min=0)[:, None])
+        start = best.clamp(min=0)
+        period = (length - start).clamp(min=1)
+        idx = start[:, None] + torch.arange(self.k, device=dev)[None, :] % period[:, None]
+        drafts = hist.gather(1, idx.clamp(max=width - 1))
+        return torch.where(best[:, None] >= 0, drafts, last.expand(-1, self.k))
+
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        return None
+
+    def copy_blocks(self, copy_ops: list) -> None:
+        return None
+
+
+class DraftModelProposer:
+    """A small model drafting greedily over its own KV pool (see the module docstring)."""
+
+    def __init__(self, k: int, model: CausalLM, pool: KVPool, vocab_size: int, max_position: int) -> None:
+        self.k, self.model, self.pool = k, model, pool
+        self.vocab_size = vocab_size
+        self.max_position = max_position
+
+    @torch.inference_mode()
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        self.model(input_ids, positions.clamp(max=self.max_position - 1), dataclasses.replace(meta, cache={}),
+                   self.pool.tensor)
+
+    def copy_blocks(self, copy_ops: list) -> None:
+        self.pool.copy_blocks(copy_ops)
+
+    @torch.inference_mode()
+    def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
+                block_tables: torch.Tensor, max_length: int) -> torch.Tensor:
+        R = slots.shape[0]
+        B = self.pool.tokens_per_block
+        dev = slots.device
+        token = spec.next_tokens[slots, 0]
+        query_start = torch.arange(R + 1, dtype=torch.int32, device=dev)
+        drafts = []
+        for i in range(self.k):
+            pos = length - 1 + i
+            meta = AttentionMetadata(
+                slot_mapping=spec.kv_slots(block_tables, pos), query_start=query_start,
+                seq_lens=(pos + 1).to(torch.int32), block_tables=block_tables, max_query_len=1,
+                max_seq_len=max_length + self.k, tokens_per_block=B, is_decode_only=True)
+            hidden = self.model(token, pos.clamp(max=self.max_position - 1), meta, self.pool.tensor)
+            token = self.model.compute_logits(hidden)[:, :self.vocab_size].argmax(dim=-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
