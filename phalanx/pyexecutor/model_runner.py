@@ -414,7 +414,8 @@ class ModelRunner:
         self.finish_sampling(step)
         tokens: list[int | list[int] | None] = [None] * len(step.batch)
         logprobs = None
-        if step.ready is not None and (step.sampled is not None or (step.spec is not None and step.spec.host is not None)):
+        spec_host = step.spec.host if step.spec is not None else None
+        if step.ready is not None and (step.sampled is not None or spec_host is not None):
             step.ready.synchronize()
         if step.spec is not None and step.spec.host is not None:
             for row, values in zip(step.spec.verify_rows, step.spec.host.tolist(), strict=True):

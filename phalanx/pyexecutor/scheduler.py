@@ -309,8 +309,9 @@ class Scheduler:
                                            batch.num_drafts, sampled, strict=True):
             if req.status != RequestStatus.RUNNING or req.request_id not in self.requests:
                 continue
+            tokens: list[int]
             if k:
-                tokens = token if isinstance(token, list) else [token]
+                tokens = token if isinstance(token, list) else [] if token is None else [token]
                 req.num_computed_tokens -= n - len(tokens)   # the rejected drafts' positions are free again
                 self.num_verify_rows += 1
                 self.num_draft_tokens += k

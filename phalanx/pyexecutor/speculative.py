@@ -143,7 +143,7 @@ class SpecDecoder:
             self.history[step.prompt_slot, step.prompt_pos] = input_ids[step.prompt_src].to(torch.int32)
         if not step.verify_rows:
             return
-        B, k = self.tokens_per_block, self.k
+        k = self.k
         slots = step.verify_slots
         base = self.length[slots] - 1                                  # the last token's position
         pos = base[:, None] + self.offsets                             # [Sv, k + 1]

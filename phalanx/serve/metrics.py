@@ -50,6 +50,12 @@ class EngineCollector:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", total("prefix_queried_tokens")),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", total("prefix_hit_tokens")),
             ("num_preemptions", "Requests preempted (recomputed later).", total("num_preemptions")),
+            ("spec_decode_num_drafts", "Speculative verify rows (a request's drafts checked in one step).",
+             total("spec_verify_rows")),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", total("spec_draft_tokens")),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted: the acceptance rate is this over "
+             "spec_decode_num_draft_tokens; the mean accepted length 1 + this over spec_decode_num_drafts.",
+             total("spec_accepted_drafts")),
         ):
             c = CounterMetricFamily(f"phalanx:{name}", doc, labels=labels)
             c.add_metric([self.model], value)

@@ -1,0 +1,309 @@
+"""Speculative decoding (CPU, fp32): greedy tokens with speculation equal transformers' (so the
+engine's without), for both proposers, batched, with prefix hits, chunked prefill, preemption,
+the overlap loop on and off, stop tokens, stop strings and aborts; a draft equal to the target
+accepts every draft; with temperature > 0 the tokens follow the target's own distribution
+(chi-square against the exact one); the NGram proposer's drafts; settings refused by name."""
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from hf_reference import assert_same_greedy, hf_greedy, tiny_model_dirs
+from phalanx import LLM, SamplingParams
+
+NEW = 14
+
+
+def ngram(k=3):
+    return {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
+
+
+def draft(path, k=3):
+    return {"decoding_type": "DraftTarget", "max_draft_len": k, "speculative_model_dir": path}
+
+
+def prompts(vocab):
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, vocab, (24,), generator=g).tolist()
+    out = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 40)]
+    out += [[5, 6, 7, 8] * 6, shared + [1, 2], shared + [3]]     # a repeating prompt; a shared prefix
+    return out
+
+
+def stats(llm):
+    return llm._executor.engine.stats()
+
+
+COMBOS = [("ngram", False, False, True), ("ngram", True, True, True), ("ngram", True, True, False),
+          ("draft", False, False, True), ("draft", True, True, True), ("draft", False, True, False)]
+
+
+@pytest.mark.parametrize("proposer,chunked,preempt,overlap", COMBOS,
+                         ids=[f"{p}-chunk{int(c)}-preempt{int(e)}-overlap{int(o)}" for p, c, e, o in COMBOS])
+def test_speculative_greedy_equals_transformers(proposer, chunked, preempt, overlap, tiny_models, hf_models):
+    hf = hf_models["llama"]
+    ps = prompts(hf.config.vocab_size)
+    refs = [hf_greedy(hf, p, NEW) for p in ps]
+    # the draft: another model of the same vocabulary (qwen2 tiny: different weights, so drafts get rejected)
+    spec = ngram() if proposer == "ngram" else draft(tiny_models["qwen2"])
+    kv = {"tokens_per_block": 8}
+    extra = {}
+    if preempt:
+        kv["max_tokens"] = 160
+        extra["scheduler_config"] = {"capacity_scheduler_policy": "MAX_UTILIZATION"}
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
+             max_num_tokens=16 if chunked else 512, disable_overlap_scheduler=not overlap,
+             speculative_config=spec, **extra) as llm:
+        for round_ in range(2):     # the second round hits the prefix cache
+            outs = llm.generate(ps, SamplingParams(max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+            for i, (out, (ref, gaps)) in enumerate(zip(outs, refs, strict=True)):
+                assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{proposer} prompt {i} round {round_}")
+            if round_ == 1 and not preempt:
+                assert all(o.cached_tokens > 0 for o in outs[1:])
+        s = stats(llm)
+        assert s["spec_verify_rows"] > 0 and s["spec_draft_tokens"] == 3 * s["spec_verify_rows"]
+        assert 0 < s["spec_accepted_drafts"] < s["spec_draft_tokens"]
+        if preempt:
+            assert s["num_preemptions"] > 0
+        llm._executor.engine.scheduler.kv.check_integrity()
+
+
+def test_a_draft_equal_to_the_target_accepts_every_draft(tiny_models, hf_models):
+    hf = hf_models["qwen3"]
+    ps = prompts(hf.config.vocab_size)[:4]
+    with LLM(tiny_models["qwen3"], skip_tokenizer_init=True, kv_cache_config={"tokens_per_block": 8},
+             orchestrator_type="inprocess", speculative_config=draft(tiny_models["qwen3"], k=4)) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=21, ignore_eos=True), use_tqdm=False)
+        s = stats(llm)
+    for p, out in zip(ps, outs, strict=True):
+        ref, gaps = hf_greedy(hf, p, 21)
+        assert_same_greedy(out.outputs[0].token_ids, ref, gaps)
+    assert s["spec_accepted_drafts"] == s["spec_draft_tokens"] > 0
+    # 21 tokens: the first from the prompt's step, then 5 per verify step
+    assert s["spec_verify_rows"] == 4 * 4
+
+
+def test_ngram_accepts_on_a_repeating_output_and_sends_several_tokens_a_step(tiny_models):
+    """A prompt the tiny model answers with one token repeated: the n-gram drafts are right,
+    a step brings k + 1 tokens (streamed as one chunk) and the tokens equal plain decoding's."""
+    prompt, sp = [100] * 10, SamplingParams(max_tokens=20, ignore_eos=True)
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
+        plain = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(plain)) == 1        # what makes the drafts right
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             speculative_config=ngram(k=4)) as llm:
+
+        async def chunks():
+            sizes, last = [], None
+            async for o in llm.generate_async(prompt, sp, streaming=True):
+                sizes.append(len(o.outputs[0].token_ids))
+                last = o.outputs[0].token_ids
+            return sizes, last
+        sizes, tokens = asyncio.run(chunks())
+        s = stats(llm)
+    assert tokens == plain
+    steps = [b - a for a, b in itertools.pairwise([0] + sizes)]
+    assert steps[:2] == [1, 5] and max(steps) == 5, steps
+    assert s["spec_accepted_drafts"] >= 0.75 * s["spec_draft_tokens"], s
+
+
+def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_models):
+    ps = prompts(256)[:4]
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(ps, SamplingParams(max_tokens=NEW, ignore_eos=True),
+                                                                use_tqdm=False)]
+    stops = [p[5] for p in plain]       # each request's 6th token becomes its stop token
+    sps = [SamplingParams(max_tokens=NEW, stop_token_ids=[t], ignore_eos=True) for t in stops]
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             speculative_config=draft(tiny_models["llama"], k=4)) as llm:
+        outs = llm.generate(ps, sps, use_tqdm=False)
+    for p, stop, o in zip(plain, stops, outs, strict=True):
+        expected = p[:p.index(stop) + 1]
+        assert o.outputs[0].token_ids == expected
+        assert o.outputs[0].finish_reason == "stop" and o.outputs[0].stop_reason == stop
+
+
+def test_stop_strings_and_chat_on_the_real_model_equal_plain_decoding():
+    questions = ["Repeat exactly: one two three one two three one two three", "List the days of the week.",
+                 "What is 2 + 2?"]
+    results = {}
+    for spec in (None, ngram(k=4)):
+        with LLM(speculative_config=spec, orchestrator_type="inprocess") as llm:
+            ps = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+            sp = [SamplingParams(max_tokens=40, temperature=0.0),
+                  SamplingParams(max_tokens=40, temperature=0.0, stop=["Wednesday"]),
+                  SamplingParams(max_tokens=24, temperature=0.0, stop=["4"], include_stop_str_in_output=True)]
+            outs = llm.generate(ps, sp, use_tqdm=False)
+            results[spec is None] = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                                     for o in outs]
+            if spec is not None:
+                s = stats(llm)
+                results["acceptance"] = s["spec_accepted_drafts"] / s["spec_draft_tokens"]
+    assert results[False] == results[True]
+    assert "Wednesday" not in results[False][1][0] and results[False][1][2] == "stop"
+    print(f"n-gram acceptance on the bundled model's chat answers: {results['acceptance']:.2f}")
+
+
+def test_abort_mid_draft_leaves_the_others_unchanged(tiny_models, hf_models):
+    hf = hf_models["llama"]
+    ps = prompts(256)[:4]
+
+    async def run(llm):
+        sp = SamplingParams(max_tokens=40, ignore_eos=True)
+        tasks = [llm.generate_async(p, sp, streaming=True) for p in ps]
+
+        async def consume(i, gen):
+            last = None
+            async for o in gen:
+                last = o
+                if i == 1 and len(o.outputs[0].token_ids) >= 6:
+                    gen.abort()
+            return last
+        return await asyncio.gather(*(consume(i, g) for i, g in enumerate(tasks)))
+
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             kv_cache_config={"tokens_per_block": 8}, speculative_config=draft(tiny_models["llama"])) as llm:
+        outs = asyncio.run(run(llm))
+        llm._executor.engine.scheduler.kv.check_integrity()
+        assert not llm._executor.engine.scheduler.requests
+    assert outs[1].outputs[0].finish_reason == "abort"
+    for i in (0, 2, 3):
+        ref, gaps = hf_greedy(hf, ps[i], 40)
+        assert_same_greedy(outs[i].outputs[0].token_ids, ref, gaps)
+
+
+# -- temperature > 0: the target's distribution ----------------------------------------------------
+VOCAB = 12
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    return tiny_model_dirs(lambda name: tmp_path_factory.mktemp(f"v12-{name}"), {"llama": cfg}, seed=5)["llama"]
+
+
+def exact_marginals(path, prompt, temperature, steps):
+    """P(token at output position i) for i < steps, by enumerating every continuation."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    prefixes = {(): 1.0}
+    marginals = []
+    with torch.no_grad():
+        for _ in range(steps):
+            keys = list(prefixes)
+            ids = torch.tensor([prompt + list(k) for k in keys])
+            probs = (hf(ids).logits[:, -1] / temperature).softmax(-1)
+            m = torch.zeros(VOCAB, dtype=torch.float64)
+            nxt = {}
+            for key, p_prefix, row in zip(keys, (prefixes[k] for k in keys), probs, strict=True):
+                m += p_prefix * row
+                for t in range(VOCAB):
+                    nxt[key + (t,)] = p_prefix * float(row[t])
+            marginals.append(m)
+            prefixes = nxt
+    return marginals
+
+
+def chi_square_p(counts, expected_probs, n):
+    """Pearson's chi-square p-value; bins expected below 5 are pooled."""
+    exp = expected_probs * n
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
+    e = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = e > 0
+    chi2 = float(((obs[keep] - e[keep]) ** 2 / e[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_sampled_tokens_follow_the_targets_distribution(proposer, small_vocab_model):
+    """2,000 requests at temperature 0.8, 3 tokens each; the second and third come out of
+    verify steps. Their marginals against the exact ones: the test fails below p = 0.001;
+    against the distribution at temperature 0.4 (what a sampler that leaned towards the
+    greedy drafts would give) it must fail, so the test can tell."""
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    temperature, n, steps = 0.8, 2000, 3
+    spec = draft(small_vocab_model, k=3) if proposer == "draft" else ngram(k=3)
+    with LLM(small_vocab_model, skip_tokenizer_init=True, orchestrator_type="inprocess", seed=123,
+             max_batch_size=2048, speculative_config=spec) as llm:
+        sp = SamplingParams(max_tokens=steps, temperature=temperature, ignore_eos=True)
+        outs = llm.generate([prompt] * n, sp, use_tqdm=False)
+        s = stats(llm)
+    tokens = torch.tensor([o.outputs[0].token_ids for o in outs])
+    assert s["spec_verify_rows"] >= n and 0 < s["spec_accepted_drafts"] < s["spec_draft_tokens"]
+    exact = exact_marginals(small_vocab_model, prompt, temperature, steps)
+    colder = exact_marginals(small_vocab_model, prompt, 0.4, steps)
+    for pos in range(steps):
+        counts = torch.bincount(tokens[:, pos], minlength=VOCAB)
+        p = chi_square_p(counts, exact[pos], n)
+        assert p > 1e-3, (pos, p, counts.tolist(), (exact[pos] * n).round().tolist())
+        if pos:
+            assert chi_square_p(counts, colder[pos], n) < 1e-3
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_models):
+    sp = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 1)]
+    p = prompts(256)[2]
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             speculative_config=draft(tiny_models["llama"])) as llm:
+        outs = [o.outputs[0].token_ids for o in llm.generate([p] * 3, sp, use_tqdm=False)]
+        again = llm.generate([p], sp[:1], use_tqdm=False)[0].outputs[0].token_ids
+    assert outs[0] == outs[2] == again and outs[0] != outs[1]
+
+
+# -- pieces -----------------------------------------------------------------------------------------
+def test_ngram_proposer_drafts_the_continuation_periodically():
+    from phalanx.pyexecutor.speculative import NGramProposer, SpecDecoder
+    prop = NGramProposer(k=5, max_ngram=3)
+    dec = SpecDecoder(5, prop, 100, 64, 64, 8, 0, torch.device("cpu"), keep_history=True)
+    dec.ensure_rows(3)
+    rows = [[1, 2, 3, 4, 1, 2], [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7], [5, 6, 7]]
+    for i, r in enumerate(rows):
+        dec.history[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    drafts = prop.propose(dec, torch.tensor([0, 1, 2]), torch.tensor([len(r) for r in rows]), None, 16)
+    # [1 2] seen at 0: continue 3 4 1 2 3; period-5 text: 8 9 10 11 7; no match: the last token
+    assert drafts.tolist() == [[3, 4, 1, 2, 3], [8, 9, 10, 11, 7], [7, 7, 7, 7, 7]]
+
+
+def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
+    from phalanx.config import make_llm_args
+    with pytest.raises(ValueError, match="speculative_config.*speculative_model_dir"):
+        make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "DraftTarget"})
+    with pytest.raises(ValueError, match="speculative_config.max_draft_len"):
+        make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "NGram", "max_draft_len": 0})
+    with pytest.raises(ValueError, match="speculative_config.draft_len"):
+        make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "NGram", "draft_len": 2})
+    with pytest.raises(ValueError, match="speculative_config.decoding_type"):
+        make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "Eagle3"})
+    with pytest.raises(ValueError, match="speculative_model_dir: the draft model did not load"):
+        LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+            speculative_config=draft(str(tiny_models["llama"]) + "-missing"))
+    with pytest.raises(ValueError, match="speculative_model_dir: the draft's vocabulary"):
+        LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+            speculative_config=draft(small_vocab_model))
+
+
+def test_requests_with_settings_the_verify_step_does_not_apply_decode_plainly(tiny_models):
+    """Penalties, logprobs and logit bias are honoured (the same tokens as without speculation),
+    by one-token steps for those requests, batched with speculative ones."""
+    ps = prompts(256)[:3]
+    sps = [SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.5),
+           SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2),
+           SamplingParams(max_tokens=10, ignore_eos=True)]
+    got = {}
+    for spec in (None, ngram()):
+        with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+                 speculative_config=spec) as llm:
+            outs = llm.generate(ps, sps, use_tqdm=False)
+            got[spec is None] = [(o.outputs[0].token_ids, o.outputs[0].logprobs is not None) for o in outs]
+            if spec is not None:
+                engine = llm._executor.engine
+                assert engine.stats()["spec_verify_rows"] > 0
+    assert got[True] == got[False]
