@@ -1,6 +1,7 @@
 """Tensor parallelism under mpirun (gloo on CPU): TP=2 greedy tokens equal transformers (and so
 TP=1), for tiny random models and for the bundled SmolLM2 (9 heads, 3 KV heads: split unevenly)."""
 
+import json
 import os
 
 import pytest
@@ -63,3 +64,22 @@ def test_tp2_sync_loop_equals_overlap_loop(tiny_models):
             outs[overlap] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
             assert llm._executor.check_integrity() == ["ok", "ok"]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_tp2_speculative_decoding_equals_transformers(proposer, tiny_models, hf_models):
+    """Both ranks verify, accept (rank 0's tokens) and propose alike: greedy tokens equal
+    transformers, with the overlap loop on, chunked prefill and a repeating prompt."""
+    hf = hf_models["llama"]
+    ps = prompts(hf.config.vocab_size) + [[100] * 10]
+    spec = ({"decoding_type": "NGram", "max_draft_len": 3} if proposer == "ngram" else
+            {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": tiny_models["qwen2"]})
+    with LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True, max_num_tokens=24,
+             kv_cache_config={"tokens_per_block": 8}, speculative_config=spec) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
+            ref, gaps = hf_greedy(hf, p, 12)
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{proposer} TP=2 prompt {i}")
+        assert llm._executor.check_integrity() == ["ok", "ok"]
+        stats = [json.loads(r) for r in llm.control("stats").per_rank]
+    assert stats[0]["spec_accepted_drafts"] == stats[1]["spec_accepted_drafts"] > 0
