@@ -493,9 +493,12 @@ class _SpecRows:
         def col(rows: list, i: int) -> torch.Tensor:
             return _tensor(np.asarray([r[i] for r in rows], np.int64), dev)
         where = {row: j for j, row in enumerate(sample_rows)}
+        verify_rows, first_rows = [r[0] for r in self.verify], [r[0] for r in self.first]
         step = SpecStep(
-            verify_rows=[r[0] for r in self.verify], verify_q0=col(self.verify, 1), verify_slots=col(self.verify, 2),
-            first_rows=[r[0] for r in self.first], first_sample_idx=[where[r[0]] for r in self.first],
+            verify_rows=verify_rows, verify_rows_t=_tensor(np.asarray(verify_rows, np.int64), dev),
+            verify_q0=col(self.verify, 1), verify_slots=col(self.verify, 2), first_rows=first_rows,
+            first_sample_idx=_tensor(np.asarray([where[r] for r in first_rows], np.int64), dev),
+            table_rows=_tensor(np.asarray(verify_rows + first_rows, np.int64), dev),
             first_slots=col(self.first, 3), first_length=col(self.first, 1), first_limit=col(self.first, 2),
             max_length=max_end + decoder.k + 1, block_tables=block_tables)
         if decoder.keep_history and self.prompt:

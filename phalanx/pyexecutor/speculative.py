@@ -52,6 +52,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("phalanx")
 
 
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 tensor on ``device`` without waiting for the stream (pinned, asynchronous)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float32)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def speculates(params) -> bool:
     """Whether a request with these SamplingParams decodes speculatively. Settings the verify
     step does not apply to k + 1 positions at once (penalties, logit bias, min_tokens,
@@ -70,10 +81,12 @@ class SpecStep:
     input ids go into the history at their positions."""
 
     verify_rows: list[int]                 # batch rows
+    verify_rows_t: torch.Tensor            # the same on the device
     verify_q0: torch.Tensor                # [Sv] first packed query row
     verify_slots: torch.Tensor             # [Sv]
     first_rows: list[int]                  # batch rows
-    first_sample_idx: list[int]            # their index among the plain sampling rows
+    first_sample_idx: torch.Tensor         # [F] their index among the plain sampling rows
+    table_rows: torch.Tensor               # [Sv + F] verify rows, then first rows (``advance``'s order)
     first_slots: torch.Tensor              # [F]
     first_length: torch.Tensor             # [F] L after their first token
     first_limit: torch.Tensor              # [F]
@@ -148,7 +161,7 @@ class SpecDecoder:
         base = self.length[slots] - 1                                  # the last token's position
         pos = base[:, None] + self.offsets                             # [Sv, k + 1]
         idx = step.verify_q0[:, None] + self.offsets
-        rows = torch.tensor(step.verify_rows, device=input_ids.device)
+        rows = step.verify_rows_t
         inputs = self.next_tokens[slots]
         input_ids[idx] = inputs
         positions[idx] = pos.clamp(max=self.max_position - 1)
@@ -190,11 +203,12 @@ class SpecDecoder:
         rows = [i for i, s in enumerate(settings) if not s.greedy]
         if rows:
             params = [settings[i] for i in rows]
-            temps = torch.tensor([s.temperature for s in params], device=logits.device)
-            sub = logits[rows] / temps[:, None, None]
+            rows_t = device_ints(rows, logits.device)
+            temps = device_floats([s.temperature for s in params], logits.device)
+            sub = logits[rows_t] / temps[:, None, None]
             flat = _filter(sub.reshape(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
             probs = flat.softmax(dim=-1).reshape(len(rows), k + 1, V)
-            d = drafts[rows]
+            d = drafts[rows_t]
             p_draft = probs[:, :k].gather(2, d[..., None]).squeeze(-1)     # [R, k]
             uniform = torch.empty_like(p_draft)
             noise = torch.empty_like(probs)
@@ -213,7 +227,6 @@ class SpecDecoder:
             residual[:, :k].scatter_(2, d[..., None], 0.0)
             # exponential race over the residual: draws token t with probability ∝ residual[t]
             drawn = (residual / noise).argmax(dim=-1)                      # [R, k + 1]
-            rows_t = torch.tensor(rows, device=logits.device)
             out[rows_t] = drawn
             accept[rows_t] = uniform < p_draft
         lead = accept.long().cumprod(dim=1).sum(dim=1)                 # drafts accepted
@@ -225,7 +238,7 @@ class SpecDecoder:
         """Append the accepted tokens (verify rows) or the first token (first rows), move L, and
         propose the next drafts."""
         k = self.k
-        slots_parts, length_parts, last_parts, table_rows = [], [], [], []
+        slots_parts, length_parts, last_parts = [], [], []
         if step.verify_rows:
             assert step.tokens is not None and step.accepted is not None
             slots = step.verify_slots
@@ -237,7 +250,6 @@ class SpecDecoder:
             slots_parts.append(slots)
             length_parts.append(torch.minimum(L + step.accepted, self.limit[slots]))
             last_parts.append(step.tokens.gather(1, (step.accepted - 1)[:, None]).squeeze(1))
-            table_rows += step.verify_rows
         if step.first_rows:
             assert first_tokens is not None
             self.limit[step.first_slots] = step.first_limit
@@ -246,12 +258,11 @@ class SpecDecoder:
             slots_parts.append(step.first_slots)
             length_parts.append(step.first_length)
             last_parts.append(first_tokens)
-            table_rows += step.first_rows
         if not slots_parts:
             return
         slots, length, last = torch.cat(slots_parts), torch.cat(length_parts), torch.cat(last_parts)
         self.length[slots] = length
-        tables = step.block_tables[torch.tensor(table_rows, device=slots.device)]
+        tables = step.block_tables[step.table_rows]
         self.next_tokens[slots, 0] = last
         self.next_tokens[slots, 1:] = self.proposer.propose(self, slots, length, tables, step.max_length)
 

@@ -1,0 +1,146 @@
+"""Speculative decoding against plain decoding, from one run.
+
+Speed (``--model shape:NAME``, random weights): for each batch size, the same prompts decode
+``--steps`` tokens without and with NGram speculation (``--draft-len`` drafts); greedy, the
+overlap loop on, CUDA graphs as configured. Two prompt sets:
+
+  repeating   each prompt followed by the model's own greedy continuation of it (random
+              weights fall into a loop, so the history predicts what comes next: the proposer
+              is right almost always)
+  fresh       the prompts alone: the continuation starts where nothing predicts it (low
+              acceptance: the overhead of verifying drafts that get rejected)
+
+Reported: decode tok/s over the window where the whole batch decodes, inter-token latency, the
+acceptance rate and mean accepted length, and the speed-up over plain decoding.
+
+Acceptance on the bundled model (``--copy-heavy``): chat prompts that make the model copy or
+edit a given text, greedy, NGram speculation; acceptance, mean accepted length, and tokens/s
+beside plain decoding on this machine.
+
+    python tools/bench_speculative.py --model shape:llama-3.1-8b --batch 1 64 --output spec.json
+    python tools/bench_speculative.py --copy-heavy --output spec_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from phalanx import LLM, SamplingParams
+from phalanx.bench.decode import _decode
+from phalanx.bench.metrics import summarize
+from phalanx.bench.shapes import resolve_model_arg
+from phalanx.bench.throughput import make_prompts
+
+TEXT = ("Speculative decoding lets a large language model produce several tokens per forward pass. A cheap "
+        "proposer guesses the next few tokens, and the large model checks all of the guesses at once; every "
+        "guess that matches what the large model would have produced is kept, and the first mismatch is "
+        "replaced by the large model's own token. When the guesses are often right, as when a text is copied "
+        "or lightly edited, the model reads its weights far fewer times per generated token.")
+COPY_PROMPTS = [
+    f"Copy the following text exactly, word for word:\n\n{TEXT}",
+    f"Fix any spelling mistakes in this text and return it in full:\n\n{TEXT.replace('the', 'teh', 3)}",
+    f"Rewrite this text replacing the word 'model' with 'network', changing nothing else:\n\n{TEXT}",
+]
+
+
+def spec_stats(llm: LLM) -> dict[str, int]:
+    st = json.loads(llm.control("stats").per_rank[0])
+    return {k: st[k] for k in ("spec_verify_rows", "spec_draft_tokens", "spec_accepted_drafts")}
+
+
+def acceptance(before: dict[str, int], after: dict[str, int]) -> dict[str, float | None]:
+    d = {k: after[k] - before[k] for k in after}
+    if not d["spec_draft_tokens"]:
+        return {"acceptance_rate": None, "mean_accepted_length": None}
+    return {"acceptance_rate": d["spec_accepted_drafts"] / d["spec_draft_tokens"],
+            "mean_accepted_length": 1 + d["spec_accepted_drafts"] / d["spec_verify_rows"],
+            "verify_rows": d["spec_verify_rows"]}
+
+
+def window(runs: list[tuple[list[float], list[int]]]) -> dict:
+    times = [t for t, _ in runs]
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    tokens = sum(sum(1 for x in t if start <= x <= end) for t in times)
+    gaps = [b - a for t in times for a, b in zip(t, t[1:], strict=False) if a >= start and b > a]
+    return {"decode_tok_s": tokens / (end - start) if end > start else None, "window_tokens": tokens,
+            "itl_ms": summarize(gaps, 1e3)}
+
+
+def speed(a: argparse.Namespace) -> dict:
+    path, dummy = resolve_model_arg(a.model)
+    base = {"load_format": "dummy" if dummy else "auto", "skip_tokenizer_init": True,
+            "orchestrator_type": "inprocess", "max_batch_size": max(a.batch), "max_seq_len": 4096}
+    prompts: dict[int, dict[str, list[list[int]]]] = {}
+    report: dict = {"model": a.model, "draft_len": a.draft_len, "steps": a.steps, "runs": []}
+    for name, spec in (("plain", None), ("ngram", {"decoding_type": "NGram", "max_draft_len": a.draft_len})):
+        t0 = time.monotonic()
+        llm = LLM(path, **base, speculative_config=spec)
+        startup = time.monotonic() - t0
+        try:
+            for b in a.batch:
+                if b not in prompts:   # the plain engine builds the prompt sets
+                    fresh = make_prompts(b, a.prompt_len, llm.vocab_size, seed=b)
+                    cont = llm.generate(fresh, SamplingParams(max_tokens=a.prompt_len, ignore_eos=True,
+                                                              detokenize=False), use_tqdm=False)
+                    prompts[b] = {"fresh": fresh,
+                                  "repeating": [p + o.outputs[0].token_ids for p, o in zip(fresh, cont, strict=True)]}
+                for kind, ps in prompts[b].items():
+                    asyncio.run(_decode(llm, ps[:1], 8))       # warm-up
+                    before = spec_stats(llm)
+                    runs = asyncio.run(_decode(llm, ps, a.steps))
+                    row = {"engine": name, "batch": b, "prompts": kind, **window(runs),
+                           **acceptance(before, spec_stats(llm)), "startup_s": startup}
+                    report["runs"].append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "itl_ms"}), flush=True)
+        finally:
+            llm.shutdown()
+    plain = {(r["batch"], r["prompts"]): r["decode_tok_s"] for r in report["runs"] if r["engine"] == "plain"}
+    report["speedup_over_plain"] = {
+        f"batch{r['batch']}_{r['prompts']}": r["decode_tok_s"] / plain[r["batch"], r["prompts"]]
+        for r in report["runs"] if r["engine"] == "ngram" and r["decode_tok_s"]}
+    return report
+
+
+def copy_heavy(a: argparse.Namespace) -> dict:
+    report: dict = {"model": "bundled SmolLM2-135M-Instruct", "draft_len": a.draft_len, "runs": []}
+    texts = {}
+    for name, spec in (("plain", None), ("ngram", {"decoding_type": "NGram", "max_draft_len": a.draft_len})):
+        with LLM(orchestrator_type="inprocess", speculative_config=spec) as llm:
+            ps = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in COPY_PROMPTS]
+            sp = SamplingParams(max_tokens=160, temperature=0.0)
+            llm.generate(ps[:1], SamplingParams(max_tokens=8), use_tqdm=False)
+            before = spec_stats(llm)
+            t0 = time.perf_counter()
+            outs = llm.generate(ps, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            texts[name] = [o.outputs[0].text for o in outs]
+            row = {"engine": name, "output_tokens": tokens, "tok_s": tokens / wall,
+                   **acceptance(before, spec_stats(llm))}
+            report["runs"].append(row)
+            print(json.dumps(row), flush=True)
+    report["same_text"] = texts["plain"] == texts["ngram"]
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="shape:llama-3.1-8b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--copy-heavy", action="store_true", help="acceptance on the bundled model's copy/edit prompts")
+    ap.add_argument("--output", default=None)
+    a = ap.parse_args()
+    report = copy_heavy(a) if a.copy_heavy else speed(a)
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
