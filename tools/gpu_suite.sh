@@ -3,7 +3,7 @@
 # $OUT/suite.tgz).
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
-#                              throughput_tp2|moe|grammar|rollout|ttft|all]...
+#                              throughput_tp2|moe|grammar|rollout|ttft|spec|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -85,6 +85,11 @@ for what in "${@:-all}"; do
       timeout 240 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --isl 1000 --osl 250 --tp 2 --num-requests 256 \
         --concurrency 256 --max-batch-size 256 --config tools/gpu_engine.yaml \
         --output "$OUT/moe_tp2.json" > "$OUT/moe_tp2.txt" 2>&1 ;;
+    spec)   # speculative decoding: GPU tests, then NGram against plain decoding (Llama-3.1-8B shape, batch 1 and 64)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_gpu.py > "$OUT/spec_tests.txt" 2>&1
+      free_gpus
+      timeout 300 python3 tools/bench_speculative.py --model shape:llama-3.1-8b --batch 1 64 \
+        --output "$OUT/spec.json" > "$OUT/spec.txt" 2>&1 ;;
     multi_new)
       timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_multi_gpu.py -k custom_allreduce 2>&1 | tail -30 > "$OUT/multi_new.txt" ;;
     decode1)
