@@ -100,6 +100,13 @@ class SpeculativeConfig(StrictModel):
     max_draft_len: int = Field(4, ge=1, le=16, description="Draft tokens verified per step.")
     max_matching_ngram_size: int = Field(3, ge=1, le=16, description="NGram: the longest suffix matched.")
     speculative_model_dir: str | None = Field(None, description="DraftTarget: the draft model (HF directory).")
+    max_concurrency: int | None = Field(
+        None, ge=1, description="No drafts while more requests than this decode speculatively (steps then decode "
+                                "one token a request, in CUDA graphs). Drafts also stop while too few are accepted "
+                                "to pay at the batch size, unless adaptive is false.")
+    adaptive: bool = Field(
+        True, description="Verify drafts only while enough are accepted to pay at the batch size (SpecPolicy); "
+                          "false: every step verifies max_draft_len drafts a request.")
 
     @model_validator(mode="after")
     def _proposer_fields(self) -> SpeculativeConfig:

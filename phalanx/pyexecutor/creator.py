@@ -21,7 +21,7 @@ from phalanx.pyexecutor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_b
 from phalanx.pyexecutor.model_runner import ModelRunner
 from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
 from phalanx.pyexecutor.sampler import Sampler
-from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
+from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits, SpecPolicy
 
 logger = logging.getLogger("phalanx")
 
@@ -99,7 +99,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse)
     limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
                              args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill)
-    scheduler = Scheduler(limits, kv)
+    sc = args.speculative_config
+    scheduler = Scheduler(limits, kv, SpecPolicy(sc.max_draft_len, sc.max_concurrency, sc.adaptive)
+                          if sc is not None else None)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
     if args.speculative_config is not None:

@@ -25,7 +25,7 @@ from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.parallel import TPGroup
 from phalanx.pyexecutor.kv_pool import KVPool
 from phalanx.pyexecutor.sampler import RowSettings, SampleOutput, Sampler
-from phalanx.pyexecutor.scheduler import ScheduledBatch
+from phalanx.pyexecutor.scheduler import HOST_PLACED, ScheduledBatch
 
 if TYPE_CHECKING:
     from phalanx.models.llama import CausalLM
@@ -155,11 +155,10 @@ class ModelRunner:
         return slot
 
     def release(self, request_id: int) -> None:
-        """A request ended: free its slot, its sampler state and its grammar."""
+        """A request ended: free its slot and its grammar."""
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
-        self.sampler.release(request_id)
         if self.guided is not None:
             self.guided.release(request_id)
 
@@ -195,8 +194,9 @@ class ModelRunner:
             q0 = int(query_start[row])
             try:
                 if spec is not None and req.spec_len:
-                    if batch.num_drafts[row]:   # inputs, positions and slots come from the device state
+                    if batch.num_drafts[row] != HOST_PLACED:   # inputs, positions, slots: from the device state
                         spec.verify.append((row, q0, self.slot_of(req.request_id)))
+                        spec.k = batch.num_drafts[row]
                         slots[q0:q0 + n] = 0
                         continue
                     spec.prompt.append((q0, n, start, self.slot_of(req.request_id)))
@@ -217,7 +217,8 @@ class ModelRunner:
                     prompt_spans.append((row, *span))
             except (ValueError, TypeError, OverflowError, IndexError) as e:
                 failed[row] = f"preparing the step: {type(e).__name__}: {e}"
-        sample_rows = [i for i, x in enumerate(batch.samples) if x and not batch.num_drafts[i]]
+        sample_rows = [i for i, (x, d) in enumerate(zip(batch.samples, batch.num_drafts, strict=True))
+                       if x and d == HOST_PLACED]
         settings, bad = self.sampler.plan([batch.requests[i] for i in sample_rows])
         failed.update({sample_rows[j]: msg for j, msg in bad.items()})
         verify_settings = None
@@ -229,8 +230,8 @@ class ModelRunner:
         positions = np.repeat(starts - query_start[:-1], counts) + np.arange(T)   # start_i + offset in row i
         logits_indices = query_start[1:][sample_rows] - 1 if sample_rows else np.zeros(0, np.int64)
         if spec is not None and spec.verify:   # every position of a verify row: k + 1 logits rows
-            k = self.spec.k if self.spec is not None else 0
-            verify_idx = (np.asarray([q0 for _, q0, _ in spec.verify], np.int64)[:, None] + np.arange(k + 1)).ravel()
+            verify_idx = (np.asarray([q0 for _, q0, _ in spec.verify], np.int64)[:, None]
+                          + np.arange(spec.k + 1)).ravel()
             logits_indices = np.concatenate([np.asarray(logits_indices, np.int64), verify_idx])
         widths = [len(t) for t in batch.block_tables]
         tables = np.zeros((S, max(widths)), np.int32)
@@ -399,8 +400,8 @@ class ModelRunner:
         assert spec is not None and decoder is not None
         if spec.verify_rows:
             assert spec.drafts is not None and step.verify_settings is not None
-            ids = [step.batch.requests[i].request_id for i in spec.verify_rows]
-            tokens, accepted = decoder.verify(verify_logits, spec.drafts, step.verify_settings, self.sampler, ids)
+            tokens, accepted = decoder.verify(verify_logits, spec.drafts, step.verify_settings, self.sampler,
+                                              spec.verify_slots)
             if self.tp.size > 1:   # every rank appends rank 0's tokens
                 torch.distributed.broadcast(tokens, src=0, group=self.tp.group)
                 torch.distributed.broadcast(accepted, src=0, group=self.tp.group)
@@ -483,6 +484,7 @@ class _SpecRows:
     """Speculative rows found while packing a step (host lists; ``build`` makes the SpecStep)."""
 
     verify: list[tuple[int, int, int]] = field(default_factory=list)        # (row, first packed row, slot)
+    k: int = 0                                                              # the drafts each verifies
     first: list[tuple[int, int, int, int]] = field(default_factory=list)    # (row, L after it, limit, slot)
     prompt: list[tuple[int, int, int, int]] = field(default_factory=list)   # (first packed row, n, position, slot)
 
@@ -500,7 +502,7 @@ class _SpecRows:
             first_sample_idx=_tensor(np.asarray([where[r] for r in first_rows], np.int64), dev),
             table_rows=_tensor(np.asarray(verify_rows + first_rows, np.int64), dev),
             first_slots=col(self.first, 3), first_length=col(self.first, 1), first_limit=col(self.first, 2),
-            max_length=max_end + decoder.k + 1, block_tables=block_tables)
+            max_length=max_end + decoder.k + 1, block_tables=block_tables, k=self.k)
         if decoder.keep_history and self.prompt:
             src = np.concatenate([np.arange(q0, q0 + n) for q0, n, _, _ in self.prompt])
             step.prompt_src = _tensor(src.astype(np.int64), dev)

@@ -9,9 +9,11 @@ value a row contributes to the batched tensors is converted and checked there, s
 whose settings cannot be turned into tensors fails alone (``Sampler.plan`` names its row)
 instead of failing the batched operations of everyone sampled with it.
 
-A row with a ``seed`` draws from its own generator, advanced by exactly one draw per token, so
-its tokens do not depend on what else is in the batch. Other rows share the sampler's
-generator; every rank holds the same one, so all ranks sample the same ids.
+A row with a ``seed`` draws its noise from a counter-based generator keyed by (seed, the
+token's position, token id) (``seeded_exponential``), so its tokens depend neither on what else
+is in the batch nor on how the steps are cut (a speculative verify step samples several
+positions at once, and the same tokens come out). Other rows share the sampler's generator;
+every rank holds the same one, so all ranks sample the same ids.
 """
 
 from __future__ import annotations
@@ -101,11 +103,6 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self._request_generators: dict[int, torch.Generator] = {}
-
-    def release(self, request_id: int) -> None:
-        """Forget a finished request's generator."""
-        self._request_generators.pop(request_id, None)
 
     def plan(self, requests: list[Request]) -> tuple[list[RowSettings], dict[int, str]]:
         """Every row's settings, and {row: error} for the rows whose settings failed."""
@@ -176,21 +173,49 @@ class Sampler:
         if shared:
             noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
                 generator=self.generator)
-        for j, i in enumerate(rows):
-            seed = settings[i].seed
-            if seed is not None:
-                noise[j] = torch.empty(probs.shape[1], device=probs.device).exponential_(
-                    generator=self._generator_for(requests[i].request_id, seed))
+        seeded = [j for j, s in enumerate(params) if s.seed is not None]
+        if seeded:   # the position of the token drawn: the tokens before it, in flight ones included
+            seeds = [int(params[j].seed or 0) for j in seeded]
+            pos = [requests[rows[j]].num_prompt_tokens + _num_before(requests[rows[j]]) for j in seeded]
+            noise[seeded] = seeded_exponential(_ints(seeds, probs.device), _ints(pos, probs.device)[:, None],
+                                               probs.shape[1])[:, 0]
         # Exponential race: argmax p_i / E_i draws i with probability p_i.
         greedy[rows] = (probs / noise).argmax(dim=-1)
         return greedy
 
-    def _generator_for(self, request_id: int, seed: int) -> torch.Generator:
-        g = self._request_generators.get(request_id)
-        if g is None:
-            g = torch.Generator(device=self.device).manual_seed(seed)
-            self._request_generators[request_id] = g
-        return g
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_K_SEED, _K_POS, _K_TOKEN = _signed(0x9E3779B97F4A7C15), _signed(0xC2B2AE3D27D4EB4F), _signed(0x165667B19E3779F9)
+_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [R, P, vocab] float32, a pure function of (seeds [R], positions [R, P], token
+    id): splitmix64 of seed·K1 + position·K2 + token·K3 (int64 arithmetic wraps), its top 53
+    bits a uniform u in (0, 1), then −log u."""
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    x = seeds[:, None, None] * _K_SEED + positions[..., None] * _K_POS + tok * _K_TOKEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    u = (_shr(x, 11).double() + 0.5) * 2.0 ** -53
+    return (-torch.log(u)).float()
+
+
+def _ints(values: list[int], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.long)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _num_before(r: Request) -> int:

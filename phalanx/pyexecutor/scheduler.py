@@ -30,6 +30,49 @@ from phalanx.pyexecutor.request import Request, RequestStatus
 
 GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
 MAX_UTILIZATION = "MAX_UTILIZATION"
+HOST_PLACED = -1    # ScheduledBatch.num_drafts of a row whose positions the host knows
+
+
+class SpecPolicy:
+    """How many drafts a step's speculative rows verify: k, or 0 (one token, no drafts — a
+    decode step that replays a CUDA graph). Pure Python, the same on every rank.
+
+    A verify step over b rows computes b·(k + 1) positions where a decode step computes b; once
+    the batch is past the weights-bound regime that costs up to (k + 1)× more, so drafts pay
+    only if enough of them are accepted. With m the recent mean accepted length (tokens a
+    verify row brings, 1 .. k + 1; an average over verify steps with weight 1/2 for the
+    latest, starting at k + 1)::
+
+        speculate  iff  b <= max_concurrency (when set)  and  m >= 1 + b·(k + 1) / TOKENS_FREE
+
+    TOKENS_FREE: positions a step can add before it costs more than reading the weights (the
+    ridge of a bf16 8B model on an H200 is ~150). While off, one step in PROBE_EVERY verifies
+    anyway, so m follows the text (a request that starts repeating itself turns drafts on).
+    ``adaptive=False``: drafts on every step (within max_concurrency).
+    """
+
+    TOKENS_FREE = 128
+    PROBE_EVERY = 128
+
+    def __init__(self, k: int, max_concurrency: int | None = None, adaptive: bool = True) -> None:
+        self.k, self.max_concurrency, self.adaptive = k, max_concurrency, adaptive
+        self.mean_accepted = float(k + 1)
+        self.steps_off = 0
+
+    def draft_len(self, rows: int) -> int:
+        if rows == 0 or (self.max_concurrency is not None and rows > self.max_concurrency):
+            return 0
+        if (not self.adaptive or self.mean_accepted >= 1 + rows * (self.k + 1) / self.TOKENS_FREE
+                or self.steps_off >= self.PROBE_EVERY):
+            self.steps_off = 0
+            return self.k
+        self.steps_off += 1
+        return 0
+
+    def observe(self, accepted_lengths: list[int]) -> None:
+        """A verify step's rows were read: their accepted lengths."""
+        if accepted_lengths:
+            self.mean_accepted = 0.5 * self.mean_accepted + 0.5 * sum(accepted_lengths) / len(accepted_lengths)
 
 
 @dataclass(frozen=True)
@@ -48,8 +91,9 @@ class ScheduledBatch:
     Row i: request ``requests[i]`` computes positions
     ``[num_computed_tokens[i], num_computed_tokens[i] + num_scheduled_tokens[i])`` with KV
     blocks ``block_tables[i]``; it samples a token when that range reaches its last token.
-    A verify row (``num_drafts[i]`` = k > 0) computes k + 1 positions from where its accepted
-    tokens end on the device (at most ``num_computed_tokens[i]``) and samples 1 .. k + 1 tokens.
+    A speculative row (``num_drafts[i]`` = k >= 0, not HOST_PLACED) computes k + 1 positions
+    from where its accepted tokens end on the device (at most ``num_computed_tokens[i]``) and
+    samples 1 .. k + 1 tokens; all of a step's speculative rows verify the same k.
     ``copy_ops`` (partial prefix reuse) run before the forward.
     """
 
@@ -59,7 +103,7 @@ class ScheduledBatch:
     num_computed_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
-    num_drafts: list[int] = field(default_factory=list)   # k for a speculative verify row, else 0
+    num_drafts: list[int] = field(default_factory=list)   # HOST_PLACED, or a speculative row's drafts (0 .. k)
     copy_ops: list[CopyOp] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -71,15 +115,20 @@ class ScheduledBatch:
         return sum(self.num_scheduled_tokens)
 
     @property
+    def is_placed(self) -> list[bool]:
+        """Rows whose positions come from the device state (speculative decoding)."""
+        return [d != HOST_PLACED for d in self.num_drafts]
+
+    @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.num_scheduled_tokens) and all(self.samples)
 
-    def add(self, req: Request, num_tokens: int, block_table: list[int], num_drafts: int = 0) -> None:
+    def add(self, req: Request, num_tokens: int, block_table: list[int], num_drafts: int = HOST_PLACED) -> None:
         self.requests.append(req)
         self.num_scheduled_tokens.append(num_tokens)
         self.num_computed_tokens.append(req.num_computed_tokens)
         self.block_tables.append(list(block_table))
-        self.samples.append(num_drafts > 0 or req.num_computed_tokens + num_tokens >= req.num_total_tokens)
+        self.samples.append(num_drafts != HOST_PLACED or req.num_computed_tokens + num_tokens >= req.num_total_tokens)
         self.num_drafts.append(num_drafts)
 
     def without(self, rows: Iterable[int]) -> ScheduledBatch:
@@ -119,7 +168,7 @@ class StepOutcome:
 class Scheduler:
     """Owns the waiting queue and the running list; mutates requests and the KV manager."""
 
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager) -> None:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, spec: SpecPolicy | None = None) -> None:
         if limits.policy not in (GUARANTEED_NO_EVICT, MAX_UTILIZATION):
             raise ValueError(f"capacity_scheduler_policy must be {GUARANTEED_NO_EVICT} or "
                              f"{MAX_UTILIZATION}, got {limits.policy!r}")
@@ -130,6 +179,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.step = 0
         self.num_preemptions = 0
+        self.spec = spec
         self.num_verify_rows = 0        # speculative decoding: verify rows read,
         self.num_draft_tokens = 0       # drafts they carried,
         self.num_accepted_drafts = 0    # and drafts accepted
@@ -190,17 +240,19 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         scheduled: set[int] = set()
+        ready = sum(1 for r in decoding if r.spec_ready)
+        k_step = self.spec.draft_len(min(ready, self.limits.max_batch_size)) if self.spec is not None and ready else 0
         for req in decoding + prefilling:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if len(batch) >= self.limits.max_batch_size or budget <= 0:
                 break
-            k = req.spec_len if req.spec_ready else 0
-            if k:        # verify: the last token and k drafts; room for the draft model's k more
+            k = min(k_step, req.spec_len) if req.spec_ready else HOST_PLACED
+            if k != HOST_PLACED:   # the last token and k drafts; room for the draft model's drafts
                 n = k + 1
                 if n > budget:
                     break
-                grow_to = min(req.num_computed_tokens + n + k, req.kv_limit)
+                grow_to = min(req.num_computed_tokens + n + req.spec_len, req.kv_limit)
             else:
                 if req.awaiting_last_token:
                     continue
@@ -221,7 +273,7 @@ class Scheduler:
             return 0
         return max(0, min(end + req.spec_len, req.kv_limit) - end)
 
-    def _add_row(self, batch: ScheduledBatch, req: Request, n: int, num_drafts: int = 0) -> None:
+    def _add_row(self, batch: ScheduledBatch, req: Request, n: int, num_drafts: int = HOST_PLACED) -> None:
         batch.add(req, n, self.kv.block_table(req.request_id), num_drafts)
         if req.spec_len and batch.samples[-1]:
             req.spec_ready = True      # the step that samples sets its device state: verify from now on
@@ -305,17 +357,21 @@ class Scheduler:
         too (a grammar that is complete).
         """
         out = StepOutcome()
+        accepted: list[int] = []
         for req, start, n, k, token in zip(batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens,
                                            batch.num_drafts, sampled, strict=True):
             if req.status != RequestStatus.RUNNING or req.request_id not in self.requests:
                 continue
             tokens: list[int]
-            if k:
+            placed = k != HOST_PLACED
+            if placed:
                 tokens = token if isinstance(token, list) else [] if token is None else [token]
                 req.num_computed_tokens -= n - len(tokens)   # the rejected drafts' positions are free again
-                self.num_verify_rows += 1
-                self.num_draft_tokens += k
-                self.num_accepted_drafts += len(tokens) - 1
+                if k:
+                    self.num_verify_rows += 1
+                    self.num_draft_tokens += k
+                    self.num_accepted_drafts += len(tokens) - 1
+                    accepted.append(len(tokens))
             else:
                 self.kv.commit(req.request_id, req.token_ids, start + n)
                 if token is None:
@@ -332,10 +388,12 @@ class Scheduler:
                     status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     break
-            if k:   # the accepted tokens' KV is written, all but the last one's
+            if placed:   # the accepted tokens' KV is written, all but the last one's
                 self.kv.commit(req.request_id, req.token_ids, req.num_tokens - 1)
             out.new_tokens[req.request_id] = appended
             if status is not None:
                 self.finish(req.request_id, status)
                 out.finished.append(req)
+        if self.spec is not None:
+            self.spec.observe(accepted)
         return out

@@ -92,6 +92,7 @@ class SpecStep:
     first_limit: torch.Tensor              # [F]
     max_length: int                        # no row's L (or draft position + 1) exceeds this
     block_tables: torch.Tensor             # the step's [S, M] block tables
+    k: int = 0                             # drafts each verify row checks (0: one token, no drafts)
     prompt_src: torch.Tensor | None = None  # [N] packed rows (NGram history)
     prompt_slot: torch.Tensor | None = None
     prompt_pos: torch.Tensor | None = None
@@ -156,13 +157,14 @@ class SpecDecoder:
             self.history[step.prompt_slot, step.prompt_pos] = input_ids[step.prompt_src].to(torch.int32)
         if not step.verify_rows:
             return
-        k = self.k
+        k = step.k
+        offsets = self.offsets[:k + 1]
         slots = step.verify_slots
         base = self.length[slots] - 1                                  # the last token's position
-        pos = base[:, None] + self.offsets                             # [Sv, k + 1]
-        idx = step.verify_q0[:, None] + self.offsets
+        pos = base[:, None] + offsets                                  # [Sv, k + 1]
+        idx = step.verify_q0[:, None] + offsets
         rows = step.verify_rows_t
-        inputs = self.next_tokens[slots]
+        inputs = self.next_tokens[slots, :k + 1]
         input_ids[idx] = inputs
         positions[idx] = pos.clamp(max=self.max_position - 1)
         meta.slot_mapping[idx] = self.kv_slots(meta.block_tables[rows], pos)
@@ -186,20 +188,23 @@ class SpecDecoder:
 
     # -- after the forward -----------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, drafts: torch.Tensor, settings: list[RowSettings],
-               sampler: Sampler, request_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+               sampler: Sampler, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [Sv·(k + 1), V] of the verify rows -> (tokens [Sv, k + 1], accepted [Sv]).
 
-        Row i keeps tokens[i, :accepted[i]]: the accepted drafts, then the target's own token
-        at the first rejection (or after the last draft). Greedy rows accept a draft equal to
-        the argmax. Sampled rows accept draft d at position j with probability p_j(d) (p: the
-        row's temperature, top-k, top-p and min-p applied, as the plain sampler draws) and at
-        the first rejection draw from p_j with d removed; after k acceptances, from p_k."""
-        from phalanx.pyexecutor.sampler import _filter
+        At every position the target's own token is drawn as the plain sampler draws it
+        (greedy: the argmax; sampled: the exponential race over the row's temperature, top-k,
+        top-p and min-p distribution, a seeded row's noise keyed by the token's position). A
+        draft is accepted while it equals that token; row i keeps tokens[i, :accepted[i]]: the
+        accepted drafts, then the target's token at the first mismatch (or after the last
+        draft). Each position's token is a draw from the target's distribution given the tokens
+        before it, so the output is distributed as plain sampling's (a draft equal to the target's
+        draw is accepted with probability p(draft), as in rejection sampling with a
+        deterministic proposal); seeded rows give exactly plain sampling's tokens."""
+        from phalanx.pyexecutor.sampler import _filter, seeded_exponential
         Sv, k = drafts.shape
         V = self.vocab_size
         logits = logits[:, :V].reshape(Sv, k + 1, V)
         out = logits.argmax(dim=-1)                                    # [Sv, k + 1]
-        accept = out[:, :k] == drafts
         rows = [i for i, s in enumerate(settings) if not s.greedy]
         if rows:
             params = [settings[i] for i in rows]
@@ -208,44 +213,33 @@ class SpecDecoder:
             sub = logits[rows_t] / temps[:, None, None]
             flat = _filter(sub.reshape(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
             probs = flat.softmax(dim=-1).reshape(len(rows), k + 1, V)
-            d = drafts[rows_t]
-            p_draft = probs[:, :k].gather(2, d[..., None]).squeeze(-1)     # [R, k]
-            uniform = torch.empty_like(p_draft)
             noise = torch.empty_like(probs)
             shared = [j for j, s in enumerate(params) if s.seed is None]
             if shared:
-                uniform[shared] = torch.rand(len(shared), k, device=logits.device, generator=sampler.generator)
                 noise[shared] = torch.empty(len(shared), k + 1, V, device=logits.device).exponential_(
                     generator=sampler.generator)
-            for j, i in enumerate(rows):
-                seed = settings[i].seed
-                if seed is not None:
-                    g = sampler._generator_for(request_ids[i], seed)
-                    uniform[j] = torch.rand(k, device=logits.device, generator=g)
-                    noise[j] = torch.empty(k + 1, V, device=logits.device).exponential_(generator=g)
-            residual = probs.clone()
-            residual[:, :k].scatter_(2, d[..., None], 0.0)
-            # exponential race over the residual: draws token t with probability ∝ residual[t]
-            drawn = (residual / noise).argmax(dim=-1)                      # [R, k + 1]
-            out[rows_t] = drawn
-            accept[rows_t] = uniform < p_draft
-        lead = accept.long().cumprod(dim=1).sum(dim=1)                 # drafts accepted
-        padded = torch.cat([drafts, drafts.new_zeros(Sv, 1)], dim=1)
-        tokens = torch.where(self.offsets[None, :] < lead[:, None], padded, out)
-        return tokens, lead + 1
+            seeded = [j for j, s in enumerate(params) if s.seed is not None]
+            if seeded:
+                seeded_t = device_ints([rows[j] for j in seeded], logits.device)
+                pos = self.length[slots[seeded_t]][:, None] + self.offsets[None, :k + 1]
+                noise[seeded] = seeded_exponential(device_ints([int(params[j].seed or 0) for j in seeded], logits.device),
+                                                   pos, V)
+            out[rows_t] = (probs / noise).argmax(dim=-1)
+        lead = (out[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)   # drafts accepted
+        return out, lead + 1
 
     def advance(self, step: SpecStep, first_tokens: torch.Tensor | None) -> None:
         """Append the accepted tokens (verify rows) or the first token (first rows), move L, and
         propose the next drafts."""
-        k = self.k
+        k = step.k
         slots_parts, length_parts, last_parts = [], [], []
         if step.verify_rows:
             assert step.tokens is not None and step.accepted is not None
             slots = step.verify_slots
             L = self.length[slots]
             if self.keep_history:
-                pos = L[:, None] + self.offsets
-                pos = torch.where(self.offsets[None, :] < step.accepted[:, None], pos, self.cols - 1)
+                offsets = self.offsets[:k + 1]
+                pos = torch.where(offsets[None, :] < step.accepted[:, None], L[:, None] + offsets, self.cols - 1)
                 self.history[slots[:, None].expand(-1, k + 1), pos] = step.tokens.to(torch.int32)
             slots_parts.append(slots)
             length_parts.append(torch.minimum(L + step.accepted, self.limit[slots]))

@@ -16,12 +16,12 @@ from phalanx import LLM, SamplingParams
 NEW = 14
 
 
-def ngram(k=3):
-    return {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
+def ngram(k=3, adaptive=False):
+    return {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3, "adaptive": adaptive}
 
 
-def draft(path, k=3):
-    return {"decoding_type": "DraftTarget", "max_draft_len": k, "speculative_model_dir": path}
+def draft(path, k=3, adaptive=False):
+    return {"decoding_type": "DraftTarget", "max_draft_len": k, "speculative_model_dir": path, "adaptive": adaptive}
 
 
 def prompts(vocab):
@@ -36,22 +36,27 @@ def stats(llm):
     return llm._executor.engine.stats()
 
 
-COMBOS = [("ngram", False, False, True), ("ngram", True, True, True), ("ngram", True, True, False),
-          ("draft", False, False, True), ("draft", True, True, True), ("draft", False, True, False)]
+COMBOS = [("ngram", False, False, True, False), ("ngram", True, True, True, False), ("ngram", True, True, False, False),
+          ("draft", False, False, True, False), ("draft", True, True, True, False), ("draft", False, True, False, False),
+          ("ngram", True, True, True, True), ("draft", False, False, True, True)]
 
 
-@pytest.mark.parametrize("proposer,chunked,preempt,overlap", COMBOS,
-                         ids=[f"{p}-chunk{int(c)}-preempt{int(e)}-overlap{int(o)}" for p, c, e, o in COMBOS])
-def test_speculative_greedy_equals_transformers(proposer, chunked, preempt, overlap, tiny_models, hf_models):
+@pytest.mark.parametrize("proposer,chunked,preempt,overlap,adaptive", COMBOS,
+                         ids=[f"{p}-chunk{int(c)}-preempt{int(e)}-overlap{int(o)}-adaptive{int(a)}"
+                              for p, c, e, o, a in COMBOS])
+def test_speculative_greedy_equals_transformers(proposer, chunked, preempt, overlap, adaptive, tiny_models,
+                                                hf_models):
+    """adaptive: steps with and without drafts alternate (the policy turns drafts off after
+    rejections; a no-draft step decodes one token from the device state)."""
     hf = hf_models["llama"]
     ps = prompts(hf.config.vocab_size)
     refs = [hf_greedy(hf, p, NEW) for p in ps]
     # the draft: another model of the same vocabulary (qwen2 tiny: different weights, so drafts get rejected)
-    spec = ngram() if proposer == "ngram" else draft(tiny_models["qwen2"])
+    spec = ngram(adaptive=adaptive) if proposer == "ngram" else draft(tiny_models["qwen2"], adaptive=adaptive)
     kv = {"tokens_per_block": 8}
     extra = {}
     if preempt:
-        kv["max_tokens"] = 160
+        kv["max_tokens"] = 104
         extra["scheduler_config"] = {"capacity_scheduler_policy": "MAX_UTILIZATION"}
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
              max_num_tokens=16 if chunked else 512, disable_overlap_scheduler=not overlap,
@@ -64,7 +69,11 @@ def test_speculative_greedy_equals_transformers(proposer, chunked, preempt, over
                 assert all(o.cached_tokens > 0 for o in outs[1:])
         s = stats(llm)
         assert s["spec_verify_rows"] > 0 and s["spec_draft_tokens"] == 3 * s["spec_verify_rows"]
-        assert 0 < s["spec_accepted_drafts"] < s["spec_draft_tokens"]
+        if adaptive:   # fewer verify rows than tokens decoded after the first: some steps went without drafts
+            assert s["spec_verify_rows"] + s["spec_accepted_drafts"] < 2 * len(ps) * (NEW - 1)
+        assert s["spec_accepted_drafts"] < s["spec_draft_tokens"]          # rejections happened
+        if proposer == "ngram":
+            assert s["spec_accepted_drafts"] > 0                          # the repeating prompt
         if preempt:
             assert s["num_preemptions"] > 0
         llm._executor.engine.scheduler.kv.check_integrity()
@@ -248,14 +257,43 @@ def test_sampled_tokens_follow_the_targets_distribution(proposer, small_vocab_mo
             assert chi_square_p(counts, colder[pos], n) < 1e-3
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(tiny_models):
-    sp = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 1)]
-    p = prompts(256)[2]
-    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
-             speculative_config=draft(tiny_models["llama"])) as llm:
-        outs = [o.outputs[0].token_ids for o in llm.generate([p] * 3, sp, use_tqdm=False)]
-        again = llm.generate([p], sp[:1], use_tqdm=False)[0].outputs[0].token_ids
-    assert outs[0] == outs[2] == again and outs[0] != outs[1]
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny_models):
+    """A seeded row's noise is keyed by position: verify steps (several positions at once,
+    drafts accepted or not) give exactly plain sampling's tokens, whatever the batch."""
+    ps = prompts(256)
+    sp = [SamplingParams(max_tokens=12, temperature=t, top_p=p, seed=s, ignore_eos=True)
+          for t, p, s in ((1.0, 1.0, 1), (0.7, 0.9, 2), (1.0, 1.0, 1), (1.3, 0.8, 3))]
+    outs = {}
+    for spec in (None, draft(tiny_models["llama"]), ngram()):
+        with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+                 speculative_config=spec) as llm:
+            batch = [o.outputs[0].token_ids for o in llm.generate(ps[:4], sp, use_tqdm=False)]
+            alone = llm.generate(ps[:1], sp[:1], use_tqdm=False)[0].outputs[0].token_ids
+            outs[None if spec is None else spec["decoding_type"]] = (batch, alone)
+            if spec is not None and spec["decoding_type"] == "DraftTarget":
+                assert stats(llm)["spec_verify_rows"] > 0
+    assert outs[None] == outs["DraftTarget"] == outs["NGram"]
+    batch, alone = outs[None]
+    assert batch[0] == alone and batch[0] != batch[2]     # same seed, other prompt: other tokens
+
+
+def test_the_policy_turns_drafts_off_when_they_do_not_pay():
+    from phalanx.pyexecutor.scheduler import SpecPolicy
+    p = SpecPolicy(k=4)
+    assert p.draft_len(64) == 4                      # optimistic start
+    p.observe([1] * 64)                              # nothing accepted: mean accepted length 3
+    steps = [p.draft_len(64) for _ in range(300)]
+    assert steps[:p.PROBE_EVERY] == [0] * p.PROBE_EVERY and steps.count(4) == 2   # only probes
+    p = SpecPolicy(k=4)
+    for _ in range(20):
+        assert p.draft_len(1) == 4
+        p.observe([2])                                # 1 draft in 4 accepted pays at batch 1
+    assert p.draft_len(64) == 0                       # but not at batch 64
+    for _ in range(3):
+        p.observe([5] * 64)
+    assert p.draft_len(64) == 4 and p.draft_len(300) == 0   # all accepted: worth it at 64, not at 300
+    assert SpecPolicy(k=4, max_concurrency=8).draft_len(9) == 0
+    assert SpecPolicy(k=4, adaptive=False).draft_len(1000) == 4
 
 
 # -- pieces -----------------------------------------------------------------------------------------
