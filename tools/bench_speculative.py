@@ -4,11 +4,13 @@ Speed (``--model shape:NAME``, random weights): for each batch size, the same pr
 ``--steps`` tokens without and with NGram speculation (``--draft-len`` drafts); greedy, the
 overlap loop on, CUDA graphs as configured. Two prompt sets:
 
-  repeating   each prompt followed by the model's own greedy continuation of it (random
-              weights fall into a loop, so the history predicts what comes next: the proposer
-              is right almost always)
-  fresh       the prompts alone: the continuation starts where nothing predicts it (low
-              acceptance: the overhead of verifying drafts that get rejected)
+  echo        P + O + P, where O is the model's own greedy continuation of P: if the model
+              answers the second P as it answered the first, the history predicts every token
+              (the proposer is right whenever the model repeats itself)
+  constant    one token repeated: what a model with random weights answers to that tends to
+              repeat too (a case where the history predicts the output)
+  fresh       the prompts alone: random weights continue where nothing predicts them
+              (acceptance near 0: the cost of speculating when it does not pay)
 
 Reported: decode tok/s over the window where the whole batch decodes, inter-token latency, the
 acceptance rate and mean accepted length, and the speed-up over plain decoding.
@@ -72,10 +74,12 @@ def window(runs: list[tuple[list[float], list[int]]]) -> dict:
 def speed(a: argparse.Namespace) -> dict:
     path, dummy = resolve_model_arg(a.model)
     base = {"load_format": "dummy" if dummy else "auto", "skip_tokenizer_init": True,
-            "orchestrator_type": "inprocess", "max_batch_size": max(a.batch), "max_seq_len": 4096}
+            "orchestrator_type": "inprocess", "max_batch_size": max(a.batch), "max_seq_len": 4096,
+            "cuda_graph_config": {"batch_sizes": sorted({1, 2, 4, 8, 16, 32, 64, *a.batch})}}
     prompts: dict[int, dict[str, list[list[int]]]] = {}
     report: dict = {"model": a.model, "draft_len": a.draft_len, "steps": a.steps, "runs": []}
-    for name, spec in (("plain", None), ("ngram", {"decoding_type": "NGram", "max_draft_len": a.draft_len})):
+    ngram = {"decoding_type": "NGram", "max_draft_len": a.draft_len}
+    for name, spec in (("plain", None), ("ngram", ngram), ("ngram_always", {**ngram, "adaptive": False})):
         t0 = time.monotonic()
         llm = LLM(path, **base, speculative_config=spec)
         startup = time.monotonic() - t0
@@ -86,7 +90,8 @@ def speed(a: argparse.Namespace) -> dict:
                     cont = llm.generate(fresh, SamplingParams(max_tokens=a.prompt_len, ignore_eos=True,
                                                               detokenize=False), use_tqdm=False)
                     prompts[b] = {"fresh": fresh,
-                                  "repeating": [p + o.outputs[0].token_ids for p, o in zip(fresh, cont, strict=True)]}
+                                  "echo": [p + o.outputs[0].token_ids + p for p, o in zip(fresh, cont, strict=True)],
+                                  "constant": [[p[0]] * a.prompt_len for p in fresh]}
                 for kind, ps in prompts[b].items():
                     asyncio.run(_decode(llm, ps[:1], 8))       # warm-up
                     before = spec_stats(llm)
@@ -99,8 +104,8 @@ def speed(a: argparse.Namespace) -> dict:
             llm.shutdown()
     plain = {(r["batch"], r["prompts"]): r["decode_tok_s"] for r in report["runs"] if r["engine"] == "plain"}
     report["speedup_over_plain"] = {
-        f"batch{r['batch']}_{r['prompts']}": r["decode_tok_s"] / plain[r["batch"], r["prompts"]]
-        for r in report["runs"] if r["engine"] == "ngram" and r["decode_tok_s"]}
+        f"{r['engine']}_batch{r['batch']}_{r['prompts']}": r["decode_tok_s"] / plain[r["batch"], r["prompts"]]
+        for r in report["runs"] if r["engine"] != "plain" and r["decode_tok_s"]}
     return report
 
 

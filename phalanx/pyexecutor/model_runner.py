@@ -258,6 +258,7 @@ class ModelRunner:
         if spec is not None and (spec.verify or spec.first or spec.prompt):
             assert self.spec is not None
             inputs.spec = spec.build(self.spec, sample_rows, int(ends.max()), meta.block_tables, dev)
+            inputs.spec.propose = batch.propose
             inputs.verify_settings = verify_settings
         return inputs
 

@@ -58,16 +58,30 @@ class SpecPolicy:
         self.k, self.max_concurrency, self.adaptive = k, max_concurrency, adaptive
         self.mean_accepted = float(k + 1)
         self.steps_off = 0
+        self.last = 0            # the previous step's draft length
 
     def draft_len(self, rows: int) -> int:
-        if rows == 0 or (self.max_concurrency is not None and rows > self.max_concurrency):
+        if rows == 0:               # no speculative decode rows: prompts finishing get their first drafts
+            self.propose = True
             return 0
-        if (not self.adaptive or self.mean_accepted >= 1 + rows * (self.k + 1) / self.TOKENS_FREE
+        if self.max_concurrency is not None and rows > self.max_concurrency:
+            k = 0
+        elif (not self.adaptive or self.mean_accepted >= 1 + rows * (self.k + 1) / self.TOKENS_FREE
                 or self.steps_off >= self.PROBE_EVERY):
             self.steps_off = 0
-            return self.k
-        self.steps_off += 1
-        return 0
+            k = self.k
+        else:
+            self.steps_off += 1
+            k = 0
+        self.last, previous = k, self.last
+        self.propose = k > 0 or previous > 0 or self.steps_off >= self.PROBE_EVERY - 1
+        return k
+
+    propose = True
+    """Whether the step just decided proposes drafts for the next: when it verifies, when the
+    one before did (its acceptance, read before the next step is decided, may turn drafts on),
+    and before a probe; otherwise the proposer is skipped (a later verify of stale drafts is
+    still exact, just rejected)."""
 
     def observe(self, accepted_lengths: list[int]) -> None:
         """A verify step's rows were read: their accepted lengths."""
@@ -103,6 +117,7 @@ class ScheduledBatch:
     num_computed_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    propose: bool = True          # speculative rows that sample get drafts for the next step
     num_drafts: list[int] = field(default_factory=list)   # HOST_PLACED, or a speculative row's drafts (0 .. k)
     copy_ops: list[CopyOp] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -134,7 +149,7 @@ class ScheduledBatch:
     def without(self, rows: Iterable[int]) -> ScheduledBatch:
         """The same decision minus some rows (requests that failed before the forward)."""
         drop = set(rows)
-        out = ScheduledBatch(self.step, copy_ops=self.copy_ops, preempted=self.preempted)
+        out = ScheduledBatch(self.step, copy_ops=self.copy_ops, preempted=self.preempted, propose=self.propose)
         for i, req in enumerate(self.requests):
             if i not in drop:
                 out.requests.append(req)
@@ -148,7 +163,7 @@ class ScheduledBatch:
     def digest(self) -> bytes:
         """A short hash of the decision, compared across ranks to detect divergence."""
         h = hashlib.blake2b(digest_size=16)
-        h.update(struct.pack("<q", self.step))
+        h.update(struct.pack("<qq", self.step, self.propose))
         for r, n, c, d, bt in zip(self.requests, self.num_scheduled_tokens, self.num_computed_tokens,
                                   self.num_drafts, self.block_tables, strict=True):
             h.update(struct.pack(f"<qqqq{len(bt)}q", r.request_id, n, c, d, *bt))
@@ -241,7 +256,10 @@ class Scheduler:
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         scheduled: set[int] = set()
         ready = sum(1 for r in decoding if r.spec_ready)
-        k_step = self.spec.draft_len(min(ready, self.limits.max_batch_size)) if self.spec is not None and ready else 0
+        k_step = 0
+        if self.spec is not None:
+            k_step = self.spec.draft_len(min(ready, self.limits.max_batch_size))
+            batch.propose = self.spec.propose
         for req in decoding + prefilling:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop

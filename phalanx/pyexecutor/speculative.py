@@ -93,6 +93,7 @@ class SpecStep:
     max_length: int                        # no row's L (or draft position + 1) exceeds this
     block_tables: torch.Tensor             # the step's [S, M] block tables
     k: int = 0                             # drafts each verify row checks (0: one token, no drafts)
+    propose: bool = True                   # ask the proposer for the next step's drafts
     prompt_src: torch.Tensor | None = None  # [N] packed rows (NGram history)
     prompt_slot: torch.Tensor | None = None
     prompt_pos: torch.Tensor | None = None
@@ -222,8 +223,8 @@ class SpecDecoder:
             if seeded:
                 seeded_t = device_ints([rows[j] for j in seeded], logits.device)
                 pos = self.length[slots[seeded_t]][:, None] + self.offsets[None, :k + 1]
-                noise[seeded] = seeded_exponential(device_ints([int(params[j].seed or 0) for j in seeded], logits.device),
-                                                   pos, V)
+                seeds = device_ints([int(params[j].seed or 0) for j in seeded], logits.device)
+                noise[seeded] = seeded_exponential(seeds, pos, V)
             out[rows_t] = (probs / noise).argmax(dim=-1)
         lead = (out[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)   # drafts accepted
         return out, lead + 1
@@ -256,9 +257,10 @@ class SpecDecoder:
             return
         slots, length, last = torch.cat(slots_parts), torch.cat(length_parts), torch.cat(last_parts)
         self.length[slots] = length
-        tables = step.block_tables[step.table_rows]
+        tables = step.block_tables[step.table_rows] if step.propose else step.block_tables
         self.next_tokens[slots, 0] = last
-        self.next_tokens[slots, 1:] = self.proposer.propose(self, slots, length, tables, step.max_length)
+        if step.propose:
+            self.next_tokens[slots, 1:] = self.proposer.propose(self, slots, length, tables, step.max_length)
 
 
 class NGramProposer:

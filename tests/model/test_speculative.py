@@ -36,8 +36,9 @@ def stats(llm):
     return llm._executor.engine.stats()
 
 
-COMBOS = [("ngram", False, False, True, False), ("ngram", True, True, True, False), ("ngram", True, True, False, False),
-          ("draft", False, False, True, False), ("draft", True, True, True, False), ("draft", False, True, False, False),
+COMBOS = [("ngram", False, False, True, False), ("ngram", True, True, True, False),
+          ("ngram", True, True, False, False), ("draft", False, False, True, False),
+          ("draft", True, True, True, False), ("draft", False, True, False, False),
           ("ngram", True, True, True, True), ("draft", False, False, True, True)]
 
 
@@ -280,18 +281,28 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny
 def test_the_policy_turns_drafts_off_when_they_do_not_pay():
     from phalanx.pyexecutor.scheduler import SpecPolicy
     p = SpecPolicy(k=4)
-    assert p.draft_len(64) == 4                      # optimistic start
-    p.observe([1] * 64)                              # nothing accepted: mean accepted length 3
-    steps = [p.draft_len(64) for _ in range(300)]
-    assert steps[:p.PROBE_EVERY] == [0] * p.PROBE_EVERY and steps.count(4) == 2   # only probes
+    assert p.draft_len(64) == 4 and p.propose                  # optimistic start
+    p.observe([1] * 64)                                        # nothing accepted: mean accepted length 3
+    assert p.draft_len(64) == 0 and p.propose                  # right after a verify step: fresh drafts kept
+    steps, proposes = [], []
+    for _ in range(300):
+        steps.append(p.draft_len(64))
+        proposes.append(p.propose)
+        if steps[-1]:
+            p.observe([1] * 64)
+    probes = [i for i, k in enumerate(steps) if k]
+    assert len(probes) == 2 and probes[1] - probes[0] == p.PROBE_EVERY + 1    # only probes verify
+    assert sum(proposes) <= 4 * len(probes)                    # drafts proposed only around them
+    assert all(proposes[i - 1] for i in probes)                # a probe verifies fresh drafts
     p = SpecPolicy(k=4)
     for _ in range(20):
         assert p.draft_len(1) == 4
-        p.observe([2])                                # 1 draft in 4 accepted pays at batch 1
-    assert p.draft_len(64) == 0                       # but not at batch 64
+        p.observe([2])                                         # 1 draft in 4 accepted pays at batch 1
+    assert p.draft_len(64) == 0                                # but not at batch 64
     for _ in range(3):
         p.observe([5] * 64)
-    assert p.draft_len(64) == 4 and p.draft_len(300) == 0   # all accepted: worth it at 64, not at 300
+    assert p.draft_len(64) == 4 and p.draft_len(300) == 0      # all accepted: worth it at 64, not at 300
+    assert p.draft_len(0) == 0 and p.propose                   # prompts completing: their first drafts
     assert SpecPolicy(k=4, max_concurrency=8).draft_len(9) == 0
     assert SpecPolicy(k=4, adaptive=False).draft_len(1000) == 4
 
