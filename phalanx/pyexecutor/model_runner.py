@@ -304,7 +304,9 @@ class ModelRunner:
             graph_size = self.graphs.graph_size(len(batch)) if self.graphs is not None else None
         if graph_size and self.graphs is not None:
             self.num_graph_steps += 1
-            return self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta, graph_size)
+            logits = self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta, graph_size)
+            # rows in batch order; speculative rows sample after the others
+            return logits[inputs.logits_indices] if inputs.spec is not None and inputs.sample_rows else logits
         if (graph_size is None and self.graphs is not None and inputs.prompt_logprobs is None
                 and inputs.logits_indices.shape[0] <= self.graphs.extend_max_logits):
             t = self.graphs.extend_size(inputs.input_ids.shape[0], len(batch))
@@ -491,25 +493,29 @@ class _SpecRows:
 
     def build(self, decoder: SpecDecoder, sample_rows: list[int], max_end: int, block_tables: torch.Tensor,
               dev: torch.device) -> SpecStep:
+        """The SpecStep, its integer columns sent to the device in one copy."""
         from phalanx.pyexecutor.speculative import SpecStep
-
-        def col(rows: list, i: int) -> torch.Tensor:
-            return _tensor(np.asarray([r[i] for r in rows], np.int64), dev)
         where = {row: j for j, row in enumerate(sample_rows)}
         verify_rows, first_rows = [r[0] for r in self.verify], [r[0] for r in self.first]
+        cols: list[np.ndarray] = [
+            np.asarray(verify_rows, np.int64), np.asarray([r[1] for r in self.verify], np.int64),
+            np.asarray([r[2] for r in self.verify], np.int64), np.asarray([where[r] for r in first_rows], np.int64),
+            np.asarray(verify_rows + first_rows, np.int64), np.asarray([r[3] for r in self.first], np.int64),
+            np.asarray([r[1] for r in self.first], np.int64), np.asarray([r[2] for r in self.first], np.int64)]
+        history = decoder.keep_history and bool(self.prompt)
+        if history:
+            cols += [np.concatenate([np.arange(q0, q0 + n) for q0, n, _, _ in self.prompt]),
+                     np.concatenate([np.full(n, s, np.int64) for _, n, _, s in self.prompt]),
+                     np.concatenate([np.arange(p, p + n) for _, n, p, _ in self.prompt])]
+        flat = _tensor(np.concatenate(cols).astype(np.int64), dev)
+        parts = list(torch.split(flat, [len(c) for c in cols]))
         step = SpecStep(
-            verify_rows=verify_rows, verify_rows_t=_tensor(np.asarray(verify_rows, np.int64), dev),
-            verify_q0=col(self.verify, 1), verify_slots=col(self.verify, 2), first_rows=first_rows,
-            first_sample_idx=_tensor(np.asarray([where[r] for r in first_rows], np.int64), dev),
-            table_rows=_tensor(np.asarray(verify_rows + first_rows, np.int64), dev),
-            first_slots=col(self.first, 3), first_length=col(self.first, 1), first_limit=col(self.first, 2),
-            max_length=max_end + decoder.k + 1, block_tables=block_tables, k=self.k)
-        if decoder.keep_history and self.prompt:
-            src = np.concatenate([np.arange(q0, q0 + n) for q0, n, _, _ in self.prompt])
-            step.prompt_src = _tensor(src.astype(np.int64), dev)
-            step.prompt_slot = _tensor(np.concatenate([np.full(n, s, np.int64) for _, n, _, s in self.prompt]), dev)
-            step.prompt_pos = _tensor(np.concatenate([np.arange(p, p + n) for _, n, p, _ in self.prompt]
-                                                     ).astype(np.int64), dev)
+            verify_rows=verify_rows, verify_rows_t=parts[0], verify_q0=parts[1], verify_slots=parts[2],
+            first_rows=first_rows, first_sample_idx=parts[3], table_rows=parts[4], first_slots=parts[5],
+            first_length=parts[6], first_limit=parts[7], max_length=max_end + decoder.k + 1,
+            block_tables=block_tables, k=self.k)
+        if history:
+            step.prompt_src, step.prompt_slot, step.prompt_pos = parts[8], parts[9], parts[10]
         return step
 
 

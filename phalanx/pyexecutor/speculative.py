@@ -134,6 +134,7 @@ class SpecDecoder:
         self.next_tokens = torch.zeros(0, k + 1, dtype=torch.long, device=device)
         self.history = torch.zeros(0, self.cols if keep_history else 1, dtype=torch.int32, device=device)
         self.offsets = torch.arange(k + 1, device=device)
+        self.ones = torch.ones(0, dtype=torch.long, device=device)
 
     def ensure_rows(self, num_slots: int) -> None:
         """Room for slots 0 .. num_slots − 1 (doubling; the slots in use are the low ones)."""
@@ -148,6 +149,7 @@ class SpecDecoder:
             return torch.cat([t, t.new_zeros(grow, *t.shape[1:])])
         self.length, self.limit = more(self.length), more(self.limit)
         self.next_tokens, self.history = more(self.next_tokens), more(self.history)
+        self.ones = torch.ones(n, dtype=torch.long, device=self.device)
         self.rows = n
 
     # -- before the forward ----------------------------------------------------------------------
@@ -226,6 +228,8 @@ class SpecDecoder:
                 seeds = device_ints([int(params[j].seed or 0) for j in seeded], logits.device)
                 noise[seeded] = seeded_exponential(seeds, pos, V)
             out[rows_t] = (probs / noise).argmax(dim=-1)
+        if k == 0:
+            return out, self.ones[:Sv]
         lead = (out[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)   # drafts accepted
         return out, lead + 1
 
@@ -255,7 +259,10 @@ class SpecDecoder:
             last_parts.append(first_tokens)
         if not slots_parts:
             return
-        slots, length, last = torch.cat(slots_parts), torch.cat(length_parts), torch.cat(last_parts)
+        if len(slots_parts) == 1:
+            slots, length, last = slots_parts[0], length_parts[0], last_parts[0]
+        else:
+            slots, length, last = torch.cat(slots_parts), torch.cat(length_parts), torch.cat(last_parts)
         self.length[slots] = length
         tables = step.block_tables[step.table_rows] if step.propose else step.block_tables
         self.next_tokens[slots, 0] = last

@@ -41,9 +41,12 @@ def test_gpu_speculative_greedy_equals_transformers_fp32(proposer, tiny_models, 
 
 def test_speculative_with_graphs_equals_plain_eager(tiny_models):
     """fp32: the verify step's extend kernels and the decode kernels round alike enough. Drafts
-    on every step (graphs on and off) and adaptive (steps without drafts replay decode graphs)."""
+    on every step (graphs on and off) and adaptive (steps without drafts replay decode graphs,
+    their rows mixed with plain ones)."""
     ps = prompts(256, n=14, seed=5)
-    sp = [SamplingParams(max_tokens=6 + i % 11, ignore_eos=True) for i in range(len(ps))]
+    # every third request asks for logprobs: it decodes plainly, batched with speculative rows
+    sp = [SamplingParams(max_tokens=6 + i % 11, ignore_eos=True, logprobs=1 if i % 3 == 0 else None)
+          for i in range(len(ps))]
     ngram = {"decoding_type": "NGram", "max_draft_len": 3, "adaptive": False}
     runs = {"plain eager": (None, False), "drafts graphs": (ngram, True), "drafts eager": (ngram, False),
             "adaptive graphs": ({**ngram, "adaptive": True}, True)}
