@@ -19,6 +19,7 @@ Capacity policies:
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 import time
 from collections import deque
@@ -37,22 +38,25 @@ class SpecPolicy:
     """How many drafts a step's speculative rows verify: k, or 0 (one token, no drafts — a
     decode step that replays a CUDA graph). Pure Python, the same on every rank.
 
-    A verify step over b rows computes b·(k + 1) positions where a decode step computes b; once
-    the batch is past the weights-bound regime that costs up to (k + 1)× more, so drafts pay
-    only if enough of them are accepted. With m the recent mean accepted length (tokens a
-    verify row brings, 1 .. k + 1; an average over verify steps with weight 1/2 for the
-    latest, starting at k + 1)::
+    A verify step over b rows costs r(b) decode steps: a fixed part (the sampling and
+    bookkeeping of k + 1 positions a row, an extend step instead of a decode graph) and the
+    b·(k + 1) positions, which cost more than reading the weights once the batch leaves the
+    weights-bound regime. With m the recent mean accepted length (tokens a verify row
+    brings, 1 .. k + 1; weight 1/2 for the latest verify step, starting at k + 1)::
 
-        speculate  iff  b <= max_concurrency (when set)  and  m >= 1 + b·(k + 1) / TOKENS_FREE
+        r(b) = 1 + OVERHEAD + b·(k + 1) / TOKENS_FREE
+        speculate  iff  b <= max_concurrency (when set)  and  m >= r(b)
 
-    TOKENS_FREE: positions a step can add before it costs more than reading the weights (the
-    ridge of a bf16 8B model on an H200 is ~150). While off, one step in PROBE_EVERY verifies
-    anyway, so m follows the text (a request that starts repeating itself turns drafts on).
-    ``adaptive=False``: drafts on every step (within max_concurrency).
+    OVERHEAD and TOKENS_FREE fit the Llama-3.1-8B shape on an H200 at k = 4: a verify step
+    took 1.36 decode steps at batch 1 and 2.9 at batch 64 (docs/results/gpu9_spec*.json).
+    While off, one step in ceil((r(b) − 1) / PROBE_COST) (at least 8) verifies anyway — about
+    PROBE_COST of the time — so m follows the text (a request that starts copying turns drafts
+    back on). ``adaptive=False``: drafts on every step (within max_concurrency).
     """
 
-    TOKENS_FREE = 128
-    PROBE_EVERY = 128
+    OVERHEAD = 0.35
+    TOKENS_FREE = 200
+    PROBE_COST = 0.03
 
     def __init__(self, k: int, max_concurrency: int | None = None, adaptive: bool = True) -> None:
         self.k, self.max_concurrency, self.adaptive = k, max_concurrency, adaptive
@@ -60,21 +64,28 @@ class SpecPolicy:
         self.steps_off = 0
         self.last = 0            # the previous step's draft length
 
+    def cost(self, rows: int) -> float:
+        """r(b): a verify step over ``rows`` rows, in decode steps."""
+        return 1 + self.OVERHEAD + rows * (self.k + 1) / self.TOKENS_FREE
+
+    def probe_every(self, rows: int) -> int:
+        return max(8, math.ceil((self.cost(rows) - 1) / self.PROBE_COST))
+
     def draft_len(self, rows: int) -> int:
         if rows == 0:               # no speculative decode rows: prompts finishing get their first drafts
             self.propose = True
             return 0
+        probe = self.probe_every(rows)
         if self.max_concurrency is not None and rows > self.max_concurrency:
             k = 0
-        elif (not self.adaptive or self.mean_accepted >= 1 + rows * (self.k + 1) / self.TOKENS_FREE
-                or self.steps_off >= self.PROBE_EVERY):
+        elif not self.adaptive or self.mean_accepted >= self.cost(rows) or self.steps_off >= probe:
             self.steps_off = 0
             k = self.k
         else:
             self.steps_off += 1
             k = 0
         self.last, previous = k, self.last
-        self.propose = k > 0 or previous > 0 or self.steps_off >= self.PROBE_EVERY - 1
+        self.propose = k > 0 or previous > 0 or self.steps_off >= probe - 1
         return k
 
     propose = True

@@ -282,7 +282,9 @@ def test_the_policy_turns_drafts_off_when_they_do_not_pay():
     from phalanx.pyexecutor.scheduler import SpecPolicy
     p = SpecPolicy(k=4)
     assert p.draft_len(64) == 4 and p.propose                  # optimistic start
-    p.observe([1] * 64)                                        # nothing accepted: mean accepted length 3
+    assert p.draft_len(64) == 4                                # (the next step is decided before it is read)
+    p.observe([1] * 64)
+    p.observe([1] * 64)                                        # nothing accepted: mean accepted length 2
     assert p.draft_len(64) == 0 and p.propose                  # right after a verify step: fresh drafts kept
     steps, proposes = [], []
     for _ in range(300):
@@ -291,7 +293,9 @@ def test_the_policy_turns_drafts_off_when_they_do_not_pay():
         if steps[-1]:
             p.observe([1] * 64)
     probes = [i for i, k in enumerate(steps) if k]
-    assert len(probes) == 2 and probes[1] - probes[0] == p.PROBE_EVERY + 1    # only probes verify
+    every = p.probe_every(64)
+    assert 30 < every < 100 and len(probes) == 300 // (every + 1)             # only probes verify
+    assert all(b - a == every + 1 for a, b in itertools.pairwise(probes))
     assert sum(proposes) <= 4 * len(probes)                    # drafts proposed only around them
     assert all(proposes[i - 1] for i in probes)                # a probe verifies fresh drafts
     p = SpecPolicy(k=4)
@@ -299,6 +303,13 @@ def test_the_policy_turns_drafts_off_when_they_do_not_pay():
         assert p.draft_len(1) == 4
         p.observe([2])                                         # 1 draft in 4 accepted pays at batch 1
     assert p.draft_len(64) == 0                                # but not at batch 64
+    q = SpecPolicy(k=4)
+    steps = []
+    for _ in range(200):                                       # nothing accepted at batch 1: off, probes
+        steps.append(q.draft_len(1))
+        if steps[-1]:
+            q.observe([1])
+    assert 0 < steps[100:].count(4) <= 100 // q.probe_every(1) + 1 and q.probe_every(1) >= 8
     for _ in range(3):
         p.observe([5] * 64)
     assert p.draft_len(64) == 4 and p.draft_len(300) == 0      # all accepted: worth it at 64, not at 300

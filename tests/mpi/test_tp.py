@@ -72,8 +72,9 @@ def test_tp2_speculative_decoding_equals_transformers(proposer, tiny_models, hf_
     transformers, with the overlap loop on, chunked prefill and a repeating prompt."""
     hf = hf_models["llama"]
     ps = prompts(hf.config.vocab_size) + [[100] * 10]
-    spec = ({"decoding_type": "NGram", "max_draft_len": 3} if proposer == "ngram" else
-            {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": tiny_models["qwen2"]})
+    spec = ({"decoding_type": "NGram", "max_draft_len": 3, "adaptive": False} if proposer == "ngram" else
+            {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": tiny_models["llama"],
+             "adaptive": False})
     with LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True, max_num_tokens=24,
              kv_cache_config={"tokens_per_block": 8}, speculative_config=spec) as llm:
         outs = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
