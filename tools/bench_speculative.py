@@ -81,7 +81,8 @@ def speed(a: argparse.Namespace) -> dict:
     prompts: dict[int, dict[str, list[list[int]]]] = {}
     report: dict = {"model": a.model, "draft_len": a.draft_len, "steps": a.steps, "runs": []}
     ngram = {"decoding_type": "NGram", "max_draft_len": a.draft_len}
-    for name, spec in (("plain", None), ("ngram", ngram), ("ngram_always", {**ngram, "adaptive": False})):
+    engines = {"plain": None, "ngram": ngram, "ngram_always": {**ngram, "adaptive": False}}
+    for name, spec in ((n, engines[n]) for n in ["plain", *[e for e in a.engines if e != "plain"]]):
         t0 = time.monotonic()
         llm = LLM(path, **base, speculative_config=spec)
         startup = time.monotonic() - t0
@@ -95,7 +96,9 @@ def speed(a: argparse.Namespace) -> dict:
                                   "echo": [p + o.outputs[0].token_ids + p for p, o in zip(fresh, cont, strict=True)],
                                   "constant": [[p[0]] * a.prompt_len for p in fresh]}
                 for kind, ps in prompts[b].items():
-                    asyncio.run(_decode(llm, ps[:1], 8))       # warm-up
+                    if kind not in a.prompt_sets:
+                        continue
+                    asyncio.run(_decode(llm, ps, 16))       # warm-up: this batch's kernels compiled
                     before = spec_stats(llm)
                     runs = asyncio.run(_decode(llm, ps, a.steps))
                     row = {"engine": name, "batch": b, "prompts": kind, **window(runs),
@@ -144,6 +147,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--engines", nargs="+", default=["plain", "ngram", "ngram_always"],
+                    choices=["plain", "ngram", "ngram_always"], help="plain always runs (the baseline)")
+    ap.add_argument("--prompt-sets", nargs="+", default=["fresh", "echo", "constant"],
+                    choices=["fresh", "echo", "constant"])
     ap.add_argument("--copy-heavy", action="store_true", help="acceptance on the bundled model's copy/edit prompts")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
