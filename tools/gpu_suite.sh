@@ -88,7 +88,7 @@ for what in "${@:-all}"; do
     spec)   # speculative decoding: GPU tests, then NGram against plain decoding (Llama-3.1-8B shape, batch 1 and 64)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_gpu.py > "$OUT/spec_tests.txt" 2>&1
       free_gpus
-      timeout 300 python3 tools/bench_speculative.py --model shape:llama-3.1-8b --batch 1 64 \
+      timeout 300 python3 tools/bench_speculative.py --model shape:llama-3.1-8b --batch 1 64 ${SPEC_ARGS:-} \
         --output "$OUT/spec.json" > "$OUT/spec.txt" 2>&1 ;;
     multi_new)
       timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_multi_gpu.py -k custom_allreduce 2>&1 | tail -30 > "$OUT/multi_new.txt" ;;

@@ -48,14 +48,14 @@ class SpecPolicy:
         speculate  iff  b <= max_concurrency (when set)  and  m >= r(b)
 
     OVERHEAD and TOKENS_FREE fit the Llama-3.1-8B shape on an H200 at k = 4: a verify step
-    took 1.36 decode steps at batch 1 and 2.9 at batch 64 (docs/results/gpu9_spec*.json).
+    took 1.36 decode steps at batch 1 and 4.35 at batch 64 (docs/results/gpu9_spec_decode.json).
     While off, one step in ceil((r(b) − 1) / PROBE_COST) (at least 8) verifies anyway — about
     PROBE_COST of the time — so m follows the text (a request that starts copying turns drafts
     back on). ``adaptive=False``: drafts on every step (within max_concurrency).
     """
 
     OVERHEAD = 0.35
-    TOKENS_FREE = 200
+    TOKENS_FREE = 110
     PROBE_COST = 0.03
 
     def __init__(self, k: int, max_concurrency: int | None = None, adaptive: bool = True) -> None:
