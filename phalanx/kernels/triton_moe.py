@@ -76,6 +76,12 @@ def _place_kernel(ids_ptr, cnt_ptr, slot_ptr, pair_ptr, bexp_ptr, P, first, E, N
     tl.store(bexp_ptr + b, e.to(tl.int64), mask=b < NB)
 
 
+def place_chunk(e_pad: int) -> int:
+    """Pairs per program of ``_place_kernel``: it compares each pair (and block) with every
+    expert, a [chunk, e_pad] tile kept to 4096 elements so it stays in registers."""
+    return min(ALIGN_CHUNK, max(16, 4096 // e_pad))
+
+
 def num_rows(pairs: int, num_local: int, block_m: int) -> int:
     """Padded rows of a step's pairs: every expert's run rounded up to whole blocks."""
     return triton.cdiv(pairs + num_local * (block_m - 1), block_m) * block_m
@@ -97,8 +103,9 @@ def align(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[
     C = ALIGN_CHUNK
     _count_kernel[(triton.cdiv(P, C),)](ids, counts, slot, sorted_pair, P, first, num_local, R, CHUNK=C)
     e_pad = max(16, triton.next_power_of_2(num_local))
-    _place_kernel[(triton.cdiv(max(P, NB), C),)](ids, counts, slot, sorted_pair, block_expert, P, first, num_local,
-                                                 NB, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=C)
+    c = place_chunk(e_pad)
+    _place_kernel[(triton.cdiv(max(P, NB), c),)](ids, counts, slot, sorted_pair, block_expert, P, first, num_local,
+                                                 NB, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=c)
     return sorted_pair, block_expert
 
 
