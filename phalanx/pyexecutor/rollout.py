@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.llmapi.weight_transfer import DEFAULT_BUCKET_BYTES, DTYPES, EngineGroup, open_tensors
+from phalanx.pyexecutor.speculative import NGramProposer
 
 if TYPE_CHECKING:
     from phalanx.pyexecutor.py_executor import PyExecutor
@@ -117,6 +118,9 @@ class Rollout:
             raise ValueError(f"sleep needs an idle engine: {unfinished} requests are unfinished "
                              "(pause_generation(mode='abort') ends them)")
         runner = self.ex.runner
+        if runner.spec is not None and not isinstance(runner.spec.proposer, NGramProposer):
+            raise ValueError("sleep is not supported with a draft model (speculative_config DraftTarget): "
+                             "its weights and KV pool would stay in GPU memory")
         cuda = runner.device.type == "cuda"
         if level == 1:   # what can fail (pinning host memory) comes before anything is released
             self.reserve_host_buffer()

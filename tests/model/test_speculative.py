@@ -367,3 +367,18 @@ def test_requests_with_settings_the_verify_step_does_not_apply_decode_plainly(ti
                 engine = llm._executor.engine
                 assert engine.stats()["spec_verify_rows"] > 0
     assert got[True] == got[False]
+
+
+def test_sleep_is_refused_with_a_draft_model_and_works_with_ngram(tiny_models):
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             speculative_config=draft(tiny_models["llama"])) as llm:
+        with pytest.raises(Exception, match="draft model"):
+            llm.sleep()
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             speculative_config=ngram()) as llm:
+        before = llm.generate([[100] * 10], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        llm.sleep()
+        llm.wake_up()
+        after = llm.generate([[100] * 10], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert before[0].outputs[0].token_ids == after[0].outputs[0].token_ids
