@@ -12,6 +12,13 @@ overlap loop on, CUDA graphs as configured. Two prompt sets:
   fresh       the prompts alone: random weights continue where nothing predicts them
               (acceptance near 0: the cost of speculating when it does not pay)
 
+``--token-map`` (a proposer that is always right on the same shape): every engine's attention
+and MLP output projections (o_proj, down_proj) are zeroed after loading, so the model maps each
+token to the next by its embedding alone and greedy output falls into a cycle; the prompt set
+``cycle`` is each prompt followed by 1,024 tokens of its continuation (long enough to be inside
+the cycle), so the history predicts every next token. The step reads the same weights and runs
+the same kernels as with the projections intact: only the values differ.
+
 Reported: decode tok/s over the window where the whole batch decodes, inter-token latency, the
 acceptance rate and mean accepted length, and the speed-up over plain decoding.
 
@@ -50,6 +57,19 @@ COPY_PROMPTS = [
 ]
 
 
+def zero_mixing(llm: LLM) -> None:
+    """--token-map: zero every row-parallel projection (o_proj, down_proj) of the in-process rank's
+    model, in place (captured CUDA graphs keep reading the same tensors)."""
+    import torch
+
+    from phalanx.models.layers import RowParallelLinear
+    model = llm._executor.engine.runner.model
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RowParallelLinear):
+                m.weight.zero_()
+
+
 def spec_stats(llm: LLM) -> dict[str, int]:
     st = json.loads(llm.control("stats").per_rank[0])
     return {k: st[k] for k in ("spec_verify_rows", "spec_draft_tokens", "spec_accepted_drafts")}
@@ -86,6 +106,8 @@ def speed(a: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         llm = LLM(path, **base, speculative_config=spec)
         startup = time.monotonic() - t0
+        if a.token_map:
+            zero_mixing(llm)
         try:
             for b in a.batch:
                 if b not in prompts:   # the plain engine builds the prompt sets
@@ -95,6 +117,10 @@ def speed(a: argparse.Namespace) -> dict:
                     prompts[b] = {"fresh": fresh,
                                   "echo": [p + o.outputs[0].token_ids + p for p, o in zip(fresh, cont, strict=True)],
                                   "constant": [[p[0]] * a.prompt_len for p in fresh]}
+                    if "cycle" in a.prompt_sets:
+                        long = llm.generate(fresh, SamplingParams(max_tokens=1024, ignore_eos=True, detokenize=False),
+                                            use_tqdm=False)
+                        prompts[b]["cycle"] = [p + o.outputs[0].token_ids for p, o in zip(fresh, long, strict=True)]
                 for kind, ps in prompts[b].items():
                     if kind not in a.prompt_sets:
                         continue
@@ -150,7 +176,9 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["plain", "ngram", "ngram_always"],
                     choices=["plain", "ngram", "ngram_always"], help="plain always runs (the baseline)")
     ap.add_argument("--prompt-sets", nargs="+", default=["fresh", "echo", "constant"],
-                    choices=["fresh", "echo", "constant"])
+                    choices=["fresh", "echo", "constant", "cycle"])
+    ap.add_argument("--token-map", action="store_true",
+                    help="zero the attention and MLP output projections: output cycles (see above)")
     ap.add_argument("--copy-heavy", action="store_true", help="acceptance on the bundled model's copy/edit prompts")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
