@@ -123,7 +123,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                 logger.warning("cuda_graph_config.extend_num_tokens: no extend graphs for %s (%s): those steps run "
                                "eagerly", dropped, "attention DP" if adp else "a mixture-of-experts model"
                                if cfg.is_moe else f"above max_num_tokens {args.max_num_tokens}")
-            runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-max_seq_len // B), B, max_seq_len,
+            # speculative rows hold up to 2k positions past the length limit (Request.kv_limit)
+            span = max_seq_len + 2 * (runner.spec.k if runner.spec is not None else 0)
+            runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-span // B), B, span,
                                             num_blocks, gcfg.enable_padding, device, extend_sizes=extend,
                                             extend_max_seqs=gcfg.extend_max_seqs,
                                             logits_per_seq=1 + (runner.spec.k if runner.spec is not None else 0))
@@ -179,12 +181,15 @@ def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, ma
     else:
         dcfg = draft.config
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
+        if dcfg.max_position_embeddings < max_seq_len:
+            raise ValueError(f"speculative_config.speculative_model_dir: the draft's max_position_embeddings "
+                             f"({dcfg.max_position_embeddings}) is below max_seq_len ({max_seq_len}); "
+                             f"lower max_seq_len")
         dpool = KVPool(dcfg.num_layers, pool_blocks, args.kv_cache_config.tokens_per_block, dheads.num_kv_heads,
                        dcfg.head_dim, kv_dtype, device)
-        max_position = min(max_position, dcfg.max_position_embeddings)
-        proposer = DraftModelProposer(k, draft, dpool, cfg.vocab_size, max_position)
+        proposer = DraftModelProposer(k, draft, dpool, cfg.vocab_size, dcfg.max_position_embeddings)
     return SpecDecoder(k, proposer, cfg.vocab_size, max_seq_len, max_position, args.kv_cache_config.tokens_per_block,
-                       pool_blocks - 1, device, keep_history=draft is None)
+                       pool_blocks - 1, device, keep_history=draft is None, tp=tp)
 
 
 def _grammar_compiler(args: LlmArgs, source: ModelSource) -> GrammarCompiler:

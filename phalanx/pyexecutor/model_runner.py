@@ -199,6 +199,11 @@ class ModelRunner:
                         spec.k = batch.num_drafts[row]
                         slots[q0:q0 + n] = 0
                         continue
+                    if self.spec is not None and self.spec.keep_history:
+                        if req.spec_history < start:   # prompt tokens found in the prefix cache
+                            spec.cached.append((req.token_ids[req.spec_history:start], req.spec_history,
+                                                self.slot_of(req.request_id)))
+                        req.spec_history = start + n
                     spec.prompt.append((q0, n, start, self.slot_of(req.request_id)))
                     if batch.samples[row]:
                         spec.first.append((row, start + n + 1, req.max_total_tokens, self.slot_of(req.request_id)))
@@ -234,7 +239,8 @@ class ModelRunner:
                           + np.arange(spec.k + 1)).ravel()
             logits_indices = np.concatenate([np.asarray(logits_indices, np.int64), verify_idx])
         widths = [len(t) for t in batch.block_tables]
-        tables = np.zeros((S, max(widths)), np.int32)
+        # padding: the scratch block no request owns (only positions inside a row's table are read)
+        tables = np.full((S, max(widths)), self.kv_pool.num_blocks - 1, np.int32)
         for i, t in enumerate(batch.block_tables):
             tables[i, :widths[i]] = t
         dev = self.device
@@ -255,7 +261,7 @@ class ModelRunner:
             inputs.gather_slot = _tensor(np.asarray(gather_slot, np.int64), dev)
         if prompt_spans:
             inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
-        if spec is not None and (spec.verify or spec.first or spec.prompt):
+        if spec is not None and (spec.verify or spec.first or spec.prompt or spec.cached):
             assert self.spec is not None
             inputs.spec = spec.build(self.spec, sample_rows, int(ends.max()), meta.block_tables, dev)
             inputs.spec.propose = batch.propose
@@ -490,6 +496,7 @@ class _SpecRows:
     k: int = 0                                                              # the drafts each verifies
     first: list[tuple[int, int, int, int]] = field(default_factory=list)    # (row, L after it, limit, slot)
     prompt: list[tuple[int, int, int, int]] = field(default_factory=list)   # (first packed row, n, position, slot)
+    cached: list[tuple[list[int], int, int]] = field(default_factory=list)  # (tokens, first position, slot)
 
     def build(self, decoder: SpecDecoder, sample_rows: list[int], max_end: int, block_tables: torch.Tensor,
               dev: torch.device) -> SpecStep:
@@ -507,6 +514,11 @@ class _SpecRows:
             cols += [np.concatenate([np.arange(q0, q0 + n) for q0, n, _, _ in self.prompt]),
                      np.concatenate([np.full(n, s, np.int64) for _, n, _, s in self.prompt]),
                      np.concatenate([np.arange(p, p + n) for _, n, p, _ in self.prompt])]
+        cached = decoder.keep_history and bool(self.cached)
+        if cached:    # tokens, slots, positions of the prefix-cache hits
+            cols += [np.concatenate([np.asarray(t, np.int64) for t, _, _ in self.cached]),
+                     np.concatenate([np.full(len(t), s, np.int64) for t, _, s in self.cached]),
+                     np.concatenate([np.arange(p, p + len(t)) for t, p, _ in self.cached])]
         flat = _tensor(np.concatenate(cols).astype(np.int64), dev)
         parts = list(torch.split(flat, [len(c) for c in cols]))
         step = SpecStep(
@@ -516,6 +528,8 @@ class _SpecRows:
             block_tables=block_tables, k=self.k)
         if history:
             step.prompt_src, step.prompt_slot, step.prompt_pos = parts[8], parts[9], parts[10]
+        if cached:
+            step.cached_tokens, step.cached_slot, step.cached_pos = parts[-3], parts[-2], parts[-1]
         return step
 
 

@@ -81,6 +81,7 @@ class Request:
     first_scheduled_time: float = 0.0  # monotonic clock (system-wide on Linux) at first admission
     spec_len: int = 0                # drafts verified per step (0: no speculation for this request)
     spec_ready: bool = False         # its device state (length, next inputs) is set: steps verify
+    spec_history: int = 0            # positions of its tokens written into the device history (NGram)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -71,12 +71,15 @@ class SpecPolicy:
     def probe_every(self, rows: int) -> int:
         return max(8, math.ceil((self.cost(rows) - 1) / self.PROBE_COST))
 
-    def draft_len(self, rows: int) -> int:
+    def draft_len(self, rows: int, token_budget: int) -> int:
+        """The step's draft length for ``rows`` speculative decode rows; drafts never take more
+        than half of the step's ``token_budget`` (max_num_tokens), the rest being left to prompts."""
         if rows == 0:               # no speculative decode rows: prompts finishing get their first drafts
             self.propose = True
             return 0
         probe = self.probe_every(rows)
-        if self.max_concurrency is not None and rows > self.max_concurrency:
+        if ((self.max_concurrency is not None and rows > self.max_concurrency)
+                or 2 * rows * (self.k + 1) > token_budget):
             k = 0
         elif not self.adaptive or self.mean_accepted >= self.cost(rows) or self.steps_off >= probe:
             self.steps_off = 0
@@ -257,9 +260,11 @@ class Scheduler:
         if not batch.preempted and admit:
             self._schedule_waiting(batch, budget)
         batch.copy_ops = self.kv.take_copy_ops()
-        for req, n, samples in zip(batch.requests, batch.num_scheduled_tokens, batch.samples, strict=True):
+        for req, n, samples, d in zip(batch.requests, batch.num_scheduled_tokens, batch.samples, batch.num_drafts,
+                                      strict=True):
             req.num_computed_tokens += n          # scheduled = will be computed by this step
-            req.num_inflight_tokens += samples    # a placeholder until update() reads the token
+            if d == HOST_PLACED:                  # a placeholder until update() reads the token
+                req.num_inflight_tokens += samples
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -269,7 +274,7 @@ class Scheduler:
         ready = sum(1 for r in decoding if r.spec_ready)
         k_step = 0
         if self.spec is not None:
-            k_step = self.spec.draft_len(min(ready, self.limits.max_batch_size))
+            k_step = self.spec.draft_len(min(ready, self.limits.max_batch_size), self.limits.max_num_tokens)
             batch.propose = self.spec.propose
         for req in decoding + prefilling:
             if req.status != RequestStatus.RUNNING:
@@ -325,6 +330,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_inflight_tokens = 0   # an in-flight token of a preempted request is dropped
         req.spec_ready = False        # recomputed from its tokens; its first sampling step sets the device state
+        req.spec_history = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -46,6 +46,7 @@ from phalanx.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from phalanx.models.llama import CausalLM
+    from phalanx.models.parallel import TPGroup
     from phalanx.pyexecutor.kv_pool import KVPool
     from phalanx.pyexecutor.sampler import RowSettings, Sampler
 
@@ -97,6 +98,9 @@ class SpecStep:
     prompt_src: torch.Tensor | None = None  # [N] packed rows (NGram history)
     prompt_slot: torch.Tensor | None = None
     prompt_pos: torch.Tensor | None = None
+    cached_tokens: torch.Tensor | None = None   # NGram history: prompt tokens found in the prefix cache
+    cached_slot: torch.Tensor | None = None
+    cached_pos: torch.Tensor | None = None
     drafts: torch.Tensor | None = None     # [Sv, k] the drafts verified (set by ``place``)
     accepted: torch.Tensor | None = None   # [Sv] 1 .. k + 1 (set after sampling)
     tokens: torch.Tensor | None = None     # [Sv, k + 1]
@@ -120,10 +124,12 @@ class Proposer(Protocol):
 
 class SpecDecoder:
     def __init__(self, k: int, proposer: Proposer, vocab_size: int, max_seq_len: int, max_position: int,
-                 tokens_per_block: int, scratch_block: int, device: torch.device, keep_history: bool) -> None:
+                 tokens_per_block: int, scratch_block: int, device: torch.device, keep_history: bool,
+                 tp: TPGroup | None = None) -> None:
+        self.tp = tp
         self.k, self.proposer, self.vocab_size = k, proposer, vocab_size
         self.scratch_block = scratch_block        # the pool's block no request owns
-        self.max_position = max_position          # rope tables' length: garbage rows are clamped below it
+        self.max_position = max_position          # the target's rope length: rows past it (dropped) are clamped
         self.tokens_per_block = tokens_per_block
         self.device = device
         self.keep_history = keep_history
@@ -156,6 +162,8 @@ class SpecDecoder:
     def place(self, step: SpecStep, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Fill the verify rows' input ids, positions, KV slots and lengths from the device state,
         and the history with the prompt rows' tokens."""
+        if step.cached_tokens is not None:
+            self.history[step.cached_slot, step.cached_pos] = step.cached_tokens.to(torch.int32)
         if step.prompt_src is not None:
             self.history[step.prompt_slot, step.prompt_pos] = input_ids[step.prompt_src].to(torch.int32)
         if not step.verify_rows:
@@ -218,15 +226,23 @@ class SpecDecoder:
             probs = flat.softmax(dim=-1).reshape(len(rows), k + 1, V)
             noise = torch.empty_like(probs)
             shared = [j for j, s in enumerate(params) if s.seed is None]
-            if shared:
-                noise[shared] = torch.empty(len(shared), k + 1, V, device=logits.device).exponential_(
-                    generator=sampler.generator)
             seeded = [j for j, s in enumerate(params) if s.seed is not None]
+            if shared:
+                draw = torch.empty(len(shared), k + 1, V, device=logits.device).exponential_(
+                    generator=sampler.generator)
+                if seeded:
+                    noise[device_ints(shared, logits.device)] = draw
+                else:
+                    noise = draw
             if seeded:
-                seeded_t = device_ints([rows[j] for j in seeded], logits.device)
-                pos = self.length[slots[seeded_t]][:, None] + self.offsets[None, :k + 1]
+                at = device_ints([rows[j] for j in seeded], logits.device)
+                pos = self.length[slots[at]][:, None] + self.offsets[None, :k + 1]
                 seeds = device_ints([int(params[j].seed or 0) for j in seeded], logits.device)
-                noise[seeded] = seeded_exponential(seeds, pos, V)
+                values = seeded_exponential(seeds, pos, V)
+                if shared:
+                    noise[device_ints(seeded, logits.device)] = values
+                else:
+                    noise = values
             out[rows_t] = (probs / noise).argmax(dim=-1)
         if k == 0:
             return out, self.ones[:Sv]
@@ -267,7 +283,10 @@ class SpecDecoder:
         tables = step.block_tables[step.table_rows] if step.propose else step.block_tables
         self.next_tokens[slots, 0] = last
         if step.propose:
-            self.next_tokens[slots, 1:] = self.proposer.propose(self, slots, length, tables, step.max_length)
+            drafts = self.proposer.propose(self, slots, length, tables, step.max_length)
+            if self.tp is not None and self.tp.size > 1:   # every rank verifies the same inputs: rank 0's
+                torch.distributed.broadcast(drafts, src=0, group=self.tp.group)
+            self.next_tokens[slots, 1:] = drafts
 
 
 class NGramProposer:

@@ -242,7 +242,7 @@ def test_sampled_tokens_follow_the_targets_distribution(proposer, small_vocab_mo
     temperature, n, steps = 0.8, 2000, 3
     spec = draft(small_vocab_model, k=3) if proposer == "draft" else ngram(k=3)
     with LLM(small_vocab_model, skip_tokenizer_init=True, orchestrator_type="inprocess", seed=123,
-             max_batch_size=2048, speculative_config=spec) as llm:
+             max_batch_size=2048, max_num_tokens=32768, speculative_config=spec) as llm:
         sp = SamplingParams(max_tokens=steps, temperature=temperature, ignore_eos=True)
         outs = llm.generate([prompt] * n, sp, use_tqdm=False)
         s = stats(llm)
@@ -281,14 +281,14 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny
 def test_the_policy_turns_drafts_off_when_they_do_not_pay():
     from phalanx.pyexecutor.scheduler import SpecPolicy
     p = SpecPolicy(k=4)
-    assert p.draft_len(64) == 4 and p.propose                  # optimistic start
-    assert p.draft_len(64) == 4                                # (the next step is decided before it is read)
+    assert p.draft_len(64, 8192) == 4 and p.propose                  # optimistic start
+    assert p.draft_len(64, 8192) == 4                                # (the next step is decided before it is read)
     p.observe([1] * 64)
     p.observe([1] * 64)                                        # nothing accepted: mean accepted length 2
-    assert p.draft_len(64) == 0 and p.propose                  # right after a verify step: fresh drafts kept
+    assert p.draft_len(64, 8192) == 0 and p.propose                  # right after a verify step: fresh drafts kept
     steps, proposes = [], []
     for _ in range(300):
-        steps.append(p.draft_len(64))
+        steps.append(p.draft_len(64, 8192))
         proposes.append(p.propose)
         if steps[-1]:
             p.observe([1] * 64)
@@ -300,22 +300,23 @@ def test_the_policy_turns_drafts_off_when_they_do_not_pay():
     assert all(proposes[i - 1] for i in probes)                # a probe verifies fresh drafts
     p = SpecPolicy(k=4)
     for _ in range(20):
-        assert p.draft_len(1) == 4
+        assert p.draft_len(1, 8192) == 4
         p.observe([2])                                         # 1 draft in 4 accepted pays at batch 1
-    assert p.draft_len(64) == 0                                # but not at batch 64
+    assert p.draft_len(64, 8192) == 0                                # but not at batch 64
     q = SpecPolicy(k=4)
     steps = []
     for _ in range(200):                                       # nothing accepted at batch 1: off, probes
-        steps.append(q.draft_len(1))
+        steps.append(q.draft_len(1, 8192))
         if steps[-1]:
             q.observe([1])
     assert 0 < steps[100:].count(4) <= 100 // q.probe_every(1) + 1 and q.probe_every(1) >= 8
     for _ in range(3):
         p.observe([5] * 64)
-    assert p.draft_len(64) == 4 and p.draft_len(300) == 0      # all accepted: worth it at 64, not at 300
-    assert p.draft_len(0) == 0 and p.propose                   # prompts completing: their first drafts
-    assert SpecPolicy(k=4, max_concurrency=8).draft_len(9) == 0
-    assert SpecPolicy(k=4, adaptive=False).draft_len(1000) == 4
+    assert p.draft_len(64, 8192) == 4 and p.draft_len(300, 8192) == 0      # all accepted: worth it at 64, not at 300
+    assert p.draft_len(0, 8192) == 0 and p.propose                   # prompts completing: their first drafts
+    assert SpecPolicy(k=4, max_concurrency=8).draft_len(9, 8192) == 0
+    assert SpecPolicy(k=4, adaptive=False).draft_len(1000, 16384) == 4
+    assert SpecPolicy(k=3, adaptive=False).draft_len(3, 16) == 0     # drafts take at most half the token budget
 
 
 # -- pieces -----------------------------------------------------------------------------------------
@@ -382,3 +383,33 @@ def test_sleep_is_refused_with_a_draft_model_and_works_with_ngram(tiny_models):
         llm.wake_up()
         after = llm.generate([[100] * 10], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert before[0].outputs[0].token_ids == after[0].outputs[0].token_ids
+
+
+def test_ngram_history_holds_prompt_tokens_found_in_the_prefix_cache(tiny_models):
+    """The history the proposer matches in covers the cached part of a prompt too (the slot
+    held another request's tokens before)."""
+    g = torch.Generator().manual_seed(2)
+    p, q = (torch.randint(0, 256, (40,), generator=g).tolist() for _ in range(2))
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             kv_cache_config={"tokens_per_block": 8}, speculative_config=ngram()) as llm:
+        sp = SamplingParams(max_tokens=3, ignore_eos=True)
+        llm.generate([p], sp, use_tqdm=False)           # p cached
+        llm.generate([q], sp, use_tqdm=False)           # slot 0 now holds q's tokens
+        out = llm.generate([p], sp, use_tqdm=False)     # slot 0 again: p's prefix from the cache
+        assert out[0].cached_tokens >= 32
+        history = llm._executor.engine.runner.spec.history[0, :len(p)].tolist()
+    assert history == p
+
+
+def test_a_draft_shorter_than_max_seq_len_is_refused(tiny_models, tmp_path):
+    from transformers import LlamaConfig
+
+    from hf_reference import TINY
+    short = tiny_model_dirs(lambda n: tmp_path / n, {"llama": LlamaConfig(**{**TINY, "max_position_embeddings": 64})})
+    with pytest.raises(ValueError, match="max_position_embeddings .64. is below max_seq_len .512."):
+        LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+            speculative_config=draft(short["llama"]))
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", max_seq_len=64,
+             speculative_config=draft(short["llama"])) as llm:
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=50, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids) == 50
