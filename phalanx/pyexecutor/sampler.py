@@ -163,24 +163,29 @@ class Sampler:
         rows = [i for i, s in enumerate(settings) if not s.greedy]
         if not rows:
             return greedy
-        sub = logits[rows]
+        dev = logits.device
+        rows_t = device_ints(rows, dev)      # host lists reach the device asynchronously (no stream wait)
+        sub = logits[rows_t]
         params = [settings[i] for i in rows]
-        temps = torch.tensor([s.temperature for s in params], device=sub.device)
+        temps = device_floats([s.temperature for s in params], dev)
         sub = _filter(sub / temps[:, None], params)
         probs = sub.softmax(dim=-1)
-        noise = torch.empty_like(probs)
         shared = [j for j, s in enumerate(params) if s.seed is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator)
         seeded = [j for j, s in enumerate(params) if s.seed is not None]
+        noise = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(generator=self.generator)
         if seeded:   # the position of the token drawn: the tokens before it, in flight ones included
             seeds = [int(params[j].seed or 0) for j in seeded]
             pos = [requests[rows[j]].num_prompt_tokens + _num_before(requests[rows[j]]) for j in seeded]
-            noise[seeded] = seeded_exponential(_ints(seeds, probs.device), _ints(pos, probs.device)[:, None],
-                                               probs.shape[1])[:, 0]
+            keyed = seeded_exponential(device_ints(seeds, dev), device_ints(pos, dev)[:, None], probs.shape[1])[:, 0]
+            if shared:
+                both = torch.empty_like(probs)
+                both[device_ints(shared, dev)] = noise
+                both[device_ints(seeded, dev)] = keyed
+                noise = both
+            else:
+                noise = keyed
         # Exponential race: argmax p_i / E_i draws i with probability p_i.
-        greedy[rows] = (probs / noise).argmax(dim=-1)
+        greedy[rows_t] = (probs / noise).argmax(dim=-1)
         return greedy
 
 
@@ -213,8 +218,14 @@ def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int)
     return (-torch.log(u)).float()
 
 
-def _ints(values: list[int], device: torch.device) -> torch.Tensor:
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the stream (pinned, asynchronous)."""
     t = torch.tensor(values, dtype=torch.long)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float32)
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
@@ -245,13 +256,13 @@ def _filter(logits: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
     V = logits.shape[1]
     ks = [s.top_k if s.top_k > 0 else V for s in params]
     if any(k < V for k in ks):
-        k = torch.tensor(ks, device=logits.device)
+        k = device_ints(ks, logits.device)
         sorted_desc = logits.sort(dim=-1, descending=True).values
         kth = sorted_desc.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     ps = [s.top_p for s in params]
     if any(p < 1.0 for p in ps):
-        top_p = torch.tensor(ps, device=logits.device)[:, None]
+        top_p = device_floats(ps, logits.device)[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p  # keep the token that crosses p
@@ -260,7 +271,7 @@ def _filter(logits: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
     mins = [s.min_p for s in params]
     if any(m > 0.0 for m in mins):
         probs = logits.softmax(dim=-1)
-        floor = torch.tensor(mins, device=logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        floor = device_floats(mins, logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 

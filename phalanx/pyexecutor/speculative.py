@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from phalanx.kernels.metadata import AttentionMetadata
+from phalanx.pyexecutor.sampler import _filter, device_floats, device_ints, seeded_exponential
 
 if TYPE_CHECKING:
     from phalanx.models.llama import CausalLM
@@ -51,17 +52,6 @@ if TYPE_CHECKING:
     from phalanx.pyexecutor.sampler import RowSettings, Sampler
 
 logger = logging.getLogger("phalanx")
-
-
-def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small int64 tensor on ``device`` without waiting for the stream (pinned, asynchronous)."""
-    t = torch.tensor(values, dtype=torch.long)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
-
-
-def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.float32)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def speculates(params) -> bool:
@@ -211,7 +201,6 @@ class SpecDecoder:
         before it, so the output is distributed as plain sampling's (a draft equal to the target's
         draw is accepted with probability p(draft), as in rejection sampling with a
         deterministic proposal); seeded rows give exactly plain sampling's tokens."""
-        from phalanx.pyexecutor.sampler import _filter, seeded_exponential
         Sv, k = drafts.shape
         V = self.vocab_size
         logits = logits[:, :V].reshape(Sv, k + 1, V)
