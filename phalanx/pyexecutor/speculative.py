@@ -12,11 +12,13 @@ can be queued before the host has read step n::
 A verify row computes positions L − 1 .. L − 1 + k; positions, KV slots and sequence lengths
 are filled in on the device (``place``) from ``length`` and the row's block table, which the
 scheduler grew for the largest L the host cannot rule out. After the forward, ``verify``
-accepts a prefix of the drafts (greedy: equal to the target's argmax; sampled: rejection
-sampling against the target's filtered distribution, exact since the drafts are a
-deterministic function of the history), ``advance`` appends the accepted tokens, moves L and
-asks the proposer for the next k drafts. Only the accepted tokens and their count go to the
-host, read one step later like every other token.
+draws the target's own token at every position as the plain sampler would and accepts the
+drafts while they equal it (exact for greedy and sampled rows: each position's token is a
+draw from the target given the tokens before it), ``advance`` appends the accepted tokens,
+moves L and asks the proposer for the next k drafts. Only the accepted tokens and their count
+go to the host, read one step later like every other token. A step may also verify no drafts
+(k = 0: one token from the device state, a decode CUDA graph) when ``SpecPolicy`` (scheduler)
+finds that drafts do not pay.
 
 Rejected drafts' KV stays in private blocks past L − 1 and is overwritten by the next verify;
 the scheduler commits only positions below the accepted length, so the radix tree never holds
@@ -30,7 +32,9 @@ NGram        the latest earlier occurrence of the last n tokens (n = max_matchin
 DraftTarget  a draft model (the target's vocabulary) runs greedily k steps over its own KV pool,
              which uses the target's block ids; every target forward also runs the draft on the
              same inputs, so its KV follows the target's (prompts, prefix hits, verify steps).
-             A proposer that reads the target's hidden states (EAGLE) fits the same interface.
+
+A proposer that reads the target's hidden states (EAGLE) fits the same interface once
+``after_forward`` is handed them (not yet: the draft model needs only the inputs).
 """
 
 from __future__ import annotations
