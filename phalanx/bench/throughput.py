@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import platform
 import time
 from typing import Any
@@ -48,11 +49,18 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
     prompts = make_prompts(num_requests + warmup, isl, llm.vocab_size)
     if warmup:
         asyncio.run(_run(llm, prompts[:warmup], min(osl, 8), concurrency))
+    spec = llm.args.speculative_config is not None
+    before = _spec_counts(llm) if spec else None
     t0 = time.perf_counter()
     results = asyncio.run(_run(llm, prompts[warmup:], osl, concurrency))
     elapsed = time.perf_counter() - t0
     out_tokens = sum(r["num_output_tokens"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] == r["tpot"]]
+    extra = {}
+    if before is not None:   # speculative decoding: the run's verify rows, drafts and accepted drafts
+        rows, drafts, accepted = (b - a for a, b in zip(before, _spec_counts(llm), strict=True))
+        extra = {"spec_acceptance_rate": accepted / drafts if drafts else None,
+                 "spec_mean_accepted_length": 1 + accepted / rows if rows else None, "spec_verify_rows": rows}
     return {
         "duration_s": elapsed,
         "request_throughput": len(results) / elapsed,
@@ -64,7 +72,14 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
         "itl_ms": summarize([x for r in results for x in r["itl"]], 1000),
         "e2e_ms": summarize([r["e2e"] for r in results], 1000),
         "num_output_tokens": out_tokens,
+        **extra,
     }
+
+
+def _spec_counts(llm: Any) -> tuple[int, int, int]:
+    """Rank 0's speculative counters (every rank of a tensor-parallel engine has the same)."""
+    st = json.loads(llm.control("stats").per_rank[0])
+    return st["spec_verify_rows"], st["spec_draft_tokens"], st["spec_accepted_drafts"]
 
 
 _HF_CACHE: dict = {}
@@ -166,9 +181,10 @@ def main(argv: list[str]) -> int:
             res["concurrency"], res["num_requests"] = c, n
             report["runs"].append(res)
             save()
+            rate = res.get("spec_acceptance_rate")
             print(f"concurrency {c:4d}: {res['output_throughput']:9.1f} out tok/s  "
-                  f"TTFT p50 {res['ttft_ms']['median']:8.1f} ms  TPOT p50 {res['tpot_ms']['median']:7.2f} ms",
-                  flush=True)
+                  f"TTFT p50 {res['ttft_ms']['median']:8.1f} ms  TPOT p50 {res['tpot_ms']['median']:7.2f} ms"
+                  + (f"  drafts accepted {rate:.2f}" if rate is not None else ""), flush=True)
     finally:
         llm.shutdown()
     if a.hf_baseline:

@@ -413,3 +413,12 @@ def test_a_draft_shorter_than_max_seq_len_is_refused(tiny_models, tmp_path):
              speculative_config=draft(short["llama"])) as llm:
         assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=50, ignore_eos=True),
                                 use_tqdm=False)[0].outputs[0].token_ids) == 50
+
+
+def test_the_throughput_bench_reports_acceptance(tiny_models):
+    from phalanx.bench.throughput import run_phalanx
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             speculative_config=ngram(k=4)) as llm:
+        res = run_phalanx(llm, isl=16, osl=12, concurrency=4, num_requests=4, warmup=0)
+    assert res["spec_verify_rows"] > 0 and 0.0 <= res["spec_acceptance_rate"] <= 1.0
+    assert 1.0 <= res["spec_mean_accepted_length"] <= 5.0
