@@ -71,7 +71,6 @@ class StepInputs:
     gather_slot: torch.Tensor | None = None   # [G] their request slots
     prompt_logprobs: PromptLogprobRows | None = None
     spec: SpecStep | None = None              # speculative rows (verify, first tokens, prompts)
-    verify_settings: list[RowSettings] | None = None   # one per verify row
 
 
 @dataclass
@@ -121,7 +120,6 @@ class InFlightStep:
     start: torch.cuda.Event | None = None
     weight_version: str = ""            # the weights the step's forward read (set by the loop)
     spec: SpecStep | None = None
-    verify_settings: list[RowSettings] | None = None
 
 
 class ModelRunner:
@@ -194,19 +192,19 @@ class ModelRunner:
             q0 = int(query_start[row])
             try:
                 if spec is not None and req.spec_len:
+                    slot = self.slot_of(req.request_id)
                     if batch.num_drafts[row] != HOST_PLACED:   # inputs, positions, slots: from the device state
-                        spec.verify.append((row, q0, self.slot_of(req.request_id)))
+                        spec.verify.append((row, q0, slot))
                         spec.k = batch.num_drafts[row]
                         slots[q0:q0 + n] = 0
                         continue
-                    if self.spec is not None and self.spec.keep_history:
+                    if self.spec is not None and self.spec.keep_history:   # NGram: the tokens go into the history
                         if req.spec_history < start:   # prompt tokens found in the prefix cache
-                            spec.cached.append((req.token_ids[req.spec_history:start], req.spec_history,
-                                                self.slot_of(req.request_id)))
+                            spec.cached.append((req.token_ids[req.spec_history:start], req.spec_history, slot))
                         req.spec_history = start + n
-                    spec.prompt.append((q0, n, start, self.slot_of(req.request_id)))
+                        spec.prompt.append((q0, n, start, slot))
                     if batch.samples[row]:
-                        spec.first.append((row, start + n + 1, req.max_total_tokens, self.slot_of(req.request_id)))
+                        spec.first.append((row, start + n + 1, req.max_total_tokens, slot))
                 known = req.token_ids[start:start + n]
                 ids[q0:q0 + len(known)] = known
                 if len(known) < n:   # the last input token is still in flight: gather it on the device
@@ -226,9 +224,8 @@ class ModelRunner:
                        if x and d == HOST_PLACED]
         settings, bad = self.sampler.plan([batch.requests[i] for i in sample_rows])
         failed.update({sample_rows[j]: msg for j, msg in bad.items()})
-        verify_settings = None
         if spec is not None and spec.verify:
-            verify_settings, bad = self.sampler.plan([batch.requests[row] for row, _, _ in spec.verify])
+            spec.settings, bad = self.sampler.plan([batch.requests[row] for row, _, _ in spec.verify])
             failed.update({spec.verify[j][0]: msg for j, msg in bad.items()})
         if failed:
             raise RequestFailures(failed)
@@ -263,9 +260,7 @@ class ModelRunner:
             inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
         if spec is not None and (spec.verify or spec.first or spec.prompt or spec.cached):
             assert self.spec is not None
-            inputs.spec = spec.build(self.spec, sample_rows, int(ends.max()), meta.block_tables, dev)
-            inputs.spec.propose = batch.propose
-            inputs.verify_settings = verify_settings
+            inputs.spec = spec.build(self.spec, sample_rows, int(ends.max()), meta.block_tables, batch.propose, dev)
         return inputs
 
     def _prompt_rows(self, batch: ScheduledBatch, spans: list[tuple[int, int, int, int]],
@@ -358,8 +353,7 @@ class ModelRunner:
             inputs = self.prepare(batch)
             logits = self.forward(batch, inputs, graph_size)
             step = InFlightStep(batch, inputs.sample_rows, None, None, prompt_logprobs=self.last_prompt_logprobs,
-                                pending=(logits, inputs.sampling), start=start, spec=inputs.spec,
-                                verify_settings=inputs.verify_settings)
+                                pending=(logits, inputs.sampling), start=start, spec=inputs.spec)
             waits = defer_sampling and self.guided is not None and self.guided.has_grammar(self._sampling(step))
             if not waits:
                 self._sample(step)
@@ -408,14 +402,14 @@ class ModelRunner:
         spec, decoder = step.spec, self.spec
         assert spec is not None and decoder is not None
         if spec.verify_rows:
-            assert spec.drafts is not None and step.verify_settings is not None
-            tokens, accepted = decoder.verify(verify_logits, spec.drafts, step.verify_settings, self.sampler,
+            assert spec.drafts is not None and spec.settings is not None
+            tokens, accepted = decoder.verify(verify_logits, spec.drafts, spec.settings, self.sampler,
                                               spec.verify_slots)
+            both = torch.cat([tokens, accepted[:, None]], dim=1)   # [Sv, k + 2]: one collective, one copy
             if self.tp.size > 1:   # every rank appends rank 0's tokens
-                torch.distributed.broadcast(tokens, src=0, group=self.tp.group)
-                torch.distributed.broadcast(accepted, src=0, group=self.tp.group)
-            spec.tokens, spec.accepted = tokens, accepted
-            spec.host = _to_host(torch.cat([tokens, accepted[:, None]], dim=1))
+                torch.distributed.broadcast(both, src=0, group=self.tp.group)
+            spec.tokens, spec.accepted = both[:, :-1], both[:, -1]
+            spec.host = _to_host(both)
         first = step.sampled.token_ids[spec.first_sample_idx] if spec.first_rows and step.sampled is not None else None
         decoder.advance(spec, first)
 
@@ -427,8 +421,9 @@ class ModelRunner:
         spec_host = step.spec.host if step.spec is not None else None
         if step.ready is not None and (step.sampled is not None or spec_host is not None):
             step.ready.synchronize()
-        if step.spec is not None and step.spec.host is not None:
-            for row, values in zip(step.spec.verify_rows, step.spec.host.tolist(), strict=True):
+        if spec_host is not None:
+            assert step.spec is not None
+            for row, values in zip(step.spec.verify_rows, spec_host.tolist(), strict=True):
                 tokens[row] = values[:values[-1]]
         if step.sampled is not None:
             assert step.host_tokens is not None
@@ -494,27 +489,28 @@ class _SpecRows:
 
     verify: list[tuple[int, int, int]] = field(default_factory=list)        # (row, first packed row, slot)
     k: int = 0                                                              # the drafts each verifies
+    settings: list[RowSettings] | None = None                               # the verify rows' sampling
     first: list[tuple[int, int, int, int]] = field(default_factory=list)    # (row, L after it, limit, slot)
     prompt: list[tuple[int, int, int, int]] = field(default_factory=list)   # (first packed row, n, position, slot)
     cached: list[tuple[list[int], int, int]] = field(default_factory=list)  # (tokens, first position, slot)
 
     def build(self, decoder: SpecDecoder, sample_rows: list[int], max_end: int, block_tables: torch.Tensor,
-              dev: torch.device) -> SpecStep:
+              propose: bool, dev: torch.device) -> SpecStep:
         """The SpecStep, its integer columns sent to the device in one copy."""
         from phalanx.pyexecutor.speculative import SpecStep
         where = {row: j for j, row in enumerate(sample_rows)}
         verify_rows, first_rows = [r[0] for r in self.verify], [r[0] for r in self.first]
         cols: list[np.ndarray] = [
-            np.asarray(verify_rows, np.int64), np.asarray([r[1] for r in self.verify], np.int64),
+            np.asarray(verify_rows + first_rows, np.int64), np.asarray([r[1] for r in self.verify], np.int64),
             np.asarray([r[2] for r in self.verify], np.int64), np.asarray([where[r] for r in first_rows], np.int64),
-            np.asarray(verify_rows + first_rows, np.int64), np.asarray([r[3] for r in self.first], np.int64),
-            np.asarray([r[1] for r in self.first], np.int64), np.asarray([r[2] for r in self.first], np.int64)]
-        history = decoder.keep_history and bool(self.prompt)
+            np.asarray([r[3] for r in self.first], np.int64), np.asarray([r[1] for r in self.first], np.int64),
+            np.asarray([r[2] for r in self.first], np.int64)]
+        history = bool(self.prompt)   # filled for NGram only
         if history:
             cols += [np.concatenate([np.arange(q0, q0 + n) for q0, n, _, _ in self.prompt]),
                      np.concatenate([np.full(n, s, np.int64) for _, n, _, s in self.prompt]),
                      np.concatenate([np.arange(p, p + n) for _, n, p, _ in self.prompt])]
-        cached = decoder.keep_history and bool(self.cached)
+        cached = bool(self.cached)
         if cached:    # tokens, slots, positions of the prefix-cache hits
             cols += [np.concatenate([np.asarray(t, np.int64) for t, _, _ in self.cached]),
                      np.concatenate([np.full(len(t), s, np.int64) for t, _, s in self.cached]),
@@ -522,12 +518,12 @@ class _SpecRows:
         flat = _tensor(np.concatenate(cols).astype(np.int64), dev)
         parts = list(torch.split(flat, [len(c) for c in cols]))
         step = SpecStep(
-            verify_rows=verify_rows, verify_rows_t=parts[0], verify_q0=parts[1], verify_slots=parts[2],
-            first_rows=first_rows, first_sample_idx=parts[3], table_rows=parts[4], first_slots=parts[5],
-            first_length=parts[6], first_limit=parts[7], max_length=max_end + decoder.k + 1,
-            block_tables=block_tables, k=self.k)
+            verify_rows=verify_rows, table_rows=parts[0], verify_q0=parts[1], verify_slots=parts[2],
+            first_rows=first_rows, first_sample_idx=parts[3], first_slots=parts[4], first_length=parts[5],
+            first_limit=parts[6], max_length=max_end + decoder.k + 1, block_tables=block_tables, k=self.k,
+            propose=propose, settings=self.settings)
         if history:
-            step.prompt_src, step.prompt_slot, step.prompt_pos = parts[8], parts[9], parts[10]
+            step.prompt_src, step.prompt_slot, step.prompt_pos = parts[7], parts[8], parts[9]
         if cached:
             step.cached_tokens, step.cached_slot, step.cached_pos = parts[-3], parts[-2], parts[-1]
         return step

@@ -144,11 +144,6 @@ class ScheduledBatch:
         return sum(self.num_scheduled_tokens)
 
     @property
-    def is_placed(self) -> list[bool]:
-        """Rows whose positions come from the device state (speculative decoding)."""
-        return [d != HOST_PLACED for d in self.num_drafts]
-
-    @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.num_scheduled_tokens) and all(self.samples)
 

@@ -40,7 +40,6 @@ A proposer that reads the target's hidden states (EAGLE) fits the same interface
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -54,8 +53,6 @@ if TYPE_CHECKING:
     from phalanx.models.parallel import TPGroup
     from phalanx.pyexecutor.kv_pool import KVPool
     from phalanx.pyexecutor.sampler import RowSettings, Sampler
-
-logger = logging.getLogger("phalanx")
 
 
 def speculates(params) -> bool:
@@ -76,7 +73,6 @@ class SpecStep:
     input ids go into the history at their positions."""
 
     verify_rows: list[int]                 # batch rows
-    verify_rows_t: torch.Tensor            # the same on the device
     verify_q0: torch.Tensor                # [Sv] first packed query row
     verify_slots: torch.Tensor             # [Sv]
     first_rows: list[int]                  # batch rows
@@ -89,6 +85,7 @@ class SpecStep:
     block_tables: torch.Tensor             # the step's [S, M] block tables
     k: int = 0                             # drafts each verify row checks (0: one token, no drafts)
     propose: bool = True                   # ask the proposer for the next step's drafts
+    settings: list[RowSettings] | None = None   # the verify rows' sampling settings
     prompt_src: torch.Tensor | None = None  # [N] packed rows (NGram history)
     prompt_slot: torch.Tensor | None = None
     prompt_pos: torch.Tensor | None = None
@@ -99,6 +96,11 @@ class SpecStep:
     accepted: torch.Tensor | None = None   # [Sv] 1 .. k + 1 (set after sampling)
     tokens: torch.Tensor | None = None     # [Sv, k + 1]
     host: torch.Tensor | None = None       # [Sv, k + 2]: tokens, then the count (on the host)
+
+    @property
+    def verify_rows_t(self) -> torch.Tensor:
+        """The verify rows' batch rows on the device (the head of ``table_rows``)."""
+        return self.table_rows[:len(self.verify_rows)]
 
 
 class Proposer(Protocol):
