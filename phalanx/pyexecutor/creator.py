@@ -106,7 +106,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                          max_slots=min(args.max_batch_size, 4096))
     if args.speculative_config is not None:
         runner.spec = _build_spec(args, cfg, draft, num_blocks + 1, max_seq_len, kv_dtype, tp, device)
-    runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source), cfg.vocab_size,
+    runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source),
                                   max_rows=min(args.max_batch_size, 4096), pin_memory=device.type == "cuda")
     ref_attention = device.type == "cuda" and not ops.triton_attention_everywhere(model, kvc.tokens_per_block)
     if ref_attention and args.cuda_graph_config is not None:

@@ -366,12 +366,6 @@ class ModelRunner:
             with self._on_stream():
                 self._sample(step)
 
-    def fill_ahead(self, step: InFlightStep) -> None:
-        """Start filling the grammar bitmask of a step whose sampling waits (its matchers have
-        seen the previous step's tokens); ``finish_sampling`` takes it."""
-        if step.pending is not None and self.guided is not None and step.sample_rows:
-            self.guided.fill_ahead(self._sampling(step))
-
     def _sampling(self, step: InFlightStep) -> list[Request]:
         return [step.batch.requests[i] for i in step.sample_rows]
 

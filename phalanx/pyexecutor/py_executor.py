@@ -95,6 +95,29 @@ class BroadcastRequestQueue:
         return unpack(self.dist.bcast_bytes(data, idle))
 
 
+class HostClock:
+    """Host seconds per phase of the loop while timing is on (the "timing" control op): where a
+    step's host time goes, beside the GPU's idle share. ``mark(phase)`` gives the time since the
+    previous mark to ``phase``; off, it is one attribute test."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seconds: dict[str, float] = {}
+        self._last = 0.0
+
+    def start(self) -> None:
+        self.on, self.seconds, self._last = True, {}, time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.on:
+            now = time.perf_counter()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+            self._last = now
+
+    def per_step_ms(self, steps: int) -> dict[str, float]:
+        return {k: round(1e3 * v / max(1, steps), 4) for k, v in self.seconds.items()}
+
+
 class PyExecutor:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, queue: RequestQueue | BroadcastRequestQueue,
                  sender: Sender | None, vocab_size: int, max_seq_len: int, dist: Any = None,
@@ -112,6 +135,8 @@ class PyExecutor:
         self._last_beat = 0.0
         self._profiler: Any = None
         self._profiled_from = 0
+        self.clock = HostClock()
+        self._timed_from = 0
         self.rollout = Rollout(self)   # pause, sleep, weight updates and versions (RL trainers)
 
     # -- the loops: one switch, two short functions -----------------------------------------------------
@@ -124,27 +149,33 @@ class PyExecutor:
         """Schedule, run and read each step before scheduling the next."""
         while not self.shutdown_requested:
             self._fetch(idle=not self._has_steps)
+            self.clock.mark("fetch")
             batch = self._schedule()
+            self.clock.mark("schedule")
             if batch is not None:
                 self._process(self._launch(batch))
 
     def _loop_overlap(self) -> None:
         """Launch step n+1 before reading step n: the host's work for step n (tokens, stop
         checks, responses, frees) runs while the device computes step n+1."""
-        prev = None
+        prev, clock = None, self.clock
         while not self.shutdown_requested or prev is not None:
             self._fetch(idle=prev is None and not self._has_steps)
+            clock.mark("fetch")
             batch = self._schedule()
+            clock.mark("schedule")
             if batch is not None and prev is not None and _needs_known_history(batch):
                 self._process(prev)          # penalties need the in-flight tokens' values
                 prev = None
-            # grammar rows sample only once step n's tokens are read (the bitmask is filled on
-            # the host while step n+1's forward runs)
+            # grammar rows sample only once step n's tokens are read: ``_process`` fills their
+            # bitmask and queues their sampling while step n+1's forward runs
             step = self._launch(batch, defer_sampling=True) if batch is not None else None
+            clock.mark("launch")
             if prev is not None:
                 self._process(prev, ahead=step)
             if step is not None:
                 self.runner.finish_sampling(step)
+            clock.mark("sample")
             prev = step
 
     # -- one step ----------------------------------------------------------------------------------
@@ -185,9 +216,12 @@ class PyExecutor:
 
     def _process(self, step: InFlightStep | None, ahead: InFlightStep | None = None) -> None:
         """Read a launched step's tokens, update requests, respond. ``ahead``: the step launched
-        after it, whose grammar bitmask starts filling as soon as the grammars have these tokens."""
+        after it, whose sampling (deferred for its grammar rows) is queued as soon as the grammars
+        have these tokens, before the responses."""
         if step is None:
             return
+        clock = self.clock
+        clock.mark("launch")
         try:
             result = self.runner.collect(step)
         except Exception:
@@ -195,14 +229,18 @@ class PyExecutor:
                 raise
             self._fail_batch(step.batch, traceback.format_exc())
             return
+        clock.mark("wait")
         if result.prompt_logprobs:
             self._respond_prompt_logprobs(step.batch, result.prompt_logprobs)
         guided = self.runner.guided
         outcome = self.scheduler.update(step.batch, result.token_ids,
                                         guided.accept if guided is not None and guided.matchers else None)
+        clock.mark("update")
         if ahead is not None:
-            self.runner.fill_ahead(ahead)
+            self.runner.finish_sampling(ahead)
+            clock.mark("sample")
         self._respond_step(step.batch, result, outcome, step.weight_version)
+        clock.mark("respond")
 
     # -- intake ----------------------------------------------------------------------------------
     def _fetch(self, idle: bool) -> None:
@@ -296,9 +334,13 @@ class PyExecutor:
             self.runner.record_timing = op == "timing:on"
             if self.runner.record_timing:
                 self.runner.timings.clear()
+                self.clock.start()
+                self._timed_from = self.iteration
+            self.clock.on = self.runner.record_timing
             return "ok"
-        if op == "timing":
-            return json.dumps(self.runner.idle_fraction() if self.runner.timings else {})
+        if op == "timing":   # + the host's milliseconds per step in each phase of the loop
+            out = self.runner.idle_fraction() if self.runner.timings else {}
+            return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration - self._timed_from)})
         if op == "profile:start":                # the torch profiler around the steps that follow
             from torch.profiler import ProfilerActivity, profile
             self._profiler = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])

@@ -19,10 +19,19 @@ every rank holds the same one, so all ranks sample the same ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from phalanx.pyexecutor.request import Request
+
+
+class TokenMask(NamedTuple):
+    """The grammar rows' allowed tokens for one sampling step (GuidedDecoder.bitmask)."""
+
+    bits: torch.Tensor        # [rows, ceil(vocab_size / 32)] int32, on the host
+    rows: list[int]           # the sampling rows it constrains
+    vocab_size: int           # ids it covers; the model's ids past it are never allowed
 
 
 @dataclass
@@ -117,7 +126,7 @@ class Sampler:
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings] | None = None,
-               bitmask: tuple[torch.Tensor, list[int]] | None = None) -> SampleOutput:
+               bitmask: TokenMask | None = None) -> SampleOutput:
         """logits: [S, V] float32 (one row per sampling request) -> SampleOutput.
 
         ``settings`` comes from ``plan`` (which the model runner calls before the forward);
@@ -130,10 +139,11 @@ class Sampler:
         raw = logits
         if bitmask is not None:
             import xgrammar as xgr
-            mask, rows = bitmask
             logits = logits.clone()
-            xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True),
-                                            vocab_size=self.vocab_size, indices=rows)
+            xgr.apply_token_bitmask_inplace(logits, bitmask.bits.to(logits.device, non_blocking=True),
+                                            vocab_size=bitmask.vocab_size, indices=bitmask.rows)
+            if bitmask.vocab_size < self.vocab_size:   # the output layer's padding ids
+                logits[device_ints(bitmask.rows, logits.device), bitmask.vocab_size:] = float("-inf")
         if any(s.needs_processing for s in settings):
             logits = self._process(logits if bitmask is not None else logits.clone(), requests, settings)
         token_ids = self._draw(logits, requests, settings)

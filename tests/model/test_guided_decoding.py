@@ -145,3 +145,31 @@ def test_the_ranks_refuse_a_bad_grammar_that_skipped_the_check(llm):
     with pytest.raises(RequestError, match="does not compile"):
         from phalanx.llmapi.outputs import RequestOutput
         RequestOutput(state).result(timeout=60)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_padded_output_layer_never_yields_its_padding_ids(llm, temperature):
+    """A model whose output layer is wider than its tokenizer: the grammar covers the tokenizer's
+    ids and the sampler masks the rest, even where the padding ids have the largest logits."""
+    import torch
+    import xgrammar as xgr
+
+    from phalanx.llmapi.grammar import GrammarCompiler
+    from phalanx.pyexecutor.sampler import Sampler, TokenMask
+    from tests.helpers import make_request
+
+    real = llm.vocab_size
+    padded = real + 1000
+    compiler = GrammarCompiler(llm.tokenizer.hf, padded, llm.tokenizer.eos_token_ids)
+    assert compiler.vocab_size == real
+    matcher = xgr.GrammarMatcher(compiler.compile(GuidedDecodingParams(choice=["yes", "no"])))
+    bits = xgr.allocate_token_bitmask(2, compiler.vocab_size)
+    matcher.fill_next_token_bitmask(bits, 1)
+    allowed = {i for i in range(real) if bits[1, i // 32] >> (i % 32) & 1}
+    logits = torch.randn(2, padded)
+    logits[:, real:] = 100.0                      # the padding ids would win without the mask
+    reqs = [make_request(4, temperature=temperature, seed=s) for s in (1, 2)]
+    for _ in range(20):
+        out = Sampler(padded, torch.device("cpu")).sample(logits.clone(), reqs, bitmask=TokenMask(bits, [1], real))
+        assert out.token_ids[1].item() in allowed
+        assert out.token_ids[0].item() >= real    # the free row is not masked
