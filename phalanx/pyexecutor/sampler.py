@@ -18,6 +18,7 @@ every rank holds the same one, so all ranks sample the same ids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -143,7 +144,7 @@ class Sampler:
             xgr.apply_token_bitmask_inplace(logits, bitmask.bits.to(logits.device, non_blocking=True),
                                             vocab_size=bitmask.vocab_size, indices=bitmask.rows)
             if bitmask.vocab_size < self.vocab_size:   # the output layer's padding ids
-                logits[device_ints(bitmask.rows, logits.device), bitmask.vocab_size:] = float("-inf")
+                logits[:, bitmask.vocab_size:].index_fill_(0, device_ints(bitmask.rows, logits.device), float("-inf"))
         if any(s.needs_processing for s in settings):
             logits = self._process(logits if bitmask is not None else logits.clone(), requests, settings)
         token_ids = self._draw(logits, requests, settings)
@@ -154,17 +155,20 @@ class Sampler:
 
     # -- logit processing ---------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings]) -> torch.Tensor:
+        """Logit bias, banned tokens and penalties, in place. Host lists reach the device through
+        device_ints/device_floats and fills take Python scalars: nothing here waits for the stream."""
         dev = logits.device
         for i, s in enumerate(settings):
             if s.bias_ids:
-                logits[i].index_add_(0, torch.tensor(s.bias_ids, device=dev),
-                                     torch.tensor(s.bias_values, dtype=logits.dtype, device=dev))
+                bias = device_floats(s.bias_values, dev).to(logits.dtype)
+                logits[i].index_add_(0, device_ints(s.bias_ids, dev), bias)
             if s.banned:
-                logits[i, torch.tensor(s.banned, device=dev)] = float("-inf")
+                logits[i].index_fill_(0, device_ints(s.banned, dev), float("-inf"))
         rows = [i for i, s in enumerate(settings) if s.penalties is not None]
         if rows:
-            logits[rows] = _apply_penalties(logits[rows], [requests[i] for i in rows],
-                                            [settings[i].penalties for i in rows], self.vocab_size)
+            index = device_ints(rows, dev)
+            logits.index_copy_(0, index, _apply_penalties(logits.index_select(0, index), [requests[i] for i in rows],
+                                                          [settings[i].penalties for i in rows], self.vocab_size))
         return logits
 
     # -- drawing --------------------------------------------------------------------------------
@@ -228,13 +232,13 @@ def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int)
     return (-torch.log(u)).float()
 
 
-def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """A small host list on the device without waiting for the stream (pinned, asynchronous)."""
     t = torch.tensor(values, dtype=torch.long)
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
-def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
+def device_floats(values: Sequence[float], device: torch.device) -> torch.Tensor:
     t = torch.tensor(values, dtype=torch.float32)
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
@@ -251,11 +255,11 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: l
     seen = torch.zeros(S, vocab, dtype=torch.bool, device=dev)
     out_counts = torch.zeros(S, vocab, dtype=logits.dtype, device=dev)
     for i, r in enumerate(requests):
-        seen[i, torch.tensor(r.token_ids, device=dev)] = True
+        seen[i].index_fill_(0, device_ints(r.token_ids, dev), True)
         out = r.output_token_ids
         if out:
-            out_counts[i].index_add_(0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))
-    rep, freq, pres = (torch.tensor(col, device=dev)[:, None] for col in zip(*penalties, strict=True))
+            out_counts[i].index_add_(0, device_ints(out, dev), torch.ones(len(out), dtype=logits.dtype, device=dev))
+    rep, freq, pres = (device_floats(col, dev).to(logits.dtype)[:, None] for col in zip(*penalties, strict=True))
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)

@@ -154,9 +154,9 @@ def test_a_padded_output_layer_never_yields_its_padding_ids(llm, temperature):
     import torch
     import xgrammar as xgr
 
+    from helpers import make_request
     from phalanx.llmapi.grammar import GrammarCompiler
     from phalanx.pyexecutor.sampler import Sampler, TokenMask
-    from tests.helpers import make_request
 
     real = llm.vocab_size
     padded = real + 1000
