@@ -139,6 +139,10 @@ class LlmArgs(StrictModel):
     disable_overlap_scheduler: bool = False
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["fp8"] | None = Field(
+        None, description="fp8: the decoder layers' projections quantized to FP8 e4m3 at load, one scale per "
+                          "output channel (W8A16 for decode batches, W8A8 with per-token scales for more rows); "
+                          "embeddings, the output layer, norms and MoE experts stay in dtype.")
     load_format: Literal["auto", "dummy"] = "auto"
     trust_remote_code: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"

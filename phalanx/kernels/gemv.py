@@ -52,16 +52,22 @@ def _w_tile(w_ptr, s_wn, n, nm, k, km):
 
 
 @triton.jit
-def _store_one_row(y_ptr, b_ptr, n, nm, y, HAS_BIAS: tl.constexpr):
-    """One row: add the bias to the [BLOCK_N] sums, store."""
+def _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """One row: scale the [BLOCK_N] sums by their weight rows' FP8 scales (HAS_SCALE), add the
+    bias, store."""
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit
-def _store_padded_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr):
-    """Padded rows: add the bias to the [BLOCK_M, BLOCK_N] dot result, store the real rows."""
+def _store_padded_rows(y_ptr, b_ptr, s_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Padded rows: scale the [BLOCK_M, BLOCK_N] dot result by the weight rows' FP8 scales
+    (HAS_SCALE), add the bias, store the real rows."""
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + n, mask=nm, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
@@ -104,15 +110,15 @@ def _fma_tile(acc1, w, x_ptr, k, km, K, SILU: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                 PRE: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn,
+                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
     gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, SILU, PRE, PDL)
-    _store_one_row(y_ptr, b_ptr, n, nm, y, HAS_BIAS)
+    _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS, HAS_SCALE)
 
 
 @triton.jit
@@ -175,9 +181,10 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (
 
 
 @triton.jit
-def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, s_xm, s_wn, s_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREC: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+def _rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, s_xm, s_wn, s_ym,
+                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PREC: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr,
+                 PDL: tl.constexpr):
     """Up to BLOCK_M rows, padded for tensor-core dots; program (n, s) multiplies K-slice s.
     SPLIT: each slice's [M, BLOCK_N] partial goes to part[s], and the slice that finishes last
     (a counter per column tile, reset by it) sums the partials in slice order and stores the
@@ -200,7 +207,10 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
         x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
         if SILU:
             x = silu_mul(x, tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0))
-        acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
+        if HAS_SCALE:   # FP8 weights: widened to the activations' dtype for the dot
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PREC)
+        else:
+            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
     if SPLIT:
         splits = tl.num_programs(1)
         tile = m[:, None] * N + n[None, :]
@@ -213,9 +223,9 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per
                 acc += tl.load(part_ptr + j * M * N + tile, mask=mm[:, None] & nm[None, :], other=0.0,
                                cache_modifier=".cg")
             tl.store(count_ptr + pid, 0)
-            _store_padded_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
+            _store_padded_rows(y_ptr, b_ptr, s_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS, HAS_SCALE)
     else:
-        _store_padded_rows(y_ptr, b_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS)
+        _store_padded_rows(y_ptr, b_ptr, s_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS, HAS_SCALE)
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}
@@ -251,22 +261,26 @@ def auto_splits(N: int, K: int, tile: RowsTile, num_sms: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile | RowsTile,
-         silu: bool = False, pdl: bool = False, preload: bool = False) -> torch.Tensor:
+         silu: bool = False, pdl: bool = False, preload: bool = False,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and the
     product is silu(gate) * up times Wᵀ. ``tile``: a OneRowTile for one row, a RowsTile for more.
     ``pdl``: launched with programmatic dependent launch where the GPU has it; ``preload``: one
-    row loads its first weight tile before the PDL wait."""
+    row loads its first weight tile before the PDL wait. ``scale`` [N] float32: the weight is FP8
+    (kernels/fp8.py) and row n of the product is multiplied by scale[n]."""
     M = x.shape[0]
     N, K = weight.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight
+    scale_arg = scale if scale is not None else weight
     if M == 1 and isinstance(tile, OneRowTile):
         bn, bk, warps, stages = _one_row_launch(tile, x, silu)
         _gemv_kernel[(triton.cdiv(N, bn),)](
-            x, weight, bias_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-            SILU=silu, PRE=preload, num_warps=warps, num_stages=stages, **_pdl.launch(x, pdl))
+            x, weight, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
+            HAS_SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, PRE=preload, num_warps=warps,
+            num_stages=stages, **_pdl.launch(x, pdl))
         return y
     rows_tile = tile if isinstance(tile, RowsTile) else RowsTile(*tile)
     bn, bk, warps, stages, splits = _padded_rows_launch(rows_tile)
@@ -280,8 +294,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
     stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * x.element_size())
     _rows_kernel[(tiles, splits)](
-        x, weight, bias_arg, y, part, counts if counts is not None else y, M, N, K, k_per,
-        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        x, weight, bias_arg, scale_arg, y, part, counts if counts is not None else y, M, N, K, k_per,
+        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=silu, SPLIT=splits > 1, num_warps=warps,
         num_stages=stages, **_pdl.launch(x, pdl))
     return y

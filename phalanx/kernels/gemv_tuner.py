@@ -63,14 +63,17 @@ def time_graph(fn: Callable[[int], object], copies: int, reps: int = 24) -> floa
 def weight_copies(w: torch.Tensor, l2_bytes: int = L2_BYTES) -> list[torch.Tensor]:
     """w and random copies of it, together larger than L2: timing reads them from memory."""
     nbytes = w.numel() * w.element_size()
-    return [w] + [torch.randn_like(w) for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
+    return [w] + [torch.randn(w.shape, device=w.device).to(w.dtype)
+                  for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
 
 
 def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor,
-               ws: list[torch.Tensor]) -> Iterator[tuple[Plan, Callable[[int], object]]]:
+               ws: list[torch.Tensor],
+               scale: torch.Tensor | None = None) -> Iterator[tuple[Plan, Callable[[int], object]]]:
     """Each Plan for a projection behind ``neighbour``, as fn(i) over the weight copies, the
     neighbour included. One row: every tile with and without PDL; more: every tile whole and
-    split over K, with PDL where the GPU has it (fewer compiles at start-up)."""
+    split over K, with PDL where the GPU has it (fewer compiles at start-up). ``scale``: the
+    weights are FP8 (their launches take it)."""
     if x.shape[0] == 1:
         launches = (False, True) if pdl.enabled(x) else (False,)
         plans = [Plan("gemv", t, p) for t in gemv.ONE_ROW_TILES for p in launches]
@@ -88,26 +91,30 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
         def front() -> torch.Tensor:
             return x
     for plan in [CUBLAS, *plans]:
-        yield plan, functools.partial(_timed_call, launcher(plan, neighbour), front, ws)
+        yield plan, functools.partial(_timed_call, launcher(plan, neighbour, scale is not None), front, ws, scale)
 
 
 def _timed_call(run: Callable[..., torch.Tensor], front: Callable[[], torch.Tensor], ws: list[torch.Tensor],
-                i: int) -> torch.Tensor:
-    return run(front(), ws[i])
+                scale: torch.Tensor | None, i: int) -> torch.Tensor:
+    return run(front(), ws[i]) if scale is None else run(front(), ws[i], None, scale)
 
 
-def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L2_BYTES) -> tuple[Plan, float]:
-    """The fastest Plan for one weight shape behind ``neighbour`` at ``rows`` rows, and its time."""
+def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L2_BYTES,
+             fp8: bool = False) -> tuple[Plan, float]:
+    """The fastest Plan for one weight shape behind ``neighbour`` at ``rows`` rows, and its time.
+    ``fp8``: w is FP8 (scaled per output channel), the activations bf16."""
     key = (*w.shape, w.dtype, neighbour, rows, str(w.device))
     if key in _MEMO:
         return _MEMO[key]
     ws = weight_copies(w, l2_bytes)
-    K = w.shape[1]
-    x = torch.randn(rows, 2 * K if neighbour is Neighbour.SILU else K, dtype=w.dtype, device=w.device)
-    r = torch.randn(rows, K, dtype=w.dtype, device=w.device)
-    g = torch.ones(K, dtype=w.dtype, device=w.device)
+    N, K = w.shape
+    act = torch.bfloat16 if fp8 else w.dtype
+    x = torch.randn(rows, 2 * K if neighbour is Neighbour.SILU else K, dtype=act, device=w.device)
+    r = torch.randn(rows, K, dtype=act, device=w.device)
+    g = torch.ones(K, dtype=act, device=w.device)
+    scale = torch.full((N,), 1e-3, device=w.device) if fp8 else None
     best, best_ms = CUBLAS, float("inf")
-    for plan, fn in candidates(neighbour, x, r, g, ws):
+    for plan, fn in candidates(neighbour, x, r, g, ws, scale):
         try:
             ms = time_graph(fn, len(ws))
         except Exception:  # a config the compiler rejects on this GPU
@@ -118,17 +125,18 @@ def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L
     return best, best_ms
 
 
-def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] | None = None) -> LinearPlan:
+def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] | None = None,
+                fp8: bool = False) -> LinearPlan:
     """The plan of one projection: the fastest Plan at each row bucket. ``report`` collects the
-    bandwidth each reaches (GB/s of weight), for the log."""
+    bandwidth each reaches (GB/s of weight), for the log. ``fp8``: the weight is FP8."""
     plans = []
     for rows in ROW_BUCKETS:
-        plan, ms = tune_one(w, neighbour, rows)
+        plan, ms = tune_one(w, neighbour, rows, fp8=fp8)
         plans.append(plan)
         if report is not None:
             report[f"{w.shape[0]}x{w.shape[1]}/{neighbour.value}/rows={rows}:{plan}"] = \
                 w.numel() * w.element_size() / ms / 1e6
-    return LinearPlan(neighbour, tuple(plans))
+    return LinearPlan(neighbour, tuple(plans), fp8)
 
 
 def qkv_rope_plan(qkv: LinearPlan, head_dim: int) -> QkvRopePlan | None:

@@ -23,9 +23,14 @@ Two one-token paths fuse more than a projection, and are chosen per layer the sa
 A MoE layer holds a ``MoePlan``: the tile of the fused MoE kernels for each bucket of (token,
 expert) pairs, chosen the same way (kernels/triton_moe.py ``tune``).
 
+A plan with ``fp8`` runs a projection whose weight is FP8 with a scale per output channel
+(kernels/fp8.py): its launches take the scale, the skinny kernels apply it in their epilogue and
+"cublas" is cuBLASLt's FP8 GEMM (``fp8.linear``: activations quantized per row) instead of
+F.linear.
+
 Where no tuner ran (on a CPU, or with the Triton kernels unavailable) every plan is the
-reference: cuBLAS/BLAS for every bucket, the default MoE tiles. This module imports no Triton;
-launchers are imported when a tuned plan is built.
+reference: cuBLAS/BLAS for every bucket (``fp8.linear`` for FP8 weights), the default MoE
+tiles. This module imports no Triton; launchers are imported when a tuned plan is built.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ class Plan(NamedTuple):
 
 
 CUBLAS = Plan("cublas")
-Launch = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Launch = Callable[..., torch.Tensor]   # (x, weight, bias) -> y; FP8 plans: (x, weight, bias, scale)
 
 
 def bucket_index(rows: int) -> int:
@@ -103,8 +108,17 @@ def bucket(rows: int) -> int:
     return ROW_BUCKETS[bucket_index(rows)]
 
 
-def run_cublas(neighbour: Neighbour) -> Launch:
-    """F.linear (cuBLAS on a GPU), after silu(gate) * up behind SILU."""
+def run_cublas(neighbour: Neighbour, fp8: bool = False) -> Launch:
+    """F.linear (cuBLAS on a GPU), or ``fp8.linear`` for FP8 weights, after silu(gate) * up
+    behind SILU."""
+    if fp8:
+        from phalanx.kernels import fp8 as f8
+        if neighbour is not Neighbour.SILU:
+            return f8.linear
+
+        def run_fp8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+            return f8.linear(ops.silu_and_mul(x), w, b, scale)
+        return run_fp8
     if neighbour is not Neighbour.SILU:
         return F.linear
 
@@ -113,17 +127,19 @@ def run_cublas(neighbour: Neighbour) -> Launch:
     return run
 
 
-def launcher(plan: Plan, neighbour: Neighbour) -> Launch:
-    """The call that runs ``plan`` for a projection behind ``neighbour``."""
+def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
+    """The call that runs ``plan`` for a projection behind ``neighbour`` (whose weight is FP8,
+    taking its scale as a fourth argument, with ``fp8``)."""
     if plan.kernel == "cublas" or plan.tile is None:
-        return run_cublas(neighbour)
+        return run_cublas(neighbour, fp8)
     from phalanx.kernels import gemv
     tile = plan.tile
     silu = neighbour is Neighbour.SILU
     preload = neighbour in PRELOAD_BEHIND and isinstance(tile, OneRowTile)
 
-    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv.gemv(x, w, b, tile, silu=silu, pdl=plan.pdl, preload=preload)
+    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+        return gemv.gemv(x, w, b, tile, silu=silu, pdl=plan.pdl, preload=preload, scale=scale)
     return run
 
 
@@ -133,18 +149,24 @@ class LinearPlan:
 
     neighbour: Neighbour = Neighbour.PLAIN
     plans: tuple[Plan, ...] = (CUBLAS,) * len(ROW_BUCKETS)
+    fp8: bool = False                   # the weight is FP8 with a scale per output channel
     launches: tuple[Launch, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.plans) != len(ROW_BUCKETS):
             raise ValueError(f"a LinearPlan needs one plan per row bucket {ROW_BUCKETS}, got {len(self.plans)}")
         if not self.launches:   # bound once: the plans of each bucket, then cuBLAS for larger batches
-            launches = tuple(launcher(p, self.neighbour) for p in self.plans) + (run_cublas(self.neighbour),)
+            launches = (tuple(launcher(p, self.neighbour, self.fp8) for p in self.plans)
+                        + (run_cublas(self.neighbour, self.fp8),))
             object.__setattr__(self, "launches", launches)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] (gate ‖ up [M, 2K] behind SILU) -> x Wᵀ (+ b) [M, N]."""
-        return self.launches[bucket_index(x.shape[0])](x, weight, bias)
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] (gate ‖ up [M, 2K] behind SILU) -> x Wᵀ (+ b) [M, N]; ``scale``: the FP8
+        weight's scales (plans with ``fp8``)."""
+        if scale is None:
+            return self.launches[bucket_index(x.shape[0])](x, weight, bias)
+        return self.launches[bucket_index(x.shape[0])](x, weight, bias, scale)
 
     @property
     def is_reference(self) -> bool:
@@ -155,7 +177,7 @@ class LinearPlan:
 
     def __str__(self) -> str:
         buckets = zip(ROW_BUCKETS, self.plans, strict=True)
-        return f"{self.neighbour.value}: " + ", ".join(f"≤{n} rows {p}" for n, p in buckets)
+        return f"{self.neighbour.value}{' fp8' if self.fp8 else ''}: " + ", ".join(f"≤{n} rows {p}" for n, p in buckets)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ replaces it, once, at build time (pyexecutor/creator.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -40,7 +41,8 @@ def default_loader(param: torch.Tensor, w: torch.Tensor, shard_id: object = None
 
 
 class Projection(nn.Module):
-    """A layer computing x Wᵀ (+ b) through its plan. ``behind``: the kernel in front of it."""
+    """A layer computing x Wᵀ (+ b) through its plan. ``behind``: the kernel in front of it.
+    After ``quantize_fp8`` the weight is FP8 with a scale per output channel (``weight_scale``)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
@@ -48,13 +50,40 @@ class Projection(nn.Module):
     def __init__(self, behind: Neighbour = Neighbour.PLAIN) -> None:
         super().__init__()
         self.plan = LinearPlan(behind)
+        self.weight_scale: nn.Parameter | None = None
 
     @property
     def behind(self) -> Neighbour:
         return self.plan.neighbour
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        return self.plan(x, self.weight, self.bias)
+        return self.plan(x, self.weight, self.bias, self.weight_scale)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Store the (loaded) weight as FP8 e4m3 with a scale per output channel (kernels/fp8.py)
+        and run it through an FP8 plan (the reference until the tuner replaces it). Later loads
+        (weight updates) still take full-precision tensors: ``_load_fp8``."""
+        from phalanx.kernels import fp8
+        dtype, loader = self.weight.dtype, self.weight.weight_loader  # type: ignore[attr-defined]
+        q, scale = fp8.quantize_weight(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight.load_dtype = dtype  # type: ignore[attr-defined]
+        self.weight.weight_loader = functools.partial(self._load_fp8, loader)  # type: ignore[attr-defined]
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.plan = LinearPlan(self.behind, fp8=True)
+
+    def _load_fp8(self, loader: Callable, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+        """A full-precision checkpoint tensor into the FP8 weight: the layer's own loader writes
+        its rows into the dequantized weight, which is quantized again (rows it did not touch
+        come back bit for bit: their scales map their largest value to 448 again)."""
+        from phalanx.kernels import fp8
+        assert self.weight_scale is not None
+        full = fp8.dequantize(param.data, self.weight_scale.data, w.dtype)
+        loader(full, w, shard_id)
+        q, scale = fp8.quantize_weight(full)
+        param.data.copy_(q)
+        self.weight_scale.data.copy_(scale)
 
 
 class ColumnParallelLinear(Projection):
@@ -155,7 +184,7 @@ class RowParallelLinear(Projection):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: this rank's input columns (gate ‖ up behind SILU) -> the full output on every rank
         (this rank's partial sum when ``deferred``)."""
-        return self.output(self.plan(x, self.weight, None))
+        return self.output(self.plan(x, self.weight, None, self.weight_scale))
 
     def output(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial product as the layer's output: kept partial when deferred, else

@@ -204,7 +204,8 @@ class CausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param.weight_loader(param, w.to(param.dtype), shard)  # type: ignore[attr-defined]  # set by layers._param
+            dtype = getattr(param, "load_dtype", param.dtype)   # an FP8 weight loads full precision
+            param.weight_loader(param, w.to(dtype), shard)  # type: ignore[attr-defined]  # set by layers._param
             loaded.add(target)
             count += 1
         if self.config.tie_word_embeddings:

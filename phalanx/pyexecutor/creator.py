@@ -69,6 +69,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     adp = args.enable_attention_dp and dist is not None and dist.size > 1
     model = build_model(source, dtype, device, tp, args.load_format, args.seed,
                         **({"ep": ep} if cfg.is_moe and ep is not None else {}))
+    if args.quantization == "fp8":
+        quantize_fp8(model)
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
     kv_dtype = dtype if kvc.dtype == "auto" else resolve_dtype(kvc.dtype, source, device)
@@ -202,6 +204,18 @@ def _grammar_compiler(args: LlmArgs, source: ModelSource) -> GrammarCompiler:
     return GrammarCompiler(tokenizer.hf, source.config.vocab_size, tokenizer.eos_token_ids)
 
 
+def quantize_fp8(model: torch.nn.Module) -> int:
+    """``quantization: fp8``: every projection of the decoder layers to FP8 (Projection.quantize_fp8),
+    the output layer excepted; returns how many."""
+    from phalanx.models.layers import ParallelLMHead, Projection
+    todo = [m for m in model.modules() if isinstance(m, Projection) and not isinstance(m, ParallelLMHead)]
+    for m in todo:
+        m.quantize_fp8()
+    if todo and todo[0].weight.is_cuda:
+        torch.cuda.empty_cache()     # the bf16 weights' memory goes back before the KV pool is sized
+    return len(todo)
+
+
 def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     """Hand every projection its plan, and attention and MLP layers their one-token paths, by
     timing on this GPU (kernels/gemv_tuner.py). Returns GB/s per tuned shape, for the log."""
@@ -214,16 +228,17 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     report: dict[str, float] = {}
     for m in model.modules():
         if isinstance(m, Projection) and m.weight.is_cuda:
-            m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report)
+            m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report, fp8=m.weight_scale is not None)
     from phalanx.models.moe import SparseMoE
     for m in model.modules():
         if isinstance(m, SparseMoE) and m.w13.is_cuda:   # a rank under attention DP sees every rank's tokens
             from phalanx.kernels import triton_moe
             m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first)
             report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))] = 0.0
-        elif isinstance(m, Attention) and m.q_norm is None:
+        elif isinstance(m, Attention) and m.q_norm is None and m.qkv_proj.weight_scale is None:
             m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)
-        elif isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda:
+        elif (isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda
+              and m.gate_up_proj.weight_scale is None):   # the fused one-token paths take no FP8 scales yet
             m.one_token = gemv_tuner.gate_up_silu_plan(m.gate_up_proj.weight, m.gate_up_proj.plan,
                                                        m.down_proj.weight, m.down_proj.plan, report)
     return report

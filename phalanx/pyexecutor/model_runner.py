@@ -67,6 +67,7 @@ class StepInputs:
     logits_indices: torch.Tensor   # [S_sample] packed row of each sampling row's last token
     sample_rows: list[int]         # batch rows that sample
     sampling: list[RowSettings]    # one per sampling row
+    sample_slots: torch.Tensor | None = None  # [S_sample] each sampling row's request slot
     gather_dst: torch.Tensor | None = None    # [G] packed rows whose token is in flight
     gather_slot: torch.Tensor | None = None   # [G] their request slots
     prompt_logprobs: PromptLogprobRows | None = None
@@ -116,7 +117,7 @@ class InFlightStep:
     host_tokens: torch.Tensor | None
     ready: torch.cuda.Event | None = None
     prompt_logprobs: PromptLogprobs | None = None
-    pending: tuple[torch.Tensor, list[RowSettings]] | None = None
+    pending: tuple[torch.Tensor, list[RowSettings], torch.Tensor | None] | None = None   # + sample_slots
     start: torch.cuda.Event | None = None
     weight_version: str = ""            # the weights the step's forward read (set by the loop)
     spec: SpecStep | None = None
@@ -241,21 +242,26 @@ class ModelRunner:
         for i, t in enumerate(batch.block_tables):
             tables[i, :widths[i]] = t
         dev = self.device
+        sample_slots = np.fromiter((self.slot_of(batch.requests[i].request_id) for i in sample_rows), np.int64,
+                                   len(sample_rows))
+        arrays: list[np.ndarray] = [slots, query_start, ends.astype(np.int32), tables, ids,
+                                    positions.astype(np.int64), np.asarray(logits_indices, np.int64), sample_slots]
+        if gather_dst:
+            arrays += [np.asarray(gather_dst, np.int64), np.asarray(gather_slot, np.int64)]
+        staged = _stage(arrays, dev)
         meta = AttentionMetadata(
-            slot_mapping=_tensor(slots, dev),
-            query_start=_tensor(query_start, dev),
-            seq_lens=_tensor(ends.astype(np.int32), dev),
-            block_tables=_tensor(tables, dev),
+            slot_mapping=staged[0],
+            query_start=staged[1],
+            seq_lens=staged[2],
+            block_tables=staged[3],
             max_query_len=int(counts.max()),
             max_seq_len=int(ends.max()),
             tokens_per_block=B,
             is_decode_only=T == S,
         )
-        inputs = StepInputs(_tensor(ids, dev), _tensor(positions.astype(np.int64), dev), meta,
-                            _tensor(np.asarray(logits_indices, np.int64), dev), sample_rows, settings)
+        inputs = StepInputs(staged[4], staged[5], meta, staged[6], sample_rows, settings, staged[7])
         if gather_dst:
-            inputs.gather_dst = _tensor(np.asarray(gather_dst, np.int64), dev)
-            inputs.gather_slot = _tensor(np.asarray(gather_slot, np.int64), dev)
+            inputs.gather_dst, inputs.gather_slot = staged[8], staged[9]
         if prompt_spans:
             inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
         if spec is not None and (spec.verify or spec.first or spec.prompt or spec.cached):
@@ -353,7 +359,7 @@ class ModelRunner:
             inputs = self.prepare(batch)
             logits = self.forward(batch, inputs, graph_size)
             step = InFlightStep(batch, inputs.sample_rows, None, None, prompt_logprobs=self.last_prompt_logprobs,
-                                pending=(logits, inputs.sampling), start=start, spec=inputs.spec)
+                                pending=(logits, inputs.sampling, inputs.sample_slots), start=start, spec=inputs.spec)
             waits = defer_sampling and self.guided is not None and self.guided.has_grammar(self._sampling(step))
             if not waits:
                 self._sample(step)
@@ -371,7 +377,7 @@ class ModelRunner:
 
     def _sample(self, step: InFlightStep) -> None:
         assert step.pending is not None
-        (logits, settings), step.pending = step.pending, None
+        (logits, settings, slots), step.pending = step.pending, None
         plain = len(step.sample_rows)
         if step.sample_rows:
             requests = self._sampling(step)
@@ -379,8 +385,7 @@ class ModelRunner:
             sampled = self.sampler.sample(logits[:plain], requests, settings, bitmask)
             if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
                 torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)
-            slots = _tensor(np.fromiter((self.slot_of(r.request_id) for r in requests), np.int64, len(requests)),
-                            self.device)
+            assert slots is not None
             self.token_buffer[slots] = sampled.token_ids
             step.sampled, step.host_tokens = sampled, _to_host(sampled.token_ids)
         if step.spec is not None:
@@ -548,6 +553,27 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t
     return t.to("cpu", non_blocking=True)  # pinned by the caching host allocator
+
+
+def _stage(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host arrays -> device tensors of the same dtypes and shapes through one pinned buffer and
+    one asynchronous copy (a pinned copy of its own costs ~60 µs of host time per array)."""
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 16) * 16       # every part starts 16-byte aligned
+    host = torch.empty(max(total, 16), dtype=torch.uint8, pin_memory=True)
+    raw = host.numpy()
+    for a, o in zip(arrays, offsets, strict=True):
+        raw[o:o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    flat = host.to(device, non_blocking=True)
+    return [flat[o:o + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+            for a, o in zip(arrays, offsets, strict=True)]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def _tensor(values: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -196,6 +196,32 @@ def test_gemv_every_tile(M, N, K, dtype):
             assert torch.equal(gemv.gemv(x, w, b, tile, pdl=p, preload=True), gemv.gemv(x, w, b, tile, pdl=p))
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (20, 40, 160)]
+                         + ([(1, 4096, 4096), (16, 6144, 4096), (64, 4096, 14336), (37, 1000, 4096)] if CUDA else []))
+def test_gemv_fp8_weights_equal_the_dequantized_reference(M, N, K):
+    """FP8 weights with a scale per output row: the skinny kernels widen them and scale in their
+    epilogue (one row, padded rows, split over K, SiLU in front) — the reference is the projection
+    of the dequantized weight (kernels/fp8.py); many rows take fp8.linear (cuBLASLt on the GPU)."""
+    from phalanx.kernels import fp8, gemv
+    from phalanx.kernels.linear_plan import RowsTile
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    w = torch.randn(N, K, generator=g) / K ** 0.5 * torch.logspace(-2, 1, N)[:, None]   # rows of many sizes
+    q, scale = (t.to(DEV) for t in fp8.quantize_weight(w))
+    b = torch.randn(N, generator=g).to(DEV, dtype)
+    ref = fp8.reference(x.float(), q, b.float(), scale)
+    xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
+    ref_silu = fp8.reference(reference.silu_and_mul_ref(xx).float(), q, None, scale)
+    tiles = gemv.ONE_ROW_TILES[:2] if M == 1 else [RowsTile(*t[:4], k) for t in gemv.ROWS_TILES[:1] for k in (1, 3)]
+    for tile in tiles:
+        close(gemv.gemv(x, q, b, tile, scale=scale), ref, dtype)
+        close(gemv.gemv(xx, q, None, tile, silu=True, scale=scale), ref_silu, dtype)
+    if CUDA and N % 16 == 0 and K % 16 == 0:   # activations quantized per row too: e4m3's own rounding
+        torch.testing.assert_close(fp8.linear(x, q, b, scale).float(), ref, atol=0.1 * ref.abs().max().item(),
+                                   rtol=0.1)
+
+
 @pytest.mark.parametrize("H,Hkv,D,bias",
                          [(4, 2, 32, False), (6, 2, 16, True)] + ([(32, 8, 128, False)] if CUDA else []))
 def test_one_token_qkv_with_rotary_and_kv_write_equals_the_kernels_apart(H, Hkv, D, bias):

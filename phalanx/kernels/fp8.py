@@ -1,0 +1,67 @@
+"""FP8 (e4m3) weights: quantization, the reference, and the dense path for many rows.
+
+``quantization: fp8`` quantizes each projection of the decoder layers once, after loading: every
+output channel (row of W) gets a float32 scale = max |W[n]| / 448, and W is stored as e4m3
+(half the bytes of bf16). A projection then computes x Wᵀ as (x · q[n]) · scale[n]:
+
+- few rows (the decode buckets of ``linear_plan``): the skinny kernels of ``gemv`` read the e4m3
+  weights, widen them in registers and apply the scale in their epilogue (weights in FP8,
+  activations as they are: W8A16, no activation rounding);
+- more rows: ``linear`` — each activation row is quantized to e4m3 with its own scale (dynamic,
+  per token) and ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM, row-wise scales) multiplies (W8A8).
+
+The reference (and the path on a CPU, or where a shape or dtype does not suit ``_scaled_mm``) is
+the bf16 projection of the dequantized weight, q · scale, so the whole engine runs and is
+tested on a CPU. Embeddings, the output layer, norms and MoE experts stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)     # 448
+_TINY = 1e-12                             # the scale of an all-zero row or channel
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (q [N, K] e4m3, scale [N] float32) with W ≈ q · scale[:, None]."""
+    w32 = w.float()
+    scale = (w32.abs().amax(dim=1) / FP8_MAX).clamp(min=_TINY)
+    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32), one scale per row (token)."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [N, K] e4m3, scale [N] -> W [N, K] in ``dtype``."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> x (q · scale)ᵀ (+ b): the projection of the dequantized weight."""
+    return F.linear(x, dequantize(q, scale, x.dtype), bias)
+
+
+def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether cuBLASLt's FP8 GEMM takes this product: a CUDA device of compute capability 8.9 or
+    more, bf16 activations (row-wise scales give bf16 only), K and N multiples of 16."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row and
+    ``torch._scaled_mm`` where it fits (``scaled_mm_fits``), else the reference."""
+    if not scaled_mm_fits(x, q):
+        return reference(x, q, bias, scale)
+    xq, xs = quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
+    return y if bias is None else y + bias
