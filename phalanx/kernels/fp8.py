@@ -34,7 +34,15 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32), one scale per row (token)."""
+    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32), one scale per row (token). On a GPU one
+    Triton kernel (``triton_ops.quantize_rows_fp8``: eight torch kernels cost ~20 µs a projection)."""
+    if x.is_cuda:
+        from phalanx.kernels import triton_ops
+        return triton_ops.quantize_rows_fp8(x, FP8_MAX, _TINY)
+    return quantize_rows_reference(x)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x.float()
     scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale

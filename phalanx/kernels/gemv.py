@@ -29,6 +29,9 @@ from phalanx.kernels.triton_ops import silu_mul
 # the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages) ...
 ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile(16, 1024, 8, 2),
                  OneRowTile(32, 256, 4, 4), OneRowTile(8, 1024, 4, 3)]
+# FP8 weights (one byte each): wider K tiles keep as many bytes in flight
+ONE_ROW_TILES_FP8 = [OneRowTile(8, 1024, 4, 4), OneRowTile(16, 1024, 4, 3), OneRowTile(8, 2048, 4, 3),
+                     OneRowTile(16, 2048, 8, 2), OneRowTile(32, 512, 4, 4)]
 # ... and more rows (padded to 16 or 64 for tl.dot), each tried whole and split over K (``auto_splits``);
 # each is a compile at start-up
 ROWS_TILES = [RowsTile(32, 256, 4, 4), RowsTile(64, 128, 4, 3)]

@@ -76,7 +76,8 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
     weights are FP8 (their launches take it)."""
     if x.shape[0] == 1:
         launches = (False, True) if pdl.enabled(x) else (False,)
-        plans = [Plan("gemv", t, p) for t in gemv.ONE_ROW_TILES for p in launches]
+        tiles = gemv.ONE_ROW_TILES if scale is None else gemv.ONE_ROW_TILES_FP8
+        plans = [Plan("gemv", t, p) for t in tiles for p in launches]
     else:
         N, K = ws[0].shape
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count

@@ -156,6 +156,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# -- FP8 activations -----------------------------------------------------------------------------------
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, FMAX: tl.constexpr, TINY: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row: scale = max |x| / FMAX, q = x / scale in e4m3 (kernels/fp8.py quantize_rows)."""
+    prologue(PDL)
+    row = tl.program_id(0)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, 0) / FMAX, TINY)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+        tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+def quantize_rows_fp8(x: torch.Tensor, fmax: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] float32): one kernel, a program a row."""
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), q.stride(0), K, FMAX=fmax, TINY=tiny,
+                                    BLOCK=min(2048, _pow2(K)), num_warps=4, **pdl.launch(x))
+    return q, scale
+
+
 # -- partial-reuse block copy --------------------------------------------------------------------------
 @triton.jit
 def _copy_blocks_kernel(pool_ptr, src_ptr, dst_ptr, n_ptr, stride_plane, stride_block, ROW: tl.constexpr,
