@@ -120,3 +120,25 @@ def test_sampling_never_waits_for_the_stream():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids[0].item() < real and out.token_ids[2].item() < real
+
+
+def test_fp8_greedy_equals_transformers_with_the_round_tripped_weights_on_the_gpu(tiny_models, hf_models):
+    """quantization: fp8 on the GPU (tuned skinny FP8 kernels in CUDA graphs, fp32 activations):
+    the tokens of transformers on the same checkpoint with each projection's FP8 round trip."""
+    import copy
+
+    from phalanx.kernels import fp8
+    ref = copy.deepcopy(hf_models["llama"]).to("cuda")
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                mod.weight.copy_(fp8.dequantize(*fp8.quantize_weight(mod.weight), mod.weight.dtype))
+    ps = prompts(ref.config.vocab_size, n=8, seed=4)
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", quantization="fp8",
+             orchestrator_type="inprocess", cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+        one = llm.generate(ps[:1], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
+        want, gaps = hf_greedy(ref, p, 10)
+        assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
+    assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
