@@ -68,6 +68,11 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} is not supported; supported: "
                              f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+        qc = getattr(hf, "quantization_config", None)
+        if qc:   # loading its tensors as plain weights would run a wrong model
+            method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+            raise ValueError(f"quantization_config (quant_method {method!r}): quantized checkpoints are not "
+                             "supported; load a bf16/fp16 checkpoint with quantization='fp8' instead")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = getattr(hf, "eos_token_id", None)

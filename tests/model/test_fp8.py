@@ -81,3 +81,15 @@ def test_fp8_helpers_round_trip_within_e4m3_precision():
     torch.testing.assert_close(fp8.linear(x, q, None, scale), x @ back.T)
     zero_q, zero_scale = fp8.quantize_weight(torch.zeros(3, 16))
     assert torch.isfinite(fp8.dequantize(zero_q, zero_scale, torch.float32)).all()
+
+
+def test_a_quantized_checkpoint_is_refused_by_name(tiny_models, tmp_path):
+    import json
+    import shutil
+    d = tmp_path / "fp8-ckpt"
+    shutil.copytree(tiny_models["llama"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantization_config.*'fp8'"):
+        LLM(str(d), skip_tokenizer_init=True, orchestrator_type="inprocess")
