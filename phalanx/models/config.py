@@ -49,6 +49,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default=())
+    # an FP8 checkpoint (quantization_config quant_method fp8): weights e4m3 with scales,
+    # dequantized at load and served with quantization fp8; fp8_block = (rows, cols) when block-scaled
+    fp8_checkpoint: bool = False
+    fp8_block: tuple[int, ...] = ()
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -68,11 +72,7 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} is not supported; supported: "
                              f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
-        qc = getattr(hf, "quantization_config", None)
-        if qc:   # loading its tensors as plain weights would run a wrong model
-            method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-            raise ValueError(f"quantization_config (quant_method {method!r}): quantized checkpoints are not "
-                             "supported; load a bf16/fp16 checkpoint with quantization='fp8' instead")
+        fp8_block = _fp8_checkpoint(getattr(hf, "quantization_config", None))
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = getattr(hf, "eos_token_id", None)
@@ -110,7 +110,29 @@ class ModelConfig:
             shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
             decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
+            fp8_checkpoint=fp8_block is not None,
+            fp8_block=fp8_block or (),
         )
+
+
+def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:
+    """A checkpoint's ``quantization_config``: None for a plain one, () for FP8 weights with
+    per-tensor or per-channel scales, (rows, cols) for block-scaled FP8 (``weight_block_size``);
+    every other method is refused by name (its tensors loaded as plain weights would run a wrong
+    model)."""
+    if not qc:
+        return None
+    get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
+    method = get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8' "
+                         "(or a bf16/fp16 checkpoint with quantization='fp8')")
+    block = get("weight_block_size")
+    if block is None:
+        return ()
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return tuple(block)
 
 
 def _rope_params(hf: Any) -> dict[str, Any]:

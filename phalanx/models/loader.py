@@ -184,6 +184,68 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
+FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+
+
+def checkpoint_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under Hugging Face names, an FP8 checkpoint's dequantized."""
+    if source.kind == "gguf":
+        return iter_gguf_weights(source)
+    weights = iter_hf_weights(source.path)
+    if source.config.fp8_checkpoint:
+        return dequantize_fp8_checkpoint(weights, source.config.fp8_block, dtype)
+    return weights
+
+
+def dequantize_fp8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, ...],
+                              dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint (``quantization_config.quant_method: fp8``) as full-precision tensors:
+    each e4m3 ``X.weight`` times its ``X.weight_scale_inv`` (one scale per ``block`` =
+    (rows, cols) tile: DeepSeek, Qwen3 FP8) or ``X.weight_scale`` (one per tensor or per row),
+    whichever shard brings either first. The engine then quantizes the projections again with
+    a scale per output channel (``quantization: fp8``). ``X.input_scale`` (static activation
+    scales) is not used: activations get a scale per token at run time instead."""
+    waiting_w: dict[str, torch.Tensor] = {}
+    waiting_s: dict[str, torch.Tensor] = {}
+    for name, t in weights:
+        if name.endswith(".input_scale"):
+            continue
+        if name.endswith((".weight_scale_inv", ".weight_scale")):
+            base = name.rsplit(".", 1)[0]
+            if base in waiting_w:
+                yield base + ".weight", _dequantize_fp8(waiting_w.pop(base), t, block, dtype, base)
+            else:
+                waiting_s[base] = t
+        elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            base = name.removesuffix(".weight")
+            if base in waiting_s:
+                yield name, _dequantize_fp8(t, waiting_s.pop(base), block, dtype, base)
+            else:
+                waiting_w[base] = t
+        else:
+            yield name, t
+    if waiting_w or waiting_s:
+        alone = sorted(waiting_w)[:4] + sorted(waiting_s)[:4]
+        raise ValueError(f"FP8 checkpoint: weights and scales that do not pair up: {', '.join(alone)}")
+
+
+def _dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype,
+                    name: str) -> torch.Tensor:
+    w = q.float()
+    s = scale.float()
+    if s.numel() == 1:
+        return (w * s.reshape(())).to(dtype)
+    N, K = w.shape
+    if block and s.dim() == 2:
+        rows, cols = block
+        if s.shape != (-(-N // rows), -(-K // cols)):
+            raise ValueError(f"FP8 checkpoint: {name} scales {tuple(s.shape)} do not tile {N}x{K} in {rows}x{cols}")
+        return (w * s.repeat_interleave(rows, 0)[:N].repeat_interleave(cols, 1)[:, :K]).to(dtype)
+    if s.numel() == N:
+        return (w * s.reshape(N, 1)).to(dtype)
+    raise ValueError(f"FP8 checkpoint: {name} has {tuple(s.shape)} scales for a {N}x{K} weight")
+
+
 # -- building ----------------------------------------------------------------------------------
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -233,7 +295,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     if load_format == "dummy":
         weights = iter_dummy_weights(model, seed)
     elif load_format == "auto":
-        weights = iter_gguf_weights(source) if source.kind == "gguf" else iter_hf_weights(source.path)
+        weights = checkpoint_weights(source, dtype)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     with torch.no_grad():

@@ -69,7 +69,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     adp = args.enable_attention_dp and dist is not None and dist.size > 1
     model = build_model(source, dtype, device, tp, args.load_format, args.seed,
                         **({"ep": ep} if cfg.is_moe and ep is not None else {}))
-    if args.quantization == "fp8":
+    if args.quantization == "fp8" or cfg.fp8_checkpoint:   # an FP8 checkpoint is served in FP8
         quantize_fp8(model)
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config

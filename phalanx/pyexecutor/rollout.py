@@ -46,7 +46,8 @@ logger = logging.getLogger("phalanx")
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("weights", "kv_cache")
 # ModelConfig fields a checkpoint on disk may differ in and still be the same model
-_FREE_CONFIG_FIELDS = {"torch_dtype", "bos_token_id", "eos_token_ids", "max_position_embeddings"}
+_FREE_CONFIG_FIELDS = {"torch_dtype", "bos_token_id", "eos_token_ids", "max_position_embeddings", "fp8_checkpoint",
+                       "fp8_block"}
 
 
 class Rollout:
@@ -271,7 +272,7 @@ class Rollout:
         the same architecture and sizes, and (safetensors) every tensor's name and shape."""
         import dataclasses
 
-        from phalanx.models.loader import iter_gguf_weights, iter_hf_weights, resolve_model
+        from phalanx.models.loader import FP8_SCALE_SUFFIXES, checkpoint_weights, resolve_model
         if not isinstance(path, str) or not path:
             raise ValueError("path: a checkpoint directory or .gguf file is needed")
         try:
@@ -283,10 +284,15 @@ class Rollout:
         if differ:
             raise ValueError(f"path {path!r}: not the same architecture as the served model "
                              f"(differs in {', '.join(differ[:6])})")
-        if source.kind == "gguf":
-            return iter_gguf_weights(source)
-        self._check_specs(_safetensors_specs(source.path))
-        return iter_hf_weights(source.path)
+        if source.kind == "hf":
+            # names and shapes; an FP8 checkpoint's scales pair with its weights, and its e4m3
+            # weights load as full precision (checkpoint_weights)
+            specs = [{**s, "dtype": "float32"} if str(s["dtype"]).startswith("F8") else s
+                     for s in _safetensors_specs(source.path) if not s["name"].endswith(FP8_SCALE_SUFFIXES)]
+            self._check_specs(specs)
+        model = self.ex.runner.model
+        dtype = next(p.dtype for p in model.parameters() if p.element_size() > 1)   # not an FP8 weight
+        return checkpoint_weights(source, dtype)
 
     def _init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                    backend: str | None = None, timeout: float = 600.0) -> str:

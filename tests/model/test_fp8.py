@@ -83,13 +83,76 @@ def test_fp8_helpers_round_trip_within_e4m3_precision():
     assert torch.isfinite(fp8.dequantize(zero_q, zero_scale, torch.float32)).all()
 
 
-def test_a_quantized_checkpoint_is_refused_by_name(tiny_models, tmp_path):
+def write_fp8_checkpoint(src: str, dst, block):
+    """``src`` as an FP8 checkpoint: every decoder projection e4m3 with a scale per ``block`` tile
+    (``weight_scale_inv``, as DeepSeek and Qwen3 ship), or one per tensor (``weight_scale`` and an
+    ``input_scale``) when block is None. Returns {name: the full-precision weight it stands for}."""
     import json
     import shutil
-    d = tmp_path / "fp8-ckpt"
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = load_file(f"{dst}/model.safetensors")
+    meant = {}
+    for name in list(tensors):
+        if name.rsplit(".", 2)[-2] not in PROJECTIONS:
+            continue
+        w = tensors[name].float()
+        base = name.removesuffix(".weight")
+        if block is None:
+            s = w.abs().max() / fp8.FP8_MAX
+            q = (w / s).to(fp8.FP8)
+            tensors[base + ".weight_scale"], tensors[base + ".input_scale"] = s.reshape(()), torch.tensor(0.5)
+            meant[name] = q.float() * s
+        else:
+            r, c = block
+            N, K = w.shape
+            tiles = w.reshape(N // r, r, K // c, c)
+            s = tiles.abs().amax(dim=(1, 3)) / fp8.FP8_MAX
+            q = (tiles / s[:, None, :, None]).to(fp8.FP8)
+            tensors[base + ".weight_scale_inv"] = s
+            meant[name] = (q.float() * s[:, None, :, None]).reshape(N, K)
+            q = q.reshape(N, K)
+        tensors[name] = q
+    save_file(tensors, f"{dst}/model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  **({"weight_block_size": list(block)} if block else {})}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return meant
+
+
+@pytest.mark.parametrize("block", [(16, 32), None])
+def test_an_fp8_checkpoint_serves_what_it_stores(block, tiny_models, hf_models, tmp_path):
+    """Block-scaled (and per-tensor) FP8 checkpoints load dequantized and are served in FP8 (a
+    scale per output channel): the tokens of transformers holding those weights; a weight update
+    from the same checkpoint changes nothing."""
+    meant = write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", block)
+    ref = copy.deepcopy(hf_models["llama"])
+    with torch.no_grad():
+        params = dict(ref.named_parameters())
+        for name, w in meant.items():
+            params[name].copy_(fp8.dequantize(*fp8.quantize_weight(w), torch.float32))
+    ps = prompts(ref.config.vocab_size, n=4, seed=5)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32",
+             orchestrator_type="inprocess") as llm:
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        llm.update_weights_from_disk(str(tmp_path / "ckpt"))
+        again = llm.generate(ps, sp, use_tqdm=False)
+    for i, (p, o, o2) in enumerate(zip(ps, outs, again, strict=True)):
+        want, gaps = hf_greedy(ref, p, 8)
+        assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
+        assert o2.outputs[0].token_ids == o.outputs[0].token_ids
+
+
+def test_other_quantized_checkpoints_are_refused_by_name(tiny_models, tmp_path):
+    import json
+    import shutil
+    d = tmp_path / "awq"
     shutil.copytree(tiny_models["llama"], d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization_config.*'fp8'"):
+    with pytest.raises(ValueError, match="quant_method 'awq'"):
         LLM(str(d), skip_tokenizer_init=True, orchestrator_type="inprocess")
