@@ -27,7 +27,9 @@ class KvCacheConfig(StrictModel):
     max_tokens: int | None = Field(None, ge=1, description="Upper bound on the tokens the KV pool holds.")
     max_gpu_total_bytes: int = Field(0, ge=0, description="Upper bound on the KV pool's bytes (0: none). "
                                                           "On the CPU it sets the pool size (default 1 GiB).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
+        "auto", description="The KV pool's dtype; fp8: e4m3 with scale 1 (K and V rounded when written, "
+                            "saturating at ±448), half the bytes of bf16.")
 
     @field_validator("tokens_per_block")
     @classmethod

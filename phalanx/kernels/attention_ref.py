@@ -19,12 +19,18 @@ import torch
 import torch.nn.functional as F
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 pool as bytes (torch's CPU index kernels take no float8), any other as it is."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] written at slots [T] of the flattened pool."""
+    """k, v: [T, Hkv, D] written at slots [T] of the flattened pool (rounded to its dtype; FP8
+    with scale 1, saturating at ±448)."""
     Hkv, D = k.shape[-2:]
-    k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    _raw(k_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(k.to(k_cache.dtype)))
+    _raw(v_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(v.to(v_cache.dtype)))
 
 
 def copy_blocks_ref(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
@@ -88,8 +94,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     T, H, D = q.shape
     Hkv = k_cache.shape[-2]
     qp = torch.cat([q, q.new_zeros(1, H, D)])[plan.q_index]          # [S, Qmax, H, D]
-    k = k_cache.view(-1, Hkv, D)[plan.kv_slots]                      # [S, Lmax, Hkv, D]
-    v = v_cache.view(-1, Hkv, D)[plan.kv_slots]
+    k = _raw(k_cache).view(-1, Hkv, D)[plan.kv_slots].view(k_cache.dtype)    # [S, Lmax, Hkv, D]
+    v = _raw(v_cache).view(-1, Hkv, D)[plan.kv_slots].view(v_cache.dtype)
     if kv_of_q is not None:
         k, v = k.index_select(2, kv_of_q), v.index_select(2, kv_of_q)
     out = F.scaled_dot_product_attention(

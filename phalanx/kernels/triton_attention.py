@@ -66,6 +66,9 @@ def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
     off = blk[:, None] * s_cb + (kpos % B)[:, None] * s_ct + kvh * s_ch + d[None, :]
     k = tl.load(kc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
     v = tl.load(vc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
+    if k.dtype == tl.float8e4nv:   # an FP8 pool (scale 1): widened here, exactly, to bf16
+        k = k.to(tl.bfloat16)
+        v = v.to(tl.bfloat16)
     return kpos, km, k, v
 
 

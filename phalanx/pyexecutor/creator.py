@@ -73,7 +73,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         quantize_fp8(model)
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
-    kv_dtype = dtype if kvc.dtype == "auto" else resolve_dtype(kvc.dtype, source, device)
+    kv_dtype = (dtype if kvc.dtype == "auto" else torch.float8_e4m3fn if kvc.dtype == "fp8"
+                else resolve_dtype(kvc.dtype, source, device))
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     pool_shape = (cfg.num_layers, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)

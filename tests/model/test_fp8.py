@@ -156,3 +156,20 @@ def test_other_quantized_checkpoints_are_refused_by_name(tiny_models, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quant_method 'awq'"):
         LLM(str(d), skip_tokenizer_init=True, orchestrator_type="inprocess")
+
+
+def test_an_fp8_kv_pool_holds_more_tokens_and_keeps_the_greedy_tokens_close(tiny_models):
+    """kv_cache_config dtype fp8 (e4m3, scale 1): the same pool bytes hold four times the blocks
+    of float32 KV, and greedy decoding mostly agrees with it (K and V rounded to 3 mantissa bits)."""
+    ps = prompts(256, n=8, seed=6)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    out, blocks = {}, {}
+    for kv in ("auto", "fp8"):
+        with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+                 kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 8 << 20}) as llm:
+            out[kv] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            blocks[kv] = llm.engine_info.num_kv_blocks
+    assert blocks["fp8"] == 4 * blocks["auto"]
+    first = sum(a[0] == b[0] for a, b in zip(out["auto"], out["fp8"], strict=True))
+    same = sum(a == b for a, b in zip(out["auto"], out["fp8"], strict=True))
+    assert first >= 7 and same >= 4, (first, same)
