@@ -155,9 +155,13 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_p
         x2 = x2.to(tl.float32)
         r1 = x1 * cos - x2 * sin
         r2 = x2 * cos + x1 * sin
-        dst = q_ptr + head * s_qh if head < H else kc_ptr + slot * s_cs + (head - H) * s_ch
-        tl.store(dst + j, r1.to(dst.dtype.element_ty))
-        tl.store(dst + D // 2 + j, r2.to(dst.dtype.element_ty))
+        if head < H:   # stored apart: the pool's dtype may differ from q's (an FP8 pool)
+            tl.store(q_ptr + head * s_qh + j, r1.to(q_ptr.dtype.element_ty))
+            tl.store(q_ptr + head * s_qh + D // 2 + j, r2.to(q_ptr.dtype.element_ty))
+        else:
+            kd = kc_ptr + slot * s_cs + (head - H) * s_ch
+            tl.store(kd + j, r1.to(kc_ptr.dtype.element_ty))
+            tl.store(kd + D // 2 + j, r2.to(kc_ptr.dtype.element_ty))
     else:
         vh = head - H - Hkv
         tl.store(vc_ptr + slot * s_cs + vh * s_ch + col0 % D + r, y.to(vc_ptr.dtype.element_ty))

@@ -91,20 +91,24 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
     sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=m, other=0.0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     wait(PDL)
-    if h < H:
+    if h < H:   # the two branches store apart: the pool's dtype may differ from q's (an FP8 pool)
         base = q_ptr + t * s_qt + h * s_qh
+        r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
+                         tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
         dst = qo_ptr + t * s_ot + h * s_oh
+        tl.store(dst + i, r1.to(qo_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + i, r2.to(qo_ptr.dtype.element_ty), mask=m)
     else:
         base = k_ptr + t * s_kt + (h - H) * s_kh
-        dst = kc_ptr + slot * s_cs + (h - H) * s_ch
         vb = v_ptr + t * s_vt + (h - H) * s_vh
         vd = vc_ptr + slot * s_cs + (h - H) * s_ch
         tl.store(vd + i, tl.load(vb + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
         tl.store(vd + HALF + i, tl.load(vb + HALF + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
-    r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
-                     tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
-    tl.store(dst + i, r1.to(dst.dtype.element_ty), mask=m)
-    tl.store(dst + HALF + i, r2.to(dst.dtype.element_ty), mask=m)
+        r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
+                         tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
+        dst = kc_ptr + slot * s_cs + (h - H) * s_ch
+        tl.store(dst + i, r1.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + i, r2.to(kc_ptr.dtype.element_ty), mask=m)
 
 
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
