@@ -95,9 +95,10 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
         base = q_ptr + t * s_qt + h * s_qh
         r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
                          tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
-        dst = qo_ptr + t * s_ot + h * s_oh
-        tl.store(dst + i, r1.to(qo_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + HALF + i, r2.to(qo_ptr.dtype.element_ty), mask=m)
+        # each branch names its own pointer: Triton merges a name both branches assign
+        qd = qo_ptr + t * s_ot + h * s_oh
+        tl.store(qd + i, r1.to(qo_ptr.dtype.element_ty), mask=m)
+        tl.store(qd + HALF + i, r2.to(qo_ptr.dtype.element_ty), mask=m)
     else:
         base = k_ptr + t * s_kt + (h - H) * s_kh
         vb = v_ptr + t * s_vt + (h - H) * s_vh
@@ -106,9 +107,9 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
         tl.store(vd + HALF + i, tl.load(vb + HALF + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
         r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
                          tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
-        dst = kc_ptr + slot * s_cs + (h - H) * s_ch
-        tl.store(dst + i, r1.to(kc_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + HALF + i, r2.to(kc_ptr.dtype.element_ty), mask=m)
+        kd = kc_ptr + slot * s_cs + (h - H) * s_ch
+        tl.store(kd + i, r1.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(kd + HALF + i, r2.to(kc_ptr.dtype.element_ty), mask=m)
 
 
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,0 +1,92 @@
+"""The FP8 variants of the kernels compile for a Hopper GPU (sm_90) on this machine, no GPU
+needed: the interpreter runs kernels as Python and so lets through what the compiler refuses
+(a name bound to pointers of two dtypes in two branches, say). Compiled with bf16 activations
+over FP8 (e4m3) pools and weights, as ``quantization: fp8`` and ``kv_cache_config.dtype: fp8``
+run them."""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from phalanx.kernels import gemv, triton_attention, triton_ops  # noqa: E402
+
+FP8_POOL = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+            "part_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "qstart_ptr": "*i32"}
+FP8_WEIGHT = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16",
+              "part_ptr": "*fp32", "count_ptr": "*i32"}
+ATTN = {"G": 4, "BLOCK_G": 16, "D": 128, "BLOCK_D": 128, "B": 32, "BLOCK_N": 64, "PREC": "tf32"}
+
+CASES = {
+    "rope + K/V write into an FP8 pool": (triton_ops._rope_qkv_kernel, {
+        "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+        "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, {"HALF": 64, "BLOCK": 64, "PDL": False}),
+    "one token's q/k/v + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32",
+        "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
+        {"HAS_BIAS": False, "D": 128, "BLOCK_N": 16, "BLOCK_K": 512, "PRE": True, "PDL": False}),
+    "decode over an FP8 pool": (triton_attention._decode_split_kernel, FP8_POOL,
+                                {**ATTN, "SPLITS": 4, "PDL": False}),
+    "extend over an FP8 pool": (triton_attention._extend_kernel, FP8_POOL,
+                                {k: v for k, v in ATTN.items() if k != "BLOCK_G"} | {"BLOCK_M": 64}),
+    "split extend over an FP8 pool": (triton_attention._extend_split_kernel, FP8_POOL,
+                                      {**ATTN, "BLOCK_M": 16, "SPLITS": 4}),
+    "one row, FP8 weights": (gemv._gemv_kernel, FP8_WEIGHT, {"HAS_BIAS": True, "HAS_SCALE": True, "BLOCK_N": 8,
+                                                            "BLOCK_K": 1024, "SILU": True, "PRE": True, "PDL": False}),
+    "padded rows, FP8 weights, split K": (gemv._rows_kernel, FP8_WEIGHT, {
+        "HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PREC": "tf32",
+        "SILU": False, "SPLIT": True, "PDL": False}),
+    "per-row activation quantization": (triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+                                                                          "s_ptr": "*fp32"},
+                                        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 2048, "PDL": False}),
+}
+
+
+def compile_case(case: str) -> int:
+    """Compile one case for sm_90; the PTX's length."""
+    fn, pointers, constexprs = CASES[case]
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: pointers.get(n, "fp32" if n == "scale" else "i32") for n in names}
+    assert not [n for n in names if n.endswith("_ptr") and n not in pointers], "a pointer without a dtype"
+    for k in constexprs:
+        sig[k] = "constexpr"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+
+
+def compile_all() -> None:
+    """Print {case: None or the compiler's last line} as JSON."""
+    import json
+    out = {}
+    for case in CASES:
+        try:
+            assert compile_case(case) > 0
+            out[case] = None
+        except Exception as e:  # noqa: BLE001 - the case's failure is the result
+            out[case] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    print(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Every case compiled in one process of its own: the kernels here are the interpreter's
+    (conftest sets TRITON_INTERPRET), and the compiler needs them jitted."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", "import test_gpu_compile as t; t.compile_all()"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_kernels_compile_for_sm90(case, compiled):
+    assert compiled[case] is None, compiled[case]
