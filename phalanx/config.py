@@ -143,8 +143,9 @@ class LlmArgs(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["fp8"] | None = Field(
         None, description="fp8: the decoder layers' projections quantized to FP8 e4m3 at load, one scale per "
-                          "output channel (W8A16 for decode batches, W8A8 with per-token scales for more rows); "
-                          "embeddings, the output layer, norms and MoE experts stay in dtype.")
+                          "output channel (W8A16 for decode batches, W8A8 with per-token scales for more rows), and "
+                          "MoE experts per (expert, output row); embeddings, the output layer, norms and the "
+                          "router stay in dtype.")
     load_format: Literal["auto", "dummy"] = "auto"
     trust_remote_code: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"

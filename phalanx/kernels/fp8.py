@@ -12,7 +12,8 @@ output channel (row of W) gets a float32 scale = max |W[n]| / 448, and W is stor
 
 The reference (and the path on a CPU, or where a shape or dtype does not suit ``_scaled_mm``) is
 the bf16 projection of the dequantized weight, q · scale, so the whole engine runs and is
-tested on a CPU. Embeddings, the output layer, norms and MoE experts stay in the model's dtype.
+tested on a CPU. MoE experts take the same per-row scales in the fused MoE kernels
+(``triton_moe``); embeddings, the output layer, norms and the router stay in the model's dtype.
 """
 
 from __future__ import annotations

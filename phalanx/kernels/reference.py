@@ -44,13 +44,18 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                first: int) -> torch.Tensor:
+                first: int, s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> torch.Tensor:
     """Reference grouped expert computation.
 
     x [T, H]; ids/weights [T, k] (global expert ids, routing weights); w13 [E_local, 2I, H]
     (gate ‖ up); w2 [E_local, H, I]; experts ``first .. first + E_local`` are local. Returns
-    Σ over the local (token, expert) pairs of weight · down(silu(gate) * up): [T, H].
+    Σ over the local (token, expert) pairs of weight · down(silu(gate) * up): [T, H]. With
+    ``s13`` [E, 2I] / ``s2`` [E, H] the experts are FP8, dequantized here (kernels/fp8.py).
     """
+    if s13 is not None and s2 is not None:
+        from phalanx.kernels.fp8 import dequantize
+        w13 = torch.stack([dequantize(w13[e], s13[e], x.dtype) for e in range(w13.shape[0])])
+        w2 = torch.stack([dequantize(w2[e], s2[e], x.dtype) for e in range(w2.shape[0])])
     out = torch.zeros_like(x, dtype=torch.float32)
     local = ids - first
     for e in torch.unique(local).tolist():

@@ -110,9 +110,11 @@ def align(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I, E,  # noqa: E741 (I: intermediate size)
+def _moe_gate_up_kernel(x_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I, E,  # noqa: E741 (I: intermediate size)
                         s_xt, s_we, s_wn, s_ar,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                        HAS_SCALE: tl.constexpr):
+    """HAS_SCALE: FP8 experts, widened for the dots; gate and up rows scaled by sc[e, row]."""
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
@@ -132,17 +134,21 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I
             x = tl.load(x_ptr + tok[:, None] * s_xt + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             wg = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             wu = tl.load(wb + (I + n)[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC)
-            acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC)
+            acc_g += tl.dot(x, tl.trans(wg.to(x.dtype)), input_precision=PREC)
+            acc_u += tl.dot(x, tl.trans(wu.to(x.dtype)), input_precision=PREC)
+        if HAS_SCALE:
+            acc_g *= tl.load(sc_ptr + e * 2 * I + n, mask=nm, other=0.0)[None, :]
+            acc_u *= tl.load(sc_ptr + e * 2 * I + I + n, mask=nm, other=0.0)[None, :]
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(act_ptr + rows[:, None] * s_ar + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=rm[:, None] & nm[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,  # noqa: E741 (I: intermediate size)
+def _moe_down_kernel(act_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,  # noqa: E741 (I: intermediate size)
                      s_ar, s_we, s_wn, s_yp,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                     HAS_SCALE: tl.constexpr):
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
@@ -159,7 +165,9 @@ def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I,
             km = k < I
             a = tl.load(act_ptr + rows[:, None] * s_ar + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             w = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc += tl.dot(a, tl.trans(w), input_precision=PREC)
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
+        if HAS_SCALE:
+            acc *= tl.load(sc_ptr + e * H + n, mask=nm, other=0.0)[None, :]
         rw = tl.load(rw_ptr + pair, mask=rm, other=0.0)
         acc = acc * rw[:, None]
         tl.store(y_ptr + pair[:, None] * s_yp + n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -167,9 +175,11 @@ def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I,
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              first: int, plan: MoePlan = DEFAULT_PLAN) -> torch.Tensor:
+              first: int, plan: MoePlan = DEFAULT_PLAN, s13: torch.Tensor | None = None,
+              s2: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H]; ids/weights [T, k]; w13 [E, 2I, H]; w2 [E, H, I] (local experts from ``first``);
-    the tiles from ``plan`` by the step's number of (token, expert) pairs."""
+    the tiles from ``plan`` by the step's number of (token, expert) pairs. ``s13`` [E, 2I] and
+    ``s2`` [E, H]: the experts are FP8 with a scale per output row (kernels/fp8.py)."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
@@ -185,24 +195,26 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PREC": prec, "num_warps": warps, "num_stages": stages}
     _moe_gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
-        x, w13, sorted_pair, block_expert, act, P, k, H, I, E, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), **launch)
+        x, w13, s13 if s13 is not None else w13, sorted_pair, block_expert, act, P, k, H, I, E, x.stride(0),
+        w13.stride(0), w13.stride(1), act.stride(0), HAS_SCALE=s13 is not None, **launch)
     y = torch.zeros(P, H, dtype=x.dtype, device=x.device)    # pairs of other ranks' experts stay 0
     _moe_down_kernel[(R // bm, triton.cdiv(H, bn))](
-        act, w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(), y, P, H, I, E,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **launch)
+        act, w2, s2 if s2 is not None else w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(),
+        y, P, H, I, E, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), HAS_SCALE=s2 is not None, **launch)
     return y.view(T, k, H).sum(1)
 
 
 def _run_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              first: int, plan: MoePlan, _copy: int) -> torch.Tensor:
-    return fused_moe(x, ids, weights, w13, w2, first, plan)
+              first: int, plan: MoePlan, s13: torch.Tensor | None, s2: torch.Tensor | None,
+              _copy: int) -> torch.Tensor:
+    return fused_moe(x, ids, weights, w13, w2, first, plan, s13, s2)
 
 
-def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, first: int) -> MoePlan:
+def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, first: int,
+         s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> MoePlan:
     """The fastest tile of each bucket of pairs for this layer's shapes, timed in a CUDA graph
     at the bucket's bound with uniformly random routing over all ``num_experts`` experts (this
-    rank holds ``first ..``). Memoised per shape and device."""
+    rank holds ``first ..``); FP8 experts with their scales. Memoised per shape and device."""
     from phalanx.kernels.gemv_tuner import time_graph
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, top_k, num_experts, first, str(w13.device))
     if key in _MEMO:
@@ -213,13 +225,13 @@ def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, firs
         pairs = PAIR_BUCKETS[i] if i < len(PAIR_BUCKETS) else 4 * PAIR_BUCKETS[-1]
         T = max(1, pairs // top_k)
         g = torch.Generator(device=w13.device).manual_seed(i)
-        x = torch.randn(T, H, dtype=w13.dtype, device=w13.device, generator=g)
+        x = torch.randn(T, H, dtype=torch.bfloat16 if s13 is not None else w13.dtype, device=w13.device, generator=g)
         ids = torch.rand(T, num_experts, device=w13.device, generator=g).topk(top_k, dim=-1).indices
         weights = torch.rand(T, top_k, device=w13.device, generator=g)
         best, best_ms = DEFAULT_PLAN.tiles[i], float("inf")
         for tile in candidates:
             plan = MoePlan(tuple(tile if j == i else DEFAULT_PLAN.tiles[j] for j in range(len(CANDIDATES))))
-            run = functools.partial(_run_once, x, ids, weights, w13, w2, first, plan)
+            run = functools.partial(_run_once, x, ids, weights, w13, w2, first, plan, s13, s2)
             try:
                 ms = time_graph(run, 1, reps=8)
             except Exception:  # a tile the compiler rejects on this GPU

@@ -103,6 +103,8 @@ class SparseMoE(nn.Module):
         self.gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
         self.w13 = _param((self.num_local, 2 * i_local, H), self._load_expert)
         self.w2 = _param((self.num_local, H, i_local), self._load_expert)
+        self.w13_scale: nn.Parameter | None = None   # FP8 experts (quantize_fp8): a scale per row
+        self.w2_scale: nn.Parameter | None = None
         self.moe_plan = MoePlan()    # the fused kernels' tiles: tuned on a GPU at build time
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
@@ -111,18 +113,38 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
 
     def _load_expert(self, param: torch.Tensor, w: torch.Tensor, shard: Any) -> None:
-        """shard = (global expert id, "gate" | "up" | "down"); other ranks' experts are skipped."""
+        """shard = (global expert id, "gate" | "up" | "down"); other ranks' experts are skipped.
+        FP8 experts: the rows written are quantized here, each with its own scale."""
         expert, kind = shard
         e = expert - self.first
         if not 0 <= e < self.num_local:
             return
         s, t = self.i_range
         n = t - s
-        if kind == "down":
-            param.data[e].copy_(w[:, s:t])
-        else:
-            off = 0 if kind == "gate" else n
-            param.data[e, off:off + n].copy_(w[s:t])
+        rows, src, scale = ((slice(None), w[:, s:t], self.w2_scale) if kind == "down" else
+                            (slice(0, n) if kind == "gate" else slice(n, 2 * n), w[s:t], self.w13_scale))
+        if scale is None:
+            param.data[e, rows].copy_(src)
+            return
+        from phalanx.kernels import fp8
+        q, row_scale = fp8.quantize_weight(src)
+        param.data[e, rows].copy_(q)
+        scale.data[e, rows].copy_(row_scale)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """The experts to FP8 e4m3 with a scale per (expert, output row) (kernels/fp8.py); later
+        loads (weight updates) take full-precision tensors and quantize the rows they write."""
+        from phalanx.kernels import fp8
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            E, N, K = w.shape
+            q, scale = fp8.quantize_weight(w.data.reshape(E * N, K))
+            param = nn.Parameter(q.view(E, N, K), requires_grad=False)
+            param.weight_loader = self._load_expert  # type: ignore[attr-defined]
+            param.load_dtype = w.dtype  # type: ignore[attr-defined]
+            setattr(self, name, param)
+            setattr(self, name + "_scale", nn.Parameter(scale.view(E, N), requires_grad=False))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
@@ -137,7 +159,8 @@ class SparseMoE(nn.Module):
         if self.ep.attention_dp and self.ep.size > 1:
             tokens, counts = gather_tokens(x, self.ep)
         weights, ids = self.route(tokens)
-        y = ops.fused_moe(tokens, ids, weights, self.w13, self.w2, self.first, self.moe_plan)
+        y = ops.fused_moe(tokens, ids, weights, self.w13, self.w2, self.first, self.moe_plan, self.w13_scale,
+                          self.w2_scale)
         if counts is not None:
             y = scatter_tokens(y, counts, self.ep)
         elif self.ep.size > 1 or self.tp.size > 1:   # outside attention DP the groups are one: all ranks

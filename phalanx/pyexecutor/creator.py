@@ -206,13 +206,16 @@ def _grammar_compiler(args: LlmArgs, source: ModelSource) -> GrammarCompiler:
 
 
 def quantize_fp8(model: torch.nn.Module) -> int:
-    """``quantization: fp8``: every projection of the decoder layers to FP8 (Projection.quantize_fp8),
-    the output layer excepted; returns how many."""
+    """``quantization: fp8``: every projection of the decoder layers and every MoE layer's experts
+    to FP8 (Projection.quantize_fp8, SparseMoE.quantize_fp8), the output layer excepted; returns
+    how many layers."""
     from phalanx.models.layers import ParallelLMHead, Projection
-    todo = [m for m in model.modules() if isinstance(m, Projection) and not isinstance(m, ParallelLMHead)]
+    from phalanx.models.moe import SparseMoE
+    todo = [m for m in model.modules()
+            if isinstance(m, SparseMoE) or (isinstance(m, Projection) and not isinstance(m, ParallelLMHead))]
     for m in todo:
         m.quantize_fp8()
-    if todo and todo[0].weight.is_cuda:
+    if todo and next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()     # the bf16 weights' memory goes back before the KV pool is sized
     return len(todo)
 
@@ -234,7 +237,7 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     for m in model.modules():
         if isinstance(m, SparseMoE) and m.w13.is_cuda:   # a rank under attention DP sees every rank's tokens
             from phalanx.kernels import triton_moe
-            m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first)
+            m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first, m.w13_scale, m.w2_scale)
             report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))] = 0.0
         elif isinstance(m, Attention) and m.q_norm is None and m.qkv_proj.weight_scale is None:
             m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from phalanx.kernels import gemv, triton_attention, triton_ops  # noqa: E402
+from phalanx.kernels import gemv, triton_attention, triton_moe, triton_ops  # noqa: E402
 
 FP8_POOL = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "out_ptr": "*bf16", "lse_ptr": "*fp32",
             "part_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "qstart_ptr": "*i32"}
@@ -43,6 +43,13 @@ CASES = {
     "padded rows, FP8 weights, split K": (gemv._rows_kernel, FP8_WEIGHT, {
         "HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PREC": "tf32",
         "SILU": False, "SPLIT": True, "PDL": False}),
+    "FP8 experts, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "pair_ptr": "*i64", "bexp_ptr": "*i64",
+        "act_ptr": "*bf16"}, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "PREC": "tf32", "HAS_SCALE": True}),
+    "FP8 experts, down": (triton_moe._moe_down_kernel, {
+        "act_ptr": "*bf16", "w_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "pair_ptr": "*i64", "bexp_ptr": "*i64",
+        "rw_ptr": "*fp32", "y_ptr": "*bf16"}, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "PREC": "tf32",
+                                               "HAS_SCALE": True}),
     "per-row activation quantization": (triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
                                                                           "s_ptr": "*fp32"},
                                         {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 2048, "PDL": False}),

@@ -553,6 +553,13 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
     tiles = {t for bucket in triton_moe.CANDIDATES for t in bucket} if CUDA else set(triton_moe.CANDIDATES[1][1:3])
     for tile in tiles:     # every tile the tuner may choose
         close(triton_moe.fused_moe(x, ids, w, w13, w2, first, MoePlan((tile,) * 4)), ref, dtype)
+    # FP8 experts: a scale per (expert, output row), against the dequantized reference
+    from phalanx.kernels import fp8
+    q13, s13 = fp8.quantize_weight(w13.float().reshape(-1, H))
+    q2, s2 = fp8.quantize_weight(w2.float().reshape(-1, I))
+    q13, q2, s13, s2 = q13.view(w13.shape), q2.view(w2.shape), s13.view(local, 2 * I), s2.view(local, H)
+    ref8 = experts_ref(x, ids, w, q13, q2, first, s13, s2)
+    close(triton_moe.fused_moe(x, ids, w, q13, q2, first, s13=s13, s2=s2), ref8, dtype)
 
 
 @pytest.mark.parametrize("T,k,E,first,local,block_m", [(1, 2, 4, 0, 4, 16), (37, 3, 8, 4, 4, 16), (300, 2, 6, 0, 3, 32),
