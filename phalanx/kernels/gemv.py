@@ -125,9 +125,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn,
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh, s_cs, s_ch,
-                     H, Hkv, HAS_BIAS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh,
+                     s_cs, s_ch, H, Hkv, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
@@ -146,6 +146,8 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_p
     cos = tl.load(cs_ptr + pos * D + j)
     sin = tl.load(cs_ptr + pos * D + D // 2 + j)
     y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE, PDL)
+    if HAS_SCALE:   # FP8 weights
+        y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     y = y.to(q_ptr.dtype.element_ty)
@@ -168,9 +170,9 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_p
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (I: intermediate size)
-                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
-                         PDL: tl.constexpr):
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (I: intermediate size)
+                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """The gate ‖ up projection of one token with SiLU-and-mul as its epilogue: a program takes
     BLOCK_N // 2 pairs of rows (gate j and up j, interleaved) and writes silu(gate) * up for
     them, so the down projection reads I values instead of 2I and computes no SiLU. Outputs are
@@ -180,6 +182,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (
     n = j0 + r // 2 + (r % 2) * I
     nm = j0 + r // 2 < I
     y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE, PDL)
+    if HAS_SCALE:   # FP8 weights
+        y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(y.to(a_ptr.dtype.element_ty), [BLOCK_N // 2, 2]))
@@ -311,10 +315,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             num_heads: int, num_kv_heads: int, head_dim: int, tile: OneRowTile, pdl: bool) -> torch.Tensor:
+             num_heads: int, num_kv_heads: int, head_dim: int, tile: OneRowTile, pdl: bool,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
     """One token behind its norm: the q/k/v projection, rotary and the K/V write in one kernel
     (``_qkv_rope_kernel``); returns the rotated q [1, H, D]. The tile must hold whole rotary pairs
-    of one head (``QkvRopePlan.fits``)."""
+    of one head (``QkvRopePlan.fits``). ``scale``: the weight is FP8, a scale per row."""
     D = head_dim
     if x.shape[0] != 1 or not QkvRopePlan.fits(tile, D):
         raise ValueError(f"qkv_rope takes one row and a tile within a head of {D}, got {x.shape[0]} rows, {tile}")
@@ -325,16 +330,17 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
     kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
     _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
-        x, weight, bias if bias is not None else weight, positions, cos_sin, slot_mapping, q, kc, vc, x.shape[1],
-        weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv, HAS_BIAS=bias is not None, D=D,
-        BLOCK_N=bn, BLOCK_K=bk, PRE=True, num_warps=warps, num_stages=stages, **_pdl.launch(x, pdl))
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
+        slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, BLOCK_N=bn, BLOCK_K=bk, PRE=True,
+        num_warps=warps, num_stages=stages, **_pdl.launch(x, pdl))
     return q
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile,
-                 pdl: bool) -> torch.Tensor:
+                 pdl: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
     """One token behind its norm: silu(gate) * up [1, I] straight from the gate ‖ up projection
-    (``_gate_up_silu_kernel``)."""
+    (``_gate_up_silu_kernel``). ``scale``: the weight is FP8, a scale per row."""
     if x.shape[0] != 1:
         raise ValueError(f"gate_up_silu takes one row, got {x.shape[0]}")
     if x.stride(-1) != 1:
@@ -343,7 +349,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     I = weight.shape[0] // 2  # noqa: E741 (the intermediate size, as everywhere in the MLP code)
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, bn // 2),)](
-        x, weight, bias if bias is not None else weight, act, I, x.shape[1], weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, PRE=True, num_warps=warps,
-        num_stages=stages, **_pdl.launch(x, pdl))
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, act, I, x.shape[1],
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=bk, PRE=True,
+        num_warps=warps, num_stages=stages, **_pdl.launch(x, pdl))
     return act

@@ -150,32 +150,38 @@ def qkv_rope_plan(qkv: LinearPlan, head_dim: int) -> QkvRopePlan | None:
 
 
 def gate_up_silu_plan(gu: torch.Tensor, gu_plan: LinearPlan, down: torch.Tensor, down_plan: LinearPlan,
-                      report: dict[str, float] | None = None, l2_bytes: int = L2_BYTES) -> GateUpSiluPlan | None:
+                      report: dict[str, float] | None = None, l2_bytes: int = L2_BYTES,
+                      scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> GateUpSiluPlan | None:
     """For one token: the fused gate ‖ up + SiLU path where it measured faster than the two
-    projections apart (each as tuned), with the gate ‖ up tile that won; None otherwise."""
+    projections apart (each as tuned), with the gate ‖ up tile that won; None otherwise.
+    ``scales``: both weights are FP8 (their scales per row)."""
     key = (*gu.shape, *down.shape, gu.dtype, str(gu.device))
     if key in _PAIR_MEMO:
         return _PAIR_MEMO[key]
-    down_ready, _ = tune_one(down, Neighbour.PLAIN, 1, l2_bytes)
+    s_gu, s_down = scales
+    fp8 = s_gu is not None and s_down is not None
+    down_ready, _ = tune_one(down, Neighbour.PLAIN, 1, l2_bytes, fp8=fp8)
     gus, downs = weight_copies(gu, l2_bytes), weight_copies(down, l2_bytes)
     n = max(len(gus), len(downs))
     K = gu.shape[1]
-    x, r = (torch.randn(1, K, dtype=gu.dtype, device=gu.device) for _ in range(2))
-    g = torch.ones(K, dtype=gu.dtype, device=gu.device)
+    act = torch.bfloat16 if fp8 else gu.dtype
+    x, r = (torch.randn(1, K, dtype=act, device=gu.device) for _ in range(2))
+    g = torch.ones(K, dtype=act, device=gu.device)
 
     def norm() -> torch.Tensor:
         return triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
 
     def apart(i: int) -> None:
-        down_plan(gu_plan(norm(), gus[i % len(gus)]), downs[i % len(downs)])
+        down_plan(gu_plan(norm(), gus[i % len(gus)], None, s_gu), downs[i % len(downs)], None, s_down)
 
     best, best_ms = None, time_graph(apart, n)
-    for tile in [t for t in gemv.ONE_ROW_TILES if t.block_n % 2 == 0]:
+    for tile in [t for t in (gemv.ONE_ROW_TILES_FP8 if fp8 else gemv.ONE_ROW_TILES) if t.block_n % 2 == 0]:
         for use_pdl in (False, True) if pdl.enabled(x) else (False,):
-            plan = GateUpSiluPlan(tile, use_pdl, down_ready)
+            plan = GateUpSiluPlan(tile, use_pdl, down_ready, fp8)
 
             def fused(i: int, plan: GateUpSiluPlan = plan) -> None:
-                plan.down_proj(plan.gate_up_silu(norm(), gus[i % len(gus)], None), downs[i % len(downs)])
+                plan.down_proj(plan.gate_up_silu(norm(), gus[i % len(gus)], None, s_gu), downs[i % len(downs)],
+                               s_down)
             try:
                 ms = time_graph(fused, n)
             except Exception:  # a config the compiler rejects on this GPU

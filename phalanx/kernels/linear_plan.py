@@ -189,11 +189,12 @@ class QkvRopePlan:
 
     def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-        """h [1, K] (normed) -> the rotated q [1, H, D]; k and v are written to their slot."""
+                 num_heads: int, num_kv_heads: int, head_dim: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """h [1, K] (normed) -> the rotated q [1, H, D]; k and v are written to their slot.
+        ``scale``: an FP8 weight's scales."""
         from phalanx.kernels import gemv
         return gemv.qkv_rope(h, weight, bias, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
-                             num_kv_heads, head_dim, self.tile, self.pdl)
+                             num_kv_heads, head_dim, self.tile, self.pdl, scale)
 
     @staticmethod
     def fits(tile: OneRowTile, head_dim: int) -> bool:
@@ -204,22 +205,27 @@ class QkvRopePlan:
 @dataclass(frozen=True)
 class GateUpSiluPlan:
     """One token through an MLP: gate ‖ up with silu(gate) * up as its epilogue, then the down
-    projection on that ready input with ``down`` (a one-row plan behind PLAIN)."""
+    projection on that ready input with ``down`` (a one-row plan behind PLAIN). ``fp8``: both
+    weights are FP8 and their calls take the scales."""
 
     tile: OneRowTile
     pdl: bool
     down: Plan
+    fp8: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_down", launcher(self.down, Neighbour.PLAIN))
+        object.__setattr__(self, "_down", launcher(self.down, Neighbour.PLAIN, self.fp8))
 
-    def gate_up_silu(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def gate_up_silu(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
         """h [1, K] (normed) -> silu(gate) * up [1, I]."""
         from phalanx.kernels import gemv
-        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl)
+        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl, scale)
 
-    def down_proj(self, act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._down(act, weight, None)   # type: ignore[attr-defined]
+    def down_proj(self, act: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        if scale is None:
+            return self._down(act, weight, None)   # type: ignore[attr-defined]
+        return self._down(act, weight, None, scale)   # type: ignore[attr-defined]
 
 
 class MoeTile(NamedTuple):

@@ -58,7 +58,8 @@ class Attention(nn.Module):
         H, D = self.heads.num_heads, self.head_dim
         if T == 1 and self.one_token_qkv is not None:
             q = self.one_token_qkv(h, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary[0].cos_sin,
-                                   k_cache, v_cache, meta.slot_mapping, H, self.heads.num_kv_heads, D)
+                                   k_cache, v_cache, meta.slot_mapping, H, self.heads.num_kv_heads, D,
+                                   self.qkv_proj.weight_scale)
         else:
             q = self.qkv_rope(positions, h, meta, k_cache, v_cache)
         o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q)
@@ -89,8 +90,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and self.one_token is not None:
-            act = self.one_token.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-            return self.down_proj.output(self.one_token.down_proj(act, self.down_proj.weight))
+            act = self.one_token.gate_up_silu(x, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                              self.gate_up_proj.weight_scale)
+            return self.down_proj.output(self.one_token.down_proj(act, self.down_proj.weight,
+                                                                  self.down_proj.weight_scale))
         return self.down_proj(self.gate_up_proj(x))   # down takes gate ‖ up: silu(gate) * up in front
 
 

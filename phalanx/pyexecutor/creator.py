@@ -239,12 +239,12 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
             from phalanx.kernels import triton_moe
             m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first, m.w13_scale, m.w2_scale)
             report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))] = 0.0
-        elif isinstance(m, Attention) and m.q_norm is None and m.qkv_proj.weight_scale is None:
+        elif isinstance(m, Attention) and m.q_norm is None:
             m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)
-        elif (isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda
-              and m.gate_up_proj.weight_scale is None):   # the fused one-token paths take no FP8 scales yet
+        elif isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda:
             m.one_token = gemv_tuner.gate_up_silu_plan(m.gate_up_proj.weight, m.gate_up_proj.plan,
-                                                       m.down_proj.weight, m.down_proj.plan, report)
+                                                       m.down_proj.weight, m.down_proj.plan, report,
+                                                       scales=(m.gate_up_proj.weight_scale, m.down_proj.weight_scale))
     return report
 
 

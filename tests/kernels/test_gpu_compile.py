@@ -28,10 +28,13 @@ CASES = {
     "rope + K/V write into an FP8 pool": (triton_ops._rope_qkv_kernel, {
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
         "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, {"HALF": 64, "BLOCK": 64, "PDL": False}),
-    "one token's q/k/v + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32",
-        "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
-        {"HAS_BIAS": False, "D": 128, "BLOCK_N": 16, "BLOCK_K": 512, "PRE": True, "PDL": False}),
+    "one token's q/k/v (FP8 weights) + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "pos_ptr": "*i64",
+        "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
+        {"HAS_BIAS": False, "HAS_SCALE": True, "D": 128, "BLOCK_N": 16, "BLOCK_K": 1024, "PRE": True, "PDL": False}),
+    "one token's gate ‖ up + SiLU, FP8 weights": (gemv._gate_up_silu_kernel, {
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "a_ptr": "*bf16"},
+        {"HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_N": 16, "BLOCK_K": 1024, "PRE": True, "PDL": False}),
     "decode over an FP8 pool": (triton_attention._decode_split_kernel, FP8_POOL,
                                 {**ATTN, "SPLITS": 4, "PDL": False}),
     "extend over an FP8 pool": (triton_attention._extend_kernel, FP8_POOL,

@@ -329,6 +329,39 @@ def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias):
             close(plan.down_proj(act, down), torch.nn.functional.linear(act.float(), down.float()), dtype)
 
 
+def test_one_token_fused_paths_with_fp8_weights_equal_the_kernels_apart():
+    """FP8 weights (a scale per row) through the one-token paths — q/k/v + rotary + K/V write
+    into an FP8 pool, gate ‖ up + SiLU, then down — give the bits of the FP8 skinny kernels
+    and the kernels after them run apart."""
+    from phalanx.kernels import fp8, gemv
+    from phalanx.kernels.linear_plan import GateUpSiluPlan, OneRowTile, Plan, QkvRopePlan
+    g = torch.Generator().manual_seed(13)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    H, Hkv, D, B, nb = 4, 2, 32, 16, 6
+    K, I = (64, 40) if not CUDA else (4096, 14336)  # noqa: E741 (I: intermediate size)
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w, s = (t.to(DEV) for t in fp8.quantize_weight(torch.randn((H + 2 * Hkv) * D, K, generator=g)))
+    cs = torch.randn(40, D, generator=g).to(DEV)
+    pos, slot = torch.tensor([37], device=DEV), torch.tensor([3 * B + 5], device=DEV)
+    tile = OneRowTile(16, 64 if not CUDA else 1024, 4, 2)
+    caches = [torch.zeros(nb, B, Hkv, D, dtype=torch.float8_e4m3fn, device=DEV) for _ in range(4)]
+    q = QkvRopePlan(tile, False)(x, w, None, pos, cs, caches[0], caches[1], slot, H, Hkv, D, s)
+    qkv = gemv.gemv(x, w, None, tile, scale=s)
+    q_part, k_part, v_part = qkv[:, :H * D], qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
+    q_ref = triton_ops.rope_and_write_kv(pos, q_part.view(1, H, D), k_part.view(1, Hkv, D), v_part.view(1, Hkv, D),
+                                         cs, caches[2], caches[3], slot)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    gu, s_gu = (t.to(DEV) for t in fp8.quantize_weight(torch.randn(2 * I, K, generator=g) / K ** 0.5))
+    dn, s_dn = (t.to(DEV) for t in fp8.quantize_weight(torch.randn(K, I, generator=g) / I ** 0.5))
+    plan = GateUpSiluPlan(tile, False, Plan("gemv", tile), fp8=True)
+    act = plan.gate_up_silu(x, gu, None, s_gu)
+    assert torch.equal(act, triton_ops.silu_and_mul(gemv.gemv(x, gu, None, tile, scale=s_gu)))
+    assert torch.equal(plan.down_proj(act, dn, s_dn), gemv.gemv(act, dn, None, tile, scale=s_dn))
+    close(plan.down_proj(act, dn, s_dn), fp8.reference(act.float(), dn, None, s_dn), dtype)
+
+
 @pytest.mark.skipif(not CUDA, reason="tuning times CUDA graphs")
 def test_gate_up_silu_pair_tuning_picks_a_path_that_runs():
     """The pair tuner times both paths of a (gate ‖ up, down) pair and returns a plan or None;
