@@ -18,6 +18,8 @@ tested on a CPU. MoE experts take the same per-row scales in the fused MoE kerne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -38,9 +40,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32), one scale per row (token). On a GPU one
     Triton kernel (``triton_ops.quantize_rows_fp8``: eight torch kernels cost ~20 µs a projection)."""
     if x.is_cuda:
-        from phalanx.kernels import triton_ops
-        return triton_ops.quantize_rows_fp8(x, FP8_MAX, _TINY)
+        return _triton_ops().quantize_rows_fp8(x, FP8_MAX, _TINY)
     return quantize_rows_reference(x)
+
+
+@functools.cache
+def _triton_ops():   # imported once, on the first GPU call (this module imports no Triton)
+    from phalanx.kernels import triton_ops
+    return triton_ops
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +66,45 @@ def reference(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale
     return F.linear(x, dequantize(q, scale, x.dtype), bias)
 
 
+MIN_CAPABILITY = (8, 9)    # e4m3 in Triton and in cuBLASLt: Ada, Hopper and later
+
+
+def supported(device: torch.device) -> bool:
+    """Whether FP8 runs on ``device`` (a CPU runs the reference)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
+def check_device(device: torch.device, field: str) -> None:
+    """Refuse FP8 (``field``) on a GPU without it, naming the field and the limit; probe the
+    FP8 GEMM once (``rowwise_scaled_mm``) so that no call inside a CUDA graph capture has to."""
+    if device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        raise ValueError(f"{field}: fp8 needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                         f"or more; this one has {cap[0]}.{cap[1]}")
+    rowwise_scaled_mm(torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def rowwise_scaled_mm(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` with a scale per row and per column runs on this GPU (tried
+    once: some builds and GPUs have no row-wise kernel); where not, ``linear`` takes the reference."""
+    a = torch.ones(16, 16, device=device).to(FP8)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.bfloat16)
+        torch.cuda.synchronize(device)
+        return True
+    except RuntimeError:
+        return False
+
+
 def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether cuBLASLt's FP8 GEMM takes this product: a CUDA device of compute capability 8.9 or
-    more, bf16 activations (row-wise scales give bf16 only), K and N multiples of 16."""
+    """Whether cuBLASLt's FP8 GEMM takes this product: bf16 activations (row-wise scales give
+    bf16 only), K and N multiples of 16, a GPU whose row-wise FP8 GEMM ran (``check_device``)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+            and rowwise_scaled_mm(x.device))
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:

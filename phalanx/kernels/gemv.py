@@ -251,11 +251,12 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     return _COUNTS[device] if tiles <= _COUNTS[device].numel() else None
 
 
-def _one_row_launch(tile: OneRowTile, x: torch.Tensor, silu: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of a one-row tile for input x (gate ‖ up with silu), the
-    stages cut to what fits in shared memory."""
+def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor,
+                    silu: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of a one-row tile for input x (gate ‖ up with silu) and
+    weight w (FP8 weights take half the bytes), the stages cut to what fits in shared memory."""
     bn, bk, warps, stages = tile
-    return bn, bk, warps, _fit_stages(stages, (bn * bk + bk * (2 if silu else 1)) * x.element_size())
+    return bn, bk, warps, _fit_stages(stages, bn * bk * w.element_size() + bk * (2 if silu else 1) * x.element_size())
 
 
 def _padded_rows_launch(tile: RowsTile) -> tuple[int, int, int, int, int]:
@@ -287,7 +288,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
     if M == 1 and isinstance(tile, OneRowTile):
-        bn, bk, warps, stages = _one_row_launch(tile, x, silu)
+        bn, bk, warps, stages = _one_row_launch(tile, x, weight, silu)
         _gemv_kernel[(triton.cdiv(N, bn),)](
             x, weight, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
             HAS_SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, PRE=preload, num_warps=warps,
@@ -325,7 +326,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
         raise ValueError(f"qkv_rope takes one row and a tile within a head of {D}, got {x.shape[0]} rows, {tile}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    bn, bk, warps, stages = _one_row_launch(tile, x)
+    bn, bk, warps, stages = _one_row_launch(tile, x, weight)
     H, Hkv = num_heads, num_kv_heads
     q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
     kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
@@ -345,7 +346,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"gate_up_silu takes one row, got {x.shape[0]}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    bn, bk, warps, stages = _one_row_launch(tile, x)
+    bn, bk, warps, stages = _one_row_launch(tile, x, weight)
     I = weight.shape[0] // 2  # noqa: E741 (the intermediate size, as everywhere in the MLP code)
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, bn // 2),)](

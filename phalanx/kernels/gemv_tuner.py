@@ -101,15 +101,16 @@ def _timed_call(run: Callable[..., torch.Tensor], front: Callable[[], torch.Tens
 
 
 def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L2_BYTES,
-             fp8: bool = False) -> tuple[Plan, float]:
+             fp8: bool = False, act_dtype: torch.dtype | None = None) -> tuple[Plan, float]:
     """The fastest Plan for one weight shape behind ``neighbour`` at ``rows`` rows, and its time.
-    ``fp8``: w is FP8 (scaled per output channel), the activations bf16."""
-    key = (*w.shape, w.dtype, neighbour, rows, str(w.device))
+    ``fp8``: w is FP8 (scaled per output channel); ``act_dtype``: the activations' dtype (the
+    weight's by default)."""
+    act = act_dtype or w.dtype
+    key = (*w.shape, w.dtype, act, neighbour, rows, str(w.device))
     if key in _MEMO:
         return _MEMO[key]
     ws = weight_copies(w, l2_bytes)
     N, K = w.shape
-    act = torch.bfloat16 if fp8 else w.dtype
     x = torch.randn(rows, 2 * K if neighbour is Neighbour.SILU else K, dtype=act, device=w.device)
     r = torch.randn(rows, K, dtype=act, device=w.device)
     g = torch.ones(K, dtype=act, device=w.device)
@@ -127,12 +128,13 @@ def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L
 
 
 def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] | None = None,
-                fp8: bool = False) -> LinearPlan:
+                fp8: bool = False, act_dtype: torch.dtype | None = None) -> LinearPlan:
     """The plan of one projection: the fastest Plan at each row bucket. ``report`` collects the
-    bandwidth each reaches (GB/s of weight), for the log. ``fp8``: the weight is FP8."""
+    bandwidth each reaches (GB/s of weight), for the log. ``fp8``: the weight is FP8, the
+    activations ``act_dtype``."""
     plans = []
     for rows in ROW_BUCKETS:
-        plan, ms = tune_one(w, neighbour, rows, fp8=fp8)
+        plan, ms = tune_one(w, neighbour, rows, fp8=fp8, act_dtype=act_dtype)
         plans.append(plan)
         if report is not None:
             report[f"{w.shape[0]}x{w.shape[1]}/{neighbour.value}/rows={rows}:{plan}"] = \
@@ -151,20 +153,21 @@ def qkv_rope_plan(qkv: LinearPlan, head_dim: int) -> QkvRopePlan | None:
 
 def gate_up_silu_plan(gu: torch.Tensor, gu_plan: LinearPlan, down: torch.Tensor, down_plan: LinearPlan,
                       report: dict[str, float] | None = None, l2_bytes: int = L2_BYTES,
-                      scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> GateUpSiluPlan | None:
+                      scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                      act_dtype: torch.dtype | None = None) -> GateUpSiluPlan | None:
     """For one token: the fused gate ‖ up + SiLU path where it measured faster than the two
     projections apart (each as tuned), with the gate ‖ up tile that won; None otherwise.
-    ``scales``: both weights are FP8 (their scales per row)."""
-    key = (*gu.shape, *down.shape, gu.dtype, str(gu.device))
+    ``scales``: both weights are FP8 (their scales per row), the activations ``act_dtype``."""
+    act = act_dtype or gu.dtype
+    key = (*gu.shape, *down.shape, gu.dtype, act, str(gu.device))
     if key in _PAIR_MEMO:
         return _PAIR_MEMO[key]
     s_gu, s_down = scales
     fp8 = s_gu is not None and s_down is not None
-    down_ready, _ = tune_one(down, Neighbour.PLAIN, 1, l2_bytes, fp8=fp8)
+    down_ready, _ = tune_one(down, Neighbour.PLAIN, 1, l2_bytes, fp8=fp8, act_dtype=act)
     gus, downs = weight_copies(gu, l2_bytes), weight_copies(down, l2_bytes)
     n = max(len(gus), len(downs))
     K = gu.shape[1]
-    act = torch.bfloat16 if fp8 else gu.dtype
     x, r = (torch.randn(1, K, dtype=act, device=gu.device) for _ in range(2))
     g = torch.ones(K, dtype=act, device=gu.device)
 

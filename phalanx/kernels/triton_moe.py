@@ -211,12 +211,14 @@ def _run_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
 
 
 def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, first: int,
-         s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> MoePlan:
+         s13: torch.Tensor | None = None, s2: torch.Tensor | None = None,
+         act_dtype: torch.dtype | None = None) -> MoePlan:
     """The fastest tile of each bucket of pairs for this layer's shapes, timed in a CUDA graph
     at the bucket's bound with uniformly random routing over all ``num_experts`` experts (this
     rank holds ``first ..``); FP8 experts with their scales. Memoised per shape and device."""
     from phalanx.kernels.gemv_tuner import time_graph
-    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, top_k, num_experts, first, str(w13.device))
+    act = act_dtype or w13.dtype
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, act, top_k, num_experts, first, str(w13.device))
     if key in _MEMO:
         return _MEMO[key]
     H = w13.shape[2]
@@ -225,7 +227,7 @@ def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, firs
         pairs = PAIR_BUCKETS[i] if i < len(PAIR_BUCKETS) else 4 * PAIR_BUCKETS[-1]
         T = max(1, pairs // top_k)
         g = torch.Generator(device=w13.device).manual_seed(i)
-        x = torch.randn(T, H, dtype=torch.bfloat16 if s13 is not None else w13.dtype, device=w13.device, generator=g)
+        x = torch.randn(T, H, dtype=act, device=w13.device, generator=g)
         ids = torch.rand(T, num_experts, device=w13.device, generator=g).topk(top_k, dim=-1).indices
         weights = torch.rand(T, top_k, device=w13.device, generator=g)
         best, best_ms = DEFAULT_PLAN.tiles[i], float("inf")

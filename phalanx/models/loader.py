@@ -184,7 +184,43 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".kv_scale",
+                      ".output_scale")
+_UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".output_scale")
+
+
+def check_fp8_checkpoint(specs: list[dict], block: tuple[int, ...]) -> None:
+    """From a checkpoint's tensor headers (name, safetensors dtype, shape), before any tensor is
+    copied: every FP8 weight has exactly one scale tensor and every scale its FP8 weight, of a
+    shape ``_dequantize_fp8`` takes. ValueError naming the first tensor that does not."""
+    weights = {s["name"].removesuffix(".weight"): s["shape"] for s in specs if str(s["dtype"]).startswith("F8")}
+    scales: dict[str, list] = {}
+    for s in specs:
+        if s["name"].endswith((".weight_scale_inv", ".weight_scale")):
+            base = s["name"].rsplit(".", 1)[0]
+            if base in scales:
+                raise ValueError(f"FP8 checkpoint: {base} has two scale tensors")
+            scales[base] = s["shape"]
+    for base in sorted(set(weights) ^ set(scales)):
+        raise ValueError(f"FP8 checkpoint: {base} has a {'weight' if base in weights else 'scale'} without its "
+                         f"{'scale' if base in weights else 'FP8 weight'}")
+    for base, (N, K) in weights.items():
+        _scale_layout(scales[base], N, K, block, base)
+
+
+def _scale_layout(shape: list[int] | tuple[int, ...], N: int, K: int, block: tuple[int, ...], name: str) -> str:
+    """How a scale tensor of ``shape`` covers an N x K weight: "tensor", "row" or "block"."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel == 1:
+        return "tensor"
+    if numel == N and (len(shape) == 1 or shape[-1] == 1):
+        return "row"
+    if block and len(shape) == 2 and tuple(shape) == (-(-N // block[0]), -(-K // block[1])):
+        return "block"
+    raise ValueError(f"FP8 checkpoint: {name} has {tuple(shape)} scales for a {N}x{K} weight"
+                     + (f" (blocks of {block[0]}x{block[1]})" if block else ""))
 
 
 def checkpoint_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -203,12 +239,13 @@ def dequantize_fp8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], block
     each e4m3 ``X.weight`` times its ``X.weight_scale_inv`` (one scale per ``block`` =
     (rows, cols) tile: DeepSeek, Qwen3 FP8) or ``X.weight_scale`` (one per tensor or per row),
     whichever shard brings either first. The engine then quantizes the projections again with
-    a scale per output channel (``quantization: fp8``). ``X.input_scale`` (static activation
-    scales) is not used: activations get a scale per token at run time instead."""
+    a scale per output channel (``quantization: fp8``): block-scaled weights are rounded a second
+    time. Static activation scales (``input_scale``) and KV or output scales are not used:
+    activations get a scale per token at run time, and an FP8 KV pool has scale 1."""
     waiting_w: dict[str, torch.Tensor] = {}
     waiting_s: dict[str, torch.Tensor] = {}
     for name, t in weights:
-        if name.endswith(".input_scale"):
+        if name.endswith(_UNUSED_SCALES):
             continue
         if name.endswith((".weight_scale_inv", ".weight_scale")):
             base = name.rsplit(".", 1)[0]
@@ -233,17 +270,14 @@ def _dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...]
                     name: str) -> torch.Tensor:
     w = q.float()
     s = scale.float()
-    if s.numel() == 1:
-        return (w * s.reshape(())).to(dtype)
     N, K = w.shape
-    if block and s.dim() == 2:
-        rows, cols = block
-        if s.shape != (-(-N // rows), -(-K // cols)):
-            raise ValueError(f"FP8 checkpoint: {name} scales {tuple(s.shape)} do not tile {N}x{K} in {rows}x{cols}")
-        return (w * s.repeat_interleave(rows, 0)[:N].repeat_interleave(cols, 1)[:, :K]).to(dtype)
-    if s.numel() == N:
+    layout = _scale_layout(tuple(s.shape), N, K, block, name)
+    if layout == "tensor":
+        return (w * s.reshape(())).to(dtype)
+    if layout == "row":
         return (w * s.reshape(N, 1)).to(dtype)
-    raise ValueError(f"FP8 checkpoint: {name} has {tuple(s.shape)} scales for a {N}x{K} weight")
+    rows, cols = block
+    return (w * s.repeat_interleave(rows, 0)[:N].repeat_interleave(cols, 1)[:, :K]).to(dtype)
 
 
 # -- building ----------------------------------------------------------------------------------

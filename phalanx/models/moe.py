@@ -139,12 +139,15 @@ class SparseMoE(nn.Module):
         for name in ("w13", "w2"):
             w = getattr(self, name)
             E, N, K = w.shape
-            q, scale = fp8.quantize_weight(w.data.reshape(E * N, K))
-            param = nn.Parameter(q.view(E, N, K), requires_grad=False)
+            q = torch.empty(E, N, K, dtype=fp8.FP8, device=w.device)
+            scale = torch.empty(E, N, dtype=torch.float32, device=w.device)
+            for e in range(E):   # one expert at a time: the float32 temporaries stay one expert's size
+                q[e], scale[e] = fp8.quantize_weight(w.data[e])
+            param = nn.Parameter(q, requires_grad=False)
             param.weight_loader = self._load_expert  # type: ignore[attr-defined]
             param.load_dtype = w.dtype  # type: ignore[attr-defined]
             setattr(self, name, param)
-            setattr(self, name + "_scale", nn.Parameter(scale.view(E, N), requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(scale, requires_grad=False))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from phalanx.config import LlmArgs
-from phalanx.kernels import ops
+from phalanx.kernels import fp8, ops
 from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.grammar import GrammarCompiler
 from phalanx.models.llama import CausalLM
@@ -69,7 +69,12 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     adp = args.enable_attention_dp and dist is not None and dist.size > 1
     model = build_model(source, dtype, device, tp, args.load_format, args.seed,
                         **({"ep": ep} if cfg.is_moe and ep is not None else {}))
-    if args.quantization == "fp8" or cfg.fp8_checkpoint:   # an FP8 checkpoint is served in FP8
+    if args.kv_cache_config.dtype == "fp8":
+        fp8.check_device(device, "kv_cache_config.dtype")
+    if cfg.fp8_checkpoint and args.quantization is None and not fp8.supported(device):
+        logger.warning("an FP8 checkpoint on a GPU without FP8: served dequantized, in %s", dtype)
+    elif args.quantization == "fp8" or cfg.fp8_checkpoint:   # an FP8 checkpoint is served in FP8
+        fp8.check_device(device, "quantization")
         quantize_fp8(model)
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
@@ -168,7 +173,10 @@ def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device:
                          f"({dsource.config.vocab_size}) differs from the target's ({source.config.vocab_size})")
     if dsource.config.is_moe:
         raise ValueError("speculative_config.speculative_model_dir: a mixture-of-experts draft is not supported")
-    return build_model(dsource, dtype, device, tp, args.load_format, args.seed)
+    draft = build_model(dsource, dtype, device, tp, args.load_format, args.seed)
+    if args.quantization == "fp8" or (dsource.config.fp8_checkpoint and fp8.supported(device)):
+        quantize_fp8(draft)
+    return draft
 
 
 def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, max_seq_len: int,
@@ -229,22 +237,28 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     from phalanx.kernels.linear_plan import Neighbour
     from phalanx.models.layers import Projection
     from phalanx.models.llama import MLP, Attention
+    lm_head = model.get_submodule("lm_head")
+    assert isinstance(lm_head.weight, torch.Tensor)
+    act_dtype = lm_head.weight.dtype   # the activations' (the output layer is never quantized)
     report: dict[str, float] = {}
     for m in model.modules():
         if isinstance(m, Projection) and m.weight.is_cuda:
-            m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report, fp8=m.weight_scale is not None)
+            m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report, fp8=m.weight_scale is not None,
+                                            act_dtype=act_dtype)
     from phalanx.models.moe import SparseMoE
     for m in model.modules():
         if isinstance(m, SparseMoE) and m.w13.is_cuda:   # a rank under attention DP sees every rank's tokens
             from phalanx.kernels import triton_moe
-            m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first, m.w13_scale, m.w2_scale)
+            m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first, m.w13_scale, m.w2_scale,
+                                         act_dtype)
             report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))] = 0.0
         elif isinstance(m, Attention) and m.q_norm is None:
             m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)
         elif isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda:
             m.one_token = gemv_tuner.gate_up_silu_plan(m.gate_up_proj.weight, m.gate_up_proj.plan,
                                                        m.down_proj.weight, m.down_proj.plan, report,
-                                                       scales=(m.gate_up_proj.weight_scale, m.down_proj.weight_scale))
+                                                       scales=(m.gate_up_proj.weight_scale, m.down_proj.weight_scale),
+                                                       act_dtype=act_dtype)
     return report
 
 

@@ -46,6 +46,7 @@ class GuidedDecoder:
         self.matchers: dict[int, Any] = {}       # request id -> xgrammar GrammarMatcher
         self._bitmask: torch.Tensor | None = None
         self._max_rows = max_rows
+        self._copied: torch.cuda.Event | None = None   # the last copy of the buffer to the device
         self.fill_seconds = 0.0                  # host time spent filling bitmasks (the cost per step)
         self.accept_seconds = 0.0                # host time advancing matchers by sampled tokens
         self.num_fills = 0
@@ -83,17 +84,27 @@ class GuidedDecoder:
     def has_grammar(self, requests: list[Request]) -> bool:
         return bool(self.matchers) and any(r.request_id in self.matchers for r in requests)
 
-    def bitmask(self, requests: list[Request]) -> TokenMask | None:
-        """For the sampling rows ``requests``: the allowed tokens of the rows that have a grammar
-        (on the host), or None when no row has one."""
+    def bitmask(self, requests: list[Request], device: torch.device | None = None) -> TokenMask | None:
+        """For the sampling rows ``requests``: the allowed tokens of the rows that have a grammar,
+        copied to ``device`` without waiting (an event marks the copy: the host buffer is filled
+        again only once it has been read), or None when no row has one."""
         work = self._plan(requests)
-        return self._fill(*work) if work is not None else None
+        mask = self._fill(*work) if work is not None else None
+        if mask is None or device is None or device.type != "cuda":
+            return mask
+        bits = mask.bits.to(device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return mask._replace(bits=bits)
 
     def _plan(self, requests: list[Request]) -> tuple[torch.Tensor, list[int], list[Any]] | None:
         """On the loop's thread: the buffer, the rows to constrain and their matchers."""
         rows = [i for i, r in enumerate(requests) if r.request_id in self.matchers]
         if not rows:
             return None
+        if self._copied is not None:   # the buffer's last copy has been read (at once in steady state)
+            self._copied.synchronize()
+            self._copied = None
         if self._bitmask is None or self._bitmask.shape[0] < len(requests):
             import xgrammar as xgr
             mask = xgr.allocate_token_bitmask(max(self._max_rows, len(requests)), self.compiler.vocab_size)

@@ -381,7 +381,7 @@ class ModelRunner:
         plain = len(step.sample_rows)
         if step.sample_rows:
             requests = self._sampling(step)
-            bitmask = self.guided.bitmask(requests) if self.guided is not None else None
+            bitmask = self.guided.bitmask(requests, logits.device) if self.guided is not None else None
             sampled = self.sampler.sample(logits[:plain], requests, settings, bitmask)
             if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
                 torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)

@@ -34,6 +34,7 @@ from phalanx.executor.messages import (
     unpack,
 )
 from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
+from phalanx.pyexecutor.host_clock import HostClock
 from phalanx.pyexecutor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
 from phalanx.pyexecutor.request import Request, RequestStatus
 from phalanx.pyexecutor.rollout import Rollout
@@ -95,29 +96,6 @@ class BroadcastRequestQueue:
         return unpack(self.dist.bcast_bytes(data, idle))
 
 
-class HostClock:
-    """Host seconds per phase of the loop while timing is on (the "timing" control op): where a
-    step's host time goes, beside the GPU's idle share. ``mark(phase)`` gives the time since the
-    previous mark to ``phase``; off, it is one attribute test."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.seconds: dict[str, float] = {}
-        self._last = 0.0
-
-    def start(self) -> None:
-        self.on, self.seconds, self._last = True, {}, time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        if self.on:
-            now = time.perf_counter()
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
-            self._last = now
-
-    def per_step_ms(self, steps: int) -> dict[str, float]:
-        return {k: round(1e3 * v / max(1, steps), 4) for k, v in self.seconds.items()}
-
-
 class PyExecutor:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, queue: RequestQueue | BroadcastRequestQueue,
                  sender: Sender | None, vocab_size: int, max_seq_len: int, dist: Any = None,
@@ -136,7 +114,6 @@ class PyExecutor:
         self._profiler: Any = None
         self._profiled_from = 0
         self.clock = HostClock()
-        self._timed_from = 0
         self.rollout = Rollout(self)   # pause, sleep, weight updates and versions (RL trainers)
 
     # -- the loops: one switch, two short functions -----------------------------------------------------
@@ -334,13 +311,13 @@ class PyExecutor:
             self.runner.record_timing = op == "timing:on"
             if self.runner.record_timing:
                 self.runner.timings.clear()
-                self.clock.start()
-                self._timed_from = self.iteration
-            self.clock.on = self.runner.record_timing
+                self.clock.start(self.iteration)
+            else:
+                self.clock.stop(self.iteration)
             return "ok"
         if op == "timing":   # + the host's milliseconds per step in each phase of the loop
             out = self.runner.idle_fraction() if self.runner.timings else {}
-            return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration - self._timed_from)})
+            return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration)})
         if op == "profile:start":                # the torch profiler around the steps that follow
             from torch.profiler import ProfilerActivity, profile
             self._profiler = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])

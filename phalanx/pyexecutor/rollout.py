@@ -272,7 +272,7 @@ class Rollout:
         the same architecture and sizes, and (safetensors) every tensor's name and shape."""
         import dataclasses
 
-        from phalanx.models.loader import FP8_SCALE_SUFFIXES, checkpoint_weights, resolve_model
+        from phalanx.models.loader import FP8_SCALE_SUFFIXES, check_fp8_checkpoint, checkpoint_weights, resolve_model
         if not isinstance(path, str) or not path:
             raise ValueError("path: a checkpoint directory or .gguf file is needed")
         try:
@@ -285,11 +285,13 @@ class Rollout:
             raise ValueError(f"path {path!r}: not the same architecture as the served model "
                              f"(differs in {', '.join(differ[:6])})")
         if source.kind == "hf":
-            # names and shapes; an FP8 checkpoint's scales pair with its weights, and its e4m3
-            # weights load as full precision (checkpoint_weights)
-            specs = [{**s, "dtype": "float32"} if str(s["dtype"]).startswith("F8") else s
-                     for s in _safetensors_specs(source.path) if not s["name"].endswith(FP8_SCALE_SUFFIXES)]
-            self._check_specs(specs)
+            # names and shapes, all before any copy; an FP8 checkpoint's scales pair with its
+            # weights, and its e4m3 weights load as full precision (checkpoint_weights)
+            specs = _safetensors_specs(source.path)
+            if source.config.fp8_checkpoint:
+                check_fp8_checkpoint(specs, source.config.fp8_block)
+            self._check_specs([{**s, "dtype": "float32"} if str(s["dtype"]).startswith("F8") else s
+                               for s in specs if not s["name"].endswith(FP8_SCALE_SUFFIXES)])
         model = self.ex.runner.model
         dtype = next(p.dtype for p in model.parameters() if p.element_size() > 1)   # not an FP8 weight
         return checkpoint_weights(source, dtype)

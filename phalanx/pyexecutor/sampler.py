@@ -30,7 +30,7 @@ from phalanx.pyexecutor.request import Request
 class TokenMask(NamedTuple):
     """The grammar rows' allowed tokens for one sampling step (GuidedDecoder.bitmask)."""
 
-    bits: torch.Tensor        # [rows, ceil(vocab_size / 32)] int32, on the host
+    bits: torch.Tensor        # [rows, ceil(vocab_size / 32)] int32, on the host or already on the device
     rows: list[int]           # the sampling rows it constrains
     vocab_size: int           # ids it covers; the model's ids past it are never allowed
 

@@ -203,3 +203,23 @@ def test_an_fp8_kv_pool_holds_more_tokens_and_keeps_the_greedy_tokens_close(tiny
     first = sum(a[0] == b[0] for a, b in zip(out["auto"], out["fp8"], strict=True))
     same = sum(a == b for a, b in zip(out["auto"], out["fp8"], strict=True))
     assert first >= 7 and same >= 4, (first, same)
+
+
+def test_a_broken_fp8_checkpoint_is_refused_before_any_weight_changes(tiny_models, tmp_path):
+    """A weight update from an FP8 checkpoint whose scales do not pair up (or do not fit) is
+    refused by name before a single tensor is copied: the served tokens stay the same."""
+    from safetensors.torch import load_file, save_file
+    write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", (16, 32))
+    f = tmp_path / "ckpt" / "model.safetensors"
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, f)
+    ps = prompts(256, n=3, seed=8)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", quantization="fp8",
+             orchestrator_type="inprocess") as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        with pytest.raises(Exception, match="down_proj has a weight without its scale"):
+            llm.update_weights_from_disk(str(tmp_path / "ckpt"))
+        after = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    assert after == before
