@@ -1,8 +1,8 @@
-"""The FP8 variants of the kernels compile for a Hopper GPU (sm_90) on this machine, no GPU
-needed: the interpreter runs kernels as Python and so lets through what the compiler refuses
-(a name bound to pointers of two dtypes in two branches, say). Compiled with bf16 activations
-over FP8 (e4m3) pools and weights, as ``quantization: fp8`` and ``kv_cache_config.dtype: fp8``
-run them."""
+"""The kernels compile for a Hopper GPU (sm_90) on this machine, no GPU needed: the interpreter
+runs kernels as Python and so lets through what the compiler refuses (a name bound to pointers
+of two dtypes in two branches, say). The FP8 variants with bf16 activations over FP8 (e4m3)
+pools and weights, as ``quantization: fp8`` and ``kv_cache_config.dtype: fp8`` run them, and
+the bf16 variants of the kernels they share with every model (PDL on)."""
 
 import inspect
 import os
@@ -97,6 +97,22 @@ def compiled() -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+# the same kernels as every bf16 model runs them (the FP8 branches compiled out)
+BF16_POOL = {k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in FP8_POOL.items()}
+CASES |= {
+    "rope + K/V write into a bf16 pool": (triton_ops._rope_qkv_kernel, {
+        k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
+        {"HALF": 64, "BLOCK": 64, "PDL": True}),
+    "decode over a bf16 pool": (triton_attention._decode_split_kernel, BF16_POOL, {**ATTN, "SPLITS": 4, "PDL": True}),
+    "one row, bf16 weights": (gemv._gemv_kernel, {**FP8_WEIGHT, "w_ptr": "*bf16"}, {
+        "HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "SILU": False, "PRE": True,
+        "PDL": True}),
+    "bf16 experts, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
+        **CASES["FP8 experts, gate ‖ up"][1], "w_ptr": "*bf16"}, {**CASES["FP8 experts, gate ‖ up"][2],
+                                                                   "HAS_SCALE": False}),
+}
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_fp8_kernels_compile_for_sm90(case, compiled):
+def test_kernels_compile_for_sm90(case, compiled):
     assert compiled[case] is None, compiled[case]
