@@ -63,8 +63,9 @@ def time_graph(fn: Callable[[int], object], copies: int, reps: int = 24) -> floa
 def weight_copies(w: torch.Tensor, l2_bytes: int = L2_BYTES) -> list[torch.Tensor]:
     """w and random copies of it, together larger than L2: timing reads them from memory."""
     nbytes = w.numel() * w.element_size()
-    return [w] + [torch.randn(w.shape, device=w.device).to(w.dtype)
-                  for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
+    def copy() -> torch.Tensor:   # FP8 has no random generator of its own
+        return torch.randn_like(w) if w.element_size() > 1 else torch.randn_like(w, dtype=torch.bfloat16).to(w.dtype)
+    return [w] + [copy() for _ in range(min(31, -(-l2_bytes // nbytes) - 1))]
 
 
 def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor,

@@ -184,6 +184,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (the output layer's: never quantized)."""
+        return self.lm_head.weight.dtype
+
     @contextlib.contextmanager
     def padded_step(self, tokens: int) -> Iterator[None]:
         """Steps run inside: every rank brings ``tokens`` tokens (a CUDA graph of that batch

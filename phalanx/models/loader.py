@@ -184,9 +184,9 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".kv_scale",
-                      ".output_scale")
+_WEIGHT_SCALES = (".weight_scale_inv", ".weight_scale")
 _UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".output_scale")
+FP8_SCALE_SUFFIXES = _WEIGHT_SCALES + _UNUSED_SCALES
 
 
 def check_fp8_checkpoint(specs: list[dict], block: tuple[int, ...]) -> None:
@@ -196,7 +196,7 @@ def check_fp8_checkpoint(specs: list[dict], block: tuple[int, ...]) -> None:
     weights = {s["name"].removesuffix(".weight"): s["shape"] for s in specs if str(s["dtype"]).startswith("F8")}
     scales: dict[str, list] = {}
     for s in specs:
-        if s["name"].endswith((".weight_scale_inv", ".weight_scale")):
+        if s["name"].endswith(_WEIGHT_SCALES):
             base = s["name"].rsplit(".", 1)[0]
             if base in scales:
                 raise ValueError(f"FP8 checkpoint: {base} has two scale tensors")
@@ -247,7 +247,7 @@ def dequantize_fp8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], block
     for name, t in weights:
         if name.endswith(_UNUSED_SCALES):
             continue
-        if name.endswith((".weight_scale_inv", ".weight_scale")):
+        if name.endswith(_WEIGHT_SCALES):
             base = name.rsplit(".", 1)[0]
             if base in waiting_w:
                 yield base + ".weight", _dequantize_fp8(waiting_w.pop(base), t, block, dtype, base)

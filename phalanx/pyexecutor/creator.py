@@ -213,10 +213,9 @@ def _grammar_compiler(args: LlmArgs, source: ModelSource) -> GrammarCompiler:
     return GrammarCompiler(tokenizer.hf, source.config.vocab_size, tokenizer.eos_token_ids)
 
 
-def quantize_fp8(model: torch.nn.Module) -> int:
+def quantize_fp8(model: CausalLM) -> None:
     """``quantization: fp8``: every projection of the decoder layers and every MoE layer's experts
-    to FP8 (Projection.quantize_fp8, SparseMoE.quantize_fp8), the output layer excepted; returns
-    how many layers."""
+    to FP8 (Projection.quantize_fp8, SparseMoE.quantize_fp8), the output layer excepted."""
     from phalanx.models.layers import ParallelLMHead, Projection
     from phalanx.models.moe import SparseMoE
     todo = [m for m in model.modules()
@@ -225,10 +224,9 @@ def quantize_fp8(model: torch.nn.Module) -> int:
         m.quantize_fp8()
     if todo and next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()     # the bf16 weights' memory goes back before the KV pool is sized
-    return len(todo)
 
 
-def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
+def _tune_kernels(model: CausalLM) -> dict[str, float]:
     """Hand every projection its plan, and attention and MLP layers their one-token paths, by
     timing on this GPU (kernels/gemv_tuner.py). Returns GB/s per tuned shape, for the log."""
     if not ops.triton_available():
@@ -237,9 +235,7 @@ def _tune_kernels(model: torch.nn.Module) -> dict[str, float]:
     from phalanx.kernels.linear_plan import Neighbour
     from phalanx.models.layers import Projection
     from phalanx.models.llama import MLP, Attention
-    lm_head = model.get_submodule("lm_head")
-    assert isinstance(lm_head.weight, torch.Tensor)
-    act_dtype = lm_head.weight.dtype   # the activations' (the output layer is never quantized)
+    act_dtype = model.activation_dtype
     report: dict[str, float] = {}
     for m in model.modules():
         if isinstance(m, Projection) and m.weight.is_cuda:

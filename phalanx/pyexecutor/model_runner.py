@@ -67,7 +67,7 @@ class StepInputs:
     logits_indices: torch.Tensor   # [S_sample] packed row of each sampling row's last token
     sample_rows: list[int]         # batch rows that sample
     sampling: list[RowSettings]    # one per sampling row
-    sample_slots: torch.Tensor | None = None  # [S_sample] each sampling row's request slot
+    sample_slots: torch.Tensor     # [S_sample] each sampling row's request slot
     gather_dst: torch.Tensor | None = None    # [G] packed rows whose token is in flight
     gather_slot: torch.Tensor | None = None   # [G] their request slots
     prompt_logprobs: PromptLogprobRows | None = None
@@ -117,7 +117,7 @@ class InFlightStep:
     host_tokens: torch.Tensor | None
     ready: torch.cuda.Event | None = None
     prompt_logprobs: PromptLogprobs | None = None
-    pending: tuple[torch.Tensor, list[RowSettings], torch.Tensor | None] | None = None   # + sample_slots
+    pending: tuple[torch.Tensor, list[RowSettings], torch.Tensor] | None = None   # + the rows' slots
     start: torch.cuda.Event | None = None
     weight_version: str = ""            # the weights the step's forward read (set by the loop)
     spec: SpecStep | None = None
@@ -385,7 +385,6 @@ class ModelRunner:
             sampled = self.sampler.sample(logits[:plain], requests, settings, bitmask)
             if self.tp.size > 1:  # every rank must append the same tokens: rank 0's win
                 torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)
-            assert slots is not None
             self.token_buffer[slots] = sampled.token_ids
             step.sampled, step.host_tokens = sampled, _to_host(sampled.token_ids)
         if step.spec is not None:
@@ -514,8 +513,7 @@ class _SpecRows:
             cols += [np.concatenate([np.asarray(t, np.int64) for t, _, _ in self.cached]),
                      np.concatenate([np.full(len(t), s, np.int64) for t, _, s in self.cached]),
                      np.concatenate([np.arange(p, p + len(t)) for t, p, _ in self.cached])]
-        flat = _tensor(np.concatenate(cols).astype(np.int64), dev)
-        parts = list(torch.split(flat, [len(c) for c in cols]))
+        parts = _stage([c.astype(np.int64) for c in cols], dev)
         step = SpecStep(
             verify_rows=verify_rows, table_rows=parts[0], verify_q0=parts[1], verify_slots=parts[2],
             first_rows=first_rows, first_sample_idx=parts[3], first_slots=parts[4], first_length=parts[5],

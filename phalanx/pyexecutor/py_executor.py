@@ -130,7 +130,9 @@ class PyExecutor:
             batch = self._schedule()
             self.clock.mark("schedule")
             if batch is not None:
-                self._process(self._launch(batch))
+                step = self._launch(batch)
+                self.clock.mark("launch")
+                self._process(step)
 
     def _loop_overlap(self) -> None:
         """Launch step n+1 before reading step n: the host's work for step n (tokens, stop
@@ -198,7 +200,6 @@ class PyExecutor:
         if step is None:
             return
         clock = self.clock
-        clock.mark("launch")
         try:
             result = self.runner.collect(step)
         except Exception:

@@ -292,9 +292,7 @@ class Rollout:
                 check_fp8_checkpoint(specs, source.config.fp8_block)
             self._check_specs([{**s, "dtype": "float32"} if str(s["dtype"]).startswith("F8") else s
                                for s in specs if not s["name"].endswith(FP8_SCALE_SUFFIXES)])
-        model = self.ex.runner.model
-        dtype = next(p.dtype for p in model.parameters() if p.element_size() > 1)   # not an FP8 weight
-        return checkpoint_weights(source, dtype)
+        return checkpoint_weights(source, self.ex.runner.model.activation_dtype)
 
     def _init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                    backend: str | None = None, timeout: float = 600.0) -> str:
