@@ -49,8 +49,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default=())
-    # an FP8 checkpoint (quantization_config quant_method fp8): weights e4m3 with scales,
-    # dequantized at load and served with quantization fp8; fp8_block = (rows, cols) when block-scaled
+    # an FP8 checkpoint (quantization_config quant_method fp8, or compressed-tensors with FP8
+    # weights): weights e4m3 with scales, dequantized at load and served with quantization fp8;
+    # fp8_block = (rows, cols) when block-scaled
     fp8_checkpoint: bool = False
     fp8_block: tuple[int, ...] = ()
 
@@ -124,15 +125,54 @@ def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:
         return None
     get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
     method = get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_fp8(get)
     if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8' "
-                         "(or a bf16/fp16 checkpoint with quantization='fp8')")
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8', "
+                         "'compressed-tensors' with FP8 weights (or a bf16/fp16 checkpoint with quantization='fp8')")
     block = get("weight_block_size")
-    if block is None:
-        return ()
+    return () if block is None else _block_shape(block, "quantization_config.weight_block_size")
+
+
+def _block_shape(block: Any, field_name: str) -> tuple[int, ...]:
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+        raise ValueError(f"{field_name} must be two positive integers, got {block!r}")
     return tuple(block)
+
+
+def _compressed_tensors_fp8(get: Any) -> tuple[int, ...]:
+    """A compressed-tensors checkpoint (llm-compressor's format) whose every config group holds
+    8-bit float weights (``format: float-quantized``), scaled per tensor, per channel or per
+    block (``weight_scale``, one block shape for all): the same tensors as an ``fp8`` checkpoint.
+    Activation schemes are taken as dynamic per token (static ``input_scale`` tensors are
+    logged as not used); anything else (integer or 4-bit weights, sparsity) is refused by name."""
+    fmt = get("format")
+    if fmt != "float-quantized":
+        raise ValueError(f"quantization_config.format {fmt!r} of a compressed-tensors checkpoint is not supported; "
+                         "supported: 'float-quantized' (FP8 weights)")
+    if get("sparsity_config"):
+        raise ValueError("quantization_config.sparsity_config is not supported (compressed-tensors sparsity)")
+    groups = get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("quantization_config.config_groups must name at least one group of FP8 weights")
+    blocks = set()
+    for name, group in groups.items():
+        where = f"quantization_config.config_groups.{name}"
+        for part in ("weights", "input_activations"):
+            scheme = (group or {}).get(part)
+            if scheme is None and part == "input_activations":
+                continue
+            if not isinstance(scheme, dict) or scheme.get("num_bits") != 8 or scheme.get("type") != "float":
+                raise ValueError(f"{where}.{part} must be 8-bit floats (num_bits 8, type float), got {scheme!r}")
+        strategy = group["weights"].get("strategy")
+        if strategy == "block":
+            blocks.add(_block_shape(group["weights"].get("block_structure"), f"{where}.weights.block_structure"))
+        elif strategy not in ("tensor", "channel"):
+            raise ValueError(f"{where}.weights.strategy {strategy!r} is not supported; supported: 'tensor', "
+                             "'channel', 'block'")
+    if len(blocks) > 1:
+        raise ValueError(f"quantization_config.config_groups: one block shape for all groups, got {sorted(blocks)}")
+    return blocks.pop() if blocks else ()
 
 
 def _rope_params(hf: Any) -> dict[str, Any]:

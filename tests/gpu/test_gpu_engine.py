@@ -142,3 +142,49 @@ def test_fp8_greedy_equals_transformers_with_the_round_tripped_weights_on_the_gp
         want, gaps = hf_greedy(ref, p, 10)
         assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
     assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_fp8_kv_pool_on_the_gpu_holds_more_blocks_and_keeps_the_greedy_tokens_close(tiny_models):
+    """kv_cache_config dtype fp8 with bf16 activations and CUDA graphs (the rope + K/V write, decode,
+    extend kernels over an e4m3 pool): twice the blocks of a bf16 pool in the same bytes, and
+    greedy tokens mostly those of the bf16 pool (K and V rounded to 3 mantissa bits)."""
+    ps = prompts(256, n=8, seed=6)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    out, blocks = {}, {}
+    for kv in ("auto", "fp8"):
+        with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", orchestrator_type="inprocess",
+                 kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 8 << 20},
+                 cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}) as llm:
+            out[kv] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            blocks[kv] = llm.engine_info.num_kv_blocks
+    assert blocks["fp8"] == 2 * blocks["auto"]
+    first = sum(a[0] == b[0] for a, b in zip(out["auto"], out["fp8"], strict=True))
+    same = sum(a == b for a, b in zip(out["auto"], out["fp8"], strict=True))
+    assert first >= 7 and same >= 4, (first, same)
+
+
+def test_fp8_experts_greedy_equals_transformers_on_the_gpu(tiny_moe_models, hf_moe_models):
+    """quantization: fp8 on an MoE model on the GPU: the fused MoE kernels read e4m3 experts with a
+    scale per (expert, output row); transformers holding the round-tripped experts agrees."""
+    import copy
+
+    from phalanx.kernels import fp8
+    ref = copy.deepcopy(hf_moe_models["qwen3_moe"])
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                if hasattr(mod, "weight") and mod.weight.dim() == 2:
+                    mod.weight.copy_(fp8.dequantize(*fp8.quantize_weight(mod.weight), mod.weight.dtype))
+        for name, p in ref.named_parameters():
+            if ".experts." in name and p.dim() == 3:     # [E, out, in]
+                E, N, K = p.shape
+                q, scale = fp8.quantize_weight(p.reshape(E * N, K))
+                p.copy_(fp8.dequantize(q, scale, p.dtype).view(E, N, K))
+    ref = ref.to("cuda")
+    ps = prompts(ref.config.vocab_size, n=4, seed=2)
+    with LLM(tiny_moe_models["qwen3_moe"], skip_tokenizer_init=True, dtype="float32", quantization="fp8",
+             orchestrator_type="inprocess", cuda_graph_config={"batch_sizes": [1, 2, 4]}) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
+        want, gaps = hf_greedy(ref, p, 8)
+        assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"qwen3_moe prompt {i}")

@@ -113,10 +113,12 @@ def test_fp8_helpers_round_trip_within_e4m3_precision():
     assert torch.isfinite(fp8.dequantize(zero_q, zero_scale, torch.float32)).all()
 
 
-def write_fp8_checkpoint(src: str, dst, block):
+def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None):
     """``src`` as an FP8 checkpoint: every decoder projection e4m3 with a scale per ``block`` tile
     (``weight_scale_inv``, as DeepSeek and Qwen3 ship), or one per tensor (``weight_scale`` and an
-    ``input_scale``) when block is None. Returns {name: the full-precision weight it stands for}."""
+    ``input_scale``) when block is None. ``compressed``: as llm-compressor writes it instead
+    (quant_method compressed-tensors), with a ``weight_scale`` per "tensor", "channel" ([N, 1]) or
+    "block". Returns {name: the full-precision weight it stands for}."""
     import json
     import shutil
 
@@ -129,7 +131,12 @@ def write_fp8_checkpoint(src: str, dst, block):
             continue
         w = tensors[name].float()
         base = name.removesuffix(".weight")
-        if block is None:
+        if compressed == "channel":
+            s = w.abs().amax(dim=1, keepdim=True) / fp8.FP8_MAX
+            q = (w / s).to(fp8.FP8)
+            tensors[base + ".weight_scale"] = s
+            meant[name] = q.float() * s
+        elif block is None:
             s = w.abs().max() / fp8.FP8_MAX
             q = (w / s).to(fp8.FP8)
             tensors[base + ".weight_scale"], tensors[base + ".input_scale"] = s.reshape(()), torch.tensor(0.5)
@@ -140,7 +147,7 @@ def write_fp8_checkpoint(src: str, dst, block):
             tiles = w.reshape(N // r, r, K // c, c)
             s = tiles.abs().amax(dim=(1, 3)) / fp8.FP8_MAX
             q = (tiles / s[:, None, :, None]).to(fp8.FP8)
-            tensors[base + ".weight_scale_inv"] = s
+            tensors[base + (".weight_scale" if compressed else ".weight_scale_inv")] = s
             meant[name] = (q.float() * s[:, None, :, None]).reshape(N, K)
             q = q.reshape(N, K)
         tensors[name] = q
@@ -148,16 +155,27 @@ def write_fp8_checkpoint(src: str, dst, block):
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                   **({"weight_block_size": list(block)} if block else {})}
+    if compressed:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": compressed,
+                   **({"block_structure": list(block)} if compressed == "block" else {})}
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": compressed != "tensor",
+                "strategy": "tensor" if compressed == "tensor" else "token"}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                      "quantization_status": "compressed", "ignore": ["lm_head"],
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                    "input_activations": acts}}}
     (dst / "config.json").write_text(json.dumps(cfg))
     return meant
 
 
-@pytest.mark.parametrize("block", [(16, 32), None])
-def test_an_fp8_checkpoint_serves_what_it_stores(block, tiny_models, hf_models, tmp_path, caplog):
-    """Block-scaled (and per-tensor) FP8 checkpoints load dequantized and are served in FP8 (a
-    scale per output channel): the tokens of transformers holding those weights; a weight update
-    from the same checkpoint changes nothing."""
-    meant = write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", block)
+@pytest.mark.parametrize("block,compressed", [((16, 32), None), (None, None), (None, "tensor"),
+                                              (None, "channel"), ((16, 32), "block")])
+def test_an_fp8_checkpoint_serves_what_it_stores(block, compressed, tiny_models, hf_models, tmp_path, caplog):
+    """Block-scaled (and per-tensor) FP8 checkpoints, and compressed-tensors FP8 checkpoints (per
+    tensor, channel or block), load dequantized and are served in FP8 (a scale per output
+    channel): the tokens of transformers holding those weights; a weight update from the same
+    checkpoint changes nothing."""
+    meant = write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", block, compressed)
     ref = copy.deepcopy(hf_models["llama"])
     with torch.no_grad():
         params = dict(ref.named_parameters())
@@ -170,7 +188,7 @@ def test_an_fp8_checkpoint_serves_what_it_stores(block, tiny_models, hf_models, 
         outs = llm.generate(ps, sp, use_tqdm=False)
         llm.update_weights_from_disk(str(tmp_path / "ckpt"))
         again = llm.generate(ps, sp, use_tqdm=False)
-    if block is None:   # the per-tensor checkpoint carries input_scale tensors: said, not silently dropped
+    if block is None and compressed != "channel":   # input_scale tensors: said, not silently dropped
         assert any("scales not used" in r.getMessage() for r in caplog.records)
     for i, (p, o, o2) in enumerate(zip(ps, outs, again, strict=True)):
         want, gaps = hf_greedy(ref, p, 8)
@@ -178,15 +196,28 @@ def test_an_fp8_checkpoint_serves_what_it_stores(block, tiny_models, hf_models, 
         assert o2.outputs[0].token_ids == o.outputs[0].token_ids
 
 
-def test_other_quantized_checkpoints_are_refused_by_name(tiny_models, tmp_path):
+INT4_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": INT4_GROUP}},
+     "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": INT4_GROUP}},
+     r"config_groups.g.weights must be 8-bit floats"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}},
+     "strategy 'group'"),
+])
+def test_other_quantized_checkpoints_are_refused_by_name(qc, match, tiny_models, tmp_path):
     import json
     import shutil
-    d = tmp_path / "awq"
+    d = tmp_path / "other"
     shutil.copytree(tiny_models["llama"], d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = qc
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quant_method 'awq'"):
+    with pytest.raises(ValueError, match=match):
         LLM(str(d), skip_tokenizer_init=True, orchestrator_type="inprocess")
 
 
