@@ -59,3 +59,34 @@ def test_a_taken_port_is_named_and_no_engine_starts():
     assert res.returncode == 1, res.stdout + res.stderr
     assert f"cannot listen on 127.0.0.1:{port} (--host/--port)" in res.stderr, res.stderr
     assert "engine ready" not in res.stdout + res.stderr
+
+
+def test_connections_to_the_listening_socket_send_without_nagle_delay():
+    """The socket `phalanx serve` hands uvicorn: every connection accepted on it through asyncio
+    (as uvicorn accepts) has TCP_NODELAY, so a stream's first event is not held back until the
+    client acknowledges the response headers (a 40 ms delayed ACK on Linux clients)."""
+    import asyncio
+    import socket
+
+    from phalanx.serve.cli import listen_socket
+
+    async def accept_one() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        sock = listen_socket("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        port = sock.getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accept_one()) != 0
