@@ -1,9 +1,11 @@
 """Paged attention kernels alone on a GPU: decode (split-KV) at a batch of sequences of one
 context length, and extend (prefill of new tokens over an empty prefix), for each key-tile
 config, replayed from a CUDA graph over a pool whose blocks are scattered as in a long-running
-server. Decode reports the KV bytes read per second; extend, the attention FLOP/s.
+server. Decode reports the KV bytes read per second beside the GPU's read bandwidth measured in
+the same run (one kernel streaming 4 GiB, summing it); extend, the attention FLOP/s.
 
     python tools/bench_attention.py --batch 1 64 256 --context 256 1500 --output attention.json
+    python tools/bench_attention.py --kv-dtype fp8 ...      # over an FP8 (e4m3) pool
 """
 
 from __future__ import annotations
@@ -13,8 +15,34 @@ import functools
 import json
 
 import torch
+import triton
+import triton.language as tl
 
 from phalanx.kernels import gemv_tuner, triton_attention
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Each program sums STEPS consecutive blocks of x: a read of every byte, nothing written
+    but one float per program."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(STEPS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def read_bandwidth(nbytes: int = 4 << 30) -> float:
+    """TB/s of one kernel reading ``nbytes`` of bf16 from memory (the ceiling decode attention
+    is held to)."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    block, steps = 4096, 16
+    grid = triton.cdiv(x.numel(), block * steps)
+    out = torch.empty(grid, dtype=torch.float32, device="cuda")
+    us = _time(lambda: _read_kernel[(grid,)](x, out, x.numel(), BLOCK=block, STEPS=steps, num_warps=8))
+    assert out.sum().item() == x.numel()
+    return nbytes / us / 1e6
 
 
 def _time(fn) -> float:
@@ -46,16 +74,21 @@ def main() -> None:
                     help="keys per step, warps, stages")
     ap.add_argument("--extend", type=int, nargs="*", default=[1000], help="prefill lengths (one sequence each)")
     ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="H Hkv D")
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="the pool's dtype (q is bf16)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     H, Hkv, D = a.heads
     B, dtype = 32, torch.bfloat16
+    read_tb_s = read_bandwidth()
+    print(f"read bandwidth: {read_tb_s:.2f} TB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for S in a.batch:
         for ctx in a.context:
             kc, vc, bt, lens = _pool(S, ctx, Hkv, D, B, dtype, gen)
+            if a.kv_dtype == "fp8":
+                kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
             q = torch.randn(S, H, D, dtype=dtype, device="cuda")
             auto = triton_attention.num_splits(S, Hkv, 131072, B, sms)
             nbytes = 2 * S * ctx * Hkv * D * kc.element_size()
@@ -65,9 +98,10 @@ def main() -> None:
                                                  None, splits, cfg))
                     rows.append({"kernel": "decode", "batch": S, "context": ctx, "splits": splits,
                                  "auto_splits": splits == auto, "config": cfg, "us": us,
-                                 "tb_s": nbytes / us / 1e6})
+                                 "tb_s": nbytes / us / 1e6, "of_read": nbytes / us / 1e6 / read_tb_s})
                     print(f"decode  S={S:4d} ctx={ctx:6d} splits={splits:3d}{'*' if splits == auto else ' '} "
-                          f"cfg={cfg}: {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s", flush=True)
+                          f"cfg={cfg}: {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s "
+                          f"({nbytes / us / 1e6 / read_tb_s:.0%} of read)", flush=True)
             del kc, vc
     for T in a.extend:
         kc, vc, bt, lens = _pool(1, T, Hkv, D, B, dtype, gen)
@@ -81,7 +115,8 @@ def main() -> None:
             print(f"extend  T={T:6d} cfg={cfg}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
     if a.output:
         with open(a.output, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "heads": a.heads, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(0), "heads": a.heads, "kv_dtype": a.kv_dtype,
+                       "read_tb_s": read_tb_s, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # $OUT/suite.tgz).
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
-#                              throughput_tp2|moe|grammar|rollout|ttft|spec|all]...
+#                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
+#                              throughput_fp8|moe_fp8|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -40,6 +41,28 @@ for what in "${@:-all}"; do
         --prompt-len 128 --steps 64 --overlap on --output "$OUT/decode_rows.json" > "$OUT/decode_rows.txt" 2>&1 ;;
     attention)
       timeout 150 python3 tools/bench_attention.py --output "$OUT/attention.json" > "$OUT/attention.txt" 2>&1 ;;
+    attention_fp8)   # decode over an FP8 pool, 256 sequences of 1.5k tokens, beside the bf16 pool
+      timeout 60 python3 tools/bench_attention.py --batch 256 --context 1500 --extend \
+        --output "$OUT/attention_b256.json" > "$OUT/attention_b256.txt" 2>&1
+      timeout 60 python3 tools/bench_attention.py --batch 256 --context 1500 --extend --kv-dtype fp8 \
+        --output "$OUT/attention_b256_fp8.json" > "$OUT/attention_b256_fp8.txt" 2>&1 ;;
+    fp8_gemv)   # one-row products with FP8 weights: the shipped tiles against widening and tensor-core variants
+      timeout 150 python3 tools/bench_fp8_gemv.py --output "$OUT/fp8_gemv.json" > "$OUT/fp8_gemv.txt" 2>&1 ;;
+    decode_fp8)   # batch 1 and 64: bf16, FP8 weights, FP8 weights + FP8 KV
+      for c in bf16 fp8 fp8_kv; do cfg=""; [ $c != bf16 ] && cfg="--config tools/gpu_$c.yaml"
+        timeout 110 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \
+          --steps 64 --overlap on $cfg --output "$OUT/decode_$c.json" > "$OUT/decode_$c.txt" 2>&1; done ;;
+    throughput_fp8)   # offline 128/128, 1000/1000, 2048/128 at 512 in flight, bf16 beside FP8 weights + FP8 KV
+      for d in bf16 fp8; do c=tools/gpu_engine_512.yaml; [ $d = fp8 ] && c=tools/gpu_engine_512_fp8.yaml
+        for w in "128 128 2048" "1000 1000 512" "2048 128 512"; do set -- $w
+          timeout 200 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
+            --isl $1 --osl $2 --concurrency 512 --num-requests $3 --config $c \
+            --output "$OUT/throughput_$1_$2_$d.json" > "$OUT/throughput_$1_$2_$d.txt" 2>&1; done; done ;;
+    moe_fp8)   # Qwen3-30B-A3B shape on one GPU, 1000/1000 at 256 in flight: bf16, then FP8 (experts too) + FP8 KV
+      for d in bf16 fp8; do c=tools/gpu_engine.yaml; [ $d = fp8 ] && c=tools/gpu_fp8_moe.yaml
+        timeout 150 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --max-batch-size 256 --isl 1000 \
+          --osl 1000 --concurrency 256 --num-requests 256 --config $c \
+          --output "$OUT/moe_1000_$d.json" > "$OUT/moe_1000_$d.txt" 2>&1; done ;;
     profile64)
       timeout 200 python3 tools/profile_decode.py --batch 64 --output "$OUT/profile64.json" > "$OUT/profile64.txt" 2>&1 ;;
     multi)

@@ -36,7 +36,7 @@ CASES = {
         "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "a_ptr": "*bf16"},
         {"HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_N": 16, "BLOCK_K": 1024, "PRE": True, "PDL": False}),
     "decode over an FP8 pool": (triton_attention._decode_split_kernel, FP8_POOL,
-                                {**ATTN, "SPLITS": 4, "PDL": False}),
+                                {**ATTN, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8[0], "SPLITS": 4, "PDL": False}),
     "extend over an FP8 pool": (triton_attention._extend_kernel, FP8_POOL,
                                 {k: v for k, v in ATTN.items() if k != "BLOCK_G"} | {"BLOCK_M": 64}),
     "split extend over an FP8 pool": (triton_attention._extend_split_kernel, FP8_POOL,
