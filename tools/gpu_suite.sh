@@ -4,7 +4,7 @@
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
-#                              throughput_fp8|moe_fp8|all]...
+#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|moe_fp8|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -52,12 +52,14 @@ for what in "${@:-all}"; do
       for c in bf16 fp8 fp8_kv; do cfg=""; [ $c != bf16 ] && cfg="--config tools/gpu_$c.yaml"
         timeout 110 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \
           --steps 64 --overlap on $cfg --output "$OUT/decode_$c.json" > "$OUT/decode_$c.txt" 2>&1; done ;;
-    throughput_fp8)   # offline 128/128, 1000/1000, 2048/128 at 512 in flight, bf16 beside FP8 weights + FP8 KV
+    throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048)   # offline at 512 in flight: bf16, then FP8
+      # weights + FP8 KV (one workload a section: a device call has 600 s)
+      case $what in *_128) w="128 128 2048" ;; *_1000) w="1000 1000 512" ;; *) w="2048 128 512" ;; esac
+      set -- $w
       for d in bf16 fp8; do c=tools/gpu_engine_512.yaml; [ $d = fp8 ] && c=tools/gpu_engine_512_fp8.yaml
-        for w in "128 128 2048" "1000 1000 512" "2048 128 512"; do set -- $w
-          timeout 200 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
-            --isl $1 --osl $2 --concurrency 512 --num-requests $3 --config $c \
-            --output "$OUT/throughput_$1_$2_$d.json" > "$OUT/throughput_$1_$2_$d.txt" 2>&1; done; done ;;
+        timeout 250 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
+          --isl $1 --osl $2 --concurrency 512 --num-requests $3 --config $c \
+          --output "$OUT/throughput_$1_$2_$d.json" > "$OUT/throughput_$1_$2_$d.txt" 2>&1; done ;;
     moe_fp8)   # Qwen3-30B-A3B shape on one GPU, 1000/1000 at 256 in flight: bf16, then FP8 (experts too) + FP8 KV
       for d in bf16 fp8; do c=tools/gpu_engine.yaml; [ $d = fp8 ] && c=tools/gpu_fp8_moe.yaml
         timeout 150 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --max-batch-size 256 --isl 1000 \

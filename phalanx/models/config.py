@@ -73,7 +73,8 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} is not supported; supported: "
                              f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
-        fp8_block = _fp8_checkpoint(getattr(hf, "quantization_config", None))
+        fp8_block = _fp8_checkpoint(getattr(hf, "quantization_config", None)   # older compressed-tensors
+                                    or getattr(hf, "compression_config", None))   # checkpoints: compression_config
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = getattr(hf, "eos_token_id", None)
@@ -135,43 +136,67 @@ def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:
 
 
 def _block_shape(block: Any, field_name: str) -> tuple[int, ...]:
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    """(rows, cols) of a block scale: two positive integers (or "RxC", an older spelling)."""
+    if isinstance(block, str) and "x" in block:
+        parts = block.split("x")
+        block = [int(b) for b in parts] if all(b.strip().isdigit() for b in parts) else block
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ValueError(f"{field_name} must be two positive integers, got {block!r}")
     return tuple(block)
 
 
+# compressed-tensors formats whose FP8 weights are stored as e4m3 tensors beside their scales
+# ("naive-quantized" is what llm-compressor wrote for FP8 before "float-quantized")
+_CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
+
+
 def _compressed_tensors_fp8(get: Any) -> tuple[int, ...]:
     """A compressed-tensors checkpoint (llm-compressor's format) whose every config group holds
-    8-bit float weights (``format: float-quantized``), scaled per tensor, per channel or per
-    block (``weight_scale``, one block shape for all): the same tensors as an ``fp8`` checkpoint.
-    Activation schemes are taken as dynamic per token (static ``input_scale`` tensors are
-    logged as not used); anything else (integer or 4-bit weights, sparsity) is refused by name."""
-    fmt = get("format")
-    if fmt != "float-quantized":
-        raise ValueError(f"quantization_config.format {fmt!r} of a compressed-tensors checkpoint is not supported; "
-                         "supported: 'float-quantized' (FP8 weights)")
+    8-bit float weights, symmetric and static, stored compressed (``format`` float-quantized
+    or naive-quantized, at the top or per group under ``mixed-precision``), scaled per tensor,
+    per channel or per block (``weight_scale``, one block shape for all): the same tensors as
+    an ``fp8`` checkpoint. Activation schemes are taken as dynamic per token (static
+    ``input_scale`` tensors are logged as not used); anything else (integer or 4-bit weights,
+    zero points, dynamic weights, sparsity, an uncompressed status) is refused by name."""
+    top = "quantization_config"
+    status = get("quantization_status")
+    if status not in (None, "compressed"):
+        raise ValueError(f"{top}.quantization_status {status!r} is not supported; supported: 'compressed'")
     if get("sparsity_config"):
-        raise ValueError("quantization_config.sparsity_config is not supported (compressed-tensors sparsity)")
+        raise ValueError(f"{top}.sparsity_config is not supported (compressed-tensors sparsity)")
     groups = get("config_groups")
     if not isinstance(groups, dict) or not groups:
-        raise ValueError("quantization_config.config_groups must name at least one group of FP8 weights")
+        raise ValueError(f"{top}.config_groups must name at least one group of FP8 weights")
     blocks = set()
     for name, group in groups.items():
-        where = f"quantization_config.config_groups.{name}"
+        where = f"{top}.config_groups.{name}"
+        if not isinstance(group, dict):
+            raise ValueError(f"{where} must be a mapping, got {group!r}")
+        fmt = group.get("format") or get("format")
+        if fmt not in _CT_FP8_FORMATS:
+            raise ValueError(f"{where}: format {fmt!r} is not supported; supported: "
+                             f"{', '.join(map(repr, _CT_FP8_FORMATS))} (FP8 weights)")
         for part in ("weights", "input_activations"):
-            scheme = (group or {}).get(part)
+            scheme = group.get(part)
             if scheme is None and part == "input_activations":
                 continue
-            if not isinstance(scheme, dict) or scheme.get("num_bits") != 8 or scheme.get("type") != "float":
+            if not (isinstance(scheme, dict) and scheme.get("num_bits") == 8
+                    and str(scheme.get("type", "")).lower() == "float"):
                 raise ValueError(f"{where}.{part} must be 8-bit floats (num_bits 8, type float), got {scheme!r}")
-        strategy = group["weights"].get("strategy")
+        weights = group["weights"]
+        if weights.get("dynamic") is True:
+            raise ValueError(f"{where}.weights.dynamic must be false (weights stored with their scales)")
+        if weights.get("symmetric") is False:
+            raise ValueError(f"{where}.weights.symmetric must be true (zero points are not supported)")
+        strategy = weights.get("strategy")
         if strategy == "block":
-            blocks.add(_block_shape(group["weights"].get("block_structure"), f"{where}.weights.block_structure"))
-        elif strategy not in ("tensor", "channel"):
+            blocks.add(_block_shape(weights.get("block_structure"), f"{where}.weights.block_structure"))
+        elif strategy not in (None, "tensor", "channel"):   # None: the scales' shapes say which
             raise ValueError(f"{where}.weights.strategy {strategy!r} is not supported; supported: 'tensor', "
                              "'channel', 'block'")
     if len(blocks) > 1:
-        raise ValueError(f"quantization_config.config_groups: one block shape for all groups, got {sorted(blocks)}")
+        raise ValueError(f"{top}.config_groups: one block shape for all groups, got {sorted(blocks)}")
     return blocks.pop() if blocks else ()
 
 

@@ -157,7 +157,7 @@ def test_fp8_kv_pool_on_the_gpu_holds_more_blocks_and_keeps_the_greedy_tokens_cl
                  cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}) as llm:
             out[kv] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
             blocks[kv] = llm.engine_info.num_kv_blocks
-    assert blocks["fp8"] == 2 * blocks["auto"]
+    assert blocks["fp8"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)   # the budget's floor division
     first = sum(a[0] == b[0] for a, b in zip(out["auto"], out["fp8"], strict=True))
     same = sum(a == b for a, b in zip(out["auto"], out["fp8"], strict=True))
     assert first >= 7 and same >= 4, (first, same)

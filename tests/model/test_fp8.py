@@ -199,6 +199,45 @@ def test_an_fp8_checkpoint_serves_what_it_stores(block, compressed, tiny_models,
 INT4_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
 
 
+FP8_W = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
+
+
+def ct(groups, **top):
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": groups, **top}
+
+
+@pytest.mark.parametrize("qc,block", [
+    (ct({"g": {"weights": FP8_W}}), ()),
+    (ct({"g": {"weights": {**FP8_W, "type": "FLOAT", "strategy": None}}}, format="naive-quantized"), ()),
+    (ct({"a": {"weights": FP8_W, "format": "float-quantized"},
+         "b": {"weights": {**FP8_W, "strategy": "block", "block_structure": "128x128"}, "format": "naive-quantized"}},
+        format="mixed-precision"), (128, 128)),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, (128, 128)),
+])
+def test_fp8_checkpoint_configs_that_are_read(qc, block):
+    """The quantization_config forms an FP8 checkpoint comes in: -> the block shape of its scales."""
+    from phalanx.models.config import _fp8_checkpoint
+    assert _fp8_checkpoint(qc) == block
+
+
+@pytest.mark.parametrize("qc,match", [
+    (ct({"g": {"weights": FP8_W}}, sparsity_config={"format": "sparse-24"}), "sparsity_config"),
+    (ct({"g": {"weights": FP8_W}}, quantization_status="frozen"), "quantization_status 'frozen'"),
+    (ct({"g": {"weights": {**FP8_W, "dynamic": True}}}), "weights.dynamic"),
+    (ct({"g": {"weights": {**FP8_W, "symmetric": False}}}), "weights.symmetric"),
+    (ct({"g": {"weights": FP8_W, "input_activations": {"num_bits": 8, "type": "int"}}}), "input_activations"),
+    (ct({"a": {"weights": {**FP8_W, "strategy": "block", "block_structure": [128, 128]}},
+         "b": {"weights": {**FP8_W, "strategy": "block", "block_structure": [64, 64]}}}), "one block shape"),
+    (ct({"g": {"weights": FP8_W}}, format="mixed-precision"), "format 'mixed-precision'"),
+    (ct({"g": {"weights": {**FP8_W, "strategy": "block", "block_structure": [True, 128]}}}), "block_structure"),
+])
+def test_compressed_tensors_schemes_other_than_fp8_weights_are_refused_by_name(qc, match):
+    from phalanx.models.config import _fp8_checkpoint
+    with pytest.raises(ValueError, match=match):
+        _fp8_checkpoint(qc)
+
+
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": INT4_GROUP}},
