@@ -426,7 +426,10 @@ class OpenAIServer:
             raise ApiError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
             raise ApiError(400, "best_of must equal n (best-of selection is not supported)", "best_of")
-        prompts = await self._text(self._prompts, body.prompt)
+        if _has_text(body.prompt) or body.echo:     # tokenizer work: in the text pool
+            prompts = await self._text(self._prompts, body.prompt, body.echo)
+        else:                                          # token ids only: checked here, no hop
+            prompts = self._prompts(body.prompt, False)
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
         try:
             guided = tools.guided_params(body, None)
@@ -457,8 +460,9 @@ class OpenAIServer:
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(outs), "weight_version": _weight_version(outs)}
 
-    def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
-        """(text, token ids) of every prompt; all are checked before any is submitted."""
+    def _prompts(self, prompt: Any, with_text: bool) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of every prompt; all are checked before any is submitted. The text
+        of a token-id prompt is decoded only ``with_text`` (echo): otherwise it is None."""
         tok = self.llm.tokenizer
         if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
             prompt = [prompt]
@@ -480,7 +484,7 @@ class OpenAIServer:
                 if bad is not None:
                     raise ApiError(400, f"{where}: token id {bad} is outside the vocabulary [0, "
                                         f"{self.llm.vocab_size})", "prompt")
-                out.append((tok.decode(p, skip_special_tokens=False) if tok else None, list(p)))
+                out.append((tok.decode(p, skip_special_tokens=False) if tok and with_text else None, list(p)))
         return out
 
     def _completion_logprobs(self, out: RequestOutput, o: Any, echo: bool) -> dict[str, Any]:
@@ -737,6 +741,11 @@ def _body_doc(model: type) -> dict[str, Any]:
     """The request body of a route whose handler parses it itself (see protocol.parse_body)."""
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _has_text(prompt: Any) -> bool:
+    """Whether a completion's prompt field holds a string (tokenizer work) anywhere."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
 async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -390,5 +390,6 @@ def _check_values(value: Any, path: str, depth: int) -> None:
             _check_values(k, path, depth + 1)
             _check_values(v, f"{path}.{k}" if path else str(k), depth + 1)
     elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_values(v, f"{path}.{i}" if path else str(i), depth + 1)
+        for i, v in enumerate(value):   # numbers need no check (a token-id prompt holds thousands)
+            if isinstance(v, (str, dict, list)) or depth + 1 > MAX_DEPTH:
+                _check_values(v, f"{path}.{i}" if path else str(i), depth + 1)

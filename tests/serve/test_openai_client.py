@@ -70,6 +70,22 @@ def test_completions_n2_logprobs_stop_echo(client):
     assert echo.choices[0].text.startswith("Hello")
 
 
+def test_completions_of_token_ids_echo_their_text_and_equal_the_text_prompt(client):
+    """A prompt of token ids (checked on the event loop, its text decoded only for echo): the same
+    completion as its text, streamed or not, and echo gives the text back."""
+    from phalanx.llmapi.tokenizer import load_tokenizer
+    from phalanx.models.loader import bundled_model_path, resolve_model
+    text = "The capital of France is"
+    ids = load_tokenizer(resolve_model(bundled_model_path())).encode(text, add_special_tokens=False)
+    want = client.completions.create(model=MODEL, prompt=text, max_tokens=5, temperature=0).choices[0].text
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=[ids], max_tokens=5, temperature=0, stream=True) if c.choices)
+    echo = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0, echo=True)
+    assert got == want == streamed
+    assert echo.choices[0].text == text + want
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=2)
