@@ -86,3 +86,28 @@ def assert_same_greedy(ours: list[int], ref: list[int], gaps: list[float], what:
             assert gaps[i] < TIE_GAP, f"{what}: token {i} differs ({a} vs {b}) with top-2 gap {gaps[i]:.2e}"
             return
     assert len(ours) == len(ref), f"{what}: {len(ours)} tokens vs {len(ref)}"
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_round_trip(hf):
+    """A copy of transformers' model with each decoder projection's weight, and each expert's,
+    as ``quantization: fp8`` holds it (e4m3 with a scale per output row, dequantized)."""
+    import copy
+
+    import torch
+
+    from phalanx.kernels import fp8
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.rsplit(".", 1)[-1] in PROJECTIONS:
+                q, scale = fp8.quantize_weight(mod.weight)
+                mod.weight.copy_(fp8.dequantize(q, scale, mod.weight.dtype))
+        for name, p in model.named_parameters():
+            if ".experts." in name and p.dim() == 3:     # [E, out, in]: gate_up_proj, down_proj
+                E, N, K = p.shape
+                q, scale = fp8.quantize_weight(p.reshape(E * N, K))
+                p.copy_(fp8.dequantize(q, scale, p.dtype).view(E, N, K))
+    return model

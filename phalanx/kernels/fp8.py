@@ -79,8 +79,8 @@ def check_device(device: torch.device, field: str) -> None:
     FP8 GEMM once (``rowwise_scaled_mm``) so that no call inside a CUDA graph capture has to."""
     if device.type != "cuda":
         return
-    cap = torch.cuda.get_device_capability(device)
-    if cap < MIN_CAPABILITY:
+    if not supported(device):
+        cap = torch.cuda.get_device_capability(device)
         raise ValueError(f"{field}: fp8 needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
                          f"or more; this one has {cap[0]}.{cap[1]}")
     rowwise_scaled_mm(torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))

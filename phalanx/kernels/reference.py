@@ -50,19 +50,19 @@ def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     x [T, H]; ids/weights [T, k] (global expert ids, routing weights); w13 [E_local, 2I, H]
     (gate ‖ up); w2 [E_local, H, I]; experts ``first .. first + E_local`` are local. Returns
     Σ over the local (token, expert) pairs of weight · down(silu(gate) * up): [T, H]. With
-    ``s13`` [E, 2I] / ``s2`` [E, H] the experts are FP8, dequantized here (kernels/fp8.py).
+    ``s13`` [E, 2I] / ``s2`` [E, H] the experts are FP8, each used one dequantized here
+    (kernels/fp8.py).
     """
-    if s13 is not None and s2 is not None:
-        from phalanx.kernels.fp8 import dequantize
-        w13 = torch.stack([dequantize(w13[e], s13[e], x.dtype) for e in range(w13.shape[0])])
-        w2 = torch.stack([dequantize(w2[e], s2[e], x.dtype) for e in range(w2.shape[0])])
+    from phalanx.kernels.fp8 import dequantize
     out = torch.zeros_like(x, dtype=torch.float32)
     local = ids - first
     for e in torch.unique(local).tolist():
         if not 0 <= e < w13.shape[0]:
             continue
         tok, pos = torch.where(local == e)
-        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
+        w13_e = w13[e] if s13 is None else dequantize(w13[e], s13[e], x.dtype)
+        w2_e = w2[e] if s2 is None else dequantize(w2[e], s2[e], x.dtype)
+        gate, up = F.linear(x[tok], w13_e).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2_e)
         out.index_add_(0, tok, (y * weights[tok, pos, None]).float())
     return out.to(x.dtype)

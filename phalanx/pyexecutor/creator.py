@@ -13,6 +13,7 @@ from phalanx.config import LlmArgs
 from phalanx.kernels import fp8, ops
 from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.grammar import GrammarCompiler
+from phalanx.models.config import ModelConfig
 from phalanx.models.llama import CausalLM
 from phalanx.models.loader import ModelSource, build_model, resolve_dtype
 from phalanx.models.parallel import TPGroup, shard_heads
@@ -71,11 +72,11 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                         **({"ep": ep} if cfg.is_moe and ep is not None else {}))
     if args.kv_cache_config.dtype == "fp8":
         fp8.check_device(device, "kv_cache_config.dtype")
-    if cfg.fp8_checkpoint and args.quantization is None and not fp8.supported(device):
-        logger.warning("an FP8 checkpoint on a GPU without FP8: served dequantized, in %s", dtype)
-    elif args.quantization == "fp8" or cfg.fp8_checkpoint:   # an FP8 checkpoint is served in FP8
+    if _serves_fp8(args, cfg, device):
         fp8.check_device(device, "quantization")
         quantize_fp8(model)
+    elif cfg.fp8_checkpoint:
+        logger.warning("an FP8 checkpoint on a GPU without FP8: served dequantized, in %s", dtype)
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
     kv_dtype = (dtype if kvc.dtype == "auto" else torch.float8_e4m3fn if kvc.dtype == "fp8"
@@ -174,7 +175,7 @@ def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device:
     if dsource.config.is_moe:
         raise ValueError("speculative_config.speculative_model_dir: a mixture-of-experts draft is not supported")
     draft = build_model(dsource, dtype, device, tp, args.load_format, args.seed)
-    if args.quantization == "fp8" or (dsource.config.fp8_checkpoint and fp8.supported(device)):
+    if _serves_fp8(args, dsource.config, device):
         quantize_fp8(draft)
     return draft
 
@@ -211,6 +212,12 @@ def _grammar_compiler(args: LlmArgs, source: ModelSource) -> GrammarCompiler:
     except Exception as e:  # noqa: BLE001 - any loader failure means the same thing here
         raise ValueError(f"guided_decoding needs the model's tokenizer, which did not load: {e}") from None
     return GrammarCompiler(tokenizer.hf, source.config.vocab_size, tokenizer.eos_token_ids)
+
+
+def _serves_fp8(args: LlmArgs, cfg: ModelConfig, device: torch.device) -> bool:
+    """FP8 weights: asked for (``quantization: fp8``, refused by name on a GPU without FP8), or
+    an FP8 checkpoint where the device runs FP8 (elsewhere it is served dequantized)."""
+    return args.quantization == "fp8" or (cfg.fp8_checkpoint and fp8.supported(device))
 
 
 def quantize_fp8(model: CausalLM) -> None:

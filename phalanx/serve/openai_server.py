@@ -429,7 +429,7 @@ class OpenAIServer:
         if _has_text(body.prompt) or body.echo:     # tokenizer work: in the text pool
             prompts = await self._text(self._prompts, body.prompt, body.echo)
         else:                                          # token ids only: checked here, no hop
-            prompts = self._prompts(body.prompt, False)
+            prompts = self._prompts(body.prompt, body.echo)
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
         try:
             guided = tools.guided_params(body, None)

@@ -4,7 +4,7 @@ KV pool sized by profiling. Skipped without CUDA."""
 import pytest
 import torch
 
-from hf_reference import assert_same_greedy, hf_greedy
+from hf_reference import assert_same_greedy, fp8_round_trip, hf_greedy
 from phalanx import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -125,14 +125,7 @@ def test_sampling_never_waits_for_the_stream():
 def test_fp8_greedy_equals_transformers_with_the_round_tripped_weights_on_the_gpu(tiny_models, hf_models):
     """quantization: fp8 on the GPU (tuned skinny FP8 kernels in CUDA graphs, fp32 activations):
     the tokens of transformers on the same checkpoint with each projection's FP8 round trip."""
-    import copy
-
-    from phalanx.kernels import fp8
-    ref = copy.deepcopy(hf_models["llama"]).to("cuda")
-    with torch.no_grad():
-        for name, mod in ref.named_modules():
-            if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-                mod.weight.copy_(fp8.dequantize(*fp8.quantize_weight(mod.weight), mod.weight.dtype))
+    ref = fp8_round_trip(hf_models["llama"]).to("cuda")
     ps = prompts(ref.config.vocab_size, n=8, seed=4)
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", quantization="fp8",
              orchestrator_type="inprocess", cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}) as llm:
@@ -166,21 +159,7 @@ def test_fp8_kv_pool_on_the_gpu_holds_more_blocks_and_keeps_the_greedy_tokens_cl
 def test_fp8_experts_greedy_equals_transformers_on_the_gpu(tiny_moe_models, hf_moe_models):
     """quantization: fp8 on an MoE model on the GPU: the fused MoE kernels read e4m3 experts with a
     scale per (expert, output row); transformers holding the round-tripped experts agrees."""
-    import copy
-
-    from phalanx.kernels import fp8
-    ref = copy.deepcopy(hf_moe_models["qwen3_moe"])
-    with torch.no_grad():
-        for name, mod in ref.named_modules():
-            if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                           "down_proj") and getattr(mod, "weight", None) is not None:
-                mod.weight.copy_(fp8.dequantize(*fp8.quantize_weight(mod.weight), mod.weight.dtype))
-        for name, p in ref.named_parameters():
-            if ".experts." in name and p.dim() == 3:     # [E, out, in]
-                E, N, K = p.shape
-                q, scale = fp8.quantize_weight(p.reshape(E * N, K))
-                p.copy_(fp8.dequantize(q, scale, p.dtype).view(E, N, K))
-    ref = ref.to("cuda")
+    ref = fp8_round_trip(hf_moe_models["qwen3_moe"]).to("cuda")
     ps = prompts(ref.config.vocab_size, n=4, seed=2)
     with LLM(tiny_moe_models["qwen3_moe"], skip_tokenizer_init=True, dtype="float32", quantization="fp8",
              orchestrator_type="inprocess", cuda_graph_config={"batch_sizes": [1, 2, 4]}) as llm:

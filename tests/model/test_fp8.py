@@ -9,28 +9,9 @@ import copy
 import pytest
 import torch
 
-from hf_reference import assert_same_greedy, hf_greedy, tiny_model_dirs
+from hf_reference import PROJECTIONS, assert_same_greedy, fp8_round_trip, hf_greedy, tiny_model_dirs
 from phalanx import LLM, SamplingParams
 from phalanx.kernels import fp8
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def fp8_round_trip(hf):
-    """transformers' model with each decoder projection's weight, and each expert's, as FP8
-    would hold it (a scale per output row)."""
-    model = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if name.rsplit(".", 1)[-1] in PROJECTIONS:
-                q, scale = fp8.quantize_weight(mod.weight)
-                mod.weight.copy_(fp8.dequantize(q, scale, mod.weight.dtype))
-        for name, p in model.named_parameters():
-            if ".experts." in name and p.dim() == 3:     # [E, out, in]: gate_up_proj, down_proj
-                E, N, K = p.shape
-                q, scale = fp8.quantize_weight(p.reshape(E * N, K))
-                p.copy_(fp8.dequantize(q, scale, p.dtype).view(E, N, K))
-    return model
 
 
 def prompts(vocab, n=6, seed=0):
@@ -132,10 +113,9 @@ def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None):
         w = tensors[name].float()
         base = name.removesuffix(".weight")
         if compressed == "channel":
-            s = w.abs().amax(dim=1, keepdim=True) / fp8.FP8_MAX
-            q = (w / s).to(fp8.FP8)
-            tensors[base + ".weight_scale"] = s
-            meant[name] = q.float() * s
+            q, s = fp8.quantize_weight(w)
+            tensors[base + ".weight_scale"] = s[:, None]
+            meant[name] = fp8.dequantize(q, s, torch.float32)
         elif block is None:
             s = w.abs().max() / fp8.FP8_MAX
             q = (w / s).to(fp8.FP8)

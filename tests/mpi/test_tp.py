@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hf_reference import assert_same_greedy, hf_greedy
+from hf_reference import assert_same_greedy, fp8_round_trip, hf_greedy
 from phalanx import LLM, SamplingParams
 from phalanx.models.loader import bundled_model_path
 
@@ -92,29 +92,18 @@ def test_tp2_fp8_each_rank_quantizes_its_shard(tiny_models, hf_models):
     gate, up), each half of the inputs apart for the row-split ones (o, down). Greedy tokens
     equal transformers' holding exactly those round trips, and the prompts' log-probs equal
     theirs within 1e-4 while those of the unsharded round trip are measurably elsewhere."""
-    import copy
-
     from phalanx.kernels import fp8
     from phalanx.models.parallel import split_range
 
-    def round_trip(w):
-        return fp8.dequantize(*fp8.quantize_weight(w), w.dtype)
-
-    def quantized(halves):
-        model = copy.deepcopy(hf_models["llama"])
-        with torch.no_grad():
-            for name, mod in model.named_modules():
-                last = name.rsplit(".", 1)[-1]
-                if last in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") or (
-                        last in ("o_proj", "down_proj") and not halves):
-                    mod.weight.copy_(round_trip(mod.weight))
-                elif last in ("o_proj", "down_proj"):
-                    for r in range(2):
-                        s, e = split_range(mod.weight.shape[1], r, 2)
-                        mod.weight[:, s:e] = round_trip(mod.weight[:, s:e])
-        return model
-
-    sharded, whole = quantized(True), quantized(False)
+    whole = fp8_round_trip(hf_models["llama"])
+    sharded = fp8_round_trip(hf_models["llama"])
+    with torch.no_grad():    # o and down: each rank's half of the inputs quantized apart
+        for name, mod in sharded.named_modules():
+            if name.rsplit(".", 1)[-1] in ("o_proj", "down_proj"):
+                w = dict(hf_models["llama"].named_modules())[name].weight
+                for r in range(2):
+                    s, e = split_range(w.shape[1], r, 2)
+                    mod.weight[:, s:e] = fp8.dequantize(*fp8.quantize_weight(w[:, s:e]), w.dtype)
     ps = prompts(sharded.config.vocab_size)
     with LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True, quantization="fp8",
              kv_cache_config={"tokens_per_block": 8}) as llm:
