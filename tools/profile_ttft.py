@@ -1,9 +1,13 @@
 """Where time to first token goes: TTFT of streamed requests (one at a time) for short and long
 prompts, cold and with a cached prefix, on the Llama-3.1-8B-shaped dummy model; then one request
 of each kind under the torch profiler (host ops and GPU kernels, one engine in this process),
-with a Chrome trace of each (the rank's host ops and kernels).
+with a Chrome trace of each (the rank's host ops and kernels). With ``--timeline``, each request's
+path laid out in time (the median of the repeats): the user's call, the proxy's arrival stamp, every
+mark of rank 0's loop (HostClock's trace: fetch, schedule, prepare, forward, launch, wait, update,
+sample, respond, by iteration), the proxy's first-token stamp and the user's return.
 
     python tools/profile_ttft.py --output ttft.json --trace-dir traces/     # extend graphs off, then on
+    python tools/profile_ttft.py --extend-graphs on --timeline
 """
 
 from __future__ import annotations
@@ -44,6 +48,50 @@ async def ttft(llm: LLM, prompt: list[int]) -> float:
     raise RuntimeError("no output")
 
 
+async def stamped(llm: LLM, prompt: list[int]) -> list[tuple[str, float]]:
+    """The user's call, the proxy's arrival and first-token stamps and the user's return, on the
+    monotonic clock the rank's trace uses."""
+    t0 = time.monotonic()
+    async for out in llm.generate_async(prompt, SP, streaming=True):
+        t1 = time.monotonic()
+        m = out.metrics
+        return [("user call", t0), ("proxy arrival", m["arrival_time"]),
+                ("proxy first token", m["arrival_time"] + m["ttft"]), ("user has it", t1)]
+    raise RuntimeError("no output")
+
+
+def timeline(llm: LLM, loop: asyncio.AbstractEventLoop, a: argparse.Namespace, run: dict[str, Any],
+             mode: str) -> None:
+    """Each workload's requests with the rank's loop traced; the marks between the user's call
+    and return, in order, as milliseconds since the call (median over the repeats, which must
+    take the same path: runs whose sequence of marks differs from the first are dropped)."""
+    for name in workloads(0):
+        paths: list[list[tuple[str, float]]] = []
+        for r in range(a.repeats):
+            prefix, prompt = workloads(500 + r)[name]
+            if prefix is not None:
+                loop.run_until_complete(ttft(llm, prefix))
+            llm.control("trace:on")
+            user = loop.run_until_complete(stamped(llm, prompt))
+            marks = json.loads(llm.control("trace:off").per_rank[0])
+            t0, t1 = user[0][1], user[-1][1]
+            rank = [(f"rank it{it} {phase}", t) for it, phase, t in marks if t0 <= t <= t1]
+            if rank:   # iterations numbered from the request's first
+                first = int(rank[0][0].split()[1][2:])
+                rank = [(f"rank +{int(n.split()[1][2:]) - first} {n.split()[2]}", t) for n, t in rank]
+            path = sorted(user + rank, key=lambda e: e[1])
+            paths.append([(n, (t - t0) * 1e3) for n, t in path])
+        same = [p for p in paths if [n for n, _ in p] == [n for n, _ in paths[0]]]
+        median = [(n, statistics.median(p[i][1] for p in same)) for i, (n, _) in enumerate(same[0])]
+        run.setdefault("timeline_ms", {})[name] = {"runs_used": len(same), "marks": median}
+        print(f"extend graphs {mode}, timeline {name} ({len(same)} of {len(paths)} runs, ms since the call):",
+              flush=True)
+        prev = 0.0
+        for n, t in median:
+            print(f"    {t:7.3f}  (+{t - prev:6.3f})  {n}", flush=True)
+            prev = t
+
+
 def measure(llm: LLM, a: argparse.Namespace, run: dict[str, Any], mode: str) -> None:
     loop = asyncio.new_event_loop()
     for rnd in range(2):      # round 0 compiles whatever a new shape needs; round 1 is the figure
@@ -58,6 +106,8 @@ def measure(llm: LLM, a: argparse.Namespace, run: dict[str, Any], mode: str) -> 
                 {"round": rnd, "p50": statistics.median(times), "min": min(times), "all": times})
             print(f"extend graphs {mode}, round {rnd} {name}: TTFT p50 {statistics.median(times):.1f} ms "
                   f"(min {min(times):.1f})", flush=True)
+    if a.timeline:
+        timeline(llm, loop, a, run, mode)
     for name in workloads(0):      # one request of each kind under the engine's profiler
         prefix, prompt = workloads(999)[name]
         if prefix is not None:
@@ -88,6 +138,7 @@ def main() -> None:
     ap.add_argument("--extend-graphs", choices=["on", "off", "both"], default="both",
                     help="CUDA graphs for prefill/extend steps (cuda_graph_config.extend_num_tokens), or eager")
     ap.add_argument("--trace-dir", default=None)
+    ap.add_argument("--timeline", action="store_true", help="each request's path through the loop, in time")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     base: dict[str, Any] = {"load_format": "dummy", "skip_tokenizer_init": True, "max_batch_size": 256,

@@ -127,9 +127,11 @@ class Client:
                         rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     for ch in obj.get("choices", []):
                         piece = ch.get("text") if self.api == "completions" else (ch.get("delta") or {}).get("content")
-                        if piece:
+                        # a completion chunk comes with new tokens, even ones with no text of their
+                        # own (ids past the tokenizer's vocabulary, a partial character): timed too
+                        if piece or self.api == "completions":
                             rec.token_times.append(time.perf_counter())
-                            text += piece
+                            text += piece or ""
         except Exception as e:  # a failed request is counted, not fatal
             rec.error = f"{type(e).__name__}: {e}"
         return rec, text

@@ -183,6 +183,10 @@ _TYPES: dict[str, type] = {
     "ctl_result": ControlResult, "beat": Heartbeat,
 }
 _TAGS = {cls: tag for tag, cls in _TYPES.items()}
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES.values()}
+# the fields that hold lists of messages; every other field is plain msgpack values and crosses
+# as it is (a prompt's token ids are not walked element by element: ~0.25 ms a side at 2k tokens)
+_NESTED: dict[type, tuple[str, ...]] = {IterationInput: ("new", "control")}
 
 
 def to_wire(obj: Any) -> Any:
@@ -190,19 +194,25 @@ def to_wire(obj: Any) -> Any:
     if isinstance(obj, list):
         return [to_wire(o) for o in obj]
     cls = type(obj)
-    if cls not in _TAGS:
+    tag = _TAGS.get(cls)
+    if tag is None:
         return obj
-    body = {f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    return {"t": _TAGS[cls], "b": body}
+    body = {name: getattr(obj, name) for name in _FIELDS[cls]}
+    for name in _NESTED.get(cls, ()):
+        body[name] = [to_wire(o) for o in body[name]]
+    return {"t": tag, "b": body}
 
 
 def from_wire(value: Any) -> Any:
     if isinstance(value, list):
         return [from_wire(v) for v in value]
-    if isinstance(value, dict) and set(value) == {"t", "b"} and value["t"] in _TYPES:
+    if isinstance(value, dict) and value.keys() == {"t", "b"} and value["t"] in _TYPES:
         cls = _TYPES[value["t"]]
-        names = {f.name for f in dataclasses.fields(cls)}
-        body = {k: from_wire(v) for k, v in value["b"].items() if k in names}
+        names = _FIELDS[cls]
+        body = {k: v for k, v in value["b"].items() if k in names}
+        for name in _NESTED.get(cls, ()):
+            if isinstance(body.get(name), list):
+                body[name] = [from_wire(v) for v in body[name]]
         return cls(**body)
     return value
 

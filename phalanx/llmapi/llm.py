@@ -191,7 +191,8 @@ class LLM:
 
     def control(self, op: str, timeout: float = 30.0, args: dict[str, Any] | None = None) -> ControlResult:
         """Run an inspection op on every rank between iterations ("check_integrity", "stats",
-        "timing:on" / "timing" / "timing:off", "profile:start" / "profile:stop" (args ``trace``:
+        "timing:on" / "timing" / "timing:off", "trace:on" / "trace:off" (the loop's
+        marks, stamped), "profile:start" / "profile:stop" (args ``trace``:
         a Chrome trace path); fault injection for tests). Returns each rank's answer."""
         return self._executor.control(op, timeout, args)
 

@@ -4,30 +4,53 @@ from __future__ import annotations
 
 import time
 
+TRACE_LIMIT = 100_000   # marks a trace keeps (a forgotten trace stops growing there)
+
 
 class HostClock:
     """Host seconds per phase of the loop while timing is on (the "timing" control op): where a
     step's host time goes, beside the GPU's idle share. ``mark(phase)`` gives the time since the
     previous mark to ``phase``; off, it is one attribute test. "fetch" includes the loop's waits
-    for work when it has none; "wait", the wait for a step's tokens."""
+    for work when it has none; "wait", the wait for a step's tokens.
+
+    While a trace is on (the "trace:on" / "trace:off" control ops), every mark is also kept as
+    (iteration, phase, time.monotonic()) — the clock the user process stamps a request's arrival
+    and first token with (system-wide on Linux), so one request's path through the loop can be
+    laid out between the two (tools/profile_ttft.py --timeline)."""
 
     def __init__(self) -> None:
-        self.on = False
+        self.on = False           # timing or tracing: the one test ``mark`` makes when off
+        self.timing = False
         self.seconds: dict[str, float] = {}
+        self.trace: list[tuple[int, str, float]] | None = None
+        self.iteration = 0        # the loop's, kept current by the loop for the trace
         self._last = 0.0
         self._steps: tuple[int, int | None] = (0, None)   # iterations: timing started, stopped
 
     def start(self, iteration: int) -> None:
-        self.on, self.seconds, self._last, self._steps = True, {}, time.perf_counter(), (iteration, None)
+        self.timing, self.seconds, self._last, self._steps = True, {}, time.monotonic(), (iteration, None)
+        self.on = True
 
     def stop(self, iteration: int) -> None:
-        if self.on:
-            self.on, self._steps = False, (self._steps[0], iteration)
+        if self.timing:
+            self.timing, self._steps = False, (self._steps[0], iteration)
+        self.on = self.timing or self.trace is not None
+
+    def start_trace(self) -> None:
+        self.trace, self.on, self._last = [], True, time.monotonic()
+
+    def stop_trace(self) -> list[tuple[int, str, float]]:
+        out, self.trace = self.trace or [], None
+        self.on = self.timing
+        return out
 
     def mark(self, phase: str) -> None:
         if self.on:
-            now = time.perf_counter()
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+            now = time.monotonic()
+            if self.timing:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+            if self.trace is not None and len(self.trace) < TRACE_LIMIT:
+                self.trace.append((self.iteration, phase, now))
             self._last = now
 
     def per_step_ms(self, iteration: int) -> dict[str, float]:

@@ -23,6 +23,7 @@ import torch
 
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.parallel import TPGroup
+from phalanx.pyexecutor.host_clock import HostClock
 from phalanx.pyexecutor.kv_pool import KVPool
 from phalanx.pyexecutor.sampler import RowSettings, SampleOutput, Sampler
 from phalanx.pyexecutor.scheduler import HOST_PLACED, ScheduledBatch
@@ -141,6 +142,7 @@ class ModelRunner:
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.clock = HostClock()   # the executor's, once it has one (marks its launch phases)
 
     # -- request slots -----------------------------------------------------------------------------
     def slot_of(self, request_id: int) -> int:
@@ -357,7 +359,9 @@ class ModelRunner:
             timing = self.stream is not None and self.record_timing
             start = _event(timing)
             inputs = self.prepare(batch)
+            self.clock.mark("prepare")
             logits = self.forward(batch, inputs, graph_size)
+            self.clock.mark("forward")
             step = InFlightStep(batch, inputs.sample_rows, None, None, prompt_logprobs=self.last_prompt_logprobs,
                                 pending=(logits, inputs.sampling, inputs.sample_slots), start=start, spec=inputs.spec)
             waits = defer_sampling and self.guided is not None and self.guided.has_grammar(self._sampling(step))

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from phalanx.executor.messages import (
@@ -86,12 +87,15 @@ class RequestQueue:
 
 
 class BroadcastRequestQueue:
-    """Rank 0 fetches locally and broadcasts the iteration's input; other ranks receive it."""
+    """Rank 0 fetches locally and broadcasts the iteration's input; other ranks receive it. A
+    job of one rank only fetches: nothing to broadcast, so no pack and unpack of each request."""
 
     def __init__(self, dist: Any, local: RequestQueue | None) -> None:
         self.dist, self.local = dist, local
+        self.fetch: Callable[[bool], IterationInput] = (
+            local.fetch if local is not None and dist.size == 1 else self._broadcast)
 
-    def fetch(self, idle: bool) -> IterationInput:
+    def _broadcast(self, idle: bool) -> IterationInput:
         data = pack(self.local.fetch(idle)) if self.local is not None else None
         return unpack(self.dist.bcast_bytes(data, idle))
 
@@ -113,7 +117,7 @@ class PyExecutor:
         self._last_beat = 0.0
         self._profiler: Any = None
         self._profiled_from = 0
-        self.clock = HostClock()
+        self.clock = runner.clock = HostClock()   # the runner marks its own phases of a launch
         self.rollout = Rollout(self)   # pause, sleep, weight updates and versions (RL trainers)
 
     # -- the loops: one switch, two short functions -----------------------------------------------------
@@ -169,6 +173,7 @@ class PyExecutor:
             return None
         batch = self.scheduler.schedule(admit=self.rollout.admits)
         self.iteration += 1
+        self.clock.iteration = self.iteration
         if self.multi_rank and self.check_digests:
             self.dist.check_digest(batch.digest(), self.iteration)
         return batch if batch.requests else None
@@ -223,7 +228,7 @@ class PyExecutor:
     # -- intake ----------------------------------------------------------------------------------
     def _fetch(self, idle: bool) -> None:
         self._beat()
-        inp = self.queue.fetch(idle=idle)
+        inp = self.queue.fetch(idle)
         for req in inp.new:
             self._add(req)
         for rid in inp.cancel:
@@ -316,6 +321,11 @@ class PyExecutor:
             else:
                 self.clock.stop(self.iteration)
             return "ok"
+        if op == "trace:on":     # every mark of the loop from now on, stamped (HostClock)
+            self.clock.start_trace()
+            return "ok"
+        if op == "trace:off":
+            return json.dumps(self.clock.stop_trace())
         if op == "timing":   # + the host's milliseconds per step in each phase of the loop
             out = self.runner.idle_fraction() if self.runner.timings else {}
             return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration)})

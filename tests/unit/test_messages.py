@@ -35,3 +35,19 @@ def test_unknown_tags_are_plain_data_not_classes():
 def test_pack_refuses_arbitrary_objects():
     with pytest.raises(TypeError):
         pack(object())
+
+
+def test_only_fields_that_hold_messages_are_decoded_as_messages():
+    """An iteration's requests and controls come back as messages; a value inside a plain field
+    (sampling settings, a control's args) stays the plain value it was, even when it looks like
+    a message on the wire."""
+    from phalanx.executor.messages import Control, TokenBatch
+    lookalike = {"t": "cancel", "b": {"request_id": 3}}
+    msg = IterationInput(new=[GenerationRequest(1, list(range(3000)), {"x": lookalike})],
+                         control=[Control("stats", 2, {"y": [lookalike]})])
+    back = unpack(pack(msg))
+    assert back == msg
+    assert isinstance(back.new[0], GenerationRequest) and isinstance(back.control[0], Control)
+    assert back.new[0].sampling_params["x"] == lookalike and back.control[0].args["y"] == [lookalike]
+    tb = TokenBatch([1, 2], [5, [6, 7]])
+    assert unpack(pack(tb)) == tb

@@ -42,3 +42,22 @@ def test_vocab_check_names_the_field():
 def test_stop_string_forms():
     assert SamplingParams(stop="x").stop_strings == ["x"]
     assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]
+
+
+def test_check_prompt_refuses_each_kind_of_bad_token_id_and_names_it():
+    import enum
+
+    from phalanx.llmapi.sampling_params import check_prompt
+
+    class Tok(enum.IntEnum):
+        A = 5
+
+    check_prompt([0, 99, 7], 100, 10)
+    check_prompt([Tok.A, 3], 100, 10)            # an int subclass is an int
+    for bad, shown in ((True, "True"), (-1, "-1"), (100, "100"), (2.0, "2.0"), ("3", "3")):
+        with pytest.raises(ValueError, match=f"token id {shown} is outside the vocabulary"):
+            check_prompt([1, bad, 2], 100, 10)
+    with pytest.raises(ValueError, match="at least one token"):
+        check_prompt([], 100, 10)
+    with pytest.raises(ValueError, match="max_seq_len is 10"):
+        check_prompt(list(range(10)), 100, 10)
