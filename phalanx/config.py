@@ -41,6 +41,10 @@ class KvCacheConfig(StrictModel):
 
 class SchedulerConfig(StrictModel):
     capacity_scheduler_policy: Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"] = "GUARANTEED_NO_EVICT"
+    max_prefill_tokens_while_decoding: int | None = Field(
+        None, ge=1, description="Prompt positions (chunks of prompts, new prompts) one step may compute while requests "
+        "are decoding in it, with chunked prefill on: a prompt arriving mid-stream stretches the decoders' step by at "
+        "most this much work (inter-token latency), the rest of it follows in later steps. None: max_num_tokens.")
 
 
 class CudaGraphConfig(StrictModel):

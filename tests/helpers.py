@@ -27,8 +27,8 @@ def tiny_kv(num_blocks: int = 16, tokens_per_block: int = 4, **kw) -> KVCacheMan
 
 def tiny_scheduler(num_blocks: int = 16, tokens_per_block: int = 4, max_batch_size: int = 8,
                    max_num_tokens: int = 64, max_seq_len: int = 256, policy: str = GUARANTEED_NO_EVICT,
-                   chunked: bool = True, **kv) -> Scheduler:
-    limits = SchedulerLimits(max_batch_size, max_num_tokens, max_seq_len, policy, chunked)
+                   chunked: bool = True, prefill_while_decoding: int | None = None, **kv) -> Scheduler:
+    limits = SchedulerLimits(max_batch_size, max_num_tokens, max_seq_len, policy, chunked, prefill_while_decoding)
     return Scheduler(limits, tiny_kv(num_blocks, tokens_per_block, **kv))
 
 

@@ -1,4 +1,5 @@
-"""Where time to first token goes: TTFT of streamed requests (one at a time) for short and long
+"""Where time to first token goes: TTFT of streamed requests (one at a time, each
+on an idle engine: the next is sent once the last has finished) for short and long
 prompts, cold and with a cached prefix, on the Llama-3.1-8B-shaped dummy model; then one request
 of each kind under the torch profiler (host ops and GPU kernels, one engine in this process),
 with a Chrome trace of each (the rank's host ops and kernels). With ``--timeline``, each request's
@@ -41,23 +42,35 @@ def workloads(seed: int) -> dict[str, tuple[list[int] | None, list[int]]]:
             "hit_2048+32": (shared + ids(32), shared + ids(32))}
 
 
-async def ttft(llm: LLM, prompt: list[int]) -> float:
+async def ttft(llm: LLM, prompt: list[int], drain: bool = True) -> float:
+    """Time to the first streamed output. ``drain``: return once the request has finished, so
+    that the next request finds the engine idle; otherwise at the first output (the next then
+    arrives while this one's last decode step still runs, and waits for it)."""
     t0 = time.perf_counter()
+    first = None
     async for _ in llm.generate_async(prompt, SP, streaming=True):
-        return time.perf_counter() - t0
-    raise RuntimeError("no output")
+        first = first or time.perf_counter() - t0
+        if not drain:
+            break
+    if first is None:
+        raise RuntimeError("no output")
+    return first
 
 
 async def stamped(llm: LLM, prompt: list[int]) -> list[tuple[str, float]]:
     """The user's call, the proxy's arrival and first-token stamps and the user's return, on the
     monotonic clock the rank's trace uses."""
     t0 = time.monotonic()
+    stamps: list[tuple[str, float]] = []
     async for out in llm.generate_async(prompt, SP, streaming=True):
-        t1 = time.monotonic()
-        m = out.metrics
-        return [("user call", t0), ("proxy arrival", m["arrival_time"]),
-                ("proxy first token", m["arrival_time"] + m["ttft"]), ("user has it", t1)]
-    raise RuntimeError("no output")
+        if not stamps:
+            t1 = time.monotonic()
+            m = out.metrics
+            stamps = [("user call", t0), ("proxy arrival", m["arrival_time"]),
+                      ("proxy first token", m["arrival_time"] + m["ttft"]), ("user has it", t1)]
+    if not stamps:
+        raise RuntimeError("no output")
+    return stamps
 
 
 def timeline(llm: LLM, loop: asyncio.AbstractEventLoop, a: argparse.Namespace, run: dict[str, Any],
@@ -94,18 +107,22 @@ def timeline(llm: LLM, loop: asyncio.AbstractEventLoop, a: argparse.Namespace, r
 
 def measure(llm: LLM, a: argparse.Namespace, run: dict[str, Any], mode: str) -> None:
     loop = asyncio.new_event_loop()
-    for rnd in range(2):      # round 0 compiles whatever a new shape needs; round 1 is the figure
+    # round 0 compiles whatever a new shape needs; round 1 is the figure; round 2 sends each
+    # request as soon as the previous one's first output arrived (as rounds did before: the engine
+    # is then still running that request's last step)
+    for rnd in range(3):
         for name, _ in workloads(0).items():
             times = []
             for r in range(a.repeats):
                 prefix, prompt = workloads(100 * rnd + r + 1)[name]
                 if prefix is not None:
                     loop.run_until_complete(ttft(llm, prefix))
-                times.append(loop.run_until_complete(ttft(llm, prompt)) * 1e3)
+                times.append(loop.run_until_complete(ttft(llm, prompt, drain=rnd < 2)) * 1e3)
             run["ttft_ms"].setdefault(name, []).append(
-                {"round": rnd, "p50": statistics.median(times), "min": min(times), "all": times})
+                {"round": rnd, "p50": statistics.median(times), "min": min(times), "all": times,
+                 "engine": "idle" if rnd < 2 else "finishing the previous request"})
             print(f"extend graphs {mode}, round {rnd} {name}: TTFT p50 {statistics.median(times):.1f} ms "
-                  f"(min {min(times):.1f})", flush=True)
+                  f"(min {min(times):.1f}){' back to back' if rnd == 2 else ''}", flush=True)
     if a.timeline:
         timeline(llm, loop, a, run, mode)
     for name in workloads(0):      # one request of each kind under the engine's profiler

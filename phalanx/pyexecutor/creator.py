@@ -107,7 +107,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     pool = KVPool(L, num_blocks + 1, B, Hkv, D, kdt, dev)
     kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse)
     limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
-                             args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill)
+                             args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill,
+                             args.scheduler_config.max_prefill_tokens_while_decoding)
     sc = args.speculative_config
     scheduler = Scheduler(limits, kv, SpecPolicy(sc.max_draft_len, sc.max_concurrency, sc.adaptive)
                           if sc is not None else None)

@@ -110,6 +110,16 @@ class SchedulerLimits:
     max_seq_len: int
     policy: str = GUARANTEED_NO_EVICT
     enable_chunked_prefill: bool = True
+    max_prefill_tokens_while_decoding: int | None = None   # None: max_num_tokens
+
+    def prefill_budget(self, budget: int, decode_rows: int) -> int:
+        """The positions prompts may take of what is left of a step's ``budget`` once its
+        ``decode_rows`` are in: capped while any row decodes (chunked prefill only: without it a
+        prompt longer than the cap could never start)."""
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is None or not decode_rows or not self.enable_chunked_prefill:
+            return budget
+        return min(budget, cap)
 
 
 @dataclass
@@ -263,6 +273,8 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Decoding rows, then the running prompts' next chunks within the prompts' budget
+        (``SchedulerLimits.prefill_budget``). Returns what is left of it for new prompts."""
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         scheduled: set[int] = set()
@@ -271,9 +283,15 @@ class Scheduler:
         if self.spec is not None:
             k_step = self.spec.draft_len(min(ready, self.limits.max_batch_size), self.limits.max_num_tokens)
             batch.propose = self.spec.propose
-        for req in decoding + prefilling:
+        budget = self._running_rows(batch, decoding, budget, k_step, scheduled)
+        return self._running_rows(batch, prefilling, self.limits.prefill_budget(budget, len(batch)), k_step,
+                                  scheduled)
+
+    def _running_rows(self, batch: ScheduledBatch, requests: list[Request], budget: int, k_step: int,
+                      scheduled: set[int]) -> int:
+        for req in requests:
             if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             if len(batch) >= self.limits.max_batch_size or budget <= 0:
                 break
             k = min(k_step, req.spec_len) if req.spec_ready else HOST_PLACED

@@ -264,3 +264,39 @@ def test_overlap_never_schedules_past_max_tokens():
     s.update(b0, [1])
     s.update(b1, [2])
     assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [1, 2]
+
+
+def test_prompts_take_at_most_the_cap_of_a_step_that_decodes():
+    """max_prefill_tokens_while_decoding: with rows decoding, new prompts and running prompts'
+    chunks share the cap; with none decoding a prompt takes the whole budget; every request
+    still ends with the tokens it would have alone."""
+    s = tiny_scheduler(num_blocks=64, max_num_tokens=40, prefill_while_decoding=6)
+    a = make_request([5] * 30, max_tokens=8)
+    s.add_request(a)
+    b = s.schedule()
+    assert b.num_scheduled_tokens == [30]                       # nothing decodes: the whole prompt
+    s.update(b, [fake_token(a)])
+    c, d = make_request([7] * 10, max_tokens=2), make_request([9] * 10, max_tokens=2)
+    s.add_request(c)
+    s.add_request(d)
+    sizes = []
+    while s.has_work:
+        b = s.schedule()
+        decoding = [n for r, n, c in zip(b.requests, b.num_scheduled_tokens, b.num_computed_tokens, strict=True)
+                    if c >= r.num_prompt_tokens]
+        prompts = sum(b.num_scheduled_tokens) - sum(decoding)
+        assert prompts <= (6 if decoding else 40), (b.num_scheduled_tokens, decoding)
+        sizes.append(b.num_scheduled_tokens)
+        s.update(b, [fake_token(r) if x else None for r, x in zip(b.requests, b.samples, strict=True)])
+    assert sizes[0] == [1, 6] and sizes[1] == [1, 4, 2]          # c in chunks of what the cap leaves, then d
+    for r, p, n in ((a, [5] * 30, 8), (c, [7] * 10, 2), (d, [9] * 10, 2)):
+        assert r.output_token_ids == expected_output(p, n)
+
+
+def test_the_prefill_cap_leaves_prompts_whole_without_chunked_prefill():
+    s = tiny_scheduler(num_blocks=64, max_num_tokens=40, chunked=False, prefill_while_decoding=4)
+    a = make_request([5] * 8, max_tokens=4)
+    s.add_request(a)
+    s.update(s.schedule(), [1])
+    s.add_request(make_request([6] * 10, max_tokens=1))
+    assert s.schedule().num_scheduled_tokens == [1, 10]          # a prompt longer than the cap still starts
