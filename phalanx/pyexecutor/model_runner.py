@@ -479,10 +479,12 @@ class ModelRunner:
         total = self.timings[0][0].elapsed_time(self.timings[-1][1])
         return {"steps": len(self.timings), "busy_ms": busy, "gap_ms": sum(gaps), "span_ms": total,
                 "idle_fraction": sum(gaps) / total if total > 0 else float("nan"),
-                "mean_gap_ms": sum(gaps) / len(gaps)}
+                "mean_gap_ms": sum(gaps) / len(gaps),
+                "last_steps_ms": [round(s.elapsed_time(e), 3) for s, e in self.timings[-STEPS_REPORTED:]]}
 
 
 PROMPT_LOGPROB_ROWS = 1024
+STEPS_REPORTED = 256     # the last steps whose GPU time idle_fraction lists one by one
 
 
 @dataclass
