@@ -26,6 +26,7 @@ class AttentionMetadata:
     tokens_per_block: int
     is_decode_only: bool = False
     plan_num_seqs: int | None = None   # sequences to plan kernels for (None: all; a graph's padding rows are empty)
+    num_decode_rows: int = 0   # a mixed step's leading sequences of one query each (0: none, or not split)
     cache: dict = field(default_factory=dict)  # backend-specific per-step plans
 
     @property

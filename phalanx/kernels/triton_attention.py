@@ -160,14 +160,14 @@ DECODE_CONFIG_FP8 = (128, 4, 2)
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int | None, splits: int,
-                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """q [S, H, D] (one query per sequence) -> [S, H, D]. config: (keys per step, warps,
-    stages), DECODE_CONFIG by default (DECODE_CONFIG_FP8 over an FP8 pool)."""
+                     config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [S, H, D] (one query per sequence) -> [S, H, D] (into ``out`` when given). config: (keys
+    per step, warps, stages), DECODE_CONFIG by default (DECODE_CONFIG_FP8 over an FP8 pool)."""
     S, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     G = H // Hkv
     block_n, warps, stages = config or (DECODE_CONFIG_FP8 if k_cache.element_size() == 1 else DECODE_CONFIG)
-    out = torch.empty(S, H, D, dtype=q.dtype, device=q.device)
+    out = torch.empty(S, H, D, dtype=q.dtype, device=q.device) if out is None else out
     if splits == 1:   # one slice is the whole answer: written in q's dtype, no merge
         part, lse = out.unsqueeze(2), out      # lse: a placeholder, never written with one slice
     else:
@@ -231,13 +231,13 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                      window: int | None, block_m: int = 64,
-                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """q [T, H, D] packed over S sequences -> [T, H, D]. config: (keys per step, warps, stages),
-    EXTEND_CONFIG by default."""
+                     config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D] packed over S sequences -> [T, H, D] (into ``out`` when given). config: (keys
+    per step, warps, stages), EXTEND_CONFIG by default."""
     T, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     S = seq_lens.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     block_n, warps, stages = config or EXTEND_CONFIG
     block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
     _extend_kernel[(triton.cdiv(max_query_len, block_m), S, H)](
@@ -336,7 +336,8 @@ def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_head
 
 def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                           window: int | None, splits: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                           window: int | None, splits: int, config: tuple[int, int, int] | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """``extend_attention`` with the keys cut into ``splits`` slices and the G query heads of a
     KV head in one program (few new tokens over a long context)."""
     T, H, D = q.shape
@@ -354,7 +355,7 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
         BLOCK_N=max(block_n, 16), SPLITS=splits, PREC=_precision(q.dtype), num_warps=warps, num_stages=stages)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                                  lse.stride(1), out.stride(0), out.stride(1), D=D,
                                  BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
@@ -372,13 +373,16 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, kv_of_q: torch.Tensor | Non
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None, kv_of_q: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, kv_of_q: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     if meta.is_decode_only:
         splits = meta.cache.get("splits")
         if splits is None:
             splits = meta.cache["splits"] = num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                                        k_cache.shape[1], _num_sms(q.device))
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, splits)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, splits, out=out)
+    if meta.num_decode_rows:
+        return mixed_attention(q, k_cache, v_cache, meta, scale, window)
     splits = meta.cache.get("extend_splits")
     if splits is None:   # decided once per step
         seqs = meta.plan_num_seqs or meta.num_seqs
@@ -386,9 +390,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                              _num_sms(q.device))
     if splits > 1:
         return extend_attention_split(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                                      meta.max_query_len, scale, window, splits)
+                                      meta.max_query_len, scale, window, splits, out=out)
     return extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                            meta.max_query_len, scale, window)
+                            meta.max_query_len, scale, window, out=out)
+
+
+def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """A step whose first ``meta.num_decode_rows`` sequences have one query each (decode rows:
+    the scheduler puts them first) and the others more: the decode rows through the decode
+    kernels (a program per KV head and key slice, its G query heads together), the others
+    through the extend kernels, into one output. The extend kernel over every row would give
+    each decode row one 64-query tile per query head for its single query: a step of 96 decode
+    rows of ~1.1k tokens and one 1,000-token prompt spent 22 ms of its 45 ms in attention on an
+    H200 (tools/profile_mixed.py). The two row sets' metadata are sliced once per step."""
+    d = meta.num_decode_rows
+    parts = meta.cache.get("mixed")
+    if parts is None:
+        decode = AttentionMetadata(meta.slot_mapping[:d], meta.query_start[:d + 1], meta.seq_lens[:d],
+                                   meta.block_tables[:d], 1, meta.max_seq_len, meta.tokens_per_block,
+                                   is_decode_only=True)
+        extend = AttentionMetadata(meta.slot_mapping[d:], meta.query_start[d:] - d, meta.seq_lens[d:],
+                                   meta.block_tables[d:], meta.max_query_len, meta.max_seq_len, meta.tokens_per_block)
+        parts = meta.cache["mixed"] = (decode, extend)
+    out = torch.empty_like(q)
+    paged_attention(q[:d], k_cache, v_cache, parts[0], scale, window, out=out[:d])
+    paged_attention(q[d:], k_cache, v_cache, parts[1], scale, window, out=out[d:])
+    return out
 
 
 _SMS: dict = {}

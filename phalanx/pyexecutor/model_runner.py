@@ -260,6 +260,7 @@ class ModelRunner:
             max_seq_len=int(ends.max()),
             tokens_per_block=B,
             is_decode_only=T == S,
+            num_decode_rows=_leading_decode_rows(counts),
         )
         inputs = StepInputs(staged[4], staged[5], meta, staged[6], sample_rows, settings, staged[7])
         if gather_dst:
@@ -543,6 +544,14 @@ def _prompt_logprob_span(req, start: int, n: int) -> tuple[int, int, int] | None
     first = max(start, req.num_prompt_logprobs)
     last = min(start + n, req.num_prompt_tokens - 1)
     return (first, last - first, k) if last > first else None
+
+
+def _leading_decode_rows(counts: np.ndarray) -> int:
+    """How many leading rows of a mixed step compute one position each (its decode rows, which
+    attention runs apart: AttentionMetadata.num_decode_rows); 0 unless some rows have more."""
+    ones = counts == 1
+    lead = int(ones.argmin()) if not ones.all() else 0
+    return lead
 
 
 def _event(enabled: bool) -> torch.cuda.Event | None:

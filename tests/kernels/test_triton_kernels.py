@@ -200,6 +200,40 @@ def test_extend_attention_split_over_the_keys(seq_lens, q_lens, H, Hkv, D, dtype
             close(out, ref, dtype)
 
 
+MIXED_CASES = [([40, 17, 33, 50], [1, 1, 1, 17], 4, 2, 32), ([9, 30, 64, 5], [1, 1, 30, 5], 4, 1, 16)]
+if CUDA:
+    MIXED_CASES += [([1100] * 96 + [1000], [1] * 96 + [1000], 32, 8, 128),
+                    ([700, 2100, 64, 300], [1, 1, 64, 37], 28, 4, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", MIXED_CASES)
+@pytest.mark.parametrize("window", [None, 12])
+def test_mixed_step_decode_rows_apart_equal_the_reference(seq_lens, q_lens, H, Hkv, D, dtype, window):
+    """A mixed step's leading one-query rows through the decode kernels and the rest through
+    the extend kernels, into one output: the reference's answer for every row."""
+    import numpy as np
+
+    from phalanx.pyexecutor.model_runner import _leading_decode_rows
+    B = 32 if CUDA else 16
+    q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=11)
+    meta.num_decode_rows = _leading_decode_rows(np.asarray(q_lens))
+    assert meta.num_decode_rows == q_lens.index(next(x for x in q_lens if x != 1))
+    out = triton_attention.paged_attention(q, kc, vc, meta, D ** -0.5, window)
+    close(out, _ref(q, kc, vc, meta, window), dtype)
+    assert set(meta.cache) >= {"mixed"}
+
+
+def test_leading_decode_rows_counts_only_a_mixed_steps_first_one_query_rows():
+    import numpy as np
+
+    from phalanx.pyexecutor.model_runner import _leading_decode_rows
+    assert _leading_decode_rows(np.array([1, 1, 1, 40])) == 3
+    assert _leading_decode_rows(np.array([1, 5, 1, 1])) == 1
+    assert _leading_decode_rows(np.array([7, 1, 1])) == 0
+    assert _leading_decode_rows(np.array([1, 1, 1])) == 0        # decode only: not a mixed step
+
+
 def test_extend_splits_only_when_the_grid_is_small():
     assert triton_attention.extend_splits(2048, 1, 8, 32) == 1          # 32 query blocks x 32 heads
     assert triton_attention.extend_splits(32, 1, 8, 32) > 1             # 32 programs on 132 SMs
