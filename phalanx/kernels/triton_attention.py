@@ -142,11 +142,29 @@ def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, len_ptr, s_ps, s_ph, s_psp,
     tl.store(out_ptr + s * s_os + h * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=dm)
 
 
+MAX_SPLITS = 64
+
+
 def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tokens_per_block: int, num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU twice, but never slices shorter than 4 blocks."""
+    """Enough programs to fill the GPU about twice, but never slices shorter than 4 blocks; a
+    power of two, so that the split kernel (SPLITS is a compile-time constant) has at most
+    seven forms, all compiled at start-up (``compile_decode_splits``): a batch of any size, a
+    mixed step's decode rows included, never waits for a compile while serving."""
     want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
     cap = max(1, triton.cdiv(max_seq_len, 4 * tokens_per_block))
-    return int(max(1, min(want, cap, 64)))
+    n = int(max(1, min(want, cap, MAX_SPLITS)))
+    return 1 << (n.bit_length() - 1)
+
+
+def compile_decode_splits(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+    """Run the decode kernels once with every slice count ``num_splits`` can give (one query over
+    one block of this pool layer), so that each form is compiled before the first request."""
+    _, B, _, D = k_cache.shape
+    q = torch.zeros(1, num_heads, D, dtype=dtype, device=k_cache.device)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=k_cache.device)
+    lens = torch.ones(1, dtype=torch.int32, device=k_cache.device)
+    for i in range(MAX_SPLITS.bit_length()):
+        decode_attention(q, k_cache, v_cache, tables, lens, D ** -0.5, None, 1 << i)
 
 
 # keys per inner step, and the launch's warps and pipeline stages

@@ -122,6 +122,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     if ref_attention and args.cuda_graph_config is not None:
         logger.warning("attention takes the torch reference here (uneven head split over %d ranks, "
                        "tokens_per_block %d): CUDA graphs off", tp.size, kvc.tokens_per_block)
+    if device.type == "cuda" and not ref_attention:
+        from phalanx.kernels import triton_attention
+        triton_attention.compile_decode_splits(pool.tensor[0, 0], pool.tensor[0, 1], heads.num_heads, dtype)
     if device.type == "cuda" and args.cuda_graph_config is not None and not ref_attention:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:

@@ -224,6 +224,16 @@ def test_mixed_step_decode_rows_apart_equal_the_reference(seq_lens, q_lens, H, H
     assert set(meta.cache) >= {"mixed"}
 
 
+def test_decode_slices_are_powers_of_two_and_all_compile_at_start_up():
+    """num_splits gives a power of two for any batch (a mixed step's decode rows included), so
+    the forms compile_decode_splits runs are all the split kernel will ever need."""
+    seen = {triton_attention.num_splits(s, h, L, 16) for s in range(1, 300) for h in (1, 2, 8) for L in (16, 300, 4096)}
+    assert seen <= {1 << i for i in range(triton_attention.MAX_SPLITS.bit_length())} and len(seen) >= 5
+    B, Hkv, D = 16, 2, 32
+    kc = torch.randn(3, B, Hkv, D).to(DEV)
+    triton_attention.compile_decode_splits(kc, kc.clone(), 4, kc.dtype)
+
+
 def test_leading_decode_rows_counts_only_a_mixed_steps_first_one_query_rows():
     import numpy as np
 
