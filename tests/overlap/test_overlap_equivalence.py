@@ -75,6 +75,23 @@ def test_chunked_prefill_equal(tiny_models):
         integrity(b)
 
 
+def test_prefill_cap_while_decoding_keeps_every_token(tiny_models):
+    """scheduler_config.max_prefill_tokens_while_decoding: prompts computed a few positions a step
+    beside the decoders give the same tokens as an engine without the cap; a cap of 0 is refused
+    by name."""
+    ps = prompts(9, seed=6)
+    sps = SamplingParams(max_tokens=12, ignore_eos=True)
+    with make_llm(tiny_models["qwen3"], True, max_num_tokens=32, max_batch_size=4) as a, \
+            make_llm(tiny_models["qwen3"], True, max_num_tokens=32, max_batch_size=4,
+                     scheduler_config={"max_prefill_tokens_while_decoding": 3}) as b:
+        assert run(b, ps, sps) == run(a, ps, sps)
+        integrity(b)
+        steps = [llm._executor.stats()[0]["iteration"] for llm in (a, b)]
+        assert steps[1] > steps[0], steps      # the cap spread the prompts over more steps
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        make_llm(tiny_models["qwen3"], True, scheduler_config={"max_prefill_tokens_while_decoding": 0})
+
+
 def test_preemption_equal(tiny_models):
     ps = prompts(10, seed=4)
     sps = SamplingParams(max_tokens=14, ignore_eos=True)

@@ -21,3 +21,33 @@ def test_marks_split_the_time_between_phases_over_the_timed_iterations():
     assert set(ms) == {"schedule", "wait"}
     assert 1.5 < ms["schedule"] < 5 and 5.5 < ms["wait"] < 12, ms
     assert ms["wait"] > 2 * ms["schedule"]
+
+
+def test_a_trace_keeps_every_mark_stamped_on_the_monotonic_clock():
+    clock = HostClock()
+    clock.mark("fetch")                       # off: nothing kept
+    t0 = time.monotonic()
+    clock.start_trace()
+    clock.iteration = 7
+    clock.mark("schedule")
+    time.sleep(0.003)
+    clock.iteration = 8
+    clock.mark("wait")
+    marks = clock.stop_trace()
+    t1 = time.monotonic()
+    assert [(it, phase) for it, phase, _ in marks] == [(7, "schedule"), (8, "wait")]
+    assert t0 <= marks[0][2] < marks[1][2] <= t1 and marks[1][2] - marks[0][2] >= 0.003
+    assert clock.seconds == {} and not clock.on        # timing stayed off; tracing is over
+    clock.mark("fetch")
+    assert clock.stop_trace() == []
+
+
+def test_timing_and_a_trace_run_together_and_stop_apart():
+    clock = HostClock()
+    clock.start(iteration=0)
+    clock.start_trace()
+    clock.mark("schedule")
+    assert len(clock.stop_trace()) == 1 and clock.on   # timing still on
+    clock.mark("wait")
+    clock.stop(iteration=1)
+    assert set(clock.seconds) == {"schedule", "wait"} and not clock.on
