@@ -82,11 +82,22 @@ class RowSettings:
 
     @classmethod
     def of(cls, r: Request, vocab_size: int) -> RowSettings:
-        """Raises (ValueError, TypeError, OverflowError) for settings no tensor can hold."""
+        """A request's settings at this step: built once for each of its two states (min_tokens
+        still banning its stop tokens, or not) and kept on the request — its sampling parameters
+        do not change, and at hundreds of rows a step building them anew cost ~0.7 ms of host time.
+        Raises (ValueError, TypeError, OverflowError) for settings no tensor can hold."""
+        banning = _num_before(r) < r.sampling.min_tokens
+        settings = r.row_settings[banning]
+        if settings is None:
+            settings = r.row_settings[banning] = cls._build(r, vocab_size, banning)
+        return settings
+
+    @classmethod
+    def _build(cls, r: Request, vocab_size: int, banning: bool) -> RowSettings:
         sp = r.sampling
         bias_ids = tuple(int(t) for t in (sp.logit_bias or {}))
         banned: tuple[int, ...] = ()
-        if _num_before(r) < sp.min_tokens:
+        if banning:
             banned = tuple(sorted({int(t) for t in sp.stop_token_ids or []}
                                   | (set() if sp.ignore_eos else {int(t) for t in r.eos_token_ids})))
         for t in bias_ids + banned:
