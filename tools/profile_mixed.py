@@ -17,8 +17,7 @@ import time
 from typing import Any
 
 from phalanx import LLM, SamplingParams
-from phalanx.bench.shapes import TINY_OVERRIDES, shape_dir
-from phalanx.config import merge_yaml
+from phalanx.bench.shapes import TINY_OVERRIDES, profiling_engine_args, shape_dir
 
 
 async def _drain(llm: LLM, prompt: list[int], sp: SamplingParams, seen: list[int], i: int) -> None:
@@ -87,10 +86,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer shape (checks the tool on a CPU)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    args: dict[str, Any] = {"load_format": "dummy", "skip_tokenizer_init": True, "max_batch_size": 256,
-                            "orchestrator_type": a.orchestrator, "max_seq_len": 4096}
-    if a.config:
-        args = merge_yaml(args, a.config)
+    args = profiling_engine_args(a.orchestrator, a.config)
     a.vocab = 1024 if a.tiny else 120000
     with LLM(shape_dir(a.model, **(TINY_OVERRIDES if a.tiny else {})), **args) as llm:
         # the loop stays open: the aborted decoders' last responses may still come back to it

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from phalanx import LLM, SamplingParams
-from phalanx.bench.shapes import TINY_OVERRIDES, shape_dir
-from phalanx.config import merge_yaml
+from phalanx.bench.shapes import TINY_OVERRIDES, profiling_engine_args, shape_dir
 
 SP = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
 
@@ -158,10 +157,7 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="each request's path through the loop, in time")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    base: dict[str, Any] = {"load_format": "dummy", "skip_tokenizer_init": True, "max_batch_size": 256,
-                            "orchestrator_type": a.orchestrator, "max_seq_len": 4096}
-    if a.config:
-        base = merge_yaml(base, a.config)
+    base = profiling_engine_args(a.orchestrator, a.config)
     report: dict[str, Any] = {"settings": vars(a), "runs": {}}
     tiny = {k: v for k, v in TINY_OVERRIDES.items() if k != "vocab_size"}   # the prompts use ids up to 120k
     for mode in {"on": ["on"], "off": ["off"], "both": ["off", "on"]}[a.extend_graphs]:

@@ -48,3 +48,12 @@ def resolve_model_arg(model: str | None, **overrides) -> tuple[str | None, bool]
     if model and model.startswith("shape:"):
         return shape_dir(model[len("shape:"):], **overrides), True
     return model, False
+
+
+def profiling_engine_args(orchestrator: str, config: str | None) -> dict:
+    """LLM arguments of the profiling tools' engine (tools/profile_ttft.py, profile_mixed.py):
+    random weights, token-id prompts, 256 rows, 4k tokens, then the YAML's settings."""
+    from phalanx.config import merge_yaml
+    args: dict = {"load_format": "dummy", "skip_tokenizer_init": True, "max_batch_size": 256,
+                  "orchestrator_type": orchestrator, "max_seq_len": 4096}
+    return merge_yaml(args, config) if config else args
