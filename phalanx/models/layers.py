@@ -11,9 +11,10 @@ replaces it, once, at build time (pyexecutor/creator.py).
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +41,32 @@ def default_loader(param: torch.Tensor, w: torch.Tensor, shard_id: object = None
     _copy(param, w)
 
 
+_FP8_WEIGHTS = contextvars.ContextVar("phalanx_fp8_weights", default=False)
+
+
+@contextlib.contextmanager
+def fp8_weights(enabled: bool = True) -> Iterator[None]:
+    """While a model is built inside: its projections (the output layer excepted) and MoE
+    experts get FP8 weights from the start, and each load quantizes the rows it writes, so the
+    model is never held in full precision (``quantization: fp8``: a model whose bf16 weights do
+    not fit the GPU can still be served in FP8)."""
+    token = _FP8_WEIGHTS.set(enabled)
+    try:
+        yield
+    finally:
+        _FP8_WEIGHTS.reset(token)
+
+
+def building_fp8() -> bool:
+    return _FP8_WEIGHTS.get()
+
+
 class Projection(nn.Module):
     """A layer computing x Wᵀ (+ b) through its plan. ``behind``: the kernel in front of it.
-    After ``quantize_fp8`` the weight is FP8 with a scale per output channel (``weight_scale``)."""
+    Built under ``fp8_weights`` the weight is FP8 with a scale per output channel
+    (``weight_scale``). A subclass says where a checkpoint tensor's rows go (``_place``); one
+    loader copies them, the FP8 one quantizes them first (each row with its own scale, so a
+    row's value does not depend on the order or grouping of the loads)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
@@ -59,31 +83,39 @@ class Projection(nn.Module):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.plan(x, self.weight, self.bias, self.weight_scale)
 
-    @torch.no_grad()
-    def quantize_fp8(self) -> None:
-        """Store the (loaded) weight as FP8 e4m3 with a scale per output channel (kernels/fp8.py)
-        and run it through an FP8 plan (the reference until the tuner replaces it). Later loads
-        (weight updates) still take full-precision tensors: ``_load_fp8``."""
-        from phalanx.kernels import fp8
-        dtype, loader = self.weight.dtype, self.weight.weight_loader  # type: ignore[attr-defined]
-        q, scale = fp8.quantize_weight(self.weight.data)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self.weight.load_dtype = dtype  # type: ignore[attr-defined]
-        self.weight.weight_loader = functools.partial(self._load_fp8, loader)  # type: ignore[attr-defined]
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
-        self.plan = LinearPlan(self.behind, fp8=True)
+    def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
+        """(the rows of this rank's parameter, the checkpoint rows that go there)."""
+        raise NotImplementedError
 
-    def _load_fp8(self, loader: Callable, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
-        """A full-precision checkpoint tensor into the FP8 weight: the layer's own loader writes
-        its rows into the dequantized weight, which is quantized again (rows it did not touch
-        come back bit for bit: their scales map their largest value to 448 again)."""
+    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+        rows, src = self._place(w, shard_id)
+        _copy(param.data[rows], src)
+
+    def _weight_param(self, shape: tuple[int, int]) -> nn.Parameter:
+        """The weight: full precision, or under ``fp8_weights`` FP8 (zero, scale 1 until loaded)
+        with an FP8 plan (the reference until the tuner replaces it)."""
+        if not building_fp8():
+            return _param(shape, self._load)
+        from phalanx.kernels import fp8
+        p = nn.Parameter(torch.zeros(shape, dtype=fp8.FP8), requires_grad=False)
+        p.weight_loader = self._load_fp8  # type: ignore[attr-defined]
+        p.load_dtype = torch.get_default_dtype()  # type: ignore[attr-defined]
+        self.weight_scale = nn.Parameter(torch.ones(shape[0], dtype=torch.float32), requires_grad=False)
+        self.weight_scale.written_by_loader = True  # type: ignore[attr-defined]   # the weight's
+        self.plan = LinearPlan(self.behind, fp8=True)
+        return p
+
+    def _load_fp8(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+        """A full-precision checkpoint tensor into the FP8 weight: the rows it writes, quantized
+        with a scale each (the rows of other loads keep theirs)."""
         from phalanx.kernels import fp8
         assert self.weight_scale is not None
-        full = fp8.dequantize(param.data, self.weight_scale.data, w.dtype)
-        loader(full, w, shard_id)
-        q, scale = fp8.quantize_weight(full)
-        param.data.copy_(q)
-        self.weight_scale.data.copy_(scale)
+        rows, src = self._place(w, shard_id)
+        if src.shape != param.data[rows].shape:
+            raise ValueError(f"weight shape {tuple(src.shape)} does not fit parameter {tuple(param.data[rows].shape)}")
+        q, scale = fp8.quantize_weight(src)
+        param.data[rows] = q
+        self.weight_scale.data[rows] = scale
 
 
 class ColumnParallelLinear(Projection):
@@ -94,11 +126,11 @@ class ColumnParallelLinear(Projection):
         super().__init__(behind)
         self.tp = tp
         self.start, self.end = split_range(out_features, tp.rank, tp.size)
-        self.weight = _param((self.end - self.start, in_features), self._load)
+        self.weight = self._weight_param((self.end - self.start, in_features))
         self.bias = _param((self.end - self.start,), self._load) if bias else None
 
-    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
-        _copy(param, w[self.start:self.end])
+    def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
+        return slice(None), w[self.start:self.end]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
@@ -114,13 +146,13 @@ class MergedColumnParallelLinear(Projection):
         self.offsets = [0]
         for s, e in self.ranges:
             self.offsets.append(self.offsets[-1] + e - s)
-        self.weight = _param((self.offsets[-1], in_features), self._load)
+        self.weight = self._weight_param((self.offsets[-1], in_features))
         self.bias = _param((self.offsets[-1],), self._load) if bias else None
 
-    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+    def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
         i = int(shard_id)  # type: ignore[call-overload]
         s, e = self.ranges[i]
-        _copy(param.data[self.offsets[i]:self.offsets[i + 1]], w[s:e])
+        return slice(self.offsets[i], self.offsets[i + 1]), w[s:e]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
@@ -136,20 +168,17 @@ class QKVParallelLinear(Projection):
         self.q_size = heads.num_heads * head_dim
         self.kv_size = heads.num_kv_heads * head_dim
         out = self.q_size + 2 * self.kv_size
-        self.weight = _param((out, hidden), self._load)
+        self.weight = self._weight_param((out, hidden))
         self.bias = _param((out,), self._load) if bias else None
 
-    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
+    def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
         h, D = self.heads, self.head_dim
         if shard_id == "q":
-            dst, src = slice(0, self.q_size), w[h.q_start * D:(h.q_start + h.num_heads) * D]
-        elif shard_id in ("k", "v"):
+            return slice(0, self.q_size), w[h.q_start * D:(h.q_start + h.num_heads) * D]
+        if shard_id in ("k", "v"):
             off = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            dst = slice(off, off + self.kv_size)
-            src = w[h.kv_start * D:(h.kv_start + h.num_kv_heads) * D]
-        else:
-            raise ValueError(f"unknown qkv shard {shard_id!r}")
-        _copy(param.data[dst], src)
+            return slice(off, off + self.kv_size), w[h.kv_start * D:(h.kv_start + h.num_kv_heads) * D]
+        raise ValueError(f"unknown qkv shard {shard_id!r}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) of x [T, hidden]: [T, H·D], [T, Hkv·D], [T, Hkv·D]."""
@@ -169,7 +198,7 @@ class RowParallelLinear(Projection):
         # be split unevenly); default is an even split.
         self.in_ranges = in_ranges or [split_range(in_features, tp.rank, tp.size)]
         width = sum(e - s for s, e in self.in_ranges)
-        self.weight = _param((out_features, width), self._load)
+        self.weight = self._weight_param((out_features, width))
         self.bias = _param((out_features,), default_loader) if bias else None
         self.deferred = False
 
@@ -178,8 +207,8 @@ class RowParallelLinear(Projection):
         """Whether a norm after it may do the reduction (several ranks, no bias to add first)."""
         return self.tp.size > 1 and self.bias is None
 
-    def _load(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
-        _copy(param, torch.cat([w[:, s:e] for s, e in self.in_ranges], dim=1))
+    def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
+        return slice(None), torch.cat([w[:, s:e] for s, e in self.in_ranges], dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: this rank's input columns (gate ‖ up behind SILU) -> the full output on every rank

@@ -218,7 +218,8 @@ class CausalLM(nn.Module):
             count += 1
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
+        # FP8 scales are written by their weights' loaders (layers.fp8_weights), never by name
+        missing = sorted(n for n in set(params) - loaded if not getattr(params[n], "written_by_loader", False))
         if missing and not partial:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))

@@ -327,11 +327,14 @@ def model_class(cfg: ModelConfig):
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                tp: TPGroup | None = None, load_format: str = "auto", seed: int = 0,
+                tp: TPGroup | None = None, load_format: str = "auto", seed: int = 0, fp8: bool = False,
                 **model_kwargs: Any) -> CausalLM:
-    """Instantiate the model on ``device`` in ``dtype`` and fill its weights."""
+    """Instantiate the model on ``device`` in ``dtype`` and fill its weights. ``fp8``: the
+    projections and experts are FP8 from the start and quantized as they load (layers.fp8_weights:
+    the model is never held in ``dtype``); embeddings, the output layer, norms and routers stay in it."""
+    from phalanx.models.layers import fp8_weights
     cls = model_class(source.config)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), fp8_weights(fp8):
         model = cls(source.config, tp, **model_kwargs)
     model.eval()
     if load_format == "dummy":

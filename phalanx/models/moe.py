@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.kernels import ops
+from phalanx.kernels import fp8, ops
 from phalanx.kernels.linear_plan import MoePlan, Neighbour
 from phalanx.models.config import ModelConfig
-from phalanx.models.layers import _param, default_loader
+from phalanx.models.layers import _param, building_fp8, default_loader
 from phalanx.models.llama import MLP, CausalLM
 from phalanx.models.parallel import TPGroup, split_range
 
@@ -101,10 +101,11 @@ class SparseMoE(nn.Module):
         i_local = self.i_range[1] - self.i_range[0]
         self.gate = nn.Linear(H, E, bias=False)
         self.gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
-        self.w13 = _param((self.num_local, 2 * i_local, H), self._load_expert)
-        self.w2 = _param((self.num_local, H, i_local), self._load_expert)
-        self.w13_scale: nn.Parameter | None = None   # FP8 experts (quantize_fp8): a scale per row
-        self.w2_scale: nn.Parameter | None = None
+        self.w13 = self._experts((self.num_local, 2 * i_local, H))
+        self.w2 = self._experts((self.num_local, H, i_local))
+        # FP8 experts (built under layers.fp8_weights): a scale per (expert, output row)
+        self.w13_scale = self._scales((self.num_local, 2 * i_local))
+        self.w2_scale = self._scales((self.num_local, H))
         self.moe_plan = MoePlan()    # the fused kernels' tiles: tuned on a GPU at build time
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
@@ -126,28 +127,27 @@ class SparseMoE(nn.Module):
         if scale is None:
             param.data[e, rows].copy_(src)
             return
-        from phalanx.kernels import fp8
         q, row_scale = fp8.quantize_weight(src)
         param.data[e, rows].copy_(q)
         scale.data[e, rows].copy_(row_scale)
 
-    @torch.no_grad()
-    def quantize_fp8(self) -> None:
-        """The experts to FP8 e4m3 with a scale per (expert, output row) (kernels/fp8.py); later
-        loads (weight updates) take full-precision tensors and quantize the rows they write."""
-        from phalanx.kernels import fp8
-        for name in ("w13", "w2"):
-            w = getattr(self, name)
-            E, N, K = w.shape
-            q = torch.empty(E, N, K, dtype=fp8.FP8, device=w.device)
-            scale = torch.empty(E, N, dtype=torch.float32, device=w.device)
-            for e in range(E):   # one expert at a time: the float32 temporaries stay one expert's size
-                q[e], scale[e] = fp8.quantize_weight(w.data[e])
-            param = nn.Parameter(q, requires_grad=False)
-            param.weight_loader = self._load_expert  # type: ignore[attr-defined]
-            param.load_dtype = w.dtype  # type: ignore[attr-defined]
-            setattr(self, name, param)
-            setattr(self, name + "_scale", nn.Parameter(scale, requires_grad=False))
+    def _experts(self, shape: tuple[int, int, int]) -> nn.Parameter:
+        """Experts' weights: full precision, or under ``fp8_weights`` FP8 (zero until loaded;
+        the loader quantizes the rows it writes)."""
+        if not building_fp8():
+            return _param(shape, self._load_expert)
+        p = nn.Parameter(torch.zeros(shape, dtype=fp8.FP8), requires_grad=False)
+        p.weight_loader = self._load_expert  # type: ignore[attr-defined]
+        p.load_dtype = torch.get_default_dtype()  # type: ignore[attr-defined]
+        return p
+
+    @staticmethod
+    def _scales(shape: tuple[int, int]) -> nn.Parameter | None:
+        if not building_fp8():
+            return None
+        p = nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
+        p.written_by_loader = True  # type: ignore[attr-defined]   # by the experts' loader
+        return p
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)

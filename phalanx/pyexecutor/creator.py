@@ -68,15 +68,17 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     cfg = source.config
     max_seq_len = resolve_max_seq_len(args, source)
     adp = args.enable_attention_dp and dist is not None and dist.size > 1
-    model = build_model(source, dtype, device, tp, args.load_format, args.seed,
-                        **({"ep": ep} if cfg.is_moe and ep is not None else {}))
     if args.kv_cache_config.dtype == "fp8":
         fp8.check_device(device, "kv_cache_config.dtype")
-    if _serves_fp8(args, cfg, device):
+    serves_fp8 = _serves_fp8(args, cfg, device)
+    if serves_fp8:
         fp8.check_device(device, "quantization")
-        quantize_fp8(model)
     elif cfg.fp8_checkpoint:
         logger.warning("an FP8 checkpoint on a GPU without FP8: served dequantized, in %s", dtype)
+    model = build_model(source, dtype, device, tp, args.load_format, args.seed, fp8=serves_fp8,
+                        **({"ep": ep} if cfg.is_moe and ep is not None else {}))
+    if serves_fp8 and device.type == "cuda":
+        torch.cuda.empty_cache()     # a load's full-precision temporaries go back before the KV pool is sized
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
     kv_dtype = (dtype if kvc.dtype == "auto" else torch.float8_e4m3fn if kvc.dtype == "fp8"
@@ -178,10 +180,8 @@ def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device:
                          f"({dsource.config.vocab_size}) differs from the target's ({source.config.vocab_size})")
     if dsource.config.is_moe:
         raise ValueError("speculative_config.speculative_model_dir: a mixture-of-experts draft is not supported")
-    draft = build_model(dsource, dtype, device, tp, args.load_format, args.seed)
-    if _serves_fp8(args, dsource.config, device):
-        quantize_fp8(draft)
-    return draft
+    return build_model(dsource, dtype, device, tp, args.load_format, args.seed,
+                       fp8=_serves_fp8(args, dsource.config, device))
 
 
 def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, max_seq_len: int,
@@ -222,19 +222,6 @@ def _serves_fp8(args: LlmArgs, cfg: ModelConfig, device: torch.device) -> bool:
     """FP8 weights: asked for (``quantization: fp8``, refused by name on a GPU without FP8), or
     an FP8 checkpoint where the device runs FP8 (elsewhere it is served dequantized)."""
     return args.quantization == "fp8" or (cfg.fp8_checkpoint and fp8.supported(device))
-
-
-def quantize_fp8(model: CausalLM) -> None:
-    """``quantization: fp8``: every projection of the decoder layers and every MoE layer's experts
-    to FP8 (Projection.quantize_fp8, SparseMoE.quantize_fp8), the output layer excepted."""
-    from phalanx.models.layers import ParallelLMHead, Projection
-    from phalanx.models.moe import SparseMoE
-    todo = [m for m in model.modules()
-            if isinstance(m, SparseMoE) or (isinstance(m, Projection) and not isinstance(m, ParallelLMHead))]
-    for m in todo:
-        m.quantize_fp8()
-    if todo and next(model.parameters()).is_cuda:
-        torch.cuda.empty_cache()     # the bf16 weights' memory goes back before the KV pool is sized
 
 
 def _tune_kernels(model: CausalLM) -> dict[str, float]:

@@ -74,6 +74,37 @@ def test_fp8_weight_updates_requantize(tiny_models, tmp_path):
     assert after == want and before != want
 
 
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_fp8_weights_are_built_fp8_and_quantized_as_they_load(kind, tiny_models, tiny_moe_models):
+    """quantization: fp8 builds every projection (the output layer excepted) and the experts in
+    e4m3 before anything loads — the model is never held in full precision — and each loaded
+    row gets exactly what quantizing the full-precision model row by row gives."""
+    from phalanx.models.layers import ParallelLMHead, Projection, fp8_weights
+    from phalanx.models.loader import build_model, model_class, resolve_model
+    source = resolve_model(tiny_moe_models["qwen3_moe"] if kind == "moe" else tiny_models["llama"])
+    with torch.device("cpu"), fp8_weights():
+        empty = model_class(source.config)(source.config, None)
+    quantized = [m.weight for m in empty.modules() if isinstance(m, Projection) and not isinstance(m, ParallelLMHead)]
+    quantized += [p for n, p in empty.named_parameters() if n.endswith(("w13", "w2"))]
+    assert quantized and all(p.dtype == fp8.FP8 for p in quantized)
+    assert all(p.dtype != fp8.FP8 for n, p in empty.named_parameters() if "embed" in n or "norm" in n)
+    full = build_model(source, torch.float32, torch.device("cpu"), load_format="dummy", seed=5)
+    ours = build_model(source, torch.float32, torch.device("cpu"), load_format="dummy", seed=5, fp8=True)
+    got, want = dict(ours.named_parameters()), dict(full.named_parameters())
+    checked = 0
+    for name, w in want.items():
+        if got[name].dtype == fp8.FP8:
+            scale = got[name + "_scale"] if name.endswith(("w13", "w2")) else got[name[:-len("weight")] + "weight_scale"]
+            rows = w.reshape(-1, w.shape[-1])
+            q, s = fp8.quantize_weight(rows)
+            assert torch.equal(got[name].reshape(-1, w.shape[-1]).view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(scale.reshape(-1), s), name
+            checked += 1
+        else:
+            assert torch.equal(got[name], w), name
+    assert checked == len(quantized)
+
+
 def test_quantization_is_refused_by_name_when_unknown(tiny_models):
     with pytest.raises(ValueError, match="quantization"):
         LLM(tiny_models["llama"], skip_tokenizer_init=True, quantization="int4", orchestrator_type="inprocess")

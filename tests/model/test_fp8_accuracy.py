@@ -21,7 +21,6 @@ from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.sampling_params import SamplingParams
 from phalanx.llmapi.tokenizer import load_tokenizer
 from phalanx.models.loader import build_model, bundled_model_path, resolve_model
-from phalanx.pyexecutor.creator import quantize_fp8
 from phalanx.pyexecutor.kv_pool import KVPool
 from phalanx.pyexecutor.model_runner import ModelRunner
 from phalanx.pyexecutor.request import Request
@@ -80,9 +79,7 @@ def smollm2():
 
 
 def measure(source, prompts, weights: str, kv: str, teacher):
-    model = build_model(source, torch.bfloat16, CPU)
-    if weights == "fp8":
-        quantize_fp8(model)
+    model = build_model(source, torch.bfloat16, CPU, fp8=weights == "fp8")
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     got = continue_or_force(model, source.config, kv_dtype, prompts, [t for t, _ in teacher])
     ref = torch.cat([lg for _, lg in teacher])
