@@ -39,7 +39,10 @@ async def run(llm: LLM, a: argparse.Namespace) -> dict[str, Any]:
     sp = SamplingParams(max_tokens=a.decode_tokens, ignore_eos=True, detokenize=False)
     seen = [0] * a.decoders
     tasks = [asyncio.ensure_future(_drain(llm, ids(a.context), sp, seen, i)) for i in range(a.decoders)]
+    deadline = time.monotonic() + 300
     while min(seen) < 8:                          # every decoder past its prompt
+        if time.monotonic() > deadline or any(t.done() for t in tasks):
+            raise RuntimeError(f"the decoders did not all start decoding: tokens so far {sorted(seen)[:8]}")
         await asyncio.sleep(0.01)
     loop = asyncio.get_running_loop()
     ctl = lambda op: loop.run_in_executor(None, llm.control, op)  # noqa: E731

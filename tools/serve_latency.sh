@@ -7,16 +7,18 @@
 #   (CONFIG_YAML defaults to tools/gpu_serve.yaml; TTFT=0 skips the TTFT runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=$1; config=${2:-tools/gpu_serve.yaml}; rate=${3:-}; n=${4:-}; over=${5:-"{}"}
+out=$1; config=${2:-tools/gpu_serve.yaml}; rate=${3:-}; n=${4:-400}; over=${5:-"{}"}
 mkdir -p "$out"
 d=$(python3 -c "import json, sys; from phalanx.bench.shapes import shape_dir; print(shape_dir('llama-3.1-8b', **json.loads(sys.argv[1])))" "$over")
 cp .gpu_assets/smollm2-tokenizer/* "$d"/
 port=8011
 python3 -m phalanx.cli serve "$d" --port $port --config "$config" > "$out/server.txt" 2>&1 &
 server=$!
+up=0
 for _ in $(seq 1 240); do
-  curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1
+  curl -sf "http://127.0.0.1:$port/health" > /dev/null && { up=1; break; }; sleep 1
 done
+if [ $up = 0 ]; then echo "the server did not come up (see $out/server.txt)" >&2; kill $server; exit 1; fi
 bench() { python3 -m phalanx.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$d" --ignore-eos \
   --no-progress "$@"; }
 if [ "${TTFT:-1}" = 1 ]; then

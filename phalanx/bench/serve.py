@@ -128,8 +128,9 @@ class Client:
                     for ch in obj.get("choices", []):
                         piece = ch.get("text") if self.api == "completions" else (ch.get("delta") or {}).get("content")
                         # a completion chunk comes with new tokens, even ones with no text of their
-                        # own (ids past the tokenizer's vocabulary, a partial character): timed too
-                        if piece or self.api == "completions":
+                        # own (ids past the tokenizer's vocabulary, a partial character): timed too,
+                        # but not a closing chunk that only carries the finish reason
+                        if piece or (self.api == "completions" and ch.get("finish_reason") is None):
                             rec.token_times.append(time.perf_counter())
                             text += piece or ""
         except Exception as e:  # a failed request is counted, not fatal

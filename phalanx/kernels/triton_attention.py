@@ -80,7 +80,7 @@ def _slice(L, window, SPLITS: tl.constexpr, B: tl.constexpr):
     return first, tl.cdiv(tl.cdiv(L - first, SPLITS), B) * B
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])   # the block tables' width: one form for any
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
                          scale, window,
@@ -158,7 +158,9 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tokens_per_bl
 
 def compile_decode_splits(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
     """Run the decode kernels once with every slice count ``num_splits`` can give (one query over
-    one block of this pool layer), so that each form is compiled before the first request."""
+    one block of this pool layer), so that each form is compiled before the first request. The
+    block tables' row stride (their width, which varies step to step) is not specialized on
+    (``do_not_specialize``): one compiled form serves every width."""
     _, B, _, D = k_cache.shape
     q = torch.zeros(1, num_heads, D, dtype=dtype, device=k_cache.device)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=k_cache.device)
@@ -207,7 +209,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])   # the block tables' width: one form for any
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
@@ -267,7 +269,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])   # the block tables' width: one form for any
 def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, part_ptr, lse_ptr,
                          s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,

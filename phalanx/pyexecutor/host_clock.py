@@ -37,7 +37,9 @@ class HostClock:
         self.on = self.timing or self.trace is not None
 
     def start_trace(self) -> None:
-        self.trace, self.on, self._last = [], True, time.monotonic()
+        if not self.timing:          # timing on: the phase under way keeps its start
+            self._last = time.monotonic()
+        self.trace, self.on = [], True
 
     def stop_trace(self) -> list[tuple[int, str, float]]:
         out, self.trace = self.trace or [], None

@@ -82,7 +82,7 @@ class Request:
     spec_len: int = 0                # drafts verified per step (0: no speculation for this request)
     spec_ready: bool = False         # its device state (length, next inputs) is set: steps verify
     spec_history: int = 0            # positions of its tokens written into the device history (NGram)
-    # its sampler settings, built once (opaque here): [while min_tokens bans tokens, after]
+    # its sampler settings, built once (opaque here): [once min_tokens is reached, while it bans tokens]
     row_settings: list[Any] = field(default_factory=lambda: [None, None], repr=False)
 
     def __post_init__(self) -> None:

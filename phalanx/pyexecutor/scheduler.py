@@ -275,8 +275,14 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Decoding rows, then the running prompts' next chunks within the prompts' budget
         (``SchedulerLimits.prefill_budget``). Returns what is left of it for new prompts."""
-        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        # decoding: one position a step (or a speculative row's k + 1); a preempted request
+        # recomputing its output tokens is prompt work, like a prompt
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            one = r.num_computed_tokens >= r.num_prompt_tokens and (
+                r.spec_ready or r.num_total_tokens - r.num_computed_tokens <= 1)
+            (decoding if one else prefilling).append(r)
         scheduled: set[int] = set()
         ready = sum(1 for r in decoding if r.spec_ready)
         k_step = 0

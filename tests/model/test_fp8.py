@@ -94,7 +94,8 @@ def test_fp8_weights_are_built_fp8_and_quantized_as_they_load(kind, tiny_models,
     checked = 0
     for name, w in want.items():
         if got[name].dtype == fp8.FP8:
-            scale = got[name + "_scale"] if name.endswith(("w13", "w2")) else got[name[:-len("weight")] + "weight_scale"]
+            experts = name.endswith(("w13", "w2"))
+            scale = got[name + "_scale"] if experts else got[name.removesuffix("weight") + "weight_scale"]
             rows = w.reshape(-1, w.shape[-1])
             q, s = fp8.quantize_weight(rows)
             assert torch.equal(got[name].reshape(-1, w.shape[-1]).view(torch.uint8), q.view(torch.uint8)), name
