@@ -1,6 +1,7 @@
 """FP8 (e4m3) weights: quantization, the reference, and the dense path for many rows.
 
-``quantization: fp8`` quantizes each projection of the decoder layers once, after loading: every
+``quantization: fp8`` quantizes each projection of the decoder layers as its checkpoint rows load
+(the model is built with FP8 weights: models/layers.fp8_weights): every
 output channel (row of W) gets a float32 scale = max |W[n]| / 448, and W is stored as e4m3
 (half the bytes of bf16). A projection then computes x Wᵀ as (x · q[n]) · scale[n]:
 

@@ -113,7 +113,7 @@ class Projection(nn.Module):
         rows, src = self._place(w, shard_id)
         if src.shape != param.data[rows].shape:
             raise ValueError(f"weight shape {tuple(src.shape)} does not fit parameter {tuple(param.data[rows].shape)}")
-        q, scale = fp8.quantize_weight(src)
+        q, scale = fp8.quantize_weight(src.to(param.device))   # checkpoint tensors arrive on the host
         param.data[rows] = q
         self.weight_scale.data[rows] = scale
 

@@ -210,7 +210,7 @@ class CausalLM(nn.Module):
                 continue
             target, shard = self.map_weight_name(name)
             param = params.get(target)
-            if param is None:
+            if param is None or getattr(param, "written_by_loader", False):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             dtype = getattr(param, "load_dtype", param.dtype)   # an FP8 weight loads full precision
             param.weight_loader(param, w.to(dtype), shard)  # type: ignore[attr-defined]  # set by layers._param

@@ -124,10 +124,12 @@ class SparseMoE(nn.Module):
         n = t - s
         rows, src, scale = ((slice(None), w[:, s:t], self.w2_scale) if kind == "down" else
                             (slice(0, n) if kind == "gate" else slice(n, 2 * n), w[s:t], self.w13_scale))
+        if src.shape != param.data[e, rows].shape:
+            raise ValueError(f"expert weight shape {tuple(src.shape)} does not fit {tuple(param.data[e, rows].shape)}")
         if scale is None:
             param.data[e, rows].copy_(src)
             return
-        q, row_scale = fp8.quantize_weight(src)
+        q, row_scale = fp8.quantize_weight(src.to(param.device))   # checkpoint tensors arrive on the host
         param.data[e, rows].copy_(q)
         scale.data[e, rows].copy_(row_scale)
 

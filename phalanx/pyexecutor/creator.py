@@ -78,7 +78,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     model = build_model(source, dtype, device, tp, args.load_format, args.seed, fp8=serves_fp8,
                         **({"ep": ep} if cfg.is_moe and ep is not None else {}))
     if serves_fp8 and device.type == "cuda":
-        torch.cuda.empty_cache()     # a load's full-precision temporaries go back before the KV pool is sized
+        torch.cuda.empty_cache()     # the loads' quantization temporaries go back before the KV pool is sized
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
     kv_dtype = (dtype if kvc.dtype == "auto" else torch.float8_e4m3fn if kvc.dtype == "fp8"

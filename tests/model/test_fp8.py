@@ -104,6 +104,9 @@ def test_fp8_weights_are_built_fp8_and_quantized_as_they_load(kind, tiny_models,
         else:
             assert torch.equal(got[name], w), name
     assert checked == len(quantized)
+    stray = "model.layers.0.mlp.down_proj.weight_scale"      # scales come with their weights, never by name
+    with pytest.raises(ValueError, match="has no place"):
+        ours.load_weights([(stray, torch.ones(1))], partial=True)
 
 
 def test_quantization_is_refused_by_name_when_unknown(tiny_models):
