@@ -300,3 +300,35 @@ def test_the_prefill_cap_leaves_prompts_whole_without_chunked_prefill():
     s.update(s.schedule(), [1])
     s.add_request(make_request([6] * 10, max_tokens=1))
     assert s.schedule().num_scheduled_tokens == [1, 10]          # a prompt longer than the cap still starts
+
+
+def test_a_preempted_request_recomputing_its_output_is_prompt_work():
+    """After preemption a request recomputes its prompt and the output tokens it had: all of
+    those positions are prompt work — after the decode rows and within
+    max_prefill_tokens_while_decoding while a row decodes — and its tokens stay what they were."""
+    s = tiny_scheduler(num_blocks=32, max_num_tokens=40, policy=MAX_UTILIZATION, prefill_while_decoding=2,
+                       enable_block_reuse=False)      # nothing cached: b computes every position again
+    a, b = make_request([5] * 6, max_tokens=30), make_request([9] * 6, max_tokens=20)
+
+    def advance():
+        step = s.schedule()
+        s.update(step, [fake_token(r) if x else None for r, x in zip(step.requests, step.samples, strict=True)])
+        return step
+    s.add_request(b)
+    for _ in range(7):                        # b: its prompt, then 6 output tokens
+        advance()
+    s.add_request(a)
+    while a.num_output_tokens < 2:            # a decoding
+        step = advance()
+    s._preempt(b, step)                       # b recomputes its 6 + 10 positions while a decodes
+    recompute = []
+    while s.has_work:
+        step = s.schedule()
+        for i, (r, n, c) in enumerate(zip(step.requests, step.num_scheduled_tokens, step.num_computed_tokens,
+                                          strict=True)):
+            if r is b and c + n < b.num_tokens:       # b still catching up
+                assert i == len(step) - 1 and n <= 2, (step.num_scheduled_tokens, c)
+                recompute.append(c)
+        s.update(step, [fake_token(r) if x else None for r, x in zip(step.requests, step.samples, strict=True)])
+    assert any(c >= b.num_prompt_tokens for c in recompute), recompute   # output positions recomputed too
+    assert b.output_token_ids == expected_output([9] * 6, 20) and a.output_token_ids == expected_output([5] * 6, 30)
