@@ -238,6 +238,13 @@ class SamplingParams:
         return cls(**d)
 
 
+def plain_token_ids(ids: list[int], limit: int | None = None) -> bool:
+    """Whether a non-empty list holds only ints (not bools) in [0, limit): the common case,
+    checked in C loops (a 2k-id prompt: ~90 µs against ~130 element by element). False says
+    only that the caller must look element by element."""
+    return set(map(type, ids)) == {int} and min(ids) >= 0 and (limit is None or max(ids) < limit)
+
+
 def check_prompt(ids: list[int], vocab_size: int, max_seq_len: int) -> None:
     """Raise ValueError (naming the field and the limit) for a prompt no engine can run.
 
@@ -245,8 +252,7 @@ def check_prompt(ids: list[int], vocab_size: int, max_seq_len: int) -> None:
     from any client of the socket)."""
     if not ids:
         raise ValueError("prompt must contain at least one token")
-    # the common case in C loops (a 2k-token prompt: ~90 µs against ~130 element by element)
-    if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+    if not plain_token_ids(ids, vocab_size):
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")

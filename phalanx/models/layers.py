@@ -61,6 +61,23 @@ def building_fp8() -> bool:
     return _FP8_WEIGHTS.get()
 
 
+def fp8_param(shape: tuple[int, ...], loader: Callable) -> nn.Parameter:
+    """An FP8 weight built under ``fp8_weights``: zero until its ``loader`` quantizes rows into
+    it; checkpoints load into it in the model's dtype."""
+    from phalanx.kernels import fp8
+    p = nn.Parameter(torch.zeros(shape, dtype=fp8.FP8), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    p.load_dtype = torch.get_default_dtype()  # type: ignore[attr-defined]
+    return p
+
+
+def scale_param(shape: tuple[int, ...]) -> nn.Parameter:
+    """The float32 scales of an FP8 weight (one per output row), written by the weight's loader."""
+    p = nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
+    p.written_by_loader = True  # type: ignore[attr-defined]
+    return p
+
+
 class Projection(nn.Module):
     """A layer computing x Wᵀ (+ b) through its plan. ``behind``: the kernel in front of it.
     Built under ``fp8_weights`` the weight is FP8 with a scale per output channel
@@ -96,14 +113,9 @@ class Projection(nn.Module):
         with an FP8 plan (the reference until the tuner replaces it)."""
         if not building_fp8():
             return _param(shape, self._load)
-        from phalanx.kernels import fp8
-        p = nn.Parameter(torch.zeros(shape, dtype=fp8.FP8), requires_grad=False)
-        p.weight_loader = self._load_fp8  # type: ignore[attr-defined]
-        p.load_dtype = torch.get_default_dtype()  # type: ignore[attr-defined]
-        self.weight_scale = nn.Parameter(torch.ones(shape[0], dtype=torch.float32), requires_grad=False)
-        self.weight_scale.written_by_loader = True  # type: ignore[attr-defined]   # the weight's
+        self.weight_scale = scale_param(shape[:1])
         self.plan = LinearPlan(self.behind, fp8=True)
-        return p
+        return fp8_param(shape, self._load_fp8)
 
     def _load_fp8(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
         """A full-precision checkpoint tensor into the FP8 weight: the rows it writes, quantized

@@ -27,7 +27,7 @@ from torch import nn
 from phalanx.kernels import fp8, ops
 from phalanx.kernels.linear_plan import MoePlan, Neighbour
 from phalanx.models.config import ModelConfig
-from phalanx.models.layers import _param, building_fp8, default_loader
+from phalanx.models.layers import _param, building_fp8, default_loader, fp8_param, scale_param
 from phalanx.models.llama import MLP, CausalLM
 from phalanx.models.parallel import TPGroup, split_range
 
@@ -134,22 +134,13 @@ class SparseMoE(nn.Module):
         scale.data[e, rows].copy_(row_scale)
 
     def _experts(self, shape: tuple[int, int, int]) -> nn.Parameter:
-        """Experts' weights: full precision, or under ``fp8_weights`` FP8 (zero until loaded;
-        the loader quantizes the rows it writes)."""
-        if not building_fp8():
-            return _param(shape, self._load_expert)
-        p = nn.Parameter(torch.zeros(shape, dtype=fp8.FP8), requires_grad=False)
-        p.weight_loader = self._load_expert  # type: ignore[attr-defined]
-        p.load_dtype = torch.get_default_dtype()  # type: ignore[attr-defined]
-        return p
+        """Experts' weights: full precision, or under ``fp8_weights`` FP8 (the loader quantizes
+        the rows it writes)."""
+        return fp8_param(shape, self._load_expert) if building_fp8() else _param(shape, self._load_expert)
 
     @staticmethod
     def _scales(shape: tuple[int, int]) -> nn.Parameter | None:
-        if not building_fp8():
-            return None
-        p = nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
-        p.written_by_loader = True  # type: ignore[attr-defined]   # by the experts' loader
-        return p
+        return scale_param(shape) if building_fp8() else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)

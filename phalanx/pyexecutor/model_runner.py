@@ -261,7 +261,7 @@ class ModelRunner:
             max_seq_len=int(ends.max()),
             tokens_per_block=B,
             is_decode_only=T == S,
-            num_decode_rows=_leading_decode_rows(counts),
+            num_decode_rows=0 if T == S else _leading_decode_rows(counts),
         )
         inputs = StepInputs(staged[4], staged[5], meta, staged[6], sample_rows, settings, staged[7])
         if gather_dst:
@@ -551,8 +551,7 @@ def _leading_decode_rows(counts: np.ndarray) -> int:
     """How many leading rows of a mixed step compute one position each (its decode rows, which
     attention runs apart: AttentionMetadata.num_decode_rows); 0 unless some rows have more."""
     ones = counts == 1
-    lead = int(ones.argmin()) if not ones.all() else 0
-    return lead
+    return 0 if ones.all() else int(ones.argmin())
 
 
 def _event(enabled: bool) -> torch.cuda.Event | None:

@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from phalanx.llmapi.sampling_params import plain_token_ids
+
 MAX_N = 16
 MAX_PROMPTS = 256
 MAX_STOP = 16
@@ -383,10 +385,8 @@ def _is_type_tag(p: Any) -> bool:
 
 
 def _token_ids(v: list) -> bool:
-    """Whether every item of a non-empty list is a token id (the common case in C loops)."""
-    if set(map(type, v)) == {int}:
-        return min(v) >= 0
-    return all(_is_token_id(t) for t in v)
+    """Whether every item of a non-empty list is a token id."""
+    return plain_token_ids(v) or all(_is_token_id(t) for t in v)
 
 
 def _is_token_id(t: Any) -> bool:
