@@ -4,11 +4,17 @@
 # then 2048 cached + 32 new tokens) and, with POISSON, inter-token latency under Poisson arrivals
 # of 1000/1000 requests.
 #   usage: tools/serve_latency.sh OUTDIR [CONFIG_YAML] [RATE PROMPTS] [SHAPE_OVERRIDES_JSON]
-#   (CONFIG_YAML defaults to tools/gpu_serve.yaml; TTFT=0 skips the TTFT runs)
+#   (CONFIG_YAML defaults to tools/gpu_serve.yaml; TTFT=0 skips the TTFT runs; PREFILL_CAP=N adds
+#   scheduler_config.max_prefill_tokens_while_decoding: N to the config)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1; config=${2:-tools/gpu_serve.yaml}; rate=${3:-}; n=${4:-400}; over=${5:-"{}"}
 mkdir -p "$out"
+if [ -n "${PREFILL_CAP:-}" ]; then
+  capped=$(mktemp --suffix .yaml)
+  { cat "$config"; printf 'scheduler_config:\n  max_prefill_tokens_while_decoding: %s\n' "$PREFILL_CAP"; } > "$capped"
+  config=$capped
+fi
 d=$(python3 -c "import json, sys; from phalanx.bench.shapes import shape_dir; print(shape_dir('llama-3.1-8b', **json.loads(sys.argv[1])))" "$over")
 cp .gpu_assets/smollm2-tokenizer/* "$d"/
 port=8011
