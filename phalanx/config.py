@@ -56,12 +56,17 @@ class CudaGraphConfig(StrictModel):
         "decode-only (prompts, chunks, new tokens after a cached prefix, mixed with decodes): such a step with at "
         "most extend_max_seqs sequences replays the smallest that holds its tokens. [] captures none.")
     extend_max_seqs: int = Field(8, ge=1, le=256, description="Sequences an extend graph holds.")
+    piecewise_num_tokens: list[int] = Field(
+        [*range(64, 1025, 64), 1280, 1536, 1792, 2048],
+        description="Token counts of the piecewise graphs: a step that no decode or extend graph holds (a "
+        "prompt's chunk among many decoding requests, or more tokens) with at most the largest of these tokens "
+        "replays everything but attention from graphs, attention running eagerly between them. [] captures none.")
 
-    @field_validator("extend_num_tokens")
+    @field_validator("extend_num_tokens", "piecewise_num_tokens")
     @classmethod
     def _positive_tokens(cls, v: list[int]) -> list[int]:
         if any(t < 2 for t in v):
-            raise ValueError("every extend token count must be >= 2")
+            raise ValueError("every token count must be >= 2")
         return sorted(set(v))
 
     @field_validator("batch_sizes")

@@ -105,15 +105,17 @@ def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_token
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    kv_of_q: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D] over the paged cache -> [T, H, D] (causal, GQA, optional sliding window)."""
+                    kv_of_q: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D] over the paged cache -> [T, H, D] (causal, GQA, optional sliding window),
+    written into ``out`` when given."""
     if use_triton(q):
         from phalanx.kernels import triton_attention
         if triton_attention.supports(q, k_cache, kv_of_q):
-            return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window, kv_of_q)
+            return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window, kv_of_q, out=out)
     plan = meta.cache.get("ref")
     if plan is None:
         plan = meta.cache["ref"] = attention_ref.build_ref_plan(
             meta.query_start, meta.seq_lens, meta.block_tables, meta.tokens_per_block,
             meta.max_query_len, meta.max_seq_len)
-    return attention_ref.paged_attention_ref(q, k_cache, v_cache, plan, scale, window, kv_of_q)
+    o = attention_ref.paged_attention_ref(q, k_cache, v_cache, plan, scale, window, kv_of_q)
+    return o if out is None else out.copy_(o)

@@ -402,7 +402,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                        k_cache.shape[1], _num_sms(q.device))
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, splits, out=out)
     if meta.num_decode_rows:
-        return mixed_attention(q, k_cache, v_cache, meta, scale, window)
+        return mixed_attention(q, k_cache, v_cache, meta, scale, window, out=out)
     splits = meta.cache.get("extend_splits")
     if splits is None:   # decided once per step
         seqs = meta.plan_num_seqs or meta.num_seqs
@@ -416,7 +416,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """A step whose first ``meta.num_decode_rows`` sequences have one query each (decode rows:
     the scheduler puts them first) and the others more: the decode rows through the decode
     kernels (a program per KV head and key slice, its G query heads together), the others
@@ -433,7 +433,7 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         extend = AttentionMetadata(meta.slot_mapping[d:], meta.query_start[d:] - d, meta.seq_lens[d:],
                                    meta.block_tables[d:], meta.max_query_len, meta.max_seq_len, meta.tokens_per_block)
         parts = meta.cache["mixed"] = (decode, extend)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     paged_attention(q[:d], k_cache, v_cache, parts[0], scale, window, out=out[:d])
     paged_attention(q[d:], k_cache, v_cache, parts[1], scale, window, out=out[d:])
     return out

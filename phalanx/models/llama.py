@@ -62,8 +62,12 @@ class Attention(nn.Module):
                                    self.qkv_proj.weight_scale)
         else:
             q = self.qkv_rope(positions, h, meta, k_cache, v_cache)
-        o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q)
-        return self.o_proj(o.reshape(T, H * D))
+        return self.o_proj(self.attend(q, meta, k_cache, v_cache).reshape(T, H * D))
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rotated q [T, H, D] over the paged pool -> [T, H, D] (into ``out`` when given)."""
+        return ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q, out=out)
 
     def qkv_rope(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -127,13 +131,21 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, meta, k_cache, v_cache, x_partial: bool = False):
         """x: the previous layer's output (its partial sum when ``x_partial``); returns this
         layer's (output, residual)."""
+        h, residual = self.input_norm(x, residual, x_partial)
+        return self.mlp_block(self.self_attn(positions, h, meta, k_cache, v_cache), residual)
+
+    # the halves around attention (a piecewise CUDA graph captures them apart: cuda_graph.py)
+    def input_norm(self, x, residual, x_partial: bool = False):
+        """(normed x, residual) for attention: the residual add first after the first layer."""
         if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual, self.tp if x_partial else None)
-        x = self.self_attn(positions, h, meta, k_cache, v_cache)
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual, self.tp if x_partial else None)
+
+    def mlp_block(self, attn_out, residual):
+        """Attention's projected output -> this layer's (output, residual): the post-attention
+        norm (reducing a deferred o_proj) and the MLP."""
         deferred = self.self_attn.o_proj.deferred
-        h, residual = self.post_attention_layernorm(x, residual, self.tp if deferred else None)
+        h, residual = self.post_attention_layernorm(attn_out, residual, self.tp if deferred else None)
         return self.mlp(h), residual
 
 

@@ -138,12 +138,14 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                 logger.warning("cuda_graph_config.extend_num_tokens: no extend graphs for %s (%s): those steps run "
                                "eagerly", dropped, "attention DP" if adp else "a mixture-of-experts model"
                                if cfg.is_moe else f"above max_num_tokens {args.max_num_tokens}")
+            piecewise = [] if adp or cfg.is_moe else [t for t in gcfg.piecewise_num_tokens if t <= args.max_num_tokens]
             # speculative rows hold up to 2k positions past the length limit (Request.kv_limit)
             span = max_seq_len + 2 * (runner.spec.k if runner.spec is not None else 0)
             runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-span // B), B, span,
                                             num_blocks, gcfg.enable_padding, device, extend_sizes=extend,
                                             extend_max_seqs=gcfg.extend_max_seqs,
-                                            logits_per_seq=1 + (runner.spec.k if runner.spec is not None else 0))
+                                            logits_per_seq=1 + (runner.spec.k if runner.spec is not None else 0),
+                                            piecewise_sizes=piecewise)
             runner.graphs.capture()
             extra["graph_capture_s"] = runner.graphs.capture_seconds
     if adp:   # each rank owns its requests; sync loop (see attention_dp/executor.py)

@@ -13,8 +13,14 @@ to T forms one more sequence of its own, over the scratch block only, and the ro
 are empty sequences, which the extend attention kernel skips (its grid covers T queries of
 every row; a row's programs beyond its query length return at once). Only the rows that sample
 are turned into logits. Such steps are short on the device, so eagerly their ~300 kernel
-launches (host-bound) would cost more than the kernels themselves. Anything else — steps with
-prompt logprobs, more sequences or tokens, mixture-of-experts models — runs eagerly.
+launches (host-bound) would cost more than the kernels themselves.
+
+Larger steps — more sequences than an extend graph holds (a prompt's chunk among decoding
+requests), or more tokens — replay *piecewise* graphs (``PiecewiseGraphs``) when they have at
+most the largest of ``piecewise_sizes`` tokens: everything but attention is captured, one graph
+per stretch between two attention calls, and attention runs eagerly between the replays with
+the step's own metadata (whatever its rows). Anything else — steps with prompt logprobs or
+speculative rows, mixture-of-experts models — runs eagerly.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class CudaGraphRunner:
     def __init__(self, model: CausalLM, kv_tensor: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
                  tokens_per_block: int, max_seq_len: int, scratch_block: int, enable_padding: bool,
                  device: torch.device, extend_sizes: list[int] | None = None, extend_max_seqs: int = 8,
-                 logits_per_seq: int = 1) -> None:
+                 logits_per_seq: int = 1, piecewise_sizes: list[int] | None = None) -> None:
         self.model, self.kv_tensor, self.device = model, kv_tensor, device
         self.sizes = sorted(set(sizes))
         self.enable_padding = enable_padding
@@ -77,6 +83,8 @@ class CudaGraphRunner:
             self.e_logits_indices = torch.zeros(self.extend_max_logits, dtype=torch.long, device=device)
         self.extend_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.extend_outputs: dict[int, torch.Tensor] = {}
+        self.piecewise = (PiecewiseGraphs(model, kv_tensor, piecewise_sizes, scratch_block * tokens_per_block,
+                                          tokens_per_block, device) if piecewise_sizes else None)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start=self.query_start[:bs + 1],
@@ -118,10 +126,13 @@ class CudaGraphRunner:
                 self.extend_outputs[t] = self._extend_forward(t, meta)
             pool = graph.pool()
             self.extend_graphs[t] = graph
+        if self.piecewise is not None:
+            self.piecewise.capture(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.monotonic() - t0
-        logger.info("captured %d CUDA graphs (batch sizes %s; extend token counts %s) in %.1fs",
-                    len(self.graphs) + len(self.extend_graphs), self.sizes, self.extend_sizes, self.capture_seconds)
+        logger.info("captured %d CUDA graphs (batch sizes %s; extend token counts %s; piecewise token counts %s) "
+                    "in %.1fs", len(self.graphs) + len(self.extend_graphs), self.sizes, self.extend_sizes,
+                    self.piecewise.sizes if self.piecewise is not None else [], self.capture_seconds)
 
     def release(self) -> None:
         """Drop the graphs and their memory pool (``capture`` makes them again; the engine's
@@ -133,6 +144,8 @@ class CudaGraphRunner:
         self.metas.clear()
         self.extend_graphs.clear()
         self.extend_outputs.clear()
+        if self.piecewise is not None:
+            self.piecewise.release()
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta, self.kv_tensor)
@@ -225,3 +238,126 @@ class CudaGraphRunner:
             self.input_ids[n:bs].zero_()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+
+class PiecewiseGraphs:
+    """Everything of a step but attention, from graphs: for each token count T of ``sizes``, L + 1
+    graphs (L layers) — the embedding and the first layer up to its rotated q; then for each
+    layer the o projection of the previous layer's attention output, its MLP, and this layer's
+    norm, q/k/v, rotary and K/V write; then the last MLP and the final norm. Attention runs
+    eagerly between the replays over the step's real rows and metadata, from the q buffer into
+    the output buffer the next graph reads (both static, outside the graphs' pool).
+
+    A step of n ≤ T tokens fills the first n rows of the inputs; the padding rows write their
+    K/V into the scratch block and are never read. The graphs of all sizes share one memory
+    pool: a graph's intermediates may take the memory of an earlier graph's, which is safe
+    because a step replays its size's graphs in the order they were captured (each graph's
+    inputs were alive while it was captured, so nothing inside it overwrites them)."""
+
+    def __init__(self, model: CausalLM, kv_tensor: torch.Tensor, sizes: list[int], scratch_slot: int,
+                 tokens_per_block: int, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.decoder = model.model
+        self.layers = model.model.decoder_layers
+        self.kv = [(kv_tensor[i, 0], kv_tensor[i, 1]) for i in range(len(self.layers))]
+        self.sizes = sorted(set(sizes))
+        self.tokens_per_block = tokens_per_block
+        tmax = self.sizes[-1]
+        attn = self.layers[0].self_attn
+        heads, head_dim = attn.heads.num_heads, attn.head_dim
+        self.ids = torch.zeros(tmax, dtype=torch.long, device=device)
+        self.positions = torch.zeros(tmax, dtype=torch.long, device=device)
+        self.pad_slots = scratch_slot + torch.arange(tmax, device=device) % tokens_per_block
+        self.slots = self.pad_slots.clone()
+        self.q = torch.zeros(tmax, heads, head_dim, dtype=model.activation_dtype, device=device)
+        self.o = torch.zeros_like(self.q)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, t: int) -> AttentionMetadata:
+        # the graphs run no attention: only the K/V write reads the metadata (its slots)
+        empty = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return AttentionMetadata(slot_mapping=self.slots[:t], query_start=empty, seq_lens=empty,
+                                 block_tables=empty[None], max_query_len=t, max_seq_len=t,
+                                 tokens_per_block=self.tokens_per_block)
+
+    def _piece(self, i: int, t: int, residual: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """Graph i of size t: from the previous layer's attention output (in ``self.o``) to layer
+        i's rotated q (into ``self.q``); returns the residual stream (after the last layer: the
+        final hidden states)."""
+        if i == 0:
+            x, partial = self.decoder.embed_tokens(self.ids[:t]), False
+        else:
+            prev = self.layers[i - 1]
+            assert residual is not None
+            x, residual = prev.mlp_block(prev.self_attn.o_proj(self.o[:t].view(t, -1)), residual)
+            partial = prev.output_partial
+        if i == len(self.layers):
+            hidden, _ = self.decoder.norm(x, residual, self.decoder.tp if partial else None)
+            return hidden
+        layer = self.layers[i]
+        h, residual = layer.input_norm(x, residual, partial)
+        self.q[:t].copy_(layer.self_attn.qkv_rope(self.positions[:t], h, meta, *self.kv[i]))
+        return residual
+
+    def capture(self, stream: torch.cuda.Stream) -> None:
+        pool = None
+        current = torch.cuda.current_stream(self.device)
+        for t in reversed(self.sizes):   # largest first: smaller sizes reuse its memory
+            meta = self._meta(t)
+            self.ids.zero_()
+            self.positions.zero_()
+            self.slots.copy_(self.pad_slots)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for _ in range(2):       # compile kernels and settle the allocator outside the graphs
+                    carry = None
+                    for i in range(len(self.layers) + 1):
+                        carry = self._piece(i, t, carry, meta)
+                graphs = []
+                carry = None
+                out = None
+                for i in range(len(self.layers) + 1):
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_MODE)
+                    try:
+                        out = self._piece(i, t, carry, meta)
+                    finally:
+                        graph.capture_end()
+                    pool = graph.pool()
+                    graphs.append(graph)
+                    carry = out          # the previous graph's output is released only now
+            current.wait_stream(stream)
+            assert out is not None
+            self.graphs[t] = graphs
+            self.outputs[t] = out
+
+    def release(self) -> None:
+        for graphs in self.graphs.values():
+            for graph in graphs:
+                graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
+    def size(self, num_tokens: int) -> int | None:
+        """The token count a step of ``num_tokens`` replays, or None (eager)."""
+        for t in self.sizes:
+            if t >= num_tokens and t in self.graphs:
+                return t
+        return None
+
+    def run(self, t: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A step's tokens through the graphs of size ``t`` with attention between them -> the
+        final hidden states of its n tokens [n, hidden]."""
+        n = input_ids.shape[0]
+        self.ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        if t > n:
+            self.slots[n:t].copy_(self.pad_slots[n:t])
+        graphs, q, o = self.graphs[t], self.q[:n], self.o[:n]
+        for graph, layer, kv in zip(graphs, self.layers, self.kv, strict=False):
+            graph.replay()
+            layer.self_attn.attend(q, meta, *kv, out=o)
+        graphs[-1].replay()
+        return self.outputs[t][:n]

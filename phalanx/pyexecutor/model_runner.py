@@ -139,6 +139,7 @@ class ModelRunner:
         self.spec: SpecDecoder | None = None          # speculative decoding (device state, proposer)
         self.num_graph_steps = 0                     # steps that replayed a graph
         self.num_extend_graph_steps = 0              # prefill / extend / mixed steps that replayed one
+        self.num_piecewise_steps = 0                 # larger steps: piecewise graphs, attention eager
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -325,6 +326,13 @@ class ModelRunner:
                 self.num_extend_graph_steps += 1
                 return self.graphs.run_extend(t, inputs.input_ids, inputs.positions, inputs.meta,
                                               inputs.logits_indices)
+        pieces = self.graphs.piecewise if self.graphs is not None and graph_size is None else None
+        if pieces is not None and inputs.prompt_logprobs is None and inputs.spec is None:
+            t = pieces.size(inputs.input_ids.shape[0])
+            if t is not None:
+                self.num_piecewise_steps += 1
+                hidden = pieces.run(t, inputs.input_ids, inputs.positions, inputs.meta)
+                return self.model.compute_logits(hidden[inputs.logits_indices])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool.tensor)
         if inputs.prompt_logprobs is not None:
             self.last_prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprobs)

@@ -358,6 +358,7 @@ class PyExecutor:
                 "spec_verify_rows": s.num_verify_rows, "spec_draft_tokens": s.num_draft_tokens,
                 "spec_accepted_drafts": s.num_accepted_drafts,
                 "num_extend_graph_steps": self.runner.num_extend_graph_steps,
+                "num_piecewise_steps": self.runner.num_piecewise_steps,
                 "weight_version": self.rollout.weight_version,
                 "paused": self.rollout.pause_mode, "asleep": sorted(self.rollout.asleep),
                 **(self.runner.guided.stats() if self.runner.guided is not None else {}),

@@ -81,7 +81,7 @@ def test_extend_graphs_match_transformers_with_prefix_hits_chunks_and_mixed_step
         with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
                  max_num_tokens=96, kv_cache_config={"tokens_per_block": 16},
                  cuda_graph_config={"batch_sizes": [1, 2, 4, 8], "extend_num_tokens": extend,
-                                    "extend_max_seqs": 4}) as llm:
+                                    "extend_max_seqs": 4, "piecewise_num_tokens": []}) as llm:
             llm.generate(shared, SamplingParams(max_tokens=1), use_tqdm=False)      # the prefix is cached now
             outs = llm.generate(ps, sp, use_tqdm=False)
             runner = llm._executor.engine.runner
@@ -91,6 +91,32 @@ def test_extend_graphs_match_transformers_with_prefix_hits_chunks_and_mixed_step
         for i, (p, o, s) in enumerate(zip(ps, outs, sp, strict=True)):
             ref, gaps = hf_greedy(hf, p, s.max_tokens)
             assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"prompt {i}, extend graphs {extend}")
+    hf.to("cpu")
+
+
+def test_piecewise_graphs_match_transformers_and_eager_on_mixed_and_large_decode_steps(tiny_models, hf_models):
+    """Steps no decode or extend graph holds — prompt chunks among more decoding sequences than an
+    extend graph takes, new tokens after cached prefixes, decode batches past the largest decode
+    graph — replay piecewise graphs (attention eager between them) and give transformers' greedy
+    tokens, as the same engine without them (eager) does."""
+    shared = list(range(3, 75))
+    ps = [shared + [100 + i] * (i + 1) for i in range(6)] + prompts(256, n=10, seed=5) + [list(range(7, 207))]
+    sp = [SamplingParams(max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(ps))]
+    hf = hf_models["llama"].to("cuda")
+    for pieces in ([32, 64, 128], []):
+        with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+                 max_num_tokens=128, kv_cache_config={"tokens_per_block": 16},
+                 cuda_graph_config={"batch_sizes": [1, 2, 4, 8], "extend_num_tokens": [16, 32],
+                                    "extend_max_seqs": 2, "piecewise_num_tokens": pieces}) as llm:
+            llm.generate(shared, SamplingParams(max_tokens=1), use_tqdm=False)      # the prefix is cached now
+            outs = llm.generate(ps, sp, use_tqdm=False)
+            runner = llm._executor.engine.runner
+            assert (runner.num_piecewise_steps > 0) == bool(pieces)
+            assert llm.check_integrity() == ["ok"]
+        assert sum(o.cached_tokens for o in outs) >= 6 * 64
+        for i, (p, o, s) in enumerate(zip(ps, outs, sp, strict=True)):
+            ref, gaps = hf_greedy(hf, p, s.max_tokens)
+            assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"prompt {i}, piecewise graphs {pieces}")
     hf.to("cpu")
 
 

@@ -220,8 +220,16 @@ def test_mixed_step_decode_rows_apart_equal_the_reference(seq_lens, q_lens, H, H
     meta.num_decode_rows = _leading_decode_rows(np.asarray(q_lens))
     assert meta.num_decode_rows == q_lens.index(next(x for x in q_lens if x != 1))
     out = triton_attention.paged_attention(q, kc, vc, meta, D ** -0.5, window)
-    close(out, _ref(q, kc, vc, meta, window), dtype)
+    ref = _ref(q, kc, vc, meta, window)
+    close(out, ref, dtype)
     assert set(meta.cache) >= {"mixed"}
+    # into a given buffer (piecewise graphs read attention's output from a static one): only its rows
+    T = q.shape[0]
+    buf = torch.full((T + 3, *q.shape[1:]), float("nan"), dtype=q.dtype, device=q.device)
+    got = triton_attention.paged_attention(q, kc, vc, meta, D ** -0.5, window, out=buf[:T])
+    assert got.data_ptr() == buf.data_ptr()
+    close(buf[:T], ref, dtype)
+    assert torch.isnan(buf[T:]).all()
 
 
 def test_decode_slices_are_powers_of_two_and_all_compile_at_start_up():
