@@ -57,7 +57,7 @@ class CudaGraphConfig(StrictModel):
         "most extend_max_seqs sequences replays the smallest that holds its tokens. [] captures none.")
     extend_max_seqs: int = Field(8, ge=1, le=256, description="Sequences an extend graph holds.")
     piecewise_num_tokens: list[int] = Field(
-        [*range(64, 1025, 64), 1280, 1536, 1792, 2048],
+        [*range(64, 1025, 64), *range(1152, 2049, 128)],
         description="Token counts of the piecewise graphs: a step that no decode or extend graph holds (a "
         "prompt's chunk among many decoding requests, or more tokens) with at most the largest of these tokens "
         "replays everything but attention from graphs, attention running eagerly between them. [] captures none.")
