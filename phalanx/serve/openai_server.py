@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from phalanx import __version__
 from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.outputs import RequestError, RequestOutput
-from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams
+from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
 from phalanx.serve import rollout_routes, tools
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
@@ -480,7 +480,8 @@ class OpenAIServer:
                     raise ApiError(400, f"{where}: {e}; this model's maximum context length is "
                                         f"{self.llm.max_seq_len} tokens", "prompt") from None
             else:
-                bad = next((t for t in p if not 0 <= t < self.llm.vocab_size), None)
+                bad = None if plain_token_ids(p, self.llm.vocab_size) else next(
+                    (t for t in p if not 0 <= t < self.llm.vocab_size), None)
                 if bad is not None:
                     raise ApiError(400, f"{where}: token id {bad} is outside the vocabulary [0, "
                                         f"{self.llm.vocab_size})", "prompt")
@@ -745,7 +746,7 @@ def _body_doc(model: type) -> dict[str, Any]:
 
 def _has_text(prompt: Any) -> bool:
     """Whether a completion's prompt field holds a string (tokenizer work) anywhere."""
-    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+    return isinstance(prompt, str) or (isinstance(prompt, list) and str in set(map(type, prompt)))
 
 
 async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -393,6 +393,15 @@ def _is_token_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
+def _numbers_only(items: list) -> bool:
+    """Whether a list holds only numbers (its items' types gathered in C: a 2k-id prompt ~40 µs
+    against ~300 visiting each)."""
+    return set(map(type, items)) <= _NUMBER_TYPES
+
+
+_NUMBER_TYPES = frozenset({int, float, bool})
+
+
 def _check_values(value: Any, path: str, depth: int) -> None:
     """Refuse strings UTF-8 cannot encode and nesting deeper than MAX_DEPTH, naming the path."""
     if depth > MAX_DEPTH:
@@ -408,6 +417,8 @@ def _check_values(value: Any, path: str, depth: int) -> None:
             _check_values(k, path, depth + 1)
             _check_values(v, f"{path}.{k}" if path else str(k), depth + 1)
     elif isinstance(value, list):
-        for i, v in enumerate(value):   # numbers need no check (a token-id prompt holds thousands)
+        if depth + 1 <= MAX_DEPTH and _numbers_only(value):   # a token-id prompt: thousands of ints, no walk
+            return
+        for i, v in enumerate(value):   # numbers need no check
             if isinstance(v, (str, dict, list)) or depth + 1 > MAX_DEPTH:
                 _check_values(v, f"{path}.{i}" if path else str(i), depth + 1)
