@@ -138,7 +138,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                 logger.warning("cuda_graph_config.extend_num_tokens: no extend graphs for %s (%s): those steps run "
                                "eagerly", dropped, "attention DP" if adp else "a mixture-of-experts model"
                                if cfg.is_moe else f"above max_num_tokens {args.max_num_tokens}")
-            piecewise = [] if adp or cfg.is_moe else [t for t in gcfg.piecewise_num_tokens if t <= args.max_num_tokens]
+            piecewise = [] if adp or cfg.is_moe else _piecewise_sizes(gcfg.piecewise_num_tokens, args.max_num_tokens)
             # speculative rows hold up to 2k positions past the length limit (Request.kv_limit)
             span = max_seq_len + 2 * (runner.spec.k if runner.spec is not None else 0)
             runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-span // B), B, span,
@@ -259,6 +259,15 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
 
 
 @torch.inference_mode()
+def _piecewise_sizes(sizes: list[int], max_num_tokens: int) -> list[int]:
+    """The piecewise graphs' token counts up to ``max_num_tokens``, and that count itself where
+    a larger size was asked for (a step can never need more)."""
+    kept = [t for t in sizes if t <= max_num_tokens]
+    if len(kept) < len(sizes) and max_num_tokens not in kept and max_num_tokens >= 2:
+        kept.append(max_num_tokens)
+    return kept
+
+
 def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block_bytes: int,
                         max_seq_len: int, extra: dict) -> int:
     """KV blocks from a profiling run: a forward over a max_num_tokens batch with a small

@@ -252,7 +252,8 @@ class PiecewiseGraphs:
     K/V into the scratch block and are never read. The graphs of all sizes share one memory
     pool: a graph's intermediates may take the memory of an earlier graph's, which is safe
     because a step replays its size's graphs in the order they were captured (each graph's
-    inputs were alive while it was captured, so nothing inside it overwrites them)."""
+    inputs were alive while it was captured, so nothing inside it overwrites them). The final
+    hidden states go to a static buffer too, valid until the next step replays."""
 
     def __init__(self, model: CausalLM, kv_tensor: torch.Tensor, sizes: list[int], scratch_slot: int,
                  tokens_per_block: int, device: torch.device) -> None:
@@ -271,8 +272,8 @@ class PiecewiseGraphs:
         self.slots = self.pad_slots.clone()
         self.q = torch.zeros(tmax, heads, head_dim, dtype=model.activation_dtype, device=device)
         self.o = torch.zeros_like(self.q)
+        self.hidden = torch.zeros(tmax, model.config.hidden_size, dtype=model.activation_dtype, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
 
     def _meta(self, t: int) -> AttentionMetadata:
         # the graphs run no attention: only the K/V write reads the metadata (its slots)
@@ -292,9 +293,9 @@ class PiecewiseGraphs:
             assert residual is not None
             x, residual = prev.mlp_block(prev.self_attn.o_proj(self.o[:t].view(t, -1)), residual)
             partial = prev.output_partial
-        if i == len(self.layers):
-            hidden, _ = self.decoder.norm(x, residual, self.decoder.tp if partial else None)
-            return hidden
+        if i == len(self.layers):   # the final hidden states into a static buffer: nothing in the pool outlives a step
+            self.hidden[:t].copy_(self.decoder.norm(x, residual, self.decoder.tp if partial else None)[0])
+            return self.hidden[:t]
         layer = self.layers[i]
         h, residual = layer.input_norm(x, residual, partial)
         self.q[:t].copy_(layer.self_attn.qkv_rope(self.positions[:t], h, meta, *self.kv[i]))
@@ -310,13 +311,11 @@ class PiecewiseGraphs:
             self.slots.copy_(self.pad_slots)
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
-                for _ in range(2):       # compile kernels and settle the allocator outside the graphs
-                    carry = None
-                    for i in range(len(self.layers) + 1):
-                        carry = self._piece(i, t, carry, meta)
+                carry = None             # compile the kernels outside the graphs
+                for i in range(len(self.layers) + 1):
+                    carry = self._piece(i, t, carry, meta)
                 graphs = []
                 carry = None
-                out = None
                 for i in range(len(self.layers) + 1):
                     graph = torch.cuda.CUDAGraph()
                     graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_MODE)
@@ -328,16 +327,13 @@ class PiecewiseGraphs:
                     graphs.append(graph)
                     carry = out          # the previous graph's output is released only now
             current.wait_stream(stream)
-            assert out is not None
             self.graphs[t] = graphs
-            self.outputs[t] = out
 
     def release(self) -> None:
         for graphs in self.graphs.values():
             for graph in graphs:
                 graph.reset()
         self.graphs.clear()
-        self.outputs.clear()
 
     def size(self, num_tokens: int) -> int | None:
         """The token count a step of ``num_tokens`` replays, or None (eager)."""
@@ -360,4 +356,4 @@ class PiecewiseGraphs:
             graph.replay()
             layer.self_attn.attend(q, meta, *kv, out=o)
         graphs[-1].replay()
-        return self.outputs[t][:n]
+        return self.hidden[:n]

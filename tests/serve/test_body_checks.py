@@ -31,3 +31,25 @@ def test_a_lone_surrogate_among_numbers_is_named_by_its_path():
     with pytest.raises(BodyError, match="lone surrogate") as e:
         parse_body(raw, CompletionRequest)
     assert e.value.param == "prompt.1.1"
+
+
+@pytest.mark.parametrize("wrappers", range(MAX_DEPTH - 3, MAX_DEPTH + 2))
+def test_numbers_at_every_depth_near_the_limit_get_the_walks_answer(wrappers, monkeypatch):
+    """The fast path for lists of numbers refuses exactly what the walk over each number does,
+    at the depth limit and on either side of it."""
+    from phalanx.serve import protocol
+    deep: list = [1, 2, 3]
+    for _ in range(wrappers):
+        deep = [deep]
+
+    def outcome() -> str:
+        try:
+            parse_body(_body(deep), CompletionRequest)
+        except BodyError as e:
+            return "depth" if "nested deeper" in e.message else "other"
+        return "ok"
+
+    fast = outcome()
+    monkeypatch.setattr(protocol, "_numbers_only", lambda items: False)
+    assert fast == outcome()
+    assert fast == ("depth" if wrappers >= MAX_DEPTH - 1 else "other")
