@@ -69,29 +69,41 @@ def test_mpi_rank_on_the_gpu_serves(tiny_models, hf_models):
     assert_same_greedy(out.outputs[0].token_ids, ref, gaps)
 
 
+def _graph_workload_matches_transformers(tiny_models, hf_models, graphs: dict, max_num_tokens: int, seed: int,
+                                         max_tokens: int, label: str, spread: int = 7):
+    """Six prompts after a cached 72-token prefix, ten short prompts and one of 200 tokens, run
+    together through an engine with ``graphs`` (cuda_graph_config, decode graphs up to 8): its
+    greedy tokens are transformers', the KV pool intact. Returns the engine's runner."""
+    shared = list(range(3, 75))
+    ps = [shared + [100 + i] * (i + 1) for i in range(6)] + prompts(256, n=10, seed=seed) + [list(range(7, 207))]
+    sp = [SamplingParams(max_tokens=max_tokens + i % spread, ignore_eos=True) for i in range(len(ps))]
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+             max_num_tokens=max_num_tokens, kv_cache_config={"tokens_per_block": 16},
+             cuda_graph_config={"batch_sizes": [1, 2, 4, 8], **graphs}) as llm:
+        llm.generate(shared, SamplingParams(max_tokens=1), use_tqdm=False)      # the prefix is cached now
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        runner = llm._executor.engine.runner
+        assert llm.check_integrity() == ["ok"]
+    assert sum(o.cached_tokens for o in outs) >= 6 * 64
+    hf = hf_models["llama"].to("cuda")
+    try:
+        for i, (p, o, s) in enumerate(zip(ps, outs, sp, strict=True)):
+            ref, gaps = hf_greedy(hf, p, s.max_tokens)
+            assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"prompt {i}, {label}")
+    finally:
+        hf.to("cpu")
+    return runner
+
+
 def test_extend_graphs_match_transformers_with_prefix_hits_chunks_and_mixed_steps(tiny_models, hf_models):
     """Prompts, chunks of prompts and new tokens after cached prefixes, alone and mixed with
     decodes, replay extend graphs (up to 4 sequences, 96 tokens) and give transformers' tokens;
     with extend graphs off the same steps run eagerly."""
-    shared = list(range(3, 75))
-    ps = [shared + [100 + i] * (i + 1) for i in range(6)] + prompts(256, n=10, seed=4) + [list(range(7, 207))]
-    sp = [SamplingParams(max_tokens=3 + i % 7, ignore_eos=True) for i in range(len(ps))]
-    hf = hf_models["llama"].to("cuda")
     for extend in ([16, 32, 64, 96], []):
-        with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
-                 max_num_tokens=96, kv_cache_config={"tokens_per_block": 16},
-                 cuda_graph_config={"batch_sizes": [1, 2, 4, 8], "extend_num_tokens": extend,
-                                    "extend_max_seqs": 4, "piecewise_num_tokens": []}) as llm:
-            llm.generate(shared, SamplingParams(max_tokens=1), use_tqdm=False)      # the prefix is cached now
-            outs = llm.generate(ps, sp, use_tqdm=False)
-            runner = llm._executor.engine.runner
-            assert (runner.num_extend_graph_steps > 0) == bool(extend)
-            assert llm.check_integrity() == ["ok"]
-        assert sum(o.cached_tokens for o in outs) >= 6 * 64
-        for i, (p, o, s) in enumerate(zip(ps, outs, sp, strict=True)):
-            ref, gaps = hf_greedy(hf, p, s.max_tokens)
-            assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"prompt {i}, extend graphs {extend}")
-    hf.to("cpu")
+        runner = _graph_workload_matches_transformers(
+            tiny_models, hf_models, {"extend_num_tokens": extend, "extend_max_seqs": 4, "piecewise_num_tokens": []},
+            max_num_tokens=96, seed=4, max_tokens=3, label=f"extend graphs {extend}")
+        assert (runner.num_extend_graph_steps > 0) == bool(extend)
 
 
 def test_piecewise_graphs_match_transformers_and_eager_on_mixed_and_large_decode_steps(tiny_models, hf_models):
@@ -99,25 +111,12 @@ def test_piecewise_graphs_match_transformers_and_eager_on_mixed_and_large_decode
     extend graph takes, new tokens after cached prefixes, decode batches past the largest decode
     graph — replay piecewise graphs (attention eager between them) and give transformers' greedy
     tokens, as the same engine without them (eager) does."""
-    shared = list(range(3, 75))
-    ps = [shared + [100 + i] * (i + 1) for i in range(6)] + prompts(256, n=10, seed=5) + [list(range(7, 207))]
-    sp = [SamplingParams(max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(ps))]
-    hf = hf_models["llama"].to("cuda")
     for pieces in ([32, 64, 128], []):
-        with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
-                 max_num_tokens=128, kv_cache_config={"tokens_per_block": 16},
-                 cuda_graph_config={"batch_sizes": [1, 2, 4, 8], "extend_num_tokens": [16, 32],
-                                    "extend_max_seqs": 2, "piecewise_num_tokens": pieces}) as llm:
-            llm.generate(shared, SamplingParams(max_tokens=1), use_tqdm=False)      # the prefix is cached now
-            outs = llm.generate(ps, sp, use_tqdm=False)
-            runner = llm._executor.engine.runner
-            assert (runner.num_piecewise_steps > 0) == bool(pieces)
-            assert llm.check_integrity() == ["ok"]
-        assert sum(o.cached_tokens for o in outs) >= 6 * 64
-        for i, (p, o, s) in enumerate(zip(ps, outs, sp, strict=True)):
-            ref, gaps = hf_greedy(hf, p, s.max_tokens)
-            assert_same_greedy(o.outputs[0].token_ids, ref, gaps, f"prompt {i}, piecewise graphs {pieces}")
-    hf.to("cpu")
+        runner = _graph_workload_matches_transformers(
+            tiny_models, hf_models,
+            {"extend_num_tokens": [16, 32], "extend_max_seqs": 2, "piecewise_num_tokens": pieces},
+            max_num_tokens=128, seed=5, max_tokens=4, spread=9, label=f"piecewise graphs {pieces}")
+        assert (runner.num_piecewise_steps > 0) == bool(pieces)
 
 
 def test_sampling_never_waits_for_the_stream():
