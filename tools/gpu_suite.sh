@@ -4,7 +4,7 @@
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
-#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|moe_fp8|all]...
+#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|moe_fp8|itl|fp8_experts|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -91,6 +91,12 @@ for what in "${@:-all}"; do
       timeout 300 python3 tools/bench_rollout.py --model shape:llama-3.1-8b --output "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1 ;;
     ttft)   # TTFT cold and with a cached prefix, then one request of each under the profiler (traces in traces/)
       timeout 330 python3 tools/profile_ttft.py --output "$OUT/ttft.json" --trace-dir "$OUT/traces" > "$OUT/ttft.txt" 2>&1 ;;
+    itl)   # phalanx serve, 1000/1000 under Poisson arrivals at 7.4 req/s (400 requests), prefill capped at 512
+      PREFILL_CAP=512 TTFT=0 timeout 200 tools/serve_latency.sh "$OUT/itl" tools/gpu_serve.yaml 7.4 400 \
+        > "$OUT/itl.txt" 2>&1 ;;
+    fp8_experts)   # the FP8-experts GPU test alone (its MoE tiles are tuned at start-up: over 110 s)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py -k fp8_experts \
+        > "$OUT/fp8_experts.txt" 2>&1 ;;
     profile1)
       timeout 200 python3 tools/profile_decode.py --output "$OUT/profile1.json" > "$OUT/profile1.txt" 2>&1 ;;
     decode_tp)   # TP=1, TP=2 with the custom all-reduce, TP=2 over NCCL only
