@@ -170,6 +170,26 @@ class DecoderModel(nn.Module):
         x, _ = self.norm(x, residual, self.tp if partial else None)
         return x
 
+    def piece(self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              kv_pool: torch.Tensor, residual: torch.Tensor | None, attn_out: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stretch i of ``forward`` between two attention calls (piecewise CUDA graphs capture
+        each apart, pyexecutor/cuda_graph.py): i = 0 embeds ``input_ids`` and runs layer 0 up to
+        its rotated q (K/V written); 0 < i < L takes layer i − 1's attention output ``attn_out``
+        [T, H, D] through its o projection and MLP, then layer i up to its q; i = L ends with the
+        final norm. Returns (residual, q), and after the last stretch (hidden, None)."""
+        if i == 0:
+            x, partial = self.embed_tokens(input_ids), False
+        else:
+            prev = self.decoder_layers[i - 1]
+            x, residual = prev.mlp_block(prev.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1)), residual)
+            partial = prev.output_partial
+        if i == len(self.decoder_layers):
+            return self.norm(x, residual, self.tp if partial else None)[0], None
+        layer = self.decoder_layers[i]
+        h, residual = layer.input_norm(x, residual, partial)
+        return residual, layer.self_attn.qkv_rope(positions, h, meta, kv_pool[i, 0], kv_pool[i, 1])
+
 
 class CausalLM(nn.Module):
     """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` the float32

@@ -257,9 +257,10 @@ class PiecewiseGraphs:
 
     def __init__(self, model: CausalLM, kv_tensor: torch.Tensor, sizes: list[int], scratch_slot: int,
                  tokens_per_block: int, device: torch.device) -> None:
-        self.model, self.device = model, device
+        self.device = device
         self.decoder = model.model
         self.layers = model.model.decoder_layers
+        self.kv_tensor = kv_tensor
         self.kv = [(kv_tensor[i, 0], kv_tensor[i, 1]) for i in range(len(self.layers))]
         self.sizes = sorted(set(sizes))
         self.tokens_per_block = tokens_per_block
@@ -283,23 +284,14 @@ class PiecewiseGraphs:
                                  tokens_per_block=self.tokens_per_block)
 
     def _piece(self, i: int, t: int, residual: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """Graph i of size t: from the previous layer's attention output (in ``self.o``) to layer
-        i's rotated q (into ``self.q``); returns the residual stream (after the last layer: the
-        final hidden states)."""
-        if i == 0:
-            x, partial = self.decoder.embed_tokens(self.ids[:t]), False
-        else:
-            prev = self.layers[i - 1]
-            assert residual is not None
-            x, residual = prev.mlp_block(prev.self_attn.o_proj(self.o[:t].view(t, -1)), residual)
-            partial = prev.output_partial
-        if i == len(self.layers):   # the final hidden states into a static buffer: nothing in the pool outlives a step
-            self.hidden[:t].copy_(self.decoder.norm(x, residual, self.decoder.tp if partial else None)[0])
-            return self.hidden[:t]
-        layer = self.layers[i]
-        h, residual = layer.input_norm(x, residual, partial)
-        self.q[:t].copy_(layer.self_attn.qkv_rope(self.positions[:t], h, meta, *self.kv[i]))
-        return residual
+        """Graph i of size t (``DecoderModel.piece``): reads the previous attention output from
+        ``self.o``, leaves layer i's rotated q in ``self.q``; returns the residual stream (after
+        the last layer: the final hidden states, in ``self.hidden``)."""
+        out, q = self.decoder.piece(i, self.ids[:t], self.positions[:t], meta, self.kv_tensor, residual, self.o[:t])
+        if q is None:   # the final hidden states into a static buffer: nothing in the pool outlives a step
+            return self.hidden[:t].copy_(out)
+        self.q[:t].copy_(q)
+        return out
 
     def capture(self, stream: torch.cuda.Stream) -> None:
         pool = None
