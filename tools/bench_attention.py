@@ -2,9 +2,12 @@
 context length, and extend (prefill of new tokens over an empty prefix), for each key-tile
 config, replayed from a CUDA graph over a pool whose blocks are scattered as in a long-running
 server. Decode reports the KV bytes read per second beside the GPU's read bandwidth measured in
-the same run (one kernel streaming 4 GiB, summing it); extend, the attention FLOP/s.
+the same run (one kernel streaming 4 GiB, summing it); extend, the attention FLOP/s; a hit (a few
+new tokens over a cached context, the split extend kernel and its merge), microseconds per call
+for each query block, key-slice count and tile, the shipped choice marked.
 
     python tools/bench_attention.py --batch 1 64 256 --context 256 1500 --output attention.json
+    python tools/bench_attention.py --batch --extend 1000 2048 --extend-block-m 64 128 --hit 32:2048 32:0
     python tools/bench_attention.py --kv-dtype fp8 ...      # over an FP8 (e4m3) pool
 """
 
@@ -67,12 +70,17 @@ def parse_config(text: str) -> tuple[int, int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 64, 256])
     ap.add_argument("--context", type=int, nargs="+", default=[256, 1500])
     ap.add_argument("--configs", type=parse_config, nargs="+", default=[(32, 4, 3), (64, 4, 3), (128, 4, 2),
                                                                         (128, 8, 3)],
                     help="keys per step, warps, stages")
     ap.add_argument("--extend", type=int, nargs="*", default=[1000], help="prefill lengths (one sequence each)")
+    ap.add_argument("--extend-block-m", type=int, nargs="+", default=[64], help="query tokens per extend program")
+    ap.add_argument("--hit", nargs="*", default=[], help="NEW:CACHED new tokens over a cached context (split kernel)")
+    ap.add_argument("--split-configs", type=parse_config, nargs="+",
+                    default=[(32, 4, 2), (64, 4, 3), (32, 8, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2)],
+                    help="split kernel: keys per step, warps, stages")
     ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="H Hkv D")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="the pool's dtype (q is bf16)")
     ap.add_argument("--output", default=None)
@@ -110,11 +118,45 @@ def main() -> None:
         q = torch.randn(T, H, D, dtype=dtype, device="cuda")
         qs = torch.tensor([0, T], dtype=torch.int32, device="cuda")
         flops = 4 * H * D * T * (T + 1) / 2
-        for cfg in a.configs:
-            us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T, D ** -0.5,
-                                         None, config=cfg))
-            rows.append({"kernel": "extend", "tokens": T, "config": cfg, "us": us, "tflop_s": flops / us / 1e6})
-            print(f"extend  T={T:6d} cfg={cfg}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+        for block_m in a.extend_block_m:
+            for cfg in a.configs:
+                us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T,
+                                             D ** -0.5, None, block_m, cfg))
+                rows.append({"kernel": "extend", "tokens": T, "block_m": block_m, "config": cfg, "us": us,
+                             "tflop_s": flops / us / 1e6})
+                print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s",
+                      flush=True)
+    for spec in a.hit:
+        new, cached = (int(x) for x in spec.split(":"))
+        L = new + cached
+        kc, vc, bt, lens = _pool(1, L, Hkv, D, B, dtype, gen)
+        q = torch.randn(new, H, D, dtype=dtype, device="cuda")
+        qs = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        auto = triton_attention.extend_splits(new, 1, Hkv, H, sms)
+        nbytes = 2 * L * Hkv * D * kc.element_size()
+        best = None
+        for block_m in (16, 32, 64):
+            for splits in (1, 2, 4, 8, 16, 32):
+                for cfg in a.split_configs:
+                    try:
+                        us = _time(functools.partial(triton_attention.extend_attention_split, q, kc, vc, bt, qs, lens,
+                                                     new, D ** -0.5, None, splits, cfg, None, block_m))
+                    except Exception as e:   # a tile that does not fit (shared memory, registers)
+                        print(f"hit {new}+{cached} block_m={block_m} splits={splits} cfg={cfg}: {type(e).__name__}")
+                        continue
+                    shipped = splits == auto and cfg == triton_attention.EXTEND_SPLIT_CONFIG and block_m == min(
+                        triton_attention._split_rows(triton.next_power_of_2(H // Hkv)), max(16, triton.next_power_of_2(new)))
+                    rows.append({"kernel": "hit", "new": new, "cached": cached, "block_m": block_m, "splits": splits,
+                                 "config": cfg, "us": us, "tb_s": nbytes / us / 1e6, "shipped": shipped})
+                    best = min(best or (us, ""), (us, f"block_m={block_m} splits={splits} cfg={cfg}"))
+                    print(f"hit {new}+{cached} block_m={block_m:3d} splits={splits:3d}{'*' if shipped else ' '} "
+                          f"cfg={cfg}: {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s of KV", flush=True)
+        for cfg in a.configs:   # the plain kernel (a program per query head) for comparison
+            us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, new,
+                                         D ** -0.5, None, 16, cfg))
+            rows.append({"kernel": "hit_plain", "new": new, "cached": cached, "config": cfg, "us": us})
+            print(f"hit {new}+{cached} plain kernel block_m=16 cfg={cfg}: {us:7.1f} us", flush=True)
+        print(f"hit {new}+{cached}: best {best}", flush=True)
     if a.output:
         with open(a.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "heads": a.heads, "kv_dtype": a.kv_dtype,

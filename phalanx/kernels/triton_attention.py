@@ -171,7 +171,11 @@ def compile_decode_splits(k_cache: torch.Tensor, v_cache: torch.Tensor, num_head
 
 # keys per inner step, and the launch's warps and pipeline stages
 DECODE_CONFIG = (64, 4, 3)
-EXTEND_CONFIG = (64, 4, 3)
+# H200, Llama-3.1-8B heads (docs/results/gpu14_attention_hit.txt): a prompt of 1,000 / 2,048 tokens
+# 68 / 210 us against 71 / 216 with 64 keys a step; the split form, 32 new tokens over 2,048
+# cached, 14.9 us (split and merge) against 21.6 with 64 keys, 3 stages and 128-row programs
+EXTEND_CONFIG = (32, 4, 3)
+EXTEND_SPLIT_CONFIG = (32, 4, 2)
 # decode over an FP8 pool: twice the keys per step (the same bytes as a bf16 tile). H200, 256
 # sequences of 1.5k tokens (docs/results/gpu11_attention_b256_fp8kv.json): 361 us against 484 us
 # with DECODE_CONFIG, which makes an FP8 pool slower than bf16 (364 us)
@@ -339,8 +343,8 @@ def _extend_merge_kernel(part_ptr, lse_ptr, out_ptr, s_pt, s_ph, s_psp, s_lt, s_
 
 
 def _split_rows(group: int) -> int:
-    """Query tokens a split program takes: 128 rows of (token, head) at most."""
-    return max(16, 128 // group)
+    """Query tokens a split program takes: 64 rows of (token, head), at least 16 tokens."""
+    return max(16, 64 // group)
 
 
 def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132) -> int:
@@ -357,16 +361,17 @@ def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_head
 def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                            window: int | None, splits: int, config: tuple[int, int, int] | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
     """``extend_attention`` with the keys cut into ``splits`` slices and the G query heads of a
-    KV head in one program (few new tokens over a long context)."""
+    KV head in one program (few new tokens over a long context). ``block_m``: query tokens a
+    program takes (``_split_rows`` by default); config: EXTEND_SPLIT_CONFIG by default."""
     T, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     S = seq_lens.shape[0]
     G = H // Hkv
     BLOCK_G = triton.next_power_of_2(G)
-    block_m = min(_split_rows(BLOCK_G), max(16, triton.next_power_of_2(max_query_len)))
-    block_n, warps, stages = config or EXTEND_CONFIG
+    block_m = min(block_m or _split_rows(BLOCK_G), max(16, triton.next_power_of_2(max_query_len)))
+    block_n, warps, stages = config or EXTEND_SPLIT_CONFIG
     part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
     _extend_split_kernel[(triton.cdiv(max_query_len, block_m), S, Hkv * splits)](
