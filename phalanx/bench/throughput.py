@@ -34,11 +34,14 @@ async def _run(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -
         async with sem:
             start = time.perf_counter()
             times: list[float] = []
+            cached = 0
             async for out in llm.generate_async(p, sp, streaming=True):
                 now = time.perf_counter()
                 times += [now] * len(out.outputs[0].token_ids_diff)
+                cached = out.cached_tokens
             lat = request_latencies(start, times)
             lat["num_output_tokens"] = len(times)
+            lat["cached_tokens"] = cached
             lat["start"], lat["end"] = start, times[-1] if times else start
             return lat
 
@@ -46,9 +49,13 @@ async def _run(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -
 
 
 def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: int, warmup: int = 2) -> dict:
+    """One point: ``num_requests`` prompts at ``concurrency`` in flight, from an empty prefix cache
+    (every point sends the same prompts: without the reset, a point after another would find
+    prompts of the last one cached and skip part of their prefill)."""
     prompts = make_prompts(num_requests + warmup, isl, llm.vocab_size)
     if warmup:
         asyncio.run(_run(llm, prompts[:warmup], min(osl, 8), concurrency))
+    llm.reset_prefix_cache()
     spec = llm.args.speculative_config is not None
     before = _spec_counts(llm) if spec else None
     t0 = time.perf_counter()
@@ -72,6 +79,7 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
         "itl_ms": summarize([x for r in results for x in r["itl"]], 1000),
         "e2e_ms": summarize([r["e2e"] for r in results], 1000),
         "num_output_tokens": out_tokens,
+        "prefix_hit_tokens": sum(r["cached_tokens"] for r in results),
         **extra,
     }
 
