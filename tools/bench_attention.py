@@ -144,8 +144,9 @@ def main() -> None:
                     except Exception as e:   # a tile that does not fit (shared memory, registers)
                         print(f"hit {new}+{cached} block_m={block_m} splits={splits} cfg={cfg}: {type(e).__name__}")
                         continue
-                    shipped = splits == auto and cfg == triton_attention.EXTEND_SPLIT_CONFIG and block_m == min(
-                        triton_attention._split_rows(triton.next_power_of_2(H // Hkv)), max(16, triton.next_power_of_2(new)))
+                    rows_m = triton_attention._split_rows(triton.next_power_of_2(H // Hkv))
+                    shipped = (splits == auto and cfg == triton_attention.EXTEND_SPLIT_CONFIG
+                               and block_m == min(rows_m, max(16, triton.next_power_of_2(new))))
                     rows.append({"kernel": "hit", "new": new, "cached": cached, "block_m": block_m, "splits": splits,
                                  "config": cfg, "us": us, "tb_s": nbytes / us / 1e6, "shipped": shipped})
                     best = min(best or (us, ""), (us, f"block_m={block_m} splits={splits} cfg={cfg}"))

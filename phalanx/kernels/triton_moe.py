@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from phalanx.kernels import fp8
 from phalanx.kernels.linear_plan import PAIR_BUCKETS, MoePlan, MoeTile
 
 DEFAULT_PLAN = MoePlan()
@@ -36,7 +37,22 @@ CANDIDATES = (
     (MoeTile(32, 64, 64, 4, 3), MoeTile(64, 64, 64, 4, 3), MoeTile(64, 128, 64, 4, 3), MoeTile(64, 128, 64, 8, 3)),
     (MoeTile(64, 64, 64, 4, 3), MoeTile(64, 128, 64, 8, 3), MoeTile(128, 128, 64, 8, 3), MoeTile(64, 128, 128, 8, 2)),
 )
+# FP8 experts: K steps of twice the elements (the same bytes of weight a step as bf16's)
+CANDIDATES_FP8 = (
+    (MoeTile(16, 64, 128, 4, 3), MoeTile(16, 128, 128, 4, 3), MoeTile(16, 64, 256, 4, 3), MoeTile(16, 32, 256, 4, 4)),
+    (MoeTile(16, 64, 128, 4, 3), MoeTile(16, 128, 128, 4, 3), MoeTile(32, 64, 128, 4, 3), MoeTile(32, 128, 128, 4, 3)),
+    (MoeTile(32, 64, 128, 4, 3), MoeTile(64, 64, 128, 4, 3), MoeTile(64, 128, 128, 4, 3), MoeTile(64, 128, 128, 8, 3)),
+    (MoeTile(64, 64, 128, 4, 3), MoeTile(64, 128, 128, 8, 3), MoeTile(128, 128, 128, 8, 3),
+     MoeTile(64, 128, 256, 8, 2)),
+)
 _MEMO: dict[tuple, MoePlan] = {}
+
+
+def candidates(weight_dtype: torch.dtype) -> tuple[tuple[MoeTile, ...], ...]:
+    """The tiles the tuner tries for each bucket of pairs, for experts of ``weight_dtype``."""
+    return CANDIDATES_FP8 if weight_dtype == fp8.FP8 else CANDIDATES
+# FP8 experts: steps of more (token, expert) pairs than this multiply in FP8 (W8A8)
+A8_MIN_PAIRS = 64
 
 
 ALIGN_CHUNK = 256    # pairs (or blocks) per program of the bookkeeping kernels
@@ -110,11 +126,12 @@ def align(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I, E,  # noqa: E741 (I: intermediate size)
+def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I, E,  # noqa: E741 (I: intermediate size)
                         s_xt, s_we, s_wn, s_ar,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                        HAS_SCALE: tl.constexpr):
-    """HAS_SCALE: FP8 experts, widened for the dots; gate and up rows scaled by sc[e, row]."""
+                        HAS_SCALE: tl.constexpr, A8: tl.constexpr):
+    """HAS_SCALE: FP8 experts, gate and up rows scaled by sc[e, row]; widened for the dots, or
+    with A8 multiplied in FP8 by x quantized per token (its scale xs[token])."""
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
@@ -134,21 +151,30 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_ptr, P, TO
             x = tl.load(x_ptr + tok[:, None] * s_xt + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             wg = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             wu = tl.load(wb + (I + n)[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc_g += tl.dot(x, tl.trans(wg.to(x.dtype)), input_precision=PREC)
-            acc_u += tl.dot(x, tl.trans(wu.to(x.dtype)), input_precision=PREC)
+            if A8:
+                acc_g += tl.dot(x, tl.trans(wg))
+                acc_u += tl.dot(x, tl.trans(wu))
+            else:
+                acc_g += tl.dot(x, tl.trans(wg.to(x.dtype)), input_precision=PREC)
+                acc_u += tl.dot(x, tl.trans(wu.to(x.dtype)), input_precision=PREC)
         if HAS_SCALE:
             acc_g *= tl.load(sc_ptr + e * 2 * I + n, mask=nm, other=0.0)[None, :]
             acc_u *= tl.load(sc_ptr + e * 2 * I + I + n, mask=nm, other=0.0)[None, :]
+        if A8:
+            xs = tl.load(xs_ptr + tok, mask=rm, other=0.0)[:, None]
+            acc_g *= xs
+            acc_u *= xs
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(act_ptr + rows[:, None] * s_ar + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=rm[:, None] & nm[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,  # noqa: E741 (I: intermediate size)
+def _moe_down_kernel(act_ptr, as_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,  # noqa: E741 (I: intermediate size)
                      s_ar, s_we, s_wn, s_yp,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     HAS_SCALE: tl.constexpr):
+                     HAS_SCALE: tl.constexpr, A8: tl.constexpr):
+    """A8: the activation rows are FP8 with a scale each (as[row]), multiplied in FP8."""
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
@@ -165,9 +191,14 @@ def _moe_down_kernel(act_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, 
             km = k < I
             a = tl.load(act_ptr + rows[:, None] * s_ar + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             w = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
+            if A8:
+                acc += tl.dot(a, tl.trans(w))
+            else:
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
         if HAS_SCALE:
             acc *= tl.load(sc_ptr + e * H + n, mask=nm, other=0.0)[None, :]
+        if A8:
+            acc *= tl.load(as_ptr + rows, mask=rm, other=0.0)[:, None]
         rw = tl.load(rw_ptr + pair, mask=rm, other=0.0)
         acc = acc * rw[:, None]
         tl.store(y_ptr + pair[:, None] * s_yp + n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -176,10 +207,12 @@ def _moe_down_kernel(act_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int, plan: MoePlan = DEFAULT_PLAN, s13: torch.Tensor | None = None,
-              s2: torch.Tensor | None = None) -> torch.Tensor:
+              s2: torch.Tensor | None = None, a8: bool | None = None) -> torch.Tensor:
     """x [T, H]; ids/weights [T, k]; w13 [E, 2I, H]; w2 [E, H, I] (local experts from ``first``);
     the tiles from ``plan`` by the step's number of (token, expert) pairs. ``s13`` [E, 2I] and
-    ``s2`` [E, H]: the experts are FP8 with a scale per output row (kernels/fp8.py)."""
+    ``s2`` [E, H]: the experts are FP8 with a scale per output row (kernels/fp8.py). ``a8``: FP8
+    experts multiply in FP8 — x and the SiLU-and-mul output quantized per row (W8A8) — instead of
+    widening the weights (W8A16); by default where the step has more than ``A8_MIN_PAIRS`` pairs."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
@@ -191,16 +224,22 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     sorted_pair, block_expert = align(ids, first, E, bm)
     R = sorted_pair.shape[0]
     x = x.contiguous()
+    if a8 is None:
+        a8 = P > A8_MIN_PAIRS
+    a8 = a8 and s13 is not None and s2 is not None
+    xq, xs = fp8.quantize_rows(x) if a8 else (x, x)
     act = torch.empty(R, I, dtype=x.dtype, device=x.device)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    launch = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PREC": prec, "num_warps": warps, "num_stages": stages}
+    launch = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PREC": prec, "num_warps": warps, "num_stages": stages,
+              "A8": a8}
     _moe_gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
-        x, w13, s13 if s13 is not None else w13, sorted_pair, block_expert, act, P, k, H, I, E, x.stride(0),
+        xq, xs, w13, s13 if s13 is not None else w13, sorted_pair, block_expert, act, P, k, H, I, E, x.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), HAS_SCALE=s13 is not None, **launch)
+    aq, as_ = fp8.quantize_rows(act) if a8 else (act, act)
     y = torch.zeros(P, H, dtype=x.dtype, device=x.device)    # pairs of other ranks' experts stay 0
     _moe_down_kernel[(R // bm, triton.cdiv(H, bn))](
-        act, w2, s2 if s2 is not None else w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(),
-        y, P, H, I, E, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), HAS_SCALE=s2 is not None, **launch)
+        aq, as_, w2, s2 if s2 is not None else w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(),
+        y, P, H, I, E, aq.stride(0), w2.stride(0), w2.stride(1), y.stride(0), HAS_SCALE=s2 is not None, **launch)
     return y.view(T, k, H).sum(1)
 
 
@@ -223,7 +262,7 @@ def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, firs
         return _MEMO[key]
     H = w13.shape[2]
     tiles = []
-    for i, candidates in enumerate(CANDIDATES):
+    for i, tries in enumerate(candidates(w13.dtype)):
         pairs = PAIR_BUCKETS[i] if i < len(PAIR_BUCKETS) else 4 * PAIR_BUCKETS[-1]
         T = max(1, pairs // top_k)
         g = torch.Generator(device=w13.device).manual_seed(i)
@@ -231,7 +270,7 @@ def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, firs
         ids = torch.rand(T, num_experts, device=w13.device, generator=g).topk(top_k, dim=-1).indices
         weights = torch.rand(T, top_k, device=w13.device, generator=g)
         best, best_ms = DEFAULT_PLAN.tiles[i], float("inf")
-        for tile in candidates:
+        for tile in tries:
             plan = MoePlan(tuple(tile if j == i else DEFAULT_PLAN.tiles[j] for j in range(len(CANDIDATES))))
             run = functools.partial(_run_once, x, ids, weights, w13, w2, first, plan, s13, s2)
             try:

@@ -644,7 +644,26 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
     q2, s2 = fp8.quantize_weight(w2.float().reshape(-1, I))
     q13, q2, s13, s2 = q13.view(w13.shape), q2.view(w2.shape), s13.view(local, 2 * I), s2.view(local, H)
     ref8 = experts_ref(x, ids, w, q13, q2, first, s13, s2)
-    close(triton_moe.fused_moe(x, ids, w, q13, q2, first, s13=s13, s2=s2), ref8, dtype)
+    close(triton_moe.fused_moe(x, ids, w, q13, q2, first, s13=s13, s2=s2, a8=False), ref8, dtype)
+    # ... and multiplied in FP8, x and the SiLU-and-mul rows quantized per row (W8A8), against
+    # the reference that rounds them the same way
+    ref_a8 = experts_ref(x, ids, w, q13, q2, first, s13, s2, a8=True)
+    got_a8 = triton_moe.fused_moe(x, ids, w, q13, q2, first, s13=s13, s2=s2, a8=True)
+    # an activation a hair from an FP8 rounding boundary (one e4m3 step is 1/16 of the value) may
+    # round the other way than in the reference where the sums before it were ordered otherwise
+    # (bf16): a few elements off, the whole close
+    diff = (got_a8.float() - ref_a8.float()).abs()
+    off = diff > TOL[dtype] * (1 + ref_a8.float().abs())
+    assert off.float().mean() < 0.02, off.float().mean()
+    assert diff.norm() < 0.02 * ref_a8.float().norm()
+    assert (got_a8.float() - ref8.float()).abs().max() > 0   # the activations were rounded
+    fp8_tiles = ({t for bucket in triton_moe.CANDIDATES_FP8 for t in bucket} if CUDA
+                 else {triton_moe.CANDIDATES_FP8[1][2]})
+    for tile in fp8_tiles:     # every tile the tuner may choose for FP8 experts, both ways
+        plan = MoePlan((tile,) * 4)
+        close(triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=False), ref8, dtype)
+        diff = (triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=True).float() - ref_a8.float()).abs()
+        assert diff.norm() < 0.02 * ref_a8.float().norm(), tile
 
 
 @pytest.mark.parametrize("T,k,E,first,local,block_m", [(1, 2, 4, 0, 4, 16), (37, 3, 8, 4, 4, 16), (300, 2, 6, 0, 3, 32),
@@ -690,6 +709,12 @@ def test_moe_tuning_picks_a_tile_of_each_bucket_that_runs():
     plan = triton_moe.tune(w13, w2, 4, 2 * E, E)
     assert len(plan.tiles) == len(PAIR_BUCKETS) + 1
     assert all(t in triton_moe.CANDIDATES[i] for i, t in enumerate(plan.tiles))
+    from phalanx.kernels import fp8  # FP8 experts: tiles of their own
+    q13, s13 = fp8.quantize_weight(w13.reshape(-1, H))
+    q2, s2 = fp8.quantize_weight(w2.reshape(-1, I))
+    plan8 = triton_moe.tune(q13.view(w13.shape), q2.view(w2.shape), 4, 2 * E, E, s13.view(E, -1), s2.view(E, -1),
+                            torch.bfloat16)
+    assert all(t in triton_moe.CANDIDATES_FP8[i] for i, t in enumerate(plan8.tiles))
 
 
 def test_skinny_kernel_stages_shrink_to_the_shared_memory_budget():
