@@ -54,14 +54,6 @@ CASES = {
         "act_ptr": "*bf16", "as_ptr": "*bf16", "w_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "pair_ptr": "*i64",
         "bexp_ptr": "*i64", "rw_ptr": "*fp32", "y_ptr": "*bf16"}, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                                                                    "PREC": "tf32", "HAS_SCALE": True, "A8": False}),
-    "FP8 experts multiplied in FP8, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
-        "x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "pair_ptr": "*i64",
-        "bexp_ptr": "*i64", "act_ptr": "*bf16"}, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "PREC": "tf32",
-                                                  "HAS_SCALE": True, "A8": True}),
-    "FP8 experts multiplied in FP8, down": (triton_moe._moe_down_kernel, {
-        "act_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "pair_ptr": "*i64",
-        "bexp_ptr": "*i64", "rw_ptr": "*fp32", "y_ptr": "*bf16"}, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128,
-                                                                   "PREC": "tf32", "HAS_SCALE": True, "A8": True}),
     "per-row activation quantization": (triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
                                                                           "s_ptr": "*fp32"},
                                         {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 2048, "PDL": False}),
@@ -119,6 +111,16 @@ CASES |= {
     "bf16 experts, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
         **CASES["FP8 experts, gate ‖ up"][1], "w_ptr": "*bf16"}, {**CASES["FP8 experts, gate ‖ up"][2],
                                                                    "HAS_SCALE": False}),
+}
+# FP8 experts multiplied in FP8 (W8A8): the activations come in as e4m3 with a float32 scale a row
+A8_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "A8": True}
+CASES |= {
+    "FP8 experts multiplied in FP8, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
+        **CASES["FP8 experts, gate ‖ up"][1], "x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"},
+        {**CASES["FP8 experts, gate ‖ up"][2], **A8_TILE}),
+    "FP8 experts multiplied in FP8, down": (triton_moe._moe_down_kernel, {
+        **CASES["FP8 experts, down"][1], "act_ptr": "*fp8e4nv", "as_ptr": "*fp32"},
+        {**CASES["FP8 experts, down"][2], **A8_TILE}),
 }
 
 
