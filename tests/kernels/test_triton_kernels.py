@@ -665,7 +665,8 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
     # on the H200 at 2,048 tokens 2.7 % of the elements are off, the whole 2.0 % of the norm (the
     # weights' rounding alone puts the result 4.7 % from the bf16 experts', with the activations' 6.5 %)
     mostly_close(got_a8, ref_a8, dtype, 0.05, norm=0.03)
-    assert (got_a8.float() - ref8.float()).abs().max() > 0   # the activations were rounded
+    # the activations were rounded: nearer the reference that rounds them than the one that does not
+    assert (got_a8.float() - ref_a8.float()).norm() < (got_a8.float() - ref8.float()).norm()
     fp8_tiles = ({t for bucket in triton_moe.CANDIDATES_FP8 for t in bucket} if CUDA
                  else {triton_moe.CANDIDATES_FP8[1][2]})
     for tile in fp8_tiles:     # every tile the tuner may choose for FP8 experts, both ways
