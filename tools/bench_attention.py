@@ -133,6 +133,8 @@ def main() -> None:
         q = torch.randn(new, H, D, dtype=dtype, device="cuda")
         qs = torch.tensor([0, new], dtype=torch.int32, device="cuda")
         auto = triton_attention.extend_splits(new, 1, Hkv, H, sms)
+        auto_m = min(triton_attention._split_rows(triton.next_power_of_2(H // Hkv)),
+                     max(16, triton.next_power_of_2(new)))
         nbytes = 2 * L * Hkv * D * kc.element_size()
         best = None
         for block_m in (16, 32, 64):
@@ -144,9 +146,7 @@ def main() -> None:
                     except Exception as e:   # a tile that does not fit (shared memory, registers)
                         print(f"hit {new}+{cached} block_m={block_m} splits={splits} cfg={cfg}: {type(e).__name__}")
                         continue
-                    rows_m = triton_attention._split_rows(triton.next_power_of_2(H // Hkv))
-                    shipped = (splits == auto and cfg == triton_attention.EXTEND_SPLIT_CONFIG
-                               and block_m == min(rows_m, max(16, triton.next_power_of_2(new))))
+                    shipped = splits == auto and cfg == triton_attention.EXTEND_SPLIT_CONFIG and block_m == auto_m
                     rows.append({"kernel": "hit", "new": new, "cached": cached, "block_m": block_m, "splits": splits,
                                  "config": cfg, "us": us, "tb_s": nbytes / us / 1e6, "shipped": shipped})
                     best = min(best or (us, ""), (us, f"block_m={block_m} splits={splits} cfg={cfg}"))

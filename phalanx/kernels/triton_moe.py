@@ -45,14 +45,15 @@ CANDIDATES_FP8 = (
     (MoeTile(64, 64, 128, 4, 3), MoeTile(64, 128, 128, 8, 3), MoeTile(128, 128, 128, 8, 3),
      MoeTile(64, 128, 256, 8, 2)),
 )
+# FP8 experts: steps of more (token, expert) pairs than the first bucket multiply in FP8 (W8A8),
+# so that the tuner times every bucket the way it runs
+A8_MIN_PAIRS = PAIR_BUCKETS[0]
 _MEMO: dict[tuple, MoePlan] = {}
 
 
 def candidates(weight_dtype: torch.dtype) -> tuple[tuple[MoeTile, ...], ...]:
     """The tiles the tuner tries for each bucket of pairs, for experts of ``weight_dtype``."""
     return CANDIDATES_FP8 if weight_dtype == fp8.FP8 else CANDIDATES
-# FP8 experts: steps of more (token, expert) pairs than this multiply in FP8 (W8A8)
-A8_MIN_PAIRS = 64
 
 
 ALIGN_CHUNK = 256    # pairs (or blocks) per program of the bookkeeping kernels
@@ -233,7 +234,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     launch = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PREC": prec, "num_warps": warps, "num_stages": stages,
               "A8": a8}
     _moe_gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
-        xq, xs, w13, s13 if s13 is not None else w13, sorted_pair, block_expert, act, P, k, H, I, E, x.stride(0),
+        xq, xs, w13, s13 if s13 is not None else w13, sorted_pair, block_expert, act, P, k, H, I, E, xq.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), HAS_SCALE=s13 is not None, **launch)
     aq, as_ = fp8.quantize_rows(act) if a8 else (act, act)
     y = torch.zeros(P, H, dtype=x.dtype, device=x.device)    # pairs of other ranks' experts stay 0
