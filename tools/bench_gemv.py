@@ -2,6 +2,10 @@
 each row bucket: GB/s of weight read (the tuner keeps only the fastest; this shows them all).
 
     python tools/bench_gemv.py --rows 1 16 64 --output gemv.json
+    python tools/bench_gemv.py --rows 32 64 --preload both   # behind the norm / attention: with and without
+
+``--preload off`` times every plan without loading its first weight tile before the PDL wait
+(what the engine does behind a norm or the attention, ``linear_plan.PRELOAD_BEHIND``).
 """
 
 from __future__ import annotations
@@ -11,18 +15,21 @@ import json
 
 import torch
 
-from phalanx.kernels import gemv_tuner
+from phalanx.kernels import gemv_tuner, linear_plan
 from phalanx.kernels.linear_plan import ROW_BUCKETS, Neighbour
 
-SHAPES = [(6144, 4096, "norm"), (4096, 4096, "plain"), (28672, 4096, "norm"), (4096, 14336, "silu"),
+SHAPES = [(6144, 4096, "norm"), (4096, 4096, "attn"), (28672, 4096, "norm"), (4096, 14336, "silu"),
           (128256, 4096, "plain")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROW_BUCKETS))
+    ap.add_argument("--preload", choices=["on", "off", "both"], default="on")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
+    behind = linear_plan.PRELOAD_BEHIND
+    modes = {"on": [True], "off": [False], "both": [True, False]}[a.preload]
     rows_out = []
     for N, K, kind in SHAPES:
         w = torch.randn(N, K, dtype=torch.bfloat16, device="cuda")
@@ -32,12 +39,16 @@ def main() -> None:
             x = torch.randn(M, 2 * K if kind == "silu" else K, dtype=w.dtype, device="cuda")
             r = torch.randn(M, K, dtype=w.dtype, device="cuda")
             g = torch.ones(K, dtype=w.dtype, device="cuda")
-            for plan, fn in gemv_tuner.candidates(Neighbour(kind), x, r, g, ws):
-                ms = gemv_tuner.time_graph(fn, len(ws))
-                rows_out.append({"N": N, "K": K, "kind": kind, "rows": M, "plan": str(plan), "ms": ms,
-                                 "gb_s": nbytes / ms / 1e6})
-                print(f"{N:6d}x{K:5d} {kind:5s} rows={M:3d} {str(plan):34s} {ms * 1e3:8.1f} us "
-                      f"{nbytes / ms / 1e6:7.0f} GB/s", flush=True)
+            for preload in modes:
+                linear_plan.PRELOAD_BEHIND = behind if preload else frozenset()   # read by each launcher built
+                for plan, fn in gemv_tuner.candidates(Neighbour(kind), x, r, g, ws):
+                    ms = gemv_tuner.time_graph(fn, len(ws))
+                    pre = preload and Neighbour(kind) in behind and plan.kernel == "gemv"
+                    rows_out.append({"N": N, "K": K, "kind": kind, "rows": M, "plan": str(plan), "preload": pre,
+                                     "ms": ms, "gb_s": nbytes / ms / 1e6})
+                    print(f"{N:6d}x{K:5d} {kind:5s} rows={M:3d} {str(plan) + (' pre' if pre else ''):38s} "
+                          f"{ms * 1e3:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s", flush=True)
+            linear_plan.PRELOAD_BEHIND = behind
         del ws, w
     if a.output:
         with open(a.output, "w") as f:

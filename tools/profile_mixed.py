@@ -111,7 +111,8 @@ def main() -> None:
           f"({report['ttft_profiled_ms']:.1f} under the profiler"
           + (f", {report['ttft_first_ms']:.1f} for the untraced first arrival" if report["ttft_first_ms"] else "")
           + f"); arrival at iteration {it0}")
-    phases = ["fetch", "schedule", "prepare", "forward", "launch", "wait", "update", "sample", "respond"]
+    phases = ["receive", "fetch", "schedule", "pack", "stage", "prepare", "forward", "launch", "wait", "update",
+              "sample", "respond"]
     print("iteration " + " ".join(f"{p:>8s}" for p in phases) + "   total (host ms)")
     for k, v in report["iterations"].items():
         if it0 is not None and it0 - 4 <= int(k) <= it0 + 8:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+import trace_steps  # tools/, beside this script
 from phalanx import LLM, SamplingParams
 from phalanx.bench.shapes import TINY_OVERRIDES, profiling_engine_args, shape_dir
 
@@ -142,6 +143,12 @@ def measure(llm: LLM, a: argparse.Namespace, run: dict[str, Any], mode: str) -> 
             with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
                 g.write(f.read())
             os.remove(trace)
+            steps = [trace_steps.breakdown(r) for r in trace_steps.replays(trace_steps.load(trace + ".gz"), 20)]
+            run["profiles"][name]["replays"] = steps
+            for i, b in enumerate(steps):
+                print(f"    replay {i}: {b['kernels']} kernels, span {b['span_us']:.1f} us, "
+                      f"idle {b['idle_us']:.1f} us; "
+                      + ", ".join(f"{r['kernel'][:32]} {r['added_us']:.0f}" for r in b["by_kernel"][:10]), flush=True)
 
 
 def main() -> None:

@@ -10,8 +10,9 @@ TRACE_LIMIT = 100_000   # marks a trace keeps (a forgotten trace stops growing t
 class HostClock:
     """Host seconds per phase of the loop while timing is on (the "timing" control op): where a
     step's host time goes, beside the GPU's idle share. ``mark(phase)`` gives the time since the
-    previous mark to ``phase``; off, it is one attribute test. "fetch" includes the loop's waits
-    for work when it has none; "wait", the wait for a step's tokens.
+    previous mark to ``phase``; off, it is one attribute test. "receive" includes the loop's waits
+    for work when it has none ("fetch" is then the intake of what arrived); "wait", the wait for a
+    step's tokens.
 
     While a trace is on (the "trace:on" / "trace:off" control ops), every mark is also kept as
     (iteration, phase, time.monotonic()) — the clock the user process stamps a request's arrival

@@ -233,6 +233,7 @@ class ModelRunner:
             failed.update({spec.verify[j][0]: msg for j, msg in bad.items()})
         if failed:
             raise RequestFailures(failed)
+        self.clock.mark("pack")
         positions = np.repeat(starts - query_start[:-1], counts) + np.arange(T)   # start_i + offset in row i
         logits_indices = query_start[1:][sample_rows] - 1 if sample_rows else np.zeros(0, np.int64)
         if spec is not None and spec.verify:   # every position of a verify row: k + 1 logits rows
@@ -253,6 +254,7 @@ class ModelRunner:
         if gather_dst:
             arrays += [np.asarray(gather_dst, np.int64), np.asarray(gather_slot, np.int64)]
         staged = _stage(arrays, dev)
+        self.clock.mark("stage")
         meta = AttentionMetadata(
             slot_mapping=staged[0],
             query_start=staged[1],

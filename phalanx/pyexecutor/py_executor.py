@@ -229,6 +229,7 @@ class PyExecutor:
     def _fetch(self, idle: bool) -> None:
         self._beat()
         inp = self.queue.fetch(idle)
+        self.clock.mark("receive")
         for req in inp.new:
             self._add(req)
         for rid in inp.cancel:
