@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from phalanx.kernels import gemv_tuner, linear_plan
+from phalanx.kernels import gemv, gemv_tuner, linear_plan
 from phalanx.kernels.linear_plan import ROW_BUCKETS, Neighbour
 
 SHAPES = [(6144, 4096, "norm"), (4096, 4096, "attn"), (28672, 4096, "norm"), (4096, 14336, "silu"),
@@ -26,8 +26,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROW_BUCKETS))
     ap.add_argument("--preload", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--rows-tiles", nargs="+", default=None, metavar="N,K,WARPS,STAGES",
+                    help="padded-rows tiles to try instead of gemv.ROWS_TILES (each whole and split over K)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
+    if a.rows_tiles:
+        gemv.ROWS_TILES = [linear_plan.RowsTile(*map(int, t.split(","))) for t in a.rows_tiles]
     behind = linear_plan.PRELOAD_BEHIND
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.preload]
     rows_out = []
