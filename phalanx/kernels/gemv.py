@@ -274,6 +274,13 @@ def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor,
     return bn, bk, warps, _fit_stages(stages, bn * bk * w.element_size() + bk * (2 if silu else 1) * x.element_size())
 
 
+def rows_stages(stages: int, bn: int, bk: int, bm: int, silu: bool, elem_size: int, preload: bool) -> int:
+    """Pipeline stages of a padded-rows launch: cut to what fits in shared memory, where a
+    preloaded first tile takes a stage's buffers of its own."""
+    per_stage = (bn * bk + bm * bk * (2 if silu else 1)) * elem_size
+    return max(1, _fit_stages(stages + preload, per_stage) - preload)
+
+
 def _padded_rows_launch(tile: RowsTile) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages, K slices) of a tile for more than one row: a tensor-core
     dot needs 16 columns."""
@@ -319,7 +326,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     if counts is None:
         splits, k_per = 1, K
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
-    stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * x.element_size())
+    stages = rows_stages(stages, bn, bk, bm, silu, x.element_size(), preload)
     _rows_kernel[(tiles, splits)](
         x, weight, bias_arg, scale_arg, y, part, counts if counts is not None else y, M, N, K, k_per,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
