@@ -2,10 +2,10 @@
 each row bucket: GB/s of weight read (the tuner keeps only the fastest; this shows them all).
 
     python tools/bench_gemv.py --rows 1 16 64 --output gemv.json
-    python tools/bench_gemv.py --rows 32 64 --preload both   # behind the norm / attention: with and without
+    python tools/bench_gemv.py --rows 1 --preload both   # behind the norm / attention: with and without
 
-``--preload off`` times every plan without loading its first weight tile before the PDL wait
-(what the engine does behind a norm or the attention, ``linear_plan.PRELOAD_BEHIND``).
+``--preload off`` times every one-row plan without loading its first weight tile before the PDL
+wait (what the engine does behind a norm or the attention, ``linear_plan.PRELOAD_BEHIND``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
                     except Exception as e:  # a config the compiler rejects (the tuner skips it too)
                         print(f"{N:6d}x{K:5d} {kind:5s} rows={M:3d} {plan}: rejected ({type(e).__name__})", flush=True)
                         continue
-                    pre = preload and Neighbour(kind) in behind and plan.kernel == "gemv"
+                    pre = preload and Neighbour(kind) in behind and isinstance(plan.tile, linear_plan.OneRowTile)
                     rows_out.append({"N": N, "K": K, "kind": kind, "rows": M, "plan": str(plan), "preload": pre,
                                      "ms": ms, "gb_s": nbytes / ms / 1e6})
                     print(f"{N:6d}x{K:5d} {kind:5s} rows={M:3d} {str(plan) + (' pre' if pre else ''):38s} "

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from phalanx.kernels import pdl as _pdl
 from phalanx.kernels.linear_plan import OneRowTile, QkvRopePlan, RowsTile, bucket
-from phalanx.kernels.pdl import release, wait
+from phalanx.kernels.pdl import prologue, release, wait
 from phalanx.kernels.triton_ops import silu_mul
 
 # the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages) ...
@@ -192,30 +192,15 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa
 
 
 @triton.jit
-def _dot_tile(acc, w, x_ptr, m, mm, s_xm, k, km, K, PREC: tl.constexpr, SILU: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """acc + the rows' tile of x (silu(gate) * up of it with SILU) times a weight tile, on the
-    tensor cores."""
-    xm = mm[:, None] & km[None, :]
-    x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
-    if SILU:
-        x = silu_mul(x, tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0))
-    if HAS_SCALE:   # FP8 weights: widened to the activations' dtype for the dot
-        return acc + tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PREC)
-    return acc + tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
-
-
-@triton.jit
 def _rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, s_xm, s_wn, s_ym,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PREC: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr,
-                 PRE: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """Up to BLOCK_M rows, padded for tensor-core dots; program (n, s) multiplies K-slice s.
     SPLIT: each slice's [M, BLOCK_N] partial goes to part[s], and the slice that finishes last
     (a counter per column tile, reset by it) sums the partials in slice order and stores the
-    result — no reduce kernel, and the same sum whichever slice finishes last. PRE: the slice's
-    first weight tile is loaded before the PDL wait, as the one-row kernel does behind a short
-    kernel (``_row_product``)."""
-    release(PDL)
+    result — no reduce kernel, and the same sum whichever slice finishes last."""
+    prologue(PDL)
     pid = tl.program_id(0)
     sk = tl.program_id(1)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -224,19 +209,19 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K
     mm = m < M
     k_lo = sk * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PRE:
-        k = k_lo + tl.arange(0, BLOCK_K)
-        w0 = _w_tile(w_ptr, s_wn, n, nm, k, k < k_hi)
-    wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if PRE:
-        k = k_lo + tl.arange(0, BLOCK_K)
-        acc = _dot_tile(acc, w0, x_ptr, m, mm, s_xm, k, k < k_hi, K, PREC, SILU, HAS_SCALE)
-    for k0 in range(k_lo + BLOCK_K * PRE, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < k_hi
-        acc = _dot_tile(acc, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, m, mm, s_xm, k, km, K, PREC, SILU,
-                        HAS_SCALE)
+        w = _w_tile(w_ptr, s_wn, n, nm, k, km)
+        xm = mm[:, None] & km[None, :]
+        x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
+        if SILU:
+            x = silu_mul(x, tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0))
+        if HAS_SCALE:   # FP8 weights: widened to the activations' dtype for the dot
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PREC)
+        else:
+            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
     if SPLIT:
         splits = tl.num_programs(1)
         tile = m[:, None] * N + n[None, :]
@@ -274,13 +259,6 @@ def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor,
     return bn, bk, warps, _fit_stages(stages, bn * bk * w.element_size() + bk * (2 if silu else 1) * x.element_size())
 
 
-def rows_stages(stages: int, bn: int, bk: int, bm: int, silu: bool, elem_size: int, preload: bool) -> int:
-    """Pipeline stages of a padded-rows launch: cut to what fits in shared memory, where a
-    preloaded first tile takes a stage's buffers of its own."""
-    per_stage = (bn * bk + bm * bk * (2 if silu else 1)) * elem_size
-    return max(1, _fit_stages(stages + preload, per_stage) - preload)
-
-
 def _padded_rows_launch(tile: RowsTile) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages, K slices) of a tile for more than one row: a tensor-core
     dot needs 16 columns."""
@@ -299,8 +277,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
          scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and the
     product is silu(gate) * up times Wᵀ. ``tile``: a OneRowTile for one row, a RowsTile for more.
-    ``pdl``: launched with programmatic dependent launch where the GPU has it; ``preload``: each
-    program loads its first weight tile before the PDL wait. ``scale`` [N] float32: the weight is FP8
+    ``pdl``: launched with programmatic dependent launch where the GPU has it; ``preload``: one
+    row loads its first weight tile before the PDL wait. ``scale`` [N] float32: the weight is FP8
     (kernels/fp8.py) and row n of the product is multiplied by scale[n]."""
     M = x.shape[0]
     N, K = weight.shape
@@ -326,12 +304,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     if counts is None:
         splits, k_per = 1, K
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
-    stages = rows_stages(stages, bn, bk, bm, silu, x.element_size(), preload)
+    stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * x.element_size())
     _rows_kernel[(tiles, splits)](
         x, weight, bias_arg, scale_arg, y, part, counts if counts is not None else y, M, N, K, k_per,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=silu, SPLIT=splits > 1, PRE=preload, num_warps=warps,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=silu, SPLIT=splits > 1, num_warps=warps,
         num_stages=stages, **_pdl.launch(x, pdl))
     return y
 

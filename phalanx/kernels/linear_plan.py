@@ -13,8 +13,8 @@ each candidate with it and some candidates take it in:
     NORM   the residual add + RMSNorm kernel         taken first (inside the skinny kernel where
     ATTN   the attention kernels                     that was chosen, else its own kernel)
 
-Behind the short kernels (NORM, ATTN) a skinny kernel (one row or padded rows) loads its first
-weight tile before its PDL wait (see kernels/pdl.py: weights are never written by the chain).
+Behind the short kernels (NORM, ATTN) a one-row skinny kernel loads its first weight tile before
+its PDL wait (see kernels/pdl.py: weights are never written by the chain).
 
 Two one-token paths fuse more than a projection, and are chosen per layer the same way:
 ``QkvRopePlan`` (q/k/v projection + rotary + K/V write in one kernel) and ``GateUpSiluPlan``
@@ -135,7 +135,7 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
     from phalanx.kernels import gemv
     tile = plan.tile
     silu = neighbour is Neighbour.SILU
-    preload = neighbour in PRELOAD_BEHIND
+    preload = neighbour in PRELOAD_BEHIND and isinstance(tile, OneRowTile)
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,7 +45,7 @@ CASES = {
                                                             "BLOCK_K": 1024, "SILU": True, "PRE": True, "PDL": False}),
     "padded rows, FP8 weights, split K": (gemv._rows_kernel, FP8_WEIGHT, {
         "HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PREC": "tf32",
-        "SILU": False, "SPLIT": True, "PRE": True, "PDL": False}),
+        "SILU": False, "SPLIT": True, "PDL": False}),
     "FP8 experts, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
         "x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "pair_ptr": "*i64",
         "bexp_ptr": "*i64", "act_ptr": "*bf16"}, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "PREC": "tf32",
