@@ -125,6 +125,16 @@ def measure(llm: LLM, a: argparse.Namespace, run: dict[str, Any], mode: str) -> 
                   f"(min {min(times):.1f}){' back to back' if rnd == 2 else ''}", flush=True)
     if a.timeline:
         timeline(llm, loop, a, run, mode)
+    if a.host_profile:   # the rank loop's host time by function over the hits (cProfile inflates small calls)
+        llm.control("hostprofile:start")
+        for r in range(a.repeats):
+            prefix, prompt = workloads(700 + r)["hit_2048+32"]
+            loop.run_until_complete(ttft(llm, prefix))
+            loop.run_until_complete(ttft(llm, prompt))
+        stats = llm.control("hostprofile:stop", args={"top": 70, "sort": "tottime"}).per_rank[0]
+        run["host_profile_hits"] = stats
+        print(f"extend graphs {mode}, rank 0's loop under cProfile over {a.repeats} (prefix, hit) pairs:\n{stats}",
+              flush=True)
     for name in workloads(0):      # one request of each kind under the engine's profiler
         prefix, prompt = workloads(999)[name]
         if prefix is not None:
@@ -162,6 +172,7 @@ def main() -> None:
                     help="CUDA graphs for prefill/extend steps (cuda_graph_config.extend_num_tokens), or eager")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--timeline", action="store_true", help="each request's path through the loop, in time")
+    ap.add_argument("--host-profile", action="store_true", help="rank 0's loop under cProfile over prefix hits")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     base = profiling_engine_args(a.orchestrator, a.config)

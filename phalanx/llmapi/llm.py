@@ -193,7 +193,8 @@ class LLM:
         """Run an inspection op on every rank between iterations ("check_integrity", "stats",
         "timing:on" / "timing" / "timing:off", "trace:on" / "trace:off" (the loop's
         marks, stamped), "profile:start" / "profile:stop" (args ``trace``:
-        a Chrome trace path); fault injection for tests). Returns each rank's answer."""
+        a Chrome trace path), "hostprofile:start" / "hostprofile:stop" (cProfile of the loop's
+        thread; args ``top``, ``sort``); fault injection for tests). Returns each rank's answer."""
         return self._executor.control(op, timeout, args)
 
     def check_integrity(self) -> list[str]:

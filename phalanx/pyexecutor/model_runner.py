@@ -603,26 +603,40 @@ class Staging:
     def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         if self.device.type == "cpu":
             return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.nbytes // 16) * 16       # every part starts 16-byte aligned
+        # the arrays of each dtype back to back, widest first (each stays aligned): a view and a
+        # split per dtype give them all, so a call costs a few tensor ops, not three per array
+        groups: dict[np.dtype, list[int]] = {}
+        for j in sorted(range(len(arrays)), key=lambda j: -arrays[j].itemsize):
+            groups.setdefault(arrays[j].dtype, []).append(j)
+        spans, total = [], 0
+        for dtype, members in groups.items():
+            nbytes = sum(arrays[j].nbytes for j in members)
+            spans.append((dtype, members, total, nbytes))
+            total += nbytes
         i, self._next = self._next, (self._next + 1) % self.SLOTS
         slot = self._slots[i]
         if slot is None or slot[0].numel() < total:
-            size = max(self.MIN_BYTES, 1 << (total - 1).bit_length())
+            size = max(self.MIN_BYTES, 1 << max(0, total - 1).bit_length())
             host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             slot = self._slots[i] = (host, host.numpy(), torch.empty(size, dtype=torch.uint8, device=self.device),
                                      torch.cuda.Event())
         else:
             slot[3].synchronize()
         host, raw, dev, done = slot
-        for a, o in zip(arrays, offsets, strict=True):
-            raw[o:o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        o = 0
+        for _, members, _, _ in spans:
+            for j in members:
+                a = arrays[j]
+                raw[o:o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                o += a.nbytes
         dev[:total].copy_(host[:total], non_blocking=True)
         done.record()
-        return [dev[o:o + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-                for a, o in zip(arrays, offsets, strict=True)]
+        out: list[torch.Tensor] = [dev] * len(arrays)
+        for dtype, members, offset, nbytes in spans:
+            parts = dev[offset:offset + nbytes].view(_TORCH_DTYPES[dtype]).split([arrays[j].size for j in members])
+            for j, t in zip(members, parts, strict=True):
+                out[j] = t if arrays[j].ndim == 1 else t.view(arrays[j].shape)
+        return out
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}

@@ -116,6 +116,7 @@ class PyExecutor:
         self._fail_next_forward = False   # set by the "fail_next_forward" control (fault injection)
         self._last_beat = 0.0
         self._profiler: Any = None
+        self._host_profiler: Any = None
         self._profiled_from = 0
         self.clock = runner.clock = HostClock()   # the runner marks its own phases of a launch
         self.rollout = Rollout(self)   # pause, sleep, weight updates and versions (RL trainers)
@@ -343,6 +344,20 @@ class PyExecutor:
             if isinstance(trace, str) and trace:
                 prof.export_chrome_trace(f"{trace}.rank{self.rank}.json" if self.multi_rank else trace)
             return json.dumps(kernel_table(prof, max(1, self.iteration - self._profiled_from)))
+        if op == "hostprofile:start":            # cProfile of this loop's thread: its host time by function
+            import cProfile
+            self._host_profiler = cProfile.Profile()
+            self._host_profiler.enable()
+            return "ok"
+        if op == "hostprofile:stop":             # the functions by cumulative time (args: ``top``, ``sort``)
+            import io
+            import pstats
+            host, self._host_profiler = self._host_profiler, None
+            host.disable()
+            buf = io.StringIO()
+            pstats.Stats(host, stream=buf).sort_stats(str(args.get("sort", "cumulative"))).print_stats(
+                int(args.get("top", 60)))
+            return buf.getvalue()
         if op.startswith("skew_scheduler:"):      # fault injection: that rank's decisions drift
             if int(op.split(":", 1)[1]) == self.rank:
                 self.scheduler.step += 1

@@ -147,6 +147,31 @@ def test_sampling_never_waits_for_the_stream():
     assert out.token_ids[0].item() < real and out.token_ids[2].item() < real
 
 
+def test_staging_gives_each_array_back_on_the_device_through_its_reused_buffers():
+    """A step's host arrays (int64 and int32, 1-D and 2-D, empty ones) come back equal on the
+    device through the staging ring: over more calls than it has slots, with a call larger than
+    its slot's buffers, and with the host buffers rewritten while earlier copies' results are
+    still alive (each call's tensors must keep their own values)."""
+    import numpy as np
+
+    from phalanx.pyexecutor.model_runner import Staging
+
+    stage = Staging(torch.device("cuda"))
+    rng = np.random.default_rng(0)
+    kept = []
+    for call in range(3 * Staging.SLOTS):
+        n = 40_000 if call == 5 else int(rng.integers(1, 300))      # call 5: past the slot's first size
+        arrays = [rng.integers(0, 1 << 40, n, dtype=np.int64), rng.integers(0, 1 << 30, (3, n), dtype=np.int32),
+                  np.zeros(0, np.int64), rng.integers(-5, 5, n + 1, dtype=np.int32), np.arange(7, dtype=np.int64)]
+        out = stage(arrays)
+        assert [t.dtype for t in out] == [torch.int64, torch.int32, torch.int64, torch.int32, torch.int64]
+        kept.append((arrays, out))
+        kept = kept[-2:]                # two steps in flight at most, as in the overlap loop
+        for host, dev in kept:
+            for a, t in zip(host, dev, strict=True):
+                assert tuple(t.shape) == a.shape and np.array_equal(t.cpu().numpy(), a)
+
+
 def test_fp8_greedy_equals_transformers_with_the_round_tripped_weights_on_the_gpu(tiny_models, hf_models):
     """quantization: fp8 on the GPU (tuned skinny FP8 kernels in CUDA graphs, fp32 activations):
     the tokens of transformers on the same checkpoint with each projection's FP8 round trip."""
