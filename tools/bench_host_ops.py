@@ -1,0 +1,68 @@
+"""Host microseconds of the operations a step's staging and graph launch are made of, timed in
+a tight loop on this machine (median of 300 calls after 20 warm-up calls), beside a pure Python
+loop to compare the machine's Python speed with another's. In the engine the same operations
+run once per step on a cold path and take longer (docs/gpu_notes.md, fifteenth round).
+
+    python tools/bench_host_ops.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from phalanx.pyexecutor.model_runner import Staging
+
+
+def median_us(fn: Callable[[], object], n: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    ids = list(range(1000, 3080))
+    print(f"python loop sum(range(200k))  {median_us(lambda: sum(range(200_000)), 30):8.1f} us")
+    print(f"min() of a 2,080-id list      {median_us(lambda: min(ids)):8.1f} us")
+    dev = torch.device("cuda")
+    stream = torch.cuda.Stream()
+    torch.cuda.set_stream(stream)
+    # the arrays of a prefix hit's step: 32 new tokens over 2,048 cached, one sequence
+    arrays = [np.arange(32, dtype=np.int64), np.arange(2, dtype=np.int32), np.array([2080], np.int32),
+              np.arange(66, dtype=np.int32).reshape(1, 66), np.arange(32, dtype=np.int64),
+              np.arange(2048, 2080, dtype=np.int64), np.array([31], np.int64), np.array([0], np.int64)]
+    stage = Staging(dev)
+    host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(4096, dtype=torch.uint8, device=dev)
+    event = torch.cuda.Event()
+    x = torch.zeros(64, dtype=torch.int64, device=dev)
+    y = torch.ones(32, dtype=torch.int64, device=dev)
+    ops = {
+        "Staging call (a hit's 8 arrays)": lambda: stage(arrays),
+        "copy_ 1 KB pinned -> device": lambda: buf[:1024].copy_(host[:1024], non_blocking=True),
+        "event record": event.record,
+        "event synchronize (reached)": event.synchronize,
+        "slice": lambda: buf[:1024],
+        "view as int64": lambda: buf.view(torch.int64),
+        "split in 4": lambda: buf.view(torch.int64).split([100, 100, 100, 212]),
+        "pinned torch.empty": lambda: torch.empty(4096, dtype=torch.uint8, pin_memory=True),
+        "device torch.empty": lambda: torch.empty(4096, dtype=torch.uint8, device=dev),
+        "device copy_ of 32 ids": lambda: x[:32].copy_(y),
+        "device fill_": lambda: x[32:].fill_(0),
+        "stream wait_stream": lambda: stream.wait_stream(torch.cuda.default_stream()),
+    }
+    for name, fn in ops.items():
+        print(f"{name:32s} {median_us(fn):8.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
