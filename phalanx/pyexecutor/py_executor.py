@@ -353,6 +353,8 @@ class PyExecutor:
             import io
             import pstats
             host, self._host_profiler = self._host_profiler, None
+            if host is None:
+                raise ValueError("hostprofile:stop without hostprofile:start")
             host.disable()
             buf = io.StringIO()
             pstats.Stats(host, stream=buf).sort_stats(str(args.get("sort", "cumulative"))).print_stats(
