@@ -339,6 +339,8 @@ class PyExecutor:
             return "ok"
         if op == "profile:stop":                 # this rank's kernels per step, slowest first
             prof, self._profiler = self._profiler, None
+            if prof is None:
+                raise ValueError("profile:stop without profile:start")
             prof.__exit__(None, None, None)
             trace = args.get("trace")
             if isinstance(trace, str) and trace:
