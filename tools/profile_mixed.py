@@ -18,6 +18,7 @@ from typing import Any
 
 from phalanx import LLM, SamplingParams
 from phalanx.bench.shapes import TINY_OVERRIDES, profiling_engine_args, shape_dir
+from phalanx.pyexecutor.host_clock import PHASES
 
 
 async def _drain(llm: LLM, prompt: list[int], sp: SamplingParams, seen: list[int], i: int) -> None:
@@ -111,8 +112,7 @@ def main() -> None:
           f"({report['ttft_profiled_ms']:.1f} under the profiler"
           + (f", {report['ttft_first_ms']:.1f} for the untraced first arrival" if report["ttft_first_ms"] else "")
           + f"); arrival at iteration {it0}")
-    phases = ["receive", "fetch", "schedule", "pack", "stage", "prepare", "forward", "launch", "wait", "update",
-              "sample", "respond"]
+    phases = PHASES
     print("iteration " + " ".join(f"{p:>8s}" for p in phases) + "   total (host ms)")
     for k, v in report["iterations"].items():
         if it0 is not None and it0 - 4 <= int(k) <= it0 + 8:

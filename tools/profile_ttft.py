@@ -150,10 +150,10 @@ def measure(llm: LLM, a: argparse.Namespace, run: dict[str, Any], mode: str) -> 
         run["profiles"][name] = {"ttft_ms": t * 1e3, "gpu_us": gpu_us, "kernels": kernels}
         print(f"extend graphs {mode}, profiled {name}: TTFT {t * 1e3:.1f} ms, GPU {gpu_us / 1e3:.1f} ms", flush=True)
         if trace and os.path.exists(trace):
+            steps = [trace_steps.breakdown(r) for r in trace_steps.replays(trace_steps.load(trace), 20)]
             with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
                 g.write(f.read())
             os.remove(trace)
-            steps = [trace_steps.breakdown(r) for r in trace_steps.replays(trace_steps.load(trace + ".gz"), 20)]
             run["profiles"][name]["replays"] = steps
             for i, b in enumerate(steps):
                 print(f"    replay {i}: {b['kernels']} kernels, span {b['span_us']:.1f} us, "

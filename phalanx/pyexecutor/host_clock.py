@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 
 TRACE_LIMIT = 100_000   # marks a trace keeps (a forgotten trace stops growing there)
+# the loop's phases in the order a step marks them (py_executor.py, model_runner.py's launch)
+PHASES = ("receive", "fetch", "schedule", "pack", "stage", "prepare", "forward", "launch", "wait", "update",
+          "sample", "respond")
 
 
 class HostClock:

@@ -5,9 +5,7 @@ loop under cProfile."""
 import json
 
 from phalanx import LLM, SamplingParams
-
-PHASES = ["receive", "fetch", "schedule", "pack", "stage", "prepare", "forward", "launch", "wait", "update",
-          "respond"]
+from phalanx.pyexecutor.host_clock import PHASES
 
 
 def test_the_trace_names_each_phase_and_the_host_profile_names_the_loops_functions(tiny_models):
