@@ -21,14 +21,22 @@ most the largest of ``piecewise_sizes`` tokens: everything but attention is capt
 per stretch between two attention calls, and attention runs eagerly between the replays with
 the step's own metadata (whatever its rows). Anything else — steps with prompt logprobs or
 speculative rows, mixture-of-experts models — runs eagerly.
+
+An extend step's inputs do not pass through tensors of their own: ``ModelRunner.prepare`` writes
+them, already padded as the graph reads them, into pinned host memory laid out as the graphs'
+input buffer, and one copy brings them over (``GraphInputs``). Before, the step's arrays were
+staged and then copied and padded into the graph's buffers tensor by tensor: a dozen small
+device calls on the host's path to the first token of a prefix hit.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from phalanx.kernels.metadata import AttentionMetadata
@@ -40,6 +48,58 @@ logger = logging.getLogger("phalanx")
 # graphs are captured again on wake_up inside a running process (the in-process engine shares it
 # with the user's threads): only this thread's calls must keep off the device during a capture
 CAPTURE_MODE = "thread_local"
+
+
+class GraphInputs:
+    """A graph's static inputs as views of one device buffer, written through pinned host
+    memory of the same layout: a step writes its inputs, padded as the graph reads them, into
+    ``host()`` and ``send()`` brings the whole buffer over in one copy.
+
+    Two host copies take turns; one is written again only once its last copy is done (an
+    event), so the host prepares a step while the device may still be copying the one before.
+    Each step writes every element its graph reads; what it does not write (block-table
+    columns past a row's blocks) keeps an older step's values and is never read."""
+
+    def __init__(self, fields: list[tuple[str, tuple[int, ...], torch.dtype]], device: torch.device) -> None:
+        layout, total = [], 0
+        for name, shape, dtype in sorted(fields, key=lambda f: -f[2].itemsize):   # widest first: aligned
+            nbytes = math.prod(shape) * dtype.itemsize
+            layout.append((name, shape, dtype, total, nbytes))
+            total += nbytes
+        self.buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.views = {name: self.buffer[o:o + n].view(dtype).view(shape) for name, shape, dtype, o, n in layout}
+        cuda = device.type == "cuda"
+        self._host: list[tuple[torch.Tensor, dict[str, np.ndarray], torch.cuda.Event | None]] = []
+        for _ in range(2):
+            host = torch.zeros(total, dtype=torch.uint8, pin_memory=cuda)
+            raw = host.numpy()
+            arrays = {name: raw[o:o + n].view(_NP_DTYPES[dtype]).reshape(shape) for name, shape, dtype, o, n in layout}
+            self._host.append((host, arrays, torch.cuda.Event() if cuda else None))
+        self._turn = 0
+
+    def mirror(self) -> None:
+        """Both host copies take the device buffer's contents (after the buffer's views were
+        given their first values on the device)."""
+        for host, _, _ in self._host:
+            host.copy_(self.buffer)
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The host copy this step writes (by field name), once its last copy is done."""
+        _, arrays, done = self._host[self._turn]
+        if done is not None:
+            done.synchronize()
+        return arrays
+
+    def send(self) -> None:
+        """Queue the copy of what ``host()`` gave to the device buffer (current stream)."""
+        host, _, done = self._host[self._turn]
+        self.buffer.copy_(host, non_blocking=True)
+        if done is not None:
+            done.record()
+        self._turn ^= 1
+
+
+_NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 class CudaGraphRunner:
@@ -71,16 +131,23 @@ class CudaGraphRunner:
         self.extend_max_logits = extend_max_seqs * logits_per_seq if self.extend_sizes else 0
         if self.extend_sizes:
             tmax, rows = self.extend_sizes[-1], extend_max_seqs + 1
-            self.e_ids = torch.zeros(tmax, dtype=torch.long, device=device)
-            self.e_positions = torch.arange(tmax, dtype=torch.long, device=device)
-            self.e_pad_positions = torch.arange(tmax, dtype=torch.long, device=device)
+            self.e_inputs = GraphInputs([("ids", (tmax,), torch.long), ("positions", (tmax,), torch.long),
+                                         ("slots", (tmax,), torch.long),
+                                         ("logits_indices", (self.extend_max_logits,), torch.long),
+                                         ("query_start", (rows + 1,), torch.int32), ("seq_lens", (rows,), torch.int32),
+                                         ("block_tables", (rows, max_blocks_per_seq), torch.int32)], device)
+            v = self.e_inputs.views
+            self.e_ids, self.e_positions, self.e_slots = v["ids"], v["positions"], v["slots"]
+            self.e_query_start, self.e_seq_lens = v["query_start"], v["seq_lens"]
+            self.e_block_tables = v["block_tables"]
+            self.e_logits_indices = v["logits_indices"]
+            # the padding sequence's tokens: positions 0.. in the scratch block
+            self.e_pad_positions = np.arange(tmax, dtype=np.int64)
             self.e_pad_slots = scratch_block * tokens_per_block + self.e_pad_positions % tokens_per_block
-            self.e_slots = self.e_pad_slots.clone()
-            self.e_query_start = torch.zeros(rows + 1, dtype=torch.int32, device=device)
-            self.e_seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-            self.e_block_tables = torch.full((rows, max_blocks_per_seq), scratch_block, dtype=torch.int32,
-                                             device=device)
-            self.e_logits_indices = torch.zeros(self.extend_max_logits, dtype=torch.long, device=device)
+            self.e_positions.copy_(torch.from_numpy(self.e_pad_positions))
+            self.e_slots.copy_(torch.from_numpy(self.e_pad_slots))
+            self.e_block_tables.fill_(scratch_block)
+            self.e_inputs.mirror()
         self.extend_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.extend_outputs: dict[int, torch.Tensor] = {}
         self.piecewise = (PiecewiseGraphs(model, kv_tensor, piecewise_sizes, scratch_block * tokens_per_block,
@@ -111,11 +178,11 @@ class CudaGraphRunner:
             pool = graph.pool()
             self.graphs[bs] = graph
         pool = None          # the extend graphs' own pool: nothing of theirs aliases a decode graph's
-        if self.extend_sizes:
-            self.e_logits_indices.zero_()   # rows of earlier steps may lie past a smaller graph's tokens
+        empty = np.zeros(0, np.int64)
         for t in reversed(self.extend_sizes):
             meta = self._extend_meta(t)
-            self._pad_extend(0, 0, t)    # every token in the padding row: a valid step
+            # every token in the padding row: a valid step
+            self.stage_extend(t, empty, empty, empty, np.zeros(1, np.int32), empty, np.zeros((0, 0), np.int32), empty)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -162,18 +229,31 @@ class CudaGraphRunner:
         hidden = self.model(self.e_ids[:t], self.e_positions[:t], meta, self.kv_tensor)
         return self.model.compute_logits(hidden[self.e_logits_indices])
 
-    def _pad_extend(self, n: int, tokens: int, t: int) -> None:
-        """Rows past the step's n sequences: tokens ``tokens..t`` form sequence n over the
-        scratch block, and the rows after it are empty."""
+    def stage_extend(self, t: int, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_start: np.ndarray,
+                     seq_lens: np.ndarray, block_tables: np.ndarray, logits_indices: np.ndarray) -> None:
+        """Queue a step's inputs (n sequences, ``len(ids)`` tokens: the host arrays
+        ``ModelRunner.prepare`` builds) into the extend graphs' buffers, padded to ``t`` tokens:
+        tokens ``len(ids)..t`` form sequence n over the scratch block, and the rows after it are
+        empty. One copy; the replay (``run_extend``) reads them."""
+        h = self.e_inputs.host()
+        n, tokens, k = len(seq_lens), len(ids), len(logits_indices)
         pad = t - tokens
-        self.e_query_start[n + 1:].fill_(t)
-        self.e_seq_lens[n:n + 1].fill_(pad)
-        self.e_seq_lens[n + 1:].zero_()
-        self.e_block_tables[n].fill_(self.scratch_block)
-        if pad:
-            self.e_ids[tokens:t].zero_()
-            self.e_positions[tokens:t].copy_(self.e_pad_positions[:pad])
-            self.e_slots[tokens:t].copy_(self.e_pad_slots[:pad])
+        h["ids"][:tokens] = ids
+        h["ids"][tokens:t] = 0
+        h["positions"][:tokens] = positions
+        h["positions"][tokens:t] = self.e_pad_positions[:pad]
+        h["slots"][:tokens] = slots
+        h["slots"][tokens:t] = self.e_pad_slots[:pad]
+        h["query_start"][:n + 1] = query_start
+        h["query_start"][n + 1:] = t
+        h["seq_lens"][:n] = seq_lens
+        h["seq_lens"][n] = pad
+        h["seq_lens"][n + 1:] = 0
+        h["block_tables"][:n, :block_tables.shape[1]] = block_tables
+        h["block_tables"][n] = self.scratch_block
+        h["logits_indices"][:k] = logits_indices
+        h["logits_indices"][k:] = 0   # rows of earlier steps may lie past a smaller graph's tokens
+        self.e_inputs.send()
 
     def extend_size(self, num_tokens: int, num_seqs: int) -> int | None:
         """The extend graph a step of ``num_tokens`` tokens over ``num_seqs`` sequences replays, or None."""
@@ -184,22 +264,11 @@ class CudaGraphRunner:
                 return t
         return None
 
-    def run_extend(self, t: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   logits_indices: torch.Tensor) -> torch.Tensor:
-        """Copy a step's inputs into the extend buffers, pad to ``t`` tokens and replay; logits
-        [len(logits_indices), V]."""
-        n, tokens, k = meta.num_seqs, input_ids.shape[0], logits_indices.shape[0]
-        self.e_ids[:tokens].copy_(input_ids)
-        self.e_positions[:tokens].copy_(positions)
-        self.e_slots[:tokens].copy_(meta.slot_mapping)
-        self.e_query_start[:n + 1].copy_(meta.query_start)
-        self.e_seq_lens[:n].copy_(meta.seq_lens)
-        self.e_block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        self._pad_extend(n, tokens, t)
-        self.e_logits_indices[:k].copy_(logits_indices)
-        self.e_logits_indices[k:].zero_()
+    def run_extend(self, t: int, num_logits: int) -> torch.Tensor:
+        """Replay the extend graph of ``t`` tokens over the inputs ``stage_extend`` queued;
+        logits [num_logits, V]."""
         self.extend_graphs[t].replay()
-        return self.extend_outputs[t][:k]
+        return self.extend_outputs[t][:num_logits]
 
     def graph_size(self, n: int) -> int | None:
         """The captured size a decode batch of n runs in, or None (eager)."""

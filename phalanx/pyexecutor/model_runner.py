@@ -73,6 +73,7 @@ class StepInputs:
     gather_slot: torch.Tensor | None = None   # [G] their request slots
     prompt_logprobs: PromptLogprobRows | None = None
     spec: SpecStep | None = None              # speculative rows (verify, first tokens, prompts)
+    extend_graph: int | None = None           # the extend graph whose buffers hold these inputs
 
 
 @dataclass
@@ -171,8 +172,10 @@ class ModelRunner:
         self._free_slots = list(range(2 * old - 1, old - 1, -1))
 
     # -- packing ---------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Host lists -> device tensors for one step (numpy on the host side).
+    def prepare(self, batch: ScheduledBatch, graph_size: int | None = None) -> StepInputs:
+        """Host lists -> device tensors for one step (numpy on the host side). ``graph_size``:
+        as ``forward``'s. A step that replays an extend graph has its inputs written straight
+        into that graph's buffers (``CudaGraphRunner.stage_extend``).
 
         Per-request work (packing a row, its sampling settings, its prompt-logprob positions)
         runs row by row; rows that fail are reported together by ``RequestFailures`` before
@@ -249,11 +252,22 @@ class ModelRunner:
             chain.from_iterable(batch.block_tables), np.int32, int(widths.sum()))
         sample_slots = np.fromiter((self.slot_of(batch.requests[i].request_id) for i in sample_rows), np.int64,
                                    len(sample_rows))
-        arrays: list[np.ndarray] = [slots, query_start, ends.astype(np.int32), tables, ids,
-                                    positions.astype(np.int64), np.asarray(logits_indices, np.int64), sample_slots]
+        seq_lens, positions = ends.astype(np.int32), positions.astype(np.int64)
+        logits_indices = np.asarray(logits_indices, np.int64)
+        arrays: list[np.ndarray] = [slots, query_start, seq_lens, tables, ids, positions, logits_indices]
+        staged: list[torch.Tensor] = []
+        extend_graph = self._extend_graph(T, S, len(logits_indices), bool(prompt_spans), graph_size)
+        if extend_graph is not None:   # into the graph's buffers; their views stand for the step's tensors
+            g = self.graphs
+            assert g is not None
+            g.stage_extend(extend_graph, ids, positions, slots, query_start, seq_lens, tables, logits_indices)
+            staged = [g.e_slots[:T], g.e_query_start[:S + 1], g.e_seq_lens[:S], g.e_block_tables[:S, :tables.shape[1]],
+                      g.e_ids[:T], g.e_positions[:T], g.e_logits_indices[:len(logits_indices)]]
+            arrays = []
+        arrays.append(sample_slots)
         if gather_dst:
             arrays += [np.asarray(gather_dst, np.int64), np.asarray(gather_slot, np.int64)]
-        staged = self.stage(arrays)
+        staged += self.stage(arrays)
         self.clock.mark("stage")
         meta = AttentionMetadata(
             slot_mapping=staged[0],
@@ -266,7 +280,8 @@ class ModelRunner:
             is_decode_only=T == S,
             num_decode_rows=0 if T == S else _leading_decode_rows(counts),
         )
-        inputs = StepInputs(staged[4], staged[5], meta, staged[6], sample_rows, settings, staged[7])
+        inputs = StepInputs(staged[4], staged[5], meta, staged[6], sample_rows, settings, staged[7],
+                            extend_graph=extend_graph)
         if gather_dst:
             inputs.gather_dst, inputs.gather_slot = staged[8], staged[9]
         if prompt_spans:
@@ -287,6 +302,18 @@ class ModelRunner:
             targets.append(np.asarray(req.prompt_token_ids[first + 1:first + 1 + count], np.int64))
         return PromptLogprobRows(spans, _tensor(np.concatenate(indices), self.device),
                                  _tensor(np.concatenate(targets), self.device))
+
+    def _extend_graph(self, num_tokens: int, num_seqs: int, num_logits: int, prompt_logprobs: bool,
+                      graph_size: int | None) -> int | None:
+        """The extend graph a step replays (its token count), or None: not when the caller chose
+        (``graph_size``), a decode graph holds the step, or it wants prompt logprobs or more
+        logits rows than the graphs give."""
+        g = self.graphs
+        if g is None or graph_size is not None or prompt_logprobs or num_logits > g.extend_max_logits:
+            return None
+        if num_tokens == num_seqs and g.graph_size(num_seqs) is not None:
+            return None
+        return g.extend_size(num_tokens, num_seqs)
 
     # -- running ---------------------------------------------------------------------------------
     def graphable(self, batch: ScheduledBatch) -> bool:
@@ -322,13 +349,9 @@ class ModelRunner:
             logits = self.graphs.run(len(batch), inputs.input_ids, inputs.positions, inputs.meta, graph_size)
             # rows in batch order; speculative rows sample after the others
             return logits[inputs.logits_indices] if inputs.spec is not None and inputs.sample_rows else logits
-        if (graph_size is None and self.graphs is not None and inputs.prompt_logprobs is None
-                and inputs.logits_indices.shape[0] <= self.graphs.extend_max_logits):
-            t = self.graphs.extend_size(inputs.input_ids.shape[0], len(batch))
-            if t is not None:
-                self.num_extend_graph_steps += 1
-                return self.graphs.run_extend(t, inputs.input_ids, inputs.positions, inputs.meta,
-                                              inputs.logits_indices)
+        if graph_size is None and inputs.extend_graph is not None and self.graphs is not None:   # inputs in place
+            self.num_extend_graph_steps += 1
+            return self.graphs.run_extend(inputs.extend_graph, inputs.logits_indices.shape[0])
         pieces = self.graphs.piecewise if self.graphs is not None and graph_size is None else None
         if pieces is not None and inputs.prompt_logprobs is None and inputs.spec is None:
             t = pieces.size(inputs.input_ids.shape[0])
@@ -371,7 +394,7 @@ class ModelRunner:
         with self._on_stream():
             timing = self.stream is not None and self.record_timing
             start = _event(timing)
-            inputs = self.prepare(batch)
+            inputs = self.prepare(batch, graph_size)
             self.clock.mark("prepare")
             logits = self.forward(batch, inputs, graph_size)
             self.clock.mark("forward")

@@ -71,3 +71,43 @@ def test_the_forwards_stretches_between_attention_calls_are_the_forward(kind, ti
     assert q is None
     torch.testing.assert_close(residual, want, atol=0, rtol=0)
     assert torch.equal(kv_pieces, kv_eager)
+
+
+def test_an_extend_steps_inputs_reach_the_graph_buffers_padded_in_one_copy():
+    """CudaGraphRunner.stage_extend writes a step's host arrays into the extend graphs' buffer
+    through pinned host memory of the same layout: the step's tokens first, the padding up to
+    the graph's token count as one more sequence over the scratch block, the rows after it
+    empty, the logits rows past the step's zeroed. A second, smaller step through the other
+    host copy leaves nothing of the first where a graph reads."""
+    import numpy as np
+    import torch
+
+    from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
+
+    B, scratch = 16, 9
+    g = CudaGraphRunner(None, None, [1], 8, B, 128, scratch, True, torch.device("cpu"),  # type: ignore[arg-type]
+                        extend_sizes=[16, 32], extend_max_seqs=3)
+    i64 = np.int64
+    # two sequences: 3 new tokens at 17.. (blocks 4, 5) and 2 at 0.. (block 7); both sample
+    g.stage_extend(16, np.array([11, 12, 13, 21, 22], i64), np.array([17, 18, 19, 0, 1], i64),
+                   np.array([81, 82, 83, 112, 113], i64), np.array([0, 3, 5], np.int32), np.array([20, 2], np.int32),
+                   np.array([[4, 5], [7, 9]], np.int32), np.array([2, 4], i64))
+    assert g.e_ids[:16].tolist() == [11, 12, 13, 21, 22] + [0] * 11
+    assert g.e_positions[:16].tolist() == [17, 18, 19, 0, 1] + list(range(11))
+    assert g.e_slots[:16].tolist() == [81, 82, 83, 112, 113] + [scratch * B + p for p in range(11)]
+    assert g.e_query_start.tolist() == [0, 3, 5, 16, 16]
+    assert g.e_seq_lens.tolist() == [20, 2, 11, 0]
+    assert g.e_block_tables[:3, :2].tolist() == [[4, 5], [7, 9], [scratch, scratch]]
+    assert g.e_block_tables[2].tolist() == [scratch] * 8
+    assert g.e_logits_indices.tolist() == [2, 4, 0]
+    # one sequence of 20 tokens in a 32-token graph, through the other host copy
+    g.stage_extend(32, np.arange(100, 120, dtype=i64), np.arange(20, dtype=i64), np.arange(20, dtype=i64) + 32,
+                   np.array([0, 20], np.int32), np.array([20], np.int32), np.array([[2, 3]], np.int32),
+                   np.array([19], i64))
+    assert g.e_ids[:32].tolist() == list(range(100, 120)) + [0] * 12
+    assert g.e_positions[:32].tolist() == list(range(20)) + list(range(12))
+    assert g.e_slots[20:32].tolist() == [scratch * B + p for p in range(12)]
+    assert g.e_query_start.tolist() == [0, 20, 32, 32, 32]
+    assert g.e_seq_lens.tolist() == [20, 12, 0, 0]
+    assert g.e_block_tables[0, :2].tolist() == [2, 3] and g.e_block_tables[1].tolist() == [scratch] * 8
+    assert g.e_logits_indices.tolist() == [19, 0, 0]
