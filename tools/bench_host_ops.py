@@ -4,10 +4,16 @@ loop to compare the machine's Python speed with another's. In the engine the sam
 run once per step on a cold path and take longer (docs/gpu_notes.md, fifteenth round).
 
     python tools/bench_host_ops.py
+    python tools/bench_host_ops.py --after-idle     # the same calls after the thread slept or spun
+
+``--after-idle`` times one Python call and one copy + event record after the thread has been idle
+for 0-100 ms, sleeping or spinning: whether a cold path is slow for all host work after a sleep
+(the core's power state, its caches) or for the CUDA calls alone.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +35,45 @@ def median_us(fn: Callable[[], object], n: int = 300) -> float:
     return statistics.median(times) * 1e6
 
 
+def after_idle(gaps_ms: list[float], trials: int = 40) -> None:
+    ids = list(range(1000, 3080))
+    host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    event = torch.cuda.Event()
+
+    def copy_record() -> None:
+        buf[:1024].copy_(host[:1024], non_blocking=True)
+        event.record()
+    for _ in range(20):
+        copy_record()
+        min(ids)
+    torch.cuda.synchronize()
+    for how in ("sleep", "spin"):
+        for gap in gaps_ms:
+            py, cu = [], []
+            for _ in range(trials):
+                if how == "sleep":
+                    time.sleep(gap / 1e3)
+                else:
+                    end = time.perf_counter() + gap / 1e3
+                    while time.perf_counter() < end:
+                        pass
+                t0 = time.perf_counter()
+                min(ids)
+                t1 = time.perf_counter()
+                copy_record()
+                t2 = time.perf_counter()
+                py.append(t1 - t0)
+                cu.append(t2 - t1)
+            print(f"after {gap:5.1f} ms of {how}: min() of 2,080 ids {statistics.median(py) * 1e6:7.1f} us, "
+                  f"copy_ + event record {statistics.median(cu) * 1e6:7.1f} us", flush=True)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--after-idle", action="store_true")
+    if ap.parse_args().after_idle:
+        return after_idle([0, 1, 5, 20, 100])
     ids = list(range(1000, 3080))
     print(f"python loop sum(range(200k))  {median_us(lambda: sum(range(200_000)), 30):8.1f} us")
     print(f"min() of a 2,080-id list      {median_us(lambda: min(ids)):8.1f} us")
