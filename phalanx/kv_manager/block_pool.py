@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -85,10 +86,17 @@ class BlockPool:
     # -- references -------------------------------------------------------------------------
     def ref(self, block_id: int) -> None:
         """Add a holder. A cached block leaving ref 0 stops being evictable."""
-        if self.ref_counts[block_id] == 0 and self.cached[block_id]:
-            self.num_cached_unreferenced -= 1
-            self.discard_evictable(block_id)
-        self.ref_counts[block_id] += 1
+        self.ref_all((block_id,))
+
+    def ref_all(self, block_ids: Sequence[int]) -> None:
+        """``ref`` each block in turn (a request taking a matched prefix of many blocks: one call,
+        not one a block)."""
+        refs, cached, evictable = self.ref_counts, self.cached, self._evictable
+        for b in block_ids:
+            if refs[b] == 0 and cached[b]:
+                self.num_cached_unreferenced -= 1
+                evictable.pop(b, None)   # ``discard_evictable``
+            refs[b] += 1
 
     def unref(self, block_id: int) -> int:
         """Drop a holder and return the new count.

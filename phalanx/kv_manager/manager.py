@@ -155,19 +155,18 @@ class KVCacheManager:
         if self.num_blocks_to_admit(match, num_slots) > self.pool.num_available:
             raise NoFreeBlocksError(f"request {request_id} needs more blocks than are available")
         tm = match.tree_match
-        for node in tm.nodes:  # hold the prefix before allocating, so it cannot be evicted
-            self.tree.ref(node)
+        held = [n.block_id for n in tm.nodes]
+        self.pool.ref_all(held)  # hold the prefix before allocating, so it cannot be evicted
         if tm.partial_node is not None:
             # The copy source is held with its whole path, so a held node always has held
             # ancestors even if this request ends before the copy runs.
             source_path = tm.nodes + [tm.partial_node]
-            for node in source_path:
-                self.tree.ref(node)
+            self.pool.ref_all(held + [tm.partial_node.block_id])
         fresh = self._allocate(self.num_blocks_for(num_slots) - len(tm.nodes))
         if tm.partial_node is not None:
             self._copy_ops.append(CopyOp(tm.partial_node.block_id, fresh[0], tm.partial_len))
             self._copy_sources.append(source_path)
-        seq = _Sequence([n.block_id for n in tm.nodes] + fresh, list(tm.nodes), extra_key + self.epoch, priority)
+        seq = _Sequence(held + fresh, list(tm.nodes), extra_key + self.epoch, priority)
         self._seqs[request_id] = seq
         return match.num_tokens
 
@@ -313,9 +312,12 @@ class KVCacheManager:
         assert len(free) + len(unref_cached) + referenced == p.num_blocks, "blocks lost or double-counted"
         leaves = {b for b in unref_cached if not tree.nodes[b].children}
         assert set(p._evictable) == leaves, f"evictable {sorted(p._evictable)} != leaves {sorted(leaves)}"
+        assert sum(len(h) for n in [tree.root, *tree.nodes.values()] for h in n.heads.values()) == len(tree.nodes), \
+            "heads strays"
         for b, node in tree.nodes.items():
             parent = node.parent
             assert parent is not None and parent.children.get(node.key) is node, f"block {b} detached"
+            assert sum(c is node for c in parent.heads.get(node.tokens[0], ())) == 1, f"block {b} heads"
             assert node.key == chain_key(parent.key, node.tokens, node.extra_key), f"block {b} key"
             assert 0 < len(node.tokens) <= self.tokens_per_block, f"block {b} token count"
             if len(node.tokens) < self.tokens_per_block:

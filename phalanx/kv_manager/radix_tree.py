@@ -73,6 +73,8 @@ class Node:
     priority: int = DEFAULT_PRIORITY
     last_access: int = 0
     children: dict[bytes, Node] = field(default_factory=dict)
+    # the children again by their first token, in insertion order: the only ones a token scan can match
+    heads: dict[int, list[Node]] = field(default_factory=dict)
 
     @property
     def is_root(self) -> bool:
@@ -111,14 +113,26 @@ class RadixTree:
     ) -> TreeMatch:
         """Longest cached prefix of ``tokens[:max_tokens]``; mutates nothing.
 
-        Keys are computed while walking, so a miss costs one hash, not one per block.
+        Keys are computed while walking, so a miss costs one hash, not one per block; a node
+        with one child (most of a long cached prefix) compares that child's tokens instead.
         """
         B = self.tokens_per_block
         node, path = self.root, []
-        for i in range(max_tokens // B):
-            child = node.children.get(chain_key(node.key, tokens[i * B:(i + 1) * B], extra_key))
-            if child is None:
-                break
+        n = max_tokens // B
+        blocks: tuple[int, ...] = ()
+        child: Node | None
+        for i in range(n):
+            children = node.children
+            if len(children) == 1:   # the one child matches iff its tokens and extra key do (its key chains them)
+                if not blocks:
+                    blocks = tuple(tokens[:n * B])
+                (child,) = children.values()
+                if child.extra_key != extra_key or child.tokens != blocks[i * B:(i + 1) * B]:
+                    break
+            else:
+                child = children.get(chain_key(node.key, tokens[i * B:(i + 1) * B], extra_key))
+                if child is None:
+                    break
             path.append(child)
             node = child
         result = TreeMatch(path)
@@ -132,7 +146,7 @@ class RadixTree:
         self, node: Node, want: Sequence[int], extra_key: bytes,
     ) -> tuple[Node | None, int]:
         best, best_len = None, 0
-        for child in node.children.values():
+        for child in node.heads.get(want[0], ()):   # any other child shares no token with ``want``
             if child.extra_key != extra_key:
                 continue
             n = _common_prefix_len(child.tokens, want)
@@ -144,7 +158,7 @@ class RadixTree:
         """True if a child of ``parent`` already starts with ``tokens`` (same extra key)."""
         n = len(tokens)
         return any(c.extra_key == extra_key and len(c.tokens) >= n and c.tokens[:n] == tuple(tokens)
-                   for c in parent.children.values())
+                   for c in (parent.heads.get(tokens[0], ()) if n else parent.children.values()))
 
     # -- references on cached blocks ------------------------------------------------------------
     def ref(self, node: Node) -> None:
@@ -167,6 +181,7 @@ class RadixTree:
         assert key not in parent.children, "duplicate key: reuse the existing node"
         node = Node(key, block_id, tuple(tokens), extra_key, parent, priority, self.pool.next_tick())
         parent.children[key] = node
+        parent.heads.setdefault(node.tokens[0], []).append(node)
         self.nodes[block_id] = node
         self.pool.set_cached(block_id, True)
         if not parent.is_root:
@@ -187,6 +202,10 @@ class RadixTree:
         parent = node.parent
         assert parent is not None and not node.children
         del parent.children[node.key]
+        heads = parent.heads[node.tokens[0]]
+        heads.remove(node)
+        if not heads:
+            del parent.heads[node.tokens[0]]
         self.pool.set_cached(block_id, False)
         self.pool.put_free(block_id)
         self.num_evicted += 1

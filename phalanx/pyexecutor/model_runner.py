@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from itertools import chain, pairwise
+from itertools import accumulate, chain, pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -185,8 +185,7 @@ class ModelRunner:
         starts = np.fromiter(batch.num_computed_tokens, np.int64, S)
         counts = np.fromiter(batch.num_scheduled_tokens, np.int64, S)
         ends = starts + counts
-        query_start = np.zeros(S + 1, np.int32)
-        np.cumsum(counts, out=query_start[1:])
+        query_start = np.fromiter(accumulate(batch.num_scheduled_tokens, initial=0), np.int32, S + 1)
         T = int(query_start[-1])
         ids = np.zeros(T, np.int64)
         slots = np.empty(T, np.int64)
@@ -244,12 +243,16 @@ class ModelRunner:
             verify_idx = (np.asarray([q0 for _, q0, _ in spec.verify], np.int64)[:, None]
                           + np.arange(spec.k + 1)).ravel()
             logits_indices = np.concatenate([np.asarray(logits_indices, np.int64), verify_idx])
-        widths = np.fromiter(map(len, batch.block_tables), np.int64, S)
-        # padding: the scratch block no request owns (only positions inside a row's table are read);
-        # the rows' ids filled in row-major order in one assignment
-        tables = np.full((S, int(widths.max())), self.kv_pool.num_blocks - 1, np.int32)
-        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
-            chain.from_iterable(batch.block_tables), np.int32, int(widths.sum()))
+        widths = [len(t) for t in batch.block_tables]
+        width = max(widths)
+        if min(widths) == width:   # no padding (one row, or rows of one length): the ids, row after row
+            tables = np.fromiter(chain.from_iterable(batch.block_tables), np.int32, S * width).reshape(S, width)
+        else:
+            # padding: the scratch block no request owns (only positions inside a row's table are read);
+            # the rows' ids filled in row-major order in one assignment
+            tables = np.full((S, width), self.kv_pool.num_blocks - 1, np.int32)
+            tables[np.arange(width) < np.asarray(widths)[:, None]] = np.fromiter(
+                chain.from_iterable(batch.block_tables), np.int32, sum(widths))
         sample_slots = np.fromiter((self.slot_of(batch.requests[i].request_id) for i in sample_rows), np.int64,
                                    len(sample_rows))
         seq_lens, positions = ends.astype(np.int32), positions.astype(np.int64)
@@ -274,7 +277,7 @@ class ModelRunner:
             query_start=staged[1],
             seq_lens=staged[2],
             block_tables=staged[3],
-            max_query_len=int(counts.max()),
+            max_query_len=max(batch.num_scheduled_tokens),
             max_seq_len=int(ends.max()),
             tokens_per_block=B,
             is_decode_only=T == S,

@@ -136,3 +136,35 @@ def test_pretty_shows_blocks_and_refs():
     admit_and_finish(kv, 1, [1, 2, 3, 4, 5, 6, 7, 8, 0])
     text = kv.pretty()
     assert "block 0 ref=0 [1,2,3,4]" in text and "block 1 ref=0 [5,6,7,8]" in text
+
+
+def test_a_chain_of_only_children_matches_by_tokens_and_extra_key_as_the_keys_would():
+    """Along a chain where each node has one child the match compares the child's tokens and
+    extra key instead of hashing: it stops at the first differing block, never crosses tenants,
+    and finds what the key lookup finds once a node has two children."""
+    kv = tiny_kv()
+    prompt = list(range(100, 124))                    # 6 blocks of 4
+    admit_and_finish(kv, 1, prompt + [7], b"a")
+    full = kv.match(prompt + [7], b"a")
+    assert [n.block_id for n in full.tree_match.nodes] == [0, 1, 2, 3, 4, 5]
+    assert kv.match(prompt + [7], b"b").num_tokens == 0          # another tenant: nothing
+    changed = prompt[:9] + [0] + prompt[10:]           # block 2 differs
+    assert [n.block_id for n in kv.match(changed, b"a").tree_match.nodes] == [0, 1]
+    admit_and_finish(kv, 2, prompt[:8] + list(range(500, 516)), b"a")   # block 1 now has two children
+    both = kv.match(prompt + [7], b"a")
+    assert [n.block_id for n in both.tree_match.nodes] == [0, 1, 2, 3, 4, 5]
+    other = kv.match(prompt[:8] + list(range(500, 516)), b"a")
+    assert len(other.tree_match.nodes) == 5 and [n.block_id for n in other.tree_match.nodes][:2] == [0, 1]
+    kv.check_integrity()
+
+
+def test_a_partial_match_among_many_siblings_takes_the_longest_common_prefix():
+    kv = tiny_kv()
+    for rid, first in enumerate(range(1, 6)):          # five one-block prompts under the root
+        admit_and_finish(kv, rid, [first, 50, 51, 52, 53])
+    admit_and_finish(kv, 9, [3, 50, 60, 61, 62])       # a second root child starting with 3
+    m = kv.match([3, 50, 51, 70, 71])
+    assert m.tree_match.partial_node is not None and m.tree_match.partial_len == 3
+    assert m.tree_match.partial_node.tokens[:3] == (3, 50, 51)
+    assert kv.match([8, 50, 51, 52, 53]).tree_match.partial_node is None   # no child starts with 8
+    kv.check_integrity()
