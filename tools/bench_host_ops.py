@@ -8,7 +8,9 @@ run once per step on a cold path and take longer (docs/gpu_notes.md, fifteenth r
 
 ``--after-idle`` times one Python call and one copy + event record after the thread has been idle
 for 0-100 ms, sleeping or spinning: whether a cold path is slow for all host work after a sleep
-(the core's power state, its caches) or for the CUDA calls alone.
+(the core's power state, its caches) or for the CUDA calls alone; and after sleeping with a touch
+of the device every 0.5 ms (an event query, a one-element copy, a one-element kernel): what keeps
+the first call after an idle spell fast.
 """
 
 from __future__ import annotations
@@ -48,16 +50,25 @@ def after_idle(gaps_ms: list[float], trials: int = 40) -> None:
         copy_record()
         min(ids)
     torch.cuda.synchronize()
-    for how in ("sleep", "spin"):
+    small = torch.zeros(1, device="cuda")
+    touches: dict[str, Callable[[], object]] = {
+        "sleep": lambda: None, "spin": lambda: None, "sleep, event query every 0.5 ms": event.query,
+        "sleep, 1-element copy every 0.5 ms": lambda: buf[:8].copy_(host[:8], non_blocking=True),
+        "sleep, 1-element kernel every 0.5 ms": lambda: small.add_(1)}
+    for how, touch in touches.items():
         for gap in gaps_ms:
             py, cu = [], []
             for _ in range(trials):
-                if how == "sleep":
-                    time.sleep(gap / 1e3)
-                else:
-                    end = time.perf_counter() + gap / 1e3
+                end = time.perf_counter() + gap / 1e3
+                if how == "spin":
                     while time.perf_counter() < end:
                         pass
+                elif how == "sleep":
+                    time.sleep(gap / 1e3)
+                else:
+                    while (left := end - time.perf_counter()) > 0:
+                        time.sleep(min(left, 5e-4))
+                        touch()
                 t0 = time.perf_counter()
                 min(ids)
                 t1 = time.perf_counter()
@@ -73,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--after-idle", action="store_true")
     if ap.parse_args().after_idle:
-        return after_idle([0, 1, 5, 20, 100])
+        return after_idle([0, 1, 5, 20])
     ids = list(range(1000, 3080))
     print(f"python loop sum(range(200k))  {median_us(lambda: sum(range(200_000)), 30):8.1f} us")
     print(f"min() of a 2,080-id list      {median_us(lambda: min(ids)):8.1f} us")
