@@ -134,6 +134,7 @@ class CudaGraphRunner:
             self.e_inputs = GraphInputs([("ids", (tmax,), torch.long), ("positions", (tmax,), torch.long),
                                          ("slots", (tmax,), torch.long),
                                          ("logits_indices", (self.extend_max_logits,), torch.long),
+                                         ("sample_slots", (self.extend_max_logits,), torch.long),
                                          ("query_start", (rows + 1,), torch.int32), ("seq_lens", (rows,), torch.int32),
                                          ("block_tables", (rows, max_blocks_per_seq), torch.int32)], device)
             v = self.e_inputs.views
@@ -141,6 +142,9 @@ class CudaGraphRunner:
             self.e_query_start, self.e_seq_lens = v["query_start"], v["seq_lens"]
             self.e_block_tables = v["block_tables"]
             self.e_logits_indices = v["logits_indices"]
+            # not a graph input: the sampling rows' request slots ride along in the same copy for the
+            # sampler queued right after the replay (``ModelRunner.prepare`` says when they may)
+            self.e_sample_slots = v["sample_slots"]
             # the padding sequence's tokens: positions 0.. in the scratch block
             self.e_pad_positions = np.arange(tmax, dtype=np.int64)
             self.e_pad_slots = scratch_block * tokens_per_block + self.e_pad_positions % tokens_per_block
@@ -230,11 +234,13 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden[self.e_logits_indices])
 
     def stage_extend(self, t: int, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_start: np.ndarray,
-                     seq_lens: np.ndarray, block_tables: np.ndarray, logits_indices: np.ndarray) -> None:
+                     seq_lens: np.ndarray, block_tables: np.ndarray, logits_indices: np.ndarray,
+                     sample_slots: np.ndarray | None = None) -> None:
         """Queue a step's inputs (n sequences, ``len(ids)`` tokens: the host arrays
         ``ModelRunner.prepare`` builds) into the extend graphs' buffers, padded to ``t`` tokens:
         tokens ``len(ids)..t`` form sequence n over the scratch block, and the rows after it are
-        empty. One copy; the replay (``run_extend``) reads them."""
+        empty. One copy; the replay (``run_extend``) reads them. ``sample_slots`` ride along
+        (``e_sample_slots``) until the next step's copy."""
         h = self.e_inputs.host()
         n, tokens, k = len(seq_lens), len(ids), len(logits_indices)
         pad = t - tokens
@@ -253,6 +259,8 @@ class CudaGraphRunner:
         h["block_tables"][n] = self.scratch_block
         h["logits_indices"][:k] = logits_indices
         h["logits_indices"][k:] = 0   # rows of earlier steps may lie past a smaller graph's tokens
+        if sample_slots is not None:
+            h["sample_slots"][:len(sample_slots)] = sample_slots
         self.e_inputs.send()
 
     def extend_size(self, num_tokens: int, num_seqs: int) -> int | None:

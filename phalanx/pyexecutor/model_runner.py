@@ -257,20 +257,27 @@ class ModelRunner:
                                    len(sample_rows))
         seq_lens, positions = ends.astype(np.int32), positions.astype(np.int64)
         logits_indices = np.asarray(logits_indices, np.int64)
-        arrays: list[np.ndarray] = [slots, query_start, seq_lens, tables, ids, positions, logits_indices]
+        # staged in this order: slots, query starts, lengths, tables, ids, positions, logits rows, sample slots
+        arrays: list[np.ndarray] = [slots, query_start, seq_lens, tables, ids, positions, logits_indices, sample_slots]
         staged: list[torch.Tensor] = []
         extend_graph = self._extend_graph(T, S, len(logits_indices), bool(prompt_spans), graph_size)
         if extend_graph is not None:   # into the graph's buffers; their views stand for the step's tensors
             g = self.graphs
             assert g is not None
-            g.stage_extend(extend_graph, ids, positions, slots, query_start, seq_lens, tables, logits_indices)
+            # the sample slots ride in the same copy unless the step's sampling may be deferred past
+            # the next step's copy (grammar rows: ``launch``'s defer_sampling)
+            ride = self.guided is None or not self.guided.has_grammar([batch.requests[i] for i in sample_rows])
+            g.stage_extend(extend_graph, ids, positions, slots, query_start, seq_lens, tables, logits_indices,
+                           sample_slots if ride else None)
             staged = [g.e_slots[:T], g.e_query_start[:S + 1], g.e_seq_lens[:S], g.e_block_tables[:S, :tables.shape[1]],
                       g.e_ids[:T], g.e_positions[:T], g.e_logits_indices[:len(logits_indices)]]
-            arrays = []
-        arrays.append(sample_slots)
+            if ride:
+                staged.append(g.e_sample_slots[:len(sample_slots)])
+            arrays = arrays[len(staged):]
         if gather_dst:
             arrays += [np.asarray(gather_dst, np.int64), np.asarray(gather_slot, np.int64)]
-        staged += self.stage(arrays)
+        if arrays:
+            staged += self.stage(arrays)
         self.clock.mark("stage")
         meta = AttentionMetadata(
             slot_mapping=staged[0],

@@ -77,8 +77,8 @@ def test_an_extend_steps_inputs_reach_the_graph_buffers_padded_in_one_copy():
     """CudaGraphRunner.stage_extend writes a step's host arrays into the extend graphs' buffer
     through pinned host memory of the same layout: the step's tokens first, the padding up to
     the graph's token count as one more sequence over the scratch block, the rows after it
-    empty, the logits rows past the step's zeroed. A second, smaller step through the other
-    host copy leaves nothing of the first where a graph reads."""
+    empty, the logits rows past the step's zeroed; the sampling rows' slots ride along. A second,
+    smaller step through the other host copy leaves nothing of the first where a graph reads."""
     import numpy as np
     import torch
 
@@ -91,7 +91,7 @@ def test_an_extend_steps_inputs_reach_the_graph_buffers_padded_in_one_copy():
     # two sequences: 3 new tokens at 17.. (blocks 4, 5) and 2 at 0.. (block 7); both sample
     g.stage_extend(16, np.array([11, 12, 13, 21, 22], i64), np.array([17, 18, 19, 0, 1], i64),
                    np.array([81, 82, 83, 112, 113], i64), np.array([0, 3, 5], np.int32), np.array([20, 2], np.int32),
-                   np.array([[4, 5], [7, 9]], np.int32), np.array([2, 4], i64))
+                   np.array([[4, 5], [7, 9]], np.int32), np.array([2, 4], i64), np.array([6, 3], i64))
     assert g.e_ids[:16].tolist() == [11, 12, 13, 21, 22] + [0] * 11
     assert g.e_positions[:16].tolist() == [17, 18, 19, 0, 1] + list(range(11))
     assert g.e_slots[:16].tolist() == [81, 82, 83, 112, 113] + [scratch * B + p for p in range(11)]
@@ -100,6 +100,7 @@ def test_an_extend_steps_inputs_reach_the_graph_buffers_padded_in_one_copy():
     assert g.e_block_tables[:3, :2].tolist() == [[4, 5], [7, 9], [scratch, scratch]]
     assert g.e_block_tables[2].tolist() == [scratch] * 8
     assert g.e_logits_indices.tolist() == [2, 4, 0]
+    assert g.e_sample_slots[:2].tolist() == [6, 3]     # the sampler's rows ride along
     # one sequence of 20 tokens in a 32-token graph, through the other host copy
     g.stage_extend(32, np.arange(100, 120, dtype=i64), np.arange(20, dtype=i64), np.arange(20, dtype=i64) + 32,
                    np.array([0, 20], np.int32), np.array([20], np.int32), np.array([[2, 3]], np.int32),
