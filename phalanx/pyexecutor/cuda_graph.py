@@ -24,9 +24,8 @@ speculative rows, mixture-of-experts models — runs eagerly.
 
 An extend step's inputs do not pass through tensors of their own: ``ModelRunner.prepare`` writes
 them, already padded as the graph reads them, into pinned host memory laid out as the graphs'
-input buffer, and one copy brings them over (``GraphInputs``). Before, the step's arrays were
-staged and then copied and padded into the graph's buffers tensor by tensor: a dozen small
-device calls on the host's path to the first token of a prefix hit.
+input buffer, and one copy brings them over (``GraphInputs``) — not a copy or a fill per tensor,
+a dozen small device calls on the host's path to a prefix hit's first token.
 """
 
 from __future__ import annotations
