@@ -313,7 +313,7 @@ class KVCacheManager:
         leaves = {b for b in unref_cached if not tree.nodes[b].children}
         assert set(p._evictable) == leaves, f"evictable {sorted(p._evictable)} != leaves {sorted(leaves)}"
         assert sum(len(h) for n in [tree.root, *tree.nodes.values()] for h in n.heads.values()) == len(tree.nodes), \
-            "heads strays"
+            "the first-token index holds a node twice or one not in the tree"
         for b, node in tree.nodes.items():
             parent = node.parent
             assert parent is not None and parent.children.get(node.key) is node, f"block {b} detached"
