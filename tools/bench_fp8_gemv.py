@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from phalanx.kernels import fp8, gemv
+from phalanx.kernels import fp8, gemv, pdl, triton_ops
 from phalanx.kernels.gemv_tuner import time_graph, weight_copies
-from phalanx.kernels.linear_plan import RowsTile
+from phalanx.kernels.linear_plan import OneRowTile, RowsTile
+from phalanx.kernels.pdl import release, wait
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
@@ -92,6 +93,134 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, k_per_split, s_wn, SWAP: tl.co
         tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
+@triton.jit
+def _persistent_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, tiles_per_prog, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+    """One row, persistent: program p takes row tiles [p * tiles_per_prog, ...) one after another in
+    one flat loop over (tile, K step), so its loads stay in flight across tiles."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    t_lo = pid * tiles_per_prog
+    t_hi = tl.minimum(t_lo + tiles_per_prog, tiles)
+    release(PDL)
+    if PRE:
+        n0 = t_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.arange(0, BLOCK_K)
+        tl.load(w_ptr + n0[:, None] * s_wn + k0[None, :], mask=(n0 < N)[:, None] & (k0 < K)[None, :], other=0.0,
+                eviction_policy="evict_last")
+    wait(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for it in range(t_lo * K_STEPS, t_hi * K_STEPS):
+        t = it // K_STEPS
+        kk = it % K_STEPS
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+        nm = n < N
+        km = k < K
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        if kk == K_STEPS - 1:
+            y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
+            tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+
+
+@triton.jit
+def _reduced_acc_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        R: tl.constexpr):
+    """One row with a narrower accumulator: each K step's products are summed R at a time (R
+    neighbours of a row, held by one thread) into [BLOCK_N, BLOCK_K // R] float32, so a program
+    holds 1/R of the registers the shipped kernel's accumulator takes."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K // R], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, BLOCK_K // R, R]), 2)
+    y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+def reduced_acc(bn: int, bk: int, warps: int, stages: int, r: int):
+    def run(x, w, s):
+        N, K = w.shape
+        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+        _reduced_acc_kernel[(triton.cdiv(N, bn),)](x, w, s, y, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, R=r,
+                                                  num_warps=warps, num_stages=stages)
+        return y
+    return run
+
+
+@triton.jit
+def _flat_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, tiles_per_prog, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):
+    """Persistent with no branch in the loop (so that it pipelines): a [BLOCK_N] accumulator
+    summed every K step, stored under a mask at a tile's last step and cleared by a multiply."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    t_lo = pid * tiles_per_prog
+    t_hi = tl.minimum(t_lo + tiles_per_prog, tiles)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for it in range(t_lo * K_STEPS, t_hi * K_STEPS):
+        t = it // K_STEPS
+        kk = it % K_STEPS
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+        nm = n < N
+        km = k < K
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        last = (n * 0 + kk) == K_STEPS - 1
+        tl.store(y_ptr + n, (acc * tl.load(s_ptr + n, mask=nm & last, other=0.0)).to(y_ptr.dtype.element_ty),
+                 mask=nm & last)
+        acc = tl.where(last, 0.0, acc)
+
+
+def flat(bn: int, bk: int, warps: int, stages: int, per_sm: int):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def run(x, w, s):
+        N, K = w.shape
+        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+        tiles = triton.cdiv(N, bn)
+        per = triton.cdiv(tiles, sms * per_sm)
+        _flat_kernel[(triton.cdiv(tiles, per),)](x, w, s, y, N, K, w.stride(0), per, BLOCK_N=bn, BLOCK_K=bk,
+                                                 K_STEPS=triton.cdiv(K, bk), num_warps=warps, num_stages=stages)
+        return y
+    return run
+
+
+REDUCED = [(bn, bk, w, st, r) for bn, bk, w, st in [(8, 1024, 4, 4), (16, 1024, 4, 4), (16, 1024, 8, 4),
+                                                    (32, 1024, 8, 3), (8, 2048, 4, 3), (16, 2048, 8, 3),
+                                                    (32, 512, 4, 4), (64, 512, 8, 3), (4, 1024, 4, 6)]
+           for r in (16, bk)]
+FLAT = [(bn, bk, w, st, p) for bn, bk, w in [(8, 1024, 4), (16, 1024, 8), (16, 512, 4)] for st in (3, 5)
+        for p in (2, 4, 8)]
+
+
+def persistent(bn: int, bk: int, warps: int, stages: int, per_sm: int, use_pdl: bool = False, pre: bool = False):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def run(x, w, s):
+        N, K = w.shape
+        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+        tiles = triton.cdiv(N, bn)
+        per = triton.cdiv(tiles, sms * per_sm)
+        _persistent_kernel[(triton.cdiv(tiles, per),)](
+            x, w, s, y, N, K, w.stride(0), per, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=triton.cdiv(K, bk), PRE=pre,
+            num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
+        return y
+    return run
+
+
 def one_row(mode: int, bn: int, bk: int, warps: int, stages: int):
     def run(x, w, s):
         N, K = w.shape
@@ -125,11 +254,124 @@ def shipped(tile):
     return run
 
 
+PERSISTENT = [(bn, bk, 4, st, p) for bn in (4, 8, 16) for bk in (512, 1024) for st in (3, 5) for p in (1, 2, 4)
+              if bn * bk <= 8192]
+
+
+def persistent_section(out: list) -> None:
+    """The persistent one-row kernel against the shipped one: each projection alone (no PDL, as
+    above), then a layer's chain of projections with PDL and preloads as a step runs them."""
+    torch.manual_seed(0)
+    best: dict[tuple, dict[str, tuple]] = {}
+    weights = {}
+    for N, K in SHAPES:
+        wb = torch.randn(N, K, dtype=torch.bfloat16, device="cuda") / 64
+        q, s = fp8.quantize_weight(wb)
+        weights[(N, K)] = (q, s)
+        x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
+        ref = x.float() @ (q.float() * s[:, None]).t()
+        ws = weight_copies(q)
+        variants = {("shipped", t): shipped(t) for t in gemv.ONE_ROW_TILES_FP8}
+        variants.update({("reduced", c): reduced_acc(*c) for c in REDUCED})
+        variants.update({("flat", c): flat(*c) for c in FLAT})
+        for (fam, cfg), fn in variants.items():
+            try:
+                err = ((fn(x, q, s).float() - ref).norm() / ref.norm()).item()
+                ms = time_graph(functools.partial(_call, fn, x, ws, s), len(ws))
+            except Exception as e:
+                print(f"{N}x{K} {fam} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            nbytes = q.numel()
+            out.append({"N": N, "K": K, "variant": f"{fam} {cfg}", "us": ms * 1e3, "gb_s": nbytes / ms / 1e6,
+                        "rel_err": err})
+            print(f"{N:6d}x{K:5d} {fam:10s} {str(cfg):28s} {ms * 1e3:7.1f} us {nbytes / ms / 1e6:6.0f} GB/s "
+                  f"err {err:.2e}", flush=True)
+            if ms < best.setdefault((N, K), {}).get(fam, (None, 1e9))[1]:
+                best[(N, K)][fam] = (cfg, ms)
+        del ws
+    # the chain: norm, q/k/v, o, norm, gate_up, down (no attention, no fused epilogues), 4 layer copies
+    H = 4096
+    x = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
+    r = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
+    g = torch.ones(H, dtype=torch.bfloat16, device="cuda")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    layers = [[(q.clone(), s) for q, s in (weights[sh] for sh in shapes)] for _ in range(4)]
+    for mix in ("shipped", "reduced", "best"):
+        fns = []
+        for i, sh in enumerate(shapes):
+            fam = mix
+            if mix == "best":
+                fam = min(best[sh], key=lambda f: best[sh][f][1])
+            cfg = best[sh][fam][0]
+            pre = i != 3          # behind the norm, the attention, the norm; not behind gate_up
+            fns.append(functools.partial(_chain_gemv, fam, cfg, pre))
+
+        def layer(i: int, fns=fns) -> None:
+            w = layers[i]
+            h = triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
+            fns[0](h, *w[0])
+            a = fns[1](x, *w[1])
+            h = triton_ops.fused_add_rms_norm(a, r, g, 1e-6)[0]
+            gu = fns[2](h, *w[2])
+            fns[3](gu[:, :14336], *w[3])
+        ms = time_graph(layer, len(layers))
+        desc = [(mix if mix != "best" else min(best[sh], key=lambda f: best[sh][f][1]))[0] for sh in shapes]
+        print(f"chain {mix:10s} {''.join(desc)} {ms * 1e3:7.1f} us a layer "
+              f"({sum(q.numel() for q, _ in layers[0]) / ms / 1e6:6.0f} GB/s)", flush=True)
+        out.append({"chain": mix, "us": ms * 1e3})
+
+
+OLD_FP8_TILES = [OneRowTile(8, 1024, 4, 4), OneRowTile(16, 1024, 4, 3), OneRowTile(8, 2048, 4, 3),
+                 OneRowTile(16, 2048, 8, 2), OneRowTile(32, 512, 4, 4)]
+
+
+def fold_section(out: list) -> None:
+    """The shipped one-row kernel with its products folded into a narrower accumulator
+    (``OneRowTile.fold``) or not: bf16 weights with the bf16 tiles, FP8 weights with the FP8 tiles."""
+    torch.manual_seed(0)
+    for N, K in SHAPES:
+        wb = torch.randn(N, K, dtype=torch.bfloat16, device="cuda") / 64
+        q, s = fp8.quantize_weight(wb)
+        x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
+        cases = [("bf16", t._replace(fold=f), wb, None) for t in gemv.ONE_ROW_TILES for f in (1, 8, 16)]
+        cases += [("fp8", t._replace(fold=f), q, s) for t in OLD_FP8_TILES + gemv.ONE_ROW_TILES_FP8 for f in (1, 16)]
+        for dt, tile, w, sc in cases:
+            ws = weight_copies(w)
+            want = x.float() @ (w.float() if sc is None else q.float() * s[:, None]).t()
+            fn = shipped(tile)
+            err = ((fn(x, w, sc).float() - want).norm() / want.norm()).item()
+            ms = time_graph(functools.partial(_call, fn, x, ws, sc), len(ws))
+            nbytes = w.numel() * w.element_size()
+            out.append({"N": N, "K": K, "variant": f"{dt} {tuple(tile)}", "us": ms * 1e3, "gb_s": nbytes / ms / 1e6,
+                        "rel_err": err})
+            print(f"{N:6d}x{K:5d} {dt:5s} {str(tuple(tile)):24s} {ms * 1e3:7.1f} us {nbytes / ms / 1e6:6.0f} GB/s "
+                  f"err {err:.2e}", flush=True)
+            del ws
+
+
+def _chain_gemv(fam: str, cfg: tuple, pre: bool, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    if fam == "shipped":
+        return gemv.gemv(x, q, None, cfg, pdl=True, preload=pre, scale=s)
+    if fam == "reduced":
+        return reduced_acc(*cfg)(x, q, s)
+    if fam == "flat":
+        return flat(*cfg)(x, q, s)
+    return persistent(*cfg, use_pdl=True, pre=pre)(x, q, s)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default=None)
+    ap.add_argument("--persistent", action="store_true", help="the persistent one-row kernel and a layer's chain")
+    ap.add_argument("--fold", action="store_true", help="the shipped one-row kernel, products folded or not")
     a = ap.parse_args()
     out = []
+    if a.persistent or a.fold:
+        (persistent_section if a.persistent else fold_section)(out)
+        if a.output:
+            with open(a.output, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(0), "rows": out}, f, indent=1)
+        return
     torch.manual_seed(0)
     for N, K in SHAPES:
         wb = torch.randn(N, K, dtype=torch.bfloat16, device="cuda") / 64

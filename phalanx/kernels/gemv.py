@@ -29,9 +29,10 @@ from phalanx.kernels.triton_ops import silu_mul
 # the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages) ...
 ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile(16, 1024, 8, 2),
                  OneRowTile(32, 256, 4, 4), OneRowTile(8, 1024, 4, 3)]
-# FP8 weights (one byte each): wider K tiles keep as many bytes in flight
-ONE_ROW_TILES_FP8 = [OneRowTile(8, 1024, 4, 4), OneRowTile(16, 1024, 4, 3), OneRowTile(8, 2048, 4, 3),
-                     OneRowTile(16, 2048, 8, 2), OneRowTile(32, 512, 4, 4)]
+# FP8 weights (one byte each): wider K tiles keep as many bytes in flight, and products folded 16
+# at a time keep the accumulator of twice the elements per byte small (docs/gpu_notes.md)
+ONE_ROW_TILES_FP8 = [OneRowTile(8, 2048, 4, 3, 16), OneRowTile(16, 1024, 8, 4, 16), OneRowTile(4, 1024, 4, 6, 16),
+                     OneRowTile(8, 1024, 4, 4, 16), OneRowTile(16, 2048, 8, 3, 16)]
 # ... and more rows (padded to 16 or 64 for tl.dot), each tried whole and split over K (``auto_splits``);
 # each is a compile at start-up
 ROWS_TILES = [RowsTile(32, 256, 4, 4), RowsTile(64, 128, 4, 3)]
@@ -77,10 +78,11 @@ def _store_padded_rows(y_ptr, b_ptr, s_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: t
 
 
 @triton.jit
-def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                 PRE: tl.constexpr, PDL: tl.constexpr):
+def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
+                 SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """x · W[n] for one row x ([1, K], or gate ‖ up [1, 2K] with SILU) over the weight rows n:
-    float32 FMAs summed once at the end -> [BLOCK_N] float32.
+    float32 products, each K step's folded FOLD at a time into a [BLOCK_N, BLOCK_K // FOLD]
+    accumulator (``OneRowTile.fold``), summed once at the end -> [BLOCK_N] float32.
 
     PRE: the first weight tile is loaded before the PDL wait (a weight: nothing in the chain writes
     it), so that it streams while the kernel in front finishes. That pays where the kernel in
@@ -93,41 +95,46 @@ def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: t
     if PRE:
         w0 = _w_tile(w_ptr, s_wn, n, nm, k, km)
     wait(PDL)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
     if PRE:
-        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, SILU)
+        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, FOLD, SILU)
     for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
-        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, SILU)
+        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, FOLD, SILU)
     return tl.sum(acc1, 1)
 
 
 @triton.jit
-def _fma_tile(acc1, w, x_ptr, k, km, K, SILU: tl.constexpr):
-    """acc1 + a weight tile times the matching tile of x (silu(gate) * up of it with SILU)."""
+def _fma_tile(acc1, w, x_ptr, k, km, K, FOLD: tl.constexpr, SILU: tl.constexpr):
+    """acc1 + a weight tile times the matching tile of x (silu(gate) * up of it with SILU), the
+    products summed FOLD neighbours at a time."""
     x = tl.load(x_ptr + k, mask=km, other=0.0)
     if SILU:
         x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
-    return acc1 + w.to(tl.float32) * x.to(tl.float32)[None, :]
+    p = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if FOLD > 1:
+        p = tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // FOLD, FOLD]), 2)
+    return acc1 + p
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                 FOLD: tl.constexpr, SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
     gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, SILU, PRE, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, SILU, PRE, PDL)
     _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS, HAS_SCALE)
 
 
 @triton.jit
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh,
                      s_cs, s_ch, H, Hkv, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr,
+                     PDL: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
@@ -145,7 +152,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_p
     j = j0 + tl.arange(0, BLOCK_N // 2)
     cos = tl.load(cs_ptr + pos * D + j)
     sin = tl.load(cs_ptr + pos * D + D // 2 + j)
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL)
     if HAS_SCALE:   # FP8 weights
         y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
@@ -172,7 +179,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_p
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (I: intermediate size)
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """The gate ‖ up projection of one token with SiLU-and-mul as its epilogue: a program takes
     BLOCK_N // 2 pairs of rows (gate j and up j, interleaved) and writes silu(gate) * up for
     them, so the down projection reads I values instead of 2I and computes no SiLU. Outputs are
@@ -181,7 +188,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa
     j0 = tl.program_id(0) * (BLOCK_N // 2)
     n = j0 + r // 2 + (r % 2) * I
     nm = j0 + r // 2 < I
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, False, PRE, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL)
     if HAS_SCALE:   # FP8 weights
         y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
@@ -251,12 +258,13 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     return _COUNTS[device] if tiles <= _COUNTS[device].numel() else None
 
 
-def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor,
-                    silu: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of a one-row tile for input x (gate ‖ up with silu) and
-    weight w (FP8 weights take half the bytes), the stages cut to what fits in shared memory."""
-    bn, bk, warps, stages = tile
-    return bn, bk, warps, _fit_stages(stages, bn * bk * w.element_size() + bk * (2 if silu else 1) * x.element_size())
+def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> dict:
+    """The launch arguments of a one-row tile for input x (gate ‖ up with silu) and weight w (FP8
+    weights take half the bytes): BLOCK_N, BLOCK_K, FOLD, warps, and the stages cut to what fits
+    in shared memory."""
+    bn, bk, warps, stages, fold = tile
+    stages = _fit_stages(stages, bn * bk * w.element_size() + bk * (2 if silu else 1) * x.element_size())
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "FOLD": fold, "num_warps": warps, "num_stages": stages}
 
 
 def _padded_rows_launch(tile: RowsTile) -> tuple[int, int, int, int, int]:
@@ -288,13 +296,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
     if M == 1 and isinstance(tile, OneRowTile):
-        bn, bk, warps, stages = _one_row_launch(tile, x, weight, silu)
-        _gemv_kernel[(triton.cdiv(N, bn),)](
+        _gemv_kernel[(triton.cdiv(N, tile.block_n),)](
             x, weight, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
-            HAS_SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, PRE=preload, num_warps=warps,
-            num_stages=stages, **_pdl.launch(x, pdl))
+            HAS_SCALE=scale is not None, SILU=silu, PRE=preload, **_one_row_launch(tile, x, weight, silu),
+            **_pdl.launch(x, pdl))
         return y
-    rows_tile = tile if isinstance(tile, RowsTile) else RowsTile(*tile)
+    rows_tile = tile if isinstance(tile, RowsTile) else RowsTile(*tile[:4])
     bn, bk, warps, stages, splits = _padded_rows_launch(rows_tile)
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
     tiles = triton.cdiv(N, bn)
@@ -326,15 +333,14 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
         raise ValueError(f"qkv_rope takes one row and a tile within a head of {D}, got {x.shape[0]} rows, {tile}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    bn, bk, warps, stages = _one_row_launch(tile, x, weight)
     H, Hkv = num_heads, num_kv_heads
     q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
     kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
-    _qkv_rope_kernel[((H + 2 * Hkv) * D // bn,)](
+    _qkv_rope_kernel[((H + 2 * Hkv) * D // tile.block_n,)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
         slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, BLOCK_N=bn, BLOCK_K=bk, PRE=True,
-        num_warps=warps, num_stages=stages, **_pdl.launch(x, pdl))
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=True, **_one_row_launch(tile, x, weight),
+        **_pdl.launch(x, pdl))
     return q
 
 
@@ -346,11 +352,10 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"gate_up_silu takes one row, got {x.shape[0]}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    bn, bk, warps, stages = _one_row_launch(tile, x, weight)
     I = weight.shape[0] // 2  # noqa: E741 (the intermediate size, as everywhere in the MLP code)
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(triton.cdiv(I, bn // 2),)](
+    _gate_up_silu_kernel[(triton.cdiv(I, tile.block_n // 2),)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, act, I, x.shape[1],
-        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=bk, PRE=True,
-        num_warps=warps, num_stages=stages, **_pdl.launch(x, pdl))
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRE=True,
+        **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return act

@@ -61,12 +61,17 @@ PRELOAD_BEHIND = frozenset({Neighbour.NORM, Neighbour.ATTN})
 
 
 class OneRowTile(NamedTuple):
-    """Tile of the one-row kernel: [BLOCK_N, BLOCK_K] weight tiles, warps, pipeline stages."""
+    """Tile of the one-row kernel: [BLOCK_N, BLOCK_K] weight tiles, warps, pipeline stages, and
+    ``fold``: the products of each K step are summed ``fold`` neighbours at a time into a
+    [BLOCK_N, BLOCK_K // fold] float32 accumulator (1: one lane per product). A narrower
+    accumulator takes fewer registers, so more programs stay resident and more weight bytes are
+    in flight: what FP8 weights need, whose tiles hold twice the elements per byte."""
 
     block_n: int
     block_k: int
     warps: int
     stages: int
+    fold: int = 1
 
 
 class RowsTile(NamedTuple):

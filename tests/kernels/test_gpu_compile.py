@@ -31,10 +31,12 @@ CASES = {
     "one token's q/k/v (FP8 weights) + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "pos_ptr": "*i64",
         "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
-        {"HAS_BIAS": False, "HAS_SCALE": True, "D": 128, "BLOCK_N": 16, "BLOCK_K": 1024, "PRE": True, "PDL": False}),
+        {"HAS_BIAS": False, "HAS_SCALE": True, "D": 128, "BLOCK_N": 16, "BLOCK_K": 1024, "FOLD": 16, "PRE": True,
+         "PDL": False}),
     "one token's gate ‖ up + SiLU, FP8 weights": (gemv._gate_up_silu_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "a_ptr": "*bf16"},
-        {"HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_N": 16, "BLOCK_K": 1024, "PRE": True, "PDL": False}),
+        {"HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_N": 16, "BLOCK_K": 1024, "FOLD": 16, "PRE": True,
+         "PDL": False}),
     "decode over an FP8 pool": (triton_attention._decode_split_kernel, FP8_POOL,
                                 {**ATTN, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8[0], "SPLITS": 4, "PDL": False}),
     "extend over an FP8 pool": (triton_attention._extend_kernel, FP8_POOL,
@@ -42,7 +44,8 @@ CASES = {
     "split extend over an FP8 pool": (triton_attention._extend_split_kernel, FP8_POOL,
                                       {**ATTN, "BLOCK_M": 16, "SPLITS": 4}),
     "one row, FP8 weights": (gemv._gemv_kernel, FP8_WEIGHT, {"HAS_BIAS": True, "HAS_SCALE": True, "BLOCK_N": 8,
-                                                            "BLOCK_K": 1024, "SILU": True, "PRE": True, "PDL": False}),
+                                                            "BLOCK_K": 1024, "FOLD": 16, "SILU": True, "PRE": True,
+                                                            "PDL": False}),
     "padded rows, FP8 weights, split K": (gemv._rows_kernel, FP8_WEIGHT, {
         "HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PREC": "tf32",
         "SILU": False, "SPLIT": True, "PDL": False}),
@@ -106,7 +109,7 @@ CASES |= {
         {"HALF": 64, "BLOCK": 64, "PDL": True}),
     "decode over a bf16 pool": (triton_attention._decode_split_kernel, BF16_POOL, {**ATTN, "SPLITS": 4, "PDL": True}),
     "one row, bf16 weights": (gemv._gemv_kernel, {**FP8_WEIGHT, "w_ptr": "*bf16"}, {
-        "HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "SILU": False, "PRE": True,
+        "HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 1, "SILU": False, "PRE": True,
         "PDL": True}),
     "bf16 experts, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
         **CASES["FP8 experts, gate ‖ up"][1], "w_ptr": "*bf16"}, {**CASES["FP8 experts, gate ‖ up"][2],

@@ -308,7 +308,8 @@ def test_gemv_fp8_weights_equal_the_dequantized_reference(M, N, K):
     ref = fp8.reference(x.float(), q, b.float(), scale)
     xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
     ref_silu = fp8.reference(reference.silu_and_mul_ref(xx).float(), q, None, scale)
-    tiles = gemv.ONE_ROW_TILES[:2] if M == 1 else [RowsTile(*t[:4], k) for t in gemv.ROWS_TILES[:1] for k in (1, 3)]
+    tiles = (gemv.ONE_ROW_TILES[:1] + gemv.ONE_ROW_TILES_FP8[:2] if M == 1   # products folded, and not
+             else [RowsTile(*t[:4], k) for t in gemv.ROWS_TILES[:1] for k in (1, 3)])
     for tile in tiles:
         close(gemv.gemv(x, q, b, tile, scale=scale), ref, dtype)
         close(gemv.gemv(xx, q, None, tile, silu=True, scale=scale), ref_silu, dtype)
@@ -390,10 +391,12 @@ def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias):
             close(plan.down_proj(act, down), torch.nn.functional.linear(act.float(), down.float()), dtype)
 
 
-def test_one_token_fused_paths_with_fp8_weights_equal_the_kernels_apart():
+@pytest.mark.parametrize("fold", [1, 16])
+def test_one_token_fused_paths_with_fp8_weights_equal_the_kernels_apart(fold):
     """FP8 weights (a scale per row) through the one-token paths — q/k/v + rotary + K/V write
     into an FP8 pool, gate ‖ up + SiLU, then down — give the bits of the FP8 skinny kernels
-    and the kernels after them run apart."""
+    and the kernels after them run apart, with the products folded into a narrower
+    accumulator (``OneRowTile.fold``) or not."""
     from phalanx.kernels import fp8, gemv
     from phalanx.kernels.linear_plan import GateUpSiluPlan, OneRowTile, Plan, QkvRopePlan
     g = torch.Generator().manual_seed(13)
@@ -404,7 +407,7 @@ def test_one_token_fused_paths_with_fp8_weights_equal_the_kernels_apart():
     w, s = (t.to(DEV) for t in fp8.quantize_weight(torch.randn((H + 2 * Hkv) * D, K, generator=g)))
     cs = torch.randn(40, D, generator=g).to(DEV)
     pos, slot = torch.tensor([37], device=DEV), torch.tensor([3 * B + 5], device=DEV)
-    tile = OneRowTile(16, 64 if not CUDA else 1024, 4, 2)
+    tile = OneRowTile(16, 64 if not CUDA else 1024, 4, 2, fold)
     caches = [torch.zeros(nb, B, Hkv, D, dtype=torch.float8_e4m3fn, device=DEV) for _ in range(4)]
     q = QkvRopePlan(tile, False)(x, w, None, pos, cs, caches[0], caches[1], slot, H, Hkv, D, s)
     qkv = gemv.gemv(x, w, None, tile, scale=s)
