@@ -4,6 +4,8 @@ Llama-3.1-8B layer. GB/s of weight read (the e4m3 or bf16 weights; the FP8 scale
 not counted), L2 defeated by weight copies, CUDA-graph timing.
 
     python tools/bench_fp8_gemv.py --output fp8_gemv.json
+    python tools/bench_fp8_gemv.py --loops         # folded accumulators, persistent loops, a layer's chain
+    python tools/bench_fp8_gemv.py --fold bf16 fp8  # the shipped tiles with products folded or not
 """
 
 from __future__ import annotations
@@ -128,36 +130,6 @@ def _persistent_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, tiles_per_prog, B
 
 
 @triton.jit
-def _reduced_acc_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        R: tl.constexpr):
-    """One row with a narrower accumulator: each K step's products are summed R at a time (R
-    neighbours of a row, held by one thread) into [BLOCK_N, BLOCK_K // R] float32, so a program
-    holds 1/R of the registers the shipped kernel's accumulator takes."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K // R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < K
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, BLOCK_K // R, R]), 2)
-    y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
-    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
-
-
-def reduced_acc(bn: int, bk: int, warps: int, stages: int, r: int):
-    def run(x, w, s):
-        N, K = w.shape
-        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-        _reduced_acc_kernel[(triton.cdiv(N, bn),)](x, w, s, y, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, R=r,
-                                                  num_warps=warps, num_stages=stages)
-        return y
-    return run
-
-
-@triton.jit
 def _flat_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, tiles_per_prog, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):
     """Persistent with no branch in the loop (so that it pipelines): a [BLOCK_N] accumulator
@@ -198,10 +170,6 @@ def flat(bn: int, bk: int, warps: int, stages: int, per_sm: int):
     return run
 
 
-REDUCED = [(bn, bk, w, st, r) for bn, bk, w, st in [(8, 1024, 4, 4), (16, 1024, 4, 4), (16, 1024, 8, 4),
-                                                    (32, 1024, 8, 3), (8, 2048, 4, 3), (16, 2048, 8, 3),
-                                                    (32, 512, 4, 4), (64, 512, 8, 3), (4, 1024, 4, 6)]
-           for r in (16, bk)]
 FLAT = [(bn, bk, w, st, p) for bn, bk, w in [(8, 1024, 4), (16, 1024, 8), (16, 512, 4)] for st in (3, 5)
         for p in (2, 4, 8)]
 
@@ -254,13 +222,17 @@ def shipped(tile):
     return run
 
 
+OLD_FP8_TILES = [OneRowTile(8, 1024, 4, 4), OneRowTile(16, 1024, 4, 3), OneRowTile(8, 2048, 4, 3),
+                 OneRowTile(16, 2048, 8, 2), OneRowTile(32, 512, 4, 4)]   # the FP8 tiles before ``fold``
 PERSISTENT = [(bn, bk, 4, st, p) for bn in (4, 8, 16) for bk in (512, 1024) for st in (3, 5) for p in (1, 2, 4)
               if bn * bk <= 8192]
 
 
-def persistent_section(out: list) -> None:
-    """The persistent one-row kernel against the shipped one: each projection alone (no PDL, as
-    above), then a layer's chain of projections with PDL and preloads as a step runs them."""
+def loops_section(out: list) -> None:
+    """How a one-row program walks its weights: the shipped kernel (FP8 tiles with products folded,
+    ``OneRowTile.fold``, and without), persistent programs (a flat loop over (tile, K step) with a
+    branch, or without one), each projection alone (no PDL, as above); then a layer's chain of
+    projections with PDL and preloads as a step runs them, for the shipped tiles folded or not."""
     torch.manual_seed(0)
     best: dict[tuple, dict[str, tuple]] = {}
     weights = {}
@@ -271,9 +243,10 @@ def persistent_section(out: list) -> None:
         x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
         ref = x.float() @ (q.float() * s[:, None]).t()
         ws = weight_copies(q)
-        variants = {("shipped", t): shipped(t) for t in gemv.ONE_ROW_TILES_FP8}
-        variants.update({("reduced", c): reduced_acc(*c) for c in REDUCED})
+        variants = {("unfolded", t): shipped(t) for t in OLD_FP8_TILES}
+        variants.update({("folded", t): shipped(t) for t in gemv.ONE_ROW_TILES_FP8})
         variants.update({("flat", c): flat(*c) for c in FLAT})
+        variants.update({("persistent", c): persistent(*c) for c in PERSISTENT})
         for (fam, cfg), fn in variants.items():
             try:
                 err = ((fn(x, q, s).float() - ref).norm() / ref.norm()).item()
@@ -296,7 +269,7 @@ def persistent_section(out: list) -> None:
     g = torch.ones(H, dtype=torch.bfloat16, device="cuda")
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     layers = [[(q.clone(), s) for q, s in (weights[sh] for sh in shapes)] for _ in range(4)]
-    for mix in ("shipped", "reduced", "best"):
+    for mix in ("unfolded", "folded", "best"):
         fns = []
         for i, sh in enumerate(shapes):
             fam = mix
@@ -315,17 +288,19 @@ def persistent_section(out: list) -> None:
             gu = fns[2](h, *w[2])
             fns[3](gu[:, :14336], *w[3])
         ms = time_graph(layer, len(layers))
-        desc = [(mix if mix != "best" else min(best[sh], key=lambda f: best[sh][f][1]))[0] for sh in shapes]
-        print(f"chain {mix:10s} {''.join(desc)} {ms * 1e3:7.1f} us a layer "
+        desc = [mix if mix != "best" else min(best[sh], key=lambda f: best[sh][f][1]) for sh in shapes]
+        print(f"chain {mix:10s} {'/'.join(desc)} {ms * 1e3:7.1f} us a layer "
               f"({sum(q.numel() for q, _ in layers[0]) / ms / 1e6:6.0f} GB/s)", flush=True)
         out.append({"chain": mix, "us": ms * 1e3})
 
 
-OLD_FP8_TILES = [OneRowTile(8, 1024, 4, 4), OneRowTile(16, 1024, 4, 3), OneRowTile(8, 2048, 4, 3),
-                 OneRowTile(16, 2048, 8, 2), OneRowTile(32, 512, 4, 4)]
+MORE_FP8_TILES = [OneRowTile(4, 2048, 4, 4, 16), OneRowTile(8, 4096, 4, 2, 16), OneRowTile(8, 2048, 4, 4, 16),
+                  OneRowTile(8, 2048, 4, 3, 32), OneRowTile(8, 2048, 8, 3, 16), OneRowTile(16, 2048, 8, 4, 16),
+                  OneRowTile(4, 4096, 4, 3, 16), OneRowTile(8, 1024, 4, 6, 16), OneRowTile(8, 2048, 4, 3, 64),
+                  OneRowTile(4, 2048, 4, 5, 32), OneRowTile(2, 4096, 4, 4, 16), OneRowTile(8, 2048, 4, 3, 8)]
 
 
-def fold_section(out: list) -> None:
+def fold_section(out: list, dtypes: list[str]) -> None:
     """The shipped one-row kernel with its products folded into a narrower accumulator
     (``OneRowTile.fold``) or not: bf16 weights with the bf16 tiles, FP8 weights with the FP8 tiles."""
     torch.manual_seed(0)
@@ -333,8 +308,11 @@ def fold_section(out: list) -> None:
         wb = torch.randn(N, K, dtype=torch.bfloat16, device="cuda") / 64
         q, s = fp8.quantize_weight(wb)
         x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
-        cases = [("bf16", t._replace(fold=f), wb, None) for t in gemv.ONE_ROW_TILES for f in (1, 8, 16)]
-        cases += [("fp8", t._replace(fold=f), q, s) for t in OLD_FP8_TILES + gemv.ONE_ROW_TILES_FP8 for f in (1, 16)]
+        cases = [("bf16", t._replace(fold=f), wb, None) for t in gemv.ONE_ROW_TILES for f in (1, 8, 16)
+                 if "bf16" in dtypes]
+        cases += [("fp8", t._replace(fold=f), q, s) for t in OLD_FP8_TILES + gemv.ONE_ROW_TILES_FP8 for f in (1, 16)
+                  if "fp8" in dtypes]
+        cases += [("fp8", t, q, s) for t in MORE_FP8_TILES if "fp8+" in dtypes]
         for dt, tile, w, sc in cases:
             ws = weight_copies(w)
             want = x.float() @ (w.float() if sc is None else q.float() * s[:, None]).t()
@@ -350,10 +328,8 @@ def fold_section(out: list) -> None:
 
 
 def _chain_gemv(fam: str, cfg: tuple, pre: bool, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    if fam == "shipped":
+    if fam in ("unfolded", "folded"):
         return gemv.gemv(x, q, None, cfg, pdl=True, preload=pre, scale=s)
-    if fam == "reduced":
-        return reduced_acc(*cfg)(x, q, s)
     if fam == "flat":
         return flat(*cfg)(x, q, s)
     return persistent(*cfg, use_pdl=True, pre=pre)(x, q, s)
@@ -362,12 +338,16 @@ def _chain_gemv(fam: str, cfg: tuple, pre: bool, x: torch.Tensor, q: torch.Tenso
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default=None)
-    ap.add_argument("--persistent", action="store_true", help="the persistent one-row kernel and a layer's chain")
-    ap.add_argument("--fold", action="store_true", help="the shipped one-row kernel, products folded or not")
+    ap.add_argument("--loops", action="store_true", help="folded, flat and persistent one-row loops; a layer's chain")
+    ap.add_argument("--fold", nargs="*", choices=["bf16", "fp8", "fp8+"],
+                    help="the shipped one-row kernel, products folded or not (fp8+: more FP8 tiles)")
     a = ap.parse_args()
     out = []
-    if a.persistent or a.fold:
-        (persistent_section if a.persistent else fold_section)(out)
+    if a.loops or a.fold is not None:
+        if a.loops:
+            loops_section(out)
+        else:
+            fold_section(out, a.fold or ["bf16", "fp8"])
         if a.output:
             with open(a.output, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(0), "rows": out}, f, indent=1)

@@ -31,8 +31,8 @@ ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile
                  OneRowTile(32, 256, 4, 4), OneRowTile(8, 1024, 4, 3)]
 # FP8 weights (one byte each): wider K tiles keep as many bytes in flight, and products folded 16
 # at a time keep the accumulator of twice the elements per byte small (docs/gpu_notes.md)
-ONE_ROW_TILES_FP8 = [OneRowTile(8, 2048, 4, 3, 16), OneRowTile(16, 1024, 8, 4, 16), OneRowTile(4, 1024, 4, 6, 16),
-                     OneRowTile(8, 1024, 4, 4, 16), OneRowTile(16, 2048, 8, 3, 16)]
+ONE_ROW_TILES_FP8 = [OneRowTile(8, 2048, 4, 3, 16), OneRowTile(4, 2048, 4, 4, 16), OneRowTile(4, 4096, 4, 3, 16),
+                     OneRowTile(8, 1024, 4, 4, 16), OneRowTile(16, 2048, 8, 3, 16), OneRowTile(4, 1024, 4, 6, 16)]
 # ... and more rows (padded to 16 or 64 for tl.dot), each tried whole and split over K (``auto_splits``);
 # each is a compile at start-up
 ROWS_TILES = [RowsTile(32, 256, 4, 4), RowsTile(64, 128, 4, 3)]
