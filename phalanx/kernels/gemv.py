@@ -1,10 +1,12 @@
 """Skinny matmul kernels y = x Wᵀ (+ b) for decode batches of a few rows, and their launchers.
 
 At batch 1 a decode step is a stream of weight reads; the one-row kernel walks W in [BLOCK_N,
-BLOCK_K] tiles with wide loads and a pipelined K loop, multiplies with float32 FMAs and sums once
-at the end. Up to 64 rows are padded to 16 or 64 for ``tl.dot`` (tensor cores in bf16/fp16);
-where there are too few column tiles to fill the GPU, K is split over programs and the last slice
-of each tile adds the partials up in slice order (split-K with no second kernel, deterministic).
+BLOCK_K] tiles with wide loads and a pipelined K loop, multiplies in float32 and sums once at the
+end (FP8 tiles first fold each step's products into a narrower accumulator:
+``OneRowTile.fold``). Up to 64 rows are padded to 16 or 64 for ``tl.dot`` (tensor cores in
+bf16/fp16); where there are too few column tiles to fill the GPU, K is split over programs and
+the last slice of each tile adds the partials up in slice order (split-K with no second kernel,
+deterministic).
 SiLU-and-mul on the input of the down projection rides along so that it costs no launch of its
 own. For one token, two epilogues fuse more: the q/k/v projection with rotary and the K/V write
 (``qkv_rope``), and gate ‖ up with silu(gate) * up (``gate_up_silu``).
@@ -26,7 +28,7 @@ from phalanx.kernels.linear_plan import OneRowTile, QkvRopePlan, RowsTile, bucke
 from phalanx.kernels.pdl import prologue, release, wait
 from phalanx.kernels.triton_ops import silu_mul
 
-# the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages) ...
+# the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages[, fold]) ...
 ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile(16, 1024, 8, 2),
                  OneRowTile(32, 256, 4, 4), OneRowTile(8, 1024, 4, 3)]
 # FP8 weights (one byte each): wider K tiles keep as many bytes in flight, and products folded 16
