@@ -5,25 +5,36 @@ run once per step on a cold path and take longer (docs/gpu_notes.md, fifteenth r
 
     python tools/bench_host_ops.py
     python tools/bench_host_ops.py --after-idle     # the same calls after the thread slept or spun
+    python tools/bench_host_ops.py --request-hop    # a request from the user's process to rank 0's loop (no GPU)
 
 ``--after-idle`` times one Python call and one copy + event record after the thread has been idle
 for 0-100 ms, sleeping or spinning: whether a cold path is slow for all host work after a sleep
 (the core's power state, its caches) or for the CUDA calls alone; and after sleeping with a touch
 of the device every 0.5 ms (an event query, a one-element copy, a one-element kernel): what keeps
 the first call after an idle spell fast.
+
+``--request-hop`` times a request from its send in another process to the moment an idle loop
+thread holds it, over the IPC queue (ZMQ PAIR, signed msgpack): read by the loop itself, as rank
+0 does (``worker.Rank0Link.fetch``), against a reader thread handing it over through a
+``RequestQueue`` (a thread in between). Both in turn, twice, for a short and a 2,080-id prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from phalanx.executor import ipc
+from phalanx.executor.messages import GenerationRequest
 from phalanx.pyexecutor.model_runner import Staging
+from phalanx.pyexecutor.py_executor import RequestQueue
 
 
 def median_us(fn: Callable[[], object], n: int = 300) -> float:
@@ -80,11 +91,68 @@ def after_idle(gaps_ms: list[float], trials: int = 40) -> None:
                   f"copy_ + event record {statistics.median(cu) * 1e6:7.1f} us", flush=True)
 
 
+HOPS = 300
+
+
+def _send_requests(addr: str, key: bytes, n_ids: int) -> None:
+    """The user's side: a request every 10 ms, its send time in its sampling params."""
+    q = ipc.IpcQueue(addr, key, bind=True)
+    time.sleep(0.5)
+    for i in range(HOPS):
+        q.put(GenerationRequest(i, list(range(1000, 1000 + n_ids)), {"t_send": time.monotonic()}))
+        time.sleep(0.01)
+    time.sleep(0.5)
+
+
+def request_hop(n_ids: int, through_thread: bool) -> tuple[float, float]:
+    """(p50, p90) µs from the send to the loop thread holding the request."""
+    d, key = ipc.private_dir(), ipc.new_key()
+    addr = ipc.ipc_addresses(d)[0]
+    sender = multiprocessing.get_context("spawn").Process(target=_send_requests, args=(addr, key, n_ids))
+    sender.start()
+    q = ipc.IpcQueue(addr, key, bind=False)
+    lat: list[float] = []
+    if through_thread:
+        local = RequestQueue()
+
+        def reader() -> None:
+            while len(lat) < HOPS:
+                m = q.get(timeout_ms=50)
+                if m is not None:
+                    local.put_request(m)
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        while len(lat) < HOPS:
+            inp = local.fetch(True)
+            now = time.monotonic()
+            lat += [now - m.sampling_params["t_send"] for m in inp.new]
+        t.join()
+    else:
+        while len(lat) < HOPS:
+            m = q.get(timeout_ms=50)
+            now = time.monotonic()
+            if m is not None:
+                lat.append(now - m.sampling_params["t_send"])
+    sender.join()
+    q.close()
+    kept = sorted(lat[20:])
+    return statistics.median(kept) * 1e6, kept[int(0.9 * len(kept))] * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--after-idle", action="store_true")
-    if ap.parse_args().after_idle:
+    ap.add_argument("--request-hop", action="store_true")
+    a = ap.parse_args()
+    if a.after_idle:
         return after_idle([0, 1, 5, 20])
+    if a.request_hop:
+        for n_ids in (32, 2080):
+            for through in (True, False, True, False):
+                p50, p90 = request_hop(n_ids, through)
+                how = "a thread in between" if through else "read by the loop"
+                print(f"{n_ids:5d} ids, {how:20s} p50 {p50:6.1f} us  p90 {p90:6.1f} us", flush=True)
+        return
     ids = list(range(1000, 3080))
     print(f"python loop sum(range(200k))  {median_us(lambda: sum(range(200_000)), 30):8.1f} us")
     print(f"min() of a 2,080-id list      {median_us(lambda: min(ids)):8.1f} us")

@@ -86,11 +86,18 @@ class RequestQueue:
             return out
 
 
+class RequestSource(Protocol):
+    """Where rank 0's loop takes its input from: a ``RequestQueue`` in the user's process, or
+    the user's IPC socket read by the loop itself (``worker.Rank0Link``)."""
+
+    def fetch(self, idle: bool, timeout: float = 0.05) -> IterationInput: ...
+
+
 class BroadcastRequestQueue:
     """Rank 0 fetches locally and broadcasts the iteration's input; other ranks receive it. A
     job of one rank only fetches: nothing to broadcast, so no pack and unpack of each request."""
 
-    def __init__(self, dist: Any, local: RequestQueue | None) -> None:
+    def __init__(self, dist: Any, local: RequestSource | None) -> None:
         self.dist, self.local = dist, local
         self.fetch: Callable[[bool], IterationInput] = (
             local.fetch if local is not None and dist.size == 1 else self._broadcast)

@@ -4,8 +4,9 @@ Every rank: wait for the user's ``Init`` (rank 0 receives it over IPC and broadc
 torch.distributed, build its engine shard, report (rank 0 sends ``Ready`` or the first failing
 rank's traceback), then run the executor loop in lockstep until ``Shutdown``.
 
-Rank 0 also runs an IPC pump thread: authentic frames from the user process go into the local
-request queue; the pump watches the user process and shuts the job down if it disappears.
+Rank 0's loop reads the user's requests from the IPC socket itself (``Rank0Link``, the loop's
+request source): an idle loop waits in the socket's poll, so a request wakes it with no thread
+in between. The same fetch watches the user process and shuts the job down if it disappears.
 
 The address and key arrive in the environment (never argv); the key is removed from the
 environment as soon as it is read.
@@ -32,6 +33,7 @@ from phalanx.executor.messages import (
     Fatal,
     GenerationRequest,
     Init,
+    IterationInput,
     Ready,
     Response,
     Shutdown,
@@ -58,14 +60,17 @@ class IpcSender:
 
 
 class Rank0Link:
-    """Rank 0's two sockets to the user process and the pump that feeds the request queue."""
+    """Rank 0's two sockets to the user process. Its ``fetch`` is the executor loop's request
+    source (``RequestQueue.fetch``'s contract): the loop thread alone reads the request socket."""
+
+    ALIVE_CHECK_S = 1.0   # how often fetch asks whether the user process is still there
 
     def __init__(self, alive: Callable[[], bool]) -> None:
         key = bytes.fromhex(os.environ.pop(ipc.KEY_ENV))
         self.requests = ipc.IpcQueue(os.environ[ipc.REQUEST_ADDR_ENV], key, bind=False)
         self.sender = IpcSender(ipc.IpcQueue(os.environ[ipc.RESPONSE_ADDR_ENV], key, bind=False))
         self.proxy_alive = alive
-        self.stop = threading.Event()
+        self._last_check = time.monotonic()
 
     def wait_init(self) -> Init | None:
         """Block until the user process sends Init (None if it went away first)."""
@@ -77,26 +82,29 @@ class Rank0Link:
                 return None
         return None
 
-    def pump(self, local: Any) -> None:
-        """Thread body: route user messages into ``local`` until shutdown or the user is gone."""
-        last_check = time.monotonic()
-        while not self.stop.is_set():
-            msg = self.requests.get(timeout_ms=200)
+    def fetch(self, idle: bool, timeout: float = 0.05) -> IterationInput:
+        """Every message the user process has sent since the last fetch; waits up to ``timeout``
+        for the first only when ``idle``. Nothing is read past a shutdown."""
+        out = IterationInput()
+        msg = self.requests.get(timeout_ms=round(timeout * 1000) if idle else 0)
+        while msg is not None:
             if isinstance(msg, GenerationRequest):
-                local.put_request(msg)
+                out.new.append(msg)
             elif isinstance(msg, CancelRequest):
-                local.put_cancel(msg.request_id)
+                out.cancel.append(msg.request_id)
             elif isinstance(msg, Control):
-                local.put_control(msg)
+                out.control.append(msg)
             elif isinstance(msg, Shutdown):
-                local.put_shutdown()
-                return
-            if time.monotonic() - last_check > 1.0:
-                last_check = time.monotonic()
-                if not self.proxy_alive():
-                    logger.warning("the user process is gone; shutting the job down")
-                    local.put_shutdown()
-                    return
+                out.shutdown = True
+                return out
+            msg = self.requests.get(timeout_ms=0)
+        now = time.monotonic()
+        if now - self._last_check > self.ALIVE_CHECK_S:
+            self._last_check = now
+            if not self.proxy_alive():
+                logger.warning("the user process is gone; shutting the job down")
+                out.shutdown = True
+        return out
 
 
 def exit_with_launcher() -> None:
@@ -146,7 +154,6 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
     if link is not None:
         info["rank_processes"] = [[host, int(pid)] for host, pid in (p.split() for p in processes)]
         link.sender.send(Ready(info))
-        threading.Thread(target=link.pump, args=(engine.queue.local,), name="phalanx-ipc-pump", daemon=True).start()
     try:
         engine.run()
     except BaseException:
@@ -154,8 +161,6 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
         _report_fatal(dist.rank, tb, link.sender if link is not None else None)
         dist.abort(1)
         return 1
-    if link is not None:
-        link.stop.set()
     dist.barrier()
     _teardown()
     return 0
@@ -182,7 +187,7 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
     from phalanx.models.loader import resolve_model
     from phalanx.pyexecutor.creator import create_py_executor, resolve_device
     from phalanx.pyexecutor.dist import init_torch_distributed
-    from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, RequestQueue
+    from phalanx.pyexecutor.py_executor import BroadcastRequestQueue
 
     args = LlmArgs(**init.llm_args)
     if args.world_size != dist.size:
@@ -198,7 +203,7 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
         from phalanx.distributed.custom_allreduce import build_for_group
         tp.custom = build_for_group(tp.rank, tp.size, device, group, len(set(dist.hostnames())) == 1)
     source = resolve_model(args.model, args.trust_remote_code)
-    queue = BroadcastRequestQueue(dist, RequestQueue() if dist.rank == 0 else None)
+    queue = BroadcastRequestQueue(dist, link)   # rank 0 reads the user's socket; the others receive
     engine, info = create_py_executor(args, source, link.sender if link else None, queue, tp, dist, device, ep)
     return engine, vars(info)
 

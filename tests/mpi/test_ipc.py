@@ -2,6 +2,7 @@
 
 import os
 import stat
+import time
 
 import pytest
 
@@ -54,3 +55,40 @@ def test_socket_directory_is_private(pair):
 def test_short_key_refused():
     with pytest.raises(ValueError):
         ipc.IpcQueue("ipc:///tmp/never", b"short", bind=False)
+
+
+def test_rank0s_loop_reads_the_users_socket_itself(monkeypatch):
+    """Rank 0's request source is the socket, read by the loop's fetch: everything the user sent
+    comes in one fetch, in order and sorted by kind, nothing past a shutdown; an idle fetch with
+    nothing sent waits its timeout and returns empty; a user process that is gone ends the job."""
+    from phalanx.executor.messages import Control, Shutdown
+    from phalanx.pyexecutor.worker import Rank0Link
+    d, key = ipc.private_dir(), ipc.new_key()
+    req, resp = ipc.ipc_addresses(d)
+    user_req, user_resp = ipc.IpcQueue(req, key, bind=True), ipc.IpcQueue(resp, key, bind=True)
+    monkeypatch.setenv(ipc.KEY_ENV, key.hex())
+    monkeypatch.setenv(ipc.REQUEST_ADDR_ENV, req)
+    monkeypatch.setenv(ipc.RESPONSE_ADDR_ENV, resp)
+    alive = [True]
+    link = Rank0Link(lambda: alive[0])
+    try:
+        t0 = time.monotonic()
+        assert not link.fetch(idle=True, timeout=0.05)               # nothing sent: waits, returns empty
+        assert time.monotonic() - t0 >= 0.04
+        sent = [GenerationRequest(1, [5, 6], {}), CancelRequest(7), Control("stats", 3), GenerationRequest(2, [8], {}),
+                Shutdown(), GenerationRequest(3, [9], {})]
+        for m in sent:
+            user_req.put(m)
+        time.sleep(0.2)
+        got = link.fetch(idle=False)
+        assert [r.request_id for r in got.new] == [1, 2] and got.cancel == [7]
+        assert got.control == [Control("stats", 3)] and got.shutdown
+        assert [r.request_id for r in link.fetch(idle=True, timeout=0.5).new] == [3]   # read after the shutdown
+        alive[0] = False
+        link._last_check -= Rank0Link.ALIVE_CHECK_S
+        assert link.fetch(idle=False).shutdown                        # the user process is gone
+    finally:
+        user_req.close()
+        user_resp.close()
+        link.requests.close()
+        link.sender.queue.close()
