@@ -96,14 +96,33 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, k_per_split, s_wn, SWAP: tl.co
 
 
 @triton.jit
+def _programs_tiles(N, tiles_per_prog, BLOCK_N: tl.constexpr):
+    """The row tiles [t_lo, t_hi) a persistent program takes."""
+    t_lo = tl.program_id(0) * tiles_per_prog
+    return t_lo, tl.minimum(t_lo + tiles_per_prog, tl.cdiv(N, BLOCK_N))
+
+
+@triton.jit
+def _flat_step(x_ptr, w_ptr, s_wn, N, K, it, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):
+    """Step ``it`` of a flat loop over (tile, K step): the weight rows n, their mask, the K step,
+    and the tile's float32 products [BLOCK_N, BLOCK_K]."""
+    kk = it % K_STEPS
+    n = (it // K_STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+    nm = n < N
+    km = k < K
+    w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
+                eviction_policy="evict_first")
+    x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+    return n, nm, kk, w.to(tl.float32) * x[None, :]
+
+
+@triton.jit
 def _persistent_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, tiles_per_prog, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """One row, persistent: program p takes row tiles [p * tiles_per_prog, ...) one after another in
-    one flat loop over (tile, K step), so its loads stay in flight across tiles."""
-    pid = tl.program_id(0)
-    tiles = tl.cdiv(N, BLOCK_N)
-    t_lo = pid * tiles_per_prog
-    t_hi = tl.minimum(t_lo + tiles_per_prog, tiles)
+    one flat loop over (tile, K step), storing at each tile's last step (a branch)."""
+    t_lo, t_hi = _programs_tiles(N, tiles_per_prog, BLOCK_N)
     release(PDL)
     if PRE:
         n0 = t_lo * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,16 +132,8 @@ def _persistent_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, tiles_per_prog, B
     wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for it in range(t_lo * K_STEPS, t_hi * K_STEPS):
-        t = it // K_STEPS
-        kk = it % K_STEPS
-        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-        nm = n < N
-        km = k < K
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+        n, nm, kk, p = _flat_step(x_ptr, w_ptr, s_wn, N, K, it, BLOCK_N, BLOCK_K, K_STEPS)
+        acc += p
         if kk == K_STEPS - 1:
             y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
             tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
@@ -133,30 +144,22 @@ def _persistent_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, tiles_per_prog, B
 def _flat_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, s_wn, tiles_per_prog, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):
     """Persistent with no branch in the loop (so that it pipelines): a [BLOCK_N] accumulator
-    summed every K step, stored under a mask at a tile's last step and cleared by a multiply."""
-    pid = tl.program_id(0)
-    tiles = tl.cdiv(N, BLOCK_N)
-    t_lo = pid * tiles_per_prog
-    t_hi = tl.minimum(t_lo + tiles_per_prog, tiles)
+    summed every K step, stored under a mask at a tile's last step and cleared by a select."""
+    t_lo, t_hi = _programs_tiles(N, tiles_per_prog, BLOCK_N)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for it in range(t_lo * K_STEPS, t_hi * K_STEPS):
-        t = it // K_STEPS
-        kk = it % K_STEPS
-        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-        nm = n < N
-        km = k < K
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        n, nm, kk, p = _flat_step(x_ptr, w_ptr, s_wn, N, K, it, BLOCK_N, BLOCK_K, K_STEPS)
+        acc += tl.sum(p, 1)
         last = (n * 0 + kk) == K_STEPS - 1
         tl.store(y_ptr + n, (acc * tl.load(s_ptr + n, mask=nm & last, other=0.0)).to(y_ptr.dtype.element_ty),
                  mask=nm & last)
         acc = tl.where(last, 0.0, acc)
 
 
-def flat(bn: int, bk: int, warps: int, stages: int, per_sm: int):
+def _persistent_launch(kernel, bn: int, bk: int, warps: int, stages: int, per_sm: int,
+                       use_pdl: bool | None = None, **extra):
+    """A launcher of a persistent kernel: per_sm programs an SM, each taking whole row tiles;
+    ``use_pdl``: the kernel takes a PDL flag."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def run(x, w, s):
@@ -164,29 +167,24 @@ def flat(bn: int, bk: int, warps: int, stages: int, per_sm: int):
         y = torch.empty(1, N, dtype=x.dtype, device=x.device)
         tiles = triton.cdiv(N, bn)
         per = triton.cdiv(tiles, sms * per_sm)
-        _flat_kernel[(triton.cdiv(tiles, per),)](x, w, s, y, N, K, w.stride(0), per, BLOCK_N=bn, BLOCK_K=bk,
-                                                 K_STEPS=triton.cdiv(K, bk), num_warps=warps, num_stages=stages)
+        launch = pdl.launch(x, use_pdl) if use_pdl is not None else {}
+        kernel[(triton.cdiv(tiles, per),)](x, w, s, y, N, K, w.stride(0), per, BLOCK_N=bn, BLOCK_K=bk,
+                                           K_STEPS=triton.cdiv(K, bk), num_warps=warps, num_stages=stages, **extra,
+                                           **launch)
         return y
     return run
+
+
+def flat(bn: int, bk: int, warps: int, stages: int, per_sm: int):
+    return _persistent_launch(_flat_kernel, bn, bk, warps, stages, per_sm)
+
+
+def persistent(bn: int, bk: int, warps: int, stages: int, per_sm: int, use_pdl: bool = False, pre: bool = False):
+    return _persistent_launch(_persistent_kernel, bn, bk, warps, stages, per_sm, use_pdl, PRE=pre)
 
 
 FLAT = [(bn, bk, w, st, p) for bn, bk, w in [(8, 1024, 4), (16, 1024, 8), (16, 512, 4)] for st in (3, 5)
         for p in (2, 4, 8)]
-
-
-def persistent(bn: int, bk: int, warps: int, stages: int, per_sm: int, use_pdl: bool = False, pre: bool = False):
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-    def run(x, w, s):
-        N, K = w.shape
-        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-        tiles = triton.cdiv(N, bn)
-        per = triton.cdiv(tiles, sms * per_sm)
-        _persistent_kernel[(triton.cdiv(tiles, per),)](
-            x, w, s, y, N, K, w.stride(0), per, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=triton.cdiv(K, bk), PRE=pre,
-            num_warps=warps, num_stages=stages, **pdl.launch(x, use_pdl))
-        return y
-    return run
 
 
 def one_row(mode: int, bn: int, bk: int, warps: int, stages: int):
