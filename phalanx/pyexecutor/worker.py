@@ -60,8 +60,8 @@ class IpcSender:
 
 
 class Rank0Link:
-    """Rank 0's two sockets to the user process. Its ``fetch`` is the executor loop's request
-    source (``RequestQueue.fetch``'s contract): the loop thread alone reads the request socket."""
+    """Rank 0's two sockets to the user process. Its ``fetch`` makes it the executor loop's
+    ``py_executor.RequestSource``: the loop thread alone reads the request socket."""
 
     ALIVE_CHECK_S = 1.0   # how often fetch asks whether the user process is still there
 
