@@ -4,7 +4,10 @@ through the kernels the engine serves with (every projection tuned as at start-u
 one-row and padded-rows kernels, cuBLASLt's FP8 GEMM with activations rounded to e4m3 per row for
 the prompts; the rotary + K/V write and paged attention kernels over an FP8 pool).
 
-THRESHOLDS_GPU are the CPU test's until a GPU run has measured this."""
+Measured when written (192 positions, one H200; docs/results/gpu18_fp8_accuracy_gpu.txt): FP8
+weights top-1 91.7 %, mean KL 0.0219; FP8 KV top-1 90.6 %, mean KL 0.0094; both 90.1 %, mean KL
+0.0300 (the CPU test's reference path: 90.6 % / 0.0175, 93.2 % / 0.0099, 87.5 % / 0.0259). The
+thresholds below keep the CPU test's margins: about five points of agreement and 1.7-2× the KL."""
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from phalanx.models.loader import build_model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 # (top-1 agreement at least, mean KL at most) per configuration, on the GPU
-THRESHOLDS_GPU = {"fp8 weights": (0.85, 0.03), "fp8 kv": (0.88, 0.02), "fp8 weights + kv": (0.82, 0.045)}
+THRESHOLDS_GPU = {"fp8 weights": (0.86, 0.04), "fp8 kv": (0.85, 0.018), "fp8 weights + kv": (0.85, 0.055)}
 
 
 def _tuned(model) -> None:
