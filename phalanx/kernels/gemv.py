@@ -58,18 +58,13 @@ def _w_tile(w_ptr, s_wn, n, nm, k, km):
 
 
 @triton.jit
-def _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   RES: tl.constexpr):
+def _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
     """One row: scale the [BLOCK_N] sums by their weight rows' FP8 scales (HAS_SCALE), add the
-    bias, store. RES: y_ptr is the residual stream, and the output (rounded to its dtype, as a
-    projection's output is) is added into it in place — what the add of ``fused_add_rms_norm``
-    would store as the new residual, bit for bit."""
+    bias, store."""
     if HAS_SCALE:
         y *= tl.load(s_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
-    if RES:
-        y = y.to(y_ptr.dtype.element_ty) + tl.load(y_ptr + n, mask=nm, other=0.0)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
@@ -85,16 +80,11 @@ def _store_padded_rows(y_ptr, b_ptr, s_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: t
 
 
 @triton.jit
-def _row_product(x_ptr, g_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
+                 SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """x · W[n] for one row x ([1, K], or gate ‖ up [1, 2K] with SILU) over the weight rows n:
     float32 products, each K step's folded FOLD at a time into a [BLOCK_N, BLOCK_K // FOLD]
-    accumulator (``OneRowTile.fold``), summed once at the end -> ([BLOCK_N] float32, Σ x²).
-
-    NORM: x is the residual stream and the product is that of RMSNorm(x) with gains g, but for
-    its 1/rms: each x tile is multiplied by its gains, and its squares are summed on the way
-    (every program walks all of K), so the caller scales by rsqrt(Σ x² / K + eps) at the end —
-    no norm kernel in front, and no normed row written and read back.
+    accumulator (``OneRowTile.fold``), summed once at the end -> [BLOCK_N] float32.
 
     PRE: the first weight tile is loaded before the PDL wait (a weight: nothing in the chain writes
     it), so that it streams while the kernel in front finishes. That pays where the kernel in
@@ -108,57 +98,50 @@ def _row_product(x_ptr, g_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLO
         w0 = _w_tile(w_ptr, s_wn, n, nm, k, km)
     wait(PDL)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
-    sq = tl.zeros([BLOCK_K], tl.float32)
     if PRE:
-        acc1, sq = _fma_tile(acc1, sq, w0, x_ptr, g_ptr, k, km, K, FOLD, SILU, NORM)
+        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, FOLD, SILU)
     for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
-        acc1, sq = _fma_tile(acc1, sq, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, g_ptr, k, km, K, FOLD, SILU, NORM)
-    return tl.sum(acc1, 1), tl.sum(sq, 0)
+        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, FOLD, SILU)
+    return tl.sum(acc1, 1)
 
 
 @triton.jit
-def _fma_tile(acc1, sq, w, x_ptr, g_ptr, k, km, K, FOLD: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr):
-    """(acc1 + a weight tile times the matching tile of x (silu(gate) * up of it with SILU; x
-    times its gains with NORM), the products summed FOLD neighbours at a time; sq + x² with NORM)."""
+def _fma_tile(acc1, w, x_ptr, k, km, K, FOLD: tl.constexpr, SILU: tl.constexpr):
+    """acc1 + a weight tile times the matching tile of x (silu(gate) * up of it with SILU), the
+    products summed FOLD neighbours at a time."""
     x = tl.load(x_ptr + k, mask=km, other=0.0)
     if SILU:
         x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
-    xf = x.to(tl.float32)
-    if NORM:
-        sq += xf * xf
-        xf *= tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
-    p = w.to(tl.float32) * xf[None, :]
+    p = w.to(tl.float32) * x.to(tl.float32)[None, :]
     if FOLD > 1:
         p = tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // FOLD, FOLD]), 2)
-    return acc1 + p, sq
+    return acc1 + p
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD: tl.constexpr, SILU: tl.constexpr, RES: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                 FOLD: tl.constexpr, SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
-    gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly. RES: y is the
-    residual stream and the product is added into it (``_store_one_row``)."""
+    gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    y, _ = _row_product(x_ptr, x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, SILU, False, PRE, PDL)
-    _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS, HAS_SCALE, RES)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, SILU, PRE, PDL)
+    _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS, HAS_SCALE)
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn,
-                     s_qh, s_cs, s_ch, H, Hkv, eps, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, NORM: tl.constexpr,
-                     PRE: tl.constexpr, PDL: tl.constexpr):
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh,
+                     s_cs, s_ch, H, Hkv, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr,
+                     PDL: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
     output is rounded to the model's dtype before it is rotated, as when the projection and
-    ``rope_and_write_kv`` run apart, so the two paths give the same bits. NORM: x is the residual
-    stream and the input norm (gains g) is taken on the way (``_row_product``)."""
+    ``rope_and_write_kv`` run apart, so the two paths give the same bits."""
     col0 = tl.program_id(0) * BLOCK_N
     head = col0 // D
     r = tl.arange(0, BLOCK_N)
@@ -171,9 +154,7 @@ def _qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_p
     j = j0 + tl.arange(0, BLOCK_N // 2)
     cos = tl.load(cs_ptr + pos * D + j)
     sin = tl.load(cs_ptr + pos * D + D // 2 + j)
-    y, sq = _row_product(x_ptr, g_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, NORM, PRE, PDL)
-    if NORM:
-        y *= tl.rsqrt(sq / K + eps)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL)
     if HAS_SCALE:   # FP8 weights
         y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
@@ -198,22 +179,18 @@ def _qkv_rope_kernel(x_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_p
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, g_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn, eps,  # noqa: E741 (I: intermediate)
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (I: intermediate size)
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, FOLD: tl.constexpr, NORM: tl.constexpr, PRE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """The gate ‖ up projection of one token with SiLU-and-mul as its epilogue: a program takes
     BLOCK_N // 2 pairs of rows (gate j and up j, interleaved) and writes silu(gate) * up for
     them, so the down projection reads I values instead of 2I and computes no SiLU. Outputs are
-    rounded to the model's dtype before the SiLU, as when the two run apart: the same bits. NORM:
-    x is the residual stream and the post-attention norm (gains g) is taken on the way."""
+    rounded to the model's dtype before the SiLU, as when the two run apart: the same bits."""
     r = tl.arange(0, BLOCK_N)
     j0 = tl.program_id(0) * (BLOCK_N // 2)
     n = j0 + r // 2 + (r % 2) * I
     nm = j0 + r // 2 < I
-    y, sq = _row_product(x_ptr, g_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, NORM, PRE, PDL)
-    if NORM:
-        y *= tl.rsqrt(sq / K + eps)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL)
     if HAS_SCALE:   # FP8 weights
         y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
@@ -283,13 +260,12 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     return _COUNTS[device] if tiles <= _COUNTS[device].numel() else None
 
 
-def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor, silu: bool = False,
-                    norm: bool = False) -> dict:
-    """The launch arguments of a one-row tile for input x (gate ‖ up with silu; x and its gains
-    with norm) and weight w (FP8 weights take half the bytes): BLOCK_N, BLOCK_K, FOLD, warps, and
-    the stages cut to what fits in shared memory."""
+def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> dict:
+    """The launch arguments of a one-row tile for input x (gate ‖ up with silu) and weight w (FP8
+    weights take half the bytes): BLOCK_N, BLOCK_K, FOLD, warps, and the stages cut to what fits
+    in shared memory."""
     bn, bk, warps, stages, fold = tile
-    stages = _fit_stages(stages, bn * bk * w.element_size() + bk * (2 if silu or norm else 1) * x.element_size())
+    stages = _fit_stages(stages, bn * bk * w.element_size() + bk * (2 if silu else 1) * x.element_size())
     return {"BLOCK_N": bn, "BLOCK_K": bk, "FOLD": fold, "num_warps": warps, "num_stages": stages}
 
 
@@ -308,31 +284,25 @@ def auto_splits(N: int, K: int, tile: RowsTile, num_sms: int) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile | RowsTile,
          silu: bool = False, pdl: bool = False, preload: bool = False,
-         scale: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+         scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and the
     product is silu(gate) * up times Wᵀ. ``tile``: a OneRowTile for one row, a RowsTile for more.
     ``pdl``: launched with programmatic dependent launch where the GPU has it; ``preload``: one
     row loads its first weight tile before the PDL wait. ``scale`` [N] float32: the weight is FP8
-    (kernels/fp8.py) and row n of the product is multiplied by scale[n]. ``residual`` [1, N] (one
-    row, a OneRowTile): the product is added into it in place, and it is returned."""
+    (kernels/fp8.py) and row n of the product is multiplied by scale[n]."""
     M = x.shape[0]
     N, K = weight.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
-    if residual is not None and (M != 1 or not isinstance(tile, OneRowTile) or residual.shape != (1, N)
-                                 or not residual.is_contiguous()):
-        raise ValueError(f"gemv adds into a contiguous residual [1, {N}] with one row and a one-row tile, got "
-                         f"{M} rows, residual {tuple(residual.shape)}, {tile}")
     if M == 1 and isinstance(tile, OneRowTile):
-        y = residual if residual is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
         _gemv_kernel[(triton.cdiv(N, tile.block_n),)](
             x, weight, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
-            HAS_SCALE=scale is not None, SILU=silu, RES=residual is not None, PRE=preload,
-            **_one_row_launch(tile, x, weight, silu), **_pdl.launch(x, pdl))
+            HAS_SCALE=scale is not None, SILU=silu, PRE=preload, **_one_row_launch(tile, x, weight, silu),
+            **_pdl.launch(x, pdl))
         return y
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     rows_tile = tile if isinstance(tile, RowsTile) else RowsTile(*tile[:4])
     bn, bk, warps, stages, splits = _padded_rows_launch(rows_tile)
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
@@ -356,11 +326,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              num_heads: int, num_kv_heads: int, head_dim: int, tile: OneRowTile, pdl: bool,
-             scale: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+             scale: torch.Tensor | None = None) -> torch.Tensor:
     """One token behind its norm: the q/k/v projection, rotary and the K/V write in one kernel
     (``_qkv_rope_kernel``); returns the rotated q [1, H, D]. The tile must hold whole rotary pairs
-    of one head (``QkvRopePlan.fits``). ``scale``: the weight is FP8, a scale per row. ``norm``:
-    (gains, eps): x is the residual stream, and its RMSNorm is taken inside the kernel."""
+    of one head (``QkvRopePlan.fits``). ``scale``: the weight is FP8, a scale per row."""
     D = head_dim
     if x.shape[0] != 1 or not QkvRopePlan.fits(tile, D):
         raise ValueError(f"qkv_rope takes one row and a tile within a head of {D}, got {x.shape[0]} rows, {tile}")
@@ -369,31 +338,26 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     H, Hkv = num_heads, num_kv_heads
     q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
     kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
-    g, eps = norm if norm is not None else (x, 0.0)
     _qkv_rope_kernel[((H + 2 * Hkv) * D // tile.block_n,)](
-        x, g, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions,
-        cos_sin, slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H,
-        Hkv, eps, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, NORM=norm is not None, PRE=True,
-        **_one_row_launch(tile, x, weight, norm=norm is not None), **_pdl.launch(x, pdl))
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
+        slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=True, **_one_row_launch(tile, x, weight),
+        **_pdl.launch(x, pdl))
     return q
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile,
-                 pdl: bool, scale: torch.Tensor | None = None,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                 pdl: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
     """One token behind its norm: silu(gate) * up [1, I] straight from the gate ‖ up projection
-    (``_gate_up_silu_kernel``). ``scale``: the weight is FP8, a scale per row. ``norm``: (gains,
-    eps): x is the residual stream, and its RMSNorm is taken inside the kernel."""
+    (``_gate_up_silu_kernel``). ``scale``: the weight is FP8, a scale per row."""
     if x.shape[0] != 1:
         raise ValueError(f"gate_up_silu takes one row, got {x.shape[0]}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     I = weight.shape[0] // 2  # noqa: E741 (the intermediate size, as everywhere in the MLP code)
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
-    g, eps = norm if norm is not None else (x, 0.0)
     _gate_up_silu_kernel[(triton.cdiv(I, tile.block_n // 2),)](
-        x, g, weight, bias if bias is not None else weight, scale if scale is not None else weight, act, I,
-        x.shape[1], weight.stride(0), eps, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        NORM=norm is not None, PRE=True, **_one_row_launch(tile, x, weight, norm=norm is not None),
-        **_pdl.launch(x, pdl))
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, act, I, x.shape[1],
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRE=True,
+        **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return act

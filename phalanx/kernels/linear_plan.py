@@ -143,15 +143,9 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
     preload = neighbour in PRELOAD_BEHIND and isinstance(tile, OneRowTile)
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-            scale: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv.gemv(x, w, b, tile, silu=silu, pdl=plan.pdl, preload=preload, scale=scale, residual=residual)
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+        return gemv.gemv(x, w, b, tile, silu=silu, pdl=plan.pdl, preload=preload, scale=scale)
     return run
-
-
-def adds_into(plan: Plan) -> bool:
-    """Whether ``plan`` can add its one-row output into the residual stream (a one-row Triton
-    tile: ``gemv``'s ``residual``)."""
-    return plan.kernel == "gemv" and isinstance(plan.tile, OneRowTile)
 
 
 @dataclass(frozen=True)
@@ -179,12 +173,6 @@ class LinearPlan:
             return self.launches[bucket_index(x.shape[0])](x, weight, bias)
         return self.launches[bucket_index(x.shape[0])](x, weight, bias, scale)
 
-    def one_row_into(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     scale: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
-        """One row x [1, K] -> residual + x Wᵀ (+ b), in ``residual`` [1, N] (a plan whose one-row
-        plan ``adds_into``)."""
-        return self.launches[0](x, weight, bias, scale, residual=residual)
-
     @property
     def is_reference(self) -> bool:
         return all(p.kernel == "cublas" for p in self.plans)
@@ -206,14 +194,12 @@ class QkvRopePlan:
 
     def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 num_heads: int, num_kv_heads: int, head_dim: int, scale: torch.Tensor | None = None,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-        """h [1, K] (normed; the residual stream with ``norm`` = (gains, eps), normed inside) ->
-        the rotated q [1, H, D]; k and v are written to their slot. ``scale``: an FP8 weight's
-        scales."""
+                 num_heads: int, num_kv_heads: int, head_dim: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """h [1, K] (normed) -> the rotated q [1, H, D]; k and v are written to their slot.
+        ``scale``: an FP8 weight's scales."""
         from phalanx.kernels import gemv
         return gemv.qkv_rope(h, weight, bias, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
-                             num_kv_heads, head_dim, self.tile, self.pdl, scale, norm)
+                             num_kv_heads, head_dim, self.tile, self.pdl, scale)
 
     @staticmethod
     def fits(tile: OneRowTile, head_dim: int) -> bool:
@@ -236,22 +222,15 @@ class GateUpSiluPlan:
         object.__setattr__(self, "_down", launcher(self.down, Neighbour.PLAIN, self.fp8))
 
     def gate_up_silu(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     scale: torch.Tensor | None = None,
-                     norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-        """h [1, K] (normed; the residual stream with ``norm`` = (gains, eps), normed inside) ->
-        silu(gate) * up [1, I]."""
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
+        """h [1, K] (normed) -> silu(gate) * up [1, I]."""
         from phalanx.kernels import gemv
-        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl, scale, norm)
+        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl, scale)
 
-    def down_proj(self, act: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """act [1, I] -> act Wᵀ (+ b); with ``residual`` (a ``down`` that ``adds_into``), added
-        into it in place."""
-        if residual is not None:
-            return self._down(act, weight, bias, scale, residual=residual)   # type: ignore[attr-defined]
+    def down_proj(self, act: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         if scale is None:
-            return self._down(act, weight, bias)   # type: ignore[attr-defined]
-        return self._down(act, weight, bias, scale)   # type: ignore[attr-defined]
+            return self._down(act, weight, None)   # type: ignore[attr-defined]
+        return self._down(act, weight, None, scale)   # type: ignore[attr-defined]
 
 
 class MoeTile(NamedTuple):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from phalanx.kernels import ops
-from phalanx.kernels.linear_plan import GateUpSiluPlan, Neighbour, QkvRopePlan, adds_into
+from phalanx.kernels.linear_plan import GateUpSiluPlan, Neighbour, QkvRopePlan
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.config import ModelConfig
 from phalanx.models.layers import (
@@ -141,37 +141,6 @@ class DecoderLayer(nn.Module):
             return self.input_layernorm(x), x
         return self.input_layernorm(x, residual, self.tp if x_partial else None)
 
-    @property
-    def can_fuse_norms(self) -> bool:
-        """Whether ``one_token`` can run: one rank, the fused one-token q/k/v and MLP paths, and
-        o_proj and down on one-row Triton tiles (which add into the residual stream)."""
-        mlp = self.mlp
-        return (self.tp.size == 1 and isinstance(mlp, MLP) and mlp.one_token is not None
-                and self.self_attn.one_token_qkv is not None and adds_into(self.self_attn.o_proj.plan.one_row())
-                and adds_into(mlp.one_token.down))
-
-    def one_token(self, positions: torch.Tensor, r: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor) -> torch.Tensor:
-        """One token through the layer with no norm kernel (``DecoderModel.fused_norms``): ``r``
-        [1, hidden] is the residual stream, updated in place and returned. q/k/v and gate ‖ up
-        take their norms inside their kernels (gemv ``_row_product``'s NORM); o_proj and down add
-        their outputs into r (the residual add of the norm that followed them, same bits). Six
-        kernels instead of eight; the normed rows differ from the norm kernel's only in rounding
-        (not rounded to the model's dtype before the product)."""
-        a, mlp = self.self_attn, self.mlp
-        assert isinstance(mlp, MLP) and mlp.one_token is not None and a.one_token_qkv is not None
-        H, D = a.heads.num_heads, a.head_dim
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        q = a.one_token_qkv(r, a.qkv_proj.weight, a.qkv_proj.bias, positions, a.rotary[0].cos_sin, k_cache, v_cache,
-                            meta.slot_mapping, H, a.heads.num_kv_heads, D, a.qkv_proj.weight_scale,
-                            norm=(n1.weight, n1.eps))
-        o = a.attend(q, meta, k_cache, v_cache).reshape(1, H * D)
-        a.o_proj.plan.one_row_into(o, a.o_proj.weight, a.o_proj.bias, a.o_proj.weight_scale, r)
-        gu, down = mlp.gate_up_proj, mlp.down_proj
-        act = mlp.one_token.gate_up_silu(r, gu.weight, gu.bias, gu.weight_scale, norm=(n2.weight, n2.eps))
-        mlp.one_token.down_proj(act, down.weight, down.weight_scale, down.bias, residual=r)
-        return r
-
     def mlp_block(self, attn_out, residual):
         """Attention's projected output -> this layer's (output, residual): the post-attention
         norm (reducing a deferred o_proj) and the MLP."""
@@ -190,17 +159,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
         self.decoder_layers: list[DecoderLayer] = list(self.layers)   # type: ignore[arg-type]  # typed view
-        # one token runs every layer's ``one_token`` (no norm kernels): set by the tuner where all can
-        self.fused_norms = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pool: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, B, Hkv, D] -> hidden [T, hidden]
-        if self.fused_norms and input_ids.shape[0] == 1:
-            r = self.embed_tokens(input_ids)
-            for i, layer in enumerate(self.decoder_layers):
-                r = layer.one_token(positions, r, meta, kv_pool[i, 0], kv_pool[i, 1])
-            return self.norm(r)
         x, residual, partial = self.embed_tokens(input_ids), None, False
         for i, layer in enumerate(self.decoder_layers):
             x, residual = layer(positions, x, residual, meta, kv_pool[i, 0], kv_pool[i, 1], partial)

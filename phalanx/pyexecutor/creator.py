@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -256,12 +255,6 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
                                                        m.down_proj.weight, m.down_proj.plan, report,
                                                        scales=(m.gate_up_proj.weight_scale, m.down_proj.weight_scale),
                                                        act_dtype=act_dtype)
-    from phalanx.models.llama import DecoderModel
-    for m in model.modules():
-        if isinstance(m, DecoderModel):   # PHALANX_FUSED_NORMS=0: the norm kernels stay (an A/B switch)
-            m.fused_norms = os.environ.get("PHALANX_FUSED_NORMS", "1") != "0" and all(
-                layer.can_fuse_norms for layer in m.decoder_layers)
-            report[f"one token without norm kernels: {m.fused_norms}"] = 0.0
     return report
 
 
