@@ -6,6 +6,7 @@ run once per step on a cold path and take longer (docs/gpu_notes.md, fifteenth r
     python tools/bench_host_ops.py
     python tools/bench_host_ops.py --after-idle     # the same calls after the thread slept or spun
     python tools/bench_host_ops.py --request-hop    # a request from the user's process to rank 0's loop (no GPU)
+    python tools/bench_host_ops.py --wire           # a prompt's ids through check, pack and unpack (no GPU)
 
 ``--after-idle`` times one Python call and one copy + event record after the thread has been idle
 for 0-100 ms, sleeping or spinning: whether a cold path is slow for all host work after a sleep
@@ -17,6 +18,11 @@ the first call after an idle spell fast.
 thread holds it, over the IPC queue (ZMQ PAIR, signed msgpack): read by the loop itself, as rank
 0 does (``worker.Rank0Link.fetch``), against a reader thread handing it over through a
 ``RequestQueue`` (a thread in between). Both in turn, twice, for a short and a 2,080-id prompt.
+
+``--wire`` times the size-dependent work of a request on each side of the socket, in one
+process: the user's side (check the ids, pack, sign) and the rank's (verify, unpack, check, the
+Request's list), with the ids crossing as uint32 bytes (``messages.ids_to_wire``) against a
+msgpack list of ints (how they crossed before; still the form of ids that do not fit).
 """
 
 from __future__ import annotations
@@ -139,13 +145,49 @@ def request_hop(n_ids: int, through_thread: bool) -> tuple[float, float]:
     return statistics.median(kept) * 1e6, kept[int(0.9 * len(kept))] * 1e6
 
 
+def wire(n_ids: int) -> None:
+    """µs a side for an n_ids prompt: ids as uint32 bytes against a msgpack list."""
+    import msgpack
+
+    from phalanx.executor import messages
+    from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
+    ids = [1000 + (7919 * i) % 120000 for i in range(n_ids)]
+    msg = GenerationRequest(1, ids, SamplingParams(max_tokens=2).to_dict(), [2])
+    key, vocab = ipc.new_key(), 128256
+
+    def as_list(m: GenerationRequest) -> bytes:   # the wire form without the ids' codec
+        return msgpack.packb({"t": "req", "b": {**{f: getattr(m, f) for f in ("request_id", "sampling_params",
+                              "eos_token_ids", "max_total_tokens", "cache_salt", "priority", "arrival_time")},
+                              "prompt_token_ids": list(m.prompt_token_ids)}}, use_bin_type=True)
+
+    for form, pack in (("uint32 bytes", messages.pack), ("msgpack list", as_list)):
+        def user(pack=pack) -> bytes:
+            check_prompt(ids, vocab, 1 << 20)
+            return ipc.sign(key, pack(msg))
+        frame = user()
+
+        def rank(frame=frame) -> list[int]:
+            got = messages.unpack(ipc.verify(key, frame))
+            check_prompt(got.prompt_token_ids, vocab, 1 << 20)
+            p = got.prompt_token_ids
+            return p.tolist() if hasattr(p, "tolist") else list(p)
+        assert rank() == ids
+        print(f"{n_ids:5d} ids as {form}: user side {median_us(user, 1000):6.1f} us, rank side "
+              f"{median_us(rank, 1000):6.1f} us, frame {len(frame)} bytes", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--after-idle", action="store_true")
     ap.add_argument("--request-hop", action="store_true")
+    ap.add_argument("--wire", action="store_true")
     a = ap.parse_args()
     if a.after_idle:
         return after_idle([0, 1, 5, 20])
+    if a.wire:
+        for n_ids in (32, 2080, 8192):
+            wire(n_ids)
+        return
     if a.request_hop:
         for n_ids in (32, 2080):
             for through in (True, False, True, False):

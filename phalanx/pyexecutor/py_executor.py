@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import traceback
+from array import array
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -278,7 +279,8 @@ class PyExecutor:
             grammar = self.runner.guided.compile(params.guided_decoding)
         salt = (msg.cache_salt or "").encode()
         spec = self.runner.spec
-        return Request(msg.request_id, list(ids), params, tuple(msg.eos_token_ids), limit,
+        return Request(msg.request_id, ids.tolist() if isinstance(ids, array) else list(ids), params,
+                       tuple(msg.eos_token_ids), limit,
                        extra_key=salt, priority=msg.priority, grammar=grammar,
                        spec_len=spec.k if spec is not None and speculates(params) else 0)
 

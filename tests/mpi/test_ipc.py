@@ -1,5 +1,6 @@
 """The proxy <-> rank 0 channel: signed frames, checked before decoding; private sockets."""
 
+import dataclasses
 import os
 import stat
 import time
@@ -26,7 +27,9 @@ def test_round_trip(pair):
     a, b, _ = pair
     msg = GenerationRequest(1, [1, 2, 3], {"max_tokens": 4})
     a.put(msg)
-    assert b.get(timeout_ms=2000) == msg
+    got = b.get(timeout_ms=2000)
+    assert got.prompt_token_ids.tolist() == [1, 2, 3]            # crossed as uint32 bytes
+    assert dataclasses.replace(got, prompt_token_ids=[1, 2, 3]) == msg
 
 
 def test_frames_with_missing_or_wrong_tag_are_dropped_before_decoding(pair, monkeypatch):

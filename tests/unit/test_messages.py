@@ -1,3 +1,6 @@
+import dataclasses
+from array import array
+
 import pytest
 
 from phalanx.executor.messages import (
@@ -11,11 +14,19 @@ from phalanx.executor.messages import (
 from phalanx.llmapi.sampling_params import SamplingParams
 
 
+def listed(msg: IterationInput) -> IterationInput:
+    """msg with its requests' token ids as lists (they come off the wire as array("I"))."""
+    for r in msg.new:
+        assert isinstance(r.prompt_token_ids, array) and r.prompt_token_ids.typecode == "I"
+    return dataclasses.replace(msg, new=[dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids.tolist())
+                                         for r in msg.new])
+
+
 def test_iteration_input_round_trips_through_msgpack():
     sp = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, stop=["\n"], logit_bias={3: -1.5})
     msg = IterationInput(new=[GenerationRequest(7, [1, 2, 3], sp.to_dict(), [2], 40, "salt")],
                          cancel=[4, 5], shutdown=False)
-    back = unpack(pack(msg))
+    back = listed(unpack(pack(msg)))
     assert back == msg
     assert SamplingParams.from_dict(back.new[0].sampling_params) == sp
 
@@ -45,9 +56,34 @@ def test_only_fields_that_hold_messages_are_decoded_as_messages():
     lookalike = {"t": "cancel", "b": {"request_id": 3}}
     msg = IterationInput(new=[GenerationRequest(1, list(range(3000)), {"x": lookalike})],
                          control=[Control("stats", 2, {"y": [lookalike]})])
-    back = unpack(pack(msg))
+    back = listed(unpack(pack(msg)))
     assert back == msg
     assert isinstance(back.new[0], GenerationRequest) and isinstance(back.control[0], Control)
     assert back.new[0].sampling_params["x"] == lookalike and back.control[0].args["y"] == [lookalike]
     tb = TokenBatch([1, 2], [5, [6, 7]])
     assert unpack(pack(tb)) == tb
+
+
+def test_prompt_ids_cross_as_uint32_bytes_and_only_in_range_ids_do():
+    """A prompt's ids cross as one bin of little-endian uint32 (not 2k msgpack ints), come back
+    as array("I"), and the rank's check of them only compares with the vocabulary; ids that do
+    not fit (negative, past 32 bits, not integers) cross as a list for the full check to name."""
+    import msgpack
+
+    from phalanx.executor.messages import ids_from_wire
+    from phalanx.llmapi.sampling_params import check_prompt
+    ids = [0, 1, 70000, 2**32 - 1]
+    wire = msgpack.unpackb(pack(GenerationRequest(1, ids, {})))
+    assert wire["b"]["prompt_token_ids"] == b"".join(i.to_bytes(4, "little") for i in ids)
+    back = unpack(pack(GenerationRequest(1, ids, {})))
+    assert back.prompt_token_ids == array("I", ids) and back.prompt_token_ids.tolist() == ids
+    check_prompt(array("I", [0, 99]), 100, 10)
+    with pytest.raises(ValueError, match=r"token id 100 is outside the vocabulary \[0, 100\)"):
+        check_prompt(array("I", [5, 100, 3]), 100, 10)
+    for bad in ([1, -1], [1, 2**32], [1, 2.0]):
+        back = unpack(pack(GenerationRequest(1, bad, {})))
+        assert back.prompt_token_ids == bad and type(back.prompt_token_ids) is list
+        with pytest.raises(ValueError, match="prompt_token_ids: token id"):
+            check_prompt(back.prompt_token_ids, 100, 10)
+    with pytest.raises(ValueError, match="not whole uint32 ids"):
+        ids_from_wire(b"\x01\x02\x03")
