@@ -28,6 +28,7 @@ msgpack list of ints (how they crossed before; still the form of ids that do not
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import statistics
 import threading
@@ -156,9 +157,9 @@ def wire(n_ids: int) -> None:
     key, vocab = ipc.new_key(), 128256
 
     def as_list(m: GenerationRequest) -> bytes:   # the wire form without the ids' codec
-        return msgpack.packb({"t": "req", "b": {**{f: getattr(m, f) for f in ("request_id", "sampling_params",
-                              "eos_token_ids", "max_total_tokens", "cache_salt", "priority", "arrival_time")},
-                              "prompt_token_ids": list(m.prompt_token_ids)}}, use_bin_type=True)
+        body = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+        return msgpack.packb({"t": "req", "b": {**body, "prompt_token_ids": list(m.prompt_token_ids)}},
+                             use_bin_type=True)
 
     for form, pack in (("uint32 bytes", messages.pack), ("msgpack list", as_list)):
         def user(pack=pack) -> bytes:

@@ -224,9 +224,9 @@ def ids_from_wire(value: Any) -> Any:
     return ids
 
 
-# fields with a wire form of their own: name -> (to the wire, from the wire)
-_CODECS: dict[type, dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]] = {
-    GenerationRequest: {"prompt_token_ids": (ids_to_wire, ids_from_wire)}}
+# fields with a wire form of their own: (name, to the wire, from the wire)
+_CODECS: dict[type, tuple[tuple[str, Callable[[Any], Any], Callable[[Any], Any]], ...]] = {
+    GenerationRequest: (("prompt_token_ids", ids_to_wire, ids_from_wire),)}
 
 
 def to_wire(obj: Any) -> Any:
@@ -240,7 +240,7 @@ def to_wire(obj: Any) -> Any:
     body = {name: getattr(obj, name) for name in _FIELDS[cls]}
     for name in _NESTED.get(cls, ()):
         body[name] = [to_wire(o) for o in body[name]]
-    for name, (encode, _) in _CODECS.get(cls, {}).items():
+    for name, encode, _ in _CODECS.get(cls, ()):
         body[name] = encode(body[name])
     return {"t": tag, "b": body}
 
@@ -255,7 +255,7 @@ def from_wire(value: Any) -> Any:
         for name in _NESTED.get(cls, ()):
             if isinstance(body.get(name), list):
                 body[name] = [from_wire(v) for v in body[name]]
-        for name, (_, decode) in _CODECS.get(cls, {}).items():
+        for name, _, decode in _CODECS.get(cls, ()):
             if name in body:
                 body[name] = decode(body[name])
         return cls(**body)
