@@ -5,6 +5,7 @@ and the GPU time of each step (CUDA events) — then the kernels of the steps th
 prompt under the torch profiler, on the Llama-3.1-8B-shaped dummy model.
 
     python tools/profile_mixed.py --decoders 96 --prompt-len 1000 --output mixed.json
+    python tools/profile_mixed.py --decoders 8 --prompts 8 --prompt-len 1000   # a full prompt step
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ async def _drain(llm: LLM, prompt: list[int], sp: SamplingParams, seen: list[int
         seen[i] = len(out.outputs[0].token_ids)
 
 
-async def _arrive(llm: LLM, prompt: list[int]) -> float:
-    t0 = time.monotonic()
+async def _first(llm: LLM, prompt: list[int], t0: float) -> float:
     async for _ in llm.generate_async(prompt, SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
                                       streaming=True):
         return time.monotonic() - t0
     raise RuntimeError("no output")
+
+
+async def _arrive(llm: LLM, prompts: list[list[int]]) -> float:
+    """Seconds from sending ``prompts`` together to the last one's first token."""
+    t0 = time.monotonic()
+    return max(await asyncio.gather(*(_first(llm, p, t0) for p in prompts)))
 
 
 async def run(llm: LLM, a: argparse.Namespace) -> dict[str, Any]:
@@ -49,19 +55,20 @@ async def run(llm: LLM, a: argparse.Namespace) -> dict[str, Any]:
     ctl = lambda op: loop.run_in_executor(None, llm.control, op)  # noqa: E731
     # a first arrival, untraced: the forms of the kernels a mixed step needs are compiled (or
     # loaded) then, so the traced arrival shows the steady state
-    ttft_first = await _arrive(llm, ids(a.prompt_len)) if a.warmup else None
+    arrivals = lambda: [ids(a.prompt_len) for _ in range(a.prompts)]  # noqa: E731
+    ttft_first = await _arrive(llm, arrivals()) if a.warmup else None
     await asyncio.sleep(0.05)
     await ctl("trace:on")
     await ctl("timing:on")
     await asyncio.sleep(0.05)
     t_arrive = time.monotonic()
-    ttft = await _arrive(llm, ids(a.prompt_len))
+    ttft = await _arrive(llm, arrivals())
     await asyncio.sleep(0.1)
     timing = json.loads((await ctl("timing")).per_rank[0])
     await ctl("timing:off")
     marks = json.loads((await ctl("trace:off")).per_rank[0])
     await ctl("profile:start")                  # a second arrival under the profiler
-    ttft_profiled = await _arrive(llm, ids(a.prompt_len))
+    ttft_profiled = await _arrive(llm, arrivals())
     await asyncio.sleep(0.05)
     kernels = json.loads((await loop.run_in_executor(
         None, lambda: llm.control("profile:stop", timeout=120))).per_rank[0])
@@ -90,6 +97,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1000, help="the decoders' prompt length")
     ap.add_argument("--decode-tokens", type=int, default=2000)
     ap.add_argument("--prompt-len", type=int, default=1000)
+    ap.add_argument("--prompts", type=int, default=1, help="prompts arriving together (the TTFT is the last one's)")
     ap.add_argument("--config", default="tools/gpu_engine.yaml")
     ap.add_argument("--orchestrator", default="mpi", choices=["inprocess", "mpi"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer shape (checks the tool on a CPU)")
@@ -108,7 +116,8 @@ def main() -> None:
         # the loop stays open: the aborted decoders' last responses may still come back to it
         report = asyncio.new_event_loop().run_until_complete(run(llm, a))
     it0 = report["arrival_iteration"]
-    print(f"TTFT of the arriving {a.prompt_len}-token prompt among {a.decoders} decoders: {report['ttft_ms']:.1f} ms "
+    print(f"TTFT of {a.prompts} arriving {a.prompt_len}-token prompt(s) among {a.decoders} decoders: "
+          f"{report['ttft_ms']:.1f} ms "
           f"({report['ttft_profiled_ms']:.1f} under the profiler"
           + (f", {report['ttft_first_ms']:.1f} for the untraced first arrival" if report["ttft_first_ms"] else "")
           + f"); arrival at iteration {it0}")

@@ -48,19 +48,30 @@ async def _run(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: int, warmup: int = 2) -> dict:
+def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: int, warmup: int = 2,
+                step_times: bool = False) -> dict:
     """One point: ``num_requests`` prompts at ``concurrency`` in flight, from an empty prefix cache
     (every point sends the same prompts: without the reset, a point after another would find
-    prompts of the last one cached and skip part of their prefill)."""
+    prompts of the last one cached and skip part of their prefill). ``step_times``: rank 0's
+    GPU time of every step (CUDA events), split by what the steps carried (a GPU only)."""
     prompts = make_prompts(num_requests + warmup, isl, llm.vocab_size)
     if warmup:
         asyncio.run(_run(llm, prompts[:warmup], min(osl, 8), concurrency))
     llm.reset_prefix_cache()
     spec = llm.args.speculative_config is not None
     before = _spec_counts(llm) if spec else None
+    if step_times:
+        llm.control("timing:on")
     t0 = time.perf_counter()
     results = asyncio.run(_run(llm, prompts[warmup:], osl, concurrency))
     elapsed = time.perf_counter() - t0
+    if step_times:
+        steps = json.loads(llm.control("timing", timeout=300).per_rank[0])
+        llm.control("timing:off")
+        steps.pop("last_steps_ms", None)
+        extra_steps = {"steps": steps}
+    else:
+        extra_steps = {}
     out_tokens = sum(r["num_output_tokens"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] == r["tpot"]]
     extra = {}
@@ -80,7 +91,7 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
         "e2e_ms": summarize([r["e2e"] for r in results], 1000),
         "num_output_tokens": out_tokens,
         "prefix_hit_tokens": sum(r["cached_tokens"] for r in results),
-        **extra,
+        **extra, **extra_steps,
     }
 
 
@@ -151,6 +162,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hf-max-new-tokens", type=int, default=None,
                     help="cap the baseline's output length (its throughput is then over that many tokens)")
     ap.add_argument("--max-batch-size", type=int, default=None)
+    ap.add_argument("--step-times", action="store_true",
+                    help="rank 0's GPU time per step, split into decode-only steps and steps with prompt tokens")
     ap.add_argument("--output", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
 
@@ -185,7 +198,7 @@ def main(argv: list[str]) -> int:
     try:
         for c in a.concurrency:
             n = a.num_requests or max(4, 2 * c)
-            res = run_phalanx(llm, a.isl, a.osl, c, n)
+            res = run_phalanx(llm, a.isl, a.osl, c, n, step_times=a.step_times)
             res["concurrency"], res["num_requests"] = c, n
             report["runs"].append(res)
             save()
@@ -193,6 +206,8 @@ def main(argv: list[str]) -> int:
             print(f"concurrency {c:4d}: {res['output_throughput']:9.1f} out tok/s  "
                   f"TTFT p50 {res['ttft_ms']['median']:8.1f} ms  TPOT p50 {res['tpot_ms']['median']:7.2f} ms"
                   + (f"  drafts accepted {rate:.2f}" if rate is not None else ""), flush=True)
+            if "steps" in res:
+                print(_steps_line(res["steps"]), flush=True)
     finally:
         llm.shutdown()
     if a.hf_baseline:
@@ -210,6 +225,18 @@ def main(argv: list[str]) -> int:
                   f"-> phalanx ×{run['speedup_vs_hf']:.2f}", flush=True)
     emit_report(report, a.output, echo=False)
     return 0
+
+
+def _steps_line(steps: dict) -> str:
+    """A point's step times in one line: per kind, the steps, their GPU seconds and ms a step,
+    the decode rows and other tokens a step; then the GPU's idle time between steps."""
+    parts = []
+    for kind, k in sorted(steps.get("by_kind", {}).items()):
+        n = max(1, k["steps"])
+        parts.append(f"{kind}: {k['steps']} steps {k['gpu_ms'] / 1e3:.1f} s GPU ({k['gpu_ms'] / n:.1f} ms a step, "
+                     f"{k['decode_rows'] / n:.0f} decode rows + {k['other_tokens'] / n:.0f} other tokens)")
+    gaps = f"idle between steps {steps['gap_ms'] / 1e3:.1f} s" if "gap_ms" in steps else "no step times"
+    return "    " + "; ".join(parts + [gaps])
 
 
 def _device_name() -> str:

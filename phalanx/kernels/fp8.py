@@ -9,7 +9,8 @@ output channel (row of W) gets a float32 scale = max |W[n]| / 448, and W is stor
   weights, widen them in registers and apply the scale in their epilogue (weights in FP8,
   activations as they are: W8A16, no activation rounding);
 - more rows: ``linear`` — each activation row is quantized to e4m3 with its own scale (dynamic,
-  per token) and ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM, row-wise scales) multiplies (W8A8).
+  per token) and ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM, row-wise scales) multiplies (W8A8),
+  with Hopper's fast FP8 accumulation (``FAST_ACCUM``).
 
 The reference (and the path on a CPU, or where a shape or dtype does not suit ``_scaled_mm``) is
 the bf16 projection of the dequantized weight, q · scale, so the whole engine runs and is
@@ -108,11 +109,20 @@ def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
             and rowwise_scaled_mm(x.device))
 
 
+# Hopper's FP8 tensor cores accumulate in a narrower format unless the GEMM promotes the sums to
+# float32 every few K steps; ``use_fast_accum`` skips the promotion. H200, 8,192 rows of Llama-3.1-8B's
+# projections (tools/bench_gemm.py, docs/results/gpu19_gemm.txt): 1,273–1,359 TFLOP/s with the
+# promotion, 1,479–1,513 without; the error against float32 of the same FP8 values goes from
+# 1.7e-3 to 2.1e-3 (3.3e-3 for K = 14,336), well below the ~5 % the FP8 rounding of the weights
+# and activations itself costs. 2048/128 offline, FP8: 2,003 -> 2,744 out tok/s in one run.
+FAST_ACCUM = True
+
+
 def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row and
     ``torch._scaled_mm`` where it fits (``scaled_mm_fits``), else the reference."""
     if not scaled_mm_fits(x, q):
         return reference(x, q, bias, scale)
     xq, xs = quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
-    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
     return y if bias is None else y + bias

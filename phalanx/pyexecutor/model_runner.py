@@ -144,6 +144,7 @@ class ModelRunner:
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.timing_shapes: list[tuple[int, int]] = []   # each timed step's (decode rows, other tokens)
         self.clock = HostClock()   # the executor's, once it has one (marks its launch phases)
         self.stage = Staging(device)   # a step's host arrays to the device
 
@@ -449,6 +450,9 @@ class ModelRunner:
         step.ready = _event(self.stream is not None)
         if step.start is not None and end is not None:
             self.timings.append((step.start, end))
+            decode = sum(1 for n, d in zip(step.batch.num_scheduled_tokens, step.batch.num_drafts, strict=True)
+                         if n == 1 and d == HOST_PLACED)
+            self.timing_shapes.append((decode, step.batch.num_tokens - decode))
 
     def _verify_and_propose(self, step: InFlightStep, verify_logits: torch.Tensor) -> None:
         """Accept the verify rows' drafts, move every speculative row's device state on, and
@@ -532,7 +536,22 @@ class ModelRunner:
         return {"steps": len(self.timings), "busy_ms": busy, "gap_ms": sum(gaps), "span_ms": total,
                 "idle_fraction": sum(gaps) / total if total > 0 else float("nan"),
                 "mean_gap_ms": sum(gaps) / len(gaps),
-                "last_steps_ms": [round(s.elapsed_time(e), 3) for s, e in self.timings[-STEPS_REPORTED:]]}
+                "last_steps_ms": [round(s.elapsed_time(e), 3) for s, e in self.timings[-STEPS_REPORTED:]],
+                "by_kind": self._steps_by_kind()}
+
+    def _steps_by_kind(self) -> dict[str, dict[str, float]]:
+        """The timed steps' GPU time split by what they carried: ``decode`` (one token a row and
+        nothing else) and ``prompt`` (any prompt, chunk or speculative tokens, with or without
+        decode rows); per kind the steps, their GPU ms, decode rows and other tokens."""
+        out: dict[str, dict[str, float]] = {}
+        for (s, e), (rows, tokens) in zip(self.timings, self.timing_shapes, strict=True):
+            k = out.setdefault("prompt" if tokens else "decode",
+                               {"steps": 0, "gpu_ms": 0.0, "decode_rows": 0, "other_tokens": 0})
+            k["steps"] += 1
+            k["gpu_ms"] += s.elapsed_time(e)
+            k["decode_rows"] += rows
+            k["other_tokens"] += tokens
+        return out
 
 
 PROMPT_LOGPROB_ROWS = 1024

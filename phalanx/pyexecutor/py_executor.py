@@ -328,6 +328,7 @@ class PyExecutor:
             self.runner.record_timing = op == "timing:on"
             if self.runner.record_timing:
                 self.runner.timings.clear()
+                self.runner.timing_shapes.clear()
                 self.clock.start(self.iteration)
             else:
                 self.clock.stop(self.iteration)

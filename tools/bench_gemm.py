@@ -1,0 +1,99 @@
+"""Many-row products (a prompt step's projections): bf16 against the FP8 forms, for the
+projections of a Llama-3.1-8B layer at prompt-step sizes. TFLOP/s per form, CUDA-graph timing
+(a prompt step's GEMMs are compute-bound: weight copies only keep L2 from flattering the small
+sizes).
+
+Forms:
+- ``bf16``: ``F.linear`` (cuBLAS);
+- ``fp8``: what ``fp8.linear`` ships — the Triton per-token quantization of x, then
+  ``torch._scaled_mm`` with a scale per row of x and per column of W;
+- ``fp8_mm``: that ``_scaled_mm`` alone (x quantized outside the timing);
+- ``fp8_fast``: the same with ``use_fast_accum=True`` (Hopper's FP8 accumulation without the
+  periodic promotion to float32);
+- ``fp8_tensor``: one scale for x and one for W (cuBLASLt's plain FP8 GEMM, the fastest form
+  cuBLASLt has; not what per-channel weights can use as it is).
+
+With ``--check`` each FP8 form's error against the float32 product of the same FP8 values is
+printed (relative Frobenius norm).
+
+    python tools/bench_gemm.py [--rows 512 2048 8192] [--forms bf16 fp8 fp8_mm fp8_fast] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.kernels import fp8
+from phalanx.kernels.gemv_tuner import time_graph, weight_copies
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+FORMS = ("bf16", "fp8", "fp8_mm", "fp8_fast", "fp8_tensor")
+
+
+def _form(name: str, x: torch.Tensor, ws: list[torch.Tensor], qs: list[torch.Tensor],
+          scale: torch.Tensor) -> Callable[[int], object]:
+    xq, xs = fp8.quantize_rows(x)
+    one = torch.ones((), device=x.device)
+    if name == "bf16":
+        return lambda i: F.linear(x, ws[i])
+    if name == "fp8":
+        return lambda i: fp8.linear(x, qs[i], None, scale)
+    if name == "fp8_mm":
+        return lambda i: torch._scaled_mm(xq, qs[i].t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
+    if name == "fp8_fast":
+        return lambda i: torch._scaled_mm(xq, qs[i].t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype,
+                                          use_fast_accum=True)
+    if name == "fp8_tensor":
+        return lambda i: torch._scaled_mm(xq, qs[i].t(), scale_a=one, scale_b=one, out_dtype=x.dtype,
+                                          use_fast_accum=True)
+    raise ValueError(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--check", action="store_true", help="each FP8 form's error against float32")
+    ap.add_argument("--output", default=None)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    fp8.check_device(dev, "bench")
+    rows_out = []
+    for shape in a.shapes:
+        N, K = SHAPES[shape]
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5
+        q, scale = fp8.quantize_weight(w)
+        ws = weight_copies(w)
+        qs = [q] + [fp8.quantize_weight(c)[0] for c in ws[1:]]
+        for M in a.rows:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            line = {"shape": shape, "N": N, "K": K, "rows": M}
+            for name in a.forms:
+                ms = time_graph(_form(name, x, ws, qs, scale), len(ws), reps=8)
+                line[name] = {"us": ms * 1e3, "tflops": 2 * M * N * K / (ms * 1e-3) / 1e12}
+                if a.check and name.startswith("fp8"):
+                    xq, xs = fp8.quantize_rows(x)
+                    exact = (xq.float() * xs) @ (q.float() * scale[:, None]).t()
+                    y = _form(name, x, [w], [q], scale)(0).float()
+                    if name == "fp8_tensor":
+                        y = y * xs * scale[None, :]
+                    line[name]["rel_err"] = float((y - exact).norm() / exact.norm())
+            rows_out.append(line)
+            print(f"{shape:8s} {N:6d}x{K:<6d} rows {M:5d}  " + "  ".join(
+                f"{n} {line[n]['us']:8.1f} us {line[n]['tflops']:6.0f} TF"
+                + (f" err {line[n]['rel_err']:.1e}" if "rel_err" in line[n] else "") for n in a.forms), flush=True)
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows_out}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
