@@ -9,6 +9,7 @@ for each query block, key-slice count and tile, the shipped choice marked.
     python tools/bench_attention.py --batch 1 64 256 --context 256 1500 --output attention.json
     python tools/bench_attention.py --batch --extend 1000 2048 --extend-block-m 64 128 --hit 32:2048 32:0
     python tools/bench_attention.py --kv-dtype fp8 ...      # over an FP8 (e4m3) pool
+    python tools/bench_attention.py --kv-dtype fp8 --fp8-dots f16 bf16 ...   # its dots in float16 or bf16
     python tools/bench_attention.py --batch --extend --hit 32:2048 --hit-cold   # KV read from memory
 
 A hit's KV (8.4 MB a layer at 2,048 tokens of Llama-3.1-8B) fits in the H200's L2, so calls
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 
 import torch
@@ -73,6 +75,14 @@ def _pool(S: int, ctx: int, Hkv: int, D: int, B: int, dtype, gen):
     return kc, vc, bt, lens
 
 
+_SHIPPED_DOTS = triton_attention.FP8_POOL_F16
+
+
+def _set_dots(dots: str | None) -> None:
+    """An FP8 pool's dots in float16 (f16), bf16, or as shipped (None)."""
+    triton_attention.FP8_POOL_F16 = _SHIPPED_DOTS if dots is None else dots == "f16"
+
+
 def parse_config(text: str) -> tuple[int, int, int]:
     n, w, st = (int(x) for x in text.split(","))
     return n, w, st
@@ -96,6 +106,8 @@ def main() -> None:
     ap.add_argument("--hit-cold", action="store_true", help="rotate over pool copies larger than L2 together")
     ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="H Hkv D")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="the pool's dtype (q is bf16)")
+    ap.add_argument("--fp8-dots", nargs="+", choices=["f16", "bf16"], default=None,
+                    help="over an FP8 pool: the dtype its keys and values widen to for the dots (default: shipped)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     H, Hkv, D = a.heads
@@ -103,6 +115,7 @@ def main() -> None:
     read_tb_s = read_bandwidth()
     print(f"read bandwidth: {read_tb_s:.2f} TB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
+    dot_forms = a.fp8_dots if a.kv_dtype == "fp8" and a.fp8_dots else [None]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for S in a.batch:
@@ -113,16 +126,18 @@ def main() -> None:
             q = torch.randn(S, H, D, dtype=dtype, device="cuda")
             auto = triton_attention.num_splits(S, Hkv, 131072, B, sms)
             nbytes = 2 * S * ctx * Hkv * D * kc.element_size()
-            for splits in sorted({auto, max(1, auto // 4), 4 * auto}):
-                for cfg in a.configs:
-                    us = _time(functools.partial(triton_attention.decode_attention, q, kc, vc, bt, lens, D ** -0.5,
-                                                 None, splits, cfg))
-                    rows.append({"kernel": "decode", "batch": S, "context": ctx, "splits": splits,
-                                 "auto_splits": splits == auto, "config": cfg, "us": us,
-                                 "tb_s": nbytes / us / 1e6, "of_read": nbytes / us / 1e6 / read_tb_s})
-                    print(f"decode  S={S:4d} ctx={ctx:6d} splits={splits:3d}{'*' if splits == auto else ' '} "
-                          f"cfg={cfg}: {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s "
-                          f"({nbytes / us / 1e6 / read_tb_s:.0%} of read)", flush=True)
+            slices = sorted({auto, max(1, auto // 4), 4 * auto})
+            for splits, cfg, dots in itertools.product(slices, a.configs, dot_forms):
+                _set_dots(dots)
+                us = _time(functools.partial(triton_attention.decode_attention, q, kc, vc, bt, lens, D ** -0.5,
+                                             None, splits, cfg))
+                rows.append({"kernel": "decode", "batch": S, "context": ctx, "splits": splits,
+                             "auto_splits": splits == auto, "config": cfg, "dots": dots, "us": us,
+                             "tb_s": nbytes / us / 1e6, "of_read": nbytes / us / 1e6 / read_tb_s})
+                print(f"decode  S={S:4d} ctx={ctx:6d} splits={splits:3d}{'*' if splits == auto else ' '} "
+                      f"cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s "
+                      f"({nbytes / us / 1e6 / read_tb_s:.0%} of read)", flush=True)
+            _set_dots(None)
             del kc, vc
     for T in a.extend:
         kc, vc, bt, lens = _pool(1, T, Hkv, D, B, dtype, gen)
@@ -131,14 +146,15 @@ def main() -> None:
         q = torch.randn(T, H, D, dtype=dtype, device="cuda")
         qs = torch.tensor([0, T], dtype=torch.int32, device="cuda")
         flops = 4 * H * D * T * (T + 1) / 2
-        for block_m in a.extend_block_m:
-            for cfg in a.configs:
-                us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T,
-                                             D ** -0.5, None, block_m, cfg))
-                rows.append({"kernel": "extend", "tokens": T, "block_m": block_m, "config": cfg, "us": us,
-                             "tflop_s": flops / us / 1e6})
-                print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s",
-                      flush=True)
+        for block_m, cfg, dots in itertools.product(a.extend_block_m, a.configs, dot_forms):
+            _set_dots(dots)
+            us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T,
+                                         D ** -0.5, None, block_m, cfg))
+            rows.append({"kernel": "extend", "tokens": T, "block_m": block_m, "config": cfg, "dots": dots, "us": us,
+                         "tflop_s": flops / us / 1e6})
+            print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  "
+                  f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+        _set_dots(None)
     for spec in a.hit:
         new, cached = (int(x) for x in spec.split(":"))
         L = new + cached

@@ -43,6 +43,16 @@ def _precision(dtype: torch.dtype) -> tl.constexpr:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# Over an FP8 pool the dots of a bf16 (or float16) model take float16: e4m3 widens to float16 in
+# one instruction (two values at a time) where bf16 takes a detour through float32. Measured in
+# tools/bench_attention.py --kv-dtype fp8 --fp8-dots (docs/gpu_notes.md, nineteenth round).
+FP8_POOL_F16 = True
+
+
+def _kv_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return FP8_POOL_F16 and k_cache.element_size() == 1 and q.dtype != torch.float32
+
+
 @triton.jit
 def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
     """Fold one tile of masked scores qk [M, N] and values v [N, D] into the running max m_i,
@@ -57,19 +67,33 @@ def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
 
 @triton.jit
 def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-             B: tl.constexpr, BLOCK_N: tl.constexpr):
+             B: tl.constexpr, BLOCK_N: tl.constexpr, KV_F16: tl.constexpr):
     """The keys and values of positions p0 .. p0 + BLOCK_N (those in [lo, hi)) of one KV head:
-    each position finds its block in the sequence's table, so a tile may span several blocks."""
+    each position finds its block in the sequence's table, so a tile may span several blocks.
+    An FP8 pool's (scale 1) are widened here, exactly, to float16 (``KV_F16``) or bf16."""
     kpos = p0 + tl.arange(0, BLOCK_N)
     km = (kpos >= lo) & (kpos < hi)
     blk = tl.load(bt_row + kpos // B, mask=km, other=0).to(tl.int64)
     off = blk[:, None] * s_cb + (kpos % B)[:, None] * s_ct + kvh * s_ch + d[None, :]
     k = tl.load(kc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
     v = tl.load(vc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
-    if k.dtype == tl.float8e4nv:   # an FP8 pool (scale 1): widened here, exactly, to bf16
-        k = k.to(tl.bfloat16)
-        v = v.to(tl.bfloat16)
+    if k.dtype == tl.float8e4nv:
+        if KV_F16:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        else:
+            k = k.to(tl.bfloat16)
+            v = v.to(tl.bfloat16)
     return kpos, km, k, v
+
+
+@triton.jit
+def _query(q, KV_F16: tl.constexpr):
+    """The query as the dots take it: with ``KV_F16`` (an FP8 pool under a bf16 or float16
+    model) in float16, clamped to its range."""
+    if KV_F16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -86,7 +110,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
                          scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, KV_F16: tl.constexpr):
     release(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -102,13 +126,14 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
         gm = g < G
         dm = d < D
         h = kvh * G + g
-        q = tl.load(q_ptr + s * s_qs + h[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        q = _query(tl.load(q_ptr + s * s_qs + h[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :],
+                           other=0.0), KV_F16)
         m_i = tl.full([BLOCK_G], NEG, tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for p0 in range(lo - lo % B, hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                      B, BLOCK_N)
+                                      B, BLOCK_N, KV_F16)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             qk = tl.where(km[None, :], qk, NEG)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
@@ -203,7 +228,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_N=max(block_n, 16), SPLITS=splits,
-        PREC=_precision(q.dtype), num_warps=warps, num_stages=stages, **pdl.launch(q))
+        PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), num_warps=warps, num_stages=stages,
+        **pdl.launch(q))
     if splits == 1:
         return out
     _decode_merge_kernel[(S, H)](part, lse, out, seq_lens, part.stride(0), part.stride(1), part.stride(2),
@@ -217,7 +243,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_F16: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     h = tl.program_id(2)
@@ -232,8 +258,8 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
         q_pos = ctx + offs_m
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        q = tl.load(q_ptr + (q0 + offs_m)[:, None] * s_qt + h * s_qh + d[None, :], mask=mm[:, None] & dm[None, :],
-                    other=0.0)
+        q = _query(tl.load(q_ptr + (q0 + offs_m)[:, None] * s_qt + h * s_qh + d[None, :],
+                           mask=mm[:, None] & dm[None, :], other=0.0), KV_F16)
         m_i = tl.full([BLOCK_M], NEG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -241,7 +267,7 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
         lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
         for p0 in range(lo - lo % B, hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                      B, BLOCK_N)
+                                      B, BLOCK_N, KV_F16)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
@@ -269,7 +295,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0,
         G=H // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), num_warps=warps, num_stages=stages)
+        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), num_warps=warps,
+        num_stages=stages)
     return out
 
 
@@ -278,7 +305,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
                          s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         PREC: tl.constexpr):
+                         PREC: tl.constexpr, KV_F16: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     kvh = tl.program_id(2) // SPLITS
@@ -296,8 +323,8 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
         q_pos = ctx + m
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        q = tl.load(q_ptr + (q0 + m)[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                    mask=rm[:, None] & dm[None, :], other=0.0)
+        q = _query(tl.load(q_ptr + (q0 + m)[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+                           mask=rm[:, None] & dm[None, :], other=0.0), KV_F16)
         # the keys this query block sees, [lo, hi), cut into SPLITS slices of whole key tiles
         hi = tl.minimum(L, ctx + (mb + 1) * BLOCK_M)
         lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
@@ -310,7 +337,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
         acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         for p0 in range(my_lo, my_hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, tl.maximum(lo, my_lo), my_hi, kvh,
-                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N)
+                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N, KV_F16)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
@@ -379,7 +406,8 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), SPLITS=splits, PREC=_precision(q.dtype), num_warps=warps, num_stages=stages)
+        BLOCK_N=max(block_n, 16), SPLITS=splits, PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
+        num_warps=warps, num_stages=stages)
     out = torch.empty_like(q) if out is None else out
     _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                                  lse.stride(1), out.stride(0), out.stride(1), D=D,

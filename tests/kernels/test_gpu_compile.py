@@ -22,7 +22,8 @@ FP8_POOL = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "out_p
             "part_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "qstart_ptr": "*i32"}
 FP8_WEIGHT = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16",
               "part_ptr": "*fp32", "count_ptr": "*i32"}
-ATTN = {"G": 4, "BLOCK_G": 16, "D": 128, "BLOCK_D": 128, "B": 32, "BLOCK_N": 64, "PREC": "tf32"}
+ATTN = {"G": 4, "BLOCK_G": 16, "D": 128, "BLOCK_D": 128, "B": 32, "BLOCK_N": 64, "PREC": "tf32", "KV_F16": False}
+ATTN_FP8 = {**ATTN, "KV_F16": True}   # an FP8 pool's dots in float16, as shipped (FP8_POOL_F16)
 
 CASES = {
     "rope + K/V write into an FP8 pool": (triton_ops._rope_qkv_kernel, {
@@ -38,11 +39,15 @@ CASES = {
         {"HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_N": 16, "BLOCK_K": 1024, "FOLD": 16, "PRE": True,
          "PDL": False}),
     "decode over an FP8 pool": (triton_attention._decode_split_kernel, FP8_POOL,
-                                {**ATTN, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8[0], "SPLITS": 4, "PDL": False}),
+                                {**ATTN_FP8, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8[0], "SPLITS": 4,
+                                 "PDL": False}),
+    "decode over an FP8 pool, bf16 dots": (triton_attention._decode_split_kernel, FP8_POOL,
+                                           {**ATTN, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8[0], "SPLITS": 4,
+                                            "PDL": False}),
     "extend over an FP8 pool": (triton_attention._extend_kernel, FP8_POOL,
-                                {k: v for k, v in ATTN.items() if k != "BLOCK_G"} | {"BLOCK_M": 64}),
+                                {k: v for k, v in ATTN_FP8.items() if k != "BLOCK_G"} | {"BLOCK_M": 64}),
     "split extend over an FP8 pool": (triton_attention._extend_split_kernel, FP8_POOL,
-                                      {**ATTN, "BLOCK_M": 16, "SPLITS": 4}),
+                                      {**ATTN_FP8, "BLOCK_M": 16, "SPLITS": 4}),
     "one row, FP8 weights": (gemv._gemv_kernel, FP8_WEIGHT, {"HAS_BIAS": True, "HAS_SCALE": True, "BLOCK_N": 8,
                                                             "BLOCK_K": 1024, "FOLD": 16, "SILU": True, "PRE": True,
                                                             "PDL": False}),

@@ -158,15 +158,18 @@ def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype
 
 @pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", [([40, 17], [1, 1], 4, 2, 32), ([20, 50], [3, 17], 4, 1, 32)]
                          + ([([1000, 4097], [1, 1], 32, 8, 128), ([2048, 77], [64, 1], 32, 8, 128)] if CUDA else []))
-def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hkv, D):
+@pytest.mark.parametrize("dtype", [torch.bfloat16] if CUDA else [torch.float32, torch.bfloat16])
+def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hkv, D, dtype):
     """kv_cache_config.dtype fp8: decode, extend and split-extend kernels read e4m3 keys and
     values (scale 1) — the reference's answer over the same pool — and the rope + K/V write
-    kernel rounds what it writes to e4m3."""
-    dtype = torch.bfloat16 if CUDA else torch.float32
+    kernel rounds what it writes to e4m3. A bf16 model's dots take float16 there
+    (``FP8_POOL_F16``; the interpreter runs that form, not bf16 dots); a float32 model's, float32."""
+    assert triton_attention._kv_f16(torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=torch.float8_e4m3fn)) == (
+        dtype != torch.float32)
     B = 32 if CUDA else 16
     q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=3)
     kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    ref = _ref(q, kc, vc, meta, None)
+    ref = _ref(q.float(), kc, vc, meta, None)
     if meta.is_decode_only:
         out = triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, None, 3)
     else:
