@@ -147,10 +147,12 @@ def run_hf(model: str | None, isl: int, osl: int, batch: int, num_requests: int,
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="phalanx bench throughput", description=__doc__)
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    ap.add_argument("--isl", type=int, default=128, help="input tokens per request")
-    ap.add_argument("--osl", type=int, default=128, help="output tokens per request")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="one run per value")
-    ap.add_argument("--num-requests", type=int, default=None, help="default: 4 × concurrency (at least 8)")
+    ap.add_argument("--isl", type=int, nargs="+", default=[128],
+                    help="input tokens per request; several values: one workload each, paired with --osl's")
+    ap.add_argument("--osl", type=int, nargs="+", default=[128], help="output tokens per request")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="one run per value (and workload)")
+    ap.add_argument("--num-requests", type=int, nargs="+", default=None,
+                    help="default: 2 × concurrency (at least 4); one value, or one per workload")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
@@ -166,6 +168,10 @@ def main(argv: list[str]) -> int:
                     help="rank 0's GPU time per step, split into decode-only steps and steps with prompt tokens")
     ap.add_argument("--output", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
+    if len(a.isl) != len(a.osl):
+        ap.error(f"--isl has {len(a.isl)} values and --osl {len(a.osl)}: one output length per input length")
+    if a.num_requests is not None and len(a.num_requests) not in (1, len(a.isl)):
+        ap.error(f"--num-requests has {len(a.num_requests)} values: one, or one per workload ({len(a.isl)})")
 
     from phalanx import LLM
     from phalanx.bench.shapes import resolve_model_arg
@@ -196,18 +202,14 @@ def main(argv: list[str]) -> int:
             emit_report(report, a.output, echo=False)
 
     try:
-        for c in a.concurrency:
-            n = a.num_requests or max(4, 2 * c)
-            res = run_phalanx(llm, a.isl, a.osl, c, n, step_times=a.step_times)
-            res["concurrency"], res["num_requests"] = c, n
-            report["runs"].append(res)
-            save()
-            rate = res.get("spec_acceptance_rate")
-            print(f"concurrency {c:4d}: {res['output_throughput']:9.1f} out tok/s  "
-                  f"TTFT p50 {res['ttft_ms']['median']:8.1f} ms  TPOT p50 {res['tpot_ms']['median']:7.2f} ms"
-                  + (f"  drafts accepted {rate:.2f}" if rate is not None else ""), flush=True)
-            if "steps" in res:
-                print(_steps_line(res["steps"]), flush=True)
+        for w, (isl, osl) in enumerate(zip(a.isl, a.osl, strict=True)):
+            for c in a.concurrency:
+                n = a.num_requests[min(w, len(a.num_requests) - 1)] if a.num_requests else max(4, 2 * c)
+                res = run_phalanx(llm, isl, osl, c, n, step_times=a.step_times)
+                res["isl"], res["osl"], res["concurrency"], res["num_requests"] = isl, osl, c, n
+                report["runs"].append(res)
+                save()
+                _print_point(res)
     finally:
         llm.shutdown()
     if a.hf_baseline:
@@ -215,8 +217,8 @@ def main(argv: list[str]) -> int:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = "float32" if dev == "cpu" else "bfloat16"
         for run in report["runs"]:
-            osl = min(a.osl, a.hf_max_new_tokens or a.osl)
-            hf = run_hf(a.model, a.isl, osl, run["concurrency"], run["concurrency"], dtype, dev, dummy)
+            osl = min(run["osl"], a.hf_max_new_tokens or run["osl"])
+            hf = run_hf(a.model, run["isl"], osl, run["concurrency"], run["concurrency"], dtype, dev, dummy)
             hf["osl"] = osl
             run["hf_generate"] = hf
             run["speedup_vs_hf"] = run["output_throughput"] / hf["output_throughput"]
@@ -225,6 +227,15 @@ def main(argv: list[str]) -> int:
                   f"-> phalanx ×{run['speedup_vs_hf']:.2f}", flush=True)
     emit_report(report, a.output, echo=False)
     return 0
+
+
+def _print_point(res: dict) -> None:
+    rate = res.get("spec_acceptance_rate")
+    print(f"{res['isl']}/{res['osl']} concurrency {res['concurrency']:4d}: {res['output_throughput']:9.1f} out tok/s  "
+          f"TTFT p50 {res['ttft_ms']['median']:8.1f} ms  TPOT p50 {res['tpot_ms']['median']:7.2f} ms"
+          + (f"  drafts accepted {rate:.2f}" if rate is not None else ""), flush=True)
+    if "steps" in res:
+        print(_steps_line(res["steps"]), flush=True)
 
 
 def _steps_line(steps: dict) -> str:
