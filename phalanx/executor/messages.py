@@ -200,7 +200,10 @@ def ids_to_wire(ids: Sequence[int]) -> bytes | list[int]:
     """Token ids as one msgpack bin of little-endian uint32: a C loop each way, where msgpack
     packs and unpacks a list of 2k ints as 2k Python objects (~50 µs a side on a 2-core CPU).
     Ids that are not all integers in [0, 2**32) cross as a list, for the receiver's check to
-    name the bad one."""
+    name the bad one. Bytes that ``ids_from_wire`` could not read cross again as they came (rank
+    0 forwards what it received to the other ranks, where the check fails as it did on rank 0)."""
+    if isinstance(ids, bytes | bytearray):
+        return bytes(ids)
     try:
         packed = array(WIRE_IDS, ids)
     except (OverflowError, TypeError):
@@ -212,11 +215,11 @@ def ids_to_wire(ids: Sequence[int]) -> bytes | list[int]:
 
 def ids_from_wire(value: Any) -> Any:
     """``ids_to_wire``'s bytes as an array("I") (ints in [0, 2**32) by construction: the rank's
-    check only compares them with the vocabulary); a list stays a list."""
-    if not isinstance(value, bytes | bytearray):
+    check only compares them with the vocabulary); a list stays a list. Bytes that are not whole
+    uint32 ids (no proxy sends them) stay bytes, for the rank's prompt check to refuse that one
+    request: raising here would stop the loop that reads every request."""
+    if not isinstance(value, bytes | bytearray) or len(value) % 4:
         return value
-    if len(value) % 4:
-        raise ValueError(f"prompt_token_ids: {len(value)} bytes are not whole uint32 ids")
     ids = array(WIRE_IDS)
     ids.frombytes(value)
     if _SWAP:

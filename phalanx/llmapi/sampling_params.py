@@ -261,6 +261,8 @@ def check_prompt(ids: Sequence[int], vocab_size: int, max_seq_len: int) -> None:
     Checked in the user process before sending and again on the ranks (requests may come
     from any client of the socket), where ids that crossed as uint32 (an array("I"),
     ``messages.ids_from_wire``) need only the vocabulary's bound."""
+    if isinstance(ids, bytes | bytearray):   # what ``messages.ids_from_wire`` could not read
+        raise ValueError(f"prompt_token_ids: {len(ids)} bytes are not a sequence of uint32 token ids")
     if not ids:
         raise ValueError("prompt must contain at least one token")
     if isinstance(ids, array) and ids.typecode == "I":   # from the wire: unsigned ints by construction

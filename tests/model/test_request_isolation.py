@@ -80,6 +80,40 @@ def test_the_runner_names_the_failing_rows_before_the_device_runs(tiny_models):
     assert all(t is not None for t in runner.execute(rest).token_ids)
 
 
+def test_a_request_whose_ids_cannot_be_read_fails_alone(tiny_models):
+    """Prompt ids that arrive as bytes that are not whole uint32 ids (no proxy sends them; a
+    client of the socket could) fail that request with an error naming the field; the loop
+    takes the next request and computes it."""
+    import msgpack
+
+    from phalanx.executor.messages import GenerationRequest, pack, unpack
+    source = resolve_model(tiny_models["llama"])
+    cfg = source.config
+    runner = ModelRunner(build_model(source, torch.float32, CPU),
+                         KVPool(cfg.num_layers, 32, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU),
+                         Sampler(cfg.vocab_size, CPU), CPU)
+    sent = []
+
+    class Collect:
+        def send_responses(self, responses):
+            sent.extend(responses)
+
+        def send(self, obj):
+            sent.extend(obj)
+
+    ex = py_executor.PyExecutor(Scheduler(SchedulerLimits(8, 64, 128), KVCacheManager(32, 8)), runner,
+                                py_executor.RequestQueue(), Collect(), cfg.vocab_size, 128)
+    raw = msgpack.unpackb(pack(GenerationRequest(1, [5, 6, 7], {"max_tokens": 2})))
+    raw["b"]["prompt_token_ids"] = b"\x05\x00\x00\x00\x06"
+    ex._add(unpack(msgpack.packb(raw)))
+    ex._add(unpack(pack(GenerationRequest(2, [5, 6, 7], {"max_tokens": 2}))))
+    assert [(r.request_id, r.finish_reason) for r in sent] == [(1, "error")]
+    assert "prompt_token_ids: 5 bytes" in sent[0].error
+    batch = ex.scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == [2]
+    assert runner.execute(batch).token_ids[0] is not None
+
+
 @pytest.mark.parametrize("max_num_tokens", [16, 512])
 def test_prompt_logprobs_equal_transformers(tiny_models, hf_models, max_num_tokens):
     torch.manual_seed(0)

@@ -85,5 +85,12 @@ def test_prompt_ids_cross_as_uint32_bytes_and_only_in_range_ids_do():
         assert back.prompt_token_ids == bad and type(back.prompt_token_ids) is list
         with pytest.raises(ValueError, match="prompt_token_ids: token id"):
             check_prompt(back.prompt_token_ids, 100, 10)
-    with pytest.raises(ValueError, match="not whole uint32 ids"):
-        ids_from_wire(b"\x01\x02\x03")
+    # bytes that are not whole uint32 ids (no proxy sends them) come off as they are, cross to
+    # the other ranks as they are, and fail the rank's check of that request, naming the field
+    assert ids_from_wire(b"\x01\x02\x03") == b"\x01\x02\x03"
+    raw = msgpack.unpackb(pack(GenerationRequest(1, [1], {})))
+    raw["b"]["prompt_token_ids"] = b"\x01\x02\x03"
+    odd = unpack(msgpack.packb(raw))
+    assert odd.prompt_token_ids == b"\x01\x02\x03" and unpack(pack(odd)) == odd
+    with pytest.raises(ValueError, match="prompt_token_ids: 3 bytes are not a sequence of uint32 token ids"):
+        check_prompt(odd.prompt_token_ids, 100, 10)
