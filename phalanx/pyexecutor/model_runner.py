@@ -125,6 +125,14 @@ class InFlightStep:
     spec: SpecStep | None = None
 
 
+def step_shape(batch: ScheduledBatch) -> tuple[int, int]:
+    """(decode rows, other tokens) of a step: the rows computing one token placed by the host,
+    and every other token (prompts and their chunks, speculative rows)."""
+    decode = sum(1 for n, d in zip(batch.num_scheduled_tokens, batch.num_drafts, strict=True)
+                 if n == 1 and d == HOST_PLACED)
+    return decode, batch.num_tokens - decode
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler, device: torch.device,
                  tp: TPGroup | None = None, max_slots: int = 256) -> None:
@@ -450,9 +458,7 @@ class ModelRunner:
         step.ready = _event(self.stream is not None)
         if step.start is not None and end is not None:
             self.timings.append((step.start, end))
-            decode = sum(1 for n, d in zip(step.batch.num_scheduled_tokens, step.batch.num_drafts, strict=True)
-                         if n == 1 and d == HOST_PLACED)
-            self.timing_shapes.append((decode, step.batch.num_tokens - decode))
+            self.timing_shapes.append(step_shape(step.batch))
 
     def _verify_and_propose(self, step: InFlightStep, verify_logits: torch.Tensor) -> None:
         """Accept the verify rows' drafts, move every speculative row's device state on, and

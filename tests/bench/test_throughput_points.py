@@ -1,7 +1,14 @@
-"""The offline throughput bench on the tiny model: every point starts from an empty prefix cache."""
+"""The offline throughput bench on the tiny model: every point starts from an empty prefix cache;
+its step times split decode steps from steps with prompt tokens; workloads pair up."""
+
+import pytest
 
 from phalanx import LLM, SamplingParams
+from phalanx.bench import throughput
 from phalanx.bench.throughput import make_prompts, run_phalanx
+from phalanx.pyexecutor.model_runner import ModelRunner, step_shape
+from phalanx.pyexecutor.request import Request
+from phalanx.pyexecutor.scheduler import ScheduledBatch
 
 
 def test_a_second_point_reuses_no_prompt_of_the_first(tiny_models):
@@ -14,3 +21,45 @@ def test_a_second_point_reuses_no_prompt_of_the_first(tiny_models):
     assert first["prefix_hit_tokens"] == 0 and second["prefix_hit_tokens"] == 0
     assert again.cached_tokens >= 64
     assert first["num_output_tokens"] == second["num_output_tokens"] == 16
+
+
+class _Event:
+    """A CUDA event's stand-in: a time in ms (the split reads elapsed_time only)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return end.ms - self.ms
+
+
+def test_step_times_split_decode_steps_from_steps_with_prompt_tokens():
+    sp = SamplingParams(max_tokens=4)
+    reqs = [Request(i, list(range(10, 10 + n)), sp, max_total_tokens=n + 4) for i, n in enumerate([6, 9, 40])]
+    for r in reqs[:2]:
+        r.num_computed_tokens = len(r.prompt_token_ids)     # past their prompts: decode rows
+    mixed = ScheduledBatch(step=1)
+    mixed.add(reqs[0], 1, [0])
+    mixed.add(reqs[1], 1, [1])
+    mixed.add(reqs[2], 32, [2])                              # a prompt's first chunk
+    decode = ScheduledBatch(step=2)
+    decode.add(reqs[0], 1, [0])
+    decode.add(reqs[1], 1, [1])
+    assert step_shape(mixed) == (2, 32) and step_shape(decode) == (2, 0)
+    runner = object.__new__(ModelRunner)                     # only the timings are read
+    runner.timings = [(_Event(0), _Event(30)), (_Event(31), _Event(35)), (_Event(36), _Event(41))]
+    runner.timing_shapes = [step_shape(mixed), step_shape(decode), step_shape(decode)]
+    kinds = runner._steps_by_kind()
+    assert kinds == {"prompt": {"steps": 1, "gpu_ms": 30, "decode_rows": 2, "other_tokens": 32},
+                     "decode": {"steps": 2, "gpu_ms": 9, "decode_rows": 4, "other_tokens": 0}}
+    assert "prompt: 1 steps 0.0 s GPU (30.0 ms a step, 2 decode rows + 32 other tokens)" in throughput._steps_line(
+        {"by_kind": kinds, "gap_ms": 2.0})
+
+
+def test_workloads_pair_input_and_output_lengths(capsys):
+    with pytest.raises(SystemExit):
+        throughput.main(["--isl", "16", "32", "--osl", "4"])
+    assert "--isl has 2 values and --osl 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.main(["--isl", "16", "32", "--osl", "4", "4", "--num-requests", "2", "2", "2"])
+    assert "--num-requests has 3 values" in capsys.readouterr().err
