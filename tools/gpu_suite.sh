@@ -4,7 +4,7 @@
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
-#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|moe_fp8|itl|fp8_experts|all]...
+#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|moe_fp8|itl|fp8_experts|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -60,6 +60,15 @@ for what in "${@:-all}"; do
         timeout 250 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
           --isl $1 --osl $2 --concurrency 512 --num-requests $3 --config $c \
           --output "$OUT/throughput_$1_$2_$d.json" > "$OUT/throughput_$1_$2_$d.txt" 2>&1; done ;;
+    fp8_table)   # #19's table in one call: 128/128, 2048/128, 1000/1000 at 512 in flight, one engine per precision,
+      # each step's GPU time by kind (--step-times), the board's clock and power sampled every second
+      nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 1000 > "$OUT/fp8_table_smi.csv" 2>&1 & smi=$!
+      for d in fp8 bf16; do c=tools/gpu_engine_512.yaml; [ $d = fp8 ] && c=tools/gpu_engine_512_fp8.yaml
+        timeout 240 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
+          --step-times --isl 128 2048 1000 --osl 128 128 1000 --concurrency 512 --num-requests 2048 512 512 \
+          --config $c --output "$OUT/fp8_table_$d.json" > "$OUT/fp8_table_$d.txt" 2>&1; done
+      kill $smi ;;
     moe_fp8)   # Qwen3-30B-A3B shape on one GPU, 1000/1000 at 256 in flight: bf16, then FP8 (experts too) + FP8 KV
       for d in bf16 fp8; do c=tools/gpu_engine.yaml; [ $d = fp8 ] && c=tools/gpu_fp8_moe.yaml
         timeout 150 python3 -m phalanx.cli bench throughput --model shape:qwen3-30b-a3b --max-batch-size 256 --isl 1000 \
