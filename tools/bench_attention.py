@@ -83,6 +83,13 @@ def _set_dots(dots: str | None) -> None:
     triton_attention.FP8_POOL_F16 = _SHIPPED_DOTS if dots is None else dots == "f16"
 
 
+def _dots_ran(dots: str | None, kv_dtype: str) -> str:
+    """The form an FP8 pool's dots took (bf16 over a bf16 pool: the model's own)."""
+    if kv_dtype != "fp8":
+        return "bf16"
+    return dots or ("f16" if _SHIPPED_DOTS else "bf16")
+
+
 def parse_config(text: str) -> tuple[int, int, int]:
     n, w, st = (int(x) for x in text.split(","))
     return n, w, st
@@ -107,7 +114,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="H Hkv D")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="the pool's dtype (q is bf16)")
     ap.add_argument("--fp8-dots", nargs="+", choices=["f16", "bf16"], default=None,
-                    help="over an FP8 pool: the dtype its keys and values widen to for the dots (default: shipped)")
+                    help="with --kv-dtype fp8, decode and extend: the dtype the pool's keys and values widen to "
+                         "for the dots (default: shipped)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     H, Hkv, D = a.heads
@@ -132,7 +140,8 @@ def main() -> None:
                 us = _time(functools.partial(triton_attention.decode_attention, q, kc, vc, bt, lens, D ** -0.5,
                                              None, splits, cfg))
                 rows.append({"kernel": "decode", "batch": S, "context": ctx, "splits": splits,
-                             "auto_splits": splits == auto, "config": cfg, "dots": dots, "us": us,
+                             "auto_splits": splits == auto, "config": cfg, "dots": _dots_ran(dots, a.kv_dtype),
+                             "us": us,
                              "tb_s": nbytes / us / 1e6, "of_read": nbytes / us / 1e6 / read_tb_s})
                 print(f"decode  S={S:4d} ctx={ctx:6d} splits={splits:3d}{'*' if splits == auto else ' '} "
                       f"cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s "
@@ -150,8 +159,8 @@ def main() -> None:
             _set_dots(dots)
             us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T,
                                          D ** -0.5, None, block_m, cfg))
-            rows.append({"kernel": "extend", "tokens": T, "block_m": block_m, "config": cfg, "dots": dots, "us": us,
-                         "tflop_s": flops / us / 1e6})
+            rows.append({"kernel": "extend", "tokens": T, "block_m": block_m, "config": cfg,
+                         "dots": _dots_ran(dots, a.kv_dtype), "us": us, "tflop_s": flops / us / 1e6})
             print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  "
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
         _set_dots(None)

@@ -6,10 +6,12 @@ sizes).
 Forms:
 - ``bf16``: ``F.linear`` (cuBLAS);
 - ``fp8``: what ``fp8.linear`` ships — the Triton per-token quantization of x, then
-  ``torch._scaled_mm`` with a scale per row of x and per column of W;
-- ``fp8_mm``: that ``_scaled_mm`` alone (x quantized outside the timing);
+  ``torch._scaled_mm`` with a scale per row of x and per column of W (with fast accumulation
+  since ``fp8.FAST_ACCUM``; docs/results/gpu19_gemm.txt was measured before, with the promotion);
+- ``fp8_mm``: that ``_scaled_mm`` alone (x quantized outside the timing), the sums promoted to
+  float32 every few K steps (``use_fast_accum=False``);
 - ``fp8_fast``: the same with ``use_fast_accum=True`` (Hopper's FP8 accumulation without the
-  periodic promotion to float32);
+  periodic promotion; ``fp8`` less ``fp8_fast`` is now what the quantization costs);
 - ``fp8_tensor``: one scale for x and one for W (cuBLASLt's plain FP8 GEMM, the fastest form
   cuBLASLt has; not what per-channel weights can use as it is).
 

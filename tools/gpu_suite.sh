@@ -67,7 +67,7 @@ for what in "${@:-all}"; do
       for d in fp8 bf16; do c=tools/gpu_engine_512.yaml; [ $d = fp8 ] && c=tools/gpu_engine_512_fp8.yaml
         timeout 240 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
           --step-times --isl 128 2048 1000 --osl 128 128 1000 --concurrency 512 --num-requests 2048 512 512 \
-          --config $c --output "$OUT/fp8_table_$d.json" > "$OUT/fp8_table_$d.txt" 2>&1; done
+          --config $c --output "$OUT/fp8_table_$d.json" > "$OUT/fp8_table_$d.txt" 2>&1; free_gpus; done
       kill $smi ;;
     moe_fp8)   # Qwen3-30B-A3B shape on one GPU, 1000/1000 at 256 in flight: bf16, then FP8 (experts too) + FP8 KV
       for d in bf16 fp8; do c=tools/gpu_engine.yaml; [ $d = fp8 ] && c=tools/gpu_fp8_moe.yaml

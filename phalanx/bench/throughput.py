@@ -1,8 +1,9 @@
 """``phalanx bench throughput``: offline throughput through ``LLM.generate_async``.
 
-Fixed input/output lengths (random token prompts, ``ignore_eos``), at most ``--concurrency``
-requests in flight. Reports what trtllm-bench reports: request/s, output tok/s, per-user tok/s,
-TTFT / TPOT / E2E percentiles, with every setting, as JSON. ``--hf-baseline`` also runs
+Fixed input/output lengths (random token prompts, ``ignore_eos``; several pairs: one workload
+each, one engine), at most ``--concurrency`` requests in flight. Reports what trtllm-bench
+reports: request/s, output tok/s, per-user tok/s, TTFT / TPOT / E2E percentiles, with every
+setting, as JSON. ``--hf-baseline`` also runs
 Hugging Face transformers' ``generate`` on the same prompts in batches of ``--concurrency``.
 """
 
@@ -60,18 +61,20 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
     llm.reset_prefix_cache()
     spec = llm.args.speculative_config is not None
     before = _spec_counts(llm) if spec else None
+    extra_steps = {}
     if step_times:
         llm.control("timing:on")
-    t0 = time.perf_counter()
-    results = asyncio.run(_run(llm, prompts[warmup:], osl, concurrency))
-    elapsed = time.perf_counter() - t0
-    if step_times:
-        steps = json.loads(llm.control("timing", timeout=300).per_rank[0])
-        llm.control("timing:off")
-        steps.pop("last_steps_ms", None)
-        extra_steps = {"steps": steps}
-    else:
-        extra_steps = {}
+    try:
+        t0 = time.perf_counter()
+        results = asyncio.run(_run(llm, prompts[warmup:], osl, concurrency))
+        elapsed = time.perf_counter() - t0
+        if step_times:
+            steps = json.loads(llm.control("timing", timeout=300).per_rank[0])
+            steps.pop("last_steps_ms", None)
+            extra_steps = {"steps": steps}
+    finally:
+        if step_times:
+            llm.control("timing:off")
     out_tokens = sum(r["num_output_tokens"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] == r["tpot"]]
     extra = {}
@@ -152,7 +155,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--osl", type=int, nargs="+", default=[128], help="output tokens per request")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="one run per value (and workload)")
     ap.add_argument("--num-requests", type=int, nargs="+", default=None,
-                    help="default: 2 × concurrency (at least 4); one value, or one per workload")
+                    help="default (or 0): 2 × concurrency (at least 4); one value, or one per workload")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
@@ -204,7 +207,7 @@ def main(argv: list[str]) -> int:
     try:
         for w, (isl, osl) in enumerate(zip(a.isl, a.osl, strict=True)):
             for c in a.concurrency:
-                n = a.num_requests[min(w, len(a.num_requests) - 1)] if a.num_requests else max(4, 2 * c)
+                n = (a.num_requests[min(w, len(a.num_requests) - 1)] if a.num_requests else 0) or max(4, 2 * c)
                 res = run_phalanx(llm, isl, osl, c, n, step_times=a.step_times)
                 res["isl"], res["osl"], res["concurrency"], res["num_requests"] = isl, osl, c, n
                 report["runs"].append(res)
@@ -240,12 +243,12 @@ def _print_point(res: dict) -> None:
 
 def _steps_line(steps: dict) -> str:
     """A point's step times in one line: per kind, the steps, their GPU seconds and ms a step,
-    the decode rows and other tokens a step; then the GPU's idle time between steps."""
+    the decode rows and prompt tokens a step; then the GPU's idle time between steps."""
     parts = []
     for kind, k in sorted(steps.get("by_kind", {}).items()):
         n = max(1, k["steps"])
         parts.append(f"{kind}: {k['steps']} steps {k['gpu_ms'] / 1e3:.1f} s GPU ({k['gpu_ms'] / n:.1f} ms a step, "
-                     f"{k['decode_rows'] / n:.0f} decode rows + {k['other_tokens'] / n:.0f} other tokens)")
+                     f"{k['decode_rows'] / n:.0f} decode rows + {k['prompt_tokens'] / n:.0f} prompt tokens)")
     gaps = f"idle between steps {steps['gap_ms'] / 1e3:.1f} s" if "gap_ms" in steps else "no step times"
     return "    " + "; ".join(parts + [gaps])
 

@@ -24,7 +24,7 @@ class GenerationRequest:
     """A new request for the ranks (token ids only: text never leaves the user process)."""
 
     request_id: int
-    prompt_token_ids: Sequence[int]           # a list; after unpack an array("I") (``ids_from_wire``)
+    prompt_token_ids: Sequence[int]           # a list; after unpack an array("I"), or what ``ids_from_wire`` left
     sampling_params: dict[str, Any]           # SamplingParams.to_dict()
     eos_token_ids: list[int] = field(default_factory=list)
     max_total_tokens: int = 0                 # finish by length at this many tokens

@@ -68,6 +68,14 @@ def reference(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale
     return F.linear(x, dequantize(q, scale, x.dtype), bias)
 
 
+# Hopper's FP8 tensor cores accumulate in a narrower format unless the GEMM promotes the sums to
+# float32 every few K steps; ``use_fast_accum`` skips the promotion. H200, 8,192 rows of Llama-3.1-8B's
+# projections (tools/bench_gemm.py, docs/results/gpu19_gemm.txt): 1,273–1,359 TFLOP/s with the
+# promotion, 1,479–1,513 without; the error against float32 of the same FP8 values goes from
+# 1.7e-3 to 2.1e-3 (3.3e-3 for K = 14,336), well below the ~5 % the FP8 rounding of the weights
+# and activations itself costs. 2048/128 offline, FP8: 2,003 -> 2,744 out tok/s in one run.
+FAST_ACCUM = True
+
 MIN_CAPABILITY = (8, 9)    # e4m3 in Triton and in cuBLASLt: Ada, Hopper and later
 
 
@@ -95,7 +103,7 @@ def rowwise_scaled_mm(device: torch.device) -> bool:
     a = torch.ones(16, 16, device=device).to(FP8)
     ones = torch.ones(16, 1, device=device)
     try:
-        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.bfloat16)
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
         torch.cuda.synchronize(device)
         return True
     except RuntimeError:
@@ -107,15 +115,6 @@ def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
     bf16 only), K and N multiples of 16, a GPU whose row-wise FP8 GEMM ran (``check_device``)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
             and rowwise_scaled_mm(x.device))
-
-
-# Hopper's FP8 tensor cores accumulate in a narrower format unless the GEMM promotes the sums to
-# float32 every few K steps; ``use_fast_accum`` skips the promotion. H200, 8,192 rows of Llama-3.1-8B's
-# projections (tools/bench_gemm.py, docs/results/gpu19_gemm.txt): 1,273–1,359 TFLOP/s with the
-# promotion, 1,479–1,513 without; the error against float32 of the same FP8 values goes from
-# 1.7e-3 to 2.1e-3 (3.3e-3 for K = 14,336), well below the ~5 % the FP8 rounding of the weights
-# and activations itself costs. 2048/128 offline, FP8: 2,003 -> 2,744 out tok/s in one run.
-FAST_ACCUM = True
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:

@@ -92,9 +92,10 @@ def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
 @triton.jit
 def _query(q, KV_F16: tl.constexpr):
     """The query as the dots take it: with ``KV_F16`` (an FP8 pool under a bf16 or float16
-    model) in float16, clamped to its range."""
+    model) in float16, clamped to its range (a NaN stays NaN)."""
     if KV_F16:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q = q.to(tl.float32)
+        q = tl.where(q > 65504.0, 65504.0, tl.where(q < -65504.0, -65504.0, q)).to(tl.float16)
     return q
 
 

@@ -126,11 +126,13 @@ class InFlightStep:
 
 
 def step_shape(batch: ScheduledBatch) -> tuple[int, int]:
-    """(decode rows, other tokens) of a step: the rows computing one token placed by the host,
-    and every other token (prompts and their chunks, speculative rows)."""
-    decode = sum(1 for n, d in zip(batch.num_scheduled_tokens, batch.num_drafts, strict=True)
-                 if n == 1 and d == HOST_PLACED)
-    return decode, batch.num_tokens - decode
+    """(decode rows, prompt tokens) of a step: the rows past their prompts (a speculative row
+    with its drafts included), and the tokens of the rows still computing their prompts (a chunk,
+    a prefix hit's rest, a preempted request's recompute)."""
+    prompt = sum(n for r, n, c in zip(batch.requests, batch.num_scheduled_tokens, batch.num_computed_tokens,
+                                      strict=True) if c < r.num_prompt_tokens)
+    rows = sum(1 for r, c in zip(batch.requests, batch.num_computed_tokens, strict=True) if c >= r.num_prompt_tokens)
+    return rows, prompt
 
 
 class ModelRunner:
@@ -152,7 +154,7 @@ class ModelRunner:
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.timing_shapes: list[tuple[int, int]] = []   # each timed step's (decode rows, other tokens)
+        self.timing_shapes: list[tuple[int, int]] = []   # each timed step's (decode rows, prompt tokens)
         self.clock = HostClock()   # the executor's, once it has one (marks its launch phases)
         self.stage = Staging(device)   # a step's host arrays to the device
 
@@ -546,17 +548,17 @@ class ModelRunner:
                 "by_kind": self._steps_by_kind()}
 
     def _steps_by_kind(self) -> dict[str, dict[str, float]]:
-        """The timed steps' GPU time split by what they carried: ``decode`` (one token a row and
-        nothing else) and ``prompt`` (any prompt, chunk or speculative tokens, with or without
-        decode rows); per kind the steps, their GPU ms, decode rows and other tokens."""
+        """The timed steps' GPU time split by what they carried (``step_shape``): ``decode``
+        (rows past their prompts only) and ``prompt`` (some prompt tokens, with or without decode
+        rows); per kind the steps, their GPU ms, decode rows and prompt tokens."""
         out: dict[str, dict[str, float]] = {}
         for (s, e), (rows, tokens) in zip(self.timings, self.timing_shapes, strict=True):
             k = out.setdefault("prompt" if tokens else "decode",
-                               {"steps": 0, "gpu_ms": 0.0, "decode_rows": 0, "other_tokens": 0})
+                               {"steps": 0, "gpu_ms": 0.0, "decode_rows": 0, "prompt_tokens": 0})
             k["steps"] += 1
             k["gpu_ms"] += s.elapsed_time(e)
             k["decode_rows"] += rows
-            k["other_tokens"] += tokens
+            k["prompt_tokens"] += tokens
         return out
 
 

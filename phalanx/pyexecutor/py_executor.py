@@ -261,8 +261,9 @@ class PyExecutor:
         except (ValueError, TypeError) as e:
             error = str(e)
         if error is not None:
+            ids = msg.prompt_token_ids   # what arrived may be anything a client of the socket sent
             self._send([Response(msg.request_id, finish_reason="error", error=error,
-                                 num_prompt_tokens=len(msg.prompt_token_ids))])
+                                 num_prompt_tokens=len(ids) if isinstance(ids, list | tuple | array) else 0)])
 
     def _make_request(self, msg: GenerationRequest) -> Request:
         ids = msg.prompt_token_ids

@@ -34,25 +34,29 @@ class _Event:
 
 
 def test_step_times_split_decode_steps_from_steps_with_prompt_tokens():
+    """A row past its prompt is a decode row, with its drafts when it speculates; a row still in
+    its prompt brings prompt tokens, even a single one (a chunk's or a prefix hit's last)."""
     sp = SamplingParams(max_tokens=4)
-    reqs = [Request(i, list(range(10, 10 + n)), sp, max_total_tokens=n + 4) for i, n in enumerate([6, 9, 40])]
+    reqs = [Request(i, list(range(10, 10 + n)), sp, max_total_tokens=n + 4) for i, n in enumerate([6, 9, 40, 33])]
     for r in reqs[:2]:
         r.num_computed_tokens = len(r.prompt_token_ids)     # past their prompts: decode rows
+    reqs[3].num_computed_tokens = 32                         # one prompt token left (a prefix hit's rest)
     mixed = ScheduledBatch(step=1)
     mixed.add(reqs[0], 1, [0])
     mixed.add(reqs[1], 1, [1])
     mixed.add(reqs[2], 32, [2])                              # a prompt's first chunk
+    mixed.add(reqs[3], 1, [3])
     decode = ScheduledBatch(step=2)
     decode.add(reqs[0], 1, [0])
-    decode.add(reqs[1], 1, [1])
-    assert step_shape(mixed) == (2, 32) and step_shape(decode) == (2, 0)
+    decode.add(reqs[1], 3, [1], num_drafts=2)                # a speculative row: 2 drafts verified
+    assert step_shape(mixed) == (2, 33) and step_shape(decode) == (2, 0)
     runner = object.__new__(ModelRunner)                     # only the timings are read
     runner.timings = [(_Event(0), _Event(30)), (_Event(31), _Event(35)), (_Event(36), _Event(41))]
     runner.timing_shapes = [step_shape(mixed), step_shape(decode), step_shape(decode)]
     kinds = runner._steps_by_kind()
-    assert kinds == {"prompt": {"steps": 1, "gpu_ms": 30, "decode_rows": 2, "other_tokens": 32},
-                     "decode": {"steps": 2, "gpu_ms": 9, "decode_rows": 4, "other_tokens": 0}}
-    assert "prompt: 1 steps 0.0 s GPU (30.0 ms a step, 2 decode rows + 32 other tokens)" in throughput._steps_line(
+    assert kinds == {"prompt": {"steps": 1, "gpu_ms": 30, "decode_rows": 2, "prompt_tokens": 33},
+                     "decode": {"steps": 2, "gpu_ms": 9, "decode_rows": 4, "prompt_tokens": 0}}
+    assert "prompt: 1 steps 0.0 s GPU (30.0 ms a step, 2 decode rows + 33 prompt tokens)" in throughput._steps_line(
         {"by_kind": kinds, "gap_ms": 2.0})
 
 

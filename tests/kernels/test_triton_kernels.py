@@ -193,6 +193,24 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
         assert (got == want).float().mean() > 0.9
 
 
+def test_a_query_past_float16_over_an_fp8_pool_is_clamped_and_a_nan_stays_nan():
+    """The float16 dots over an FP8 pool take a bf16 query clamped to float16's range (one
+    element of 1e6 gives what 65504 gives) and keep a NaN a NaN, as bf16 dots would."""
+    B = 32 if CUDA else 16
+    q, kc, vc, meta = _paged_case([40, 17], [1, 1], 4, 2, 32, B, torch.bfloat16, seed=5)
+    kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    big, capped = q.clone(), q.clone()
+    big[0, 0, 0], capped[0, 0, 0] = 1e6, 65504.0
+    run = lambda x: triton_attention.decode_attention(x, kc, vc, meta.block_tables, meta.seq_lens, 32 ** -0.5,  # noqa: E731
+                                                      None, 2)
+    torch.testing.assert_close(run(big).float(), _ref(capped.float(), kc, vc, meta, None).float(),
+                               atol=3e-2, rtol=3e-2)
+    nan = q.clone()
+    nan[1, 2, 5] = float("nan")
+    out = run(nan)
+    assert out[1, 2].isnan().all() and not out[0].isnan().any() and not out[1, 0].isnan().any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D",
                          EXTEND_CASES + [([300], [5], 8, 2, 32), ([90, 64], [33, 2], 6, 2, 16)])
