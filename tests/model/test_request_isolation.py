@@ -106,9 +106,11 @@ def test_a_request_whose_ids_cannot_be_read_fails_alone(tiny_models):
     raw = msgpack.unpackb(pack(GenerationRequest(1, [5, 6, 7], {"max_tokens": 2})))
     raw["b"]["prompt_token_ids"] = b"\x05\x00\x00\x00\x06"
     ex._add(unpack(msgpack.packb(raw)))
+    raw["b"]["prompt_token_ids"], raw["b"]["request_id"] = None, 3     # no ids at all
+    ex._add(unpack(msgpack.packb(raw)))
     ex._add(unpack(pack(GenerationRequest(2, [5, 6, 7], {"max_tokens": 2}))))
-    assert [(r.request_id, r.finish_reason) for r in sent] == [(1, "error")]
-    assert "prompt_token_ids: 5 bytes" in sent[0].error
+    assert [(r.request_id, r.finish_reason) for r in sent] == [(1, "error"), (3, "error")]
+    assert "prompt_token_ids: 5 bytes" in sent[0].error and "at least one token" in sent[1].error
     batch = ex.scheduler.schedule()
     assert [r.request_id for r in batch.requests] == [2]
     assert runner.execute(batch).token_ids[0] is not None
