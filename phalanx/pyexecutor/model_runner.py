@@ -129,9 +129,12 @@ def step_shape(batch: ScheduledBatch) -> tuple[int, int]:
     """(decode rows, prompt tokens) of a step: the rows past their prompts (a speculative row
     with its drafts included), and the tokens of the rows still computing their prompts (a chunk,
     a prefix hit's rest, a preempted request's recompute)."""
-    prompt = sum(n for r, n, c in zip(batch.requests, batch.num_scheduled_tokens, batch.num_computed_tokens,
-                                      strict=True) if c < r.num_prompt_tokens)
-    rows = sum(1 for r, c in zip(batch.requests, batch.num_computed_tokens, strict=True) if c >= r.num_prompt_tokens)
+    rows = prompt = 0
+    for r, n, c in zip(batch.requests, batch.num_scheduled_tokens, batch.num_computed_tokens, strict=True):
+        if c < r.num_prompt_tokens:
+            prompt += n
+        else:
+            rows += 1
     return rows, prompt
 
 
