@@ -10,6 +10,7 @@ for each query block, key-slice count and tile, the shipped choice marked.
     python tools/bench_attention.py --batch --extend 1000 2048 --extend-block-m 64 128 --hit 32:2048 32:0
     python tools/bench_attention.py --kv-dtype fp8 ...      # over an FP8 (e4m3) pool
     python tools/bench_attention.py --kv-dtype fp8 --fp8-dots f16 bf16 ...   # its dots in float16 or bf16
+    python tools/bench_attention.py --kv-dtype fp8 --fp8-values rows cols ...   # its value tiles read so
     python tools/bench_attention.py --batch --extend --hit 32:2048 --hit-cold   # KV read from memory
 
 A hit's KV (8.4 MB a layer at 2,048 tokens of Llama-3.1-8B) fits in the H200's L2, so calls
@@ -76,11 +77,14 @@ def _pool(S: int, ctx: int, Hkv: int, D: int, B: int, dtype, gen):
 
 
 _SHIPPED_DOTS = triton_attention.FP8_POOL_F16
+_SHIPPED_VALUES = triton_attention.FP8_V_COLUMNS
 
 
-def _set_dots(dots: str | None) -> None:
-    """An FP8 pool's dots in float16 (f16), bf16, or as shipped (None)."""
+def _set_dots(dots: str | None, values: str | None = None) -> None:
+    """An FP8 pool's dots in float16 (f16), bf16, or as shipped (None); its value tiles read as
+    rows, as columns (``FP8_V_COLUMNS``), or as shipped (None)."""
     triton_attention.FP8_POOL_F16 = _SHIPPED_DOTS if dots is None else dots == "f16"
+    triton_attention.FP8_V_COLUMNS = _SHIPPED_VALUES if values is None else values == "cols"
 
 
 def _dots_ran(dots: str | None, kv_dtype: str) -> str:
@@ -116,6 +120,8 @@ def main() -> None:
     ap.add_argument("--fp8-dots", nargs="+", choices=["f16", "bf16"], default=None,
                     help="with --kv-dtype fp8, decode and extend: the dtype the pool's keys and values widen to "
                          "for the dots (default: shipped)")
+    ap.add_argument("--fp8-values", nargs="+", choices=["rows", "cols"], default=None,
+                    help="FP8 pool: read the value tiles as [keys, D] rows or [D, keys] columns (FP8_V_COLUMNS)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     H, Hkv, D = a.heads
@@ -124,6 +130,7 @@ def main() -> None:
     print(f"read bandwidth: {read_tb_s:.2f} TB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
     dot_forms = a.fp8_dots if a.kv_dtype == "fp8" and a.fp8_dots else [None]
+    value_forms = a.fp8_values if a.kv_dtype == "fp8" and a.fp8_values else [None]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for S in a.batch:
@@ -135,17 +142,23 @@ def main() -> None:
             auto = triton_attention.num_splits(S, Hkv, 131072, B, sms)
             nbytes = 2 * S * ctx * Hkv * D * kc.element_size()
             slices = sorted({auto, max(1, auto // 4), 4 * auto})
-            for splits, cfg, dots in itertools.product(slices, a.configs, dot_forms):
-                _set_dots(dots)
-                us = _time(functools.partial(triton_attention.decode_attention, q, kc, vc, bt, lens, D ** -0.5,
-                                             None, splits, cfg))
+            first = None
+            for splits, cfg, dots, values in itertools.product(slices, a.configs, dot_forms, value_forms):
+                _set_dots(dots, values)
+                call = functools.partial(triton_attention.decode_attention, q, kc, vc, bt, lens, D ** -0.5,
+                                         None, splits, cfg)
+                got = call().float()
+                first = got if first is None else first
+                diff = (got - first).abs().max().item()   # against the first form of this point
+                us = _time(call)
                 rows.append({"kernel": "decode", "batch": S, "context": ctx, "splits": splits,
                              "auto_splits": splits == auto, "config": cfg, "dots": _dots_ran(dots, a.kv_dtype),
-                             "us": us,
+                             "values": values, "us": us, "max_diff_to_first": diff,
                              "tb_s": nbytes / us / 1e6, "of_read": nbytes / us / 1e6 / read_tb_s})
                 print(f"decode  S={S:4d} ctx={ctx:6d} splits={splits:3d}{'*' if splits == auto else ' '} "
-                      f"cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  {nbytes / us / 1e6:5.2f} TB/s "
-                      f"({nbytes / us / 1e6 / read_tb_s:.0%} of read)", flush=True)
+                      f"cfg={cfg}{' ' + dots if dots else ''}{' ' + values if values else ''}: {us:8.1f} us  "
+                      f"{nbytes / us / 1e6:5.2f} TB/s ({nbytes / us / 1e6 / read_tb_s:.0%} of read)  "
+                      f"max diff {diff:.1e}", flush=True)
             _set_dots(None)
             del kc, vc
     for T in a.extend:
@@ -155,13 +168,15 @@ def main() -> None:
         q = torch.randn(T, H, D, dtype=dtype, device="cuda")
         qs = torch.tensor([0, T], dtype=torch.int32, device="cuda")
         flops = 4 * H * D * T * (T + 1) / 2
-        for block_m, cfg, dots in itertools.product(a.extend_block_m, a.configs, dot_forms):
-            _set_dots(dots)
+        for block_m, cfg, dots, values in itertools.product(a.extend_block_m, a.configs, dot_forms, value_forms):
+            _set_dots(dots, values)
             us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T,
                                          D ** -0.5, None, block_m, cfg))
             rows.append({"kernel": "extend", "tokens": T, "block_m": block_m, "config": cfg,
-                         "dots": _dots_ran(dots, a.kv_dtype), "us": us, "tflop_s": flops / us / 1e6})
-            print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  "
+                         "dots": _dots_ran(dots, a.kv_dtype), "values": values, "us": us,
+                         "tflop_s": flops / us / 1e6})
+            print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}{' ' + dots if dots else ''}"
+                  f"{' ' + values if values else ''}: {us:8.1f} us  "
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
         _set_dots(None)
     for spec in a.hit:

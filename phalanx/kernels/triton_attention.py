@@ -55,6 +55,19 @@ def _kv_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return FP8_POOL_F16 and k_cache.element_size() == 1 and q.dtype != torch.float32
 
 
+# An FP8 pool's value tile is read as [D, keys] (each thread's bytes still consecutive in memory),
+# widened in registers, and transposed into the second dot. Read as [keys, D], the compiler keeps
+# the tile in shared memory as bytes and gathers the dot's operand from there one byte at a time
+# (8-bit operands have no transposing shared-memory load): 128 single-byte loads a thread per
+# 128-key tile, against 16-byte stores and transposing 16-bit loads this way (sm_90 code of
+# _decode_split_kernel, tests/kernels/test_gpu_compile.py).
+FP8_V_COLUMNS = True
+
+
+def _v_cols(k_cache: torch.Tensor) -> bool:
+    return FP8_V_COLUMNS and k_cache.element_size() == 1
+
+
 @triton.jit
 def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
     """Fold one tile of masked scores qk [M, N] and values v [N, D] into the running max m_i,
@@ -69,24 +82,31 @@ def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
 
 @triton.jit
 def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-             B: tl.constexpr, BLOCK_N: tl.constexpr, KV_F16: tl.constexpr):
+             B: tl.constexpr, BLOCK_N: tl.constexpr, KV_F16: tl.constexpr, V_COLS: tl.constexpr):
     """The keys and values of positions p0 .. p0 + BLOCK_N (those in [lo, hi)) of one KV head:
     each position finds its block in the sequence's table, so a tile may span several blocks.
-    An FP8 pool's (scale 1) are widened here, exactly, to float16 (``KV_F16``) or bf16."""
+    An FP8 pool's (scale 1) are widened here, exactly, to float16 (``KV_F16``) or bf16. With
+    ``V_COLS`` the values are read as a [D, BLOCK_N] tile, widened, and transposed (see
+    FP8_V_COLUMNS)."""
     kpos = p0 + tl.arange(0, BLOCK_N)
     km = (kpos >= lo) & (kpos < hi)
     blk = tl.load(bt_row + kpos // B, mask=km, other=0).to(tl.int64)
-    off = blk[:, None] * s_cb + (kpos % B)[:, None] * s_ct + kvh * s_ch + d[None, :]
-    k = tl.load(kc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
-    v = tl.load(vc_ptr + off, mask=km[:, None] & dm[None, :], other=0.0)
-    if k.dtype == tl.float8e4nv:
-        if KV_F16:
-            k = k.to(tl.float16)
-            v = v.to(tl.float16)
-        else:
-            k = k.to(tl.bfloat16)
-            v = v.to(tl.bfloat16)
+    row = blk * s_cb + (kpos % B) * s_ct + kvh * s_ch
+    k = _widen(tl.load(kc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0), KV_F16)
+    if V_COLS:
+        v = tl.trans(_widen(tl.load(vc_ptr + row[None, :] + d[:, None], mask=dm[:, None] & km[None, :], other=0.0),
+                            KV_F16))
+    else:
+        v = _widen(tl.load(vc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0), KV_F16)
     return kpos, km, k, v
+
+
+@triton.jit
+def _widen(x, KV_F16: tl.constexpr):
+    """An FP8 (e4m3) tile in float16 (``KV_F16``) or bf16, exactly; any other tile as it is."""
+    if x.dtype == tl.float8e4nv:
+        x = x.to(tl.float16) if KV_F16 else x.to(tl.bfloat16)
+    return x
 
 
 @triton.jit
@@ -113,7 +133,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
                          scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
-                         PDL: tl.constexpr, KV_F16: tl.constexpr):
+                         PDL: tl.constexpr, KV_F16: tl.constexpr, V_COLS: tl.constexpr):
     release(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -136,7 +156,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for p0 in range(lo - lo % B, hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                      B, BLOCK_N, KV_F16)
+                                      B, BLOCK_N, KV_F16, V_COLS)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             qk = tl.where(km[None, :], qk, NEG)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
@@ -231,8 +251,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_N=max(block_n, 16), SPLITS=splits,
-        PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), num_warps=warps, num_stages=stages,
-        **pdl.launch(q))
+        PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), V_COLS=_v_cols(k_cache), num_warps=warps,
+        num_stages=stages, **pdl.launch(q))
     if splits == 1:
         return out
     _decode_merge_kernel[(S, H)](part, lse, out, seq_lens, part.stride(0), part.stride(1), part.stride(2),
@@ -246,7 +266,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_F16: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_F16: tl.constexpr,
+                   V_COLS: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     h = tl.program_id(2)
@@ -270,7 +291,7 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
         lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
         for p0 in range(lo - lo % B, hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                      B, BLOCK_N, KV_F16)
+                                      B, BLOCK_N, KV_F16, V_COLS)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
@@ -298,8 +319,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0,
         G=H // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), num_warps=warps,
-        num_stages=stages)
+        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), V_COLS=_v_cols(k_cache),
+        num_warps=warps, num_stages=stages)
     return out
 
 
@@ -308,7 +329,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
                          s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         PREC: tl.constexpr, KV_F16: tl.constexpr):
+                         PREC: tl.constexpr, KV_F16: tl.constexpr, V_COLS: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     kvh = tl.program_id(2) // SPLITS
@@ -340,7 +361,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
         acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         for p0 in range(my_lo, my_hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, tl.maximum(lo, my_lo), my_hi, kvh,
-                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N, KV_F16)
+                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N, KV_F16, V_COLS)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
@@ -410,7 +431,7 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
         BLOCK_N=max(block_n, 16), SPLITS=splits, PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
-        num_warps=warps, num_stages=stages)
+        V_COLS=_v_cols(k_cache), num_warps=warps, num_stages=stages)
     out = torch.empty_like(q) if out is None else out
     _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                                  lse.stride(1), out.stride(0), out.stride(1), D=D,

@@ -541,13 +541,16 @@ class ModelRunner:
         if len(self.timings) < 2:
             return {"steps": len(self.timings), "idle_fraction": float("nan")}
         torch.cuda.synchronize(self.device)
-        busy = sum(s.elapsed_time(e) for s, e in self.timings)
+        times = [s.elapsed_time(e) for s, e in self.timings]
+        busy = sum(times)
         gaps = [max(0.0, e0.elapsed_time(s1)) for (_, e0), (s1, _) in pairwise(self.timings)]
         total = self.timings[0][0].elapsed_time(self.timings[-1][1])
         return {"steps": len(self.timings), "busy_ms": busy, "gap_ms": sum(gaps), "span_ms": total,
                 "idle_fraction": sum(gaps) / total if total > 0 else float("nan"),
                 "mean_gap_ms": sum(gaps) / len(gaps),
-                "last_steps_ms": [round(s.elapsed_time(e), 3) for s, e in self.timings[-STEPS_REPORTED:]],
+                "last_steps_ms": [round(t, 3) for t in times[-STEPS_REPORTED:]],
+                "slowest_steps": [[i, round(times[i], 3), *self.timing_shapes[i]] for i in
+                                  sorted(range(len(times)), key=times.__getitem__)[-SLOWEST_REPORTED:][::-1]],
                 "by_kind": self._steps_by_kind()}
 
     def _steps_by_kind(self) -> dict[str, dict[str, float]]:
@@ -567,6 +570,7 @@ class ModelRunner:
 
 PROMPT_LOGPROB_ROWS = 1024
 STEPS_REPORTED = 256     # the last steps whose GPU time idle_fraction lists one by one
+SLOWEST_REPORTED = 8     # and the slowest: [step, GPU ms, decode rows, prompt tokens]
 
 
 @dataclass
