@@ -68,6 +68,15 @@ def _v_cols(k_cache: torch.Tensor) -> bool:
     return FP8_V_COLUMNS and k_cache.element_size() == 1
 
 
+# One compiled form of a kernel for every step: the block tables' width (``s_bt``) varies step to
+# step, and so does the alignment of the per-sequence metadata a mixed step slices past its
+# decode rows (``seq_lens[d:]`` is 16-byte aligned only when d is a multiple of 4). Triton would
+# compile a form for each, in the middle of a step: in one H200 run at 512 in flight the first
+# steps of the first workload stalled 0.4-1.4 s each on such compiles. Those arguments are read an
+# element or a block id at a time, so their alignment buys nothing.
+PER_STEP_POINTERS = ["bt_ptr", "len_ptr", "qstart_ptr"]
+
+
 @triton.jit
 def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
     """Fold one tile of masked scores qk [M, N] and values v [N, D] into the running max m_i,
@@ -127,7 +136,7 @@ def _slice(L, window, SPLITS: tl.constexpr, B: tl.constexpr):
     return first, tl.cdiv(tl.cdiv(L - first, SPLITS), B) * B
 
 
-@triton.jit(do_not_specialize=["s_bt"])   # the block tables' width: one form for any
+@triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
                          scale, window,
@@ -262,7 +271,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-@triton.jit(do_not_specialize=["s_bt"])   # the block tables' width: one form for any
+@triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
@@ -324,7 +333,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-@triton.jit(do_not_specialize=["s_bt"])   # the block tables' width: one form for any
+@triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, part_ptr, lse_ptr,
                          s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,

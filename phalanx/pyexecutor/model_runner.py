@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from phalanx.kernels import compiles
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.parallel import TPGroup
 from phalanx.pyexecutor.host_clock import HostClock
@@ -148,6 +149,8 @@ class ModelRunner:
         self._slots: dict[int, int] = {}
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if device.type == "cuda":
+            compiles.install()      # the step timing lists the kernels compiled while it ran
         self.graphs: CudaGraphRunner | None = None   # decode-only steps (GPU)
         self.guided: GuidedDecoder | None = None      # grammar state (guided decoding)
         self.spec: SpecDecoder | None = None          # speculative decoding (device state, proposer)

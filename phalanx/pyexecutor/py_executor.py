@@ -35,6 +35,7 @@ from phalanx.executor.messages import (
     pack,
     unpack,
 )
+from phalanx.kernels import compiles
 from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
 from phalanx.pyexecutor.host_clock import HostClock
 from phalanx.pyexecutor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
@@ -122,6 +123,7 @@ class PyExecutor:
         self.shutdown_requested = False
         self.iteration = 0
         self._fail_next_forward = False   # set by the "fail_next_forward" control (fault injection)
+        self._compiles_before = compiles.count()   # Triton compiles before "timing:on"
         self._last_beat = 0.0
         self._profiler: Any = None
         self._host_profiler: Any = None
@@ -330,6 +332,7 @@ class PyExecutor:
             if self.runner.record_timing:
                 self.runner.timings.clear()
                 self.runner.timing_shapes.clear()
+                self._compiles_before = compiles.count()
                 self.clock.start(self.iteration)
             else:
                 self.clock.stop(self.iteration)
@@ -341,7 +344,8 @@ class PyExecutor:
             return json.dumps(self.clock.stop_trace())
         if op == "timing":   # + the host's milliseconds per step in each phase of the loop
             out = self.runner.idle_fraction() if self.runner.timings else {}
-            return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration)})
+            return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration),
+                               "compiled": compiles.since(self._compiles_before)})
         if op == "profile:start":                # the torch profiler around the steps that follow
             from torch.profiler import ProfilerActivity, profile
             self._profiler = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])

@@ -79,7 +79,8 @@ def compile_case(case: str) -> str:
     assert not [n for n in names if n.endswith("_ptr") and n not in pointers], "a pointer without a dtype"
     for k in constexprs:
         sig[k] = "constexpr"
-    loose = set(getattr(fn, "do_not_specialize", ()) or ())
+    loose = set(getattr(fn, "do_not_specialize", ()) or ()) | set(getattr(fn, "do_not_specialize_on_alignment", ())
+                                                                   or ())
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and n not in loose and (n.endswith("_ptr") or n.startswith("s_"))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
