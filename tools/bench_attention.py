@@ -10,7 +10,7 @@ for each query block, key-slice count and tile, the shipped choice marked.
     python tools/bench_attention.py --batch --extend 1000 2048 --extend-block-m 64 128 --hit 32:2048 32:0
     python tools/bench_attention.py --kv-dtype fp8 ...      # over an FP8 (e4m3) pool
     python tools/bench_attention.py --kv-dtype fp8 --fp8-dots f16 bf16 ...   # its dots in float16 or bf16
-    python tools/bench_attention.py --kv-dtype fp8 --fp8-values rows cols ...   # its value tiles read so
+    python tools/bench_attention.py --kv-dtype fp8 --fp8-values rows cols ...   # decode's value tiles read so
     python tools/bench_attention.py --batch --extend --hit 32:2048 --hit-cold   # KV read from memory
 
 A hit's KV (8.4 MB a layer at 2,048 tokens of Llama-3.1-8B) fits in the H200's L2, so calls
@@ -121,7 +121,8 @@ def main() -> None:
                     help="with --kv-dtype fp8, decode and extend: the dtype the pool's keys and values widen to "
                          "for the dots (default: shipped)")
     ap.add_argument("--fp8-values", nargs="+", choices=["rows", "cols"], default=None,
-                    help="FP8 pool: read the value tiles as [keys, D] rows or [D, keys] columns (FP8_V_COLUMNS)")
+                    help="FP8 pool, decode: read the value tiles as [keys, D] rows or [D, keys] columns "
+                         "(FP8_V_COLUMNS)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     H, Hkv, D = a.heads
@@ -168,15 +169,13 @@ def main() -> None:
         q = torch.randn(T, H, D, dtype=dtype, device="cuda")
         qs = torch.tensor([0, T], dtype=torch.int32, device="cuda")
         flops = 4 * H * D * T * (T + 1) / 2
-        for block_m, cfg, dots, values in itertools.product(a.extend_block_m, a.configs, dot_forms, value_forms):
-            _set_dots(dots, values)
+        for block_m, cfg, dots in itertools.product(a.extend_block_m, a.configs, dot_forms):
+            _set_dots(dots)
             us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T,
                                          D ** -0.5, None, block_m, cfg))
             rows.append({"kernel": "extend", "tokens": T, "block_m": block_m, "config": cfg,
-                         "dots": _dots_ran(dots, a.kv_dtype), "values": values, "us": us,
-                         "tflop_s": flops / us / 1e6})
-            print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}{' ' + dots if dots else ''}"
-                  f"{' ' + values if values else ''}: {us:8.1f} us  "
+                         "dots": _dots_ran(dots, a.kv_dtype), "us": us, "tflop_s": flops / us / 1e6})
+            print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  "
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
         _set_dots(None)
     for spec in a.hit:

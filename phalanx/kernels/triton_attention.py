@@ -55,12 +55,15 @@ def _kv_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return FP8_POOL_F16 and k_cache.element_size() == 1 and q.dtype != torch.float32
 
 
-# An FP8 pool's value tile is read as [D, keys] (each thread's bytes still consecutive in memory),
-# widened in registers, and transposed into the second dot. Read as [keys, D], the compiler keeps
-# the tile in shared memory as bytes and gathers the dot's operand from there one byte at a time
-# (8-bit operands have no transposing shared-memory load): 128 single-byte loads a thread per
-# 128-key tile, against 16-byte stores and transposing 16-bit loads this way (sm_90 code of
-# _decode_split_kernel, tests/kernels/test_gpu_compile.py).
+# The decode kernel reads an FP8 pool's value tile as [D, keys] (each thread's bytes still
+# consecutive in memory), widens it in registers and transposes it into the second dot. Read as
+# [keys, D], the compiler keeps the tile in shared memory as bytes and gathers that dot's operand
+# from there a byte at a time (no transposing shared-memory load takes 8-bit elements): 128
+# single-byte loads a thread per 128-key tile in its sm_90 code (tests/kernels/test_gpu_compile.py).
+# H200, 256 / 512 sequences of 1,500 tokens (tools/bench_attention.py --kv-dtype fp8 --fp8-values
+# rows cols, docs/results/gpu20_attention_fp8_values.txt): 337 / 665 us with 64-key tiles against
+# 351 / 689 us as rows with 128-key tiles, the best of either form. The extend kernels keep rows:
+# their dots take the tile from shared memory either way, and columns measured 1-6 % slower there.
 FP8_V_COLUMNS = True
 
 
@@ -233,10 +236,10 @@ DECODE_CONFIG = (64, 4, 3)
 # cached, 14.9 us (split and merge) against 21.6 with 64 keys, 3 stages and 128-row programs
 EXTEND_CONFIG = (32, 4, 3)
 EXTEND_SPLIT_CONFIG = (32, 4, 2)
-# decode over an FP8 pool: twice the keys per step (the same bytes as a bf16 tile). H200, 256
-# sequences of 1.5k tokens (docs/results/gpu11_attention_b256_fp8kv.json): 361 us against 484 us
-# with DECODE_CONFIG, which makes an FP8 pool slower than bf16 (364 us)
-DECODE_CONFIG_FP8 = (128, 4, 2)
+# decode over an FP8 pool, its values read as columns (FP8_V_COLUMNS): 64 keys a step, 2 stages
+# (docs/results/gpu20_attention_fp8_values.txt; with values read as rows 128 keys were best, and
+# 64 keys 484 against 361 us, docs/results/gpu11_attention_b256_fp8kv.json)
+DECODE_CONFIG_FP8 = (64, 4, 2)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -275,8 +278,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_F16: tl.constexpr,
-                   V_COLS: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_F16: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     h = tl.program_id(2)
@@ -300,7 +302,7 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
         lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
         for p0 in range(lo - lo % B, hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                      B, BLOCK_N, KV_F16, V_COLS)
+                                      B, BLOCK_N, KV_F16, False)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
@@ -328,8 +330,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0,
         G=H // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), V_COLS=_v_cols(k_cache),
-        num_warps=warps, num_stages=stages)
+        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), num_warps=warps,
+        num_stages=stages)
     return out
 
 
@@ -338,7 +340,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
                          s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         PREC: tl.constexpr, KV_F16: tl.constexpr, V_COLS: tl.constexpr):
+                         PREC: tl.constexpr, KV_F16: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     kvh = tl.program_id(2) // SPLITS
@@ -370,7 +372,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
         acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         for p0 in range(my_lo, my_hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, tl.maximum(lo, my_lo), my_hi, kvh,
-                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N, KV_F16, V_COLS)
+                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N, KV_F16, False)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
@@ -440,7 +442,7 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
         BLOCK_N=max(block_n, 16), SPLITS=splits, PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
-        V_COLS=_v_cols(k_cache), num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
     out = torch.empty_like(q) if out is None else out
     _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                                  lse.stride(1), out.stride(0), out.stride(1), D=D,

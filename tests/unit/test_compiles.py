@@ -40,3 +40,16 @@ def test_without_an_earlier_hook_no_compile_is_skipped(monkeypatch):
     assert not knobs.runtime.jit_cache_hook(key="k", repr="_decode_split_kernel", fn=None, compile={},
                                             is_manual_warmup=False, already_compiled=False)
     assert compiles.since(0) == ["_decode_split_kernel"]
+
+
+def test_a_compile_is_described_by_its_aligned_arguments_and_compiled_in_values():
+    jit = pytest.importorskip("triton.runtime.jit")
+    from phalanx.kernels import triton_attention
+
+    fn = triton_attention._decode_merge_kernel
+    names = fn.arg_names
+    kw = {"key": "k", "repr": "r", "fn": jit.JitFunctionInfo("m", "_decode_merge_kernel", fn),
+          "compile": {"constants": {(names.index("D"),): 128, (names.index("window"),): 1},
+                      "configs": [{(names.index("part_ptr"),): [["tt.divisibility", 16]],
+                                   (names.index("len_ptr"),): [["tt.divisibility", 16]]}]}}
+    assert compiles.describe(kw) == "_decode_merge_kernel(len_ptr part_ptr; window=1)"   # D: a declared constexpr
