@@ -200,7 +200,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa
     tl.store(a_ptr + j, silu_mul(gate, up), mask=j < I)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # one form for any row count: a step's sampled rows vary
 def _rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, s_xm, s_wn, s_ym,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PREC: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr,

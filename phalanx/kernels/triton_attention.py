@@ -72,11 +72,12 @@ def _v_cols(k_cache: torch.Tensor) -> bool:
 
 
 # One compiled form of a kernel for every step: the block tables' width (``s_bt``) varies step to
-# step, and so does the alignment of the per-sequence metadata a mixed step slices past its
-# decode rows (``seq_lens[d:]`` is 16-byte aligned only when d is a multiple of 4). Triton would
-# compile a form for each, in the middle of a step: in one H200 run at 512 in flight the first
-# steps of the first workload stalled 0.4-1.4 s each on such compiles. Those arguments are read an
-# element or a block id at a time, so their alignment buys nothing.
+# step, and so does the alignment of the per-sequence metadata (a mixed step's extend rows start
+# at ``seq_lens[d:]``, 16-byte aligned only when d is a multiple of 4). Triton compiles a form for
+# each on first sight, a second or so in the middle of a step. On an H200 at 512 requests in
+# flight, such compiles stalled the first steps of the first 128/128 run 0.4-1.4 s each (the
+# step timing lists them, kernels/compiles.py). These arguments are read an element or a block id
+# at a time, so their alignment buys nothing.
 PER_STEP_POINTERS = ["bt_ptr", "len_ptr", "qstart_ptr"]
 
 
@@ -179,7 +180,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
             tl.store(lse_ptr + s * s_ls + h * s_lh + split, m_i + tl.log(tl.maximum(l_i, 1e-30)), mask=gm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, len_ptr, s_ps, s_ph, s_psp, s_ls, s_lh, s_os, s_oh, window,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_SP: tl.constexpr, PDL: tl.constexpr):

@@ -1,6 +1,8 @@
 """GPU-only: CUDA graphs vs eager, end-to-end greedy equality with transformers on the GPU,
 KV pool sized by profiling. Skipped without CUDA."""
 
+import json
+
 import pytest
 import torch
 
@@ -44,6 +46,27 @@ def test_cuda_graph_and_eager_give_identical_tokens(dtype, tiny_models):
             assert (runner.graphs is not None) == graphs
             out[graphs] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
     assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_no_kernel_compiles_while_serving(kv, tiny_models):
+    """Every kernel form a step can need exists once start-up is over: a compile (a second or so)
+    in the middle of a step stalls every request in it. Chunked prompts beside decode rows (a
+    mixed step's extend rows start at an odd row), prefix hits copying part of a block, and every
+    count of sampled rows; the step timing lists the compiles made while it ran."""
+    ps = prompts(256, n=24, seed=7)
+    shared = [ps[i % 4][:20] + p for i, p in enumerate(prompts(256, n=16, seed=8))]   # hits inside a block
+    sp = [SamplingParams(max_tokens=3 + i % 11, ignore_eos=True) for i in range(len(ps))]
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", orchestrator_type="inprocess",
+             max_num_tokens=64, kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 16 << 20},
+             cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}) as llm:
+        llm.control("timing:on")
+        llm.generate(ps, sp, use_tqdm=False)
+        llm.generate(shared, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+        report = json.loads(llm.control("timing").per_rank[0])
+        assert llm.check_integrity() == ["ok"]
+    assert report["steps"] > 20 and report["by_kind"]["prompt"]["decode_rows"] > 0   # mixed steps ran
+    assert report["compiled"] == []
 
 
 def test_kv_pool_sized_by_profiling(tiny_models):
