@@ -336,11 +336,13 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-@triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
+# the slice count is an argument, not a constant (nor are the log-sum-exps' strides, which follow
+# it): one compiled form serves every count ``extend_splits`` gives
+@triton.jit(do_not_specialize=["s_bt", "s_lt", "s_lh", "SPLITS"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, part_ptr, lse_ptr,
-                         s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window,
+                         s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window, SPLITS,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                         B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          PREC: tl.constexpr, KV_F16: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
@@ -388,9 +390,9 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
         tl.store(lse_ptr + (q0 + m) * s_lt + h * s_lh + split, lse, mask=rm)
 
 
-@triton.jit
-def _extend_merge_kernel(part_ptr, lse_ptr, out_ptr, s_pt, s_ph, s_psp, s_lt, s_lh, s_ot, s_oh,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SP: tl.constexpr):
+@triton.jit(do_not_specialize=["s_lt", "s_lh", "SPLITS"])
+def _extend_merge_kernel(part_ptr, lse_ptr, out_ptr, s_pt, s_ph, s_psp, s_lt, s_lh, s_ot, s_oh, SPLITS,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SP: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_SP)
@@ -410,6 +412,9 @@ def _split_rows(group: int) -> int:
     return max(16, 64 // group)
 
 
+MAX_EXTEND_SPLITS = 16
+
+
 def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132) -> int:
     """Slices of the keys for the extend kernel: 1 (the plain kernel) when its grid already
     fills the GPU once or a KV head has more than 8 query heads, else enough to fill it twice,
@@ -418,7 +423,7 @@ def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_head
     if group > 8 or triton.cdiv(max_query_len, 64) * num_seqs * num_heads >= num_sms:
         return 1      # (the plain kernel's 64-query blocks; more than 8 heads a KV head: too tall a tile)
     programs = triton.cdiv(max_query_len, _split_rows(group)) * num_seqs * num_kv_heads
-    return int(max(1, min(16, triton.cdiv(2 * num_sms, programs))))
+    return int(max(1, min(MAX_EXTEND_SPLITS, triton.cdiv(2 * num_sms, programs))))
 
 
 def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -440,16 +445,33 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _extend_split_kernel[(triton.cdiv(max_query_len, block_m), S, Hkv * splits)](
         q, k_cache, v_cache, block_tables, query_start, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0, splits,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), SPLITS=splits, PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
+        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
         num_warps=warps, num_stages=stages)
     out = torch.empty_like(q) if out is None else out
     _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
-                                 lse.stride(1), out.stride(0), out.stride(1), D=D,
-                                 BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
-                                 BLOCK_SP=max(2, triton.next_power_of_2(splits)))
+                                 lse.stride(1), out.stride(0), out.stride(1), splits, D=D,
+                                 BLOCK_D=triton.next_power_of_2(D),
+                                 BLOCK_SP=max(MAX_EXTEND_SPLITS, triton.next_power_of_2(splits)))
     return out
+
+
+def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+    """Run the extend kernels once with every query-block height a step can pick (16, 32, 64
+    new tokens; the split form's up to ``_split_rows``), over one block of this pool layer, so
+    that a short prompt or a prefix hit never waits for a compile while serving."""
+    _, B, Hkv, D = k_cache.shape
+    dev = k_cache.device
+    rows = _split_rows(triton.next_power_of_2(max(1, num_heads // Hkv)))
+    for n in (16, 32, 64):
+        q = torch.zeros(n, num_heads, D, dtype=dtype, device=dev)
+        tables = torch.zeros(1, triton.cdiv(n, B), dtype=torch.int32, device=dev)
+        starts = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        lens = torch.tensor([n], dtype=torch.int32, device=dev)
+        extend_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
+        if n <= rows:
+            extend_attention_split(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None, 2)
 
 
 def supports_layout(tokens_per_block: int, num_heads: int, num_kv_heads: int, uneven: bool) -> bool:

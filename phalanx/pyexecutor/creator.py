@@ -127,6 +127,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     if device.type == "cuda" and not ref_attention:
         from phalanx.kernels import triton_attention
         triton_attention.compile_decode_splits(pool.tensor[0, 0], pool.tensor[0, 1], heads.num_heads, dtype)
+        triton_attention.compile_extend_forms(pool.tensor[0, 0], pool.tensor[0, 1], heads.num_heads, dtype)
         scratch = pool.num_blocks - 1   # and the partial-reuse copy, over no rows of the block no one owns
         ops.copy_blocks(pool.tensor, [scratch], [scratch], [0])
     if device.type == "cuda" and args.cuda_graph_config is not None and not ref_attention:

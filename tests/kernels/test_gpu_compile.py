@@ -47,7 +47,7 @@ CASES = {
     "extend over an FP8 pool": (triton_attention._extend_kernel, FP8_POOL,
                                 {k: v for k, v in ATTN_FP8.items() if k != "BLOCK_G"} | {"BLOCK_M": 64}),
     "split extend over an FP8 pool": (triton_attention._extend_split_kernel, FP8_POOL,
-                                      {**ATTN_FP8, "BLOCK_M": 16, "SPLITS": 4}),
+                                      {**ATTN_FP8, "BLOCK_M": 16}),
     "one row, FP8 weights": (gemv._gemv_kernel, FP8_WEIGHT, {"HAS_BIAS": True, "HAS_SCALE": True, "BLOCK_N": 8,
                                                             "BLOCK_K": 1024, "FOLD": 16, "SILU": True, "PRE": True,
                                                             "PDL": False}),

@@ -193,6 +193,21 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
         assert (got == want).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_start_up_runs_every_attention_form_over_the_pool_and_leaves_it_as_it_was(kv_dtype):
+    """What the engine runs before its first request so that no step waits for a compile
+    (creator.py): the decode kernel with every slice count, the extend kernels with every
+    query-block height; they only read the pool."""
+    B, Hkv, D, H = (32 if CUDA else 16), 2, 32, 4
+    pool = torch.randn(4, B, Hkv, D, device=DEV).to(kv_dtype)
+    kc, vc = pool, pool.clone()
+    before = (kc.clone(), vc.clone())
+    triton_attention.compile_decode_splits(kc, vc, H, torch.bfloat16)
+    triton_attention.compile_extend_forms(kc, vc, H, torch.bfloat16)
+    assert kc.view(torch.uint8).equal(before[0].view(torch.uint8)) and vc.view(torch.uint8).equal(
+        before[1].view(torch.uint8))
+
+
 def test_a_query_past_float16_over_an_fp8_pool_is_clamped_and_a_nan_stays_nan():
     """The float16 dots over an FP8 pool take a bf16 query clamped to float16's range (one
     element of 1e6 gives what 65504 gives) and keep a NaN a NaN, as bf16 dots would."""
