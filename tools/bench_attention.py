@@ -10,7 +10,7 @@ for each query block, key-slice count and tile, the shipped choice marked.
     python tools/bench_attention.py --batch --extend 1000 2048 --extend-block-m 64 128 --hit 32:2048 32:0
     python tools/bench_attention.py --kv-dtype fp8 ...      # over an FP8 (e4m3) pool
     python tools/bench_attention.py --kv-dtype fp8 --fp8-dots f16 bf16 ...   # its dots in float16 or bf16
-    python tools/bench_attention.py --kv-dtype fp8 --fp8-values rows cols ...   # decode's value tiles read so
+    python tools/bench_attention.py --kv-dtype fp8 --fp8-values rows cols ...   # decode's values as rows or columns
     python tools/bench_attention.py --batch --extend --hit 32:2048 --hit-cold   # KV read from memory
 
 A hit's KV (8.4 MB a layer at 2,048 tokens of Llama-3.1-8B) fits in the H200's L2, so calls

@@ -24,7 +24,11 @@ def install() -> None:
     before = knobs.runtime.jit_cache_hook
 
     def hook(*args, **kw):
-        _LOG.append((time.monotonic(), describe(kw)))
+        try:
+            what = describe(kw)
+        except Exception:  # noqa: BLE001 - a Triton whose hook arguments differ: its own words
+            what = str(kw.get("repr", "?"))
+        _LOG.append((time.monotonic(), what))     # (a compile the earlier hook skips is listed too)
         return before(*args, **kw) if before is not None else False
 
     knobs.runtime.jit_cache_hook = hook

@@ -61,9 +61,10 @@ def _kv_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 # from there a byte at a time (no transposing shared-memory load takes 8-bit elements): 128
 # single-byte loads a thread per 128-key tile in its sm_90 code (tests/kernels/test_gpu_compile.py).
 # H200, 256 / 512 sequences of 1,500 tokens (tools/bench_attention.py --kv-dtype fp8 --fp8-values
-# rows cols, docs/results/gpu20_attention_fp8_values.txt): 337 / 665 us with 64-key tiles against
-# 351 / 689 us as rows with 128-key tiles, the best of either form. The extend kernels keep rows:
-# their dots take the tile from shared memory either way, and columns measured 1-6 % slower there.
+# rows cols, docs/results/gpu20_attention_fp8_values.txt): 337 / 660 us with 64-key tiles against
+# 351 / 686-690 us as rows with 128-key tiles, the best of either form. The extend kernels keep
+# rows: their dots take the tile from shared memory either way, and columns measured 0-6.5 %
+# slower there (docs/results/gpu20_attention_fp8_values_sweep.txt).
 FP8_V_COLUMNS = True
 
 
@@ -72,7 +73,8 @@ def _v_cols(k_cache: torch.Tensor) -> bool:
 
 
 # One compiled form of a kernel for every step: the block tables' width (``s_bt``) varies step to
-# step, and so does the alignment of the per-sequence metadata (a mixed step's extend rows start
+# step (and a sliding window need not be a multiple of 16: ``window`` is not specialized either),
+# and so does the alignment of the per-sequence metadata (a mixed step's extend rows start
 # at ``seq_lens[d:]``, 16-byte aligned only when d is a multiple of 4). Triton compiles a form for
 # each on first sight, a second or so in the middle of a step. On an H200 at 512 requests in
 # flight, such compiles stalled the first steps of the first 128/128 run 0.4-1.4 s each (the
@@ -140,7 +142,7 @@ def _slice(L, window, SPLITS: tl.constexpr, B: tl.constexpr):
     return first, tl.cdiv(tl.cdiv(L - first, SPLITS), B) * B
 
 
-@triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
+@triton.jit(do_not_specialize=["s_bt", "window"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
                          scale, window,
@@ -180,7 +182,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
             tl.store(lse_ptr + s * s_ls + h * s_lh + split, m_i + tl.log(tl.maximum(l_i, 1e-30)), mask=gm)
 
 
-@triton.jit(do_not_specialize_on_alignment=PER_STEP_POINTERS)
+@triton.jit(do_not_specialize=["window"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, len_ptr, s_ps, s_ph, s_psp, s_ls, s_lh, s_os, s_oh, window,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_SP: tl.constexpr, PDL: tl.constexpr):
@@ -238,8 +240,9 @@ DECODE_CONFIG = (64, 4, 3)
 EXTEND_CONFIG = (32, 4, 3)
 EXTEND_SPLIT_CONFIG = (32, 4, 2)
 # decode over an FP8 pool, its values read as columns (FP8_V_COLUMNS): 64 keys a step, 2 stages
-# (docs/results/gpu20_attention_fp8_values.txt; with values read as rows 128 keys were best, and
-# 64 keys 484 against 361 us, docs/results/gpu11_attention_b256_fp8kv.json)
+# (docs/results/gpu20_attention_fp8_values.txt; with values read as rows 128 keys and 2 stages
+# were best: 64 keys and 3 stages took 484 against 361 us, docs/results/gpu11_attention_b256_fp8kv.json).
+# Measured at 256 and 512 sequences of 1,500 tokens only; with 4 slices the two forms were even.
 DECODE_CONFIG_FP8 = (64, 4, 2)
 
 
@@ -275,7 +278,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-@triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
+@triton.jit(do_not_specialize=["s_bt", "window"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
@@ -337,8 +340,10 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # the slice count is an argument, not a constant (nor are the log-sum-exps' strides, which follow
-# it): one compiled form serves every count ``extend_splits`` gives
-@triton.jit(do_not_specialize=["s_bt", "s_lt", "s_lh", "SPLITS"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
+# it): one compiled form serves every count ``extend_splits`` gives (with a head size a multiple
+# of 16, which keeps the partial outputs' strides multiples of 16 too)
+@triton.jit(do_not_specialize=["s_bt", "s_lt", "s_lh", "SPLITS", "window"],
+            do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, part_ptr, lse_ptr,
                          s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window, SPLITS,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -463,7 +468,8 @@ def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads
     that a short prompt or a prefix hit never waits for a compile while serving."""
     _, B, Hkv, D = k_cache.shape
     dev = k_cache.device
-    rows = _split_rows(triton.next_power_of_2(max(1, num_heads // Hkv)))
+    group = triton.next_power_of_2(max(1, num_heads // Hkv))
+    rows = _split_rows(group) if group <= 8 else 0    # more than 8 heads a KV head: never split
     for n in (16, 32, 64):
         q = torch.zeros(n, num_heads, D, dtype=dtype, device=dev)
         tables = torch.zeros(1, triton.cdiv(n, B), dtype=torch.int32, device=dev)

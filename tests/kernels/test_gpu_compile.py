@@ -150,4 +150,4 @@ def test_attention_over_an_fp8_pool_takes_no_operand_a_byte_at_a_time(case, comp
     """An FP8 value tile read as rows reached the decode kernel's second dot through one
     single-byte shared-memory load per element (FP8_V_COLUMNS); the extend kernels' wider dots
     take theirs from shared memory whole."""
-    assert compiled[case]["byte_loads"] == 0
+    assert compiled[case]["error"] is None and compiled[case].get("byte_loads") == 0

@@ -156,7 +156,8 @@ def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype
         close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", [([40, 17], [1, 1], 4, 2, 32), ([20, 50], [3, 17], 4, 1, 32)]
+@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", [([40, 17], [1, 1], 4, 2, 32), ([20, 50], [3, 17], 4, 1, 32),
+                                                     ([40, 17], [1, 1], 4, 2, 40)]   # a head size that masks
                          + ([([1000, 4097], [1, 1], 32, 8, 128), ([2048, 77], [64, 1], 32, 8, 128)] if CUDA else []))
 @pytest.mark.parametrize("dtype", [torch.bfloat16] if CUDA else [torch.float32, torch.bfloat16])
 def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hkv, D, dtype):
@@ -193,17 +194,22 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
         assert (got == want).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_start_up_runs_every_attention_form_over_the_pool_and_leaves_it_as_it_was(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,H", [(torch.bfloat16, 4), (torch.float8_e4m3fn, 4), (torch.bfloat16, 32)])
+def test_start_up_runs_every_attention_form_over_the_pool_and_leaves_it_as_it_was(kv_dtype, H, monkeypatch):
     """What the engine runs before its first request so that no step waits for a compile
     (creator.py): the decode kernel with every slice count, the extend kernels with every
-    query-block height; they only read the pool."""
-    B, Hkv, D, H = (32 if CUDA else 16), 2, 32, 4
+    query-block height (the split form's only where a step can split: 8 query heads a KV head at
+    most); they only read the pool."""
+    B, Hkv, D = (32 if CUDA else 16), 2, 32
     pool = torch.randn(4, B, Hkv, D, device=DEV).to(kv_dtype)
     kc, vc = pool, pool.clone()
     before = (kc.clone(), vc.clone())
+    split, heights = triton_attention.extend_attention_split, []
+    monkeypatch.setattr(triton_attention, "extend_attention_split",
+                        lambda q, *a, **k: heights.append(q.shape[0]) or split(q, *a, **k))
     triton_attention.compile_decode_splits(kc, vc, H, torch.bfloat16)
     triton_attention.compile_extend_forms(kc, vc, H, torch.bfloat16)
+    assert heights == ([] if H // Hkv > 8 else [16, 32])   # _split_rows(2) = 32
     assert kc.view(torch.uint8).equal(before[0].view(torch.uint8)) and vc.view(torch.uint8).equal(
         before[1].view(torch.uint8))
 
