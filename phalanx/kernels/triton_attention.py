@@ -418,6 +418,7 @@ def _split_rows(group: int) -> int:
 
 
 MAX_EXTEND_SPLITS = 16
+MAX_SPLIT_GROUP = 8     # query heads a KV head beyond which the split form's tile is too tall
 
 
 def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132) -> int:
@@ -425,7 +426,7 @@ def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_head
     fills the GPU once or a KV head has more than 8 query heads, else enough to fill it twice,
     at most 16."""
     group = triton.next_power_of_2(max(1, num_heads // num_kv_heads))
-    if group > 8 or triton.cdiv(max_query_len, 64) * num_seqs * num_heads >= num_sms:
+    if group > MAX_SPLIT_GROUP or triton.cdiv(max_query_len, 64) * num_seqs * num_heads >= num_sms:
         return 1      # (the plain kernel's 64-query blocks; more than 8 heads a KV head: too tall a tile)
     programs = triton.cdiv(max_query_len, _split_rows(group)) * num_seqs * num_kv_heads
     return int(max(1, min(MAX_EXTEND_SPLITS, triton.cdiv(2 * num_sms, programs))))
@@ -469,7 +470,7 @@ def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads
     _, B, Hkv, D = k_cache.shape
     dev = k_cache.device
     group = triton.next_power_of_2(max(1, num_heads // Hkv))
-    rows = _split_rows(group) if group <= 8 else 0    # more than 8 heads a KV head: never split
+    rows = _split_rows(group) if group <= MAX_SPLIT_GROUP else 0    # (beyond it, extend_splits never splits)
     for n in (16, 32, 64):
         q = torch.zeros(n, num_heads, D, dtype=dtype, device=dev)
         tables = torch.zeros(1, triton.cdiv(n, B), dtype=torch.int32, device=dev)
