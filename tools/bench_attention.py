@@ -10,7 +10,6 @@ for each query block, key-slice count and tile, the shipped choice marked.
     python tools/bench_attention.py --batch --extend 1000 2048 --extend-block-m 64 128 --hit 32:2048 32:0
     python tools/bench_attention.py --kv-dtype fp8 ...      # over an FP8 (e4m3) pool
     python tools/bench_attention.py --kv-dtype fp8 --fp8-dots f16 bf16 ...   # its dots in float16 or bf16
-    python tools/bench_attention.py --kv-dtype fp8 --fp8-values rows cols ...   # decode's values as rows or columns
     python tools/bench_attention.py --batch --extend --hit 32:2048 --hit-cold   # KV read from memory
 
 A hit's KV (8.4 MB a layer at 2,048 tokens of Llama-3.1-8B) fits in the H200's L2, so calls
@@ -77,14 +76,11 @@ def _pool(S: int, ctx: int, Hkv: int, D: int, B: int, dtype, gen):
 
 
 _SHIPPED_DOTS = triton_attention.FP8_POOL_F16
-_SHIPPED_VALUES = triton_attention.FP8_V_COLUMNS
 
 
-def _set_dots(dots: str | None, values: str | None = None) -> None:
-    """An FP8 pool's dots in float16 (f16), bf16, or as shipped (None); its value tiles read as
-    rows, as columns (``FP8_V_COLUMNS``), or as shipped (None)."""
+def _set_dots(dots: str | None) -> None:
+    """An FP8 pool's dots in float16 (f16), bf16, or as shipped (None)."""
     triton_attention.FP8_POOL_F16 = _SHIPPED_DOTS if dots is None else dots == "f16"
-    triton_attention.FP8_V_COLUMNS = _SHIPPED_VALUES if values is None else values == "cols"
 
 
 def _dots_ran(dots: str | None, kv_dtype: str) -> str:
@@ -120,9 +116,6 @@ def main() -> None:
     ap.add_argument("--fp8-dots", nargs="+", choices=["f16", "bf16"], default=None,
                     help="with --kv-dtype fp8, decode and extend: the dtype the pool's keys and values widen to "
                          "for the dots (default: shipped)")
-    ap.add_argument("--fp8-values", nargs="+", choices=["rows", "cols"], default=None,
-                    help="FP8 pool, decode: read the value tiles as [keys, D] rows or [D, keys] columns "
-                         "(FP8_V_COLUMNS)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     H, Hkv, D = a.heads
@@ -131,7 +124,6 @@ def main() -> None:
     print(f"read bandwidth: {read_tb_s:.2f} TB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
     dot_forms = a.fp8_dots if a.kv_dtype == "fp8" and a.fp8_dots else [None]
-    value_forms = a.fp8_values if a.kv_dtype == "fp8" and a.fp8_values else [None]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for S in a.batch:
@@ -144,8 +136,8 @@ def main() -> None:
             nbytes = 2 * S * ctx * Hkv * D * kc.element_size()
             slices = sorted({auto, max(1, auto // 4), 4 * auto})
             first = None
-            for splits, cfg, dots, values in itertools.product(slices, a.configs, dot_forms, value_forms):
-                _set_dots(dots, values)
+            for splits, cfg, dots in itertools.product(slices, a.configs + [None], dot_forms):
+                _set_dots(dots)
                 call = functools.partial(triton_attention.decode_attention, q, kc, vc, bt, lens, D ** -0.5,
                                          None, splits, cfg)
                 got = call().float()
@@ -153,11 +145,12 @@ def main() -> None:
                 diff = (got - first).abs().max().item()   # against the first form of this point
                 us = _time(call)
                 rows.append({"kernel": "decode", "batch": S, "context": ctx, "splits": splits,
-                             "auto_splits": splits == auto, "config": cfg, "dots": _dots_ran(dots, a.kv_dtype),
-                             "values": values, "us": us, "max_diff_to_first": diff,
+                             "auto_splits": splits == auto, "config": cfg or triton_attention.decode_config(kc, splits),
+                             "shipped": cfg is None, "dots": _dots_ran(dots, a.kv_dtype), "us": us,
+                             "max_diff_to_first": diff,
                              "tb_s": nbytes / us / 1e6, "of_read": nbytes / us / 1e6 / read_tb_s})
                 print(f"decode  S={S:4d} ctx={ctx:6d} splits={splits:3d}{'*' if splits == auto else ' '} "
-                      f"cfg={cfg}{' ' + dots if dots else ''}{' ' + values if values else ''}: {us:8.1f} us  "
+                      f"cfg={cfg or 'shipped'}{' ' + dots if dots else ''}: {us:8.1f} us  "
                       f"{nbytes / us / 1e6:5.2f} TB/s ({nbytes / us / 1e6 / read_tb_s:.0%} of read)  "
                       f"max diff {diff:.1e}", flush=True)
             _set_dots(None)
@@ -182,6 +175,8 @@ def main() -> None:
         new, cached = (int(x) for x in spec.split(":"))
         L = new + cached
         kc, vc, bt, lens = _pool(1, L, Hkv, D, B, dtype, gen)
+        if a.kv_dtype == "fp8":
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         pools = [(kc, vc)]
         if a.hit_cold:   # together at least twice L2
             pools += [(torch.randn_like(kc), torch.randn_like(vc))

@@ -3,7 +3,8 @@ attention of packed variable-length queries over a paged cache (prefill over a c
 chunked prefill and decode are one case). GQA by grouped heads; optional sliding window.
 
 Pool layout, per layer: ``k_cache``/``v_cache`` [num_blocks, tokens_per_block, Hkv, D];
-slot s = block_id * tokens_per_block + offset.
+slot s = block_id * tokens_per_block + offset. An FP8 pool keeps each block's values key-minor
+(``values_key_minor``): the same bytes as [num_blocks, Hkv, D, tokens_per_block].
 
 Packed queries of S sequences::
 
@@ -24,13 +25,35 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
+def values_key_minor(cache: torch.Tensor) -> bool:
+    """Whether a pool keeps each block's values key-minor, [Hkv, D, B] in place of [B, Hkv, D]:
+    an FP8 (one-byte) pool does. The attention kernels then take a value tile's keys from
+    consecutive bytes, as the second dot wants them; from rows, 8-bit values reach that dot only a
+    byte at a time (docs/gpu_notes.md, twenty-first round). Their value loads are not masked by key
+    (a masked load of single keys would be byte loads): a key past the sequence gets no weight, and
+    the pool holds no NaN (zeroed when allocated, a NaN written as 0), so its stale value adds
+    0 * finite."""
+    return cache.element_size() == 1
+
+
+def _value_planes(v_cache: torch.Tensor) -> torch.Tensor:
+    """A key-minor pool layer's values as [num_blocks, Hkv, D, B] (bytes)."""
+    NB, B, Hkv, D = v_cache.shape
+    return _raw(v_cache).view(NB, Hkv, D, B)
+
+
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D] written at slots [T] of the flattened pool (rounded to its dtype; FP8
-    with scale 1, saturating at ±448)."""
+    with scale 1, saturating at ±448; a NaN value into a key-minor pool as 0)."""
     Hkv, D = k.shape[-2:]
     _raw(k_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(k.to(k_cache.dtype)))
-    _raw(v_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(v.to(v_cache.dtype)))
+    if values_key_minor(v_cache):
+        B = v_cache.shape[1]
+        v = torch.where(v.isnan(), 0.0, v.float())
+        _value_planes(v_cache)[slot_mapping // B, :, :, slot_mapping % B] = _raw(v.to(v_cache.dtype))
+    else:
+        _raw(v_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(v.to(v_cache.dtype)))
 
 
 def copy_blocks_ref(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
@@ -95,7 +118,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Hkv = k_cache.shape[-2]
     qp = torch.cat([q, q.new_zeros(1, H, D)])[plan.q_index]          # [S, Qmax, H, D]
     k = _raw(k_cache).view(-1, Hkv, D)[plan.kv_slots].view(k_cache.dtype)    # [S, Lmax, Hkv, D]
-    v = _raw(v_cache).view(-1, Hkv, D)[plan.kv_slots].view(v_cache.dtype)
+    if values_key_minor(v_cache):
+        B = v_cache.shape[1]
+        v = _value_planes(v_cache)[plan.kv_slots // B, :, :, plan.kv_slots % B].view(v_cache.dtype)
+    else:
+        v = _raw(v_cache).view(-1, Hkv, D)[plan.kv_slots].view(v_cache.dtype)
     if kv_of_q is not None:
         k, v = k.index_select(2, kv_of_q), v.index_select(2, kv_of_q)
     out = F.scaled_dot_product_attention(

@@ -26,7 +26,7 @@ import triton.language as tl
 from phalanx.kernels import pdl as _pdl
 from phalanx.kernels.linear_plan import OneRowTile, QkvRopePlan, RowsTile, bucket
 from phalanx.kernels.pdl import prologue, release, wait
-from phalanx.kernels.triton_ops import silu_mul
+from phalanx.kernels.triton_ops import silu_mul, value_block, value_offsets, value_to_pool
 
 # the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages[, fold]) ...
 ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile(16, 1024, 8, 2),
@@ -136,7 +136,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn,
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh,
                      s_cs, s_ch, H, Hkv, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     VB: tl.constexpr, PDL: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
@@ -175,7 +175,8 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_p
             tl.store(kd + D // 2 + j, r2.to(kc_ptr.dtype.element_ty))
     else:
         vh = head - H - Hkv
-        tl.store(vc_ptr + slot * s_cs + vh * s_ch + col0 % D + r, y.to(vc_ptr.dtype.element_ty))
+        tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, col0 % D + r, VB),
+                 value_to_pool(y, vc_ptr.dtype.element_ty, VB))
 
 
 @triton.jit
@@ -341,8 +342,8 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // tile.block_n,)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
         slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=True, **_one_row_launch(tile, x, weight),
-        **_pdl.launch(x, pdl))
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=True, VB=value_block(v_cache),
+        **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return q
 
 

@@ -97,6 +97,11 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
 
 
 def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
+    """Rows [0, n) of block src into block dst, every layer (a partial reuse); whole blocks of a
+    pool whose values are key-minor (``attention_ref.values_key_minor``), not stored by row.
+    The rows past n are stale in either case (never attended)."""
+    if attention_ref.values_key_minor(kv_pool):
+        num_tokens = [kv_pool.shape[3]] * len(src)
     if use_triton(kv_pool):
         from phalanx.kernels import triton_ops
         return triton_ops.copy_blocks(kv_pool, src, dst, num_tokens)

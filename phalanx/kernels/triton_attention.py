@@ -1,6 +1,7 @@
 """Triton paged attention, checked against ``attention_ref.paged_attention_ref``.
 
-Two kernels over the pool layout [num_blocks, B, Hkv, D] (B = tokens_per_block >= 16):
+Two kernels over the pool layout [num_blocks, B, Hkv, D] (B = tokens_per_block >= 16; an FP8
+pool's values key-minor, ``values_key_minor``):
 
 * decode (one query per sequence): split-KV "flash decoding". Grid (S, Hkv, SPLITS); each
   program takes the G = H / Hkv query heads of one KV head over one slice of the context and
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import pdl
+from phalanx.kernels.attention_ref import values_key_minor
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.kernels.pdl import release, wait
 
@@ -53,23 +55,6 @@ FP8_POOL_F16 = True
 
 def _kv_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return FP8_POOL_F16 and k_cache.element_size() == 1 and q.dtype != torch.float32
-
-
-# The decode kernel reads an FP8 pool's value tile as [D, keys] (each thread's bytes still
-# consecutive in memory), widens it in registers and transposes it into the second dot. Read as
-# [keys, D], the compiler keeps the tile in shared memory as bytes and gathers that dot's operand
-# from there a byte at a time (no transposing shared-memory load takes 8-bit elements): 128
-# single-byte loads a thread per 128-key tile in its sm_90 code (tests/kernels/test_gpu_compile.py).
-# H200, 256 / 512 sequences of 1,500 tokens (tools/bench_attention.py --kv-dtype fp8 --fp8-values
-# rows cols, docs/results/gpu20_attention_fp8_values.txt): 337 / 660 us with 64-key tiles against
-# 351 / 686-690 us as rows with 128-key tiles, the best of either form. The extend kernels keep
-# rows: their dots take the tile from shared memory either way, and columns measured 0-6.5 %
-# slower there (docs/results/gpu20_attention_fp8_values_sweep.txt).
-FP8_V_COLUMNS = True
-
-
-def _v_cols(k_cache: torch.Tensor) -> bool:
-    return FP8_V_COLUMNS and k_cache.element_size() == 1
 
 
 # One compiled form of a kernel for every step: the block tables' width (``s_bt``) varies step to
@@ -97,20 +82,24 @@ def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
 
 @triton.jit
 def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-             B: tl.constexpr, BLOCK_N: tl.constexpr, KV_F16: tl.constexpr, V_COLS: tl.constexpr):
+             B: tl.constexpr, BLOCK_N: tl.constexpr, KV_F16: tl.constexpr, V_KEYS: tl.constexpr):
     """The keys and values of positions p0 .. p0 + BLOCK_N (those in [lo, hi)) of one KV head:
     each position finds its block in the sequence's table, so a tile may span several blocks.
-    An FP8 pool's (scale 1) are widened here, exactly, to float16 (``KV_F16``) or bf16. With
-    ``V_COLS`` the values are read as a [D, BLOCK_N] tile, widened, and transposed (see
-    FP8_V_COLUMNS)."""
+    An FP8 pool's (scale 1) are widened here, exactly, to float16 (``KV_F16``) or bf16.
+
+    ``V_KEYS``: the pool's values are key-minor (``values_key_minor``, an FP8 pool), read as a
+    [D, BLOCK_N] tile of 16-byte runs of keys and transposed. Those loads are not masked by key:
+    every tile starts at a multiple of 16 keys (a block's start, then BLOCK_N at a time) and B is
+    a multiple of 16, so a run never leaves its block, and a key past ``hi`` in a block the
+    sequence holds (or in block 0, past its table) gives a finite stale value no weight."""
     kpos = p0 + tl.arange(0, BLOCK_N)
     km = (kpos >= lo) & (kpos < hi)
-    blk = tl.load(bt_row + kpos // B, mask=km, other=0).to(tl.int64)
+    blk = tl.load(bt_row + kpos // B, mask=kpos < tl.cdiv(hi, B) * B, other=0).to(tl.int64)
     row = blk * s_cb + (kpos % B) * s_ct + kvh * s_ch
     k = _widen(tl.load(kc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0), KV_F16)
-    if V_COLS:
-        v = tl.trans(_widen(tl.load(vc_ptr + row[None, :] + d[:, None], mask=dm[:, None] & km[None, :], other=0.0),
-                            KV_F16))
+    if V_KEYS:
+        col = tl.max_contiguous(tl.multiple_of(blk * s_cb + kvh * s_ch * B + kpos % B, 16), 16)
+        v = _widen(tl.trans(tl.load(vc_ptr + col[None, :] + d[:, None] * B, mask=dm[:, None], other=0.0)), KV_F16)
     else:
         v = _widen(tl.load(vc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0), KV_F16)
     return kpos, km, k, v
@@ -148,7 +137,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
                          scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
-                         PDL: tl.constexpr, KV_F16: tl.constexpr, V_COLS: tl.constexpr):
+                         PDL: tl.constexpr, KV_F16: tl.constexpr, V_KEYS: tl.constexpr):
     release(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -171,7 +160,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for p0 in range(lo - lo % B, hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                      B, BLOCK_N, KV_F16, V_COLS)
+                                      B, BLOCK_N, KV_F16, V_KEYS)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             qk = tl.where(km[None, :], qk, NEG)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
@@ -239,22 +228,30 @@ DECODE_CONFIG = (64, 4, 3)
 # cached, 14.9 us (split and merge) against 21.6 with 64 keys, 3 stages and 128-row programs
 EXTEND_CONFIG = (32, 4, 3)
 EXTEND_SPLIT_CONFIG = (32, 4, 2)
-# decode over an FP8 pool, its values read as columns (FP8_V_COLUMNS): 64 keys a step, 2 stages
-# (docs/results/gpu20_attention_fp8_values.txt; with values read as rows 128 keys and 2 stages
-# were best: 64 keys and 3 stages took 484 against 361 us, docs/results/gpu11_attention_b256_fp8kv.json).
-# Measured at 256 and 512 sequences of 1,500 tokens only; with 4 slices the two forms were even.
-DECODE_CONFIG_FP8 = (64, 4, 2)
+# decode over an FP8 pool (values key-minor), with one key slice and with more. H200, Llama-3.1-8B
+# heads, sequences of 1,500 tokens (docs/results/gpu21_attention_fp8_layout.txt): 64 / 256 / 512
+# sequences (one slice) 55 / 205 / 402 us, 77-85 % of the read bandwidth; one sequence
+# (32 slices) 6.8 us with 64 keys and 2 warps against 8.4 with this one. With the values stored by
+# row (read as columns) the best was 337 / 662 us at 256 / 512.
+DECODE_CONFIG_FP8 = (128, 4, 3)
+DECODE_CONFIG_FP8_SPLIT = (64, 2, 2)
+
+
+def decode_config(k_cache: torch.Tensor, splits: int) -> tuple[int, int, int]:
+    if k_cache.element_size() != 1:
+        return DECODE_CONFIG
+    return DECODE_CONFIG_FP8 if splits == 1 else DECODE_CONFIG_FP8_SPLIT
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int | None, splits: int,
                      config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [S, H, D] (one query per sequence) -> [S, H, D] (into ``out`` when given). config: (keys
-    per step, warps, stages), DECODE_CONFIG by default (DECODE_CONFIG_FP8 over an FP8 pool)."""
+    per step, warps, stages), ``decode_config`` by default."""
     S, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     G = H // Hkv
-    block_n, warps, stages = config or (DECODE_CONFIG_FP8 if k_cache.element_size() == 1 else DECODE_CONFIG)
+    block_n, warps, stages = config or decode_config(k_cache, splits)
     out = torch.empty(S, H, D, dtype=q.dtype, device=q.device) if out is None else out
     if splits == 1:   # one slice is the whole answer: written in q's dtype, no merge
         part, lse = out.unsqueeze(2), out      # lse: a placeholder, never written with one slice
@@ -267,7 +264,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_N=max(block_n, 16), SPLITS=splits,
-        PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), V_COLS=_v_cols(k_cache), num_warps=warps,
+        PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), V_KEYS=values_key_minor(v_cache), num_warps=warps,
         num_stages=stages, **pdl.launch(q))
     if splits == 1:
         return out
@@ -282,7 +279,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_F16: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_F16: tl.constexpr,
+                   V_KEYS: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     h = tl.program_id(2)
@@ -306,7 +304,7 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
         lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
         for p0 in range(lo - lo % B, hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                      B, BLOCK_N, KV_F16, False)
+                                      B, BLOCK_N, KV_F16, V_KEYS)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
@@ -334,8 +332,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, window or 0,
         G=H // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), num_warps=warps,
-        num_stages=stages)
+        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
+        V_KEYS=values_key_minor(v_cache), num_warps=warps, num_stages=stages)
     return out
 
 
@@ -348,7 +346,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
                          s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window, SPLITS,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PREC: tl.constexpr, KV_F16: tl.constexpr):
+                         PREC: tl.constexpr, KV_F16: tl.constexpr, V_KEYS: tl.constexpr):
     mb = tl.program_id(0)
     s = tl.program_id(1)
     kvh = tl.program_id(2) // SPLITS
@@ -380,7 +378,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
         acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         for p0 in range(my_lo, my_hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, tl.maximum(lo, my_lo), my_hi, kvh,
-                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N, KV_F16, False)
+                                      s_cb, s_ct, s_ch, d, dm, B, BLOCK_N, KV_F16, V_KEYS)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
@@ -454,7 +452,7 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0, splits,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
         BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
-        num_warps=warps, num_stages=stages)
+        V_KEYS=values_key_minor(v_cache), num_warps=warps, num_stages=stages)
     out = torch.empty_like(q) if out is None else out
     _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                                  lse.stride(1), out.stride(0), out.stride(1), splits, D=D,

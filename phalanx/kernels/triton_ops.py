@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phalanx.kernels import pdl
+from phalanx.kernels import attention_ref, pdl
 from phalanx.kernels.pdl import prologue, release, wait
 
 
@@ -75,9 +75,34 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
+def value_offsets(slot, vh, s_cs, s_ch, d, VB: tl.constexpr):
+    """Where element d of KV head vh's value at a slot lives in a pool layer viewed as
+    [slots, Hkv, D] (strides s_cs, s_ch): there, or with ``VB`` tokens a block (a key-minor pool,
+    ``attention_ref.values_key_minor``; 0: rows) at [block, vh, d, slot % VB]."""
+    if VB > 0:
+        return (slot - slot % VB) * s_cs + vh * s_ch * VB + d * VB + slot % VB
+    else:
+        return slot * s_cs + vh * s_ch + d
+
+
+@triton.jit
+def value_to_pool(x, dtype: tl.constexpr, VB: tl.constexpr):
+    """A value as the pool stores it: a key-minor pool (``VB`` > 0) takes a NaN as 0."""
+    if VB > 0:
+        x = x.to(tl.float32)     # (the interpreter compares bf16 as bits: a NaN would equal itself)
+        x = tl.where(x == x, x, 0.0)
+    return x.to(dtype)
+
+
+def value_block(v_cache: torch.Tensor) -> int:
+    """``VB`` of the kernels that write values: tokens a block for a key-minor pool, else 0."""
+    return v_cache.shape[1] if attention_ref.values_key_minor(v_cache) else 0
+
+
+@triton.jit
 def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr,
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     HALF: tl.constexpr, BLOCK: tl.constexpr, VB: tl.constexpr, PDL: tl.constexpr):
     """One launch for a whole layer: programs h < H rotate query head h; the others rotate
     KV head h - H and write it, with its V, into the pool. Positions, slots and the cos/sin table
     are read before the PDL wait (written before the forward)."""
@@ -102,9 +127,10 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
     else:
         base = k_ptr + t * s_kt + (h - H) * s_kh
         vb = v_ptr + t * s_vt + (h - H) * s_vh
-        vd = vc_ptr + slot * s_cs + (h - H) * s_ch
-        tl.store(vd + i, tl.load(vb + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
-        tl.store(vd + HALF + i, tl.load(vb + HALF + i, mask=m, other=0.0).to(vc_ptr.dtype.element_ty), mask=m)
+        for half in tl.static_range(2):
+            tl.store(vc_ptr + value_offsets(slot, h - H, s_cs, s_ch, half * HALF + i, VB),
+                     value_to_pool(tl.load(vb + half * HALF + i, mask=m, other=0.0), vc_ptr.dtype.element_ty, VB),
+                     mask=m)
         r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
                          tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
         kd = kc_ptr + slot * s_cs + (h - H) * s_ch
@@ -117,7 +143,8 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       slot_mapping: torch.Tensor) -> torch.Tensor:
     """Rotate q (returned, contiguous) and k; write rotated k and v into the paged pool.
 
-    q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [num_blocks, B, Hkv, D]; slot_mapping [T]."""
+    q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [num_blocks, B, Hkv, D] (an FP8 pool's values
+    key-minor, ``attention_ref.values_key_minor``); slot_mapping [T]."""
     T, H, D = q.shape
     Hkv = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -126,7 +153,7 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         _rope_qkv_kernel[(T, H + Hkv)](
             positions, cos_sin, slot_mapping, q, k, v, q_out, kc, vc, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), H,
-            HALF=D // 2, BLOCK=_pow2(D // 2), **pdl.launch(q))
+            HALF=D // 2, BLOCK=_pow2(D // 2), VB=value_block(v_cache), **pdl.launch(q))
     return q_out
 
 

@@ -1,7 +1,9 @@
 """The KV pool tensor (kept apart from the pure kv_manager) and how many blocks it gets.
 
 One tensor for all layers: [num_layers, 2 (K, V), num_blocks, tokens_per_block, Hkv, D], where
-Hkv is this rank's KV heads. Block ids from the KVCacheManager index dimension 2.
+Hkv is this rank's KV heads. Block ids from the KVCacheManager index dimension 2. An FP8 pool's
+values fill each block key-minor, as [Hkv, D, tokens_per_block]
+(``attention_ref.values_key_minor``); the tensor is zeroed when allocated, which that layout needs.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class KVPool:
                     num_blocks * tokens_per_block, self.tensor.numel() * self.tensor.element_size() / 2**20)
 
     def copy_blocks(self, ops_list) -> None:
-        """Run ``CopyOp``s (src block rows [0, n) -> dst block)."""
+        """Run ``CopyOp``s (src block rows [0, n) -> dst block; whole blocks of an FP8 pool)."""
         if ops_list:
             ops.copy_blocks(self.tensor, [o.src for o in ops_list], [o.dst for o in ops_list],
                             [o.num_tokens for o in ops_list])

@@ -22,20 +22,22 @@ FP8_POOL = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "out_p
             "part_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "qstart_ptr": "*i32"}
 FP8_WEIGHT = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16",
               "part_ptr": "*fp32", "count_ptr": "*i32"}
-ATTN = {"G": 4, "BLOCK_G": 16, "D": 128, "BLOCK_D": 128, "B": 32, "BLOCK_N": 64, "PREC": "tf32", "KV_F16": False}
-ATTN_FP8 = {**ATTN, "KV_F16": True}   # an FP8 pool's dots in float16, as shipped (FP8_POOL_F16)
-# the decode kernel reads an FP8 pool's values as columns (FP8_V_COLUMNS), a bf16 pool's as rows
-DECODE_FP8 = {**ATTN_FP8, "V_COLS": True, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8[0]}
+ATTN = {"G": 4, "BLOCK_G": 16, "D": 128, "BLOCK_D": 128, "B": 32, "BLOCK_N": 64, "PREC": "tf32", "KV_F16": False,
+        "V_KEYS": False}
+# an FP8 pool's dots in float16, as shipped (FP8_POOL_F16); its values key-minor (values_key_minor)
+ATTN_FP8 = {**ATTN, "KV_F16": True, "V_KEYS": True}
+DECODE_FP8 = {**ATTN_FP8, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8[0]}
 
 CASES = {
     "rope + K/V write into an FP8 pool": (triton_ops._rope_qkv_kernel, {
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-        "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}, {"HALF": 64, "BLOCK": 64, "PDL": False}),
+        "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
+        {"HALF": 64, "BLOCK": 64, "VB": 32, "PDL": False}),
     "one token's q/k/v (FP8 weights) + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "pos_ptr": "*i64",
         "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
         {"HAS_BIAS": False, "HAS_SCALE": True, "D": 128, "BLOCK_N": 16, "BLOCK_K": 1024, "FOLD": 16, "PRE": True,
-         "PDL": False}),
+         "VB": 32, "PDL": False}),
     "one token's gate ‖ up + SiLU, FP8 weights": (gemv._gate_up_silu_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "a_ptr": "*bf16"},
         {"HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_N": 16, "BLOCK_K": 1024, "FOLD": 16, "PRE": True,
@@ -44,6 +46,9 @@ CASES = {
                                                                                  "PDL": False}),
     "decode over an FP8 pool, bf16 dots": (triton_attention._decode_split_kernel, FP8_POOL,
                                            {**DECODE_FP8, "KV_F16": False, "SPLITS": 4, "PDL": False}),
+    "decode over an FP8 pool, key slices": (triton_attention._decode_split_kernel, FP8_POOL,
+                                            {**ATTN_FP8, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8_SPLIT[0],
+                                             "SPLITS": 4, "PDL": True}),
     "extend over an FP8 pool": (triton_attention._extend_kernel, FP8_POOL,
                                 {k: v for k, v in ATTN_FP8.items() if k != "BLOCK_G"} | {"BLOCK_M": 64}),
     "split extend over an FP8 pool": (triton_attention._extend_split_kernel, FP8_POOL,
@@ -87,14 +92,15 @@ def compile_case(case: str) -> str:
 
 
 def compile_all() -> None:
-    """Print {case: {"error": None or the compiler's last line, "byte_loads": single-byte
-    shared-memory loads in its PTX}} as JSON."""
+    """Print {case: {"error": None or the compiler's last line, "byte_loads" / "global_byte_loads":
+    single-byte shared / global memory loads in its PTX}} as JSON."""
     import json
     out = {}
     for case in CASES:
         try:
             ptx = compile_case(case)
-            out[case] = {"error": None, "byte_loads": ptx.count("ld.shared.b8 ") + ptx.count("ld.shared.u8 ")}
+            out[case] = {"error": None, "byte_loads": ptx.count("ld.shared.b8 ") + ptx.count("ld.shared.u8 "),
+                         "global_byte_loads": ptx.count("ld.global.b8 ") + ptx.count("ld.global.u8 ")}
         except Exception as e:  # noqa: BLE001 - the case's failure is the result
             out[case] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
     print(json.dumps(out))
@@ -118,9 +124,8 @@ BF16_POOL = {k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in FP8_POOL.items()
 CASES |= {
     "rope + K/V write into a bf16 pool": (triton_ops._rope_qkv_kernel, {
         k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
-        {"HALF": 64, "BLOCK": 64, "PDL": True}),
-    "decode over a bf16 pool": (triton_attention._decode_split_kernel, BF16_POOL, {**ATTN, "V_COLS": False,
-                                                                                   "SPLITS": 4, "PDL": True}),
+        {"HALF": 64, "BLOCK": 64, "VB": 0, "PDL": True}),
+    "decode over a bf16 pool": (triton_attention._decode_split_kernel, BF16_POOL, {**ATTN, "SPLITS": 4, "PDL": True}),
     "one row, bf16 weights": (gemv._gemv_kernel, {**FP8_WEIGHT, "w_ptr": "*bf16"}, {
         "HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 1, "SILU": False, "PRE": True,
         "PDL": True}),
@@ -146,8 +151,10 @@ def test_kernels_compile_for_sm90(case, compiled):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "over an FP8 pool" in c])
-def test_attention_over_an_fp8_pool_takes_no_operand_a_byte_at_a_time(case, compiled):
-    """An FP8 value tile read as rows reached the decode kernel's second dot through one
-    single-byte shared-memory load per element (FP8_V_COLUMNS); the extend kernels' wider dots
-    take theirs from shared memory whole."""
-    assert compiled[case]["error"] is None and compiled[case].get("byte_loads") == 0
+def test_attention_over_an_fp8_pool_reads_no_value_a_byte_at_a_time(case, compiled):
+    """An FP8 value tile stored by rows reached the decode kernel's second dot through one
+    single-byte shared-memory load per element; stored key-minor (values_key_minor) it comes in
+    16-byte runs of keys, which a load masked key by key (or without the run hints) would turn
+    into single-byte global loads."""
+    assert compiled[case]["error"] is None
+    assert compiled[case]["byte_loads"] == 0 and compiled[case]["global_byte_loads"] == 0

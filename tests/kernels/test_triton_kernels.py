@@ -80,6 +80,18 @@ def test_copy_blocks():
     assert torch.equal(pool, ref)
 
 
+def test_a_partial_reuse_of_an_fp8_pool_copies_whole_blocks():
+    """An FP8 pool's values are key-minor (attention_ref.values_key_minor), not rows: the copy of
+    a partly reused block takes the whole block, the rows past n included (stale either way)."""
+    from phalanx.kernels import ops
+    pool = torch.randn(2, 2, 6, 16, 2, 8, generator=torch.Generator().manual_seed(3)).to(DEV, torch.float8_e4m3fn)
+    before = pool.view(torch.uint8).clone()
+    ops.copy_blocks(pool, [1, 4], [3, 0], [5, 16])
+    after = pool.view(torch.uint8)
+    assert after[:, :, 3].equal(before[:, :, 1]) and after[:, :, 0].equal(before[:, :, 4])
+    assert after[:, :, [1, 2, 4, 5]].equal(before[:, :, [1, 2, 4, 5]])
+
+
 def _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=0):
     """Random pool with scattered blocks, packed queries; returns (q, kc, vc, meta)."""
     g = torch.Generator().manual_seed(seed)
@@ -187,11 +199,49 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
     meta.slot_mapping = torch.arange(T, device=DEV) * 3
     triton_ops.rope_and_write_kv(pos, q.clone(), k.clone(), v.clone(), cos_sin, k8, v8, meta.slot_mapping)
     want = v.to(torch.float8_e4m3fn).float()
-    got = v8.view(-1, Hkv, D)[meta.slot_mapping].float()
+    slots = meta.slot_mapping   # values key-minor: [block, Hkv, D, B]
+    got = attention_ref._value_planes(v8)[slots // B, :, :, slots % B].view(torch.float8_e4m3fn).float()
     if CUDA:
         assert ((got - want).abs() <= want.abs() / 8 + 1e-3).all() and (got == want).float().mean() > 0.99
     else:   # the interpreter's e4m3 cast drops the carry of a mantissa that rounds up to a power of two
         assert (got == want).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1], [3, 5]])
+@pytest.mark.parametrize("window", [None, 12])
+def test_a_nan_value_written_into_an_fp8_pool_reaches_no_later_sequence(q_lens, window):
+    """The attention kernels load an FP8 pool's values (key-minor) without a mask by key
+    (attention_ref.values_key_minor): a key past a sequence's end adds its stale value times 0.
+    A request whose activations went NaN writes its values as 0, through the rope + K/V write
+    kernel as through the reference, so the rest of a block it leaves behind poisons no later
+    sequence: decode, extend and split-extend answers stay the reference's."""
+    B, H, Hkv, D, seq_lens = (32 if CUDA else 16), 4, 2, 32, [40, 17]
+    q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, torch.bfloat16, seed=7)
+    kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    # the earlier request held the tail of each sequence's last block
+    tails = [int(meta.block_tables[s, (L - 1) // B]) * B + t for s, L in enumerate(seq_lens) for t in range(L % B, B)]
+    T = len(tails)
+    slots = torch.tensor(tails, device=DEV)
+    nan = torch.full((T, Hkv, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    cos_sin = torch.randn(T, D).to(DEV, torch.float32)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    attention_ref.write_kv_ref(ref_k, ref_v, nan, nan, slots)
+    triton_ops.rope_and_write_kv(torch.arange(T, device=DEV), torch.randn(T, H, D).to(DEV, torch.bfloat16), nan,
+                                 nan.clone(), cos_sin, kc, vc, slots)
+    assert vc.view(torch.uint8).equal(ref_v.view(torch.uint8))
+    assert (attention_ref._value_planes(vc)[slots // B, :, :, slots % B] == 0).all()
+    kc.view(torch.uint8).view(-1, Hkv, D)[slots] = 0x7F      # NaN keys: loaded with a mask by key
+    ref = _ref(q.float(), kc, vc, meta, window)
+    assert not ref.isnan().any()
+    if meta.is_decode_only:
+        outs = [triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, window, n)
+                for n in (1, 2)]
+    else:
+        args = (q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens, meta.max_query_len, D ** -0.5, window)
+        outs = [triton_attention.extend_attention(*args, block_m=16),
+                triton_attention.extend_attention_split(*args, 2)]
+    for out in outs:
+        close(out, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kv_dtype,H", [(torch.bfloat16, 4), (torch.float8_e4m3fn, 4), (torch.bfloat16, 32)])
