@@ -228,19 +228,22 @@ DECODE_CONFIG = (64, 4, 3)
 # cached, 14.9 us (split and merge) against 21.6 with 64 keys, 3 stages and 128-row programs
 EXTEND_CONFIG = (32, 4, 3)
 EXTEND_SPLIT_CONFIG = (32, 4, 2)
-# decode over an FP8 pool (values key-minor), with one key slice and with more. H200, Llama-3.1-8B
-# heads, sequences of 1,500 tokens (docs/results/gpu21_attention_fp8_layout.txt): 64 / 256 / 512
-# sequences (one slice) 55 / 205 / 402 us, 77-85 % of the read bandwidth; one sequence
-# (32 slices) 6.8 us with 64 keys and 2 warps against 8.4 with this one. With the values stored by
-# row (read as columns) the best was 337 / 662 us at 256 / 512.
+# over an FP8 pool (values key-minor). H200, Llama-3.1-8B heads, sequences of 1,500 tokens
+# (tools/bench_attention.py --kv-dtype fp8, docs/results/gpu21_attention_fp8.txt): decode of
+# 64 / 256 / 512 sequences (one key slice) 55.6 / 204.9 / 401.5 us, 76-85 % of the read
+# bandwidth (with the values stored by row, read as columns: 337 / 662 us at 256 / 512); 16
+# sequences in 2 slices 25.9 us against 31.5 with (64, 4, 2), which takes one sequence in 32 slices
+# in 6.4 us against 8.5. A 1,000 / 2,048-token prompt 66.8 / 201.5 us with (64, 4, 2), against
+# 109.2 / 330.5 with EXTEND_CONFIG.
 DECODE_CONFIG_FP8 = (128, 4, 3)
-DECODE_CONFIG_FP8_SPLIT = (64, 2, 2)
+DECODE_CONFIG_FP8_SPLIT = (64, 4, 2)       # more than 4 key slices
+EXTEND_CONFIG_FP8 = (64, 4, 2)
 
 
 def decode_config(k_cache: torch.Tensor, splits: int) -> tuple[int, int, int]:
     if k_cache.element_size() != 1:
         return DECODE_CONFIG
-    return DECODE_CONFIG_FP8 if splits == 1 else DECODE_CONFIG_FP8_SPLIT
+    return DECODE_CONFIG_FP8 if splits <= 4 else DECODE_CONFIG_FP8_SPLIT
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -320,12 +323,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      window: int | None, block_m: int = 64,
                      config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] packed over S sequences -> [T, H, D] (into ``out`` when given). config: (keys
-    per step, warps, stages), EXTEND_CONFIG by default."""
+    per step, warps, stages), EXTEND_CONFIG by default (EXTEND_CONFIG_FP8 over an FP8 pool)."""
     T, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     S = seq_lens.shape[0]
     out = torch.empty_like(q) if out is None else out
-    block_n, warps, stages = config or EXTEND_CONFIG
+    block_n, warps, stages = config or (EXTEND_CONFIG_FP8 if k_cache.element_size() == 1 else EXTEND_CONFIG)
     block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
     _extend_kernel[(triton.cdiv(max_query_len, block_m), S, H)](
         q, k_cache, v_cache, block_tables, query_start, seq_lens, out,
