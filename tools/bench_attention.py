@@ -179,7 +179,7 @@ def main() -> None:
             kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         pools = [(kc, vc)]
         if a.hit_cold:   # together at least twice L2
-            pools += [(torch.randn_like(kc), torch.randn_like(vc))
+            pools += [tuple(torch.randn(c.shape, device="cuda").to(c.dtype) for c in (kc, vc))
                       for _ in range(min(63, -(-2 * gemv_tuner.L2_BYTES // (2 * kc.nbytes)) - 1))]
         q = torch.randn(new, H, D, dtype=dtype, device="cuda")
         qs = torch.tensor([0, new], dtype=torch.int32, device="cuda")

@@ -47,10 +47,12 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     """k, v: [T, Hkv, D] written at slots [T] of the flattened pool (rounded to its dtype; FP8
     with scale 1, saturating at ±448; a NaN value into a key-minor pool as 0)."""
     Hkv, D = k.shape[-2:]
+    if k_cache.element_size() == 1:     # (saturating whatever torch's own cast does; a NaN stays NaN)
+        k, v = k.float().clamp(-448.0, 448.0), v.float().clamp(-448.0, 448.0)
     _raw(k_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(k.to(k_cache.dtype)))
     if values_key_minor(v_cache):
         B = v_cache.shape[1]
-        v = torch.where(v.isnan(), 0.0, v.float())
+        v = torch.where(v.isnan(), 0.0, v)
         _value_planes(v_cache)[slot_mapping // B, :, :, slot_mapping % B] = _raw(v.to(v_cache.dtype))
     else:
         _raw(v_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(v.to(v_cache.dtype)))

@@ -90,8 +90,8 @@ def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
     ``V_KEYS``: the pool's values are key-minor (``values_key_minor``, an FP8 pool), read as a
     [D, BLOCK_N] tile of 16-byte runs of keys and transposed. Those loads are not masked by key:
     every tile starts at a multiple of 16 keys (a block's start, then BLOCK_N at a time) and B is
-    a multiple of 16, so a run never leaves its block, and a key past ``hi`` in a block the
-    sequence holds (or in block 0, past its table) gives a finite stale value no weight."""
+    a multiple of 16, so a run never leaves its block; a key outside [lo, hi) in a block the tile
+    reads (block 0 past the slice's last block) gives its finite stale value no weight."""
     kpos = p0 + tl.arange(0, BLOCK_N)
     km = (kpos >= lo) & (kpos < hi)
     blk = tl.load(bt_row + kpos // B, mask=kpos < tl.cdiv(hi, B) * B, other=0).to(tl.int64)
@@ -241,6 +241,7 @@ EXTEND_CONFIG_FP8 = (64, 4, 2)
 
 
 def decode_config(k_cache: torch.Tensor, splits: int) -> tuple[int, int, int]:
+    """(keys per step, warps, stages) of the decode kernel over this pool with ``splits`` key slices."""
     if k_cache.element_size() != 1:
         return DECODE_CONFIG
     return DECODE_CONFIG_FP8 if splits <= 4 else DECODE_CONFIG_FP8_SPLIT

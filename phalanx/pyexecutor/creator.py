@@ -128,7 +128,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         from phalanx.kernels import triton_attention
         triton_attention.compile_decode_splits(pool.tensor[0, 0], pool.tensor[0, 1], heads.num_heads, dtype)
         triton_attention.compile_extend_forms(pool.tensor[0, 0], pool.tensor[0, 1], heads.num_heads, dtype)
-    if device.type == "cuda":   # the partial-reuse copy too, over no rows of the block no one owns
+    if device.type == "cuda":   # the partial-reuse copy too, the block no one owns onto itself
         ops.copy_blocks(pool.tensor, [pool.num_blocks - 1], [pool.num_blocks - 1], [0])
     if device.type == "cuda" and args.cuda_graph_config is not None and not ref_attention:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)

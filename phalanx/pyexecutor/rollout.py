@@ -185,7 +185,7 @@ class Rollout:
         if "kv_cache" in tags and "kv_cache" in self.asleep:
             storage = runner.kv_pool.tensor.untyped_storage()
             storage.resize_(self._kv_bytes)
-            runner.kv_pool.tensor.zero_()
+            runner.kv_pool.tensor.zero_()    # an FP8 pool must hold no NaN (attention_ref.values_key_minor)
             self.asleep.discard("kv_cache")
         recaptured = False
         if not self.asleep and self._graphs_dropped and runner.graphs is not None:

@@ -185,6 +185,8 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
     ref = _ref(q.float(), kc, vc, meta, None)
     if meta.is_decode_only:
         out = triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, None, 3)
+        close(triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, None, 8),
+              ref, dtype)    # (more than 4 key slices: DECODE_CONFIG_FP8_SPLIT)
     else:
         out = triton_attention.extend_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
                                                 meta.max_query_len, D ** -0.5, None, block_m=16 if not CUDA else 64)

@@ -187,6 +187,7 @@ def test_sleep_releases_memory_and_wake_up_serves_the_same(llm, checkpoints):
     assert llm.is_sleeping
     llm.update_weights_from_disk(dirs["b"], weight_version="b")
     llm.wake_up(["kv_cache"])
+    assert not llm._executor.engine.runner.kv_pool.tensor.any()  # zeroed, as an FP8 pool's kernels need
     check_equals(greedy(llm), hf["b"], what="sleep(2) + update")
     with pytest.raises(ValueError, match="level"):
         llm.sleep(3)
