@@ -10,7 +10,11 @@ output channel (row of W) gets a float32 scale = max |W[n]| / 448, and W is stor
   activations as they are: W8A16, no activation rounding);
 - more rows: ``linear`` — each activation row is quantized to e4m3 with its own scale (dynamic,
   per token) and ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM, row-wise scales) multiplies (W8A8),
-  with Hopper's fast FP8 accumulation (``FAST_ACCUM``).
+  with Hopper's fast FP8 accumulation (``FAST_ACCUM``). The kernel in front quantizes where it
+  can, so that the rows make one trip through memory in e4m3 instead of two in bf16 and one
+  more kernel: an RMSNorm in front hands over ``Fp8Rows`` (``RMSNorm.fp8_rows_above``, set at
+  build time where ``takes_fp8_rows``), the down projection's SiLU-and-mul quantizes in the
+  same kernel (``silu_linear``).
 
 The reference (and the path on a CPU, or where a shape or dtype does not suit ``_scaled_mm``) is
 the bf16 projection of the dequantized weight, q · scale, so the whole engine runs and is
@@ -21,28 +25,46 @@ tested on a CPU. MoE experts take the same per-row scales in the fused MoE kerne
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)     # 448
-_TINY = 1e-12                             # the scale of an all-zero row or channel
+TINY = 1e-12                             # the scale of an all-zero row or channel
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> (q [N, K] e4m3, scale [N] float32) with W ≈ q · scale[:, None]."""
     w32 = w.float()
-    scale = (w32.abs().amax(dim=1) / FP8_MAX).clamp(min=_TINY)
+    scale = (w32.abs().amax(dim=1) / FP8_MAX).clamp(min=TINY)
     q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32), one scale per row (token). On a GPU one
-    Triton kernel (``triton_ops.quantize_rows_fp8``: eight torch kernels cost ~20 µs a projection)."""
+class Fp8Rows(NamedTuple):
+    """Activations quantized per row: x ≈ q · scale, q [M, K] e4m3, scale [M, 1] float32;
+    ``dtype``: what x was computed in, and what a product of the rows gives."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.q.float() * self.scale).to(self.dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> Fp8Rows:
+    """x [M, K] -> rows in e4m3 with one float32 scale per row (token). On a GPU one Triton kernel
+    (``triton_ops.quantize_rows_fp8``: eight torch kernels cost ~20 µs a projection)."""
     if x.is_cuda:
-        return _triton_ops().quantize_rows_fp8(x, FP8_MAX, _TINY)
+        q, scale = _triton_ops().quantize_rows_fp8(x, FP8_MAX, TINY)
+        return Fp8Rows(q, scale, x.dtype)
     return quantize_rows_reference(x)
 
 
@@ -52,10 +74,10 @@ def _triton_ops():   # imported once, on the first GPU call (this module imports
     return triton_ops
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=TINY)
+    return Fp8Rows((x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale, x.dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -117,11 +139,35 @@ def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
             and rowwise_scaled_mm(x.device))
 
 
-def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row and
-    ``torch._scaled_mm`` where it fits (``scaled_mm_fits``), else the reference."""
-    if not scaled_mm_fits(x, q):
+def takes_fp8_rows(q: torch.Tensor, act_dtype: torch.dtype) -> bool:
+    """Whether the many-row product of this FP8 weight multiplies FP8 rows (``scaled_mm_fits`` for
+    every batch of activations in ``act_dtype``): then the kernel in front may quantize them."""
+    return (q.is_cuda and q.dtype == FP8 and act_dtype == torch.bfloat16 and q.shape[0] % 16 == 0
+            and q.shape[1] % 16 == 0 and rowwise_scaled_mm(q.device))
+
+
+def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row (unless they
+    come so, as ``Fp8Rows``) and ``torch._scaled_mm`` where it fits (``scaled_mm_fits``), else the
+    reference (of the rows as they came)."""
+    if isinstance(x, Fp8Rows):
+        if not (x.q.is_cuda and takes_fp8_rows(q, x.dtype)):
+            return reference(x.dequantize(), q, bias, scale)
+        rows = x
+    elif scaled_mm_fits(x, q):
+        rows = quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
+    else:
         return reference(x, q, bias, scale)
-    xq, xs = quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
-    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
+    y = torch._scaled_mm(rows.q, q.t(), scale_a=rows.scale, scale_b=scale[None, :], out_dtype=rows.dtype,
+                         use_fast_accum=FAST_ACCUM)
     return y if bias is None else y + bias
+
+
+def silu_linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, 2I] (gate ‖ up) -> silu(gate) * up · Wᵀ (+ b): where ``_scaled_mm`` takes the product,
+    silu(gate) * up is quantized per row by the same kernel (``triton_ops.silu_and_mul_fp8``)."""
+    from phalanx.kernels import ops
+    if not (scaled_mm_fits(x, q) and ops.triton_available() and x.shape[1] // 2 <= _triton_ops().SILU_FP8_MAX_ROW):
+        return linear(ops.silu_and_mul(x), q, bias, scale)
+    rows, rows_scale = _triton_ops().silu_and_mul_fp8(x, FP8_MAX, TINY)
+    return linear(Fp8Rows(rows, rows_scale, x.dtype), q, bias, scale)

@@ -115,15 +115,10 @@ def bucket(rows: int) -> int:
 
 def run_cublas(neighbour: Neighbour, fp8: bool = False) -> Launch:
     """F.linear (cuBLAS on a GPU), or ``fp8.linear`` for FP8 weights, after silu(gate) * up
-    behind SILU."""
+    behind SILU (for FP8 weights quantized by the same kernel: ``fp8.silu_linear``)."""
     if fp8:
         from phalanx.kernels import fp8 as f8
-        if neighbour is not Neighbour.SILU:
-            return f8.linear
-
-        def run_fp8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
-            return f8.linear(ops.silu_and_mul(x), w, b, scale)
-        return run_fp8
+        return f8.silu_linear if neighbour is Neighbour.SILU else f8.linear
     if neighbour is not Neighbour.SILU:
         return F.linear
 

@@ -22,8 +22,10 @@ def _pow2(n: int) -> int:
 
 # -- RMSNorm ---------------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                     H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, stride_x, stride_r, stride_o,
+                     H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     FP8_OUT: tl.constexpr = False, FMAX: tl.constexpr = 448.0, TINY: tl.constexpr = 1e-12):
+    """One row. ``FP8_OUT``: the normed row leaves quantized (``quantize_row``), its scale in s_ptr."""
     release(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -37,7 +39,22 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     y = (xf * rstd).to(x.dtype) * w
-    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if FP8_OUT:
+        quantize_row(y, out_ptr + row * stride_o + cols, mask, s_ptr + row, FMAX, TINY)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+@triton.jit
+def quantize_row(y, q_ptrs, mask, s_ptr, FMAX: tl.constexpr, TINY: tl.constexpr):
+    """A whole row held by one program -> e4m3 at ``q_ptrs`` with its scale max |y| / FMAX at
+    ``s_ptr``: what ``_quantize_rows_kernel`` computes from the row in memory, so that a fused
+    producer and the kernels apart give the same bytes."""
+    yf = y.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0) / FMAX, TINY)
+    tl.store(s_ptr, scale)
+    q = tl.minimum(tl.maximum(yf / scale, -FMAX), FMAX)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +68,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     H = x2.shape[1]
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), H, eps,
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, out, x2.stride(0), 0, out.stride(0), H, eps,
                                      HAS_RES=False, BLOCK=_pow2(H), **pdl.launch(x2))
     return out.view(x.shape)
 
@@ -62,9 +79,26 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     H = x2.shape[1]
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, out, x2.stride(0), r2.stride(0), out.stride(0),
                                      H, eps, HAS_RES=True, BLOCK=_pow2(H), **pdl.launch(x2))
     return out.view(x.shape), res_out.view(x.shape)
+
+
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fmax: float,
+                 tiny: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of x [T, H] (of x + residual, also returned as the new residual), quantized per row
+    in the same kernel: (q [T, H] float8_e4m3fn, scale [T, 1] float32, new residual or None)."""
+    x2 = _rows(x)
+    T, H = x2.shape
+    q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(T, 1, dtype=torch.float32, device=x.device)
+    r2 = _rows(residual) if residual is not None else x2
+    res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else q
+    if T:
+        _rms_norm_kernel[(T,)](x2, r2, weight, q, res_out, scale, x2.stride(0), r2.stride(0), q.stride(0), H, eps,
+                               HAS_RES=residual is not None, BLOCK=_pow2(H), FP8_OUT=True, FMAX=fmax, TINY=tiny,
+                               **pdl.launch(x2))
+    return q, scale, res_out if residual is not None else None
 
 
 # -- rotary + K/V write -----------------------------------------------------------------------------
@@ -186,6 +220,39 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK,
                                                             **pdl.launch(x))
     return out
+
+
+# a program holds a whole row of silu(gate) * up (its amax comes before the first store): rows up to
+# this many elements (Llama-3.1-70B's 28,672 at one rank); wider ones take the two kernels apart
+SILU_FP8_MAX_ROW = 32768
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, N, FMAX: tl.constexpr, TINY: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    y = silu_mul(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0),
+                 tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0))
+    quantize_row(y, q_ptr + row * stride_q + cols, m, s_ptr + row, FMAX, TINY)
+
+
+def silu_and_mul_fp8(x: torch.Tensor, fmax: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, 2N] (gate ‖ up) -> silu(gate) * up quantized per row, one kernel: (q [T, N]
+    float8_e4m3fn, scale [T, 1] float32); N ≤ ``SILU_FP8_MAX_ROW``."""
+    T, N2 = x.shape
+    N = N2 // 2
+    if _pow2(N) > SILU_FP8_MAX_ROW:
+        raise ValueError(f"silu_and_mul_fp8: rows of {N} elements, at most {SILU_FP8_MAX_ROW}")
+    q = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(T, 1, dtype=torch.float32, device=x.device)
+    if T:
+        BLOCK = _pow2(N)
+        _silu_mul_fp8_kernel[(T,)](x, q, scale, x.stride(0), q.stride(0), N, FMAX=fmax, TINY=tiny, BLOCK=BLOCK,
+                                   num_warps=max(4, min(16, BLOCK // 1024)), **pdl.launch(x))
+    return q, scale
 
 
 # -- FP8 activations -----------------------------------------------------------------------------------

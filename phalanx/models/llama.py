@@ -134,6 +134,20 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_norm(x, residual, x_partial)
         return self.mlp_block(self.self_attn(positions, h, meta, k_cache, v_cache), residual)
 
+    def quantize_norm_outputs(self, act_dtype: torch.dtype) -> None:
+        """Where the projection after a norm multiplies FP8 rows (``fp8.takes_fp8_rows``), the norm
+        quantizes the batches that projection runs on cuBLASLt (more rows than the skinny kernels'
+        buckets) in its own kernel (``RMSNorm.fp8_rows_above``). Set once, by the engine on a GPU."""
+        from phalanx.kernels import fp8
+        from phalanx.kernels.linear_plan import ROW_BUCKETS
+        from phalanx.models.layers import Projection
+        after: list[tuple[RMSNorm, Projection]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, MLP):
+            after.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        for norm, proj in after:
+            if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype):
+                norm.fp8_rows_above = ROW_BUCKETS[-1]
+
     # the halves around attention (a piecewise CUDA graph captures them apart: cuda_graph.py)
     def input_norm(self, x, residual, x_partial: bool = False):
         """(normed x, residual) for attention: the residual add first after the first layer."""

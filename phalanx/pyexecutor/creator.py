@@ -237,13 +237,15 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
     from phalanx.kernels import gemv_tuner
     from phalanx.kernels.linear_plan import Neighbour
     from phalanx.models.layers import Projection
-    from phalanx.models.llama import MLP, Attention
+    from phalanx.models.llama import MLP, Attention, DecoderLayer
     act_dtype = model.activation_dtype
     report: dict[str, float] = {}
     for m in model.modules():
         if isinstance(m, Projection) and m.weight.is_cuda:
             m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report, fp8=m.weight_scale is not None,
                                             act_dtype=act_dtype)
+        elif isinstance(m, DecoderLayer):
+            m.quantize_norm_outputs(act_dtype)
     from phalanx.models.moe import SparseMoE
     for m in model.modules():
         if isinstance(m, SparseMoE) and m.w13.is_cuda:   # a rank under attention DP sees every rank's tokens

@@ -48,18 +48,19 @@ def test_cuda_graph_and_eager_give_identical_tokens(dtype, tiny_models):
     assert out[True] == out[False]
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_no_kernel_compiles_while_serving(kv, tiny_models):
+@pytest.mark.parametrize("kv,weights,max_num_tokens", [("auto", None, 64), ("fp8", None, 64), ("fp8", "fp8", 128)])
+def test_no_kernel_compiles_while_serving(kv, weights, max_num_tokens, tiny_models):
     """Every kernel form a step can need exists once start-up is over: a compile (a second or so)
     in the middle of a step stalls every request in it. Chunked prompts beside decode rows (a
     mixed step's extend rows start at an odd row), prefix hits copying part of a block, and every
     count of sampled rows; the step timing lists the compiles made while it ran. The engine runs
-    in an MPI rank of its own: in this process, forms an earlier test compiled would hide a gap."""
+    in an MPI rank of its own: in this process, forms an earlier test compiled would hide a gap.
+    With FP8 weights, steps of more than 64 rows take the norms and the SiLU-and-mul that quantize."""
     ps = prompts(256, n=24, seed=7)
     shared = [ps[i % 4][:20] + p for i, p in enumerate(prompts(256, n=16, seed=8))]   # hits inside a block
     sp = [SamplingParams(max_tokens=3 + i % 11, ignore_eos=True) for i in range(len(ps))]
-    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16",
-             max_num_tokens=64, kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 16 << 20},
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", quantization=weights,
+             max_num_tokens=max_num_tokens, kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 16 << 20},
              cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}) as llm:
         llm.control("timing:on")
         llm.generate(ps, sp, use_tqdm=False)
@@ -209,6 +210,28 @@ def test_fp8_greedy_equals_transformers_with_the_round_tripped_weights_on_the_gp
         want, gaps = hf_greedy(ref, p, 10)
         assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
     assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_fp8_rows_quantized_by_the_norms_and_the_silu_give_the_tokens_of_the_quantization_apart(tiny_models):
+    """bf16 activations and FP8 weights: prompt steps of more than 64 rows multiply on cuBLASLt
+    rows that the norms and the SiLU-and-mul quantize in their own kernels. The same engine with
+    the norms' hand-over turned off (the row quantization kernel apart, as before) gives the same
+    tokens: the fused kernels write the same bytes (tests/kernels)."""
+    from phalanx.models.layers import RMSNorm
+    g = torch.Generator().manual_seed(10)
+    ps = [torch.randint(0, 256, (70 + 17 * i,), generator=g).tolist() for i in range(6)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", quantization="fp8",
+             orchestrator_type="inprocess", cuda_graph_config=None,
+             kv_cache_config={"enable_block_reuse": False}) as llm:
+        model = llm._executor.engine.runner.model
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.fp8_rows_above is not None]
+        assert len(norms) == 2 * model.config.num_layers and {m.fp8_rows_above for m in norms} == {64}
+        fused = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        for m in norms:
+            m.fp8_rows_above = None
+        apart = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    assert fused == apart
 
 
 def test_fp8_kv_pool_on_the_gpu_holds_more_blocks_and_keeps_the_greedy_tokens_close(tiny_models):

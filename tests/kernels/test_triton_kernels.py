@@ -420,7 +420,7 @@ def test_quantize_rows_fp8_kernel_equals_the_reference(M, K):
                                                                              torch.float32)
     x[0, :7] = 0.0
     q, scale = triton_ops.quantize_rows_fp8(x, fp8.FP8_MAX, 1e-12)
-    rq, rscale = fp8.quantize_rows_reference(x)
+    rq, rscale, _ = fp8.quantize_rows_reference(x)
     torch.testing.assert_close(scale, rscale)
     back, rback = q.float() * scale, rq.float() * rscale
     near = (back - rback).abs() <= rback.abs() / 8 + rscale / 64      # the same e4m3 value or a neighbour
@@ -428,6 +428,51 @@ def test_quantize_rows_fp8_kernel_equals_the_reference(M, K):
         assert near.all() and (back == rback).float().mean() > 0.99
     else:   # the interpreter's e4m3 cast drops the carry of a mantissa that rounds up to a power of two
         assert (back == rback).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 96)] + ([(70, 4096)] if CUDA else []))
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_quantized_per_row_equals_the_norm_and_the_quantization_apart(T, H, residual):
+    """The norm in front of an FP8 product hands over e4m3 rows: the same bytes and scales as the
+    norm kernel followed by the row quantization kernel (and the residual the fused add gives)."""
+    from phalanx.kernels import fp8
+    g = torch.Generator().manual_seed(12)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = (torch.randn(T, H, generator=g) * torch.logspace(-2, 2, T)[:, None]).to(DEV, dtype)
+    r = torch.randn(T, H, generator=g).to(DEV, dtype)
+    w = torch.randn(H, generator=g).to(DEV, dtype)
+    q, scale, res = triton_ops.rms_norm_fp8(x, r if residual else None, w, 1e-6, fp8.FP8_MAX, fp8.TINY)
+    if residual:
+        h, res_apart = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(res, res_apart)
+    else:
+        h = triton_ops.rms_norm(x, w, 1e-6)
+        assert res is None
+    q_apart, scale_apart = triton_ops.quantize_rows_fp8(h, fp8.FP8_MAX, fp8.TINY)
+    assert q.dtype == fp8.FP8 and scale.shape == (T, 1)
+    torch.testing.assert_close(scale, scale_apart, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_apart.view(torch.uint8))
+    ref = fp8.quantize_rows_reference(h)                 # and near the torch quantization of the row
+    back, rback = q.float() * scale, ref.q.float() * ref.scale
+    if CUDA:   # the same e4m3 value or a neighbour
+        assert ((back - rback).abs() <= rback.abs() / 8 + ref.scale / 64).all()
+    else:      # the interpreter's e4m3 cast drops the carry of a mantissa that rounds up to a power of two
+        assert (back == rback).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("T,N", [(1, 64), (4, 100)] + ([(70, 14336)] if CUDA else []))
+def test_silu_and_mul_quantized_per_row_equals_the_two_kernels_apart(T, N):
+    from phalanx.kernels import fp8
+    g = torch.Generator().manual_seed(13)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = (torch.randn(T, 2 * N, generator=g) * torch.logspace(-2, 2, T)[:, None]).to(DEV, dtype)
+    x[0, :5] = 0.0
+    q, scale = triton_ops.silu_and_mul_fp8(x, fp8.FP8_MAX, fp8.TINY)
+    q_apart, scale_apart = triton_ops.quantize_rows_fp8(triton_ops.silu_and_mul(x), fp8.FP8_MAX, fp8.TINY)
+    torch.testing.assert_close(scale, scale_apart, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_apart.view(torch.uint8))
+    with pytest.raises(ValueError, match="at most 32768"):
+        triton_ops.silu_and_mul_fp8(torch.zeros(1, 2 * 40000, device=DEV, dtype=dtype), fp8.FP8_MAX, fp8.TINY)
 
 
 @pytest.mark.parametrize("H,Hkv,D,bias",

@@ -310,3 +310,39 @@ def test_a_broken_fp8_checkpoint_is_refused_before_any_weight_changes(tiny_model
             llm.update_weights_from_disk(str(tmp_path / "ckpt"))
         after = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
     assert after == before
+
+
+def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(tiny_models):
+    """A norm whose projection multiplies FP8 rows (``fp8_rows_above``, set by the engine on a GPU)
+    quantizes the batches of more rows itself: the rows and scales of quantizing its output, the
+    residual unchanged, and the projection takes them as they are; fewer rows stay in the model's
+    dtype for the skinny kernels. On the CPU no projection takes FP8 rows, so the engine sets none."""
+    from phalanx.kernels import ops
+    from phalanx.models.loader import build_model, resolve_model
+    source = resolve_model(tiny_models["llama"])
+    model = build_model(source, torch.float32, torch.device("cpu"), load_format="dummy", seed=3, fp8=True)
+    layer = model.model.decoder_layers[0]
+    layer.quantize_norm_outputs(torch.bfloat16)
+    assert layer.input_layernorm.fp8_rows_above is None and layer.post_attention_layernorm.fp8_rows_above is None
+    norm, mlp = layer.post_attention_layernorm, layer.mlp
+    g = torch.Generator().manual_seed(9)
+    H = source.config.hidden_size
+    x, res = torch.randn(9, H, generator=g), torch.randn(9, H, generator=g)
+    norm.fp8_rows_above = 4
+    rows, new_res = norm(x, res)
+    h, want_res = ops.fused_add_rms_norm(x, res, norm.weight, norm.eps)
+    want = fp8.quantize_rows_reference(h)
+    assert isinstance(rows, fp8.Fp8Rows) and rows.dtype == torch.float32 and rows.shape == (9, H)
+    assert torch.equal(rows.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(rows.scale, want.scale)
+    assert torch.equal(new_res, want_res)
+    gu = mlp.gate_up_proj
+    torch.testing.assert_close(gu(rows), fp8.reference(want.dequantize(), gu.weight, gu.bias, gu.weight_scale))
+    torch.testing.assert_close(mlp(rows), mlp(want.dequantize()))
+    few, few_res = norm(x[:4], res[:4])
+    assert isinstance(few, torch.Tensor) and torch.equal(few, h[:4]) and torch.equal(few_res, want_res[:4])
+    alone = layer.input_layernorm
+    alone.fp8_rows_above = 4
+    first = alone(x)                                        # the first layer's norm: no residual
+    assert isinstance(first, fp8.Fp8Rows)
+    assert torch.equal(first.q.view(torch.uint8),
+                       fp8.quantize_rows_reference(ops.rms_norm(x, alone.weight, alone.eps)).q.view(torch.uint8))
