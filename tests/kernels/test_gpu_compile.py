@@ -32,7 +32,7 @@ CASES = {
     "rope + K/V write into an FP8 pool": (triton_ops._rope_qkv_kernel, {
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
         "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
-        {"HALF": 64, "BLOCK": 64, "VB": 32, "PDL": False}),
+        {"HALF": 64, "BLOCK": 64, "HEADS": 8, "VB": 32, "PDL": False}),
     "one token's q/k/v (FP8 weights) + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "pos_ptr": "*i64",
         "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
@@ -125,7 +125,7 @@ BF16_POOL = {k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in FP8_POOL.items()
 CASES |= {
     "rope + K/V write into a bf16 pool": (triton_ops._rope_qkv_kernel, {
         k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
-        {"HALF": 64, "BLOCK": 64, "VB": 0, "PDL": True}),
+        {"HALF": 64, "BLOCK": 64, "HEADS": 8, "VB": 0, "PDL": True}),
     "decode over a bf16 pool": (triton_attention._decode_split_kernel, BF16_POOL, {**ATTN, "SPLITS": 4, "PDL": True}),
     "one row, bf16 weights": (gemv._gemv_kernel, {**FP8_WEIGHT, "w_ptr": "*bf16"}, {
         "HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 1, "SILU": False, "PRE": True,

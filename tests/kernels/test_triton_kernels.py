@@ -46,8 +46,11 @@ def test_rms_norm_and_fused_add(T, H, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 32), (7, 8, 2, 64)] + ([(33, 32, 8, 128)] if CUDA else []))
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 32), (7, 8, 2, 64), (3, 3, 1, 32), (5, 16, 8, 32)]
+                         + ([(33, 32, 8, 128), (9, 40, 10, 128)] if CUDA else []))
 def test_rope_and_write_kv(T, H, Hkv, D, dtype):
+    """Every head of every token rotated and written, whatever the programs' share of heads
+    (``rope_heads``: 2, 2, 1 and 8 here; on a GPU 8 and 2)."""
     from phalanx.models.layers import RotaryEmbedding
     g = torch.Generator(device="cpu").manual_seed(1)
     rot = RotaryEmbedding(D, 256, 10000.0, {"rope_type": "default"}).to(DEV)
@@ -63,6 +66,14 @@ def test_rope_and_write_kv(T, H, Hkv, D, dtype):
     close(q_out, q_ref, dtype)
     close(kc.view(-1, Hkv, D)[slots], k_ref, dtype)
     close(vc.view(-1, Hkv, D)[slots], v, dtype)
+
+
+def test_rope_programs_never_hold_query_and_kv_heads_together():
+    for H, Hkv in ((32, 8), (40, 10), (28, 4), (64, 8), (3, 1), (8, 8), (12, 6)):
+        heads = triton_ops.rope_heads(H, Hkv)
+        assert H % heads == 0 and Hkv % heads == 0 and heads <= triton_ops.ROPE_MAX_HEADS
+        assert heads == triton_ops.ROPE_MAX_HEADS or H % (2 * heads) or Hkv % (2 * heads)   # the largest that fits
+    assert triton_ops.rope_heads(32, 8) == 8 and triton_ops.rope_heads(3, 1) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -420,6 +431,8 @@ def test_quantize_rows_fp8_kernel_equals_the_reference(M, K):
                                                                              torch.float32)
     x[0, :7] = 0.0
     q, scale = triton_ops.quantize_rows_fp8(x, fp8.FP8_MAX, 1e-12)
+    q2, scale2 = triton_ops.quantize_rows_fp8(x, fp8.FP8_MAX, 1e-12, held=32)   # rows read twice, in tiles
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scale, scale2)
     rq, rscale, _ = fp8.quantize_rows_reference(x)
     torch.testing.assert_close(scale, rscale)
     back, rback = q.float() * scale, rq.float() * rscale
