@@ -144,8 +144,9 @@ def main() -> None:
                 first = got if first is None else first
                 diff = (got - first).abs().max().item()   # against the first form of this point
                 us = _time(call)
+                shipped = triton_attention.decode_config(kc, splits, S * Hkv * splits / sms)
                 rows.append({"kernel": "decode", "batch": S, "context": ctx, "splits": splits,
-                             "auto_splits": splits == auto, "config": cfg or triton_attention.decode_config(kc, splits),
+                             "auto_splits": splits == auto, "config": cfg or shipped,
                              "shipped": cfg is None, "dots": _dots_ran(dots, a.kv_dtype), "us": us,
                              "max_diff_to_first": diff,
                              "tb_s": nbytes / us / 1e6, "of_read": nbytes / us / 1e6 / read_tb_s})

@@ -218,7 +218,8 @@ def compile_decode_splits(k_cache: torch.Tensor, v_cache: torch.Tensor, num_head
     tables = torch.zeros(1, 1, dtype=torch.int32, device=k_cache.device)
     lens = torch.ones(1, dtype=torch.int32, device=k_cache.device)
     for i in range(MAX_SPLITS.bit_length()):
-        decode_attention(q, k_cache, v_cache, tables, lens, D ** -0.5, None, 1 << i)
+        for config in decode_configs(k_cache, 1 << i):
+            decode_attention(q, k_cache, v_cache, tables, lens, D ** -0.5, None, 1 << i, config)
 
 
 # keys per inner step, and the launch's warps and pipeline stages
@@ -238,24 +239,51 @@ EXTEND_SPLIT_CONFIG = (32, 4, 2)
 DECODE_CONFIG_FP8 = (128, 4, 3)
 DECODE_CONFIG_FP8_SPLIT = (64, 4, 2)       # more than 4 key slices
 EXTEND_CONFIG_FP8 = (64, 4, 2)
+# One key slice over a grid that fills every SM many times over (large batches): small programs,
+# so that many stay resident on an SM; the larger tiles above leave 2-3 programs an SM, which
+# short contexts (one or two tiles a program) cannot keep busy. H200, Llama-3.1-8B heads (8 KV
+# heads: 15.5 / 31 programs an SM at 256 / 512 sequences), tools/bench_attention.py,
+# docs/results/gpu22_attention_*.txt; sequences of 150 / 400 / 1,500 tokens, µs:
+#   bf16 pool, 512 seqs: (64, 4, 3) 92.3 / 208.3 / 708.3, (32, 2, 2) 82.0 / 197.4 / 700.0
+#   bf16 pool, 256 seqs: (64, 4, 3) 50.1 / 108.7 / 357.2, (32, 2, 2) 42.8 / 100.8 / 355.0
+#   FP8 pool, 512 seqs: (128, 4, 3) 94.3 / 153.7 / 398.4, (64, 1, 2) 62.9 / 127.1 / 395.3,
+#                       (32, 1, 3) 50.0 / 115.1 / 390.7
+#   FP8 pool, 256 seqs: (128, 4, 3) 47.4 / 79.9 / 205.2, (64, 1, 2) 32.8 / 65.1 / 202.0,
+#                       (32, 1, 3) 29.8 / 67.8 / 224.2
+WIDE_GRID = 12                             # programs an SM from which a grid counts as wide
+DECODE_CONFIG_WIDE = (32, 2, 2)
+DECODE_CONFIG_FP8_WIDE = (64, 1, 2)
+DECODE_CONFIG_FP8_WIDEST = (32, 1, 3)      # from twice WIDE_GRID
 
 
-def decode_config(k_cache: torch.Tensor, splits: int) -> tuple[int, int, int]:
-    """(keys per step, warps, stages) of the decode kernel over this pool with ``splits`` key slices."""
-    if k_cache.element_size() != 1:
+def decode_config(k_cache: torch.Tensor, splits: int, programs_per_sm: float = 0.0) -> tuple[int, int, int]:
+    """(keys per step, warps, stages) of the decode kernel over this pool with ``splits`` key
+    slices, for a grid of ``programs_per_sm`` (sequences × KV heads × slices over the SMs)."""
+    fp8 = k_cache.element_size() == 1
+    if splits == 1 and programs_per_sm >= WIDE_GRID:
+        if not fp8:
+            return DECODE_CONFIG_WIDE
+        return DECODE_CONFIG_FP8_WIDEST if programs_per_sm >= 2 * WIDE_GRID else DECODE_CONFIG_FP8_WIDE
+    if not fp8:
         return DECODE_CONFIG
     return DECODE_CONFIG_FP8 if splits <= 4 else DECODE_CONFIG_FP8_SPLIT
+
+
+def decode_configs(k_cache: torch.Tensor, splits: int) -> list[tuple[int, int, int]]:
+    """Every config ``decode_config`` gives this pool with ``splits`` slices, whatever the grid
+    (each is a compiled form of the kernel: ``compile_decode_splits`` runs them all)."""
+    return list(dict.fromkeys(decode_config(k_cache, splits, p) for p in (0.0, WIDE_GRID, 2 * WIDE_GRID)))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int | None, splits: int,
                      config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [S, H, D] (one query per sequence) -> [S, H, D] (into ``out`` when given). config: (keys
-    per step, warps, stages), ``decode_config`` by default."""
+    per step, warps, stages), ``decode_config`` of this grid by default."""
     S, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     G = H // Hkv
-    block_n, warps, stages = config or decode_config(k_cache, splits)
+    block_n, warps, stages = config or decode_config(k_cache, splits, S * Hkv * splits / _num_sms(q.device))
     out = torch.empty(S, H, D, dtype=q.dtype, device=q.device) if out is None else out
     if splits == 1:   # one slice is the whole answer: written in q's dtype, no merge
         part, lse = out.unsqueeze(2), out      # lse: a placeholder, never written with one slice

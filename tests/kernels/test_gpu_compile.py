@@ -49,6 +49,12 @@ CASES = {
     "decode over an FP8 pool, key slices": (triton_attention._decode_split_kernel, FP8_POOL,
                                             {**ATTN_FP8, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8_SPLIT[0],
                                              "SPLITS": 8, "PDL": True}),
+    "decode over an FP8 pool, a wide grid": (triton_attention._decode_split_kernel, FP8_POOL, {
+        **ATTN_FP8, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8_WIDE[0], "SPLITS": 1, "PDL": True},
+        dict(zip(("num_warps", "num_stages"), triton_attention.DECODE_CONFIG_FP8_WIDE[1:], strict=True))),
+    "decode over an FP8 pool, the widest grid": (triton_attention._decode_split_kernel, FP8_POOL, {
+        **ATTN_FP8, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8_WIDEST[0], "SPLITS": 1, "PDL": True},
+        dict(zip(("num_warps", "num_stages"), triton_attention.DECODE_CONFIG_FP8_WIDEST[1:], strict=True))),
     "extend over an FP8 pool": (triton_attention._extend_kernel, FP8_POOL,
                                 {k: v for k, v in ATTN_FP8.items() if k != "BLOCK_G"} | {"BLOCK_M": 64}),
     "split extend over an FP8 pool": (triton_attention._extend_split_kernel, FP8_POOL,
@@ -77,7 +83,7 @@ CASES = {
 def compile_case(case: str) -> str:
     """Compile one case for sm_90 as the JIT would see a launch (pointers and strides divisible
     by 16, but for the arguments the kernel does not specialize on); its PTX."""
-    fn, pointers, constexprs = CASES[case]
+    fn, pointers, constexprs, *options = CASES[case]     # options: the launch's warps and stages, where given
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: pointers.get(n, "fp32" if n == "scale" else "i32") for n in names}
     assert not [n for n in names if n.endswith("_ptr") and n not in pointers], "a pointer without a dtype"
@@ -89,7 +95,7 @@ def compile_case(case: str) -> str:
              if n not in constexprs and n not in loose and (n.endswith("_ptr") or n.startswith("s_"))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options[0] if options else None).asm["ptx"]
 
 
 def compile_all() -> None:
@@ -127,6 +133,9 @@ CASES |= {
         k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
         {"HALF": 64, "BLOCK": 64, "HEADS": 8, "VB": 0, "PDL": True}),
     "decode over a bf16 pool": (triton_attention._decode_split_kernel, BF16_POOL, {**ATTN, "SPLITS": 4, "PDL": True}),
+    "decode over a bf16 pool, a wide grid": (triton_attention._decode_split_kernel, BF16_POOL, {
+        **ATTN, "BLOCK_N": triton_attention.DECODE_CONFIG_WIDE[0], "SPLITS": 1, "PDL": True},
+        dict(zip(("num_warps", "num_stages"), triton_attention.DECODE_CONFIG_WIDE[1:], strict=True))),
     "one row, bf16 weights": (gemv._gemv_kernel, {**FP8_WEIGHT, "w_ptr": "*bf16"}, {
         "HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 1, "SILU": False, "PRE": True,
         "PDL": True}),

@@ -354,6 +354,11 @@ def test_decode_slices_are_powers_of_two_and_all_compile_at_start_up():
     B, Hkv, D = 16, 2, 32
     kc = torch.randn(3, B, Hkv, D).to(DEV)
     triton_attention.compile_decode_splits(kc, kc.clone(), 4, kc.dtype)
+    for pool in (kc, kc.to(torch.float8_e4m3fn)):   # every grid's config is among the compiled ones
+        for splits in (1, 2, 8):
+            forms = triton_attention.decode_configs(pool, splits)
+            assert {triton_attention.decode_config(pool, splits, p / 4) for p in range(200)} == set(forms)
+    assert len(triton_attention.decode_configs(kc, 1)) == 2 and len(triton_attention.decode_configs(kc, 2)) == 1
 
 
 def test_leading_decode_rows_counts_only_a_mixed_steps_first_one_query_rows():
