@@ -199,9 +199,10 @@ MAX_SPLITS = 64
 
 def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tokens_per_block: int, num_sms: int = 132) -> int:
     """Enough programs to fill the GPU about twice, but never slices shorter than 4 blocks; a
-    power of two, so that the split kernel (SPLITS is a compile-time constant) has at most
-    seven forms, all compiled at start-up (``compile_decode_splits``): a batch of any size, a
-    mixed step's decode rows included, never waits for a compile while serving."""
+    power of two, so that the split kernel (SPLITS is a compile-time constant) has few forms —
+    seven slice counts, one key slice in two or three configs (``decode_configs``) — all
+    compiled at start-up (``compile_decode_splits``): a batch of any size, a mixed step's decode
+    rows included, never waits for a compile while serving."""
     want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
     cap = max(1, triton.cdiv(max_seq_len, 4 * tokens_per_block))
     n = int(max(1, min(want, cap, MAX_SPLITS)))
@@ -209,8 +210,9 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tokens_per_bl
 
 
 def compile_decode_splits(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
-    """Run the decode kernels once with every slice count ``num_splits`` can give (one query over
-    one block of this pool layer), so that each form is compiled before the first request. The
+    """Run the decode kernels once with every slice count ``num_splits`` can give, in every config
+    of it (one query over one block of this pool layer), so that each form is compiled before the
+    first request. The
     block tables' row stride (their width, which varies step to step) is not specialized on
     (``do_not_specialize``): one compiled form serves every width."""
     _, B, _, D = k_cache.shape

@@ -136,55 +136,57 @@ def value_block(v_cache: torch.Tensor) -> int:
 @triton.jit
 def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr,
                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, VB: tl.constexpr,
-                     PDL: tl.constexpr):
-    """One launch for a whole layer: program (t, g) takes ``HEADS`` heads of token t — query heads
-    g·HEADS … while they last (H is a multiple of HEADS), then KV heads, each rotated and written
-    with its V into the pool. Positions, slots and the cos/sin table are read before the PDL wait
-    (written before the forward)."""
+                     HALF: tl.constexpr, BLOCK: tl.constexpr, QH: tl.constexpr, KVH: tl.constexpr,
+                     VB: tl.constexpr, PDL: tl.constexpr):
+    """One launch for a whole layer: program (t, g) of token t rotates ``QH`` query heads from
+    g·QH while those last (H is a multiple of QH), else rotates ``KVH`` KV heads and writes them,
+    with their V, into the pool. Positions, slots and the cos/sin table are read before the PDL
+    wait (written before the forward)."""
     release(PDL)
     t = tl.program_id(0)
-    h0 = tl.program_id(1) * HEADS
-    hh = tl.arange(0, HEADS)[:, None]
+    g = tl.program_id(1)
     i = tl.arange(0, BLOCK)[None, :]
-    m = (i < HALF) & (hh < HEADS)
     pos = tl.load(pos_ptr + t)
     cos = tl.load(cs_ptr + pos * (2 * HALF) + i, mask=i < HALF, other=0.0)
     sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + i, mask=i < HALF, other=0.0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     wait(PDL)
-    if h0 < H:   # the two branches store apart: the pool's dtype may differ from q's (an FP8 pool)
-        base = q_ptr + t * s_qt + (h0 + hh) * s_qh
+    if g * QH < H:   # the two branches store apart: the pool's dtype may differ from q's (an FP8 pool)
+        hh = g * QH + tl.arange(0, QH)[:, None]
+        m = (i < HALF) & (hh < H)        # (hh < H holds: it gives the mask its [QH, BLOCK] shape)
+        base = q_ptr + t * s_qt + hh * s_qh
         r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
                          tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
         # each branch names its own pointer: Triton merges a name both branches assign
-        qd = qo_ptr + t * s_ot + (h0 + hh) * s_oh
+        qd = qo_ptr + t * s_ot + hh * s_oh
         tl.store(qd + i, r1.to(qo_ptr.dtype.element_ty), mask=m)
         tl.store(qd + HALF + i, r2.to(qo_ptr.dtype.element_ty), mask=m)
     else:
-        kvh = h0 - H + hh
-        base = k_ptr + t * s_kt + kvh * s_kh
+        kvh = (g - H // QH) * KVH + tl.arange(0, KVH)[:, None]
+        mk = (i < HALF) & (kvh >= 0)      # (kvh >= 0 holds: it gives the mask its [KVH, BLOCK] shape)
+        kb = k_ptr + t * s_kt + kvh * s_kh        # names of their own: the two branches' shapes differ
         vb = v_ptr + t * s_vt + kvh * s_vh
         for half in tl.static_range(2):
             tl.store(vc_ptr + value_offsets(slot, kvh, s_cs, s_ch, half * HALF + i, VB),
-                     value_to_pool(tl.load(vb + half * HALF + i, mask=m, other=0.0), vc_ptr.dtype.element_ty, VB),
-                     mask=m)
-        r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
-                         tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
+                     value_to_pool(tl.load(vb + half * HALF + i, mask=mk, other=0.0), vc_ptr.dtype.element_ty, VB),
+                     mask=mk)
+        k1, k2 = _rotate(tl.load(kb + i, mask=mk, other=0.0).to(tl.float32),
+                         tl.load(kb + HALF + i, mask=mk, other=0.0).to(tl.float32), cos, sin)
         kd = kc_ptr + slot * s_cs + kvh * s_ch
-        tl.store(kd + i, r1.to(kc_ptr.dtype.element_ty), mask=m)
-        tl.store(kd + HALF + i, r2.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(kd + i, k1.to(kc_ptr.dtype.element_ty), mask=mk)
+        tl.store(kd + HALF + i, k2.to(kc_ptr.dtype.element_ty), mask=mk)
 
 
 ROPE_MAX_HEADS = 8     # heads a program of the rotary + K/V write kernel takes at most
 
 
-def rope_heads(H: int, Hkv: int) -> int:
-    """Heads a program takes: the largest power of two up to ``ROPE_MAX_HEADS`` that divides both
-    counts, so that no program holds query and KV heads together. One head a program left ~20k
-    programs of 64 lanes for 512 tokens of Llama-3.1-8B: 26 µs a layer for ~10 MB."""
+def rope_heads(n: int) -> int:
+    """Heads of one kind (query or KV) a program takes: the largest power of two up to
+    ``ROPE_MAX_HEADS`` that divides their count, so that no program holds both kinds. One head
+    a program left ~20k programs of 64 lanes for 512 tokens of Llama-3.1-8B: 26 µs a layer for
+    ~10 MB (11 µs with 8; docs/gpu_notes.md, twenty-second round)."""
     heads = 1
-    while heads < ROPE_MAX_HEADS and H % (2 * heads) == 0 and Hkv % (2 * heads) == 0:
+    while heads < ROPE_MAX_HEADS and n % (2 * heads) == 0:
         heads *= 2
     return heads
 
@@ -201,11 +203,11 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if T:
         kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
-        heads = rope_heads(H, Hkv)
-        _rope_qkv_kernel[(T, (H + Hkv) // heads)](
+        qh, kvh = rope_heads(H), rope_heads(Hkv)
+        _rope_qkv_kernel[(T, H // qh + Hkv // kvh)](
             positions, cos_sin, slot_mapping, q, k, v, q_out, kc, vc, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), H,
-            HALF=D // 2, BLOCK=_pow2(D // 2), HEADS=heads, VB=value_block(v_cache), **pdl.launch(q))
+            HALF=D // 2, BLOCK=_pow2(D // 2), QH=qh, KVH=kvh, VB=value_block(v_cache), **pdl.launch(q))
     return q_out
 
 
@@ -276,12 +278,13 @@ def silu_and_mul_fp8(x: torch.Tensor, fmax: float, tiny: float) -> tuple[torch.T
 # -- FP8 activations -----------------------------------------------------------------------------------
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, FMAX: tl.constexpr, TINY: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One row: scale = max |x| / FMAX, q = x / scale in e4m3 (kernels/fp8.py quantize_rows). A row
-    of at most BLOCK elements is read once and held (``quantize_row``), a longer one twice."""
+                          BLOCK: tl.constexpr, HELD: tl.constexpr, PDL: tl.constexpr):
+    """One row: scale = max |x| / FMAX, q = x / scale in e4m3 (kernels/fp8.py quantize_rows). With
+    ``HELD`` the row (at most BLOCK elements) is read once and held (``quantize_row``), else it
+    is read twice, BLOCK elements at a time."""
     prologue(PDL)
     row = tl.program_id(0)
-    if K <= BLOCK:
+    if HELD:
         k = tl.arange(0, BLOCK)
         quantize_row(tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0), q_ptr + row * stride_q + k, k < K,
                      s_ptr + row, FMAX, TINY)
@@ -313,7 +316,7 @@ def quantize_rows_fp8(x: torch.Tensor, fmax: float, tiny: float, held: int = QUA
     if M:
         BLOCK = min(held, _pow2(K))
         _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), q.stride(0), K, FMAX=fmax, TINY=tiny, BLOCK=BLOCK,
-                                    num_warps=max(4, min(16, BLOCK // 512)), **pdl.launch(x))
+                                    HELD=K <= BLOCK, num_warps=max(4, min(16, BLOCK // 512)), **pdl.launch(x))
     return q, scale
 
 

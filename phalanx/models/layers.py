@@ -286,7 +286,7 @@ class RMSNorm(nn.Module):
     returns (normed, new residual).
 
     ``fp8_rows_above``: set at build time where the projection after this norm multiplies FP8
-    rows (``fp8.takes_fp8_rows``; the engine's ``quantize_norm_outputs``). A batch of more rows
+    rows (``fp8.takes_fp8_rows``; the engine's ``DecoderLayer.prepare_fp8_rows``). A batch of more rows
     than that (the cuBLASLt bucket of ``linear_plan``) then leaves the norm already quantized per
     row, as ``fp8.Fp8Rows``, by the same kernel."""
 
@@ -309,9 +309,11 @@ class RMSNorm(nn.Module):
 
     def _fp8_rows(self, x: torch.Tensor, residual: torch.Tensor | None, reduce: TPGroup | None):
         from phalanx.kernels import fp8
-        if reduce is not None and residual is not None:   # the all-reduce kernel's norm, then the rows apart
-            h, residual = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-            return fp8.quantize_rows(h), residual
+        if reduce is not None and residual is not None:
+            if reduce.fuses_norm(x, residual, self.weight):   # the all-reduce kernel's norm, then the rows apart
+                h, residual = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+                return fp8.quantize_rows(h), residual
+            x = reduce.all_reduce(x)
         rows, res = ops.rms_norm_fp8(x, residual, self.weight, self.eps)
         return rows if residual is None else (rows, res)
 

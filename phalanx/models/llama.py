@@ -53,7 +53,8 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """h: the normed hidden states [T, hidden] (the decoder layer's input norm)."""
+        """h: the normed hidden states [T, hidden] (the decoder layer's input norm; above 64 rows
+        already quantized, ``fp8.Fp8Rows``, where q/k/v multiplies FP8 rows)."""
         T = h.shape[0]
         H, D = self.heads.num_heads, self.head_dim
         if T == 1 and self.one_token_qkv is not None:
@@ -134,10 +135,13 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_norm(x, residual, x_partial)
         return self.mlp_block(self.self_attn(positions, h, meta, k_cache, v_cache), residual)
 
-    def quantize_norm_outputs(self, act_dtype: torch.dtype) -> None:
+    def prepare_fp8_rows(self, act_dtype: torch.dtype) -> None:
         """Where the projection after a norm multiplies FP8 rows (``fp8.takes_fp8_rows``), the norm
         quantizes the batches that projection runs on cuBLASLt (more rows than the skinny kernels'
-        buckets) in its own kernel (``RMSNorm.fp8_rows_above``). Set once, by the engine on a GPU."""
+        buckets) in its own kernel (``RMSNorm.fp8_rows_above``). Set once, by the engine on a GPU,
+        which then runs every kernel form of such rows once on one zero row — the norms', the
+        SiLU-and-mul's and the o projection's row quantization — so that none compiles while
+        serving (a draft model, say, has no start-up forward of its own)."""
         from phalanx.kernels import fp8
         from phalanx.kernels.linear_plan import ROW_BUCKETS
         from phalanx.models.layers import Projection
@@ -147,6 +151,15 @@ class DecoderLayer(nn.Module):
         for norm, proj in after:
             if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype):
                 norm.fp8_rows_above = ROW_BUCKETS[-1]
+                zero = torch.zeros(1, proj.weight.shape[1], dtype=act_dtype, device=proj.weight.device)
+                ops.rms_norm_fp8(zero, None, norm.weight, norm.eps)
+                ops.rms_norm_fp8(zero, zero, norm.weight, norm.eps)
+        later = [self.self_attn.o_proj] + ([self.mlp.down_proj] if isinstance(self.mlp, MLP) else [])
+        for proj in later:
+            if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype):
+                width = proj.weight.shape[1] * (2 if proj.behind is Neighbour.SILU else 1)
+                proj.plan(torch.zeros(ROW_BUCKETS[-1] + 1, width, dtype=act_dtype, device=proj.weight.device),
+                          proj.weight, None, proj.weight_scale)
 
     # the halves around attention (a piecewise CUDA graph captures them apart: cuda_graph.py)
     def input_norm(self, x, residual, x_partial: bool = False):

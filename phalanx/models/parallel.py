@@ -35,10 +35,15 @@ class TPGroup:
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """residual + all-reduce(x), and its RMSNorm: (normed, new residual)."""
-        if self.custom is not None and self.custom.supports_norm(x, residual, weight):
+        if self.fuses_norm(x, residual, weight):
+            assert self.custom is not None
             return self.custom.all_reduce_add_rms_norm(x, residual, weight, eps)
         from phalanx.kernels import ops
         return ops.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
+
+    def fuses_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``all_reduce_add_rms_norm`` runs as one kernel (the custom all-reduce's)."""
+        return self.custom is not None and self.custom.supports_norm(x, residual, weight)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension (rank order)."""

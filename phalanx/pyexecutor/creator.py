@@ -245,7 +245,7 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
             m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report, fp8=m.weight_scale is not None,
                                             act_dtype=act_dtype)
         elif isinstance(m, DecoderLayer):
-            m.quantize_norm_outputs(act_dtype)
+            m.prepare_fp8_rows(act_dtype)
     from phalanx.models.moe import SparseMoE
     for m in model.modules():
         if isinstance(m, SparseMoE) and m.w13.is_cuda:   # a rank under attention DP sees every rank's tokens

@@ -32,7 +32,7 @@ CASES = {
     "rope + K/V write into an FP8 pool": (triton_ops._rope_qkv_kernel, {
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
         "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
-        {"HALF": 64, "BLOCK": 64, "HEADS": 8, "VB": 32, "PDL": False}),
+        {"HALF": 64, "BLOCK": 64, "QH": 8, "KVH": 8, "VB": 32, "PDL": False}),
     "one token's q/k/v (FP8 weights) + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "pos_ptr": "*i64",
         "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
@@ -74,9 +74,23 @@ CASES = {
         "act_ptr": "*bf16", "as_ptr": "*bf16", "w_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "pair_ptr": "*i64",
         "bexp_ptr": "*i64", "rw_ptr": "*fp32", "y_ptr": "*bf16"}, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                                                                    "PREC": "tf32", "HAS_SCALE": True, "A8": False}),
-    "per-row activation quantization": (triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
-                                                                          "s_ptr": "*fp32"},
-                                        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 2048, "PDL": False}),
+    "per-row activation quantization, a row held": (
+        triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 4096, "HELD": True, "PDL": True}, {"num_warps": 8}),
+    "per-row activation quantization, a row read twice": (
+        triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 16384, "HELD": False, "PDL": True}, {"num_warps": 16}),
+    "RMSNorm (+ residual) writing FP8 rows": (triton_ops._rms_norm_kernel, {
+        "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
+        "s_ptr": "*fp32"}, {"HAS_RES": True, "BLOCK": 4096, "PDL": True, "FP8_OUT": True, "FMAX": 448.0,
+                            "TINY": 1e-12}),
+    "RMSNorm writing FP8 rows": (triton_ops._rms_norm_kernel, {
+        "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*fp8e4nv",
+        "s_ptr": "*fp32"}, {"HAS_RES": False, "BLOCK": 4096, "PDL": True, "FP8_OUT": True, "FMAX": 448.0,
+                            "TINY": 1e-12}),
+    "SiLU-and-mul writing FP8 rows": (triton_ops._silu_mul_fp8_kernel, {
+        "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 16384,
+                                                                   "PDL": True}, {"num_warps": 16}),
 }
 
 
@@ -85,7 +99,7 @@ def compile_case(case: str) -> str:
     by 16, but for the arguments the kernel does not specialize on); its PTX."""
     fn, pointers, constexprs, *options = CASES[case]     # options: the launch's warps and stages, where given
     names = list(inspect.signature(fn.fn).parameters)
-    sig = {n: pointers.get(n, "fp32" if n == "scale" else "i32") for n in names}
+    sig = {n: pointers.get(n, "fp32" if n in ("scale", "eps") else "i32") for n in names}
     assert not [n for n in names if n.endswith("_ptr") and n not in pointers], "a pointer without a dtype"
     for k in constexprs:
         sig[k] = "constexpr"
@@ -129,9 +143,12 @@ def compiled() -> dict:
 # the same kernels as every bf16 model runs them (the FP8 branches compiled out)
 BF16_POOL = {k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in FP8_POOL.items()}
 CASES |= {
+    "rope + K/V write into a bf16 pool, one KV head a program": (triton_ops._rope_qkv_kernel, {
+        k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
+        {"HALF": 64, "BLOCK": 64, "QH": 4, "KVH": 1, "VB": 0, "PDL": True}),
     "rope + K/V write into a bf16 pool": (triton_ops._rope_qkv_kernel, {
         k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
-        {"HALF": 64, "BLOCK": 64, "HEADS": 8, "VB": 0, "PDL": True}),
+        {"HALF": 64, "BLOCK": 64, "QH": 8, "KVH": 2, "VB": 0, "PDL": True}),
     "decode over a bf16 pool": (triton_attention._decode_split_kernel, BF16_POOL, {**ATTN, "SPLITS": 4, "PDL": True}),
     "decode over a bf16 pool, a wide grid": (triton_attention._decode_split_kernel, BF16_POOL, {
         **ATTN, "BLOCK_N": triton_attention.DECODE_CONFIG_WIDE[0], "SPLITS": 1, "PDL": True},

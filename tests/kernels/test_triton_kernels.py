@@ -50,7 +50,8 @@ def test_rms_norm_and_fused_add(T, H, dtype):
                          + ([(33, 32, 8, 128), (9, 40, 10, 128)] if CUDA else []))
 def test_rope_and_write_kv(T, H, Hkv, D, dtype):
     """Every head of every token rotated and written, whatever the programs' share of heads
-    (``rope_heads``: 2, 2, 1 and 8 here; on a GPU 8 and 2)."""
+    (``rope_heads`` of the query / KV heads: 4 / 2, 8 / 2, 1 / 1, 8 / 8 here; on a GPU 8 / 8 and
+    8 / 2)."""
     from phalanx.models.layers import RotaryEmbedding
     g = torch.Generator(device="cpu").manual_seed(1)
     rot = RotaryEmbedding(D, 256, 10000.0, {"rope_type": "default"}).to(DEV)
@@ -68,12 +69,12 @@ def test_rope_and_write_kv(T, H, Hkv, D, dtype):
     close(vc.view(-1, Hkv, D)[slots], v, dtype)
 
 
-def test_rope_programs_never_hold_query_and_kv_heads_together():
-    for H, Hkv in ((32, 8), (40, 10), (28, 4), (64, 8), (3, 1), (8, 8), (12, 6)):
-        heads = triton_ops.rope_heads(H, Hkv)
-        assert H % heads == 0 and Hkv % heads == 0 and heads <= triton_ops.ROPE_MAX_HEADS
-        assert heads == triton_ops.ROPE_MAX_HEADS or H % (2 * heads) or Hkv % (2 * heads)   # the largest that fits
-    assert triton_ops.rope_heads(32, 8) == 8 and triton_ops.rope_heads(3, 1) == 1
+def test_rope_programs_take_up_to_eight_heads_of_one_kind():
+    for n in (32, 40, 10, 4, 3, 1, 8, 12, 64):
+        heads = triton_ops.rope_heads(n)
+        assert n % heads == 0 and heads <= triton_ops.ROPE_MAX_HEADS
+        assert heads == triton_ops.ROPE_MAX_HEADS or n % (2 * heads)   # the largest that fits
+    assert [triton_ops.rope_heads(n) for n in (32, 10, 4, 1)] == [8, 2, 4, 1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -319,10 +319,11 @@ def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(
     dtype for the skinny kernels. On the CPU no projection takes FP8 rows, so the engine sets none."""
     from phalanx.kernels import ops
     from phalanx.models.loader import build_model, resolve_model
+    from phalanx.models.parallel import TPGroup
     source = resolve_model(tiny_models["llama"])
     model = build_model(source, torch.float32, torch.device("cpu"), load_format="dummy", seed=3, fp8=True)
     layer = model.model.decoder_layers[0]
-    layer.quantize_norm_outputs(torch.bfloat16)
+    layer.prepare_fp8_rows(torch.bfloat16)
     assert layer.input_layernorm.fp8_rows_above is None and layer.post_attention_layernorm.fp8_rows_above is None
     norm, mlp = layer.post_attention_layernorm, layer.mlp
     g = torch.Generator().manual_seed(9)
@@ -338,6 +339,8 @@ def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(
     gu = mlp.gate_up_proj
     torch.testing.assert_close(gu(rows), fp8.reference(want.dequantize(), gu.weight, gu.bias, gu.weight_scale))
     torch.testing.assert_close(mlp(rows), mlp(want.dequantize()))
+    over_ranks, over_res = norm(x, res, TPGroup())      # a deferred row-parallel output, one rank here
+    assert torch.equal(over_ranks.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(over_res, want_res)
     few, few_res = norm(x[:4], res[:4])
     assert isinstance(few, torch.Tensor) and torch.equal(few, h[:4]) and torch.equal(few_res, want_res[:4])
     alone = layer.input_layernorm
