@@ -312,7 +312,7 @@ def test_a_broken_fp8_checkpoint_is_refused_before_any_weight_changes(tiny_model
     assert after == before
 
 
-def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(tiny_models):
+def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(tiny_models, monkeypatch):
     """A norm whose projection multiplies FP8 rows (``fp8_rows_above``, set by the engine on a GPU)
     quantizes the batches of more rows itself: the rows and scales of quantizing its output, the
     residual unchanged, and the projection takes them as they are; fewer rows stay in the model's
@@ -349,3 +349,9 @@ def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(
     assert isinstance(first, fp8.Fp8Rows)
     assert torch.equal(first.q.view(torch.uint8),
                        fp8.quantize_rows_reference(ops.rms_norm(x, alone.weight, alone.eps)).q.view(torch.uint8))
+    # where the projections do take FP8 rows (a GPU with the row-wise FP8 GEMM), the engine sets
+    # both norms to hand over above the skinny buckets and runs each such form once, shapes and all
+    monkeypatch.setattr(fp8, "takes_fp8_rows", lambda q, dtype: True)
+    for other in model.model.decoder_layers:
+        other.prepare_fp8_rows(torch.float32)
+        assert other.input_layernorm.fp8_rows_above == 64 and other.post_attention_layernorm.fp8_rows_above == 64
