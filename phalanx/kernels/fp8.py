@@ -132,18 +132,17 @@ def rowwise_scaled_mm(device: torch.device) -> bool:
         return False
 
 
-def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether cuBLASLt's FP8 GEMM takes this product: bf16 activations (row-wise scales give
-    bf16 only), K and N multiples of 16, a GPU whose row-wise FP8 GEMM ran (``check_device``)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
-            and rowwise_scaled_mm(x.device))
-
-
 def takes_fp8_rows(q: torch.Tensor, act_dtype: torch.dtype) -> bool:
-    """Whether the many-row product of this FP8 weight multiplies FP8 rows (``scaled_mm_fits`` for
-    every batch of activations in ``act_dtype``): then the kernel in front may quantize them."""
+    """Whether cuBLASLt's FP8 GEMM takes the many-row products of this FP8 weight with activations
+    in ``act_dtype``: bf16 (row-wise scales give bf16 only), K and N multiples of 16, a GPU whose
+    row-wise FP8 GEMM ran (``check_device``). Then the kernel in front may quantize the rows."""
     return (q.is_cuda and q.dtype == FP8 and act_dtype == torch.bfloat16 and q.shape[0] % 16 == 0
             and q.shape[1] % 16 == 0 and rowwise_scaled_mm(q.device))
+
+
+def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether cuBLASLt's FP8 GEMM takes this product (``takes_fp8_rows`` for x's dtype)."""
+    return x.is_cuda and takes_fp8_rows(q, x.dtype)
 
 
 def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
