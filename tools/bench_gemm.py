@@ -13,12 +13,15 @@ Forms:
 - ``fp8_fast``: the same with ``use_fast_accum=True`` (Hopper's FP8 accumulation without the
   periodic promotion; ``fp8`` less ``fp8_fast`` is now what the quantization costs);
 - ``fp8_tensor``: one scale for x and one for W (cuBLASLt's plain FP8 GEMM, the fastest form
-  cuBLASLt has; not what per-channel weights can use as it is).
+  cuBLASLt has; not what per-channel weights can use as it is);
+- ``cutlass``: CUTLASS's FP8 GEMM with the same scales and fast accumulation
+  (kernels/cutlass_fp8.py), x quantized outside the timing as for ``fp8_fast``: one form per tile
+  (``cutlass_<tile>``), built first where not on disk.
 
 With ``--check`` each FP8 form's error against the float32 product of the same FP8 values is
 printed (relative Frobenius norm).
 
-    python tools/bench_gemm.py [--rows 512 2048 8192] [--forms bf16 fp8 fp8_mm fp8_fast] [--check]
+    python tools/bench_gemm.py [--rows 512 2048 8192] [--forms bf16 fp8 fp8_mm fp8_fast cutlass] [--check]
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from phalanx.kernels import fp8
+from phalanx.kernels import cutlass_fp8, fp8
 from phalanx.kernels.gemv_tuner import time_graph, weight_copies
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-FORMS = ("bf16", "fp8", "fp8_mm", "fp8_fast", "fp8_tensor")
+FORMS = ("bf16", "fp8", "fp8_mm", "fp8_fast", "fp8_tensor", "cutlass")
+CUTLASS = {f"cutlass_{t.name}": t for t in cutlass_fp8.TILES}
 
 
 def _form(name: str, x: torch.Tensor, ws: list[torch.Tensor], qs: list[torch.Tensor],
@@ -53,6 +57,9 @@ def _form(name: str, x: torch.Tensor, ws: list[torch.Tensor], qs: list[torch.Ten
     if name == "fp8_tensor":
         return lambda i: torch._scaled_mm(xq, qs[i].t(), scale_a=one, scale_b=one, out_dtype=x.dtype,
                                           use_fast_accum=True)
+    if name in CUTLASS:
+        run = cutlass_fp8.kernel(CUTLASS[name])
+        return lambda i: run(xq, xs, qs[i], scale)
     raise ValueError(name)
 
 
@@ -67,6 +74,12 @@ def main() -> None:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     fp8.check_device(dev, "bench")
+    if "cutlass" in a.forms:
+        why = cutlass_fp8.why_unavailable(dev)
+        if why:
+            raise SystemExit(f"cutlass: {why}")
+        cutlass_fp8.build_all()
+        a.forms = [f for f in a.forms if f != "cutlass"] + list(CUTLASS)
     rows_out = []
     for shape in a.shapes:
         N, K = SHAPES[shape]
@@ -80,7 +93,7 @@ def main() -> None:
             for name in a.forms:
                 ms = time_graph(_form(name, x, ws, qs, scale), len(ws), reps=8)
                 line[name] = {"us": ms * 1e3, "tflops": 2 * M * N * K / (ms * 1e-3) / 1e12}
-                if a.check and name.startswith("fp8"):
+                if a.check and name != "bf16":
                     xq, xs, _ = fp8.quantize_rows(x)
                     exact = (xq.float() * xs) @ (q.float() * scale[:, None]).t()
                     y = _form(name, x, [w], [q], scale)(0).float()
@@ -89,7 +102,7 @@ def main() -> None:
                     line[name]["rel_err"] = float((y - exact).norm() / exact.norm())
             rows_out.append(line)
             print(f"{shape:8s} {N:6d}x{K:<6d} rows {M:5d}  " + "  ".join(
-                f"{n} {line[n]['us']:8.1f} us {line[n]['tflops']:6.0f} TF"
+                f"{n.replace('cutlass_', 'c_')} {line[n]['us']:8.1f} us {line[n]['tflops']:6.0f} TF"
                 + (f" err {line[n]['rel_err']:.1e}" if "rel_err" in line[n] else "") for n in a.forms), flush=True)
     if a.output:
         with open(a.output, "w") as f:

@@ -25,6 +25,7 @@ tested on a CPU. MoE experts take the same per-row scales in the fused MoE kerne
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -145,10 +146,23 @@ def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
     return x.is_cuda and takes_fp8_rows(q, x.dtype)
 
 
-def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+# A GEMM of FP8 rows: (rows q [M, K] e4m3, their scales [M, 1], weight q [N, K] e4m3, its scales [N])
+# -> bf16 [M, N]; ``scaled_mm`` (cuBLASLt), or a CUTLASS tile's kernel (kernels/cutlass_fp8.py)
+RowsGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def scaled_mm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt's FP8 GEMM with a scale per row of x and per row of W, fast accumulation."""
+    return torch._scaled_mm(rows_q, q.t(), scale_a=rows_scale, scale_b=scale[None, :], out_dtype=torch.bfloat16,
+                            use_fast_accum=FAST_ACCUM)
+
+
+def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
+           gemm: RowsGemm = scaled_mm) -> torch.Tensor:
     """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row (unless they
-    come so, as ``Fp8Rows``) and ``torch._scaled_mm`` where it fits (``scaled_mm_fits``), else the
-    reference (of the rows as they came)."""
+    come so, as ``Fp8Rows``) and ``gemm`` (cuBLASLt by default) where cuBLASLt's conditions hold
+    (``scaled_mm_fits``: what CUTLASS's kernels take too), else the reference (of the rows as they
+    came)."""
     if isinstance(x, Fp8Rows):
         if not (x.q.is_cuda and takes_fp8_rows(q, x.dtype)):
             return reference(x.dequantize(), q, bias, scale)
@@ -157,16 +171,16 @@ def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None
         rows = quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
     else:
         return reference(x, q, bias, scale)
-    y = torch._scaled_mm(rows.q, q.t(), scale_a=rows.scale, scale_b=scale[None, :], out_dtype=rows.dtype,
-                         use_fast_accum=FAST_ACCUM)
+    y = gemm(rows.q, rows.scale, q, scale)
     return y if bias is None else y + bias
 
 
-def silu_linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, 2I] (gate ‖ up) -> silu(gate) * up · Wᵀ (+ b): where ``_scaled_mm`` takes the product,
+def silu_linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
+                gemm: RowsGemm = scaled_mm) -> torch.Tensor:
+    """x [M, 2I] (gate ‖ up) -> silu(gate) * up · Wᵀ (+ b): where the FP8 GEMM takes the product,
     silu(gate) * up is quantized per row by the same kernel (``triton_ops.silu_and_mul_fp8``)."""
     from phalanx.kernels import ops
     if not (scaled_mm_fits(x, q) and ops.triton_available() and x.shape[1] // 2 <= _triton_ops().SILU_FP8_MAX_ROW):
-        return linear(ops.silu_and_mul(x), q, bias, scale)
+        return linear(ops.silu_and_mul(x), q, bias, scale, gemm)
     rows, rows_scale = _triton_ops().silu_and_mul_fp8(x, FP8_MAX, TINY)
-    return linear(Fp8Rows(rows, rows_scale, x.dtype), q, bias, scale)
+    return linear(Fp8Rows(rows, rows_scale, x.dtype), q, bias, scale, gemm)

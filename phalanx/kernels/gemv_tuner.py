@@ -17,14 +17,18 @@ that tie when timed alone differ by several percent in a step.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
 
-from phalanx.kernels import gemv, pdl, triton_ops
+from phalanx.kernels import cutlass_fp8, gemv, pdl, triton_ops
+from phalanx.kernels import fp8 as f8
 from phalanx.kernels.linear_plan import (
     CUBLAS,
+    MANY_ROW_BUCKETS,
     ROW_BUCKETS,
+    CutlassTile,
     GateUpSiluPlan,
     LinearPlan,
     Neighbour,
@@ -38,6 +42,8 @@ from phalanx.kernels.linear_plan import (
 L2_BYTES = 256 << 20
 _MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, dtype, neighbour, rows, device) -> (plan, ms)
 _PAIR_MEMO: dict[tuple, GateUpSiluPlan | None] = {}
+_MANY_MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, rows, device) -> (plan, ms): FP8 weights
+logger = logging.getLogger("phalanx")
 
 
 def time_graph(fn: Callable[[int], object], copies: int, reps: int = 24) -> float:
@@ -130,9 +136,10 @@ def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L
 
 def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] | None = None,
                 fp8: bool = False, act_dtype: torch.dtype | None = None) -> LinearPlan:
-    """The plan of one projection: the fastest Plan at each row bucket. ``report`` collects the
-    bandwidth each reaches (GB/s of weight), for the log. ``fp8``: the weight is FP8, the
-    activations ``act_dtype``."""
+    """The plan of one projection: the fastest Plan at each row bucket, and for FP8 weights at
+    each bucket of many rows (``tune_many``). ``report`` collects the bandwidth each skinny plan
+    reaches (GB/s of weight) and the TFLOP/s of each many-row plan, for the log. ``fp8``: the
+    weight is FP8, the activations ``act_dtype``."""
     plans = []
     for rows in ROW_BUCKETS:
         plan, ms = tune_one(w, neighbour, rows, fp8=fp8, act_dtype=act_dtype)
@@ -140,7 +147,61 @@ def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] 
         if report is not None:
             report[f"{w.shape[0]}x{w.shape[1]}/{neighbour.value}/rows={rows}:{plan}"] = \
                 w.numel() * w.element_size() / ms / 1e6
-    return LinearPlan(neighbour, tuple(plans), fp8)
+    many = tune_many(w, act_dtype or w.dtype, report) if fp8 else (CUBLAS,) * len(MANY_ROW_BUCKETS)
+    return LinearPlan(neighbour, tuple(plans), fp8, many)
+
+
+def tune_many(q: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] | None = None,
+              l2_bytes: int = L2_BYTES) -> tuple[Plan, ...]:
+    """For an FP8 weight, at each bucket of many rows (MANY_ROW_BUCKETS, at its bound): cuBLASLt's
+    FP8 GEMM or the CUTLASS tile that multiplies the same quantized rows faster (the row
+    quantization in front is the same for both, so only the GEMM is timed). cuBLASLt everywhere
+    where CUTLASS does not run here (kernels/cutlass_fp8.py ``why_unavailable``) or its build failed
+    (logged once)."""
+    if not (f8.takes_fp8_rows(q, act_dtype) and _cutlass_tiles(q.device)):
+        return (CUBLAS,) * len(MANY_ROW_BUCKETS)
+    N, K = q.shape
+    gemms = [(CUBLAS, f8.scaled_mm)] + [(Plan("cutlass", t), cutlass_fp8.kernel(t)) for t in _cutlass_tiles(q.device)]
+    qs: list[torch.Tensor] = []
+    scale = torch.full((N,), 1e-3, device=q.device)
+    plans = []
+    for rows in MANY_ROW_BUCKETS:
+        key = (N, K, rows, str(q.device))
+        if key not in _MANY_MEMO:
+            qs = qs or weight_copies(q, l2_bytes)
+            x = f8.quantize_rows(torch.randn(rows, K, dtype=act_dtype, device=q.device))
+            best, best_ms = CUBLAS, float("inf")
+            for plan, gemm in gemms:
+                try:
+                    ms = time_graph(functools.partial(_rows_gemm, gemm, x, qs, scale), len(qs), reps=8)
+                except RuntimeError:   # a tile CUTLASS cannot run for this shape
+                    continue
+                if ms < best_ms:
+                    best, best_ms = plan, ms
+            _MANY_MEMO[key] = (best, best_ms)
+        plan, ms = _MANY_MEMO[key]
+        plans.append(plan)
+        if report is not None:
+            report[f"{N}x{K}/fp8/rows={rows}:{plan} TFLOP/s"] = 2 * rows * N * K / ms / 1e9
+    return tuple(plans)
+
+
+def _rows_gemm(gemm: f8.RowsGemm, x: f8.Fp8Rows, qs: list[torch.Tensor], scale: torch.Tensor, i: int) -> torch.Tensor:
+    return gemm(x.q, x.scale, qs[i], scale)
+
+
+@functools.cache
+def _cutlass_tiles(device: torch.device) -> tuple[CutlassTile, ...]:
+    """The CUTLASS tiles built and loaded for ``device``'s kind of GPU (none where unavailable)."""
+    why = cutlass_fp8.why_unavailable(device)
+    if why is None:
+        try:
+            cutlass_fp8.build_all()
+            return cutlass_fp8.TILES
+        except RuntimeError as e:
+            why = str(e)
+    logger.info("FP8 GEMMs of many rows take cuBLASLt only (CUTLASS: %s)", why.splitlines()[0])
+    return ()
 
 
 def qkv_rope_plan(qkv: LinearPlan, head_dim: int) -> QkvRopePlan | None:

@@ -3,8 +3,10 @@
 A projection layer holds a frozen ``LinearPlan``. For each bucket of decode rows (``ROW_BUCKETS``:
 one row, up to 16, up to 64) the plan names one way to compute x Wᵀ (+ b) — the skinny Triton
 kernel with a tile, launched with or without programmatic dependent launch, or cuBLAS — and
-keeps the launcher bound to it; batches of more rows always take cuBLAS. Calling the plan is one
-comparison of the row count and one call: no registry, no per-call decision.
+keeps the launcher bound to it. Batches of more rows fall in ``MANY_ROW_BUCKETS`` (up to 512, up
+to 2,048, more): bf16 weights take cuBLAS there; FP8 weights take cuBLASLt's FP8 GEMM or, where
+it measured faster at that bucket, CUTLASS's with a tile (kernels/cutlass_fp8.py). Calling the
+plan is a few comparisons of the row count and one call: no registry, no per-call decision.
 
 A plan also knows what runs in front of its projection (``Neighbour``), because the tuner times
 each candidate with it and some candidates take it in:
@@ -36,6 +38,7 @@ tiles. This module imports no Triton; launchers are imported when a tuned plan i
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -44,8 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.kernels import ops
+from phalanx.kernels.cutlass_fp8 import Tile as CutlassTile
 
 ROW_BUCKETS = (1, 16, 64)      # a plan is tuned for each, at its upper bound
+MANY_ROW_BUCKETS = (512, 2048, 8192)   # above ROW_BUCKETS; the last also takes every larger batch
 
 
 class Neighbour(str, enum.Enum):
@@ -87,8 +92,8 @@ class RowsTile(NamedTuple):
 class Plan(NamedTuple):
     """One way to run a projection for one bucket of rows."""
 
-    kernel: str                              # "cublas" or "gemv"
-    tile: OneRowTile | RowsTile | None = None
+    kernel: str                              # "cublas", "gemv" or "cutlass" (FP8 weights, many rows)
+    tile: OneRowTile | RowsTile | CutlassTile | None = None
     pdl: bool = False
 
     def __str__(self) -> str:
@@ -100,12 +105,16 @@ Launch = Callable[..., torch.Tensor]   # (x, weight, bias) -> y; FP8 plans: (x, 
 
 
 def bucket_index(rows: int) -> int:
-    """Index of the row bucket a batch of ``rows`` runs as (len(ROW_BUCKETS): larger than all)."""
+    """Index of the bucket a batch of ``rows`` runs as: ROW_BUCKETS, then MANY_ROW_BUCKETS."""
     if rows <= 1:
         return 0
     if rows <= 16:
         return 1
-    return 2 if rows <= 64 else 3
+    if rows <= 64:
+        return 2
+    if rows <= 512:
+        return 3
+    return 4 if rows <= 2048 else 5
 
 
 def bucket(rows: int) -> int:
@@ -132,6 +141,11 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
     taking its scale as a fourth argument, with ``fp8``)."""
     if plan.kernel == "cublas" or plan.tile is None:
         return run_cublas(neighbour, fp8)
+    if isinstance(plan.tile, CutlassTile):
+        from phalanx.kernels import cutlass_fp8
+        from phalanx.kernels import fp8 as f8
+        fp8_call = f8.silu_linear if neighbour is Neighbour.SILU else f8.linear
+        return functools.partial(fp8_call, gemm=cutlass_fp8.kernel(plan.tile))
     from phalanx.kernels import gemv
     tile = plan.tile
     silu = neighbour is Neighbour.SILU
@@ -145,19 +159,25 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """The plan of one projection: a ``Plan`` per row bucket, behind its ``neighbour``."""
+    """The plan of one projection: a ``Plan`` per row bucket (``plans``, ROW_BUCKETS) and per
+    bucket of many rows (``many``, MANY_ROW_BUCKETS), behind its ``neighbour``."""
 
     neighbour: Neighbour = Neighbour.PLAIN
     plans: tuple[Plan, ...] = (CUBLAS,) * len(ROW_BUCKETS)
     fp8: bool = False                   # the weight is FP8 with a scale per output channel
+    many: tuple[Plan, ...] = (CUBLAS,) * len(MANY_ROW_BUCKETS)
     launches: tuple[Launch, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.plans) != len(ROW_BUCKETS):
             raise ValueError(f"a LinearPlan needs one plan per row bucket {ROW_BUCKETS}, got {len(self.plans)}")
-        if not self.launches:   # bound once: the plans of each bucket, then cuBLAS for larger batches
-            launches = (tuple(launcher(p, self.neighbour, self.fp8) for p in self.plans)
-                        + (run_cublas(self.neighbour, self.fp8),))
+        if len(self.many) != len(MANY_ROW_BUCKETS):
+            raise ValueError(f"a LinearPlan needs one plan per bucket of many rows {MANY_ROW_BUCKETS}, "
+                             f"got {len(self.many)}")
+        if any(p.kernel not in ("cublas", "cutlass") or (p.kernel == "cutlass" and not self.fp8) for p in self.many):
+            raise ValueError(f"many rows take cuBLAS, or CUTLASS for FP8 weights: {self.many}")
+        if not self.launches:   # bound once, in bucket order
+            launches = tuple(launcher(p, self.neighbour, self.fp8) for p in self.plans + self.many)
             object.__setattr__(self, "launches", launches)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -170,13 +190,13 @@ class LinearPlan:
 
     @property
     def is_reference(self) -> bool:
-        return all(p.kernel == "cublas" for p in self.plans)
+        return all(p.kernel == "cublas" for p in self.plans + self.many)
 
     def one_row(self) -> Plan:
         return self.plans[0]
 
     def __str__(self) -> str:
-        buckets = zip(ROW_BUCKETS, self.plans, strict=True)
+        buckets = zip(ROW_BUCKETS + MANY_ROW_BUCKETS, self.plans + self.many, strict=True)
         return f"{self.neighbour.value}{' fp8' if self.fp8 else ''}: " + ", ".join(f"≤{n} rows {p}" for n, p in buckets)
 
 

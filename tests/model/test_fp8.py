@@ -11,7 +11,7 @@ import torch
 
 from hf_reference import PROJECTIONS, assert_same_greedy, fp8_round_trip, hf_greedy, tiny_model_dirs
 from phalanx import LLM, SamplingParams
-from phalanx.kernels import fp8
+from phalanx.kernels import cutlass_fp8, fp8
 
 
 def prompts(vocab, n=6, seed=0):
@@ -355,3 +355,47 @@ def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(
     for other in model.model.decoder_layers:
         other.prepare_fp8_rows(torch.float32)
         assert other.input_layernorm.fp8_rows_above == 64 and other.post_attention_layernorm.fp8_rows_above == 64
+
+
+def test_many_row_plans_bucket_batches_and_take_cutlass_only_for_fp8_weights():
+    """Batches above the skinny buckets fall in MANY_ROW_BUCKETS (the last takes every larger
+    batch); a many-row plan is cuBLAS, or a CUTLASS tile where the weight is FP8."""
+    from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, LinearPlan, Neighbour, Plan, bucket_index
+    assert [bucket_index(r) for r in (1, 2, 16, 17, 64, 65, 512, 513, 2048, 2049, 10 ** 6)] == \
+        [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    tile = cutlass_fp8.TILES[0]
+    many = (CUBLAS, Plan("cutlass", tile), CUBLAS)
+    plan = LinearPlan(Neighbour.PLAIN, fp8=True, many=many)
+    assert len(plan.launches) == 6 and not plan.is_reference
+    assert f"≤{MANY_ROW_BUCKETS[1]} rows cutlass" in str(plan)
+    with pytest.raises(ValueError, match="CUTLASS for FP8 weights"):
+        LinearPlan(Neighbour.PLAIN, fp8=False, many=many)
+    with pytest.raises(ValueError, match="bucket of many rows"):
+        LinearPlan(Neighbour.PLAIN, fp8=True, many=(CUBLAS,))
+    # on a CPU the FP8 projection runs the reference whatever GEMM its plan names
+    x, w = torch.randn(70, 32), torch.randn(48, 32)
+    q, scale = fp8.quantize_weight(w)
+    torch.testing.assert_close(plan(x, q, None, scale), fp8.reference(x, q, None, scale))
+
+
+def test_cutlass_tiles_are_named_apart_and_unavailable_off_a_gpu():
+    from phalanx.kernels import gemv_tuner
+    from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS
+    names = [t.name for t in cutlass_fp8.TILES]
+    assert len(set(names)) == len(names)
+    for t in cutlass_fp8.TILES:
+        assert f"-DPHALANX_NAME={t.name}" in t.defines() and (t.pingpong or t.m >= 128)  # cooperative: M ≥ 128
+    assert cutlass_fp8.why_unavailable(torch.device("cpu")) == "not a CUDA device"
+    q, _ = fp8.quantize_weight(torch.randn(64, 32))
+    assert gemv_tuner.tune_many(q, torch.bfloat16) == (CUBLAS,) * len(MANY_ROW_BUCKETS)
+
+
+@pytest.mark.skipif(not (cutlass_fp8.headers() and cutlass_fp8.nvcc()),
+                    reason="needs nvcc and the nvidia-cutlass package")
+def test_cutlass_libraries_are_keyed_by_what_goes_into_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("PHALANX_CACHE_DIR", str(tmp_path))
+    a, b = (cutlass_fp8.library_path(t) for t in cutlass_fp8.TILES[:2])
+    assert a != b and a.parent == b.parent == tmp_path / "cutlass"
+    assert a == cutlass_fp8.library_path(cutlass_fp8.TILES[0])
+    monkeypatch.setattr(cutlass_fp8, "FLAGS", cutlass_fp8.FLAGS + ("-lineinfo",))
+    assert cutlass_fp8.library_path(cutlass_fp8.TILES[0]) != a

@@ -1,0 +1,198 @@
+"""CUTLASS's FP8 GEMM for Hopper: a choice beside cuBLASLt for the many-row FP8 products.
+
+``cutlass/fp8_gemm.cu`` is one CUTLASS 3 GEMM (e4m3 × e4m3 → bf16, warp-specialized TMA
+mainloop, fast FP8 accumulation) whose epilogue applies a scale per activation row and per
+weight row — the product ``fp8.linear`` hands to ``torch._scaled_mm``. Each ``Tile`` (the
+CTA tile, the cluster, ping-pong or cooperative warp groups) is its own shared library, built
+with nvcc against the CUTLASS headers of the ``nvidia-cutlass`` package (``cutlass_library``
+holds them; nothing of its Python is imported) and kept on disk under ``PHALANX_CACHE_DIR``
+(default ``~/.cache/phalanx``), keyed by the source, the tile, the flags and the compiler. A
+build of every tile runs once per machine, the tiles in parallel, at the engine's start-up
+where the tuner times them (kernels/gemv_tuner.py ``tune_many``); later starts load them.
+
+Available where a GPU of compute capability 9.0 (the ``sm_90a`` features: TMA, warp-group MMA)
+runs, ``nvcc`` and the package are installed: ``available``. Elsewhere the tuner keeps cuBLASLt.
+This module imports no Triton and loads nothing at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+SOURCE = Path(__file__).with_name("cutlass") / "fp8_gemm.cu"
+ARCH = "sm_90a"
+CAPABILITY = (9, 0)
+FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", f"-arch={ARCH}", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+         "-shared", "-cudart", "static")
+
+
+class Tile(NamedTuple):
+    """One CUTLASS configuration: the CTA tile (M, N, K), the thread-block cluster (M, N), and
+    the mainloop: two warp groups taking turns on separate output tiles (ping-pong) or sharing one
+    (cooperative, M ≥ 128)."""
+
+    m: int
+    n: int
+    k: int
+    cluster_m: int
+    cluster_n: int
+    pingpong: bool
+
+    @property
+    def name(self) -> str:
+        return (f"t{self.m}x{self.n}x{self.k}_c{self.cluster_m}x{self.cluster_n}_"
+                f"{'pingpong' if self.pingpong else 'coop'}")
+
+    def defines(self) -> list[str]:
+        return [f"-DPHALANX_NAME={self.name}", f"-DPHALANX_TILE_M={self.m}", f"-DPHALANX_TILE_N={self.n}",
+                f"-DPHALANX_TILE_K={self.k}", f"-DPHALANX_CLUSTER_M={self.cluster_m}",
+                f"-DPHALANX_CLUSTER_N={self.cluster_n}", f"-DPHALANX_PINGPONG={int(self.pingpong)}"]
+
+
+# The candidates the tuner times against cuBLASLt (K tiles of 128 bytes: one TMA swizzle atom)
+TILES = (
+    Tile(64, 128, 128, 1, 1, True),
+    Tile(128, 128, 128, 1, 1, True),
+    Tile(128, 128, 128, 2, 1, True),
+    Tile(128, 256, 128, 1, 1, False),
+    Tile(128, 256, 128, 2, 1, False),
+    Tile(256, 128, 128, 2, 1, False),
+)
+
+
+def headers() -> Path | None:
+    """The CUTLASS headers shipped in the ``nvidia-cutlass`` package, or None."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))) / "source"
+    return root if (root / "include" / "cutlass" / "cutlass.h").is_file() else None
+
+
+def nvcc() -> str | None:
+    """The CUDA compiler: on PATH, else under $CUDA_HOME."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = Path(home, "bin", "nvcc") if home else None
+    return str(candidate) if candidate and candidate.is_file() else None
+
+
+def why_unavailable(device: torch.device) -> str | None:
+    """None where the CUTLASS FP8 GEMM can be built and run on ``device``; else the reason."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(device) != CAPABILITY:
+        return f"needs compute capability {CAPABILITY[0]}.{CAPABILITY[1]} ({ARCH})"
+    if headers() is None:
+        return "the nvidia-cutlass package is not installed"
+    if nvcc() is None:
+        return "nvcc is not on PATH or under CUDA_HOME"
+    return None
+
+
+def available(device: torch.device) -> bool:
+    return why_unavailable(device) is None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("PHALANX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "phalanx")
+    return Path(base) / "cutlass"
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def library_path(tile: Tile) -> Path:
+    """Where ``tile``'s library is kept: named by a hash of all that goes into it."""
+    compiler = nvcc()
+    inc = headers()
+    if compiler is None or inc is None:
+        raise RuntimeError("CUTLASS FP8 GEMM: nvcc and the nvidia-cutlass package are needed to build it")
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), repr(tile).encode(), repr(FLAGS).encode(), _compiler_version(compiler).encode(),
+                 (inc / "include" / "cutlass" / "version.h").read_bytes()):
+        digest.update(part)
+    return cache_dir() / f"fp8_gemm_{tile.name}_{digest.hexdigest()[:16]}.so"
+
+
+def build(tile: Tile) -> Path:
+    """Compile ``tile``'s library unless it is on disk (~1–2 min of one core); returns its path.
+    Written to a temporary name and renamed, so that concurrent builders never load half a file."""
+    path = library_path(tile)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    inc = headers()
+    assert inc is not None
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        cmd = [nvcc() or "nvcc", *FLAGS, f"-I{inc / 'include'}", f"-I{inc / 'tools' / 'util' / 'include'}",
+               *tile.defines(), str(SOURCE), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"CUTLASS FP8 GEMM {tile.name}: nvcc failed:\n{done.stderr[-4000:]}")
+        os.replace(out, path)
+    return path
+
+
+def build_all(tiles: tuple[Tile, ...] = TILES) -> dict[Tile, Path]:
+    """Build every tile not yet on disk, as many at once as there are cores."""
+    workers = max(1, min(len(tiles), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(tiles, pool.map(build, tiles), strict=True))
+
+
+class Kernel:
+    """One tile's GEMM, loaded: ``kernel(rows, q, scale)`` -> bf16 [M, N]."""
+
+    def __init__(self, tile: Tile, path: Path):
+        self.tile = tile
+        lib = ctypes.CDLL(str(path))
+        self._run = getattr(lib, f"phalanx_fp8_gemm_{tile.name}")
+        self._run.restype = ctypes.c_int
+        self._run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
+        self._workspace = getattr(lib, f"phalanx_fp8_gemm_{tile.name}_workspace")
+        self._workspace.restype = ctypes.c_size_t
+        self._workspace.argtypes = [ctypes.c_int] * 3
+
+    def __call__(self, q_rows: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor,
+                 scale: torch.Tensor) -> torch.Tensor:
+        """q_rows [M, K] e4m3 (rows of x, contiguous), rows_scale [M, 1] float32, q [N, K] e4m3 (the
+        weight), scale [N] float32 -> (q_rows · rows_scale) (q · scale)ᵀ in bf16 [M, N]."""
+        M, K = q_rows.shape
+        N = q.shape[0]
+        y = torch.empty(M, N, dtype=torch.bfloat16, device=q_rows.device)
+        size = self._workspace(M, N, K)
+        ws = torch.empty(size, dtype=torch.uint8, device=q_rows.device) if size else None
+        status = self._run(q_rows.data_ptr(), q.data_ptr(), y.data_ptr(), rows_scale.data_ptr(), scale.data_ptr(),
+                           M, N, K, ws.data_ptr() if ws is not None else None,
+                           torch.cuda.current_stream(q_rows.device).cuda_stream)
+        if status:
+            raise RuntimeError(f"CUTLASS FP8 GEMM {self.tile.name}: status {status} for M={M} N={N} K={K}")
+        return y
+
+    def fits(self, n: int, k: int) -> bool:
+        """TMA rows of 16 bytes: K and N multiples of 16."""
+        return n % 16 == 0 and k % 16 == 0
+
+
+@functools.cache
+def kernel(tile: Tile) -> Kernel:
+    """``tile``'s GEMM, built if needed and loaded once per process."""
+    return Kernel(tile, build(tile))

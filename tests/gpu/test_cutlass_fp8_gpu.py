@@ -1,0 +1,92 @@
+"""GPU-only: CUTLASS's FP8 GEMM (kernels/cutlass_fp8.py) against the float32 product of the same
+FP8 values and against cuBLASLt's, eagerly and inside a CUDA graph; an engine whose many-row FP8
+plans are CUTLASS tiles against the same engine on cuBLASLt. Skipped without an sm_90 GPU, nvcc
+or the nvidia-cutlass package."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.kernels import cutlass_fp8, fp8
+from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, Plan
+
+
+def _why() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return cutlass_fp8.why_unavailable(torch.device("cuda"))
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why() is not None, reason=str(_why()))]
+
+
+def _operands(M, N, K, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * K ** -0.5
+    rows = fp8.quantize_rows(x)
+    q, scale = fp8.quantize_weight(w)
+    exact = (rows.q.float() * rows.scale) @ (q.float() * scale[:, None]).t()
+    return rows, q, scale, exact
+
+
+def _rel(y, exact):
+    return float((y.float() - exact).norm() / exact.norm())
+
+
+@pytest.mark.parametrize("tile", cutlass_fp8.TILES, ids=lambda t: t.name)
+@pytest.mark.parametrize("M,N,K", [(65, 256, 128), (300, 6144, 4096), (2048, 4096, 14336), (77, 80, 48)])
+def test_each_tile_gives_the_product_of_the_fp8_values_as_cublaslt_does(tile, M, N, K):
+    rows, q, scale, exact = _operands(M, N, K)
+    y = cutlass_fp8.kernel(tile)(rows.q, rows.scale, q, scale)
+    ref = fp8.scaled_mm(rows.q, rows.scale, q, scale)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    # bf16 output (2^-9) and Hopper's fast FP8 accumulation: both GEMMs within ~3e-3 of float32
+    assert _rel(y, exact) < 6e-3 and _rel(ref, exact) < 6e-3, (_rel(y, exact), _rel(ref, exact))
+    assert _rel(y, ref.float()) < 6e-3
+
+
+def test_a_tile_inside_a_cuda_graph_gives_what_it_gives_eagerly():
+    tile = cutlass_fp8.TILES[1]
+    rows, q, scale, _ = _operands(512, 1024, 512, seed=1)
+    run = cutlass_fp8.kernel(tile)
+    eager = run(rows.q, rows.scale, q, scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(rows.q, rows.scale, q, scale)
+    rows.q.copy_(fp8.quantize_rows(torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)).q)
+    graph.replay()
+    assert not torch.equal(out, eager)       # the graph read the new rows
+    again = run(rows.q, rows.scale, q, scale)
+    assert torch.equal(out, again)
+
+
+def test_an_engine_on_cutlass_plans_gives_the_tokens_of_cublaslt_plans(tiny_models):
+    """bf16 activations, FP8 weights, prompts of 70–155 tokens (prompt steps of many rows): every
+    projection's many-row plan set to a CUTLASS tile, then to cuBLASLt, in one engine. The tuner's
+    own choice is a valid plan for each bucket."""
+    from phalanx.models.layers import Projection
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(0, 256, (70 + 17 * i,), generator=g).tolist() for i in range(6)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    out = {}
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", quantization="fp8",
+             orchestrator_type="inprocess", cuda_graph_config=None,
+             kv_cache_config={"enable_block_reuse": False}) as llm:
+        model = llm._executor.engine.runner.model
+        projections = [m for m in model.modules() if isinstance(m, Projection) and m.weight_scale is not None]
+        assert projections
+        for m in projections:
+            assert len(m.plan.many) == len(MANY_ROW_BUCKETS)
+            assert all(p.kernel in ("cublas", "cutlass") for p in m.plan.many), m.plan
+        for name, many in (("cutlass", (Plan("cutlass", cutlass_fp8.TILES[1]),) * len(MANY_ROW_BUCKETS)),
+                           ("cublas", (CUBLAS,) * len(MANY_ROW_BUCKETS))):
+            for m in projections:
+                m.plan = dataclasses.replace(m.plan, many=many, launches=())
+            out[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    first = sum(a[0] == b[0] for a, b in zip(out["cutlass"], out["cublas"], strict=True))
+    same = sum(a == b for a, b in zip(out["cutlass"], out["cublas"], strict=True))
+    assert first >= 5 and same >= 4, (first, same, out)
