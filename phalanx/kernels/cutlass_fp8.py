@@ -21,6 +21,7 @@ import ctypes
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ import torch
 SOURCE = Path(__file__).with_name("cutlass") / "fp8_gemm.cu"
 ARCH = "sm_90a"
 CAPABILITY = (9, 0)
+logger = logging.getLogger("phalanx")
 FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", f"-arch={ARCH}", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
          "-shared", "-cudart", "static")
 
@@ -153,6 +155,9 @@ def build(tile: Tile) -> Path:
 
 def build_all(tiles: tuple[Tile, ...] = TILES) -> dict[Tile, Path]:
     """Build every tile not yet on disk, as many at once as there are cores."""
+    missing = [t.name for t in tiles if not library_path(t).is_file()]
+    if missing:
+        logger.info("building CUTLASS FP8 GEMMs %s with nvcc (once per machine; kept in %s)", missing, cache_dir())
     workers = max(1, min(len(tiles), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
         return dict(zip(tiles, pool.map(build, tiles), strict=True))

@@ -3,8 +3,8 @@
 A projection layer holds a frozen ``LinearPlan``. For each bucket of decode rows (``ROW_BUCKETS``:
 one row, up to 16, up to 64) the plan names one way to compute x Wᵀ (+ b) — the skinny Triton
 kernel with a tile, launched with or without programmatic dependent launch, or cuBLAS — and
-keeps the launcher bound to it. Batches of more rows fall in ``MANY_ROW_BUCKETS`` (up to 512, up
-to 2,048, more): bf16 weights take cuBLAS there; FP8 weights take cuBLASLt's FP8 GEMM or, where
+keeps the launcher bound to it. Batches of more rows fall in ``MANY_ROW_BUCKETS`` (up to 128, 256,
+..., 8,192 and more): bf16 weights take cuBLAS there; FP8 weights take cuBLASLt's FP8 GEMM or, where
 it measured faster at that bucket, CUTLASS's with a tile (kernels/cutlass_fp8.py). Calling the
 plan is a few comparisons of the row count and one call: no registry, no per-call decision.
 
@@ -37,6 +37,7 @@ tiles. This module imports no Triton; launchers are imported when a tuned plan i
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
 from collections.abc import Callable
@@ -50,7 +51,8 @@ from phalanx.kernels import ops
 from phalanx.kernels.cutlass_fp8 import Tile as CutlassTile
 
 ROW_BUCKETS = (1, 16, 64)      # a plan is tuned for each, at its upper bound
-MANY_ROW_BUCKETS = (512, 2048, 8192)   # above ROW_BUCKETS; the last also takes every larger batch
+MANY_ROW_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)   # above ROW_BUCKETS; the last takes any more
+_BOUNDS = ROW_BUCKETS + MANY_ROW_BUCKETS[:-1]
 
 
 class Neighbour(str, enum.Enum):
@@ -106,15 +108,7 @@ Launch = Callable[..., torch.Tensor]   # (x, weight, bias) -> y; FP8 plans: (x, 
 
 def bucket_index(rows: int) -> int:
     """Index of the bucket a batch of ``rows`` runs as: ROW_BUCKETS, then MANY_ROW_BUCKETS."""
-    if rows <= 1:
-        return 0
-    if rows <= 16:
-        return 1
-    if rows <= 64:
-        return 2
-    if rows <= 512:
-        return 3
-    return 4 if rows <= 2048 else 5
+    return bisect.bisect_left(_BOUNDS, rows)
 
 
 def bucket(rows: int) -> int:

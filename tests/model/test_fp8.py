@@ -361,12 +361,12 @@ def test_many_row_plans_bucket_batches_and_take_cutlass_only_for_fp8_weights():
     """Batches above the skinny buckets fall in MANY_ROW_BUCKETS (the last takes every larger
     batch); a many-row plan is cuBLAS, or a CUTLASS tile where the weight is FP8."""
     from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, LinearPlan, Neighbour, Plan, bucket_index
-    assert [bucket_index(r) for r in (1, 2, 16, 17, 64, 65, 512, 513, 2048, 2049, 10 ** 6)] == \
-        [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert [bucket_index(r) for r in (1, 2, 16, 17, 64, 65, 128, 129, 256, 257, 2048, 2049, 8192, 8193, 10 ** 6)] == \
+        [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 7, 8, 9, 9, 9]
     tile = cutlass_fp8.TILES[0]
-    many = (CUBLAS, Plan("cutlass", tile), CUBLAS)
+    many = (CUBLAS, Plan("cutlass", tile)) + (CUBLAS,) * (len(MANY_ROW_BUCKETS) - 2)
     plan = LinearPlan(Neighbour.PLAIN, fp8=True, many=many)
-    assert len(plan.launches) == 6 and not plan.is_reference
+    assert len(plan.launches) == 3 + len(MANY_ROW_BUCKETS) and not plan.is_reference
     assert f"≤{MANY_ROW_BUCKETS[1]} rows cutlass" in str(plan)
     with pytest.raises(ValueError, match="CUTLASS for FP8 weights"):
         LinearPlan(Neighbour.PLAIN, fp8=False, many=many)
