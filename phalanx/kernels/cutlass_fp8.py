@@ -8,7 +8,8 @@ with nvcc against the CUTLASS headers of the ``nvidia-cutlass`` package (``cutla
 holds them; nothing of its Python is imported) and kept on disk under ``PHALANX_CACHE_DIR``
 (default ``~/.cache/phalanx``), keyed by the source, the tile, the flags and the compiler. A
 build of every tile runs once per machine, the tiles in parallel, at the engine's start-up
-where the tuner times them (kernels/gemv_tuner.py ``tune_many``); later starts load them.
+where the tuner times them (kernels/gemv_tuner.py ``tune_many``); later starts load them. A
+tile that fails to build or load is left out (logged), and cuBLASLt is always a candidate.
 
 Available where a GPU of compute capability 9.0 (the ``sm_90a`` features: TMA, warp-group MMA)
 runs, ``nvcc`` and the package are installed: ``available``. Elsewhere the tuner keeps cuBLASLt.
@@ -18,8 +19,10 @@ This module imports no Triton and loads nothing at import.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -63,14 +66,15 @@ class Tile(NamedTuple):
                 f"-DPHALANX_CLUSTER_N={self.cluster_n}", f"-DPHALANX_PINGPONG={int(self.pingpong)}"]
 
 
-# The candidates the tuner times against cuBLASLt (K tiles of 128 bytes: one TMA swizzle atom)
+# The candidates the tuner times against cuBLASLt (K tiles of 128 bytes: one TMA swizzle atom):
+# each beat cuBLASLt somewhere among Llama-3.1-8B's projections at 128–8,192 rows on an H200
+# (tools/bench_gemm.py --forms fp8_fast cutlass, docs/results/gpu23_gemm_cutlass.txt), where
+# (128, 128) in clusters of 2 and (256, 128) cooperative never did and are not built.
 TILES = (
-    Tile(64, 128, 128, 1, 1, True),
+    Tile(64, 128, 128, 1, 1, True),      # 128–256 rows: o and down 1.4–1.5x, q/k/v at 128 1.3x
     Tile(128, 128, 128, 1, 1, True),
-    Tile(128, 128, 128, 2, 1, True),
     Tile(128, 256, 128, 1, 1, False),
-    Tile(128, 256, 128, 2, 1, False),
-    Tile(256, 128, 128, 2, 1, False),
+    Tile(128, 256, 128, 2, 1, False),    # down (K = 14,336) from 2,048 rows
 )
 
 
@@ -99,6 +103,8 @@ def why_unavailable(device: torch.device) -> str | None:
         return "not a CUDA device"
     if torch.cuda.get_device_capability(device) != CAPABILITY:
         return f"needs compute capability {CAPABILITY[0]}.{CAPABILITY[1]} ({ARCH})"
+    if not SOURCE.is_file():
+        return f"{SOURCE.name} is not installed beside {Path(__file__).name}"
     if headers() is None:
         return "the nvidia-cutlass package is not installed"
     if nvcc() is None:
@@ -120,51 +126,87 @@ def _compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
 
 
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("nvidia-cutlass")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
 def library_path(tile: Tile) -> Path:
-    """Where ``tile``'s library is kept: named by a hash of all that goes into it."""
+    """Where ``tile``'s library is kept: named by a hash of all that goes into it (the source, the
+    tile, the flags, the compiler and the flags it takes from the environment, the CUTLASS
+    release)."""
     compiler = nvcc()
     inc = headers()
     if compiler is None or inc is None:
         raise RuntimeError("CUTLASS FP8 GEMM: nvcc and the nvidia-cutlass package are needed to build it")
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), repr(tile).encode(), repr(FLAGS).encode(), _compiler_version(compiler).encode(),
-                 (inc / "include" / "cutlass" / "version.h").read_bytes()):
+                 os.environ.get("NVCC_PREPEND_FLAGS", "").encode(), os.environ.get("NVCC_APPEND_FLAGS", "").encode(),
+                 _package_version().encode(), (inc / "include" / "cutlass" / "version.h").read_bytes()):
         digest.update(part)
     return cache_dir() / f"fp8_gemm_{tile.name}_{digest.hexdigest()[:16]}.so"
 
 
 def build(tile: Tile) -> Path:
-    """Compile ``tile``'s library unless it is on disk (~1–2 min of one core); returns its path.
-    Written to a temporary name and renamed, so that concurrent builders never load half a file."""
+    """Compile ``tile``'s library unless it is on disk (~2 min of one core); returns its path.
+    Processes that build at once (the ranks of one machine) take a lock per library, so one of
+    them compiles and the others find the file; it is written under a temporary name and renamed,
+    so that no process ever loads half a file."""
     path = library_path(tile)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    inc = headers()
-    assert inc is not None
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        out = Path(tmp) / path.name
-        cmd = [nvcc() or "nvcc", *FLAGS, f"-I{inc / 'include'}", f"-I{inc / 'tools' / 'util' / 'include'}",
-               *tile.defines(), str(SOURCE), "-o", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"CUTLASS FP8 GEMM {tile.name}: nvcc failed:\n{done.stderr[-4000:]}")
-        os.replace(out, path)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():          # built by another process while this one waited
+            return path
+        inc = headers()
+        assert inc is not None
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            cmd = [nvcc() or "nvcc", *FLAGS, f"-I{inc / 'include'}", f"-I{inc / 'tools' / 'util' / 'include'}",
+                   *tile.defines(), str(SOURCE), "-o", str(out)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"CUTLASS FP8 GEMM {tile.name}: nvcc failed:\n{done.stderr[-4000:]}")
+            os.replace(out, path)
     return path
 
 
-def build_all(tiles: tuple[Tile, ...] = TILES) -> dict[Tile, Path]:
-    """Build every tile not yet on disk, as many at once as there are cores."""
+def load_all(tiles: tuple[Tile, ...] = TILES) -> tuple[Kernel, ...]:
+    """Build every tile not yet on disk (as many at once as there are cores) and load each: the
+    tiles that built and loaded; each one that did not is logged with the reason."""
     missing = [t.name for t in tiles if not library_path(t).is_file()]
     if missing:
         logger.info("building CUTLASS FP8 GEMMs %s with nvcc (once per machine; kept in %s)", missing, cache_dir())
     workers = max(1, min(len(tiles), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        return dict(zip(tiles, pool.map(build, tiles), strict=True))
+        built = list(pool.map(_try_build, tiles))
+    return tuple(kernel(t) for t, ok in zip(tiles, built, strict=True) if ok and _try_load(t))
+
+
+def _try_build(tile: Tile) -> bool:
+    try:
+        build(tile)
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure leaves this tile out, logged, and cuBLASLt in
+        logger.warning("CUTLASS FP8 GEMM %s not built: %s", tile.name, str(e).splitlines()[0] if str(e) else e)
+        return False
+
+
+def _try_load(tile: Tile) -> bool:
+    try:
+        kernel(tile)
+        return True
+    except Exception as e:  # noqa: BLE001 - a library that does not load is left out, logged
+        logger.warning("CUTLASS FP8 GEMM %s not loaded: %s", tile.name, e)
+        return False
 
 
 class Kernel:
-    """One tile's GEMM, loaded: ``kernel(rows, q, scale)`` -> bf16 [M, N]."""
+    """One tile's GEMM, loaded: ``kernel(q_rows, rows_scale, q, scale)`` -> bf16 [M, N]."""
 
     def __init__(self, tile: Tile, path: Path):
         self.tile = tile
@@ -182,6 +224,9 @@ class Kernel:
         weight), scale [N] float32 -> (q_rows · rows_scale) (q · scale)ᵀ in bf16 [M, N]."""
         M, K = q_rows.shape
         N = q.shape[0]
+        if not (q_rows.is_contiguous() and q.is_contiguous() and rows_scale.dtype == scale.dtype == torch.float32):
+            raise ValueError(f"CUTLASS FP8 GEMM {self.tile.name}: needs contiguous rows and weight and float32 "
+                             f"scales, got {q_rows.stride()}, {q.stride()}, {rows_scale.dtype}, {scale.dtype}")
         y = torch.empty(M, N, dtype=torch.bfloat16, device=q_rows.device)
         size = self._workspace(M, N, K)
         ws = torch.empty(size, dtype=torch.uint8, device=q_rows.device) if size else None
@@ -192,12 +237,12 @@ class Kernel:
             raise RuntimeError(f"CUTLASS FP8 GEMM {self.tile.name}: status {status} for M={M} N={N} K={K}")
         return y
 
-    def fits(self, n: int, k: int) -> bool:
-        """TMA rows of 16 bytes: K and N multiples of 16."""
-        return n % 16 == 0 and k % 16 == 0
-
 
 @functools.cache
 def kernel(tile: Tile) -> Kernel:
-    """``tile``'s GEMM, built if needed and loaded once per process."""
-    return Kernel(tile, build(tile))
+    """``tile``'s GEMM, loaded once per process from the library ``build`` (or ``load_all``) left
+    on disk: binding a plan never compiles."""
+    path = library_path(tile)
+    if not path.is_file():
+        raise RuntimeError(f"CUTLASS FP8 GEMM {tile.name}: {path} is not built (cutlass_fp8.build)")
+    return Kernel(tile, path)

@@ -160,9 +160,9 @@ def scaled_mm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, s
 def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
            gemm: RowsGemm = scaled_mm) -> torch.Tensor:
     """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row (unless they
-    come so, as ``Fp8Rows``) and ``gemm`` (cuBLASLt by default) where cuBLASLt's conditions hold
-    (``scaled_mm_fits``: what CUTLASS's kernels take too), else the reference (of the rows as they
-    came)."""
+    come so, as ``Fp8Rows``) and ``gemm`` (cuBLASLt by default; a CUTLASS tile where the tuner chose
+    one) where cuBLASLt's conditions hold (``scaled_mm_fits``; the tuner offers CUTLASS only there),
+    else the reference (of the rows as they came)."""
     if isinstance(x, Fp8Rows):
         if not (x.q.is_cuda and takes_fp8_rows(q, x.dtype)):
             return reference(x.dequantize(), q, bias, scale)

@@ -28,7 +28,6 @@ from phalanx.kernels.linear_plan import (
     CUBLAS,
     MANY_ROW_BUCKETS,
     ROW_BUCKETS,
-    CutlassTile,
     GateUpSiluPlan,
     LinearPlan,
     Neighbour,
@@ -158,10 +157,10 @@ def tune_many(q: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] 
     quantization in front is the same for both, so only the GEMM is timed). cuBLASLt everywhere
     where CUTLASS does not run here (kernels/cutlass_fp8.py ``why_unavailable``) or its build failed
     (logged once)."""
-    if not (f8.takes_fp8_rows(q, act_dtype) and _cutlass_tiles(q.device)):
+    if not (f8.takes_fp8_rows(q, act_dtype) and _cutlass_kernels(q.device)):
         return (CUBLAS,) * len(MANY_ROW_BUCKETS)
     N, K = q.shape
-    gemms = [(CUBLAS, f8.scaled_mm)] + [(Plan("cutlass", t), cutlass_fp8.kernel(t)) for t in _cutlass_tiles(q.device)]
+    gemms = [(CUBLAS, f8.scaled_mm)] + [(Plan("cutlass", k.tile), k) for k in _cutlass_kernels(q.device)]
     qs: list[torch.Tensor] = []
     scale = torch.full((N,), 1e-3, device=q.device)
     plans = []
@@ -191,17 +190,17 @@ def _rows_gemm(gemm: f8.RowsGemm, x: f8.Fp8Rows, qs: list[torch.Tensor], scale: 
 
 
 @functools.cache
-def _cutlass_tiles(device: torch.device) -> tuple[CutlassTile, ...]:
-    """The CUTLASS tiles built and loaded for ``device``'s kind of GPU (none where unavailable)."""
+def _cutlass_kernels(device: torch.device) -> tuple[cutlass_fp8.Kernel, ...]:
+    """The CUTLASS tiles built and loaded for ``device`` (none where CUTLASS is unavailable)."""
     why = cutlass_fp8.why_unavailable(device)
-    if why is None:
-        try:
-            cutlass_fp8.build_all()
-            return cutlass_fp8.TILES
-        except RuntimeError as e:
-            why = str(e)
-    logger.info("FP8 GEMMs of many rows take cuBLASLt only (CUTLASS: %s)", why.splitlines()[0])
-    return ()
+    if why is not None:
+        logger.info("FP8 GEMMs of many rows take cuBLASLt only (CUTLASS: %s)", why)
+        return ()
+    try:
+        return cutlass_fp8.load_all()
+    except Exception as e:  # noqa: BLE001 - CUTLASS is a choice, never a reason for the engine not to start
+        logger.warning("FP8 GEMMs of many rows take cuBLASLt only (CUTLASS: %s)", e)
+        return ()
 
 
 def qkv_rope_plan(qkv: LinearPlan, head_dim: int) -> QkvRopePlan | None:

@@ -32,7 +32,8 @@ F.linear.
 
 Where no tuner ran (on a CPU, or with the Triton kernels unavailable) every plan is the
 reference: cuBLAS/BLAS for every bucket (``fp8.linear`` for FP8 weights), the default MoE
-tiles. This module imports no Triton; launchers are imported when a tuned plan is built.
+tiles. This module imports no Triton; launchers are imported when a tuned plan is built (a
+CUTLASS tile's library is loaded then: the tuner built it; binding a plan never compiles).
 """
 
 from __future__ import annotations

@@ -37,6 +37,23 @@ def _rel(y, exact):
 
 
 @pytest.mark.parametrize("tile", cutlass_fp8.TILES, ids=lambda t: t.name)
+def test_a_tile_first_launched_inside_a_cuda_graph_gives_what_it_gives_eagerly(tile):
+    rows, q, scale, _ = _operands(512, 1024, 512, seed=1)
+    run = cutlass_fp8.kernel(tile)     # the first test of the file: the tile's first launch is captured
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(rows.q, rows.scale, q, scale)
+    graph.replay()
+    torch.testing.assert_close(out, run(rows.q, rows.scale, q, scale), rtol=0, atol=0)
+    before = out.clone()
+    rows.q.copy_(fp8.quantize_rows(torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)).q)
+    graph.replay()
+    assert not torch.equal(out, before)       # the graph read the new rows
+    assert torch.equal(out, run(rows.q, rows.scale, q, scale))
+
+
+@pytest.mark.parametrize("tile", cutlass_fp8.TILES, ids=lambda t: t.name)
 @pytest.mark.parametrize("M,N,K", [(65, 256, 128), (300, 6144, 4096), (2048, 4096, 14336), (77, 80, 48)])
 def test_each_tile_gives_the_product_of_the_fp8_values_as_cublaslt_does(tile, M, N, K):
     rows, q, scale, exact = _operands(M, N, K)
@@ -48,26 +65,10 @@ def test_each_tile_gives_the_product_of_the_fp8_values_as_cublaslt_does(tile, M,
     assert _rel(y, ref.float()) < 6e-3
 
 
-def test_a_tile_inside_a_cuda_graph_gives_what_it_gives_eagerly():
-    tile = cutlass_fp8.TILES[1]
-    rows, q, scale, _ = _operands(512, 1024, 512, seed=1)
-    run = cutlass_fp8.kernel(tile)
-    eager = run(rows.q, rows.scale, q, scale)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(rows.q, rows.scale, q, scale)
-    rows.q.copy_(fp8.quantize_rows(torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)).q)
-    graph.replay()
-    assert not torch.equal(out, eager)       # the graph read the new rows
-    again = run(rows.q, rows.scale, q, scale)
-    assert torch.equal(out, again)
-
-
-def test_an_engine_on_cutlass_plans_gives_the_tokens_of_cublaslt_plans(tiny_models):
+def test_an_engine_on_cutlass_plans_gives_the_tokens_of_cublaslt_plans(tiny_models, monkeypatch):
     """bf16 activations, FP8 weights, prompts of 70–155 tokens (prompt steps of many rows): every
-    projection's many-row plan set to a CUTLASS tile, then to cuBLASLt, in one engine. The tuner's
-    own choice is a valid plan for each bucket."""
+    projection's many-row plan set to a CUTLASS tile (each of its products counted), then to
+    cuBLASLt, in one engine."""
     from phalanx.models.layers import Projection
     g = torch.Generator().manual_seed(11)
     ps = [torch.randint(0, 256, (70 + 17 * i,), generator=g).tolist() for i in range(6)]
@@ -78,15 +79,23 @@ def test_an_engine_on_cutlass_plans_gives_the_tokens_of_cublaslt_plans(tiny_mode
              kv_cache_config={"enable_block_reuse": False}) as llm:
         model = llm._executor.engine.runner.model
         projections = [m for m in model.modules() if isinstance(m, Projection) and m.weight_scale is not None]
-        assert projections
-        for m in projections:
-            assert len(m.plan.many) == len(MANY_ROW_BUCKETS)
-            assert all(p.kernel in ("cublas", "cutlass") for p in m.plan.many), m.plan
+        assert projections and all(len(m.plan.many) == len(MANY_ROW_BUCKETS) for m in projections)
+        calls = []
+        real = cutlass_fp8.Kernel.__call__
+
+        def counted(self, *args):
+            calls.append(self.tile)
+            return real(self, *args)
+        monkeypatch.setattr(cutlass_fp8.Kernel, "__call__", counted)
         for name, many in (("cutlass", (Plan("cutlass", cutlass_fp8.TILES[1]),) * len(MANY_ROW_BUCKETS)),
                            ("cublas", (CUBLAS,) * len(MANY_ROW_BUCKETS))):
             for m in projections:
                 m.plan = dataclasses.replace(m.plan, many=many, launches=())
             out[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+            if name == "cutlass":   # every projection of every prompt step ran on the tile
+                assert len(calls) >= len(projections) and set(calls) == {cutlass_fp8.TILES[1]}
+                n = len(calls)
+        assert len(calls) == n      # and none on cuBLASLt's plans
     first = sum(a[0] == b[0] for a, b in zip(out["cutlass"], out["cublas"], strict=True))
     same = sum(a == b for a, b in zip(out["cutlass"], out["cublas"], strict=True))
     assert first >= 5 and same >= 4, (first, same, out)

@@ -357,10 +357,18 @@ def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(
         assert other.input_layernorm.fp8_rows_above == 64 and other.post_attention_layernorm.fp8_rows_above == 64
 
 
-def test_many_row_plans_bucket_batches_and_take_cutlass_only_for_fp8_weights():
+def test_many_row_plans_bucket_batches_and_take_cutlass_only_for_fp8_weights(monkeypatch):
     """Batches above the skinny buckets fall in MANY_ROW_BUCKETS (the last takes every larger
-    batch); a many-row plan is cuBLAS, or a CUTLASS tile where the weight is FP8."""
+    batch); a many-row plan is cuBLAS, or a CUTLASS tile where the weight is FP8. Binding a plan
+    loads the tile's library and never builds it (no library on a CPU: a stand-in that records
+    its calls takes its place, and the CPU's reference path never calls it)."""
     from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, LinearPlan, Neighbour, Plan, bucket_index
+    monkeypatch.setenv("PHALANX_CACHE_DIR", "/nonexistent-phalanx-cache")
+    if cutlass_fp8.headers() and cutlass_fp8.nvcc():
+        with pytest.raises(RuntimeError, match="is not built"):
+            cutlass_fp8.kernel.__wrapped__(cutlass_fp8.TILES[0])
+    calls = []
+    monkeypatch.setattr(cutlass_fp8, "kernel", lambda tile: lambda *a: calls.append(tile))
     assert [bucket_index(r) for r in (1, 2, 16, 17, 64, 65, 128, 129, 256, 257, 2048, 2049, 8192, 8193, 10 ** 6)] == \
         [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 7, 8, 9, 9, 9]
     tile = cutlass_fp8.TILES[0]
@@ -373,9 +381,10 @@ def test_many_row_plans_bucket_batches_and_take_cutlass_only_for_fp8_weights():
     with pytest.raises(ValueError, match="bucket of many rows"):
         LinearPlan(Neighbour.PLAIN, fp8=True, many=(CUBLAS,))
     # on a CPU the FP8 projection runs the reference whatever GEMM its plan names
-    x, w = torch.randn(70, 32), torch.randn(48, 32)
+    x, w = torch.randn(200, 32), torch.randn(48, 32)   # the bucket of 256 rows: the CUTLASS plan
     q, scale = fp8.quantize_weight(w)
     torch.testing.assert_close(plan(x, q, None, scale), fp8.reference(x, q, None, scale))
+    assert calls == []
 
 
 def test_cutlass_tiles_are_named_apart_and_unavailable_off_a_gpu():

@@ -12,8 +12,8 @@
 // passes (the tile, the cluster, the schedule); each exports two C functions named after it:
 //   size_t phalanx_fp8_gemm_<NAME>_workspace(int M, int N, int K)
 //   int    phalanx_fp8_gemm_<NAME>(a, b, d, scale_a, scale_b, M, N, K, workspace, stream)
-// which return 0, or a nonzero status where CUTLASS cannot run the problem (alignment: K and N
-// multiples of 16).
+// which return 0, or a nonzero status where CUTLASS cannot run the problem (alignment: K a
+// multiple of 16, N of 8; phalanx calls it where K and N are multiples of 16).
 
 #include <cuda_runtime.h>
 
@@ -106,6 +106,15 @@ typename Gemm::Arguments arguments(const void* a, const void* b, void* d, const 
       {scale_a},                      // ScaleA
       {{scale_b}, {}, {}},            // TimesScaleB: ScaleB, AccFetch, multiplies
       {}};                            // multiplies
+  // the persistent scheduler's grid: the SM count, asked of the driver once per device
+  static int sm_counts[64] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= 0 && device < 64) {
+    if (sm_counts[device] == 0) cudaDeviceGetAttribute(&sm_counts[device], cudaDevAttrMultiProcessorCount, device);
+    args.hw_info.device_id = device;
+    args.hw_info.sm_count = sm_counts[device];
+  }
   return args;
 }
 
