@@ -117,12 +117,19 @@ def bucket(rows: int) -> int:
     return ROW_BUCKETS[bucket_index(rows)]
 
 
+def run_fp8(neighbour: Neighbour, gemm: Callable[..., torch.Tensor] | None = None) -> Launch:
+    """``fp8.linear``, after silu(gate) * up behind SILU (quantized by the same kernel:
+    ``fp8.silu_linear``), multiplying with ``gemm`` (cuBLASLt's FP8 GEMM where None)."""
+    from phalanx.kernels import fp8 as f8
+    run = f8.silu_linear if neighbour is Neighbour.SILU else f8.linear
+    return run if gemm is None else functools.partial(run, gemm=gemm)
+
+
 def run_cublas(neighbour: Neighbour, fp8: bool = False) -> Launch:
-    """F.linear (cuBLAS on a GPU), or ``fp8.linear`` for FP8 weights, after silu(gate) * up
-    behind SILU (for FP8 weights quantized by the same kernel: ``fp8.silu_linear``)."""
+    """F.linear (cuBLAS on a GPU), or for FP8 weights ``run_fp8`` on cuBLASLt, after
+    silu(gate) * up behind SILU."""
     if fp8:
-        from phalanx.kernels import fp8 as f8
-        return f8.silu_linear if neighbour is Neighbour.SILU else f8.linear
+        return run_fp8(neighbour)
     if neighbour is not Neighbour.SILU:
         return F.linear
 
@@ -138,9 +145,7 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
         return run_cublas(neighbour, fp8)
     if isinstance(plan.tile, CutlassTile):
         from phalanx.kernels import cutlass_fp8
-        from phalanx.kernels import fp8 as f8
-        fp8_call = f8.silu_linear if neighbour is Neighbour.SILU else f8.linear
-        return functools.partial(fp8_call, gemm=cutlass_fp8.kernel(plan.tile))
+        return run_fp8(neighbour, cutlass_fp8.kernel(plan.tile))
     from phalanx.kernels import gemv
     tile = plan.tile
     silu = neighbour is Neighbour.SILU
