@@ -90,6 +90,11 @@ def _dots_ran(dots: str | None, kv_dtype: str) -> str:
     return dots or ("f16" if _SHIPPED_DOTS else "bf16")
 
 
+def parse_prefill(text: str) -> tuple[int, int, int, int]:
+    rows, n, w, st = (int(x) for x in text.split(","))
+    return rows, n, w, st
+
+
 def parse_config(text: str) -> tuple[int, int, int]:
     n, w, st = (int(x) for x in text.split(","))
     return n, w, st
@@ -104,6 +109,9 @@ def main() -> None:
                     help="keys per step, warps, stages")
     ap.add_argument("--extend", type=int, nargs="*", default=[1000], help="prefill lengths (one sequence each)")
     ap.add_argument("--extend-block-m", type=int, nargs="+", default=[64], help="query tokens per extend program")
+    ap.add_argument("--prefill-configs", type=parse_prefill, nargs="*", default=[],
+                    help="the prefill kernel (G heads a program) beside the extend kernel: rows, keys per step, "
+                         "warps, stages (the shipped one is always timed)")
     ap.add_argument("--hit", nargs="*", default=[], help="NEW:CACHED new tokens over a cached context (split kernel)")
     ap.add_argument("--split-configs", type=parse_config, nargs="+",
                     default=[(32, 4, 2), (64, 4, 3), (32, 8, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2)],
@@ -172,6 +180,17 @@ def main() -> None:
             print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  "
                   f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
         _set_dots(None)
+        first = triton_attention.extend_attention(q, kc, vc, bt, qs, lens, T, D ** -0.5, None).float()
+        for cfg4 in [None] + a.prefill_configs:
+            call = functools.partial(triton_attention.prefill_attention, q, kc, vc, bt, qs, lens, T, D ** -0.5,
+                                     None, cfg4)
+            diff = (call().float() - first).abs().max().item()
+            us = _time(call)
+            shipped = triton_attention.PREFILL_CONFIG_FP8 if a.kv_dtype == "fp8" else triton_attention.PREFILL_CONFIG
+            rows.append({"kernel": "prefill", "tokens": T, "config": cfg4 or shipped, "shipped": cfg4 is None,
+                         "us": us, "tflop_s": flops / us / 1e6, "max_diff_to_extend": diff})
+            print(f"prefill T={T:6d} cfg={cfg4 or 'shipped'}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s  "
+                  f"max diff to extend {diff:.1e}", flush=True)
     for spec in a.hit:
         new, cached = (int(x) for x in spec.split(":"))
         L = new + cached

@@ -82,7 +82,8 @@ def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
 
 @triton.jit
 def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-             B: tl.constexpr, BLOCK_N: tl.constexpr, KV_F16: tl.constexpr, V_KEYS: tl.constexpr):
+             B: tl.constexpr, BLOCK_N: tl.constexpr, KV_F16: tl.constexpr, V_KEYS: tl.constexpr,
+             MASKED: tl.constexpr = True):
     """The keys and values of positions p0 .. p0 + BLOCK_N (those in [lo, hi)) of one KV head:
     each position finds its block in the sequence's table, so a tile may span several blocks.
     An FP8 pool's (scale 1) are widened here, exactly, to float16 (``KV_F16``) or bf16.
@@ -91,17 +92,33 @@ def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
     [D, BLOCK_N] tile of 16-byte runs of keys and transposed. Those loads are not masked by key:
     every tile starts at a multiple of 16 keys (a block's start, then BLOCK_N at a time) and B is
     a multiple of 16, so a run never leaves its block; a key outside [lo, hi) in a block the tile
-    reads (block 0 past the slice's last block) gives its finite stale value no weight."""
+    reads (block 0 past the slice's last block) gives its finite stale value no weight.
+
+    Not ``MASKED``: every key of the tile is in [lo, hi) and BLOCK_D == D, so nothing is masked
+    (the caller knows; the loads then need no predicate)."""
     kpos = p0 + tl.arange(0, BLOCK_N)
     km = (kpos >= lo) & (kpos < hi)
-    blk = tl.load(bt_row + kpos // B, mask=kpos < tl.cdiv(hi, B) * B, other=0).to(tl.int64)
+    if MASKED:
+        blk = tl.load(bt_row + kpos // B, mask=kpos < tl.cdiv(hi, B) * B, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + kpos // B).to(tl.int64)
     row = blk * s_cb + (kpos % B) * s_ct + kvh * s_ch
-    k = _widen(tl.load(kc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0), KV_F16)
+    if MASKED:
+        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0)
+    else:
+        k = tl.load(kc_ptr + row[:, None] + d[None, :])
+    k = _widen(k, KV_F16)
     if V_KEYS:
         col = tl.max_contiguous(tl.multiple_of(blk * s_cb + kvh * s_ch * B + kpos % B, 16), 16)
-        v = _widen(tl.trans(tl.load(vc_ptr + col[None, :] + d[:, None] * B, mask=dm[:, None], other=0.0)), KV_F16)
-    else:
+        if MASKED:
+            v = tl.load(vc_ptr + col[None, :] + d[:, None] * B, mask=dm[:, None], other=0.0)
+        else:
+            v = tl.load(vc_ptr + col[None, :] + d[:, None] * B)
+        v = _widen(tl.trans(v), KV_F16)
+    elif MASKED:
         v = _widen(tl.load(vc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0), KV_F16)
+    else:
+        v = _widen(tl.load(vc_ptr + row[:, None] + d[None, :]), KV_F16)
     return kpos, km, k, v
 
 
@@ -238,6 +255,10 @@ EXTEND_SPLIT_CONFIG = (32, 4, 2)
 # sequences in 2 slices 25.9 us against 31.5 with (64, 4, 2), which takes one sequence in 32 slices
 # in 6.4 us against 8.5. A 1,000 / 2,048-token prompt 66.8 / 201.5 us with (64, 4, 2), against
 # 109.2 / 330.5 with EXTEND_CONFIG.
+# the prefill kernel (``_prefill_kernel``): (rows a program takes, keys per step, warps, stages)
+PREFILL_CONFIG = (128, 128, 8, 3)
+PREFILL_CONFIG_FP8 = (128, 64, 8, 2)
+PREFILL_PACKED = True      # prompts through ``_prefill_kernel`` rather than ``_extend_kernel``
 DECODE_CONFIG_FP8 = (128, 4, 3)
 DECODE_CONFIG_FP8_SPLIT = (64, 4, 2)       # more than 4 key slices
 EXTEND_CONFIG_FP8 = (64, 4, 2)
@@ -369,6 +390,113 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
         V_KEYS=values_key_minor(v_cache), num_warps=warps, num_stages=stages)
     return out
+
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _softmax_step_exp2(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
+    """``_online_softmax_step`` on scores already in base 2 (scaled by log2(e)): exp2 is one
+    instruction where exp is two."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["s_bt", "window"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
+                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
+                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                    KV_F16: tl.constexpr, V_KEYS: tl.constexpr):
+    """The extend kernel with the G query heads of a KV head in one program (a key tile is
+    loaded once for all of them; row r: query token r // BLOCK_G, head r % BLOCK_G), the keys
+    every row of the block sees walked first without masks, then the diagonal's tiles with the
+    causal mask, scores in base 2. Grid (Hkv, S, query blocks), the last query blocks (the most
+    keys) launched first, so that the short ones fill the last wave."""
+    kvh = tl.program_id(0)
+    s = tl.program_id(1)
+    mb = tl.num_programs(2) - 1 - tl.program_id(2)
+    q0 = tl.load(qstart_ptr + s)
+    q_len = tl.load(qstart_ptr + s + 1) - q0
+    if mb * BLOCK_M < q_len:
+        L = tl.load(len_ptr + s)
+        ctx = L - q_len
+        r = tl.arange(0, BLOCK_M * BLOCK_G)
+        m = mb * BLOCK_M + r // BLOCK_G
+        g = r % BLOCK_G
+        rm = (m < q_len) & (g < G)
+        h = kvh * G + g
+        q_pos = ctx + m
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = _query(tl.load(q_ptr + (q0 + m)[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+                           mask=rm[:, None] & dm[None, :], other=0.0), KV_F16)
+        qk_scale = scale * LOG2E
+        m_i = tl.full([BLOCK_M * BLOCK_G], NEG, tl.float32)
+        l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
+        first = ctx + mb * BLOCK_M                      # the block's first query position
+        hi = tl.minimum(L, first + BLOCK_M)
+        lo = tl.where(window > 0, tl.maximum(first - window + 1, 0), 0)
+        start = lo - lo % B
+        # without a window, the keys below the block's first query: seen by every row, no mask
+        full = tl.where(window > 0, start, first // BLOCK_N * BLOCK_N)
+        if BLOCK_D == D:
+            for p0 in range(start, full, BLOCK_N):
+                kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d,
+                                          dm, B, BLOCK_N, KV_F16, V_KEYS, False)
+                qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
+                m_i, l_i, acc = _softmax_step_exp2(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
+        else:
+            full = start
+        for p0 in range(full, hi, BLOCK_N):
+            kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
+                                      B, BLOCK_N, KV_F16, V_KEYS)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
+            ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
+            ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
+            qk = tl.where(ok, qk, NEG)
+            m_i, l_i, acc = _softmax_step_exp2(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + (q0 + m)[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                      window: int | None, config: tuple[int, int, int, int] | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """``extend_attention`` through ``_prefill_kernel``. config:
+    (rows a program takes — query tokens × BLOCK_G heads —, keys per step, warps, stages),
+    PREFILL_CONFIG by default (PREFILL_CONFIG_FP8 over an FP8 pool)."""
+    T, H, D = q.shape
+    _, B, Hkv, _ = k_cache.shape
+    S = seq_lens.shape[0]
+    G = H // Hkv
+    BLOCK_G = triton.next_power_of_2(G)
+    rows, block_n, warps, stages = config or (PREFILL_CONFIG_FP8 if k_cache.element_size() == 1 else PREFILL_CONFIG)
+    block_m = prefill_block_m(rows, BLOCK_G, max_query_len)
+    out = torch.empty_like(q) if out is None else out
+    _prefill_kernel[(Hkv, S, triton.cdiv(max_query_len, block_m))](
+        q, k_cache, v_cache, block_tables, query_start, seq_lens, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), scale, window or 0,
+        G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
+        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
+        V_KEYS=values_key_minor(v_cache), num_warps=warps, num_stages=stages)
+    return out
+
+
+def prefill_block_m(rows: int, group: int, max_query_len: int) -> int:
+    """Query tokens a prefill program takes: ``rows`` // ``group`` (the heads of a KV head,
+    a power of two), fewer for a short step but at least 16 (the forms ``compile_extend_forms``
+    runs), and at least 16 rows."""
+    return max(-(-16 // group), min(max(1, rows // group), max(16, triton.next_power_of_2(max_query_len))))
 
 
 # the slice count is an argument, not a constant (nor are the log-sum-exps' strides, which follow
@@ -503,12 +631,15 @@ def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads
     dev = k_cache.device
     group = triton.next_power_of_2(max(1, num_heads // Hkv))
     rows = _split_rows(group) if group <= MAX_SPLIT_GROUP else 0    # (beyond it, extend_splits never splits)
-    for n in (16, 32, 64):
+    for n in (16, 32, 64, 128):
         q = torch.zeros(n, num_heads, D, dtype=dtype, device=dev)
         tables = torch.zeros(1, triton.cdiv(n, B), dtype=torch.int32, device=dev)
         starts = torch.tensor([0, n], dtype=torch.int32, device=dev)
         lens = torch.tensor([n], dtype=torch.int32, device=dev)
-        extend_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
+        if PREFILL_PACKED:
+            prefill_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
+        elif n <= 64:
+            extend_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
         if n <= rows:
             extend_attention_split(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None, 2)
 
@@ -541,8 +672,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if splits > 1:
         return extend_attention_split(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
                                       meta.max_query_len, scale, window, splits, out=out)
-    return extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                            meta.max_query_len, scale, window, out=out)
+    plain = prefill_attention if PREFILL_PACKED else extend_attention
+    return plain(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens, meta.max_query_len, scale,
+                 window, out=out)
 
 
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

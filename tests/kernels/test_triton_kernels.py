@@ -180,6 +180,38 @@ def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype
         close(out, ref, dtype)
 
 
+PREFILL_TILES = [None, (16, 16, 4, 2), (64, 32, 4, 2)] + ([(128, 32, 4, 3), (128, 128, 8, 2), (256, 64, 8, 3)]
+                                                          if CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", EXTEND_CASES + [([70, 33], [70, 30], 8, 2, 16)])
+@pytest.mark.parametrize("window", [None, 12])
+def test_prefill_kernel_equals_the_reference(seq_lens, q_lens, H, Hkv, D, dtype, window):
+    """The prompt kernel (the G query heads of a KV head in one program; the keys below a query
+    block's first position walked without masks, then the diagonal's with the causal mask)
+    against the reference, for tiles of 16 to 256 rows: query blocks of 4 to 64 tokens, some
+    with whole unmasked key tiles in front of them, some without."""
+    B = 32 if CUDA else 16
+    q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=len(seq_lens))
+    ref = _ref(q, kc, vc, meta, window)
+    for config in PREFILL_TILES:
+        out = triton_attention.prefill_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
+                                                 meta.max_query_len, D ** -0.5, window, config=config)
+        close(out, ref, dtype)
+
+
+def test_prefill_block_heights():
+    """Query tokens a prefill program takes: the rows over the group, at most the step's longest
+    query rounded up to a power of two but never under 16 tokens, and never under 16 rows."""
+    assert triton_attention.prefill_block_m(128, 4, 2048) == 32
+    assert triton_attention.prefill_block_m(128, 4, 1) == 16
+    assert triton_attention.prefill_block_m(128, 1, 50) == 64
+    assert triton_attention.prefill_block_m(128, 1, 5000) == 128
+    assert triton_attention.prefill_block_m(16, 8, 100) == 2          # 16 rows: 2 tokens of 8 heads
+    assert triton_attention.prefill_block_m(64, 32, 100) == 2
+
+
 @pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", [([40, 17], [1, 1], 4, 2, 32), ([20, 50], [3, 17], 4, 1, 32),
                                                      ([40, 17], [1, 1], 4, 2, 40)]   # a head size that masks
                          + ([([1000, 4097], [1, 1], 32, 8, 128), ([2048, 77], [64, 1], 32, 8, 128)] if CUDA else []))
@@ -202,6 +234,9 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
     else:
         out = triton_attention.extend_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
                                                 meta.max_query_len, D ** -0.5, None, block_m=16 if not CUDA else 64)
+        close(triton_attention.prefill_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
+                                                 meta.max_query_len, D ** -0.5, None, config=(32, 16, 4, 2)),
+              ref, dtype)
         close(triton_attention.extend_attention_split(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
                                                       meta.max_query_len, D ** -0.5, None, 2), ref, dtype)
     close(out, ref, dtype)
@@ -253,6 +288,7 @@ def test_a_nan_value_written_into_an_fp8_pool_reaches_no_later_sequence(q_lens, 
     else:
         args = (q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens, meta.max_query_len, D ** -0.5, window)
         outs = [triton_attention.extend_attention(*args, block_m=16),
+                triton_attention.prefill_attention(*args, config=(32, 16, 4, 2)),
                 triton_attention.extend_attention_split(*args, 2)]
     for out in outs:
         close(out, ref, torch.bfloat16)

@@ -1,0 +1,173 @@
+"""Can a decode step's compute-bound projections and its memory-bound attention share one GPU?
+
+A bf16 decode step over a few hundred sequences of ~1,500 tokens runs its projections near the
+tensor cores' peak and its attention near the memory's read bandwidth, one after the other, so
+the step costs their sum. Split the batch into nano-batches on their own streams, one started a
+projection behind the other, and one nano-batch's attention may run while the other's
+projections do. This measures, over layers of one model shape (no norms, rotary or residual:
+the four projections, SiLU ‖ mul, and paged decode attention over a pool per layer), replayed
+from a CUDA graph:
+
+  gemms       the projections alone, the whole batch
+  attention   the attention alone, the whole batch
+  serial      both, one stream, the whole batch (what a decode step does today)
+  split       both, one stream, nano-batch after nano-batch (what splitting alone costs)
+  overlap     both, a stream per nano-batch, each started one projection after the one before
+
+    python tools/bench_overlap.py --batch 256 512 --context 1500 --nano 2 3 --output overlap.json
+
+The figure to read is serial / overlap: the most a step could gain from running nano-batches
+side by side with today's kernels, none of them limited to a share of the SMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.bench.shapes import SHAPES
+from phalanx.kernels import gemv_tuner, triton_attention
+
+
+class Shape:
+    """The few numbers of a model shape this bench needs."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.hidden_size, self.intermediate_size = cfg["hidden_size"], cfg["intermediate_size"]
+        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = cfg["head_dim"]
+
+
+class Layer:
+    """One layer's weights (bf16, random) and its KV pool of S sequences of ``context`` tokens."""
+
+    def __init__(self, shape, S: int, context: int, B: int, gen: torch.Generator) -> None:
+        hidden, inter = shape.hidden_size, shape.intermediate_size
+        H, Hkv, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        dev, dt = "cuda", torch.bfloat16
+        self.qkv = torch.randn((H + 2 * Hkv) * D, hidden, device=dev, dtype=dt) * hidden ** -0.5
+        self.o = torch.randn(hidden, H * D, device=dev, dtype=dt) * (H * D) ** -0.5
+        self.gate_up = torch.randn(2 * inter, hidden, device=dev, dtype=dt) * hidden ** -0.5
+        self.down = torch.randn(hidden, inter, device=dev, dtype=dt) * inter ** -0.5
+        per = -(-context // B)
+        nb = S * per
+        self.k = torch.randn(nb, B, Hkv, D, device=dev, dtype=dt)
+        self.v = torch.randn(nb, B, Hkv, D, device=dev, dtype=dt)
+        self.tables = torch.randperm(nb, generator=gen).view(S, per).to(torch.int32).to(dev)
+        self.lens = torch.full((S,), context, dtype=torch.int32, device=dev)
+
+
+class Model:
+    def __init__(self, shape, layers: int, S: int, context: int, nano: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.shape, self.S, self.nano = shape, S, nano
+        self.layers = [Layer(shape, S, context, 32, gen) for _ in range(layers)]
+        self.x = torch.randn(S, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.streams = [torch.cuda.Stream() for _ in range(nano)]
+
+    def qkv(self, L: Layer, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, L.qkv)
+
+    def attention(self, L: Layer, qkv: torch.Tensor, rows: slice) -> torch.Tensor:
+        s = self.shape
+        n = qkv.shape[0]
+        q = qkv[:, :s.num_heads * s.head_dim].reshape(n, s.num_heads, s.head_dim)
+        splits = triton_attention.num_splits(n, s.num_kv_heads, 131072, 32, self.sms)
+        out = triton_attention.decode_attention(q, L.k, L.v, L.tables[rows], L.lens[rows], s.head_dim ** -0.5,
+                                                None, splits)
+        return out.reshape(n, -1)
+
+    def after_attention(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        gu = F.linear(F.linear(h, L.o), L.gate_up)
+        return F.linear(F.silu(gu[:, :s.intermediate_size]) * gu[:, s.intermediate_size:], L.down)
+
+    def nano_forward(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        for L in self.layers:
+            x = self.after_attention(L, self.attention(L, self.qkv(L, x), rows))
+        return x
+
+    def run(self, mode: str) -> None:
+        S, n = self.S, self.nano
+        if mode == "gemms":
+            x = self.x
+            for L in self.layers:
+                x = self.after_attention(L, self.qkv(L, x)[:, :self.shape.num_heads * self.shape.head_dim])
+        elif mode == "attention":
+            for L in self.layers:
+                self.attention(L, self.x.new_empty(S, L.qkv.shape[0]), slice(0, S))
+        elif mode == "serial":
+            self.nano_forward(self.x, slice(0, S))
+        elif mode == "split":
+            for i in range(n):
+                rows = slice(i * S // n, (i + 1) * S // n)
+                self.nano_forward(self.x[rows], rows)
+        elif mode == "overlap":
+            main = torch.cuda.current_stream()
+            done = []
+            ahead = torch.cuda.Event()
+            ahead.record(main)
+            for i, st in enumerate(self.streams):
+                rows = slice(i * S // n, (i + 1) * S // n)
+                st.wait_event(ahead)
+                with torch.cuda.stream(st):
+                    x = self.x[rows]
+                    first = True
+                    for L in self.layers:
+                        qkv = self.qkv(L, x)
+                        if first:   # the next nano-batch starts once this one's first projection is done
+                            ahead = torch.cuda.Event()
+                            ahead.record(st)
+                            first = False
+                        x = self.after_attention(L, self.attention(L, qkv, rows))
+                    ev = torch.cuda.Event()
+                    ev.record(st)
+                    done.append(ev)
+            for ev in done:
+                main.wait_event(ev)
+        else:
+            raise ValueError(mode)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--context", type=int, nargs="+", default=[1500])
+    ap.add_argument("--nano", type=int, nargs="+", default=[2])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--output", default=None)
+    a = ap.parse_args()
+    shape = Shape(SHAPES[a.model])
+    rows = []
+    for S in a.batch:
+        for ctx in a.context:
+            for n in a.nano:
+                m = Model(shape, a.layers, S, ctx, n)
+                res = {}
+                for mode in ("gemms", "attention", "serial", "split", "overlap"):
+                    res[mode] = gemv_tuner.time_graph(lambda i, m=m, mode=mode: m.run(mode), 1, reps=4) * 1e3 / a.layers
+                flop = 2 * S * (m.layers[0].qkv.numel() + m.layers[0].o.numel() + m.layers[0].gate_up.numel()
+                                + m.layers[0].down.numel())
+                kv = 2 * S * ctx * shape.num_kv_heads * shape.head_dim * 2
+                row = {"batch": S, "context": ctx, "nano": n, **{k + "_us": v for k, v in res.items()},
+                       "gemm_tflop_s": flop / res["gemms"] / 1e6, "attention_tb_s": kv / res["attention"] / 1e6,
+                       "serial_over_overlap": res["serial"] / res["overlap"],
+                       "sum_over_serial": (res["gemms"] + res["attention"]) / res["serial"]}
+                rows.append(row)
+                print(f"S={S:4d} ctx={ctx:5d} nano={n}: " + "  ".join(f"{k} {v:7.1f}" for k, v in res.items())
+                      + f" us/layer; GEMMs {row['gemm_tflop_s']:.0f} TFLOP/s, attention {row['attention_tb_s']:.2f}"
+                      f" TB/s; serial/overlap {row['serial_over_overlap']:.2f}", flush=True)
+                m.layers.clear()
+                torch.cuda.empty_cache()
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
