@@ -12,8 +12,12 @@ pool's values key-minor, ``values_key_minor``):
   return at once and the merge reads only the filled ones. (Merging in the split kernel instead,
   by the slice that finishes last behind an atomic counter, measured 4 % slower at batch 1.)
 * extend (packed variable-length queries: prefill over a cached prefix, chunked prefill,
-  partial reuse, mixed batches). Grid (query blocks, S, H); causal within the new tokens,
-  optional sliding window. When that grid is too small to fill the GPU — a few new tokens over a
+  partial reuse, mixed batches); causal within the new tokens, optional sliding window. The
+  prefill kernel (``_prefill_kernel``) takes the G query heads of a KV head in one program
+  (grid (Hkv, S, query blocks), the blocks with the most keys launched first), walks the keys
+  below its query block without masks and the diagonal's with them, scores in base 2. (The
+  first extend kernel, a program per query head, ``_extend_kernel``, stays for comparison.)
+  When that grid is too small to fill the GPU — a few new tokens over a
   long cached prefix: 32 tokens of one sequence are 32 programs, each walking the whole context —
   the split form runs instead: grid (query blocks, S, Hkv × SPLITS), each program taking the G
   query heads of one KV head (so a key tile is loaded once for all of them) over one slice of
@@ -624,7 +628,7 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
-    """Run the extend kernels once with every query-block height a step can pick (16, 32, 64
+    """Run the extend kernels once with every query-block height a step can pick (16 to 128
     new tokens; the split form's up to ``_split_rows``), over one block of this pool layer, so
     that a short prompt or a prefix hit never waits for a compile while serving."""
     _, B, Hkv, D = k_cache.shape

@@ -800,7 +800,7 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
 
     for mod, name in ((gemv, "gemv"), (gemv, "qkv_rope"), (gemv, "gate_up_silu"),
                       (triton_attention, "decode_attention"),
-                      (triton_attention, "extend_attention"), (triton_ops, "rope_and_write_kv"),
+                      (triton_attention, "prefill_attention"), (triton_ops, "rope_and_write_kv"),
                       (triton_ops, "copy_blocks"), (triton_ops, "fused_add_rms_norm"), (triton_ops, "silu_and_mul")):
         counting(mod, name)
     prompts = [[3, 1, 4, 1, 5], list(range(10, 50)), [7]]
@@ -823,7 +823,7 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
         assert_same_greedy(o2.outputs[0].token_ids, ref, gaps)
     assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
-    missing = {n for n in ("gemv", "decode_attention", "extend_attention", "rope_and_write_kv", "copy_blocks",
+    missing = {n for n in ("gemv", "decode_attention", "prefill_attention", "rope_and_write_kv", "copy_blocks",
                            "fused_add_rms_norm", "silu_and_mul", "qkv_rope", "gate_up_silu") if not calls.get(n)}
     assert not missing, (missing, calls)
 
