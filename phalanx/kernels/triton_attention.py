@@ -259,9 +259,19 @@ EXTEND_SPLIT_CONFIG = (32, 4, 2)
 # sequences in 2 slices 25.9 us against 31.5 with (64, 4, 2), which takes one sequence in 32 slices
 # in 6.4 us against 8.5. A 1,000 / 2,048-token prompt 66.8 / 201.5 us with (64, 4, 2), against
 # 109.2 / 330.5 with EXTEND_CONFIG.
-# the prefill kernel (``_prefill_kernel``): (rows a program takes, keys per step, warps, stages)
-PREFILL_CONFIG = (128, 128, 8, 3)
+# the prefill kernel (``_prefill_kernel``): (rows a program takes, keys per step, warps, stages),
+# taller programs for steps whose longest query passes PREFILL_LONG tokens. H200, Llama-3.1-8B
+# heads, one prompt alone (tools/bench_attention.py --extend, docs/results/gpu24_prefill_*.txt), µs
+# for 1,000 / 2,048 / 8,192 tokens, against _extend_kernel's 68.4 / 209.9 / 2,458.9 (bf16 pool) and
+# 66.3 / 200.4 (FP8 pool):
+#   bf16 pool: (128, 64, 8, 3) 34.7 / 117.6 / 1,687.3, (256, 64, 8, 3) 44.3 / 95.2 / 1,289.5
+#   FP8 pool:  (128, 64, 8, 2) 41.8 / 140.9,            (256, 64, 8, 2) 54.5 / 116.1
+# Heaviest query blocks first took the 2,048-token prompt from 150.2 to 117.6 µs with (128, 64, 8, 3).
+PREFILL_LONG = 1024
+PREFILL_CONFIG = (128, 64, 8, 3)
+PREFILL_CONFIG_LONG = (256, 64, 8, 3)
 PREFILL_CONFIG_FP8 = (128, 64, 8, 2)
+PREFILL_CONFIG_FP8_LONG = (256, 64, 8, 2)
 PREFILL_PACKED = True      # prompts through ``_prefill_kernel`` rather than ``_extend_kernel``
 DECODE_CONFIG_FP8 = (128, 4, 3)
 DECODE_CONFIG_FP8_SPLIT = (64, 4, 2)       # more than 4 key slices
@@ -477,13 +487,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """``extend_attention`` through ``_prefill_kernel``. config:
     (rows a program takes — query tokens × BLOCK_G heads —, keys per step, warps, stages),
-    PREFILL_CONFIG by default (PREFILL_CONFIG_FP8 over an FP8 pool)."""
+    ``prefill_config`` by default."""
     T, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     S = seq_lens.shape[0]
     G = H // Hkv
     BLOCK_G = triton.next_power_of_2(G)
-    rows, block_n, warps, stages = config or (PREFILL_CONFIG_FP8 if k_cache.element_size() == 1 else PREFILL_CONFIG)
+    rows, block_n, warps, stages = config or prefill_config(k_cache, max_query_len)
     block_m = prefill_block_m(rows, BLOCK_G, max_query_len)
     out = torch.empty_like(q) if out is None else out
     _prefill_kernel[(Hkv, S, triton.cdiv(max_query_len, block_m))](
@@ -494,6 +504,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
         V_KEYS=values_key_minor(v_cache), num_warps=warps, num_stages=stages)
     return out
+
+
+def prefill_config(k_cache: torch.Tensor, max_query_len: int) -> tuple[int, int, int, int]:
+    """The prefill kernel's (rows, keys per step, warps, stages) over this pool for a step whose
+    longest query has ``max_query_len`` tokens."""
+    long = max_query_len > PREFILL_LONG
+    if k_cache.element_size() == 1:
+        return PREFILL_CONFIG_FP8_LONG if long else PREFILL_CONFIG_FP8
+    return PREFILL_CONFIG_LONG if long else PREFILL_CONFIG
 
 
 def prefill_block_m(rows: int, group: int, max_query_len: int) -> int:
@@ -629,8 +648,9 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
     """Run the extend kernels once with every query-block height a step can pick (16 to 128
-    new tokens; the split form's up to ``_split_rows``), over one block of this pool layer, so
-    that a short prompt or a prefix hit never waits for a compile while serving."""
+    new tokens, and the long prompts' form; the split form's up to ``_split_rows``), over one
+    block of this pool layer, so that a short prompt or a prefix hit never waits for a compile
+    while serving."""
     _, B, Hkv, D = k_cache.shape
     dev = k_cache.device
     group = triton.next_power_of_2(max(1, num_heads // Hkv))
@@ -642,6 +662,8 @@ def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads
         lens = torch.tensor([n], dtype=torch.int32, device=dev)
         if PREFILL_PACKED:
             prefill_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
+            if n == 16:   # the taller programs of long prompts (the step's longest query sets the form)
+                prefill_attention(q, k_cache, v_cache, tables, starts, lens, PREFILL_LONG + 1, D ** -0.5, None)
         elif n <= 64:
             extend_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
         if n <= rows:

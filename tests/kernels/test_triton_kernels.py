@@ -201,6 +201,17 @@ def test_prefill_kernel_equals_the_reference(seq_lens, q_lens, H, Hkv, D, dtype,
         close(out, ref, dtype)
 
 
+def test_prefill_config_by_the_longest_query():
+    """Taller programs once a step's longest query passes PREFILL_LONG tokens, per pool dtype."""
+    bf16, fp8 = torch.zeros(1, 16, 2, 32), torch.zeros(1, 16, 2, 32).to(torch.float8_e4m3fn)
+    ta = triton_attention
+    assert ta.prefill_config(bf16, ta.PREFILL_LONG) == ta.PREFILL_CONFIG
+    assert ta.prefill_config(bf16, ta.PREFILL_LONG + 1) == ta.PREFILL_CONFIG_LONG
+    assert ta.prefill_config(fp8, 100) == ta.PREFILL_CONFIG_FP8
+    assert ta.prefill_config(fp8, 5000) == ta.PREFILL_CONFIG_FP8_LONG
+    assert ta.PREFILL_CONFIG_LONG[0] > ta.PREFILL_CONFIG[0]
+
+
 def test_prefill_block_heights():
     """Query tokens a prefill program takes: the rows over the group, at most the step's longest
     query rounded up to a power of two but never under 16 tokens, and never under 16 rows."""
