@@ -1,13 +1,13 @@
 """Paged attention kernels alone on a GPU: decode (split-KV) at a batch of sequences of one
-context length, and extend (prefill of new tokens over an empty prefix), for each key-tile
-config, replayed from a CUDA graph over a pool whose blocks are scattered as in a long-running
-server. Decode reports the KV bytes read per second beside the GPU's read bandwidth measured in
-the same run (one kernel streaming 4 GiB, summing it); extend, the attention FLOP/s; a hit (a few
+context length, and prefill (one prompt over an empty prefix), for each tile config, replayed
+from a CUDA graph over a pool whose blocks are scattered as in a long-running server. Decode
+reports the KV bytes read per second beside the GPU's read bandwidth measured in the same run
+(one kernel streaming 4 GiB, summing it); prefill, the attention FLOP/s; a hit (a few
 new tokens over a cached context, the split extend kernel and its merge), microseconds per call
 for each query block, key-slice count and tile, the shipped choice marked.
 
     python tools/bench_attention.py --batch 1 64 256 --context 256 1500 --output attention.json
-    python tools/bench_attention.py --batch --extend 1000 2048 --extend-block-m 64 128 --hit 32:2048 32:0
+    python tools/bench_attention.py --batch --extend 1000 2048 --prefill-configs 256,64,8,3 --hit 32:2048 32:0
     python tools/bench_attention.py --kv-dtype fp8 ...      # over an FP8 (e4m3) pool
     python tools/bench_attention.py --kv-dtype fp8 --fp8-dots f16 bf16 ...   # its dots in float16 or bf16
     python tools/bench_attention.py --batch --extend --hit 32:2048 --hit-cold   # KV read from memory
@@ -106,12 +106,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[256, 1500])
     ap.add_argument("--configs", type=parse_config, nargs="+", default=[(32, 4, 3), (64, 4, 3), (128, 4, 2),
                                                                         (128, 8, 3)],
-                    help="keys per step, warps, stages")
+                    help="decode: keys per step, warps, stages")
     ap.add_argument("--extend", type=int, nargs="*", default=[1000], help="prefill lengths (one sequence each)")
-    ap.add_argument("--extend-block-m", type=int, nargs="+", default=[64], help="query tokens per extend program")
     ap.add_argument("--prefill-configs", type=parse_prefill, nargs="*", default=[],
-                    help="the prefill kernel (G heads a program) beside the extend kernel: rows, keys per step, "
-                         "warps, stages (the shipped one is always timed)")
+                    help="prefill kernel tiles beside the shipped one: rows a program (query tokens x the heads "
+                         "of a KV head), keys per step, warps, stages")
     ap.add_argument("--hit", nargs="*", default=[], help="NEW:CACHED new tokens over a cached context (split kernel)")
     ap.add_argument("--split-configs", type=parse_config, nargs="+",
                     default=[(32, 4, 2), (64, 4, 3), (32, 8, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2)],
@@ -171,26 +170,21 @@ def main() -> None:
         q = torch.randn(T, H, D, dtype=dtype, device="cuda")
         qs = torch.tensor([0, T], dtype=torch.int32, device="cuda")
         flops = 4 * H * D * T * (T + 1) / 2
-        for block_m, cfg, dots in itertools.product(a.extend_block_m, a.configs, dot_forms):
+        first = None
+        for cfg4, dots in itertools.product([None] + a.prefill_configs, dot_forms):
             _set_dots(dots)
-            us = _time(functools.partial(triton_attention.extend_attention, q, kc, vc, bt, qs, lens, T,
-                                         D ** -0.5, None, block_m, cfg))
-            rows.append({"kernel": "extend", "tokens": T, "block_m": block_m, "config": cfg,
-                         "dots": _dots_ran(dots, a.kv_dtype), "us": us, "tflop_s": flops / us / 1e6})
-            print(f"extend  T={T:6d} block_m={block_m:3d} cfg={cfg}{' ' + dots if dots else ''}: {us:8.1f} us  "
-                  f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
-        _set_dots(None)
-        first = triton_attention.extend_attention(q, kc, vc, bt, qs, lens, T, D ** -0.5, None).float()
-        for cfg4 in [None] + a.prefill_configs:
             call = functools.partial(triton_attention.prefill_attention, q, kc, vc, bt, qs, lens, T, D ** -0.5,
                                      None, cfg4)
-            diff = (call().float() - first).abs().max().item()
+            got = call().float()
+            first = got if first is None else first
+            diff = (got - first).abs().max().item()   # against the first form of this point
             us = _time(call)
-            shipped = triton_attention.PREFILL_CONFIG_FP8 if a.kv_dtype == "fp8" else triton_attention.PREFILL_CONFIG
-            rows.append({"kernel": "prefill", "tokens": T, "config": cfg4 or shipped, "shipped": cfg4 is None,
-                         "us": us, "tflop_s": flops / us / 1e6, "max_diff_to_extend": diff})
-            print(f"prefill T={T:6d} cfg={cfg4 or 'shipped'}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s  "
-                  f"max diff to extend {diff:.1e}", flush=True)
+            rows.append({"kernel": "prefill", "tokens": T, "config": cfg4 or triton_attention.prefill_config(kc, T),
+                         "shipped": cfg4 is None, "dots": _dots_ran(dots, a.kv_dtype), "us": us,
+                         "tflop_s": flops / us / 1e6, "max_diff_to_first": diff})
+            print(f"prefill T={T:6d} cfg={cfg4 or 'shipped'}{' ' + dots if dots else ''}: {us:8.1f} us  "
+                  f"{flops / us / 1e6:6.1f} TFLOP/s  max diff {diff:.1e}", flush=True)
+        _set_dots(None)
     for spec in a.hit:
         new, cached = (int(x) for x in spec.split(":"))
         L = new + cached
@@ -225,10 +219,10 @@ def main() -> None:
                     best = min(best or (us, ""), (us, f"block_m={block_m} splits={splits} cfg={cfg}"))
                     print(f"hit {new}+{cached} block_m={block_m:3d} splits={splits:3d}{'*' if shipped else ' '} "
                           f"cfg={cfg}: {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s of KV", flush=True)
-        for cfg in a.configs:   # the plain kernel (a program per query head) for comparison
-            us = _time_pools(triton_attention.extend_attention, q, pools, bt, qs, lens, new, D ** -0.5, None, 16, cfg)
-            rows.append({"kernel": "hit_plain", "new": new, "cached": cached, "config": cfg, "us": us})
-            print(f"hit {new}+{cached} plain kernel block_m=16 cfg={cfg}: {us:7.1f} us", flush=True)
+        # the prefill kernel (no key slices) for comparison
+        us = _time_pools(triton_attention.prefill_attention, q, pools, bt, qs, lens, new, D ** -0.5, None)
+        rows.append({"kernel": "hit_prefill_kernel", "new": new, "cached": cached, "us": us})
+        print(f"hit {new}+{cached} prefill kernel: {us:7.1f} us", flush=True)
         print(f"hit {new}+{cached}: best {best}", flush=True)
     if a.output:
         with open(a.output, "w") as f:

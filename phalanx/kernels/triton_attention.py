@@ -15,8 +15,7 @@ pool's values key-minor, ``values_key_minor``):
   partial reuse, mixed batches); causal within the new tokens, optional sliding window. The
   prefill kernel (``_prefill_kernel``) takes the G query heads of a KV head in one program
   (grid (Hkv, S, query blocks), the blocks with the most keys launched first), walks the keys
-  below its query block without masks and the diagonal's with them, scores in base 2. (The
-  first extend kernel, a program per query head, ``_extend_kernel``, stays for comparison.)
+  below its query block without masks and the diagonal's with them, scores in base 2.
   When that grid is too small to fill the GPU — a few new tokens over a
   long cached prefix: 32 tokens of one sequence are 32 programs, each walking the whole context —
   the split form runs instead: grid (query blocks, S, Hkv × SPLITS), each program taking the G
@@ -247,23 +246,20 @@ def compile_decode_splits(k_cache: torch.Tensor, v_cache: torch.Tensor, num_head
 
 # keys per inner step, and the launch's warps and pipeline stages
 DECODE_CONFIG = (64, 4, 3)
-# H200, Llama-3.1-8B heads (docs/results/gpu14_attention_hit.txt): a prompt of 1,000 / 2,048 tokens
-# 68 / 210 us against 71 / 216 with 64 keys a step; the split form, 32 new tokens over 2,048
-# cached, 14.9 us (split and merge) against 21.6 with 64 keys, 3 stages and 128-row programs
-EXTEND_CONFIG = (32, 4, 3)
+# H200, Llama-3.1-8B heads (docs/results/gpu14_attention_hit.txt): the split form, 32 new tokens
+# over 2,048 cached, 14.9 us (split and merge) against 21.6 with 64 keys, 3 stages and 128-row programs
 EXTEND_SPLIT_CONFIG = (32, 4, 2)
 # over an FP8 pool (values key-minor). H200, Llama-3.1-8B heads, sequences of 1,500 tokens
 # (tools/bench_attention.py --kv-dtype fp8, docs/results/gpu21_attention_fp8.txt): decode of
 # 64 / 256 / 512 sequences (one key slice) 55.6 / 204.9 / 401.5 us, 76-85 % of the read
 # bandwidth (with the values stored by row, read as columns: 337 / 662 us at 256 / 512); 16
 # sequences in 2 slices 25.9 us against 31.5 with (64, 4, 2), which takes one sequence in 32 slices
-# in 6.4 us against 8.5. A 1,000 / 2,048-token prompt 66.8 / 201.5 us with (64, 4, 2), against
-# 109.2 / 330.5 with EXTEND_CONFIG.
+# in 6.4 us against 8.5.
 # the prefill kernel (``_prefill_kernel``): (rows a program takes, keys per step, warps, stages),
 # taller programs for steps whose longest query passes PREFILL_LONG tokens. H200, Llama-3.1-8B
 # heads, one prompt alone (tools/bench_attention.py --extend, docs/results/gpu24_prefill_*.txt), µs
-# for 1,000 / 2,048 / 8,192 tokens, against _extend_kernel's 68.4 / 209.9 / 2,458.9 (bf16 pool) and
-# 66.3 / 200.4 (FP8 pool):
+# for 1,000 / 2,048 / 8,192 tokens, against 68.4 / 209.9 / 2,458.9 (bf16 pool) and 66.3 / 200.4
+# (FP8 pool) for the kernel before it (a program per query head, every key tile masked):
 #   bf16 pool: (128, 64, 8, 3) 34.7 / 117.6 / 1,687.3, (256, 64, 8, 3) 44.3 / 95.2 / 1,289.5
 #   FP8 pool:  (128, 64, 8, 2) 41.8 / 140.9,            (256, 64, 8, 2) 54.5 / 116.1
 # Heaviest query blocks first took the 2,048-token prompt from 150.2 to 117.6 µs with (128, 64, 8, 3).
@@ -272,10 +268,8 @@ PREFILL_CONFIG = (128, 64, 8, 3)
 PREFILL_CONFIG_LONG = (256, 64, 8, 3)
 PREFILL_CONFIG_FP8 = (128, 64, 8, 2)
 PREFILL_CONFIG_FP8_LONG = (256, 64, 8, 2)
-PREFILL_PACKED = True      # prompts through ``_prefill_kernel`` rather than ``_extend_kernel``
 DECODE_CONFIG_FP8 = (128, 4, 3)
 DECODE_CONFIG_FP8_SPLIT = (64, 4, 2)       # more than 4 key slices
-EXTEND_CONFIG_FP8 = (64, 4, 2)
 # One key slice over a grid that fills every SM many times over (large batches): small programs,
 # so that many stay resident on an SM; the larger tiles above leave 2-3 programs an SM, which
 # short contexts (one or two tiles a program) cannot keep busy. H200, Llama-3.1-8B heads (8 KV
@@ -341,68 +335,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                  lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), window or 0,
                                  D=D, BLOCK_D=triton.next_power_of_2(D), B=B, SPLITS=splits,
                                  BLOCK_SP=max(2, triton.next_power_of_2(splits)), **pdl.launch(q))
-    return out
-
-
-@triton.jit(do_not_specialize=["s_bt", "window"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
-def _extend_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
-                   s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, B: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, KV_F16: tl.constexpr,
-                   V_KEYS: tl.constexpr):
-    mb = tl.program_id(0)
-    s = tl.program_id(1)
-    h = tl.program_id(2)
-    q0 = tl.load(qstart_ptr + s)
-    q_len = tl.load(qstart_ptr + s + 1) - q0
-    if mb * BLOCK_M < q_len:
-        L = tl.load(len_ptr + s)
-        ctx = L - q_len
-        kvh = h // G
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mm = offs_m < q_len
-        q_pos = ctx + offs_m
-        d = tl.arange(0, BLOCK_D)
-        dm = d < D
-        q = _query(tl.load(q_ptr + (q0 + offs_m)[:, None] * s_qt + h * s_qh + d[None, :],
-                           mask=mm[:, None] & dm[None, :], other=0.0), KV_F16)
-        m_i = tl.full([BLOCK_M], NEG, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = tl.minimum(L, ctx + (mb + 1) * BLOCK_M)
-        lo = tl.where(window > 0, tl.maximum(ctx + mb * BLOCK_M - window + 1, 0), 0)
-        for p0 in range(lo - lo % B, hi, BLOCK_N):
-            kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
-                                      B, BLOCK_N, KV_F16, V_KEYS)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
-            ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
-            ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
-            qk = tl.where(ok, qk, NEG)
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + (q0 + offs_m)[:, None] * s_ot + h * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mm[:, None] & dm[None, :])
-
-
-def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                     window: int | None, block_m: int = 64,
-                     config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D] packed over S sequences -> [T, H, D] (into ``out`` when given). config: (keys
-    per step, warps, stages), EXTEND_CONFIG by default (EXTEND_CONFIG_FP8 over an FP8 pool)."""
-    T, H, D = q.shape
-    _, B, Hkv, _ = k_cache.shape
-    S = seq_lens.shape[0]
-    out = torch.empty_like(q) if out is None else out
-    block_n, warps, stages = config or (EXTEND_CONFIG_FP8 if k_cache.element_size() == 1 else EXTEND_CONFIG)
-    block_m = min(block_m, max(16, triton.next_power_of_2(max_query_len)))
-    _extend_kernel[(triton.cdiv(max_query_len, block_m), S, H)](
-        q, k_cache, v_cache, block_tables, query_start, seq_lens, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale, window or 0,
-        G=H // Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
-        V_KEYS=values_key_minor(v_cache), num_warps=warps, num_stages=stages)
     return out
 
 
@@ -485,7 +417,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                       window: int | None, config: tuple[int, int, int, int] | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """``extend_attention`` through ``_prefill_kernel``. config:
+    """q [T, H, D] packed over S sequences -> [T, H, D] (into ``out`` when given), through
+    ``_prefill_kernel``. config:
     (rows a program takes — query tokens × BLOCK_G heads —, keys per step, warps, stages),
     ``prefill_config`` by default."""
     T, H, D = q.shape
@@ -605,12 +538,12 @@ MAX_SPLIT_GROUP = 8     # query heads a KV head beyond which the split form's ti
 
 
 def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132) -> int:
-    """Slices of the keys for the extend kernel: 1 (the plain kernel) when its grid already
-    fills the GPU once or a KV head has more than 8 query heads, else enough to fill it twice,
-    at most 16."""
+    """Slices of the keys for a step's extend rows: 1 (the prefill kernel, no split) when a
+    grid of 64-token query blocks a query head would already fill the GPU once, or a KV head
+    has more than 8 query heads; else enough to fill it twice, at most 16."""
     group = triton.next_power_of_2(max(1, num_heads // num_kv_heads))
     if group > MAX_SPLIT_GROUP or triton.cdiv(max_query_len, 64) * num_seqs * num_heads >= num_sms:
-        return 1      # (the plain kernel's 64-query blocks; more than 8 heads a KV head: too tall a tile)
+        return 1      # (more than 8 heads a KV head: too tall a split tile)
     programs = triton.cdiv(max_query_len, _split_rows(group)) * num_seqs * num_kv_heads
     return int(max(1, min(MAX_EXTEND_SPLITS, triton.cdiv(2 * num_sms, programs))))
 
@@ -619,7 +552,7 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                            window: int | None, splits: int, config: tuple[int, int, int] | None = None,
                            out: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
-    """``extend_attention`` with the keys cut into ``splits`` slices and the G query heads of a
+    """``prefill_attention`` with the keys cut into ``splits`` slices and the G query heads of a
     KV head in one program (few new tokens over a long context). ``block_m``: query tokens a
     program takes (``_split_rows`` by default); config: EXTEND_SPLIT_CONFIG by default."""
     T, H, D = q.shape
@@ -660,12 +593,9 @@ def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads
         tables = torch.zeros(1, triton.cdiv(n, B), dtype=torch.int32, device=dev)
         starts = torch.tensor([0, n], dtype=torch.int32, device=dev)
         lens = torch.tensor([n], dtype=torch.int32, device=dev)
-        if PREFILL_PACKED:
-            prefill_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
-            if n == 16:   # the taller programs of long prompts (the step's longest query sets the form)
-                prefill_attention(q, k_cache, v_cache, tables, starts, lens, PREFILL_LONG + 1, D ** -0.5, None)
-        elif n <= 64:
-            extend_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
+        prefill_attention(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None)
+        if n == 16:   # the taller programs of long prompts (the step's longest query sets the form)
+            prefill_attention(q, k_cache, v_cache, tables, starts, lens, PREFILL_LONG + 1, D ** -0.5, None)
         if n <= rows:
             extend_attention_split(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None, 2)
 
@@ -698,9 +628,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if splits > 1:
         return extend_attention_split(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
                                       meta.max_query_len, scale, window, splits, out=out)
-    plain = prefill_attention if PREFILL_PACKED else extend_attention
-    return plain(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens, meta.max_query_len, scale,
-                 window, out=out)
+    return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
+                             meta.max_query_len, scale, window, out=out)
 
 
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -708,7 +637,7 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """A step whose first ``meta.num_decode_rows`` sequences have one query each (decode rows:
     the scheduler puts them first) and the others more: the decode rows through the decode
     kernels (a program per KV head and key slice, its G query heads together), the others
-    through the extend kernels, into one output. The extend kernel over every row would give
+    through the extend kernels, into one output. An extend kernel over every row would give
     each decode row one 64-query tile per query head for its single query: a step of 96 decode
     rows of ~1.1k tokens and one 1,000-token prompt spent 22 ms of its 45 ms in attention on an
     H200 (tools/profile_mixed.py). The two row sets' metadata are sliced once per step."""

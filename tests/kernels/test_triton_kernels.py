@@ -166,20 +166,6 @@ if CUDA:
                      ([2048], [2048], 16, 2, 64)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", EXTEND_CASES)
-@pytest.mark.parametrize("window", [None, 12])
-def test_extend_attention_over_a_paged_prefix(seq_lens, q_lens, H, Hkv, D, dtype, window):
-    B = 32 if CUDA else 16
-    q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=len(seq_lens))
-    ref = _ref(q, kc, vc, meta, window)
-    for config in KEY_TILES:
-        out = triton_attention.extend_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
-                                                meta.max_query_len, D ** -0.5, window,
-                                                block_m=16 if not CUDA else 64, config=config)
-        close(out, ref, dtype)
-
-
 PREFILL_TILES = [None, (16, 16, 4, 2), (64, 32, 4, 2)] + ([(128, 32, 4, 3), (128, 128, 8, 2), (256, 64, 8, 3)]
                                                           if CUDA else [])
 
@@ -243,8 +229,8 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
         close(triton_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, D ** -0.5, None, 8),
               ref, dtype)    # (more than 4 key slices: DECODE_CONFIG_FP8_SPLIT)
     else:
-        out = triton_attention.extend_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
-                                                meta.max_query_len, D ** -0.5, None, block_m=16 if not CUDA else 64)
+        out = triton_attention.prefill_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
+                                                 meta.max_query_len, D ** -0.5, None)
         close(triton_attention.prefill_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens,
                                                  meta.max_query_len, D ** -0.5, None, config=(32, 16, 4, 2)),
               ref, dtype)
@@ -298,7 +284,7 @@ def test_a_nan_value_written_into_an_fp8_pool_reaches_no_later_sequence(q_lens, 
                 for n in (1, 2)]
     else:
         args = (q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens, meta.max_query_len, D ** -0.5, window)
-        outs = [triton_attention.extend_attention(*args, block_m=16),
+        outs = [triton_attention.prefill_attention(*args),
                 triton_attention.prefill_attention(*args, config=(32, 16, 4, 2)),
                 triton_attention.extend_attention_split(*args, 2)]
     for out in outs:
