@@ -4,15 +4,11 @@ One tensor for all layers: [num_layers, 2 (K, V), num_blocks, tokens_per_block, 
 Hkv is this rank's KV heads. Block ids from the KVCacheManager index dimension 2. An FP8 pool's
 values fill each block key-minor, as [Hkv, D, tokens_per_block]
 (``attention_ref.values_key_minor``); the tensor is zeroed when allocated, which that layout needs.
-On the CPU the zeros are the kernel's: the tensor lies on an anonymous memory map, whose pages are
-zero and taken only when a block is first written, so a large pool costs nothing to allocate.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 
 import torch
 
@@ -43,12 +39,8 @@ class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_blocks, self.tokens_per_block = num_blocks, tokens_per_block
-        shape = (num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim)
-        if device.type == "cpu":
-            nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
-            self.tensor = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
-        else:
-            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensor = torch.zeros(num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim,
+                                  dtype=dtype, device=device)
         logger.info("KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB", num_blocks, tokens_per_block,
                     num_blocks * tokens_per_block, self.tensor.numel() * self.tensor.element_size() / 2**20)
 
