@@ -179,8 +179,9 @@ def main() -> None:
             first = got if first is None else first
             diff = (got - first).abs().max().item()   # against the first form of this point
             us = _time(call)
-            rows.append({"kernel": "prefill", "tokens": T, "config": cfg4 or triton_attention.prefill_config(kc, T),
-                         "shipped": cfg4 is None, "dots": _dots_ran(dots, a.kv_dtype), "us": us,
+            tile = cfg4 or triton_attention.prefill_config(q.dtype, kc, T)
+            rows.append({"kernel": "prefill", "tokens": T, "config": tile, "shipped": cfg4 is None,
+                         "dots": _dots_ran(dots, a.kv_dtype), "us": us,
                          "tflop_s": flops / us / 1e6, "max_diff_to_first": diff})
             print(f"prefill T={T:6d} cfg={cfg4 or 'shipped'}{' ' + dots if dots else ''}: {us:8.1f} us  "
                   f"{flops / us / 1e6:6.1f} TFLOP/s  max diff {diff:.1e}", flush=True)

@@ -264,6 +264,9 @@ EXTEND_SPLIT_CONFIG = (32, 4, 2)
 #   FP8 pool:  (128, 64, 8, 2) 41.8 / 140.9,            (256, 64, 8, 2) 54.5 / 116.1
 # Heaviest query blocks first took the 2,048-token prompt from 150.2 to 117.6 µs with (128, 64, 8, 3).
 PREFILL_LONG = 1024
+# float32 queries (a float32 model): tiles of twice the bytes; the bf16 tiles above would ask an
+# sm_90 SM for more shared memory than it has (263 KB for the long form with 128-wide heads)
+PREFILL_CONFIG_F32 = (64, 32, 4, 2)
 PREFILL_CONFIG = (128, 64, 8, 3)
 PREFILL_CONFIG_LONG = (256, 64, 8, 3)
 PREFILL_CONFIG_FP8 = (128, 64, 8, 2)
@@ -426,7 +429,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     S = seq_lens.shape[0]
     G = H // Hkv
     BLOCK_G = triton.next_power_of_2(G)
-    rows, block_n, warps, stages = config or prefill_config(k_cache, max_query_len)
+    rows, block_n, warps, stages = config or prefill_config(q.dtype, k_cache, max_query_len)
     block_m = prefill_block_m(rows, BLOCK_G, max_query_len)
     out = torch.empty_like(q) if out is None else out
     _prefill_kernel[(Hkv, S, triton.cdiv(max_query_len, block_m))](
@@ -439,9 +442,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def prefill_config(k_cache: torch.Tensor, max_query_len: int) -> tuple[int, int, int, int]:
-    """The prefill kernel's (rows, keys per step, warps, stages) over this pool for a step whose
-    longest query has ``max_query_len`` tokens."""
+def prefill_config(q_dtype: torch.dtype, k_cache: torch.Tensor, max_query_len: int) -> tuple[int, int, int, int]:
+    """The prefill kernel's (rows, keys per step, warps, stages) for queries of ``q_dtype`` over
+    this pool, in a step whose longest query has ``max_query_len`` tokens."""
+    if q_dtype == torch.float32:
+        return PREFILL_CONFIG_F32
     long = max_query_len > PREFILL_LONG
     if k_cache.element_size() == 1:
         return PREFILL_CONFIG_FP8_LONG if long else PREFILL_CONFIG_FP8
@@ -449,9 +454,9 @@ def prefill_config(k_cache: torch.Tensor, max_query_len: int) -> tuple[int, int,
 
 
 def prefill_block_m(rows: int, group: int, max_query_len: int) -> int:
-    """Query tokens a prefill program takes: ``rows`` // ``group`` (the heads of a KV head,
-    a power of two), fewer for a short step but at least 16 (the forms ``compile_extend_forms``
-    runs), and at least 16 rows."""
+    """Query tokens a prefill program takes: ``rows`` // ``group`` (the heads of a KV head, a
+    power of two), or the step's longest query rounded up to a power of two if that is fewer
+    (but never under 16 tokens: the forms ``compile_extend_forms`` runs); at least 16 rows."""
     return max(-(-16 // group), min(max(1, rows // group), max(16, triton.next_power_of_2(max_query_len))))
 
 
@@ -538,11 +543,12 @@ MAX_SPLIT_GROUP = 8     # query heads a KV head beyond which the split form's ti
 
 
 def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132) -> int:
-    """Slices of the keys for a step's extend rows: 1 (the prefill kernel, no split) when a
-    grid of 64-token query blocks a query head would already fill the GPU once, or a KV head
-    has more than 8 query heads; else enough to fill it twice, at most 16."""
+    """Slices of the keys for a step's extend rows: 1 (the prefill kernel, no split) when the
+    prefill kernel's grid (of its short-step tile) already fills the GPU once, or a KV head has
+    more than 8 query heads; else enough to fill it twice, at most 16."""
     group = triton.next_power_of_2(max(1, num_heads // num_kv_heads))
-    if group > MAX_SPLIT_GROUP or triton.cdiv(max_query_len, 64) * num_seqs * num_heads >= num_sms:
+    block_m = prefill_block_m(PREFILL_CONFIG[0], group, max_query_len)
+    if group > MAX_SPLIT_GROUP or triton.cdiv(max_query_len, block_m) * num_seqs * num_kv_heads >= num_sms:
         return 1      # (more than 8 heads a KV head: too tall a split tile)
     programs = triton.cdiv(max_query_len, _split_rows(group)) * num_seqs * num_kv_heads
     return int(max(1, min(MAX_EXTEND_SPLITS, triton.cdiv(2 * num_sms, programs))))

@@ -24,12 +24,12 @@ def test_every_compile_is_recorded_in_order_and_the_earlier_hook_still_answers(m
     hook = knobs.runtime.jit_cache_hook
     assert hook is not earlier
     n = compiles.count()
-    assert not hook(key="a", repr="_extend_kernel[num_warps=4](len_ptr: *i32)", fn=None, compile={},
+    assert not hook(key="a", repr="_prefill_kernel[num_warps=4](len_ptr: *i32)", fn=None, compile={},
                     is_manual_warmup=False, already_compiled=False)
     assert hook(key="b", repr="skip", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
-    assert compiles.since(n) == ["_extend_kernel[num_warps=4](len_ptr: *i32)", "skip"]
+    assert compiles.since(n) == ["_prefill_kernel[num_warps=4](len_ptr: *i32)", "skip"]
     assert compiles.since(n + 1) == ["skip"]
-    assert seen == ["_extend_kernel[num_warps=4](len_ptr: *i32)", "skip"]
+    assert seen == ["_prefill_kernel[num_warps=4](len_ptr: *i32)", "skip"]
 
 
 def test_without_an_earlier_hook_no_compile_is_skipped(monkeypatch):

@@ -64,6 +64,15 @@ CASES = {
                                                {**ATTN, "BLOCK_G": 4, "BLOCK_M": 64,
                                                 "BLOCK_N": triton_attention.PREFILL_CONFIG_LONG[1]},
                                                {"num_warps": 8, "num_stages": 3}),
+    "prefill over an FP8 pool, long prompts": (triton_attention._prefill_kernel, FP8_POOL,
+                                               {**ATTN_FP8, "BLOCK_G": 4, "BLOCK_M": 64,
+                                                "BLOCK_N": triton_attention.PREFILL_CONFIG_FP8_LONG[1]},
+                                               {"num_warps": 8, "num_stages": 2}),
+    "prefill, float32 model": (triton_attention._prefill_kernel,
+                               {**FP8_POOL, "q_ptr": "*fp32", "kc_ptr": "*fp32", "vc_ptr": "*fp32", "out_ptr": "*fp32"},
+                               {**ATTN, "PREC": "ieee", "BLOCK_G": 4, "BLOCK_M": 16,
+                                "BLOCK_N": triton_attention.PREFILL_CONFIG_F32[1]},
+                               {"num_warps": 4, "num_stages": 2}),
     "split extend over an FP8 pool": (triton_attention._extend_split_kernel, FP8_POOL,
                                       {**ATTN_FP8, "BLOCK_M": 16,
                                        "BLOCK_N": triton_attention.EXTEND_SPLIT_CONFIG[0]}),
@@ -101,9 +110,9 @@ CASES = {
 }
 
 
-def compile_case(case: str) -> str:
+def compile_case(case: str):
     """Compile one case for sm_90 as the JIT would see a launch (pointers and strides divisible
-    by 16, but for the arguments the kernel does not specialize on); its PTX."""
+    by 16, but for the arguments the kernel does not specialize on); the compiled kernel."""
     fn, pointers, constexprs, *options = CASES[case]     # options: the launch's warps and stages, where given
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: pointers.get(n, "fp32" if n in ("scale", "eps") else "i32") for n in names}
@@ -116,19 +125,22 @@ def compile_case(case: str) -> str:
              if n not in constexprs and n not in loose and (n.endswith("_ptr") or n.startswith("s_"))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options[0] if options else None).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options[0] if options else None)
 
 
 def compile_all() -> None:
     """Print {case: {"error": None or the compiler's last line, "byte_loads" / "global_byte_loads":
-    single-byte shared / global memory loads in its PTX}} as JSON."""
+    single-byte shared / global memory loads in its PTX, "shared": bytes of shared memory a
+    program takes}} as JSON."""
     import json
     out = {}
     for case in CASES:
         try:
-            ptx = compile_case(case)
+            kernel = compile_case(case)
+            ptx = kernel.asm["ptx"]
             out[case] = {"error": None, "byte_loads": ptx.count("ld.shared.b8 ") + ptx.count("ld.shared.u8 "),
-                         "global_byte_loads": ptx.count("ld.global.b8 ") + ptx.count("ld.global.u8 ")}
+                         "global_byte_loads": ptx.count("ld.global.b8 ") + ptx.count("ld.global.u8 "),
+                         "shared": kernel.metadata.shared}
         except Exception as e:  # noqa: BLE001 - the case's failure is the result
             out[case] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
     print(json.dumps(out))
@@ -182,6 +194,17 @@ CASES |= {
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_compile_for_sm90(case, compiled):
     assert compiled[case]["error"] is None, compiled[case]["error"]
+
+
+SM90_SHARED = 232448    # bytes of shared memory an sm_90 (H100, H200) program may take
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "prefill" in c])
+def test_prefill_tiles_fit_an_sm90_sms_shared_memory(case, compiled):
+    """The prefill kernel's tiles, the tall long-prompt ones and a float32 model's with 128-wide
+    heads among them, take no more shared memory than an sm_90 SM has (a launch would fail)."""
+    assert compiled[case]["error"] is None
+    assert compiled[case]["shared"] <= SM90_SHARED, compiled[case]["shared"]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "over an FP8 pool" in c])

@@ -171,13 +171,17 @@ PREFILL_TILES = [None, (16, 16, 4, 2), (64, 32, 4, 2)] + ([(128, 32, 4, 3), (128
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", EXTEND_CASES + [([70, 33], [70, 30], 8, 2, 16)])
+@pytest.mark.parametrize("seq_lens,q_lens,H,Hkv,D", EXTEND_CASES + [([70, 33], [70, 30], 8, 2, 16),
+                                                                     ([60, 25], [41, 25], 6, 2, 16),   # G = 3
+                                                                     ([60, 9], [60, 9], 4, 2, 40)])    # D = 40
 @pytest.mark.parametrize("window", [None, 12])
 def test_prefill_kernel_equals_the_reference(seq_lens, q_lens, H, Hkv, D, dtype, window):
     """The prompt kernel (the G query heads of a KV head in one program; the keys below a query
     block's first position walked without masks, then the diagonal's with the causal mask)
-    against the reference, for tiles of 16 to 256 rows: query blocks of 4 to 64 tokens, some
-    with whole unmasked key tiles in front of them, some without."""
+    against the reference, for tiles of 16 to 64 rows here (to 256 on a GPU): query blocks of
+    4 to 64 tokens, some with whole unmasked key tiles in front of them, some without; a
+    group of 3 heads in a tile of 4 (a row of no head), a head size that is not a power of two
+    (every tile masked)."""
     B = 32 if CUDA else 16
     q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, dtype, seed=len(seq_lens))
     ref = _ref(q, kc, vc, meta, window)
@@ -189,13 +193,15 @@ def test_prefill_kernel_equals_the_reference(seq_lens, q_lens, H, Hkv, D, dtype,
 
 def test_prefill_config_by_the_longest_query():
     """Taller programs once a step's longest query passes PREFILL_LONG tokens, per pool dtype."""
-    bf16, fp8 = torch.zeros(1, 16, 2, 32), torch.zeros(1, 16, 2, 32).to(torch.float8_e4m3fn)
-    ta = triton_attention
-    assert ta.prefill_config(bf16, ta.PREFILL_LONG) == ta.PREFILL_CONFIG
-    assert ta.prefill_config(bf16, ta.PREFILL_LONG + 1) == ta.PREFILL_CONFIG_LONG
-    assert ta.prefill_config(fp8, 100) == ta.PREFILL_CONFIG_FP8
-    assert ta.prefill_config(fp8, 5000) == ta.PREFILL_CONFIG_FP8_LONG
+    bf16, fp8 = torch.zeros(1, 16, 2, 32, dtype=torch.bfloat16), torch.zeros(1, 16, 2, 32).to(torch.float8_e4m3fn)
+    ta, b = triton_attention, torch.bfloat16
+    assert ta.prefill_config(b, bf16, ta.PREFILL_LONG) == ta.PREFILL_CONFIG
+    assert ta.prefill_config(b, bf16, ta.PREFILL_LONG + 1) == ta.PREFILL_CONFIG_LONG
+    assert ta.prefill_config(b, fp8, 100) == ta.PREFILL_CONFIG_FP8
+    assert ta.prefill_config(b, fp8, 5000) == ta.PREFILL_CONFIG_FP8_LONG
     assert ta.PREFILL_CONFIG_LONG[0] > ta.PREFILL_CONFIG[0]
+    # float32 queries take the small tile at any length (the tall ones exceed an SM's shared memory)
+    assert ta.prefill_config(torch.float32, bf16.float(), 5000) == ta.PREFILL_CONFIG_F32
 
 
 def test_prefill_block_heights():
@@ -304,9 +310,22 @@ def test_start_up_runs_every_attention_form_over_the_pool_and_leaves_it_as_it_wa
     split, heights = triton_attention.extend_attention_split, []
     monkeypatch.setattr(triton_attention, "extend_attention_split",
                         lambda q, *a, **k: heights.append(q.shape[0]) or split(q, *a, **k))
+    prefill, forms = triton_attention.prefill_attention, set()
+
+    def record(q, k_cache, v_cache, tables, starts, lens, max_query_len, *a, **k):
+        rows, *tile = triton_attention.prefill_config(q.dtype, k_cache, max_query_len)
+        forms.add((triton_attention.prefill_block_m(rows, H // Hkv, max_query_len), *tile))
+        return prefill(q, k_cache, v_cache, tables, starts, lens, max_query_len, *a, **k)
+    monkeypatch.setattr(triton_attention, "prefill_attention", record)
     triton_attention.compile_decode_splits(kc, vc, H, torch.bfloat16)
     triton_attention.compile_extend_forms(kc, vc, H, torch.bfloat16)
     assert heights == ([] if H // Hkv > 8 else [16, 32])   # _split_rows(2) = 32
+    # every (query block, tile) a prompt step can take, up to prompts of 64k tokens
+    can = set()
+    for n in range(1, 1 << 16, 7):
+        rows, *tile = triton_attention.prefill_config(torch.bfloat16, kc, n)
+        can.add((triton_attention.prefill_block_m(rows, H // Hkv, n), *tile))
+    assert can == forms
     assert kc.view(torch.uint8).equal(before[0].view(torch.uint8)) and vc.view(torch.uint8).equal(
         before[1].view(torch.uint8))
 
@@ -414,6 +433,9 @@ def test_extend_splits_only_when_the_grid_is_small():
     assert triton_attention.extend_splits(32, 1, 8, 32) <= 16
     assert triton_attention.extend_splits(32, 64, 8, 32) == 1           # a mixed batch of 64 sequences
     assert triton_attention.extend_splits(32, 1, 4, 64) == 1            # 16 heads a KV head: tile too tall
+    # the prefill kernel's own grid decides: 320 new tokens of one sequence are 10 query blocks x 8
+    # KV heads, 80 programs on 132 SMs (a grid of a program per query head would count 160)
+    assert triton_attention.extend_splits(320, 1, 8, 32) > 1
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 48, 64), (3, 100, 96), (20, 40, 160)]
