@@ -72,15 +72,39 @@ PER_STEP_POINTERS = ["bt_ptr", "len_ptr", "qstart_ptr"]
 
 
 @triton.jit
-def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
+def _online_softmax_step(m_i, l_i, acc, qk, v, PREC: tl.constexpr, BASE2: tl.constexpr = False):
     """Fold one tile of masked scores qk [M, N] and values v [N, D] into the running max m_i,
-    normaliser l_i and unnormalised output acc (flash-attention update)."""
+    normaliser l_i and unnormalised output acc (flash-attention update). ``BASE2``: the scores
+    are already scaled by log2(e), and exp2 (one instruction where exp is two) takes them."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp(qk - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    if BASE2:
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+    else:
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _masked(qk, kpos, km, q_pos, window):
+    """Scores of keys a query does not see (later than it, outside [lo, hi), before its sliding
+    window) set to NEG."""
+    ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
+    ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
+    return tl.where(ok, qk, NEG)
+
+
+@triton.jit
+def _load(ptrs, mask, other, MASKED: tl.constexpr):
+    """tl.load of ``ptrs``, under ``mask`` (``other`` where it is off) only if ``MASKED``."""
+    if MASKED:  # noqa: SIM108 - a branch on a constexpr: only one load is compiled
+        x = tl.load(ptrs, mask=mask, other=other)
+    else:
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
@@ -101,27 +125,14 @@ def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
     (the caller knows; the loads then need no predicate)."""
     kpos = p0 + tl.arange(0, BLOCK_N)
     km = (kpos >= lo) & (kpos < hi)
-    if MASKED:
-        blk = tl.load(bt_row + kpos // B, mask=kpos < tl.cdiv(hi, B) * B, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row + kpos // B).to(tl.int64)
+    blk = _load(bt_row + kpos // B, kpos < tl.cdiv(hi, B) * B, 0, MASKED).to(tl.int64)
     row = blk * s_cb + (kpos % B) * s_ct + kvh * s_ch
-    if MASKED:
-        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0)
-    else:
-        k = tl.load(kc_ptr + row[:, None] + d[None, :])
-    k = _widen(k, KV_F16)
+    k = _widen(_load(kc_ptr + row[:, None] + d[None, :], km[:, None] & dm[None, :], 0.0, MASKED), KV_F16)
     if V_KEYS:
         col = tl.max_contiguous(tl.multiple_of(blk * s_cb + kvh * s_ch * B + kpos % B, 16), 16)
-        if MASKED:
-            v = tl.load(vc_ptr + col[None, :] + d[:, None] * B, mask=dm[:, None], other=0.0)
-        else:
-            v = tl.load(vc_ptr + col[None, :] + d[:, None] * B)
-        v = _widen(tl.trans(v), KV_F16)
-    elif MASKED:
-        v = _widen(tl.load(vc_ptr + row[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0), KV_F16)
+        v = _widen(tl.trans(_load(vc_ptr + col[None, :] + d[:, None] * B, dm[:, None], 0.0, MASKED)), KV_F16)
     else:
-        v = _widen(tl.load(vc_ptr + row[:, None] + d[None, :]), KV_F16)
+        v = _widen(_load(vc_ptr + row[:, None] + d[None, :], km[:, None] & dm[None, :], 0.0, MASKED), KV_F16)
     return kpos, km, k, v
 
 
@@ -344,18 +355,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
-def _softmax_step_exp2(m_i, l_i, acc, qk, v, PREC: tl.constexpr):
-    """``_online_softmax_step`` on scores already in base 2 (scaled by log2(e)): exp2 is one
-    instruction where exp is two."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.math.exp2(qk - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc
-
-
 @triton.jit(do_not_specialize=["s_bt", "window"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                     s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
@@ -400,17 +399,15 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
                 kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d,
                                           dm, B, BLOCK_N, KV_F16, V_KEYS, False)
                 qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
-                m_i, l_i, acc = _softmax_step_exp2(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
+                m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC, True)
         else:
             full = start
         for p0 in range(full, hi, BLOCK_N):
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
                                       B, BLOCK_N, KV_F16, V_KEYS)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
-            ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
-            ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
-            qk = tl.where(ok, qk, NEG)
-            m_i, l_i, acc = _softmax_step_exp2(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
+            qk = _masked(qk, kpos, km, q_pos, window)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC, True)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + (q0 + m)[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
@@ -503,9 +500,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
             kpos, km, k, v = _kv_tile(kc_ptr, vc_ptr, bt_ptr + s * s_bt, p0, tl.maximum(lo, my_lo), my_hi, kvh,
                                       s_cb, s_ct, s_ch, d, dm, B, BLOCK_N, KV_F16, V_KEYS)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
-            ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
-            ok = ok & ((kpos[None, :] > q_pos[:, None] - window) | (window <= 0))
-            qk = tl.where(ok, qk, NEG)
+            qk = _masked(qk, kpos, km, q_pos, window)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
         # a row that saw no key here (masked scores only) carries no weight into the merge
         seen = m_i > NEG * 0.5
