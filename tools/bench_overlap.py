@@ -16,8 +16,16 @@ from a CUDA graph:
 
     python tools/bench_overlap.py --batch 256 512 --context 1500 --nano 2 3 --output overlap.json
 
-The figure to read is serial / overlap: the most a step could gain from running nano-batches
-side by side with today's kernels, none of them limited to a share of the SMs.
+  pipeline    both, the projections on one stream and the attention on another, nano-batches
+              interleaved as NanoFlow does: while one nano-batch's attention runs, the other's
+              projections (this layer's o and MLP, the next layer's q/k/v) do
+
+The figure to read is serial / overlap (and serial / pipeline): the most a step could gain from
+running nano-batches side by side with today's kernels. ``--carveout K`` leaves K SMs out of the
+projections' cuBLAS(Lt) kernels (torch's experimental SM carveout; ``--cublaslt`` sends bf16
+GEMMs there, where the carveout applies), ``--priority`` gives the projections' stream the higher
+priority (its blocks go first onto SMs the attention frees) and ``--attention-sms`` sizes the
+attention's split grid for that many SMs.
 """
 
 from __future__ import annotations
@@ -67,7 +75,10 @@ class Model:
         self.layers = [Layer(shape, S, context, 32, gen) for _ in range(layers)]
         self.x = torch.randn(S, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.attention_sms = self.sms
         self.streams = [torch.cuda.Stream() for _ in range(nano)]
+        self.gemm_stream = torch.cuda.Stream(priority=-1)     # lower is sooner; 0 is the default
+        self.attention_stream = torch.cuda.Stream(priority=0)
 
     def qkv(self, L: Layer, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, L.qkv)
@@ -76,7 +87,7 @@ class Model:
         s = self.shape
         n = qkv.shape[0]
         q = qkv[:, :s.num_heads * s.head_dim].reshape(n, s.num_heads, s.head_dim)
-        splits = triton_attention.num_splits(n, s.num_kv_heads, 131072, 32, self.sms)
+        splits = triton_attention.num_splits(n, s.num_kv_heads, 131072, 32, self.attention_sms)
         out = triton_attention.decode_attention(q, L.k, L.v, L.tables[rows], L.lens[rows], s.head_dim ** -0.5,
                                                 None, splits)
         return out.reshape(n, -1)
@@ -129,8 +140,53 @@ class Model:
                     done.append(ev)
             for ev in done:
                 main.wait_event(ev)
+        elif mode == "pipeline":
+            self.pipeline()
         else:
             raise ValueError(mode)
+
+    def pipeline(self) -> None:
+        """Projections on ``gemm_stream``, attention on ``attention_stream``; nano-batch i's
+        attention of layer l waits for its q/k/v, its o and MLP wait for that attention. The
+        projections' stream runs o+MLP(i, l) then q/k/v(i, l+1) in nano-batch order, so the
+        attention of the next nano-batch has something beside it."""
+        S, n = self.S, self.nano
+        main, g, a = torch.cuda.current_stream(), self.gemm_stream, self.attention_stream
+        g.wait_stream(main)
+        a.wait_stream(main)
+        rows = [slice(i * S // n, (i + 1) * S // n) for i in range(n)]
+        qkv, ready = [], []
+        with torch.cuda.stream(g):
+            for i in range(n):
+                qkv.append(self.qkv(self.layers[0], self.x[rows[i]]))
+                ready.append(torch.cuda.Event())
+                ready[i].record(g)
+        for li, L in enumerate(self.layers):
+            outs, done = [], []
+            with torch.cuda.stream(a):
+                for i in range(n):
+                    a.wait_event(ready[i])
+                    outs.append(self.attention(L, qkv[i], rows[i]))
+                    done.append(torch.cuda.Event())
+                    done[i].record(a)
+            with torch.cuda.stream(g):
+                for i in range(n):
+                    g.wait_event(done[i])
+                    x = self.after_attention(L, outs[i])
+                    if li + 1 < len(self.layers):
+                        qkv[i] = self.qkv(self.layers[li + 1], x)
+                        ready[i] = torch.cuda.Event()
+                        ready[i].record(g)
+        main.wait_stream(g)
+        main.wait_stream(a)
+
+
+def set_carveout(sms: int) -> None:
+    """Leave ``sms`` SMs out of cuBLAS(Lt) kernels launched from now on (0: none)."""
+    if hasattr(torch._C, "_set_sm_carveout_experimental"):
+        torch._C._set_sm_carveout_experimental(sms or None)
+    elif sms:
+        raise SystemExit("this torch has no SM carveout")
 
 
 def main() -> None:
@@ -140,28 +196,45 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[1500])
     ap.add_argument("--nano", type=int, nargs="+", default=[2])
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--carveout", type=int, nargs="+", default=[0],
+                    help="SMs left out of the projections' cuBLAS kernels in the pipeline mode (one run each)")
+    ap.add_argument("--attention-sms", type=int, default=0, help="size the attention's split grid for this many SMs")
+    ap.add_argument("--priority", action="store_true", help="the projections' stream first")
+    ap.add_argument("--cublaslt", action="store_true", help="bf16 GEMMs on cuBLASLt (where the carveout applies)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
+    if a.cublaslt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
     shape = Shape(SHAPES[a.model])
     rows = []
     for S in a.batch:
         for ctx in a.context:
             for n in a.nano:
                 m = Model(shape, a.layers, S, ctx, n)
-                res = {}
-                for mode in ("gemms", "attention", "serial", "split", "overlap"):
-                    res[mode] = gemv_tuner.time_graph(lambda i, m=m, mode=mode: m.run(mode), 1, reps=4) * 1e3 / a.layers
+                if not a.priority:
+                    m.gemm_stream = torch.cuda.Stream()
+                def timed(mode: str, m: Model = m) -> float:
+                    return gemv_tuner.time_graph(lambda i: m.run(mode), 1, reps=4) * 1e3 / a.layers
+                res = {mode: timed(mode) for mode in ("gemms", "attention", "serial", "split", "overlap")}
+                for c in a.carveout:
+                    set_carveout(c)
+                    m.attention_sms = a.attention_sms or m.sms
+                    res[f"gemms_c{c}"], res[f"pipeline_c{c}"] = timed("gemms"), timed("pipeline")
+                    m.attention_sms = m.sms
+                    set_carveout(0)
                 flop = 2 * S * (m.layers[0].qkv.numel() + m.layers[0].o.numel() + m.layers[0].gate_up.numel()
                                 + m.layers[0].down.numel())
                 kv = 2 * S * ctx * shape.num_kv_heads * shape.head_dim * 2
                 row = {"batch": S, "context": ctx, "nano": n, **{k + "_us": v for k, v in res.items()},
                        "gemm_tflop_s": flop / res["gemms"] / 1e6, "attention_tb_s": kv / res["attention"] / 1e6,
                        "serial_over_overlap": res["serial"] / res["overlap"],
+                       **{f"serial_over_pipeline_c{c}": res["serial"] / res[f"pipeline_c{c}"] for c in a.carveout},
                        "sum_over_serial": (res["gemms"] + res["attention"]) / res["serial"]}
                 rows.append(row)
                 print(f"S={S:4d} ctx={ctx:5d} nano={n}: " + "  ".join(f"{k} {v:7.1f}" for k, v in res.items())
                       + f" us/layer; GEMMs {row['gemm_tflop_s']:.0f} TFLOP/s, attention {row['attention_tb_s']:.2f}"
-                      f" TB/s; serial/overlap {row['serial_over_overlap']:.2f}", flush=True)
+                      f" TB/s; serial/overlap {row['serial_over_overlap']:.2f}; serial/pipeline "
+                      + " ".join(f"c{c} {res['serial'] / res[f'pipeline_c{c}']:.2f}" for c in a.carveout), flush=True)
                 m.layers.clear()
                 torch.cuda.empty_cache()
     if a.output:
