@@ -126,8 +126,16 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                        "tokens_per_block %d): CUDA graphs off", tp.size, kvc.tokens_per_block)
     if device.type == "cuda" and not ref_attention:
         from phalanx.kernels import triton_attention
-        triton_attention.compile_decode_splits(pool.tensor[0, 0], pool.tensor[0, 1], heads.num_heads, dtype)
-        triton_attention.compile_extend_forms(pool.tensor[0, 0], pool.tensor[0, 1], heads.num_heads, dtype)
+        from phalanx.pyexecutor.speculative import DraftModelProposer
+        pools = [(pool, heads.num_heads)]
+        drafter = runner.spec.proposer if runner.spec is not None else None
+        if isinstance(drafter, DraftModelProposer) and ops.triton_attention_everywhere(drafter.model, B):
+            # the draft's pool has head counts (and a head size) of its own: other kernel forms
+            dcfg = drafter.model.config
+            pools.append((drafter.pool, shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size).num_heads))
+        for p, num_heads in pools:
+            triton_attention.compile_decode_splits(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
+            triton_attention.compile_extend_forms(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
     if device.type == "cuda":   # the partial-reuse copy too, the block no one owns onto itself
         ops.copy_blocks(pool.tensor, [pool.num_blocks - 1], [pool.num_blocks - 1], [0])
     if device.type == "cuda" and args.cuda_graph_config is not None and not ref_attention:
