@@ -86,11 +86,13 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     pool_shape = (cfg.num_layers, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
-    draft = None
+    draft, profiled_draft = None, None
     if args.speculative_config is not None and args.speculative_config.decoding_type == "DraftTarget":
         draft = _build_draft(args, source, dtype, device, tp)
         dcfg = draft.config
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
+        profiled_draft = (draft, (dcfg.num_layers, kvc.tokens_per_block, dheads.num_kv_heads, dcfg.head_dim,
+                                  kv_dtype, device))
         block_bytes += bytes_per_block(dcfg.num_layers, dheads.num_kv_heads, dcfg.head_dim, kvc.tokens_per_block,
                                        kv_dtype)   # the draft's pool has the same blocks
     extra: dict = {}
@@ -98,7 +100,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         extra["gemv_gb_per_s"] = _tune_kernels(model)
         if draft is not None:
             _tune_kernels(draft)
-        num_blocks = _profile_num_blocks(args, model, pool_shape, block_bytes, max_seq_len, extra)
+        num_blocks = _profile_num_blocks(args, model, pool_shape, block_bytes, max_seq_len, extra, profiled_draft)
     else:
         num_blocks = _num_kv_blocks(args, device, block_bytes)
     if dist is not None and dist.size > 1:  # identical schedulers need identical pools: the smallest wins
@@ -124,20 +126,22 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     if ref_attention and args.cuda_graph_config is not None:
         logger.warning("attention takes the torch reference here (uneven head split over %d ranks, "
                        "tokens_per_block %d): CUDA graphs off", tp.size, kvc.tokens_per_block)
-    if device.type == "cuda" and not ref_attention:
+    if device.type == "cuda":
         from phalanx.kernels import triton_attention
         from phalanx.pyexecutor.speculative import DraftModelProposer
-        pools = [(pool, heads.num_heads)]
+        pools = [(pool, heads.num_heads, not ref_attention)]
         drafter = runner.spec.proposer if runner.spec is not None else None
-        if isinstance(drafter, DraftModelProposer) and ops.triton_attention_everywhere(drafter.model, B):
+        if isinstance(drafter, DraftModelProposer):
             # the draft's pool has head counts (and a head size) of its own: other kernel forms
             dcfg = drafter.model.config
-            pools.append((drafter.pool, shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size).num_heads))
-        for p, num_heads in pools:
-            triton_attention.compile_decode_splits(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
-            triton_attention.compile_extend_forms(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
-    if device.type == "cuda":   # the partial-reuse copy too, the block no one owns onto itself
-        ops.copy_blocks(pool.tensor, [pool.num_blocks - 1], [pool.num_blocks - 1], [0])
+            pools.append((drafter.pool, shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size).num_heads,
+                          ops.triton_attention_everywhere(drafter.model, B)))
+        for p, num_heads, triton in pools:
+            if triton:
+                triton_attention.compile_decode_splits(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
+                triton_attention.compile_extend_forms(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
+            # the partial-reuse copy too, the block no one owns onto itself
+            ops.copy_blocks(p.tensor, [p.num_blocks - 1], [p.num_blocks - 1], [0])
     if device.type == "cuda" and args.cuda_graph_config is not None and not ref_attention:
         sizes = args.cuda_graph_config.capture_sizes(args.max_batch_size)
         if sizes:
@@ -282,12 +286,31 @@ def _piecewise_sizes(sizes: list[int], max_num_tokens: int) -> list[int]:
 
 
 def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block_bytes: int,
-                        max_seq_len: int, extra: dict) -> int:
+                        max_seq_len: int, extra: dict, draft: tuple[CausalLM, tuple] | None = None) -> int:
     """KV blocks from a profiling run: a forward over a max_num_tokens batch with a small
-    temporary pool, then (memory free after weights − that run's activation peak) × fraction."""
+    temporary pool, then (memory free after weights − that run's activation peak) × fraction.
+    A draft model runs the same forward over a pool of its own shape after the target's (as it
+    does in a step): the higher of the two peaks counts, and its kernels are compiled here too."""
+    dev = pool_shape[-1]
+    n = max(1, min(args.max_num_tokens, max_seq_len - 1))
+    activation_peak = _activation_peak(model, n, pool_shape)
+    if draft is not None:   # (the draft model, its pool's shape)
+        activation_peak = max(activation_peak, _activation_peak(draft[0], n, draft[1]))
+    free, total = torch.cuda.mem_get_info(dev)
+    kvc = args.kv_cache_config
+    budget = int(max(0, free - activation_peak) * kvc.free_gpu_memory_fraction)
+    if kvc.max_gpu_total_bytes:
+        budget = min(budget, kvc.max_gpu_total_bytes)
+    extra.update({"profile_tokens": n, "activation_peak_gib": activation_peak / 2**30,
+                  "free_after_weights_gib": free / 2**30, "kv_budget_gib": budget / 2**30})
+    return num_blocks_for_budget(budget, block_bytes, kvc.tokens_per_block, kvc.max_tokens)
+
+
+def _activation_peak(model: CausalLM, n: int, pool_shape: tuple) -> int:
+    """The memory one forward over a prompt of n tokens (and its last row's logits) allocates at
+    its peak, over a temporary pool of ``pool_shape``."""
     from phalanx.kernels.metadata import AttentionMetadata
     L, B, Hkv, D, kdt, dev = pool_shape
-    n = max(1, min(args.max_num_tokens, max_seq_len - 1))
     tmp_blocks = -(-n // B) + 1
     tmp = KVPool(L, tmp_blocks, B, Hkv, D, kdt, dev)
     i32 = dict(dtype=torch.int32, device=dev)
@@ -301,17 +324,10 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
     hidden = model(ids, torch.arange(n, device=dev), meta, tmp.tensor)
     model.compute_logits(hidden[-1:])
     torch.cuda.synchronize(dev)
-    activation_peak = torch.cuda.max_memory_allocated(dev) - base
+    peak = torch.cuda.max_memory_allocated(dev) - base
     del tmp, hidden, meta
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(dev)
-    kvc = args.kv_cache_config
-    budget = int(max(0, free - activation_peak) * kvc.free_gpu_memory_fraction)
-    if kvc.max_gpu_total_bytes:
-        budget = min(budget, kvc.max_gpu_total_bytes)
-    extra.update({"profile_tokens": n, "activation_peak_gib": activation_peak / 2**30,
-                  "free_after_weights_gib": free / 2**30, "kv_budget_gib": budget / 2**30})
-    return num_blocks_for_budget(budget, block_bytes, kvc.tokens_per_block, kvc.max_tokens)
+    return peak
 
 
 def _num_kv_blocks(args: LlmArgs, device: torch.device, block_bytes: int) -> int:
