@@ -82,9 +82,13 @@ def mpirun_command(world_size: int) -> list[str]:
 
 
 class MpiProxyExecutor(GenerationExecutor):
-    def __init__(self, args: LlmArgs, startup_timeout: float | None = None) -> None:
+    def __init__(self, args: LlmArgs, startup_timeout: float | None = None,
+                 model_source: dict[str, Any] | None = None) -> None:
+        """``model_source``: the model as resolved here (``ModelSource.to_wire``), handed to the
+        ranks with the arguments so that they do not resolve it again."""
         super().__init__()
         self.args = args
+        self._model_source = model_source
         self._send_lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -163,7 +167,7 @@ class MpiProxyExecutor(GenerationExecutor):
                 print(line, file=sys.stderr)
 
     def _handshake(self, args: LlmArgs, timeout: float) -> dict[str, Any]:
-        self._put(Init(args.model_dump(mode="json")))
+        self._put(Init(args.model_dump(mode="json"), self._model_source))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msg = self.responses.get(timeout_ms=200)

@@ -68,7 +68,7 @@ class LLM:
         args = self.args
         if self.source.kind == "hf" and args.model != self.source.path:   # a hub id: ranks read the download
             args = args.model_copy(update={"model": self.source.path})
-        return MpiProxyExecutor(args)
+        return MpiProxyExecutor(args, model_source=self.source.to_wire())
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, inputs: PromptInput | Sequence[PromptInput],

