@@ -353,7 +353,18 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     with torch.no_grad():
         model.load_weights(weights)
+    if device.type == "cpu" and dtype == torch.float32:
+        _cpu_plans(model)
     return model
+
+
+def _cpu_plans(model: torch.nn.Module) -> None:
+    """Full-precision projections of a float32 model on a CPU take ``LinearPlan.cpu``."""
+    from phalanx.kernels.linear_plan import LinearPlan
+    from phalanx.models.layers import Projection
+    for m in model.modules():
+        if isinstance(m, Projection) and not m.plan.fp8 and m.weight.dtype == torch.float32:
+            m.plan = LinearPlan.cpu(m.plan.neighbour)
 
 
 def iter_dummy_weights(model: CausalLM, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
