@@ -144,8 +144,9 @@ def run_cublas(neighbour: Neighbour, fp8: bool = False) -> Launch:
 
 
 def cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] Wᵀ (+ b) as (W xᵀ)ᵀ: float32 on a CPU (``CPU_BLAS``)."""
-    y = torch.mm(w, x.t()).t().contiguous()
+    """x [..., K] Wᵀ (+ b) as (W xᵀ)ᵀ: float32 on a CPU (``CPU_BLAS``)."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.mm(w, rows.t()).t().contiguous().view(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
 
 

@@ -88,7 +88,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
     draft, profiled_draft = None, None
     if args.speculative_config is not None and args.speculative_config.decoding_type == "DraftTarget":
-        draft = _build_draft(args, source, dtype, device, tp)
+        draft = _build_draft(args, source, dtype, device, tp, max_seq_len)
         dcfg = draft.config
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
         profiled_draft = (draft, (dcfg.num_layers, kvc.tokens_per_block, dheads.num_kv_heads, dcfg.head_dim,
@@ -183,8 +183,10 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
 
 
 def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device: torch.device,
-                 tp: TPGroup) -> CausalLM:
-    """The DraftTarget proposer's model: the target's vocabulary, sharded like the target."""
+                 tp: TPGroup, max_seq_len: int) -> CausalLM:
+    """The DraftTarget proposer's model: the target's vocabulary, sharded like the target, and
+    positions up to ``max_seq_len`` (checked before any forward of it, the memory profile's
+    included)."""
     from phalanx.models.loader import resolve_model
     sc = args.speculative_config
     assert sc is not None and sc.speculative_model_dir is not None
@@ -197,6 +199,10 @@ def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device:
                          f"({dsource.config.vocab_size}) differs from the target's ({source.config.vocab_size})")
     if dsource.config.is_moe:
         raise ValueError("speculative_config.speculative_model_dir: a mixture-of-experts draft is not supported")
+    if dsource.config.max_position_embeddings < max_seq_len:
+        raise ValueError(f"speculative_config.speculative_model_dir: the draft's max_position_embeddings "
+                         f"({dsource.config.max_position_embeddings}) is below max_seq_len ({max_seq_len}); "
+                         f"lower max_seq_len")
     return build_model(dsource, dtype, device, tp, args.load_format, args.seed,
                        fp8=_serves_fp8(args, dsource.config, device))
 
@@ -214,10 +220,6 @@ def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, ma
     else:
         dcfg = draft.config
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
-        if dcfg.max_position_embeddings < max_seq_len:
-            raise ValueError(f"speculative_config.speculative_model_dir: the draft's max_position_embeddings "
-                             f"({dcfg.max_position_embeddings}) is below max_seq_len ({max_seq_len}); "
-                             f"lower max_seq_len")
         dpool = KVPool(dcfg.num_layers, pool_blocks, args.kv_cache_config.tokens_per_block, dheads.num_kv_heads,
                        dcfg.head_dim, kv_dtype, device)
         proposer = DraftModelProposer(k, draft, dpool, cfg.vocab_size, dcfg.max_position_embeddings)
@@ -275,7 +277,6 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
     return report
 
 
-@torch.inference_mode()
 def _piecewise_sizes(sizes: list[int], max_num_tokens: int) -> list[int]:
     """The piecewise graphs' token counts up to ``max_num_tokens``, and that count itself where
     a larger size was asked for (a step can never need more)."""
@@ -306,6 +307,7 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
     return num_blocks_for_budget(budget, block_bytes, kvc.tokens_per_block, kvc.max_tokens)
 
 
+@torch.inference_mode()
 def _activation_peak(model: CausalLM, n: int, pool_shape: tuple) -> int:
     """The memory one forward over a prompt of n tokens (and its last row's logits) allocates at
     its peak, over a temporary pool of ``pool_shape``."""

@@ -25,6 +25,12 @@ def test_the_cpu_plan_equals_f_linear(rows, neighbour, bias):
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_cpu_plan_takes_rows_of_any_rank():
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(24, 8, generator=g), torch.randn(24, generator=g), torch.randn(2, 3, 8, generator=g)
+    torch.testing.assert_close(LinearPlan.cpu(Neighbour.PLAIN)(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_the_cpu_plan_takes_every_bucket_of_a_full_precision_weight_only():
     plan = LinearPlan.cpu(Neighbour.NORM)
     assert plan.plans == (CPU_BLAS,) * len(ROW_BUCKETS) and plan.many == (CPU_BLAS,) * len(MANY_ROW_BUCKETS)
