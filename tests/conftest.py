@@ -42,3 +42,16 @@ def tiny_moe_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_moe_models(tiny_moe_models):
     return hf_models_from(tiny_moe_models)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own float32 model of the bundled SmolLM2 GGUF (dequantized by transformers'
+    GGUF loader, independently of ours): ~30 s to load here, so once a session."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.models.loader import bundled_model_path
+    path = bundled_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()

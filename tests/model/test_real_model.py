@@ -1,13 +1,11 @@
 """The bundled SmolLM2-135M-Instruct (GGUF, Q4_1 dequantized): batched chat generation equals
 transformers' greedy output on the same file, and reads as sensible text."""
 
-import os
 
 import pytest
 import torch
 
 from phalanx import LLM, SamplingParams
-from phalanx.models.loader import bundled_model_path
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -24,11 +22,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-    path = bundled_model_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+def hf_model(smollm2_hf):
+    return smollm2_hf
 
 
 def test_chat_batch_equals_transformers_greedy(llm, hf_model):

@@ -2,14 +2,12 @@
 TP=1), for tiny random models and for the bundled SmolLM2 (9 heads, 3 KV heads: split unevenly)."""
 
 import json
-import os
 
 import pytest
 import torch
 
 from hf_reference import assert_same_greedy, fp8_round_trip, hf_greedy
 from phalanx import LLM, SamplingParams
-from phalanx.models.loader import bundled_model_path
 
 pytestmark = pytest.mark.mpi
 
@@ -32,17 +30,14 @@ def test_tp2_tiny_models_equal_transformers(kind, tiny_models, hf_models):
         assert llm._executor.check_integrity() == ["ok", "ok"]
 
 
-def test_tp2_smollm2_chat_equals_transformers_and_tp1():
-    from transformers import AutoModelForCausalLM
+def test_tp2_smollm2_chat_equals_transformers_and_tp1(smollm2_hf):
     questions = ["What is the capital of France?", "Name three fruits.", "What is 2 + 2?"]
     sp = SamplingParams(max_tokens=32, temperature=0.0)
     with LLM(tensor_parallel_size=2) as llm:
         prompts_ = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
         tp2 = [o.outputs[0].token_ids for o in llm.generate(prompts_, sp, use_tqdm=False)]
         tok = llm.tokenizer
-    path = bundled_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
+    hf = smollm2_hf
     for p, ours in zip(prompts_, tp2, strict=True):
         ids = torch.tensor([tok.encode(p)])
         with torch.no_grad():
