@@ -133,13 +133,16 @@ def run_fp8(neighbour: Neighbour, gemm: Callable[..., torch.Tensor] | None = Non
 def run_cublas(neighbour: Neighbour, fp8: bool = False) -> Launch:
     """F.linear (cuBLAS on a GPU), or for FP8 weights ``run_fp8`` on cuBLASLt, after
     silu(gate) * up behind SILU."""
-    if fp8:
-        return run_fp8(neighbour)
+    return run_fp8(neighbour) if fp8 else _behind(neighbour, F.linear)
+
+
+def _behind(neighbour: Neighbour, linear: Launch) -> Launch:
+    """``linear``, after silu(gate) * up behind SILU."""
     if neighbour is not Neighbour.SILU:
-        return F.linear
+        return linear
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(ops.silu_and_mul(x), w, b)
+        return linear(ops.silu_and_mul(x), w, b)
     return run
 
 
@@ -150,21 +153,11 @@ def cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) 
     return y if b is None else y + b
 
 
-def run_cpu(neighbour: Neighbour) -> Launch:
-    """``cpu_linear``, after silu(gate) * up behind SILU."""
-    if neighbour is not Neighbour.SILU:
-        return cpu_linear
-
-    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return cpu_linear(ops.silu_and_mul(x), w, b)
-    return run
-
-
 def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
     """The call that runs ``plan`` for a projection behind ``neighbour`` (whose weight is FP8,
     taking its scale as a fourth argument, with ``fp8``)."""
     if plan.kernel == "cpu":
-        return run_cpu(neighbour)
+        return _behind(neighbour, cpu_linear)
     if plan.kernel == "cublas" or plan.tile is None:
         return run_cublas(neighbour, fp8)
     if isinstance(plan.tile, CutlassTile):

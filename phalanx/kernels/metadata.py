@@ -29,6 +29,18 @@ class AttentionMetadata:
     num_decode_rows: int = 0   # a mixed step's leading sequences of one query each (0: none, or not split)
     cache: dict = field(default_factory=dict)  # backend-specific per-step plans
 
+    @classmethod
+    def one_prompt(cls, n: int, tokens_per_block: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """One prompt of ``n`` tokens, its K/V written to slots 0..n-1 of blocks 0, 1, ...
+        (a pool of at least cdiv(n, tokens_per_block) blocks)."""
+        i32 = torch.int32
+        blocks = -(-n // tokens_per_block)
+        return cls(slot_mapping=torch.arange(n, device=device),
+                   query_start=torch.tensor([0, n], dtype=i32, device=device),
+                   seq_lens=torch.tensor([n], dtype=i32, device=device),
+                   block_tables=torch.arange(blocks, dtype=i32, device=device)[None],
+                   max_query_len=n, max_seq_len=n, tokens_per_block=tokens_per_block)
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]

@@ -313,12 +313,8 @@ def _activation_peak(model: CausalLM, n: int, pool_shape: tuple) -> int:
     its peak, over a temporary pool of ``pool_shape``."""
     from phalanx.kernels.metadata import AttentionMetadata
     L, B, Hkv, D, kdt, dev = pool_shape
-    tmp_blocks = -(-n // B) + 1
-    tmp = KVPool(L, tmp_blocks, B, Hkv, D, kdt, dev)
-    i32 = dict(dtype=torch.int32, device=dev)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), query_start=torch.tensor([0, n], **i32),
-                             seq_lens=torch.tensor([n], **i32), block_tables=torch.arange(tmp_blocks, **i32)[None],
-                             max_query_len=n, max_seq_len=n, tokens_per_block=B)
+    tmp = KVPool(L, -(-n // B) + 1, B, Hkv, D, kdt, dev)
+    meta = AttentionMetadata.one_prompt(n, B, dev)
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)

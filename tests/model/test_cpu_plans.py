@@ -57,10 +57,7 @@ def test_only_float32_weights_on_a_cpu_take_it(tiny_models, dtype, fp8):
         cfg = source.config
         n = 20
         pool = KVPool(cfg.num_layers, 3, 16, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu"))
-        i32 = dict(dtype=torch.int32)
-        meta = AttentionMetadata(slot_mapping=torch.arange(n), query_start=torch.tensor([0, n], **i32),
-                                 seq_lens=torch.tensor([n], **i32), block_tables=torch.arange(2, **i32)[None],
-                                 max_query_len=n, max_seq_len=n, tokens_per_block=16)
+        meta = AttentionMetadata.one_prompt(n, 16)
         ids = torch.arange(n) * 7 % cfg.vocab_size
         with torch.no_grad():
             ours = model.compute_logits(model(ids, torch.arange(n), meta, pool.tensor))
