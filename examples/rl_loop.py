@@ -32,7 +32,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from phalanx import LLM, SamplingParams
-    from phalanx.models.loader import bundled_model_path
+    from phalanx.models.source import bundled_model_path
 
     path = bundled_model_path()
     policy = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

@@ -51,7 +51,7 @@ def smollm2_hf():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from phalanx.models.loader import bundled_model_path
+    from phalanx.models.source import bundled_model_path
     path = bundled_model_path()
     return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                 dtype=torch.float32).eval()

@@ -6,7 +6,7 @@ import os
 import sys
 
 from phalanx.llmapi.tokenizer import _gguf_tokenizer
-from phalanx.models.loader import bundled_model_path
+from phalanx.models.source import bundled_model_path
 
 out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(".gpu_assets", "smollm2-tokenizer")
 _gguf_tokenizer(bundled_model_path()).save_pretrained(out)

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--output", default=None)
     a = ap.parse_args(argv)
     from phalanx.bench.shapes import resolve_model_arg
-    from phalanx.models.loader import resolve_model
+    from phalanx.models.source import resolve_model
     model, dummy = resolve_model_arg(a.model)
     vocab = resolve_model(model).config.vocab_size
     waves = workload(a.groups, a.per_group, a.system, a.question, vocab)

@@ -218,7 +218,7 @@ def plot(records: list[Record], path: str, title: str) -> None:
 
 def _tokenizer(name: str | None):
     from phalanx.llmapi.tokenizer import load_tokenizer
-    from phalanx.models.loader import resolve_model
+    from phalanx.models.source import resolve_model
     return load_tokenizer(resolve_model(name))
 
 

@@ -114,7 +114,7 @@ def run_hf(model: str | None, isl: int, osl: int, batch: int, num_requests: int,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from phalanx.models.loader import bundled_model_path, resolve_model
+    from phalanx.models.source import bundled_model_path, resolve_model
     dev = torch.device(device)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     source = resolve_model(model)

@@ -8,7 +8,7 @@ import traceback
 from phalanx.config import LlmArgs
 from phalanx.executor.executor import GenerationExecutor
 from phalanx.executor.messages import GenerationRequest
-from phalanx.models.loader import ModelSource
+from phalanx.models.source import ModelSource
 from phalanx.pyexecutor.creator import create_py_executor
 from phalanx.pyexecutor.py_executor import PyExecutor, RequestQueue
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -44,12 +45,23 @@ class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: Any) -> None:
         t0 = time.monotonic()
         self.args: LlmArgs = make_llm_args(model=model, tokenizer=tokenizer, **kwargs)
-        from phalanx.models.loader import resolve_model
+        from phalanx.models.source import resolve_model
         self.source = resolve_model(self.args.model, self.args.trust_remote_code)
-        self.tokenizer: Tokenizer | None = None
-        if not self.args.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(self.source, self.args.tokenizer, self.args.trust_remote_code)
-        self._executor = self._create_executor()
+        # the tokenizer loads (seconds: transformers' import, a GGUF vocabulary) while the ranks
+        # start; a tokenizer that fails to load takes the started engine down with it
+        tokenizing = None if self.args.skip_tokenizer_init else _Background(
+            load_tokenizer, self.source, self.args.tokenizer, self.args.trust_remote_code)
+        try:
+            self._executor = self._create_executor()
+        except BaseException:
+            if tokenizing is not None:
+                tokenizing.join()
+            raise
+        try:
+            self.tokenizer: Tokenizer | None = None if tokenizing is None else tokenizing.result()
+        except BaseException:
+            self._executor.shutdown()
+            raise
         self.engine_info = self._executor.info
         self.max_seq_len: int = self._executor.info.max_seq_len
         self.vocab_size: int = self._executor.info.vocab_size
@@ -329,6 +341,33 @@ class LLM:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
+
+
+class _Background:
+    """One call run on a thread of its own; ``result`` joins it and returns or raises as the
+    call did."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised by result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="phalanx-tokenizer-load", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _is_single(inputs: Any) -> bool:

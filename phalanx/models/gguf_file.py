@@ -125,6 +125,23 @@ class GGUFFile:
         return buf.reshape(rows + (info.dims[0] // block * type_size,))
 
     def dequantize(self, info: TensorInfo) -> np.ndarray:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-        return dequantize(self.raw(info), GGMLQuantizationType(info.ggml_type))
+        """The tensor in float32, as ``gguf.quants.dequantize`` gives it. gguf's own call walks
+        the rows 16 at a time (~2 s for a 135M model of Q4_1); its per-type block function is
+        called here on many blocks at once, which computes the same elementwise values."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+        qtype = GGMLQuantizationType(info.ggml_type)
+        raw = self.raw(info)
+        kind = getattr(quants, qtype.name, None) if qtype.name in _BLOCKWISE else None
+        if kind is None:
+            return quants.dequantize(raw, qtype)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        blocks = raw.reshape(-1, type_size)
+        out = np.empty((blocks.shape[0], block), dtype=np.float32)
+        for i in range(0, blocks.shape[0], _BLOCKS_AT_ONCE):
+            out[i:i + _BLOCKS_AT_ONCE] = kind.dequantize_blocks(blocks[i:i + _BLOCKS_AT_ONCE])
+        return out.reshape(raw.shape[:-1] + (raw.shape[-1] // type_size * block,))
+
+
+# the types whose block function needs no table set up first (the i-quants' grids do)
+_BLOCKWISE = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+_BLOCKS_AT_ONCE = 1 << 18     # 8M values a call: bounded temporaries

@@ -15,8 +15,9 @@ from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.grammar import GrammarCompiler
 from phalanx.models.config import ModelConfig
 from phalanx.models.llama import CausalLM
-from phalanx.models.loader import ModelSource, build_model, resolve_dtype
+from phalanx.models.loader import build_model, resolve_dtype
 from phalanx.models.parallel import TPGroup, shard_heads
+from phalanx.models.source import ModelSource
 from phalanx.pyexecutor.guided_decoder import GuidedDecoder
 from phalanx.pyexecutor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
 from phalanx.pyexecutor.model_runner import ModelRunner
@@ -187,7 +188,7 @@ def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device:
     """The DraftTarget proposer's model: the target's vocabulary, sharded like the target, and
     positions up to ``max_seq_len`` (checked before any forward of it, the memory profile's
     included)."""
-    from phalanx.models.loader import resolve_model
+    from phalanx.models.source import resolve_model
     sc = args.speculative_config
     assert sc is not None and sc.speculative_model_dir is not None
     try:

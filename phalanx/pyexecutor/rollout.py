@@ -272,7 +272,8 @@ class Rollout:
         the same architecture and sizes, and (safetensors) every tensor's name and shape."""
         import dataclasses
 
-        from phalanx.models.loader import FP8_SCALE_SUFFIXES, check_fp8_checkpoint, checkpoint_weights, resolve_model
+        from phalanx.models.loader import FP8_SCALE_SUFFIXES, check_fp8_checkpoint, checkpoint_weights
+        from phalanx.models.source import resolve_model
         if not isinstance(path, str) or not path:
             raise ValueError("path: a checkpoint directory or .gguf file is needed")
         try:

@@ -184,7 +184,7 @@ def _build(init: Init, dist: Any, link: Rank0Link | None, rendezvous_dir: str | 
     import torch
 
     from phalanx.config import LlmArgs
-    from phalanx.models.loader import ModelSource, resolve_model
+    from phalanx.models.source import ModelSource, resolve_model
     from phalanx.pyexecutor.creator import create_py_executor, resolve_device
     from phalanx.pyexecutor.dist import init_torch_distributed
     from phalanx.pyexecutor.py_executor import BroadcastRequestQueue

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from fp8_accuracy import NEW_TOKENS, continue_or_force, measure, smollm2_prompts
-from phalanx.models.loader import BUNDLED_PACKAGE, build_model
+from phalanx.models.loader import build_model
+from phalanx.models.source import BUNDLED_PACKAGE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(importlib.util.find_spec(BUNDLED_PACKAGE) is None,

@@ -142,7 +142,7 @@ def smollm2_shaped_dir(tmp_path) -> str:
         shutil.copytree(exported, d)
     else:
         from phalanx.llmapi.tokenizer import _gguf_tokenizer
-        from phalanx.models.loader import bundled_model_path
+        from phalanx.models.source import bundled_model_path
         try:
             _gguf_tokenizer(bundled_model_path()).save_pretrained(d)
         except Exception as e:  # noqa: BLE001

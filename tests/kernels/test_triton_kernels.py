@@ -767,8 +767,9 @@ def test_cuda_graphs_only_where_every_attention_layer_runs_triton(tiny_models):
     """The rule the engine uses to decide whether decode steps may be captured in graphs is the
     one the attention dispatch uses to pick Triton over the host-planned reference."""
     from phalanx.kernels import ops
-    from phalanx.models.loader import build_model, resolve_model
+    from phalanx.models.loader import build_model
     from phalanx.models.parallel import TPGroup
+    from phalanx.models.source import resolve_model
     model = build_model(resolve_model(tiny_models["llama"]), torch.float32, torch.device("cpu"), TPGroup(), "dummy", 0)
     assert ops.triton_attention_everywhere(model, 32) and ops.triton_attention_everywhere(model, 16)
     assert not ops.triton_attention_everywhere(model, 8)
@@ -779,8 +780,9 @@ def test_cuda_graphs_only_where_every_attention_layer_runs_triton(tiny_models):
 def test_the_kernel_in_front_of_each_projection(tiny_models, tiny_moe_models):
     """What each projection declares runs in front of it (what the tuner times it with)."""
     from phalanx.models.layers import Projection
-    from phalanx.models.loader import build_model, resolve_model
+    from phalanx.models.loader import build_model
     from phalanx.models.parallel import TPGroup
+    from phalanx.models.source import resolve_model
 
     def behind(path):
         model = build_model(resolve_model(path), torch.float32, torch.device("cpu"), TPGroup(), "dummy", 0)

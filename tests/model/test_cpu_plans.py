@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from phalanx.kernels import ops
 from phalanx.kernels.linear_plan import CPU_BLAS, CUBLAS, MANY_ROW_BUCKETS, ROW_BUCKETS, LinearPlan, Neighbour
 from phalanx.models.layers import Projection
-from phalanx.models.loader import build_model, resolve_model
+from phalanx.models.loader import build_model
+from phalanx.models.source import resolve_model
 
 
 @pytest.mark.parametrize("rows", [1, 6, 64, 300])

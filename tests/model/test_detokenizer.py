@@ -6,7 +6,7 @@ import random
 import pytest
 
 from phalanx.llmapi.tokenizer import IncrementalDetokenizer, load_tokenizer
-from phalanx.models.loader import resolve_model
+from phalanx.models.source import resolve_model
 
 
 @pytest.fixture(scope="module")

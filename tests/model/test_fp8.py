@@ -80,7 +80,8 @@ def test_fp8_weights_are_built_fp8_and_quantized_as_they_load(kind, tiny_models,
     e4m3 before anything loads — the model is never held in full precision — and each loaded
     row gets exactly what quantizing the full-precision model row by row gives."""
     from phalanx.models.layers import ParallelLMHead, Projection, fp8_weights
-    from phalanx.models.loader import build_model, model_class, resolve_model
+    from phalanx.models.loader import build_model, model_class
+    from phalanx.models.source import resolve_model
     source = resolve_model(tiny_moe_models["qwen3_moe"] if kind == "moe" else tiny_models["llama"])
     with torch.device("cpu"), fp8_weights():
         empty = model_class(source.config)(source.config, None)
@@ -318,8 +319,9 @@ def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(
     residual unchanged, and the projection takes them as they are; fewer rows stay in the model's
     dtype for the skinny kernels. On the CPU no projection takes FP8 rows, so the engine sets none."""
     from phalanx.kernels import ops
-    from phalanx.models.loader import build_model, resolve_model
+    from phalanx.models.loader import build_model
     from phalanx.models.parallel import TPGroup
+    from phalanx.models.source import resolve_model
     source = resolve_model(tiny_models["llama"])
     model = build_model(source, torch.float32, torch.device("cpu"), load_format="dummy", seed=3, fp8=True)
     layer = model.model.decoder_layers[0]

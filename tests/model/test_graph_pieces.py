@@ -37,7 +37,8 @@ def test_the_forwards_stretches_between_attention_calls_are_the_forward(kind, ti
 
     from phalanx.kv_manager.manager import KVCacheManager
     from phalanx.llmapi.sampling_params import SamplingParams
-    from phalanx.models.loader import build_model, resolve_model
+    from phalanx.models.loader import build_model
+    from phalanx.models.source import resolve_model
     from phalanx.pyexecutor.kv_pool import KVPool
     from phalanx.pyexecutor.model_runner import ModelRunner
     from phalanx.pyexecutor.request import Request

@@ -9,7 +9,7 @@ import pytest
 from phalanx import LLM, SamplingParams
 from phalanx.executor.messages import Init, pack, unpack
 from phalanx.models.config import ModelConfig
-from phalanx.models.loader import ModelSource, bundled_model_path, resolve_model
+from phalanx.models.source import ModelSource, bundled_model_path, resolve_model
 
 
 def _sources(tiny_models, tiny_moe_models):

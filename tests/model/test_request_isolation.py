@@ -8,7 +8,8 @@ import torch
 from phalanx import LLM, SamplingParams
 from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.outputs import RequestError
-from phalanx.models.loader import build_model, resolve_model
+from phalanx.models.loader import build_model
+from phalanx.models.source import resolve_model
 from phalanx.pyexecutor import py_executor
 from phalanx.pyexecutor.kv_pool import KVPool
 from phalanx.pyexecutor.model_runner import ModelRunner, RequestFailures

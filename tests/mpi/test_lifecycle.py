@@ -240,3 +240,13 @@ def test_startup_failure_reports_the_rank_traceback(tmp_path, tiny_models):
         LLM(str(bad), tensor_parallel_size=2, skip_tokenizer_init=True)
     assert time.time() - t0 < 60
     assert {j.pid for j in mpi_jobs()} <= before
+
+
+def test_a_tokenizer_that_fails_to_load_takes_the_started_job_down(tmp_path, tiny_models):
+    """The tokenizer loads while the ranks start: its failure is raised as it would be alone,
+    and the job already started goes with it."""
+    before = {j.pid for j in mpi_jobs()}
+    with pytest.raises(Exception) as err:
+        LLM(tiny_models["qwen2"], tokenizer=str(tmp_path / "no-such-tokenizer"))
+    assert "no-such-tokenizer" in str(err.value)
+    assert {j.pid for j in mpi_jobs()} <= before

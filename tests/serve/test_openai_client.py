@@ -74,7 +74,7 @@ def test_completions_of_token_ids_echo_their_text_and_equal_the_text_prompt(clie
     """A prompt of token ids (checked on the event loop, its text decoded only for echo): the same
     completion as its text, streamed or not, and echo gives the text back."""
     from phalanx.llmapi.tokenizer import load_tokenizer
-    from phalanx.models.loader import bundled_model_path, resolve_model
+    from phalanx.models.source import bundled_model_path, resolve_model
     text = "The capital of France is"
     ids = load_tokenizer(resolve_model(bundled_model_path())).encode(text, add_special_tokens=False)
     want = client.completions.create(model=MODEL, prompt=text, max_tokens=5, temperature=0).choices[0].text

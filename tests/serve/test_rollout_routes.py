@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from phalanx.models.loader import bundled_model_path
+from phalanx.models.source import bundled_model_path
 from serve_helpers import KEY
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -25,3 +25,15 @@ def test_module_imports_no_heavy_dependency(module):
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"{module} pulled in {out.stdout.strip()}"
+
+
+def test_resolving_the_bundled_model_imports_no_torch():
+    """The user process resolves the model before it starts the ranks: torch (~2 s to import)
+    is not on that path."""
+    code = ("import sys\n"
+            "from phalanx.models.source import resolve_model\n"
+            "src = resolve_model(None)\n"
+            "assert src.kind == 'gguf' and src.config.num_layers > 0\n"
+            "print(','.join(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"resolving the model pulled in {out.stdout.strip()}"
