@@ -46,7 +46,8 @@ class LLM:
         t0 = time.monotonic()
         self.args: LlmArgs = make_llm_args(model=model, tokenizer=tokenizer, **kwargs)
         from phalanx.models.source import resolve_model
-        self.source = resolve_model(self.args.model, self.args.trust_remote_code)
+        self.source = resolve_model(self.args.model, self.args.trust_remote_code).with_draft(
+            self.args.speculative_config, self.args.trust_remote_code)
         # the tokenizer loads (seconds: transformers' import, a GGUF vocabulary) while the ranks
         # start; a tokenizer that fails to load takes the started engine down with it
         tokenizing = None if self.args.skip_tokenizer_init else _Background(

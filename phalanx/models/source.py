@@ -7,6 +7,7 @@ start, and importing torch first would hold them back (~2 s); ``loader`` reads t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import importlib.util
@@ -23,21 +24,40 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass
 class ModelSource:
-    """A resolved model: ``kind`` is "hf" (``path`` a directory) or "gguf" (``path`` a file)."""
+    """A resolved model: ``kind`` is "hf" (``path`` a directory) or "gguf" (``path`` a file);
+    ``draft``: the DraftTarget draft model of speculative decoding, resolved with it
+    (``with_draft``)."""
 
     kind: str
     path: str
     config: ModelConfig
     hf_config: Any = None
     name: str = ""
+    draft: ModelSource | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        """What a rank needs to load this model without resolving it again (no ``hf_config``)."""
-        return {"kind": self.kind, "path": self.path, "name": self.name, "config": self.config.to_wire()}
+        """What a rank needs to load this model (and its draft) without resolving it again (no
+        ``hf_config``)."""
+        return {"kind": self.kind, "path": self.path, "name": self.name, "config": self.config.to_wire(),
+                "draft": None if self.draft is None else self.draft.to_wire()}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> ModelSource:
-        return cls(d["kind"], d["path"], ModelConfig.from_wire(d["config"]), None, d["name"])
+        draft = None if d.get("draft") is None else cls.from_wire(d["draft"])
+        return cls(d["kind"], d["path"], ModelConfig.from_wire(d["config"]), None, d["name"], draft)
+
+    def with_draft(self, speculative_config: Any, trust_remote_code: bool = False) -> ModelSource:
+        """This source with ``draft`` resolved where ``speculative_config`` names a DraftTarget
+        draft (``speculative_model_dir``); a draft that does not resolve is a ValueError naming
+        the field."""
+        sc = speculative_config
+        if sc is None or sc.decoding_type != "DraftTarget" or not sc.speculative_model_dir or self.draft is not None:
+            return self
+        try:
+            draft = resolve_model(sc.speculative_model_dir, trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - any loader failure means the same thing here
+            raise ValueError(f"speculative_config.speculative_model_dir: the draft model did not load: {e}") from None
+        return dataclasses.replace(self, draft=draft)
 
 
 def bundled_model_path() -> str:

@@ -185,16 +185,12 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
 
 def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device: torch.device,
                  tp: TPGroup, max_seq_len: int) -> CausalLM:
-    """The DraftTarget proposer's model: the target's vocabulary, sharded like the target, and
-    positions up to ``max_seq_len`` (checked before any forward of it, the memory profile's
-    included)."""
-    from phalanx.models.source import resolve_model
-    sc = args.speculative_config
-    assert sc is not None and sc.speculative_model_dir is not None
-    try:
-        dsource = resolve_model(sc.speculative_model_dir, args.trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - any loader failure means the same thing here
-        raise ValueError(f"speculative_config.speculative_model_dir: the draft model did not load: {e}") from None
+    """The DraftTarget proposer's model (``source.draft``, as the user's process resolved it):
+    the target's vocabulary, sharded like the target, and positions up to ``max_seq_len``
+    (checked before any forward of it, the memory profile's included)."""
+    # resolved here only where the user's process did not (an engine built without its LLM)
+    dsource = source.with_draft(args.speculative_config, args.trust_remote_code).draft
+    assert dsource is not None
     if dsource.config.vocab_size != source.config.vocab_size:
         raise ValueError(f"speculative_config.speculative_model_dir: the draft's vocabulary "
                          f"({dsource.config.vocab_size}) differs from the target's ({source.config.vocab_size})")

@@ -7,9 +7,12 @@ import os
 import pytest
 
 from phalanx import LLM, SamplingParams
+from phalanx.config import SpeculativeConfig
 from phalanx.executor.messages import Init, pack, unpack
 from phalanx.models.config import ModelConfig
 from phalanx.models.source import ModelSource, bundled_model_path, resolve_model
+
+DRAFT = {"decoding_type": "DraftTarget", "max_draft_len": 3, "adaptive": False}
 
 
 def _sources(tiny_models, tiny_moe_models):
@@ -19,12 +22,19 @@ def _sources(tiny_models, tiny_moe_models):
 def test_every_model_source_survives_the_wire(tiny_models, tiny_moe_models):
     """Dense, MoE (shared experts, sparse steps), sliding windows, llama3 rope scaling, GGUF:
     through msgpack and back, field for field and tuple for tuple."""
-    for source in _sources(tiny_models, tiny_moe_models):
+    sources = _sources(tiny_models, tiny_moe_models)
+    with_draft = sources[0].with_draft(SpeculativeConfig(**DRAFT, speculative_model_dir=tiny_models["qwen2"]))
+    assert with_draft.draft is not None and with_draft.draft.path == tiny_models["qwen2"]
+    for source in [*sources, with_draft]:
         init = unpack(pack(Init({"model": source.path}, source.to_wire())))
         back = ModelSource.from_wire(init.model_source)
-        assert (back.kind, back.path, back.name) == (source.kind, source.path, source.name)
-        assert back.config == source.config and hash(back.config) == hash(source.config)
-        assert back.hf_config is None
+        for b, s in ((back, source), (back.draft, source.draft)):
+            if s is None:
+                assert b is None
+                continue
+            assert b is not None and (b.kind, b.path, b.name) == (s.kind, s.path, s.name)
+            assert b.config == s.config and hash(b.config) == hash(s.config)
+            assert b.hf_config is None
 
 
 def test_every_config_field_survives_the_wire():
@@ -49,17 +59,19 @@ def test_an_unknown_config_field_is_refused_by_name():
 
 def test_ranks_start_without_transformers_when_the_model_is_handed_over(tiny_models, tmp_path, monkeypatch):
     """The ranks see a ``transformers`` that cannot be imported (first on their PYTHONPATH; this
-    process has the real one loaded already). Handed the resolved model, they start and give
-    the same greedy tokens as in this process's own engine; left to resolve it themselves, the
-    start fails on that import."""
+    process has the real one loaded already). Handed the resolved model and its DraftTarget
+    draft, they start and give the same greedy tokens as in this process's own engine; left to
+    resolve the model themselves, the start fails on that import."""
     fake = tmp_path / "no_transformers" / "transformers"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('transformers imported on a rank')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p))
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
-    with LLM(tiny_models["llama"], skip_tokenizer_init=True) as llm:
+    spec = {**DRAFT, "speculative_model_dir": tiny_models["qwen2"]}
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, speculative_config=spec) as llm:
         handed = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert llm.stats()[0]["spec_verify_rows"] > 0     # the draft ran
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
         assert handed == [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     monkeypatch.setattr(ModelSource, "to_wire", lambda self: None)
