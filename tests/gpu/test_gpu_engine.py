@@ -62,8 +62,8 @@ def test_no_kernel_compiles_while_serving(kv, weights, max_num_tokens, draft, ti
     ps = prompts(256, n=24, seed=7)
     shared = [ps[i % 4][:20] + p for i, p in enumerate(prompts(256, n=16, seed=8))]   # hits inside a block
     sp = [SamplingParams(max_tokens=3 + i % 11, ignore_eos=True) for i in range(len(ps))]
-    spec = None if draft is None else {"decoding_type": "DraftTarget", "max_draft_len": 3,
-                                       "speculative_model_dir": tiny_models[draft]}
+    spec = None if draft is None else {"decoding_type": "DraftTarget", "max_draft_len": 3, "adaptive": False,
+                                       "speculative_model_dir": tiny_models[draft]}    # every step drafts
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", quantization=weights,
              max_num_tokens=max_num_tokens, kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 16 << 20},
              cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}, speculative_config=spec) as llm:
