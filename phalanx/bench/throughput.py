@@ -59,8 +59,7 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
     if warmup:
         asyncio.run(_run(llm, prompts[:warmup], min(osl, 8), concurrency))
     llm.reset_prefix_cache()
-    spec = llm.args.speculative_config is not None
-    before = _spec_counts(llm) if spec else None
+    before = _counters(llm)
     extra_steps = {}
     if step_times:
         llm.control("timing:on")
@@ -77,11 +76,12 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
             llm.control("timing:off")
     out_tokens = sum(r["num_output_tokens"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] == r["tpot"]]
-    extra = {}
-    if before is not None:   # speculative decoding: the run's verify rows, drafts and accepted drafts
-        rows, drafts, accepted = (b - a for a, b in zip(before, _spec_counts(llm), strict=True))
-        extra = {"spec_acceptance_rate": accepted / drafts if drafts else None,
-                 "spec_mean_accepted_length": 1 + accepted / rows if rows else None, "spec_verify_rows": rows}
+    after = _counters(llm)
+    extra: dict[str, Any] = {"num_preemptions": after["num_preemptions"] - before["num_preemptions"]}
+    if llm.args.speculative_config is not None:   # the run's verify rows, drafts and accepted drafts
+        rows, drafts, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
+        extra.update({"spec_acceptance_rate": accepted / drafts if drafts else None,
+                      "spec_mean_accepted_length": 1 + accepted / rows if rows else None, "spec_verify_rows": rows})
     return {
         "duration_s": elapsed,
         "request_throughput": len(results) / elapsed,
@@ -98,10 +98,14 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
     }
 
 
-def _spec_counts(llm: Any) -> tuple[int, int, int]:
-    """Rank 0's speculative counters (every rank of a tensor-parallel engine has the same)."""
+SPEC_COUNTERS = ("spec_verify_rows", "spec_draft_tokens", "spec_accepted_drafts")
+
+
+def _counters(llm: Any) -> dict[str, int]:
+    """Rank 0's preemption and speculative counters (every rank of a tensor-parallel engine has
+    the same)."""
     st = json.loads(llm.control("stats").per_rank[0])
-    return st["spec_verify_rows"], st["spec_draft_tokens"], st["spec_accepted_drafts"]
+    return {k: st[k] for k in ("num_preemptions", *SPEC_COUNTERS)}
 
 
 _HF_CACHE: dict = {}
@@ -237,7 +241,8 @@ def _print_point(res: dict) -> None:
     rate = res.get("spec_acceptance_rate")
     print(f"{res['isl']}/{res['osl']} concurrency {res['concurrency']:4d}: {res['output_throughput']:9.1f} out tok/s  "
           f"TTFT p50 {res['ttft_ms']['median']:8.1f} ms  TPOT p50 {res['tpot_ms']['median']:7.2f} ms"
-          + (f"  drafts accepted {rate:.2f}" if rate is not None else ""), flush=True)
+          + (f"  drafts accepted {rate:.2f}" if rate is not None else "")
+          + (f"  preemptions {res['num_preemptions']}" if res.get("num_preemptions") else ""), flush=True)
     if "steps" in res:
         print(_steps_line(res["steps"]), flush=True)
 

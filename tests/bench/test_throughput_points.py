@@ -23,6 +23,19 @@ def test_a_second_point_reuses_no_prompt_of_the_first(tiny_models):
     assert first["num_output_tokens"] == second["num_output_tokens"] == 16
 
 
+def test_a_point_counts_its_own_preemptions(tiny_models):
+    """Four requests of 110 tokens over a pool of 256 under MAX_UTILIZATION preempt; one at a
+    time they do not, and the counts are each point's own (not the engine's running total)."""
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             kv_cache_config={"tokens_per_block": 8, "max_tokens": 256},
+             scheduler_config={"capacity_scheduler_policy": "MAX_UTILIZATION"}) as llm:
+        crowded = run_phalanx(llm, isl=70, osl=40, concurrency=4, num_requests=4, warmup=0)
+        alone = run_phalanx(llm, isl=70, osl=40, concurrency=1, num_requests=2, warmup=0)
+    assert crowded["num_preemptions"] > 0
+    assert alone["num_preemptions"] == 0
+    assert crowded["num_output_tokens"] == 160 and alone["num_output_tokens"] == 80
+
+
 class _Event:
     """A CUDA event's stand-in: a time in ms (the split reads elapsed_time only)."""
 
