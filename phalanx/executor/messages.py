@@ -141,7 +141,8 @@ class Init:
     """User -> rank 0 (then every rank): build the engine with these LLM arguments.
     ``model_source``: the model (and a DraftTarget draft) as the user's process resolved it
     (``ModelSource.to_wire``), so that no rank reads a configuration again through transformers
-    (seconds of imports a rank); None: each rank resolves ``llm_args["model"]`` itself."""
+    (seconds of imports a rank); None: each rank resolves ``llm_args["model"]`` (and the draft)
+    itself."""
 
     llm_args: dict[str, Any]
     model_source: dict[str, Any] | None = None

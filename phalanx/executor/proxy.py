@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from phalanx.config import LlmArgs
@@ -83,12 +84,15 @@ def mpirun_command(world_size: int) -> list[str]:
 
 class MpiProxyExecutor(GenerationExecutor):
     def __init__(self, args: LlmArgs, startup_timeout: float | None = None,
-                 model_source: dict[str, Any] | None = None) -> None:
+                 model_source: dict[str, Any] | None = None,
+                 startup_check: Callable[[], None] | None = None) -> None:
         """``model_source``: the model as resolved here (``ModelSource.to_wire``), handed to the
-        ranks with the arguments so that they do not resolve it again."""
+        ranks with the arguments so that they do not resolve it again. ``startup_check``: called
+        while waiting for the ranks; what it raises stops the start (the job is taken down)."""
         super().__init__()
         self.args = args
         self._model_source = model_source
+        self._startup_check = startup_check
         self._send_lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -175,6 +179,8 @@ class MpiProxyExecutor(GenerationExecutor):
                 return msg.info
             if isinstance(msg, Fatal):
                 raise EngineStartError(msg.error)
+            if self._startup_check is not None:
+                self._startup_check()
             launcher_failed = any(m in line for line in list(self._stderr_tail) for m in _LAUNCH_FAILURES)
             if self.proc is not None and (self.proc.poll() is not None or launcher_failed):
                 time.sleep(0.2)  # let the stderr reader catch up

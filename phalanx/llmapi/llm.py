@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx.config import LlmArgs, make_llm_args
@@ -49,29 +49,28 @@ class LLM:
         self.source = resolve_model(self.args.model, self.args.trust_remote_code).with_draft(
             self.args.speculative_config, self.args.trust_remote_code)
         # the tokenizer loads (seconds: transformers' import, a GGUF vocabulary) while the ranks
-        # start; a tokenizer that fails to load takes the started engine down with it
+        # start; one that fails to load stops the start (the ranks' wait checks it) or takes the
+        # started engine down, and its own error is raised
         tokenizing = None if self.args.skip_tokenizer_init else _Background(
             load_tokenizer, self.source, self.args.tokenizer, self.args.trust_remote_code)
-        try:
-            self._executor = self._create_executor()
-        except BaseException:
-            if tokenizing is not None:
-                tokenizing.join()
-            raise
+        self._executor = self._create_executor(None if tokenizing is None else tokenizing.raise_if_failed)
         try:
             self.tokenizer: Tokenizer | None = None if tokenizing is None else tokenizing.result()
+            self.engine_info = self._executor.info
+            self.max_seq_len: int = self._executor.info.max_seq_len
+            self.vocab_size: int = self._executor.info.vocab_size
+            self.startup_seconds = time.monotonic() - t0
         except BaseException:
-            self._executor.shutdown()
+            with contextlib.suppress(Exception):
+                self._executor.shutdown()
             raise
-        self.engine_info = self._executor.info
-        self.max_seq_len: int = self._executor.info.max_seq_len
-        self.vocab_size: int = self._executor.info.vocab_size
-        self.startup_seconds = time.monotonic() - t0
         self._grammars: GrammarCompiler | None = None
         self._closed = False
         _live.add(self)
 
-    def _create_executor(self):
+    def _create_executor(self, startup_check: Callable[[], None] | None = None):
+        """The executor, started. ``startup_check``: called while the ranks start; what it raises
+        stops the start."""
         if self.args.orchestrator_type == "inprocess":
             if self.args.world_size > 1:
                 raise ValueError("orchestrator_type='inprocess' runs one rank: tensor_parallel_size must be 1")
@@ -81,7 +80,7 @@ class LLM:
         args = self.args
         if self.source.kind == "hf" and args.model != self.source.path:   # a hub id: ranks read the download
             args = args.model_copy(update={"model": self.source.path})
-        return MpiProxyExecutor(args, model_source=self.source.to_wire())
+        return MpiProxyExecutor(args, model_source=self.source.to_wire(), startup_check=startup_check)
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, inputs: PromptInput | Sequence[PromptInput],
@@ -361,8 +360,10 @@ class _Background:
         self._thread = threading.Thread(target=run, name="phalanx-tokenizer-load", daemon=True)
         self._thread.start()
 
-    def join(self) -> None:
-        self._thread.join()
+    def raise_if_failed(self) -> None:
+        """Raise the call's error if it has already failed (never waits)."""
+        if not self._thread.is_alive() and self._error is not None:
+            raise self._error
 
     def result(self) -> Any:
         self._thread.join()

@@ -2,7 +2,8 @@
 
 The ``gguf`` package's reader builds a numpy view per vocabulary string (seconds for a 49k
 vocabulary); this one walks the header with ``struct`` and skips arrays it is not asked for.
-Tensor bytes are memory-mapped and handed to ``gguf.quants.dequantize``.
+Tensor bytes are memory-mapped and dequantized by the ``gguf`` package's per-type block functions
+(``GGUFFile.dequantize``).
 
 Layout (GGUF v2/v3, little-endian): magic, version, tensor count, KV count, KV pairs, tensor
 infos (name, dims, type, offset), padding to ``general.alignment``, tensor data.
@@ -137,11 +138,12 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[qtype]
         blocks = raw.reshape(-1, type_size)
         out = np.empty((blocks.shape[0], block), dtype=np.float32)
-        for i in range(0, blocks.shape[0], _BLOCKS_AT_ONCE):
-            out[i:i + _BLOCKS_AT_ONCE] = kind.dequantize_blocks(blocks[i:i + _BLOCKS_AT_ONCE])
+        step = max(1, _VALUES_AT_ONCE // block)
+        for i in range(0, blocks.shape[0], step):
+            out[i:i + step] = kind.dequantize_blocks(blocks[i:i + step]).reshape(-1, block)
         return out.reshape(raw.shape[:-1] + (raw.shape[-1] // type_size * block,))
 
 
 # the types whose block function needs no table set up first (the i-quants' grids do)
 _BLOCKWISE = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
-_BLOCKS_AT_ONCE = 1 << 18     # 8M values a call: bounded temporaries
+_VALUES_AT_ONCE = 1 << 23     # values a call (blocks of 32 or 256): bounded temporaries

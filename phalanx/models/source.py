@@ -49,7 +49,7 @@ class ModelSource:
     def with_draft(self, speculative_config: Any, trust_remote_code: bool = False) -> ModelSource:
         """This source with ``draft`` resolved where ``speculative_config`` names a DraftTarget
         draft (``speculative_model_dir``); a draft that does not resolve is a ValueError naming
-        the field."""
+        the field. A source that carries a draft already is returned as it is."""
         sc = speculative_config
         if sc is None or sc.decoding_type != "DraftTarget" or not sc.speculative_model_dir or self.draft is not None:
             return self

@@ -29,6 +29,7 @@ def test_bundled_model_tensors_equal_gguf_dequantize():
 def test_each_block_type_on_random_bytes(name, tmp_path, monkeypatch):
     from gguf.quants import dequantize
     qtype = gguf.GGMLQuantizationType[name]
+    assert hasattr(gguf.quants, name)      # the block function is this type's own, not the fallback
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = 5, 3 * block
     rng = np.random.default_rng(0)
@@ -36,7 +37,7 @@ def test_each_block_type_on_random_bytes(name, tmp_path, monkeypatch):
     f = GGUFFile.__new__(GGUFFile)
     f._mm = data.tobytes()
     info = TensorInfo("t", (cols, rows), int(qtype), 0)
-    monkeypatch.setattr("phalanx.models.gguf_file._BLOCKS_AT_ONCE", 4)    # several calls a tensor
+    monkeypatch.setattr("phalanx.models.gguf_file._VALUES_AT_ONCE", 2 * block)    # several calls a tensor
     ours = f.dequantize(info)
     theirs = dequantize(f.raw(info), qtype)
     assert ours.shape == theirs.shape == (rows, cols)

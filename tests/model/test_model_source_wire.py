@@ -37,6 +37,12 @@ def test_every_model_source_survives_the_wire(tiny_models, tiny_moe_models):
             assert b.hf_config is None
 
 
+def test_a_wire_dict_without_a_draft_reads_as_no_draft():
+    wire = resolve_model(bundled_model_path()).to_wire()
+    del wire["draft"]
+    assert ModelSource.from_wire(wire).draft is None
+
+
 def test_every_config_field_survives_the_wire():
     """Every field away from its default (the tiny checkpoints leave some at theirs)."""
     cfg = ModelConfig("qwen3_moe", 1000, 64, 128, 4, 4, 2, 32, rms_norm_eps=1e-5, rope_theta=5e5,

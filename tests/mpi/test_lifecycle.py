@@ -244,9 +244,12 @@ def test_startup_failure_reports_the_rank_traceback(tmp_path, tiny_models):
 
 def test_a_tokenizer_that_fails_to_load_takes_the_started_job_down(tmp_path, tiny_models):
     """The tokenizer loads while the ranks start: its failure is raised as it would be alone,
-    and the job already started goes with it."""
+    the wait for the ranks stops at it (the tokenizer fails in a second or two, the ranks take
+    longer), and the job already started goes with it."""
+    import traceback
     before = {j.pid for j in mpi_jobs()}
     with pytest.raises(Exception) as err:
         LLM(tiny_models["qwen2"], tokenizer=str(tmp_path / "no-such-tokenizer"))
     assert "no-such-tokenizer" in str(err.value)
+    assert "_handshake" in [f.name for f in traceback.extract_tb(err.value.__traceback__)]
     assert {j.pid for j in mpi_jobs()} <= before
