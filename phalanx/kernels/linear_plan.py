@@ -34,7 +34,11 @@ Where no tuner ran (on a CPU, or with the Triton kernels unavailable) every plan
 reference: cuBLAS/BLAS for every bucket (``fp8.linear`` for FP8 weights), the default MoE
 tiles. A float32 model on a CPU takes ``CPU_BLAS`` instead (set by ``loader.build_model``): the
 same product as (W xᵀ)ᵀ, which the CPU's BLAS runs up to 3× faster than x Wᵀ for few rows (a
-49,152 × 576 output layer against 6 rows: 46 → 14 ms on a two-core x86 machine).
+49,152 × 576 output layer against 6 rows: 46 → 14 ms on a two-core x86 machine). A bf16 or fp16
+model on a CPU without native bf16 arithmetic takes it from ``CPU_HALF_FROM_ROWS`` rows on: the
+product in float32, rounded to the weight's dtype once. The CPU's own bf16 GEMM there takes time in
+step with the rows (3,072 × 576 against 64 rows: 22 ms, against 4.4 ms in float32), while the
+float32 product pays a conversion of the weight each call, which only few rows do not repay.
 
 This module imports no Triton; launchers are imported when a tuned plan is built (a CUTLASS
 tile's library is loaded then: the tuner built it; binding a plan never compiles).
@@ -109,6 +113,7 @@ class Plan(NamedTuple):
 
 CUBLAS = Plan("cublas")
 CPU_BLAS = Plan("cpu")
+CPU_HALF_FROM_ROWS = 17    # a bf16/fp16 weight on a CPU without native bf16: the CPU plan from 17 rows
 Launch = Callable[..., torch.Tensor]   # (x, weight, bias) -> y; FP8 plans: (x, weight, bias, scale)
 
 
@@ -147,10 +152,16 @@ def _behind(neighbour: Neighbour, linear: Launch) -> Launch:
 
 
 def cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] Wᵀ (+ b) as (W xᵀ)ᵀ: float32 on a CPU (``CPU_BLAS``)."""
+    """x [..., K] Wᵀ (+ b) as (W xᵀ)ᵀ on a CPU (``CPU_BLAS``): in float32, and for a bf16/fp16
+    weight rounded to its dtype once, the bias added first."""
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.mm(w, rows.t()).t().contiguous().view(*x.shape[:-1], w.shape[0])
-    return y if b is None else y + b
+    if w.dtype == torch.float32:
+        y = torch.mm(w, rows.t()).t().contiguous().view(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b
+    y = torch.mm(w.float(), rows.float().t()).t()
+    if b is not None:
+        y = y + b.float()
+    return y.to(w.dtype).contiguous().view(*x.shape[:-1], w.shape[0])
 
 
 def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
@@ -194,9 +205,10 @@ class LinearPlan:
         if any(p.kernel not in ("cublas", "cutlass", "cpu") or (p.kernel == "cutlass" and not self.fp8)
                for p in self.many):
             raise ValueError(f"many rows take cuBLAS, CUTLASS for FP8 weights, or the CPU's BLAS: {self.many}")
-        if any(p.kernel == "cpu" for p in self.plans + self.many) and (
-                self.fp8 or any(p != CPU_BLAS for p in self.plans + self.many)):
-            raise ValueError("the CPU plan takes every bucket of a full-precision weight")
+        kinds = [p.kernel for p in self.plans + self.many]
+        if "cpu" in kinds and (self.fp8 or any(p != CPU_BLAS for p in (self.plans + self.many)[kinds.index("cpu"):])
+                               or any(p != CUBLAS for p in (self.plans + self.many)[:kinds.index("cpu")])):
+            raise ValueError("the CPU plan takes a full-precision weight's buckets from one on (F.linear below it)")
         if not self.launches:   # bound once, in bucket order
             launches = tuple(launcher(p, self.neighbour, self.fp8) for p in self.plans + self.many)
             object.__setattr__(self, "launches", launches)
@@ -210,9 +222,12 @@ class LinearPlan:
         return self.launches[bucket_index(x.shape[0])](x, weight, bias, scale)
 
     @classmethod
-    def cpu(cls, neighbour: Neighbour) -> LinearPlan:
-        """Every bucket on the CPU's BLAS as (W xᵀ)ᵀ (a float32 weight on a CPU)."""
-        return cls(neighbour, (CPU_BLAS,) * len(ROW_BUCKETS), False, (CPU_BLAS,) * len(MANY_ROW_BUCKETS))
+    def cpu(cls, neighbour: Neighbour, from_rows: int = 1) -> LinearPlan:
+        """The CPU's BLAS as (W xᵀ)ᵀ for the buckets of ``from_rows`` rows and more (every one for
+        a float32 weight on a CPU; ``CPU_HALF_FROM_ROWS`` for a bf16/fp16 one), F.linear below."""
+        first = bucket_index(from_rows)
+        buckets = tuple(CUBLAS if i < first else CPU_BLAS for i in range(len(ROW_BUCKETS) + len(MANY_ROW_BUCKETS)))
+        return cls(neighbour, buckets[:len(ROW_BUCKETS)], False, buckets[len(ROW_BUCKETS):])
 
     @property
     def is_reference(self) -> bool:

@@ -246,18 +246,30 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     with torch.no_grad():
         model.load_weights(weights)
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu":
         _cpu_plans(model)
     return model
 
 
+def native_half_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where F.linear keeps it."""
+    return any(getattr(torch.cpu, name, lambda: False)() for name in
+               ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def _cpu_plans(model: torch.nn.Module) -> None:
-    """Full-precision projections of a float32 model on a CPU take ``LinearPlan.cpu``."""
-    from phalanx.kernels.linear_plan import LinearPlan
+    """Full-precision projections on a CPU take ``LinearPlan.cpu``: float32 weights for every
+    bucket, bf16/fp16 ones from ``CPU_HALF_FROM_ROWS`` rows where the CPU has no native bf16."""
+    from phalanx.kernels.linear_plan import CPU_HALF_FROM_ROWS, LinearPlan
     from phalanx.models.layers import Projection
+    half = not native_half_cpu()
     for m in model.modules():
-        if isinstance(m, Projection) and not m.plan.fp8 and m.weight.dtype == torch.float32:
+        if not isinstance(m, Projection) or m.plan.fp8:
+            continue
+        if m.weight.dtype == torch.float32:
             m.plan = LinearPlan.cpu(m.plan.neighbour)
+        elif half and m.weight.dtype in (torch.bfloat16, torch.float16):
+            m.plan = LinearPlan.cpu(m.plan.neighbour, CPU_HALF_FROM_ROWS)
 
 
 def iter_dummy_weights(model: CausalLM, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
