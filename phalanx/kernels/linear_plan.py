@@ -155,13 +155,17 @@ def cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) 
     """x [..., K] Wᵀ (+ b) as (W xᵀ)ᵀ on a CPU (``CPU_BLAS``): in float32, and for a bf16/fp16
     weight rounded to its dtype once, the bias added first."""
     rows = x.reshape(-1, x.shape[-1])
-    if w.dtype == torch.float32:
-        y = torch.mm(w, rows.t()).t().contiguous().view(*x.shape[:-1], w.shape[0])
-        return y if b is None else y + b
-    y = torch.mm(w.float(), rows.float().t()).t()
+    y = torch.mm(w.float(), rows.float().t()).t()      # (.float() of a float32 tensor is itself)
     if b is not None:
         y = y + b.float()
     return y.to(w.dtype).contiguous().view(*x.shape[:-1], w.shape[0])
+
+
+def _cpu_from(first: int) -> tuple[Plan, ...]:
+    """Every bucket's plan (ROW_BUCKETS, then MANY_ROW_BUCKETS): F.linear below bucket
+    ``first``, the CPU plan from it on."""
+    n = len(ROW_BUCKETS) + len(MANY_ROW_BUCKETS)
+    return (CUBLAS,) * first + (CPU_BLAS,) * (n - first)
 
 
 def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
@@ -205,9 +209,8 @@ class LinearPlan:
         if any(p.kernel not in ("cublas", "cutlass", "cpu") or (p.kernel == "cutlass" and not self.fp8)
                for p in self.many):
             raise ValueError(f"many rows take cuBLAS, CUTLASS for FP8 weights, or the CPU's BLAS: {self.many}")
-        kinds = [p.kernel for p in self.plans + self.many]
-        if "cpu" in kinds and (self.fp8 or any(p != CPU_BLAS for p in (self.plans + self.many)[kinds.index("cpu"):])
-                               or any(p != CUBLAS for p in (self.plans + self.many)[:kinds.index("cpu")])):
+        buckets = self.plans + self.many
+        if CPU_BLAS in buckets and (self.fp8 or buckets != _cpu_from(buckets.index(CPU_BLAS))):
             raise ValueError("the CPU plan takes a full-precision weight's buckets from one on (F.linear below it)")
         if not self.launches:   # bound once, in bucket order
             launches = tuple(launcher(p, self.neighbour, self.fp8) for p in self.plans + self.many)
@@ -225,8 +228,7 @@ class LinearPlan:
     def cpu(cls, neighbour: Neighbour, from_rows: int = 1) -> LinearPlan:
         """The CPU's BLAS as (W xᵀ)ᵀ for the buckets of ``from_rows`` rows and more (every one for
         a float32 weight on a CPU; ``CPU_HALF_FROM_ROWS`` for a bf16/fp16 one), F.linear below."""
-        first = bucket_index(from_rows)
-        buckets = tuple(CUBLAS if i < first else CPU_BLAS for i in range(len(ROW_BUCKETS) + len(MANY_ROW_BUCKETS)))
+        buckets = _cpu_from(bucket_index(from_rows))
         return cls(neighbour, buckets[:len(ROW_BUCKETS)], False, buckets[len(ROW_BUCKETS):])
 
     @property

@@ -52,7 +52,7 @@ class LLM:
         # start; one that fails to load stops the start (the ranks' wait checks it) or takes the
         # started engine down, and its own error is raised
         tokenizing = None if self.args.skip_tokenizer_init else _Background(
-            load_tokenizer, self.source, self.args.tokenizer, self.args.trust_remote_code)
+            "phalanx-tokenizer-load", load_tokenizer, self.source, self.args.tokenizer, self.args.trust_remote_code)
         self._executor = self._create_executor(None if tokenizing is None else tokenizing.raise_if_failed)
         try:
             self.tokenizer: Tokenizer | None = None if tokenizing is None else tokenizing.result()
@@ -347,7 +347,7 @@ class _Background:
     """One call run on a thread of its own; ``result`` joins it and returns or raises as the
     call did."""
 
-    def __init__(self, fn: Any, *args: Any) -> None:
+    def __init__(self, name: str, fn: Any, *args: Any) -> None:
         self._value: Any = None
         self._error: BaseException | None = None
 
@@ -357,7 +357,7 @@ class _Background:
             except BaseException as e:  # noqa: BLE001 - re-raised by result()
                 self._error = e
 
-        self._thread = threading.Thread(target=run, name="phalanx-tokenizer-load", daemon=True)
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
     def raise_if_failed(self) -> None:
