@@ -1,10 +1,11 @@
 """Where a decode step spends its GPU time: kernels of the Llama-3.1-8B-shaped dummy model under
 the torch profiler, per step, with CUDA graphs (as served) and without, at a batch of sequences
-of 128-token prompts (1 by default). With ``--tp 2`` the ranks run in an MPI job and each
+of 128-token prompts (1 by default; ``--prompt-len`` for longer contexts). With ``--tp 2`` the ranks run in an MPI job and each
 profiles itself (the ``profile:start`` / ``profile:stop`` control ops); ``--allreduce AUTO NCCL``
 profiles the custom all-reduce against NCCL in one run.
 
     python tools/profile_decode.py --batch 64 --output profile.json
+    python tools/profile_decode.py --batch 256 448 --prompt-len 1500 --config tools/gpu_engine_512.yaml
     python tools/profile_decode.py --tp 2 --batch 1 64 --allreduce NCCL AUTO --output profile_tp2.json
 """
 
@@ -21,8 +22,8 @@ from phalanx.bench.shapes import shape_dir
 from phalanx.config import merge_yaml
 
 
-def profile_steps(llm: LLM, batch: int, steps: int) -> dict:
-    prompt = [list(range(1000 + 128 * i, 1128 + 128 * i)) for i in range(batch)]
+def profile_steps(llm: LLM, batch: int, steps: int, prompt_len: int = 128) -> dict:
+    prompt = [[1000 + (i * prompt_len + j) % 40_000 for j in range(prompt_len)] for i in range(batch)]
     llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True, detokenize=False)
     llm.control("profile:start")
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--prompt-len", type=int, default=128, help="each sequence's prompt (the decode's context)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--allreduce", nargs="+", default=["AUTO"], choices=["AUTO", "NCCL"])
     ap.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
@@ -53,7 +55,8 @@ def main() -> None:
         for graphs in (True, False) if a.eager else (True,):
             kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, "tensor_parallel_size": a.tp,
                       "orchestrator_type": "inprocess" if a.tp == 1 else None, "allreduce_strategy": strategy,
-                      "max_batch_size": max(8, *a.batch), "max_seq_len": 512,
+                      "max_batch_size": max(8, *a.batch),
+                      "max_seq_len": max(512, a.prompt_len + a.steps + 64),
                       "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))} if graphs else None}
             if a.config:
                 kwargs = merge_yaml(kwargs, a.config)
@@ -61,7 +64,7 @@ def main() -> None:
             try:
                 for batch in a.batch:
                     run = {"allreduce": strategy, "graphs": graphs, "batch": batch,
-                           **profile_steps(llm, batch, a.steps)}
+                           **profile_steps(llm, batch, a.steps, a.prompt_len)}
                     report["runs"].append(run)
                     r0 = run["ranks"][0]
                     print(f"allreduce={strategy} graphs={graphs} batch={batch}: {run['wall_ms_per_step_profiled']:.2f} "

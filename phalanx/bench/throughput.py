@@ -256,7 +256,13 @@ def _steps_line(steps: dict) -> str:
         parts.append(f"{kind}: {k['steps']} steps {k['gpu_ms'] / 1e3:.1f} s GPU ({k['gpu_ms'] / n:.1f} ms a step, "
                      f"{k['decode_rows'] / n:.0f} decode rows + {k['prompt_tokens'] / n:.0f} prompt tokens)")
     gaps = f"idle between steps {steps['gap_ms'] / 1e3:.1f} s" if "gap_ms" in steps else "no step times"
-    return "    " + "; ".join(parts + [gaps])
+    line = "    " + "; ".join(parts + [gaps])
+    bins = sorted(steps.get("decode_by_rows", {}).items(), key=lambda kv: int(kv[0]))
+    if bins:
+        line += "\n    decode steps by rows: " + "; ".join(
+            f"{lo}+: {k['steps']} x {k['gpu_ms'] / k['steps']:.1f} ms ({1e3 * k['gpu_ms'] / max(1, k['decode_rows']):.0f} "
+            f"us a row, context {k['context_tokens'] / max(1, k['decode_rows']):.0f})" for lo, k in bins)
+    return line
 
 
 def _device_name() -> str:

@@ -126,17 +126,19 @@ class InFlightStep:
     spec: SpecStep | None = None
 
 
-def step_shape(batch: ScheduledBatch) -> tuple[int, int]:
-    """(decode rows, prompt tokens) of a step: the rows past their prompts (a speculative row
-    with its drafts included), and the tokens of the rows still computing their prompts (a chunk,
-    a prefix hit's rest, a preempted request's recompute)."""
-    rows = prompt = 0
+def step_shape(batch: ScheduledBatch) -> tuple[int, int, int]:
+    """(decode rows, prompt tokens, decode context) of a step: the rows past their prompts (a
+    speculative row with its drafts included), the tokens of the rows still computing their prompts
+    (a chunk, a prefix hit's rest, a preempted request's recompute), and the keys the decode rows'
+    attention reads (each row's context after the step)."""
+    rows = prompt = context = 0
     for r, n, c in zip(batch.requests, batch.num_scheduled_tokens, batch.num_computed_tokens, strict=True):
         if c < r.num_prompt_tokens:
             prompt += n
         else:
             rows += 1
-    return rows, prompt
+            context += c + n
+    return rows, prompt, context
 
 
 class ModelRunner:
@@ -160,7 +162,7 @@ class ModelRunner:
         self.record_timing = False           # CUDA events around each step (idle-time measurement)
         self.last_prompt_logprobs: PromptLogprobs | None = None   # of the last forward
         self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.timing_shapes: list[tuple[int, int]] = []   # each timed step's (decode rows, prompt tokens)
+        self.timing_shapes: list[tuple[int, int, int]] = []   # each timed step's step_shape
         self.clock = HostClock()   # the executor's, once it has one (marks its launch phases)
         self.stage = Staging(device)   # a step's host arrays to the device
 
@@ -554,26 +556,34 @@ class ModelRunner:
                 "last_steps_ms": [round(t, 3) for t in times[-STEPS_REPORTED:]],
                 "slowest_steps": [[i, round(times[i], 3), *self.timing_shapes[i]] for i in
                                   sorted(range(len(times)), key=times.__getitem__)[-SLOWEST_REPORTED:][::-1]],
-                "by_kind": self._steps_by_kind()}
+                "by_kind": self._steps_by_kind(),
+                "decode_by_rows": self._steps_by_kind(DECODE_ROWS_BIN)}
 
-    def _steps_by_kind(self) -> dict[str, dict[str, float]]:
+    def _steps_by_kind(self, rows_bin: int = 0) -> dict[str, dict[str, float]]:
         """The timed steps' GPU time split by what they carried (``step_shape``): ``decode``
         (rows past their prompts only) and ``prompt`` (some prompt tokens, with or without decode
-        rows); per kind the steps, their GPU ms, decode rows and prompt tokens."""
+        rows); per kind the steps, their GPU ms, decode rows, prompt tokens and the decode rows'
+        context. With ``rows_bin`` the decode steps alone, by their rows: the key is the first
+        row count of a bin of ``rows_bin`` (so a decode step's cost per row shows at each batch)."""
         out: dict[str, dict[str, float]] = {}
-        for (s, e), (rows, tokens) in zip(self.timings, self.timing_shapes, strict=True):
-            k = out.setdefault("prompt" if tokens else "decode",
-                               {"steps": 0, "gpu_ms": 0.0, "decode_rows": 0, "prompt_tokens": 0})
+        for (s, e), (rows, tokens, context) in zip(self.timings, self.timing_shapes, strict=True):
+            if rows_bin and tokens:
+                continue
+            key = str(rows // rows_bin * rows_bin) if rows_bin else "prompt" if tokens else "decode"
+            k = out.setdefault(key, {"steps": 0, "gpu_ms": 0.0, "decode_rows": 0, "prompt_tokens": 0,
+                                     "context_tokens": 0})
             k["steps"] += 1
             k["gpu_ms"] += s.elapsed_time(e)
             k["decode_rows"] += rows
             k["prompt_tokens"] += tokens
+            k["context_tokens"] += context
         return out
 
 
 PROMPT_LOGPROB_ROWS = 1024
 STEPS_REPORTED = 256     # the last steps whose GPU time idle_fraction lists one by one
-SLOWEST_REPORTED = 8     # and the slowest: [step, GPU ms, decode rows, prompt tokens]
+SLOWEST_REPORTED = 8     # and the slowest: [step, GPU ms, decode rows, prompt tokens, decode context]
+DECODE_ROWS_BIN = 64     # decode steps grouped by their rows in bins this wide
 
 
 @dataclass

@@ -62,15 +62,23 @@ def test_step_times_split_decode_steps_from_steps_with_prompt_tokens():
     decode = ScheduledBatch(step=2)
     decode.add(reqs[0], 1, [0])
     decode.add(reqs[1], 3, [1], num_drafts=2)                # a speculative row: 2 drafts verified
-    assert step_shape(mixed) == (2, 33) and step_shape(decode) == (2, 0)
+    assert step_shape(mixed) == (2, 33, 6 + 1 + 9 + 1) and step_shape(decode) == (2, 0, 6 + 1 + 9 + 3)
     runner = object.__new__(ModelRunner)                     # only the timings are read
     runner.timings = [(_Event(0), _Event(30)), (_Event(31), _Event(35)), (_Event(36), _Event(41))]
     runner.timing_shapes = [step_shape(mixed), step_shape(decode), step_shape(decode)]
     kinds = runner._steps_by_kind()
-    assert kinds == {"prompt": {"steps": 1, "gpu_ms": 30, "decode_rows": 2, "prompt_tokens": 33},
-                     "decode": {"steps": 2, "gpu_ms": 9, "decode_rows": 4, "prompt_tokens": 0}}
-    assert "prompt: 1 steps 0.0 s GPU (30.0 ms a step, 2 decode rows + 33 prompt tokens)" in throughput._steps_line(
-        {"by_kind": kinds, "gap_ms": 2.0})
+    assert kinds == {"prompt": {"steps": 1, "gpu_ms": 30, "decode_rows": 2, "prompt_tokens": 33, "context_tokens": 17},
+                     "decode": {"steps": 2, "gpu_ms": 9, "decode_rows": 4, "prompt_tokens": 0, "context_tokens": 38}}
+    single = ScheduledBatch(step=3)
+    single.add(reqs[0], 1, [0])
+    runner.timings.append((_Event(42), _Event(44)))
+    runner.timing_shapes.append(step_shape(single))
+    by_rows = runner._steps_by_kind(rows_bin=2)      # decode steps only, by their rows
+    assert by_rows == {"2": {"steps": 2, "gpu_ms": 9, "decode_rows": 4, "prompt_tokens": 0, "context_tokens": 38},
+                       "0": {"steps": 1, "gpu_ms": 2, "decode_rows": 1, "prompt_tokens": 0, "context_tokens": 7}}
+    line = throughput._steps_line({"by_kind": kinds, "decode_by_rows": by_rows, "gap_ms": 2.0})
+    assert "prompt: 1 steps 0.0 s GPU (30.0 ms a step, 2 decode rows + 33 prompt tokens)" in line
+    assert "decode steps by rows: 0+: 1 x 2.0 ms (2000 us a row, context 7); 2+: 2 x 4.5 ms (2250 us a row" in line
 
 
 def test_workloads_pair_input_and_output_lengths(capsys):
