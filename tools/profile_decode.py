@@ -1,8 +1,8 @@
 """Where a decode step spends its GPU time: kernels of the Llama-3.1-8B-shaped dummy model under
 the torch profiler, per step, with CUDA graphs (as served) and without, at a batch of sequences
-of 128-token prompts (1 by default; ``--prompt-len`` for longer contexts). With ``--tp 2`` the ranks run in an MPI job and each
-profiles itself (the ``profile:start`` / ``profile:stop`` control ops); ``--allreduce AUTO NCCL``
-profiles the custom all-reduce against NCCL in one run.
+of 128-token prompts (1 by default; ``--prompt-len`` for longer contexts). With ``--tp 2`` the
+ranks run in an MPI job and each profiles itself (the ``profile:start`` / ``profile:stop``
+control ops); ``--allreduce AUTO NCCL`` profiles the custom all-reduce against NCCL in one run.
 
     python tools/profile_decode.py --batch 64 --output profile.json
     python tools/profile_decode.py --batch 256 448 --prompt-len 1500 --config tools/gpu_engine_512.yaml

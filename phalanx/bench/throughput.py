@@ -260,8 +260,9 @@ def _steps_line(steps: dict) -> str:
     bins = sorted(steps.get("decode_by_rows", {}).items(), key=lambda kv: int(kv[0]))
     if bins:
         line += "\n    decode steps by rows: " + "; ".join(
-            f"{lo}+: {k['steps']} x {k['gpu_ms'] / k['steps']:.1f} ms ({1e3 * k['gpu_ms'] / max(1, k['decode_rows']):.0f} "
-            f"us a row, context {k['context_tokens'] / max(1, k['decode_rows']):.0f})" for lo, k in bins)
+            f"{lo}+: {k['steps']} x {k['gpu_ms'] / k['steps']:.1f} ms "
+            f"({1e3 * k['gpu_ms'] / max(1, k['decode_rows']):.0f} us a row, "
+            f"context {k['context_tokens'] / max(1, k['decode_rows']):.0f})" for lo, k in bins)
     return line
 
 
