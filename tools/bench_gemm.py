@@ -5,6 +5,10 @@ sizes).
 
 Forms:
 - ``bf16``: ``F.linear`` (cuBLAS);
+- ``bf16_lt``: ``torch.addmm`` with a zero bias, which torch hands to cuBLASLt with a bias
+  epilogue (its own heuristics' pick);
+- ``bf16_cublaslt``: ``F.linear`` with torch's preferred BLAS library set to cuBLASLt;
+- ``bf16_halves``: ``F.linear``'s GEMM on each half of the rows (two calls, the weight read twice);
 - ``fp8``: what ``fp8.linear`` ships — the Triton per-token quantization of x, then
   ``torch._scaled_mm`` with a scale per row of x and per column of W (with fast accumulation
   since ``fp8.FAST_ACCUM``; docs/results/gpu19_gemm.txt was measured before, with the promotion);
@@ -15,8 +19,10 @@ Forms:
 - ``fp8_tensor``: one scale for x and one for W (cuBLASLt's plain FP8 GEMM, the fastest form
   cuBLASLt has; not what per-channel weights can use as it is);
 - ``cutlass``: CUTLASS's FP8 GEMM with the same scales and fast accumulation
-  (kernels/cutlass_fp8.py), x quantized outside the timing as for ``fp8_fast``: one form per tile
-  (``cutlass_<tile>``), built first where not on disk.
+  (kernels/cutlass_gemm.py), x quantized outside the timing as for ``fp8_fast``: one form per tile
+  (``cutlass_<tile>``), built first where not on disk;
+- ``cutlass_bf16``: CUTLASS's bf16 GEMM, one form per bf16 tile (the candidates the tuner times
+  against ``bf16`` for a bf16 weight's many-row buckets).
 
 With ``--check`` each FP8 form's error against the float32 product of the same FP8 values is
 printed (relative Frobenius norm).
@@ -33,12 +39,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from phalanx.kernels import cutlass_fp8, fp8
+from phalanx.kernels import cutlass_gemm, fp8
 from phalanx.kernels.gemv_tuner import time_graph, weight_copies
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-FORMS = ("bf16", "fp8", "fp8_mm", "fp8_fast", "fp8_tensor", "cutlass")
-CUTLASS = {f"cutlass_{t.name}": t for t in cutlass_fp8.TILES}
+FORMS = ("bf16", "bf16_lt", "bf16_cublaslt", "bf16_halves", "fp8", "fp8_mm", "fp8_fast", "fp8_tensor", "cutlass",
+         "cutlass_bf16")
+CUTLASS = {f"cutlass_{t.name}": t for t in cutlass_gemm.TILES + cutlass_gemm.TILES_BF16}
 
 
 def _form(name: str, x: torch.Tensor, ws: list[torch.Tensor], qs: list[torch.Tensor],
@@ -47,6 +54,27 @@ def _form(name: str, x: torch.Tensor, ws: list[torch.Tensor], qs: list[torch.Ten
     one = torch.ones((), device=x.device)
     if name == "bf16":
         return lambda i: F.linear(x, ws[i])
+    if name == "bf16_lt":
+        zero = torch.zeros(ws[0].shape[0], device=x.device, dtype=x.dtype)
+        return lambda i: torch.addmm(zero, x, ws[i].t())
+    if name == "bf16_cublaslt":
+        def lt(i: int) -> torch.Tensor:
+            before = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                return F.linear(x, ws[i])
+            finally:
+                torch.backends.cuda.preferred_blas_library(before)
+        return lt
+    if name == "bf16_halves":
+        out = torch.empty(x.shape[0], ws[0].shape[0], device=x.device, dtype=x.dtype)
+        h = x.shape[0] // 2
+
+        def halves(i: int) -> torch.Tensor:
+            torch.mm(x[:h], ws[i].t(), out=out[:h])
+            torch.mm(x[h:], ws[i].t(), out=out[h:])
+            return out
+        return halves
     if name == "fp8":
         return lambda i: fp8.linear(x, qs[i], None, scale)
     if name == "fp8_mm":
@@ -57,8 +85,11 @@ def _form(name: str, x: torch.Tensor, ws: list[torch.Tensor], qs: list[torch.Ten
     if name == "fp8_tensor":
         return lambda i: torch._scaled_mm(xq, qs[i].t(), scale_a=one, scale_b=one, out_dtype=x.dtype,
                                           use_fast_accum=True)
+    if name in CUTLASS and CUTLASS[name].dtype == "bf16":
+        run = cutlass_gemm.kernel(CUTLASS[name])
+        return lambda i: run(x, None, ws[i], None)
     if name in CUTLASS:
-        run = cutlass_fp8.kernel(CUTLASS[name])
+        run = cutlass_gemm.kernel(CUTLASS[name])
         return lambda i: run(xq, xs, qs[i], scale)
     raise ValueError(name)
 
@@ -74,12 +105,13 @@ def main() -> None:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     fp8.check_device(dev, "bench")
-    if "cutlass" in a.forms:
-        why = cutlass_fp8.why_unavailable(dev)
-        if why:
-            raise SystemExit(f"cutlass: {why}")
-        loaded = cutlass_fp8.load_all()     # the tiles that built and loaded (each failure logged)
-        a.forms = [f for f in a.forms if f != "cutlass"] + [f"cutlass_{k.tile.name}" for k in loaded]
+    for form, tiles in (("cutlass", cutlass_gemm.TILES), ("cutlass_bf16", cutlass_gemm.TILES_BF16)):
+        if form in a.forms:
+            why = cutlass_gemm.why_unavailable(dev)
+            if why:
+                raise SystemExit(f"cutlass: {why}")
+            loaded = cutlass_gemm.load_all(tiles)     # the tiles that built and loaded (each failure logged)
+            a.forms = [f for f in a.forms if f != form] + [f"cutlass_{k.tile.name}" for k in loaded]
     rows_out = []
     for shape in a.shapes:
         N, K = SHAPES[shape]
@@ -93,7 +125,7 @@ def main() -> None:
             for name in a.forms:
                 ms = time_graph(_form(name, x, ws, qs, scale), len(ws), reps=8)
                 line[name] = {"us": ms * 1e3, "tflops": 2 * M * N * K / (ms * 1e-3) / 1e12}
-                if a.check and name != "bf16":
+                if a.check and not (name.startswith("bf16") or "_bf16_" in name):
                     xq, xs, _ = fp8.quantize_rows(x)
                     exact = (xq.float() * xs) @ (q.float() * scale[:, None]).t()
                     y = _form(name, x, [w], [q], scale)(0).float()

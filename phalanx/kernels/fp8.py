@@ -147,7 +147,7 @@ def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 
 # A GEMM of FP8 rows: (rows q [M, K] e4m3, their scales [M, 1], weight q [N, K] e4m3, its scales [N])
-# -> bf16 [M, N]; ``scaled_mm`` (cuBLASLt), or a CUTLASS tile's kernel (kernels/cutlass_fp8.py)
+# -> bf16 [M, N]; ``scaled_mm`` (cuBLASLt), or a CUTLASS tile's kernel (kernels/cutlass_gemm.py)
 RowsGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

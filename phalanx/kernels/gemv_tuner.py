@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from phalanx.kernels import cutlass_fp8, gemv, pdl, triton_ops
+from phalanx.kernels import cutlass_gemm, gemv, pdl, triton_ops
 from phalanx.kernels import fp8 as f8
 from phalanx.kernels.linear_plan import (
     CUBLAS,
@@ -41,7 +41,7 @@ from phalanx.kernels.linear_plan import (
 L2_BYTES = 256 << 20
 _MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, dtype, neighbour, rows, device) -> (plan, ms)
 _PAIR_MEMO: dict[tuple, GateUpSiluPlan | None] = {}
-_MANY_MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, rows, device) -> (plan, ms): FP8 weights
+_MANY_MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, "fp8"/"bf16", rows, device) -> (plan, ms)
 logger = logging.getLogger("phalanx")
 
 
@@ -146,33 +146,39 @@ def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] 
         if report is not None:
             report[f"{w.shape[0]}x{w.shape[1]}/{neighbour.value}/rows={rows}:{plan}"] = \
                 w.numel() * w.element_size() / ms / 1e6
-    many = tune_many(w, act_dtype or w.dtype, report) if fp8 else (CUBLAS,) * len(MANY_ROW_BUCKETS)
-    return LinearPlan(neighbour, tuple(plans), fp8, many)
+    return LinearPlan(neighbour, tuple(plans), fp8, tune_many(w, act_dtype or w.dtype, report, fp8=fp8))
 
 
-def tune_many(q: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] | None = None,
-              l2_bytes: int = L2_BYTES) -> tuple[Plan, ...]:
-    """For an FP8 weight, at each bucket of many rows (MANY_ROW_BUCKETS, at its bound): cuBLASLt's
-    FP8 GEMM or the CUTLASS tile that multiplies the same quantized rows faster (the row
-    quantization in front is the same for both, so only the GEMM is timed). cuBLASLt everywhere
-    where CUTLASS does not run here (kernels/cutlass_fp8.py ``why_unavailable``) or its build failed
-    (logged once)."""
-    if not (f8.takes_fp8_rows(q, act_dtype) and _cutlass_kernels(q.device)):
+def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] | None = None,
+              l2_bytes: int = L2_BYTES, fp8: bool = True) -> tuple[Plan, ...]:
+    """At each bucket of many rows (MANY_ROW_BUCKETS, at its bound): cuBLAS or the CUTLASS tile
+    that multiplies the same rows faster. For an FP8 weight (``fp8``) that is cuBLASLt's FP8 GEMM
+    against the FP8 tiles on the same quantized rows (the row quantization in front is the same
+    for both, so only the GEMM is timed); for a bf16 weight F.linear against the bf16 tiles. cuBLAS
+    everywhere for other weights, where CUTLASS does not run here (kernels/cutlass_gemm.py
+    ``why_unavailable``), or where its build failed (logged once)."""
+    dtype = "fp8" if fp8 else "bf16"
+    usable = f8.takes_fp8_rows(w, act_dtype) if fp8 else (w.dtype == act_dtype == torch.bfloat16
+                                                           and cutlass_gemm.fits(*w.shape))
+    tiles = [k for k in _cutlass_kernels(w.device) if k.tile.dtype == dtype] if usable else []
+    if not tiles:
         return (CUBLAS,) * len(MANY_ROW_BUCKETS)
-    N, K = q.shape
-    gemms = [(CUBLAS, f8.scaled_mm)] + [(Plan("cutlass", k.tile), k) for k in _cutlass_kernels(q.device)]
-    qs: list[torch.Tensor] = []
-    scale = torch.full((N,), 1e-3, device=q.device)
+    N, K = w.shape
+    gemms: list[tuple[Plan, Callable[..., torch.Tensor]]] = [(CUBLAS, f8.scaled_mm if fp8 else _linear)]
+    gemms += [(Plan("cutlass", k.tile), k) for k in tiles]
+    ws: list[torch.Tensor] = []
+    scale = torch.full((N,), 1e-3, device=w.device) if fp8 else None
     plans = []
     for rows in MANY_ROW_BUCKETS:
-        key = (N, K, rows, str(q.device))
+        key = (N, K, dtype, rows, str(w.device))
         if key not in _MANY_MEMO:
-            qs = qs or weight_copies(q, l2_bytes)
-            x = f8.quantize_rows(torch.randn(rows, K, dtype=act_dtype, device=q.device))
+            ws = ws or weight_copies(w, l2_bytes)
+            x = torch.randn(rows, K, dtype=act_dtype, device=w.device)
+            a, a_scale = f8.quantize_rows(x)[:2] if fp8 else (x, None)
             best, best_ms = CUBLAS, float("inf")
             for plan, gemm in gemms:
                 try:
-                    ms = time_graph(functools.partial(_rows_gemm, gemm, x, qs, scale), len(qs), reps=8)
+                    ms = time_graph(functools.partial(_rows_gemm, gemm, a, a_scale, ws, scale), len(ws), reps=8)
                 except RuntimeError:   # a tile CUTLASS cannot run for this shape
                     continue
                 if ms < best_ms:
@@ -181,25 +187,32 @@ def tune_many(q: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] 
         plan, ms = _MANY_MEMO[key]
         plans.append(plan)
         if report is not None:
-            report[f"{N}x{K}/fp8/rows={rows}:{plan} TFLOP/s"] = 2 * rows * N * K / ms / 1e9
+            report[f"{N}x{K}/{dtype}/rows={rows}:{plan} TFLOP/s"] = 2 * rows * N * K / ms / 1e9
     return tuple(plans)
 
 
-def _rows_gemm(gemm: f8.RowsGemm, x: f8.Fp8Rows, qs: list[torch.Tensor], scale: torch.Tensor, i: int) -> torch.Tensor:
-    return gemm(x.q, x.scale, qs[i], scale)
+def _linear(x: torch.Tensor, x_scale: None, w: torch.Tensor, w_scale: None) -> torch.Tensor:
+    """F.linear in the form of a CUTLASS kernel's call (the bf16 candidates' cuBLAS)."""
+    return torch.nn.functional.linear(x, w)
+
+
+def _rows_gemm(gemm: Callable[..., torch.Tensor], a: torch.Tensor, a_scale: torch.Tensor | None,
+               ws: list[torch.Tensor], scale: torch.Tensor | None, i: int) -> torch.Tensor:
+    return gemm(a, a_scale, ws[i], scale)
 
 
 @functools.cache
-def _cutlass_kernels(device: torch.device) -> tuple[cutlass_fp8.Kernel, ...]:
-    """The CUTLASS tiles built and loaded for ``device`` (none where CUTLASS is unavailable)."""
-    why = cutlass_fp8.why_unavailable(device)
+def _cutlass_kernels(device: torch.device) -> tuple[cutlass_gemm.Kernel, ...]:
+    """The CUTLASS tiles (FP8 and bf16) built and loaded for ``device`` (none where CUTLASS is
+    unavailable)."""
+    why = cutlass_gemm.why_unavailable(device)
     if why is not None:
-        logger.info("FP8 GEMMs of many rows take cuBLASLt only (CUTLASS: %s)", why)
+        logger.info("GEMMs of many rows take cuBLAS only (CUTLASS: %s)", why)
         return ()
     try:
-        return cutlass_fp8.load_all()
+        return cutlass_gemm.load_all(cutlass_gemm.TILES + cutlass_gemm.TILES_BF16)
     except Exception as e:  # noqa: BLE001 - CUTLASS is a choice, never a reason for the engine not to start
-        logger.warning("FP8 GEMMs of many rows take cuBLASLt only (CUTLASS: %s)", e)
+        logger.warning("GEMMs of many rows take cuBLAS only (CUTLASS: %s)", e)
         return ()
 
 

@@ -4,9 +4,10 @@ A projection layer holds a frozen ``LinearPlan``. For each bucket of decode rows
 one row, up to 16, up to 64) the plan names one way to compute x Wᵀ (+ b) — the skinny Triton
 kernel with a tile, launched with or without programmatic dependent launch, or cuBLAS — and
 keeps the launcher bound to it. Batches of more rows fall in ``MANY_ROW_BUCKETS`` (up to 128, 256,
-..., 8,192 and more): bf16 weights take cuBLAS there; FP8 weights take cuBLASLt's FP8 GEMM or, where
-it measured faster at that bucket, CUTLASS's with a tile (kernels/cutlass_fp8.py). Calling the
-plan is a few comparisons of the row count and one call: no registry, no per-call decision.
+..., 8,192 and more): bf16 weights take cuBLAS there, FP8 weights cuBLASLt's FP8 GEMM, or either
+CUTLASS's GEMM of its type with a tile where that measured faster at the bucket
+(kernels/cutlass_gemm.py). Calling the plan is a few comparisons of the row count and one call:
+no registry, no per-call decision.
 
 A plan also knows what runs in front of its projection (``Neighbour``), because the tuner times
 each candidate with it and some candidates take it in:
@@ -57,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.kernels import ops
-from phalanx.kernels.cutlass_fp8 import Tile as CutlassTile
+from phalanx.kernels.cutlass_gemm import Tile as CutlassTile
 
 ROW_BUCKETS = (1, 16, 64)      # a plan is tuned for each, at its upper bound
 MANY_ROW_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)   # above ROW_BUCKETS; the last takes any more
@@ -103,7 +104,7 @@ class RowsTile(NamedTuple):
 class Plan(NamedTuple):
     """One way to run a projection for one bucket of rows."""
 
-    kernel: str                              # "cublas", "gemv", "cutlass" (FP8 weights, many rows) or "cpu"
+    kernel: str                              # "cublas", "gemv", "cutlass" (many rows) or "cpu"
     tile: OneRowTile | RowsTile | CutlassTile | None = None
     pdl: bool = False
 
@@ -161,6 +162,13 @@ def cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) 
     return y.to(w.dtype).contiguous().view(*x.shape[:-1], w.shape[0])
 
 
+def cutlass_linear(gemm: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+                   b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] Wᵀ (+ b) through a bf16 CUTLASS tile's GEMM."""
+    y = gemm(x.contiguous(), None, w, None)
+    return y if b is None else y.add_(b)
+
+
 def _cpu_from(first: int) -> tuple[Plan, ...]:
     """Every bucket's plan (ROW_BUCKETS, then MANY_ROW_BUCKETS): F.linear below bucket
     ``first``, the CPU plan from it on."""
@@ -176,8 +184,10 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
     if plan.kernel == "cublas" or plan.tile is None:
         return run_cublas(neighbour, fp8)
     if isinstance(plan.tile, CutlassTile):
-        from phalanx.kernels import cutlass_fp8
-        return run_fp8(neighbour, cutlass_fp8.kernel(plan.tile))
+        from phalanx.kernels import cutlass_gemm
+        if fp8:
+            return run_fp8(neighbour, cutlass_gemm.kernel(plan.tile))
+        return _behind(neighbour, functools.partial(cutlass_linear, cutlass_gemm.kernel(plan.tile)))
     from phalanx.kernels import gemv
     tile = plan.tile
     silu = neighbour is Neighbour.SILU
@@ -206,9 +216,12 @@ class LinearPlan:
         if len(self.many) != len(MANY_ROW_BUCKETS):
             raise ValueError(f"a LinearPlan needs one plan per bucket of many rows {MANY_ROW_BUCKETS}, "
                              f"got {len(self.many)}")
-        if any(p.kernel not in ("cublas", "cutlass", "cpu") or (p.kernel == "cutlass" and not self.fp8)
+        dtype = "fp8" if self.fp8 else "bf16"
+        if any(p.kernel not in ("cublas", "cutlass", "cpu")
+               or (p.kernel == "cutlass" and not (isinstance(p.tile, CutlassTile) and p.tile.dtype == dtype))
                for p in self.many):
-            raise ValueError(f"many rows take cuBLAS, CUTLASS for FP8 weights, or the CPU's BLAS: {self.many}")
+            raise ValueError(f"many rows take cuBLAS, a CUTLASS tile of the weight's type ({dtype}), or the CPU's "
+                             f"BLAS: {self.many}")
         buckets = self.plans + self.many
         if CPU_BLAS in buckets and (self.fp8 or buckets != _cpu_from(buckets.index(CPU_BLAS))):
             raise ValueError("the CPU plan takes a full-precision weight's buckets from one on (F.linear below it)")

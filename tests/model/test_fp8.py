@@ -11,7 +11,7 @@ import torch
 
 from hf_reference import PROJECTIONS, assert_same_greedy, fp8_round_trip, hf_greedy, tiny_model_dirs
 from phalanx import LLM, SamplingParams
-from phalanx.kernels import cutlass_fp8, fp8
+from phalanx.kernels import cutlass_gemm, fp8
 
 
 def prompts(vocab, n=6, seed=0):
@@ -359,27 +359,32 @@ def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(
         assert other.input_layernorm.fp8_rows_above == 64 and other.post_attention_layernorm.fp8_rows_above == 64
 
 
-def test_many_row_plans_bucket_batches_and_take_cutlass_only_for_fp8_weights(monkeypatch):
+def test_many_row_plans_bucket_batches_and_take_cutlass_tiles_of_the_weights_type(monkeypatch):
     """Batches above the skinny buckets fall in MANY_ROW_BUCKETS (the last takes every larger
-    batch); a many-row plan is cuBLAS, or a CUTLASS tile where the weight is FP8. Binding a plan
+    batch); a many-row plan is cuBLAS, or a CUTLASS tile of the weight's type (FP8 or bf16). Binding a plan
     loads the tile's library and never builds it (no library on a CPU: a stand-in that records
     its calls takes its place, and the CPU's reference path never calls it)."""
     from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, LinearPlan, Neighbour, Plan, bucket_index
     monkeypatch.setenv("PHALANX_CACHE_DIR", "/nonexistent-phalanx-cache")
-    if cutlass_fp8.headers() and cutlass_fp8.nvcc():
+    if cutlass_gemm.headers() and cutlass_gemm.nvcc():
         with pytest.raises(RuntimeError, match="is not built"):
-            cutlass_fp8.kernel.__wrapped__(cutlass_fp8.TILES[0])
+            cutlass_gemm.kernel.__wrapped__(cutlass_gemm.TILES[0])
     calls = []
-    monkeypatch.setattr(cutlass_fp8, "kernel", lambda tile: lambda *a: calls.append(tile))
+    monkeypatch.setattr(cutlass_gemm, "kernel", lambda tile: lambda *a: calls.append(tile))
     assert [bucket_index(r) for r in (1, 2, 16, 17, 64, 65, 128, 129, 256, 257, 2048, 2049, 8192, 8193, 10 ** 6)] == \
         [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 7, 8, 9, 9, 9]
-    tile = cutlass_fp8.TILES[0]
+    tile = cutlass_gemm.TILES[0]
     many = (CUBLAS, Plan("cutlass", tile)) + (CUBLAS,) * (len(MANY_ROW_BUCKETS) - 2)
     plan = LinearPlan(Neighbour.PLAIN, fp8=True, many=many)
     assert len(plan.launches) == 3 + len(MANY_ROW_BUCKETS) and not plan.is_reference
     assert f"≤{MANY_ROW_BUCKETS[1]} rows cutlass" in str(plan)
-    with pytest.raises(ValueError, match="CUTLASS for FP8 weights"):
-        LinearPlan(Neighbour.PLAIN, fp8=False, many=many)
+    with pytest.raises(ValueError, match=r"a CUTLASS tile of the weight's type \(bf16\)"):
+        LinearPlan(Neighbour.PLAIN, fp8=False, many=many)        # an FP8 tile for a bf16 weight
+    bf16_many = (CUBLAS, Plan("cutlass", cutlass_gemm.TILES_BF16[0])) + (CUBLAS,) * (len(MANY_ROW_BUCKETS) - 2)
+    with pytest.raises(ValueError, match=r"a CUTLASS tile of the weight's type \(fp8\)"):
+        LinearPlan(Neighbour.PLAIN, fp8=True, many=bf16_many)
+    bf16_plan = LinearPlan(Neighbour.PLAIN, fp8=False, many=bf16_many)
+    assert f"≤{MANY_ROW_BUCKETS[1]} rows cutlass(64, 128, 64, 1, 1, True, 'bf16')" in str(bf16_plan)
     with pytest.raises(ValueError, match="bucket of many rows"):
         LinearPlan(Neighbour.PLAIN, fp8=True, many=(CUBLAS,))
     # on a CPU the FP8 projection runs the reference whatever GEMM its plan names
@@ -387,26 +392,43 @@ def test_many_row_plans_bucket_batches_and_take_cutlass_only_for_fp8_weights(mon
     q, scale = fp8.quantize_weight(w)
     torch.testing.assert_close(plan(x, q, None, scale), fp8.reference(x, q, None, scale))
     assert calls == []
+    # a bf16 plan's CUTLASS bucket calls the tile's GEMM (a, None, w, None), the bias added after
+    got = []
+    monkeypatch.setattr(cutlass_gemm, "kernel",
+                        lambda tile: lambda a, sa, b, sb: got.append((tile, sa, sb)) or a @ b.t())
+    bf16_plan = LinearPlan(Neighbour.PLAIN, fp8=False, many=bf16_many)
+    xb, wb, bb = torch.randn(200, 32), torch.randn(48, 32), torch.randn(48)
+    torch.testing.assert_close(bf16_plan(xb, wb, bb), torch.nn.functional.linear(xb, wb, bb))
+    assert got == [(cutlass_gemm.TILES_BF16[0], None, None)]
+    bf16_plan(xb[:100], wb)                                  # 100 rows: the first bucket, cuBLAS
+    assert len(got) == 1
 
 
 def test_cutlass_tiles_are_named_apart_and_unavailable_off_a_gpu():
     from phalanx.kernels import gemv_tuner
     from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS
-    names = [t.name for t in cutlass_fp8.TILES]
+    tiles = cutlass_gemm.TILES + cutlass_gemm.TILES_BF16
+    names = [t.name for t in tiles]
     assert len(set(names)) == len(names)
-    for t in cutlass_fp8.TILES:
+    for t in tiles:
         assert f"-DPHALANX_NAME={t.name}" in t.defines() and (t.pingpong or t.m >= 128)  # cooperative: M ≥ 128
-    assert cutlass_fp8.why_unavailable(torch.device("cpu")) == "not a CUDA device"
+        assert f"-DPHALANX_BF16={int(t.dtype == 'bf16')}" in t.defines() and t.name.startswith(t.dtype)
+        assert t.k * (1 if t.dtype == "fp8" else 2) == 128     # a K tile of 128 bytes: one TMA swizzle atom
+    assert cutlass_gemm.why_unavailable(torch.device("cpu")) == "not a CUDA device"
     q, _ = fp8.quantize_weight(torch.randn(64, 32))
     assert gemv_tuner.tune_many(q, torch.bfloat16) == (CUBLAS,) * len(MANY_ROW_BUCKETS)
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    assert gemv_tuner.tune_many(w, torch.bfloat16, fp8=False) == (CUBLAS,) * len(MANY_ROW_BUCKETS)
 
 
-@pytest.mark.skipif(not (cutlass_fp8.headers() and cutlass_fp8.nvcc()),
+@pytest.mark.skipif(not (cutlass_gemm.headers() and cutlass_gemm.nvcc()),
                     reason="needs nvcc and the nvidia-cutlass package")
 def test_cutlass_libraries_are_keyed_by_what_goes_into_them(tmp_path, monkeypatch):
     monkeypatch.setenv("PHALANX_CACHE_DIR", str(tmp_path))
-    a, b = (cutlass_fp8.library_path(t) for t in cutlass_fp8.TILES[:2])
+    a, b = (cutlass_gemm.library_path(t) for t in cutlass_gemm.TILES[:2])
     assert a != b and a.parent == b.parent == tmp_path / "cutlass"
-    assert a == cutlass_fp8.library_path(cutlass_fp8.TILES[0])
-    monkeypatch.setattr(cutlass_fp8, "FLAGS", cutlass_fp8.FLAGS + ("-lineinfo",))
-    assert cutlass_fp8.library_path(cutlass_fp8.TILES[0]) != a
+    same_shape_bf16 = cutlass_gemm.TILES[0]._replace(dtype="bf16")
+    assert cutlass_gemm.library_path(same_shape_bf16) not in (a, b)
+    assert a == cutlass_gemm.library_path(cutlass_gemm.TILES[0])
+    monkeypatch.setattr(cutlass_gemm, "FLAGS", cutlass_gemm.FLAGS + ("-lineinfo",))
+    assert cutlass_gemm.library_path(cutlass_gemm.TILES[0]) != a

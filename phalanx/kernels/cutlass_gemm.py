@@ -1,18 +1,20 @@
-"""CUTLASS's FP8 GEMM for Hopper: a choice beside cuBLASLt for the many-row FP8 products.
+"""CUTLASS's GEMMs for Hopper: a choice beside cuBLAS(Lt) for the many-row products.
 
-``cutlass/fp8_gemm.cu`` is one CUTLASS 3 GEMM (e4m3 × e4m3 → bf16, warp-specialized TMA
-mainloop, fast FP8 accumulation) whose epilogue applies a scale per activation row and per
-weight row — the product ``fp8.linear`` hands to ``torch._scaled_mm``. Each ``Tile`` (the
-CTA tile, the cluster, ping-pong or cooperative warp groups) is its own shared library, built
-with nvcc against the CUTLASS headers of the ``nvidia-cutlass`` package (``cutlass_library``
-holds them; nothing of its Python is imported) and kept on disk under ``PHALANX_CACHE_DIR``
-(default ``~/.cache/phalanx``), keyed by the source, the tile, the flags and the compiler. A
-build of every tile runs once per machine, the tiles in parallel, at the engine's start-up
-where the tuner times them (kernels/gemv_tuner.py ``tune_many``); later starts load them. A
-tile that fails to build or load is left out (logged), and cuBLASLt is always a candidate.
+``cutlass/gemm.cu`` is one CUTLASS 3 GEMM with a warp-specialized TMA mainloop, in two forms:
+FP8 (e4m3 × e4m3 → bf16, fast FP8 accumulation) whose epilogue applies a scale per activation
+row and per weight row — the product ``fp8.linear`` hands to ``torch._scaled_mm`` — and bf16
+(bf16 × bf16 → bf16, float32 accumulation), the product ``F.linear`` hands to cuBLAS. Each
+``Tile`` (the element type, the CTA tile, the cluster, ping-pong or cooperative warp groups) is
+its own shared library, built with nvcc against the CUTLASS headers of the ``nvidia-cutlass``
+package (``cutlass_library`` holds them; nothing of its Python is imported) and kept on disk under
+``PHALANX_CACHE_DIR`` (default ``~/.cache/phalanx``), keyed by the source, the tile, the flags and
+the compiler. A build of every tile runs once per machine, the tiles in parallel, at the engine's
+start-up where the tuner times them (kernels/gemv_tuner.py ``tune_many``); later starts load
+them. A tile that fails to build or load is left out (logged), and cuBLAS(Lt) is always a
+candidate.
 
 Available where a GPU of compute capability 9.0 (the ``sm_90a`` features: TMA, warp-group MMA)
-runs, ``nvcc`` and the package are installed: ``available``. Elsewhere the tuner keeps cuBLASLt.
+runs, ``nvcc`` and the package are installed: ``available``. Elsewhere the tuner keeps cuBLAS(Lt).
 This module imports no Triton and loads nothing at import.
 """
 
@@ -35,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-SOURCE = Path(__file__).with_name("cutlass") / "fp8_gemm.cu"
+SOURCE = Path(__file__).with_name("cutlass") / "gemm.cu"
 ARCH = "sm_90a"
 CAPABILITY = (9, 0)
 logger = logging.getLogger("phalanx")
@@ -44,9 +46,9 @@ FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", f"-arch={ARCH}", "--expt-relaxed-const
 
 
 class Tile(NamedTuple):
-    """One CUTLASS configuration: the CTA tile (M, N, K), the thread-block cluster (M, N), and
-    the mainloop: two warp groups taking turns on separate output tiles (ping-pong) or sharing one
-    (cooperative, M ≥ 128)."""
+    """One CUTLASS configuration: the CTA tile (M, N, K), the thread-block cluster (M, N), the
+    mainloop: two warp groups taking turns on separate output tiles (ping-pong) or sharing one
+    (cooperative, M ≥ 128); and the operands' type (``"fp8"`` with its scales, or ``"bf16"``)."""
 
     m: int
     n: int
@@ -54,19 +56,21 @@ class Tile(NamedTuple):
     cluster_m: int
     cluster_n: int
     pingpong: bool
+    dtype: str = "fp8"
 
     @property
     def name(self) -> str:
-        return (f"t{self.m}x{self.n}x{self.k}_c{self.cluster_m}x{self.cluster_n}_"
+        return (f"{self.dtype}_t{self.m}x{self.n}x{self.k}_c{self.cluster_m}x{self.cluster_n}_"
                 f"{'pingpong' if self.pingpong else 'coop'}")
 
     def defines(self) -> list[str]:
-        return [f"-DPHALANX_NAME={self.name}", f"-DPHALANX_TILE_M={self.m}", f"-DPHALANX_TILE_N={self.n}",
+        return [f"-DPHALANX_NAME={self.name}", f"-DPHALANX_BF16={int(self.dtype == 'bf16')}",
+                f"-DPHALANX_TILE_M={self.m}", f"-DPHALANX_TILE_N={self.n}",
                 f"-DPHALANX_TILE_K={self.k}", f"-DPHALANX_CLUSTER_M={self.cluster_m}",
                 f"-DPHALANX_CLUSTER_N={self.cluster_n}", f"-DPHALANX_PINGPONG={int(self.pingpong)}"]
 
 
-# The candidates the tuner times against cuBLASLt (K tiles of 128 bytes: one TMA swizzle atom):
+# The FP8 candidates the tuner times against cuBLASLt (K tiles of 128 bytes: one TMA swizzle atom):
 # each beat cuBLASLt somewhere among Llama-3.1-8B's projections at 128–8,192 rows on an H200
 # (tools/bench_gemm.py --forms fp8_fast cutlass, docs/results/gpu23_gemm_cutlass.txt), where
 # (128, 128) in clusters of 2 and (256, 128) cooperative never did and are not built.
@@ -75,6 +79,14 @@ TILES = (
     Tile(128, 128, 128, 1, 1, True),
     Tile(128, 256, 128, 1, 1, False),
     Tile(128, 256, 128, 2, 1, False),    # down (K = 14,336) from 2,048 rows
+)
+# The bf16 candidates the tuner times against cuBLAS (K tiles of 64 elements: 128 bytes).
+TILES_BF16 = (
+    Tile(64, 128, 64, 1, 1, True, "bf16"),
+    Tile(128, 128, 64, 1, 1, True, "bf16"),
+    Tile(128, 256, 64, 1, 1, False, "bf16"),
+    Tile(128, 256, 64, 2, 1, False, "bf16"),
+    Tile(256, 128, 64, 1, 1, False, "bf16"),
 )
 
 
@@ -98,7 +110,7 @@ def nvcc() -> str | None:
 
 
 def why_unavailable(device: torch.device) -> str | None:
-    """None where the CUTLASS FP8 GEMM can be built and run on ``device``; else the reason."""
+    """None where the CUTLASS GEMMs can be built and run on ``device``; else the reason."""
     if device.type != "cuda":
         return "not a CUDA device"
     if torch.cuda.get_device_capability(device) != CAPABILITY:
@@ -110,6 +122,11 @@ def why_unavailable(device: torch.device) -> str | None:
     if nvcc() is None:
         return "nvcc is not on PATH or under CUDA_HOME"
     return None
+
+
+def fits(n: int, k: int) -> bool:
+    """Whether the GEMMs take a weight [n, k]: whole 16-byte TMA rows of either operand type."""
+    return n % 16 == 0 and k % 16 == 0
 
 
 def available(device: torch.device) -> bool:
@@ -140,13 +157,13 @@ def library_path(tile: Tile) -> Path:
     compiler = nvcc()
     inc = headers()
     if compiler is None or inc is None:
-        raise RuntimeError("CUTLASS FP8 GEMM: nvcc and the nvidia-cutlass package are needed to build it")
+        raise RuntimeError("CUTLASS GEMM: nvcc and the nvidia-cutlass package are needed to build it")
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), repr(tile).encode(), repr(FLAGS).encode(), _compiler_version(compiler).encode(),
                  os.environ.get("NVCC_PREPEND_FLAGS", "").encode(), os.environ.get("NVCC_APPEND_FLAGS", "").encode(),
                  _package_version().encode(), (inc / "include" / "cutlass" / "version.h").read_bytes()):
         digest.update(part)
-    return cache_dir() / f"fp8_gemm_{tile.name}_{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"gemm_{tile.name}_{digest.hexdigest()[:16]}.so"
 
 
 def build(tile: Tile) -> Path:
@@ -170,7 +187,7 @@ def build(tile: Tile) -> Path:
                    *tile.defines(), str(SOURCE), "-o", str(out)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"CUTLASS FP8 GEMM {tile.name}: nvcc failed:\n{done.stderr[-4000:]}")
+                raise RuntimeError(f"CUTLASS GEMM {tile.name}: nvcc failed:\n{done.stderr[-4000:]}")
             os.replace(out, path)
     return path
 
@@ -180,7 +197,7 @@ def load_all(tiles: tuple[Tile, ...] = TILES) -> tuple[Kernel, ...]:
     tiles that built and loaded; each one that did not is logged with the reason."""
     missing = [t.name for t in tiles if not library_path(t).is_file()]
     if missing:
-        logger.info("building CUTLASS FP8 GEMMs %s with nvcc (once per machine; kept in %s)", missing, cache_dir())
+        logger.info("building CUTLASS GEMMs %s with nvcc (once per machine; kept in %s)", missing, cache_dir())
     workers = max(1, min(len(tiles), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
         built = list(pool.map(_try_build, tiles))
@@ -192,7 +209,7 @@ def _try_build(tile: Tile) -> bool:
         build(tile)
         return True
     except Exception as e:  # noqa: BLE001 - any failure leaves this tile out, logged, and cuBLASLt in
-        logger.warning("CUTLASS FP8 GEMM %s not built: %s", tile.name, str(e).splitlines()[0] if str(e) else e)
+        logger.warning("CUTLASS GEMM %s not built: %s", tile.name, str(e).splitlines()[0] if str(e) else e)
         return False
 
 
@@ -201,40 +218,49 @@ def _try_load(tile: Tile) -> bool:
         kernel(tile)
         return True
     except Exception as e:  # noqa: BLE001 - a library that does not load is left out, logged
-        logger.warning("CUTLASS FP8 GEMM %s not loaded: %s", tile.name, e)
+        logger.warning("CUTLASS GEMM %s not loaded: %s", tile.name, e)
         return False
 
 
 class Kernel:
-    """One tile's GEMM, loaded: ``kernel(q_rows, rows_scale, q, scale)`` -> bf16 [M, N]."""
+    """One tile's GEMM, loaded: FP8 ``kernel(q_rows, rows_scale, q, scale)``, bf16
+    ``kernel(x, None, w, None)`` -> bf16 [M, N]."""
 
     def __init__(self, tile: Tile, path: Path):
         self.tile = tile
         lib = ctypes.CDLL(str(path))
-        self._run = getattr(lib, f"phalanx_fp8_gemm_{tile.name}")
+        self._run = getattr(lib, f"phalanx_gemm_{tile.name}")
         self._run.restype = ctypes.c_int
         self._run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
-        self._workspace = getattr(lib, f"phalanx_fp8_gemm_{tile.name}_workspace")
+        self._workspace = getattr(lib, f"phalanx_gemm_{tile.name}_workspace")
         self._workspace.restype = ctypes.c_size_t
         self._workspace.argtypes = [ctypes.c_int] * 3
+        self._dtype = torch.bfloat16 if tile.dtype == "bf16" else torch.float8_e4m3fn
 
-    def __call__(self, q_rows: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor,
-                 scale: torch.Tensor) -> torch.Tensor:
-        """q_rows [M, K] e4m3 (rows of x, contiguous), rows_scale [M, 1] float32, q [N, K] e4m3 (the
-        weight), scale [N] float32 -> (q_rows · rows_scale) (q · scale)ᵀ in bf16 [M, N]."""
-        M, K = q_rows.shape
-        N = q.shape[0]
-        if not (q_rows.is_contiguous() and q.is_contiguous() and rows_scale.dtype == scale.dtype == torch.float32):
-            raise ValueError(f"CUTLASS FP8 GEMM {self.tile.name}: needs contiguous rows and weight and float32 "
-                             f"scales, got {q_rows.stride()}, {q.stride()}, {rows_scale.dtype}, {scale.dtype}")
-        y = torch.empty(M, N, dtype=torch.bfloat16, device=q_rows.device)
+    def __call__(self, a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
+                 b_scale: torch.Tensor | None) -> torch.Tensor:
+        """FP8: a [M, K] e4m3 (rows of x, contiguous), a_scale [M, 1] float32, b [N, K] e4m3 (the
+        weight), b_scale [N] float32 -> (a · a_scale) (b · b_scale)ᵀ in bf16 [M, N]. bf16: a [M, K],
+        b [N, K], no scales -> a bᵀ in bf16 [M, N]."""
+        M, K = a.shape
+        N = b.shape[0]
+        fp8 = self.tile.dtype == "fp8"
+        if not (a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype == self._dtype
+                and (not fp8 or (a_scale is not None and b_scale is not None
+                                 and a_scale.dtype == b_scale.dtype == torch.float32))):
+            raise ValueError(f"CUTLASS GEMM {self.tile.name}: needs contiguous {self._dtype} operands"
+                             f"{' and float32 scales' if fp8 else ''}, got {a.dtype} {a.stride()}, {b.dtype} "
+                             f"{b.stride()}, scales {None if a_scale is None else a_scale.dtype}")
+        y = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
         size = self._workspace(M, N, K)
-        ws = torch.empty(size, dtype=torch.uint8, device=q_rows.device) if size else None
-        status = self._run(q_rows.data_ptr(), q.data_ptr(), y.data_ptr(), rows_scale.data_ptr(), scale.data_ptr(),
+        ws = torch.empty(size, dtype=torch.uint8, device=a.device) if size else None
+        status = self._run(a.data_ptr(), b.data_ptr(), y.data_ptr(),
+                           a_scale.data_ptr() if a_scale is not None else None,
+                           b_scale.data_ptr() if b_scale is not None else None,
                            M, N, K, ws.data_ptr() if ws is not None else None,
-                           torch.cuda.current_stream(q_rows.device).cuda_stream)
+                           torch.cuda.current_stream(a.device).cuda_stream)
         if status:
-            raise RuntimeError(f"CUTLASS FP8 GEMM {self.tile.name}: status {status} for M={M} N={N} K={K}")
+            raise RuntimeError(f"CUTLASS GEMM {self.tile.name}: status {status} for M={M} N={N} K={K}")
         return y
 
 
@@ -244,5 +270,5 @@ def kernel(tile: Tile) -> Kernel:
     on disk: binding a plan never compiles."""
     path = library_path(tile)
     if not path.is_file():
-        raise RuntimeError(f"CUTLASS FP8 GEMM {tile.name}: {path} is not built (cutlass_fp8.build)")
+        raise RuntimeError(f"CUTLASS GEMM {tile.name}: {path} is not built (cutlass_gemm.build)")
     return Kernel(tile, path)
