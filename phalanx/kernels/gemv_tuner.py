@@ -160,7 +160,7 @@ def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] 
     dtype = "fp8" if fp8 else "bf16"
     usable = f8.takes_fp8_rows(w, act_dtype) if fp8 else (w.dtype == act_dtype == torch.bfloat16
                                                            and cutlass_gemm.fits(*w.shape))
-    tiles = [k for k in _cutlass_kernels(w.device) if k.tile.dtype == dtype] if usable else []
+    tiles = _cutlass_kernels(w.device, dtype) if usable else ()
     if not tiles:
         return (CUBLAS,) * len(MANY_ROW_BUCKETS)
     N, K = w.shape
@@ -202,17 +202,17 @@ def _rows_gemm(gemm: Callable[..., torch.Tensor], a: torch.Tensor, a_scale: torc
 
 
 @functools.cache
-def _cutlass_kernels(device: torch.device) -> tuple[cutlass_gemm.Kernel, ...]:
-    """The CUTLASS tiles (FP8 and bf16) built and loaded for ``device`` (none where CUTLASS is
-    unavailable)."""
+def _cutlass_kernels(device: torch.device, dtype: str) -> tuple[cutlass_gemm.Kernel, ...]:
+    """The CUTLASS tiles of ``dtype`` ("fp8" or "bf16") built and loaded for ``device`` (none where
+    CUTLASS is unavailable): only the tiles a model's weights take are built."""
     why = cutlass_gemm.why_unavailable(device)
     if why is not None:
-        logger.info("GEMMs of many rows take cuBLAS only (CUTLASS: %s)", why)
+        logger.info("%s GEMMs of many rows take cuBLAS only (CUTLASS: %s)", dtype, why)
         return ()
     try:
-        return cutlass_gemm.load_all(cutlass_gemm.TILES + cutlass_gemm.TILES_BF16)
+        return cutlass_gemm.load_all(cutlass_gemm.TILES if dtype == "fp8" else cutlass_gemm.TILES_BF16)
     except Exception as e:  # noqa: BLE001 - CUTLASS is a choice, never a reason for the engine not to start
-        logger.warning("GEMMs of many rows take cuBLAS only (CUTLASS: %s)", e)
+        logger.warning("%s GEMMs of many rows take cuBLAS only (CUTLASS: %s)", dtype, e)
         return ()
 
 
