@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from phalanx.kernels import cutlass_gemm, fp8
 from phalanx.kernels.gemv_tuner import time_graph, weight_copies
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (49152, 4096)}   # the output layer over the bundled tokenizer's vocabulary
 FORMS = ("bf16", "bf16_lt", "bf16_cublaslt", "bf16_halves", "fp8", "fp8_mm", "fp8_fast", "fp8_tensor", "cutlass",
          "cutlass_bf16")
 CUTLASS = {f"cutlass_{t.name}": t for t in cutlass_gemm.TILES + cutlass_gemm.TILES_BF16}

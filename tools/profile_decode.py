@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 
 import torch
@@ -23,7 +24,8 @@ from phalanx.config import merge_yaml
 
 
 def profile_steps(llm: LLM, batch: int, steps: int, prompt_len: int = 128) -> dict:
-    prompt = [[1000 + (i * prompt_len + j) % 40_000 for j in range(prompt_len)] for i in range(batch)]
+    rng = random.Random(batch)     # prompts apart from their first block on: no sequence shares another's KV
+    prompt = [[rng.randrange(1000, 40_000) for _ in range(prompt_len)] for _ in range(batch)]
     llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True, detokenize=False)
     llm.control("profile:start")

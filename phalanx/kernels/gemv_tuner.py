@@ -151,10 +151,11 @@ def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] 
 
 def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] | None = None,
               l2_bytes: int = L2_BYTES, fp8: bool = True) -> tuple[Plan, ...]:
-    """At each bucket of many rows (MANY_ROW_BUCKETS, at its bound): cuBLAS or the CUTLASS tile
-    that multiplies the same rows faster. For an FP8 weight (``fp8``) that is cuBLASLt's FP8 GEMM
-    against the FP8 tiles on the same quantized rows (the row quantization in front is the same
-    for both, so only the GEMM is timed); for a bf16 weight F.linear against the bf16 tiles. cuBLAS
+    """At each bucket of many rows (MANY_ROW_BUCKETS, at the rows ``many_bucket_samples`` gives):
+    cuBLAS or the CUTLASS tile that multiplies the same rows faster. For an FP8 weight (``fp8``)
+    that is cuBLASLt's FP8 GEMM against the FP8 tiles on the same quantized rows (the row
+    quantization in front is the same for both, so only the GEMM is timed); for a bf16 weight
+    F.linear against the bf16 tiles. cuBLAS
     everywhere for other weights, where CUTLASS does not run here (kernels/cutlass_gemm.py
     ``why_unavailable``), or where its build failed (logged once)."""
     dtype = "fp8" if fp8 else "bf16"
@@ -169,16 +170,20 @@ def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] 
     ws: list[torch.Tensor] = []
     scale = torch.full((N,), 1e-3, device=w.device) if fp8 else None
     plans = []
-    for rows in MANY_ROW_BUCKETS:
-        key = (N, K, dtype, rows, str(w.device))
+    for i, bound in enumerate(MANY_ROW_BUCKETS):
+        key = (N, K, dtype, bound, str(w.device))
+        points = many_bucket_samples(i)
         if key not in _MANY_MEMO:
             ws = ws or weight_copies(w, l2_bytes)
-            x = torch.randn(rows, K, dtype=act_dtype, device=w.device)
-            a, a_scale = f8.quantize_rows(x)[:2] if fp8 else (x, None)
+            inputs = []
+            for rows in points:
+                x = torch.randn(rows, K, dtype=act_dtype, device=w.device)
+                inputs.append(f8.quantize_rows(x)[:2] if fp8 else (x, None))
             best, best_ms = CUBLAS, float("inf")
             for plan, gemm in gemms:
                 try:
-                    ms = time_graph(functools.partial(_rows_gemm, gemm, a, a_scale, ws, scale), len(ws), reps=8)
+                    ms = sum(time_graph(functools.partial(_rows_gemm, gemm, a, a_scale, ws, scale), len(ws), reps=8)
+                             for a, a_scale in inputs)
                 except RuntimeError:   # a tile CUTLASS cannot run for this shape
                     continue
                 if ms < best_ms:
@@ -187,8 +192,25 @@ def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] 
         plan, ms = _MANY_MEMO[key]
         plans.append(plan)
         if report is not None:
-            report[f"{N}x{K}/{dtype}/rows={rows}:{plan} TFLOP/s"] = 2 * rows * N * K / ms / 1e9
+            report[f"{N}x{K}/{dtype}/rows={bound}:{plan} TFLOP/s"] = 2 * sum(points) * N * K / ms / 1e9
     return tuple(plans)
+
+
+def many_bucket_samples(i: int) -> tuple[int, ...]:
+    """The row counts at which the candidates of many-row bucket ``i`` are timed (their times
+    summed): four spread over a bucket of up to SAMPLED_UP_TO rows (multiples of 8, the bound
+    last), the bound alone above. cuBLAS picks its kernel per row count, and one pick inside a
+    bucket can be far off those around it: bf16 gate ‖ up (28,672 × 4,096) on an H200 takes 155 µs
+    at 512 rows and 268 µs at 448 (docs/results/gpu27_gemm_forms.txt), so timing at the bound
+    alone would keep it for the 449-row decode steps of 512 in flight."""
+    bound = MANY_ROW_BUCKETS[i]
+    if bound > SAMPLED_UP_TO:
+        return (bound,)
+    lo = MANY_ROW_BUCKETS[i - 1] if i else ROW_BUCKETS[-1]
+    return tuple(-(-(lo + (bound - lo) * j // 4) // 8) * 8 for j in range(1, 5))
+
+
+SAMPLED_UP_TO = 1024   # many-row buckets up to this bound are timed at four row counts each
 
 
 def _linear(x: torch.Tensor, x_scale: None, w: torch.Tensor, w_scale: None) -> torch.Tensor:

@@ -404,6 +404,19 @@ def test_many_row_plans_bucket_batches_and_take_cutlass_tiles_of_the_weights_typ
     assert len(got) == 1
 
 
+def test_many_row_buckets_are_timed_across_their_rows():
+    """Each many-row bucket is timed at rows inside it, ascending, multiples of 8, its bound last;
+    the small ones at four points (cuBLAS's pick at one row count can be far off its neighbours')."""
+    from phalanx.kernels.gemv_tuner import SAMPLED_UP_TO, many_bucket_samples
+    from phalanx.kernels.linear_plan import MANY_ROW_BUCKETS, ROW_BUCKETS, bucket_index
+    for i, bound in enumerate(MANY_ROW_BUCKETS):
+        points = many_bucket_samples(i)
+        assert points[-1] == bound and list(points) == sorted(set(points))
+        assert all(p % 8 == 0 and bucket_index(p) == len(ROW_BUCKETS) + i for p in points)
+        assert len(points) == (4 if bound <= SAMPLED_UP_TO else 1)
+    assert many_bucket_samples(MANY_ROW_BUCKETS.index(512)) == (320, 384, 448, 512)
+
+
 def test_cutlass_tiles_are_named_apart_and_unavailable_off_a_gpu():
     from phalanx.kernels import gemv_tuner
     from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS
