@@ -5,7 +5,7 @@ each row bucket: GB/s of weight read (the tuner keeps only the fastest; this sho
     python tools/bench_gemv.py --rows 1 --preload both   # behind the norm / attention: with and without
 
 ``--preload off`` times every one-row plan without loading its first weight tile before the PDL
-wait (what the engine does behind a norm or the attention, ``linear_plan.PRELOAD_TILES``).
+wait (what the engine does behind a norm or the attention, ``linear_plan.PRELOAD_BEHIND``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.rows_tiles:
         gemv.ROWS_TILES = [linear_plan.RowsTile(*map(int, t.split(","))) for t in a.rows_tiles]
-    depth = dict(linear_plan.PRELOAD_TILES)
+    behind = linear_plan.PRELOAD_BEHIND
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.preload]
     rows_out = []
     for N, K, kind in SHAPES:
@@ -44,19 +44,19 @@ def main() -> None:
             r = torch.randn(M, K, dtype=w.dtype, device="cuda")
             g = torch.ones(K, dtype=w.dtype, device="cuda")
             for preload in modes:
-                linear_plan.PRELOAD_TILES.update(depth if preload else dict.fromkeys(depth, 0))   # read by each launcher built
+                linear_plan.PRELOAD_BEHIND = behind if preload else frozenset()   # read by each launcher built
                 for plan, fn in gemv_tuner.candidates(Neighbour(kind), x, r, g, ws):
                     try:
                         ms = gemv_tuner.time_graph(fn, len(ws))
                     except Exception as e:  # a config the compiler rejects (the tuner skips it too)
                         print(f"{N:6d}x{K:5d} {kind:5s} rows={M:3d} {plan}: rejected ({type(e).__name__})", flush=True)
                         continue
-                    pre = preload and depth.get(Neighbour(kind), 0) > 0 and isinstance(plan.tile, linear_plan.OneRowTile)
+                    pre = preload and Neighbour(kind) in behind and isinstance(plan.tile, linear_plan.OneRowTile)
                     rows_out.append({"N": N, "K": K, "kind": kind, "rows": M, "plan": str(plan), "preload": pre,
                                      "ms": ms, "gb_s": nbytes / ms / 1e6})
                     print(f"{N:6d}x{K:5d} {kind:5s} rows={M:3d} {str(plan) + (' pre' if pre else ''):38s} "
                           f"{ms * 1e3:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s", flush=True)
-            linear_plan.PRELOAD_TILES.update(depth)
+            linear_plan.PRELOAD_BEHIND = behind
         del ws, w
     if a.output:
         with open(a.output, "w") as f:

@@ -86,7 +86,7 @@ def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: t
     float32 products, each K step's folded FOLD at a time into a [BLOCK_N, BLOCK_K // FOLD]
     accumulator (``OneRowTile.fold``), summed once at the end -> [BLOCK_N] float32.
 
-    PRE: the first PRE (0, 1 or 2) weight tiles are loaded before the PDL wait (a weight: nothing in the chain writes
+    PRE: the first weight tile is loaded before the PDL wait (a weight: nothing in the chain writes
     it), so that it streams while the kernel in front finishes. That pays where the kernel in
     front is short (a norm, the attention) and leaves most of the GPU idle
     (``linear_plan.PRELOAD_BEHIND``); behind a long kernel the early programs would hold
@@ -94,16 +94,12 @@ def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: t
     release(PDL)
     k = tl.arange(0, BLOCK_K)
     km = k < K
-    if PRE > 0:
+    if PRE:
         w0 = _w_tile(w_ptr, s_wn, n, nm, k, km)
-    if PRE > 1:
-        w1 = _w_tile(w_ptr, s_wn, n, nm, k + BLOCK_K, k + BLOCK_K < K)
     wait(PDL)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
-    if PRE > 0:
+    if PRE:
         acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, FOLD, SILU)
-    if PRE > 1:
-        acc1 = _fma_tile(acc1, w1, x_ptr, k + BLOCK_K, k + BLOCK_K < K, K, FOLD, SILU)
     for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
@@ -288,12 +284,12 @@ def auto_splits(N: int, K: int, tile: RowsTile, num_sms: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile | RowsTile,
-         silu: bool = False, pdl: bool = False, preload: int = 0,
+         silu: bool = False, pdl: bool = False, preload: bool = False,
          scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and the
     product is silu(gate) * up times Wᵀ. ``tile``: a OneRowTile for one row, a RowsTile for more.
     ``pdl``: launched with programmatic dependent launch where the GPU has it; ``preload``: one
-    row loads its first ``preload`` weight tiles (0–2) before the PDL wait. ``scale`` [N] float32: the weight is FP8
+    row loads its first weight tile before the PDL wait. ``scale`` [N] float32: the weight is FP8
     (kernels/fp8.py) and row n of the product is multiplied by scale[n]."""
     M = x.shape[0]
     N, K = weight.shape
@@ -331,7 +327,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              num_heads: int, num_kv_heads: int, head_dim: int, tile: OneRowTile, pdl: bool,
-             scale: torch.Tensor | None = None, preload: int = 1) -> torch.Tensor:
+             scale: torch.Tensor | None = None) -> torch.Tensor:
     """One token behind its norm: the q/k/v projection, rotary and the K/V write in one kernel
     (``_qkv_rope_kernel``); returns the rotated q [1, H, D]. The tile must hold whole rotary pairs
     of one head (``QkvRopePlan.fits``). ``scale``: the weight is FP8, a scale per row."""
@@ -346,13 +342,13 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // tile.block_n,)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
         slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=preload, VB=value_block(v_cache),
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=True, VB=value_block(v_cache),
         **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return q
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile,
-                 pdl: bool, scale: torch.Tensor | None = None, preload: int = 1) -> torch.Tensor:
+                 pdl: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
     """One token behind its norm: silu(gate) * up [1, I] straight from the gate ‖ up projection
     (``_gate_up_silu_kernel``). ``scale``: the weight is FP8, a scale per row."""
     if x.shape[0] != 1:
@@ -363,6 +359,6 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, tile.block_n // 2),)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, act, I, x.shape[1],
-        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRE=preload,
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRE=True,
         **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return act

@@ -50,7 +50,6 @@ from __future__ import annotations
 import bisect
 import enum
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -76,22 +75,6 @@ class Neighbour(str, enum.Enum):
 
 
 PRELOAD_BEHIND = frozenset({Neighbour.NORM, Neighbour.ATTN})
-
-
-def _preload_tiles() -> dict[Neighbour, int]:
-    """How many weight tiles (0–2) a one-row kernel loads before its PDL wait behind each
-    neighbour of PRELOAD_BEHIND: one, unless ``PHALANX_PRELOAD_TILES`` (e.g. ``attn=2,norm=1``)
-    says otherwise — read once, when the module loads (an experiment's switch; docs/gpu_notes.md)."""
-    depth = dict.fromkeys(PRELOAD_BEHIND, 1)
-    for part in filter(None, os.environ.get("PHALANX_PRELOAD_TILES", "").split(",")):
-        name, _, value = part.partition("=")
-        if Neighbour(name.strip()) not in PRELOAD_BEHIND or value.strip() not in ("0", "1", "2"):
-            raise ValueError(f"PHALANX_PRELOAD_TILES: {part!r} is not <norm|attn>=<0|1|2>")
-        depth[Neighbour(name.strip())] = int(value)
-    return depth
-
-
-PRELOAD_TILES = _preload_tiles()
 
 
 class OneRowTile(NamedTuple):
@@ -208,7 +191,7 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
     from phalanx.kernels import gemv
     tile = plan.tile
     silu = neighbour is Neighbour.SILU
-    preload = PRELOAD_TILES.get(neighbour, 0) if isinstance(tile, OneRowTile) else 0
+    preload = neighbour in PRELOAD_BEHIND and isinstance(tile, OneRowTile)
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,7 +270,7 @@ class QkvRopePlan:
         ``scale``: an FP8 weight's scales."""
         from phalanx.kernels import gemv
         return gemv.qkv_rope(h, weight, bias, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
-                             num_kv_heads, head_dim, self.tile, self.pdl, scale, PRELOAD_TILES[Neighbour.NORM])
+                             num_kv_heads, head_dim, self.tile, self.pdl, scale)
 
     @staticmethod
     def fits(tile: OneRowTile, head_dim: int) -> bool:
@@ -313,7 +296,7 @@ class GateUpSiluPlan:
                      scale: torch.Tensor | None = None) -> torch.Tensor:
         """h [1, K] (normed) -> silu(gate) * up [1, I]."""
         from phalanx.kernels import gemv
-        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl, scale, PRELOAD_TILES[Neighbour.NORM])
+        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl, scale)
 
     def down_proj(self, act: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         if scale is None:

@@ -456,9 +456,8 @@ def test_gemv_every_tile(M, N, K, dtype):
     for tile, p in ([(t, p) for t in tiles for p in (False, True)] if CUDA else [(t, False) for t in tiles[:2]]):
         close(gemv.gemv(x, w, b, tile, pdl=p), ref, dtype)
         close(gemv.gemv(xx, w, None, tile, silu=True, pdl=p), ref_silu, dtype)
-        if M == 1:   # the first weight tiles loaded before the PDL wait: the same sums in the same order
-            for pre in (1, 2):
-                assert torch.equal(gemv.gemv(x, w, b, tile, pdl=p, preload=pre), gemv.gemv(x, w, b, tile, pdl=p))
+        if M == 1:   # the first weight tile loaded before the PDL wait: the same sums in the same order
+            assert torch.equal(gemv.gemv(x, w, b, tile, pdl=p, preload=True), gemv.gemv(x, w, b, tile, pdl=p))
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 48, 64), (20, 40, 160)]
@@ -640,11 +639,6 @@ def test_one_token_fused_paths_with_fp8_weights_equal_the_kernels_apart(fold):
     act = plan.gate_up_silu(x, gu, None, s_gu)
     assert torch.equal(act, triton_ops.silu_and_mul(gemv.gemv(x, gu, None, tile, scale=s_gu)))
     assert torch.equal(plan.down_proj(act, dn, s_dn), gemv.gemv(act, dn, None, tile, scale=s_dn))
-    for pre in (0, 2):   # weight tiles loaded before the PDL wait: the same sums in the same order
-        assert torch.equal(gemv.gate_up_silu(x, gu, None, tile, False, s_gu, preload=pre), act)
-        again = [torch.zeros_like(caches[0]) for _ in range(2)]
-        assert torch.equal(gemv.qkv_rope(x, w, None, pos, cs, *again, slot, H, Hkv, D, tile, False, s, preload=pre), q)
-        assert torch.equal(again[0].view(torch.uint8), caches[0].view(torch.uint8))
     close(plan.down_proj(act, dn, s_dn), fp8.reference(act.float(), dn, None, s_dn), dtype)
 
 
