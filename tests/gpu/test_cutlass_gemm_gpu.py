@@ -98,51 +98,55 @@ def test_each_bf16_tile_gives_the_product_as_cublas_does(tile, M, N, K):
         cutlass_gemm.kernel(tile)(x.t(), None, w, None)
 
 
-def test_an_engine_on_cutlass_plans_gives_the_tokens_of_cublaslt_plans(tiny_models, monkeypatch):
-    """bf16 activations, FP8 weights, prompts of 70–155 tokens (prompt steps of many rows): every
-    projection's many-row plan set to a CUTLASS tile (each of its products counted), then to
-    cuBLASLt, in one engine."""
-    from phalanx.models.layers import Projection
+def _tokens_on_a_tile_then_on_cublas(llm, projections, tile, monkeypatch) -> dict:
+    """Greedy tokens of six prompts of 70–155 tokens (prompt steps of many rows) with every
+    projection's many-row plans set to ``tile``, then to cuBLAS(Lt), in one engine. Every
+    projection of every prompt step must run on the tile (its products counted), and none on
+    cuBLAS(Lt)'s plans."""
     g = torch.Generator().manual_seed(11)
     ps = [torch.randint(0, 256, (70 + 17 * i,), generator=g).tolist() for i in range(6)]
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    out = {}
+    calls, out = [], {}
+    real = cutlass_gemm.Kernel.__call__
+
+    def counted(self, *args):
+        calls.append(self.tile)
+        return real(self, *args)
+    monkeypatch.setattr(cutlass_gemm.Kernel, "__call__", counted)
+    for name, many in (("cutlass", (Plan("cutlass", tile),) * len(MANY_ROW_BUCKETS)),
+                       ("cublas", (CUBLAS,) * len(MANY_ROW_BUCKETS))):
+        for m in projections:
+            m.plan = dataclasses.replace(m.plan, many=many, launches=())
+        out[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        if name == "cutlass":
+            assert len(calls) >= len(projections) and set(calls) == {tile}
+            n = len(calls)
+    assert len(calls) == n
+    return out
+
+
+def _agree(out: dict) -> None:
+    first = sum(a[0] == b[0] for a, b in zip(out["cutlass"], out["cublas"], strict=True))
+    same = sum(a == b for a, b in zip(out["cutlass"], out["cublas"], strict=True))
+    assert first >= 5 and same >= 4, (first, same, out)
+
+
+def test_an_engine_on_cutlass_plans_gives_the_tokens_of_cublaslt_plans(tiny_models, monkeypatch):
+    """bf16 activations, FP8 weights: the tokens on an FP8 CUTLASS tile and on cuBLASLt."""
+    from phalanx.models.layers import Projection
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", quantization="fp8",
              orchestrator_type="inprocess", cuda_graph_config=None,
              kv_cache_config={"enable_block_reuse": False}) as llm:
         model = llm._executor.engine.runner.model
         projections = [m for m in model.modules() if isinstance(m, Projection) and m.weight_scale is not None]
         assert projections and all(len(m.plan.many) == len(MANY_ROW_BUCKETS) for m in projections)
-        calls = []
-        real = cutlass_gemm.Kernel.__call__
-
-        def counted(self, *args):
-            calls.append(self.tile)
-            return real(self, *args)
-        monkeypatch.setattr(cutlass_gemm.Kernel, "__call__", counted)
-        for name, many in (("cutlass", (Plan("cutlass", cutlass_gemm.TILES[1]),) * len(MANY_ROW_BUCKETS)),
-                           ("cublas", (CUBLAS,) * len(MANY_ROW_BUCKETS))):
-            for m in projections:
-                m.plan = dataclasses.replace(m.plan, many=many, launches=())
-            out[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
-            if name == "cutlass":   # every projection of every prompt step ran on the tile
-                assert len(calls) >= len(projections) and set(calls) == {cutlass_gemm.TILES[1]}
-                n = len(calls)
-        assert len(calls) == n      # and none on cuBLASLt's plans
-    first = sum(a[0] == b[0] for a, b in zip(out["cutlass"], out["cublas"], strict=True))
-    same = sum(a == b for a, b in zip(out["cutlass"], out["cublas"], strict=True))
-    assert first >= 5 and same >= 4, (first, same, out)
+        out = _tokens_on_a_tile_then_on_cublas(llm, projections, cutlass_gemm.TILES[1], monkeypatch)
+    _agree(out)
 
 
 def test_a_bf16_engine_on_cutlass_plans_gives_the_tokens_of_cublas_plans(tiny_models, monkeypatch):
-    """A bf16 model, prompts of 70–155 tokens: every projection's many-row plan set to a bf16
-    CUTLASS tile (each product counted), then to cuBLAS, in one engine."""
+    """A bf16 model: the tokens on a bf16 CUTLASS tile and on cuBLAS."""
     from phalanx.models.layers import ParallelLMHead, Projection
-    g = torch.Generator().manual_seed(12)
-    ps = [torch.randint(0, 256, (70 + 17 * i,), generator=g).tolist() for i in range(6)]
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    out = {}
-    tile = cutlass_gemm.TILES_BF16[1]
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", orchestrator_type="inprocess",
              cuda_graph_config=None, kv_cache_config={"enable_block_reuse": False}) as llm:
         model = llm._executor.engine.runner.model
@@ -150,22 +154,5 @@ def test_a_bf16_engine_on_cutlass_plans_gives_the_tokens_of_cublas_plans(tiny_mo
         projections = [m for m in model.modules() if isinstance(m, Projection) and not isinstance(m, ParallelLMHead)
                        and cutlass_gemm.fits(*m.weight.shape)]
         assert projections and all(m.weight.dtype == torch.bfloat16 for m in projections)
-        calls = []
-        real = cutlass_gemm.Kernel.__call__
-
-        def counted(self, *args):
-            calls.append(self.tile)
-            return real(self, *args)
-        monkeypatch.setattr(cutlass_gemm.Kernel, "__call__", counted)
-        for name, many in (("cutlass", (Plan("cutlass", tile),) * len(MANY_ROW_BUCKETS)),
-                           ("cublas", (CUBLAS,) * len(MANY_ROW_BUCKETS))):
-            for m in projections:
-                m.plan = dataclasses.replace(m.plan, many=many, launches=())
-            out[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
-            if name == "cutlass":
-                assert len(calls) >= len(projections) and set(calls) == {tile}
-                n = len(calls)
-        assert len(calls) == n
-    first = sum(a[0] == b[0] for a, b in zip(out["cutlass"], out["cublas"], strict=True))
-    same = sum(a == b for a, b in zip(out["cutlass"], out["cublas"], strict=True))
-    assert first >= 5 and same >= 4, (first, same, out)
+        out = _tokens_on_a_tile_then_on_cublas(llm, projections, cutlass_gemm.TILES_BF16[1], monkeypatch)
+    _agree(out)
