@@ -172,8 +172,9 @@ def main(argv: list[str]) -> int:
                     help="cap the baseline's output length (its throughput is then over that many tokens)")
     ap.add_argument("--max-batch-size", type=int, default=None)
     ap.add_argument("--step-times", action="store_true",
-                    help="rank 0's GPU time per step, split into decode-only steps and steps with prompt tokens; "
-                         "the slowest steps and the kernels compiled meanwhile (in the JSON report)")
+                    help="rank 0's GPU time per step, split into decode-only steps and steps with prompt tokens, "
+                         "the decode steps also by their rows (bins of 64); the slowest steps and the "
+                         "kernels compiled meanwhile (in the JSON report)")
     ap.add_argument("--output", default=None, help="write the JSON report here")
     a = ap.parse_args(argv)
     if len(a.isl) != len(a.osl):

@@ -8,7 +8,7 @@ row and per weight row — the product ``fp8.linear`` hands to ``torch._scaled_m
 its own shared library, built with nvcc against the CUTLASS headers of the ``nvidia-cutlass``
 package (``cutlass_library`` holds them; nothing of its Python is imported) and kept on disk under
 ``PHALANX_CACHE_DIR`` (default ``~/.cache/phalanx``), keyed by the source, the tile, the flags and
-the compiler. A build of every tile runs once per machine, the tiles in parallel, at the engine's
+the compiler. The tiles of the weights' type are built once per machine, in parallel, at the engine's
 start-up where the tuner times them (kernels/gemv_tuner.py ``tune_many``); later starts load
 them. A tile that fails to build or load is left out (logged), and cuBLAS(Lt) is always a
 candidate.
@@ -80,13 +80,14 @@ TILES = (
     Tile(128, 256, 128, 1, 1, False),
     Tile(128, 256, 128, 2, 1, False),    # down (K = 14,336) from 2,048 rows
 )
-# The bf16 candidates the tuner times against cuBLAS (K tiles of 64 elements: 128 bytes).
+# The bf16 candidates the tuner times against cuBLAS (K tiles of 64 elements: 128 bytes). Where
+# each won a bucket of the Llama-3.1-8B shapes (docs/gpu_notes.md, twenty-seventh round);
+# (256, 128) cooperative never did and is not built.
 TILES_BF16 = (
-    Tile(64, 128, 64, 1, 1, True, "bf16"),
-    Tile(128, 128, 64, 1, 1, True, "bf16"),
-    Tile(128, 256, 64, 1, 1, False, "bf16"),
-    Tile(128, 256, 64, 2, 1, False, "bf16"),
-    Tile(256, 128, 64, 1, 1, False, "bf16"),
+    Tile(64, 128, 64, 1, 1, True, "bf16"),       # o and down at 256 rows
+    Tile(128, 128, 64, 1, 1, True, "bf16"),      # gate ‖ up at 512 (cuBLAS's 448-row kernel), o at 8,192
+    Tile(128, 256, 64, 1, 1, False, "bf16"),     # q/k/v at 2,048
+    Tile(128, 256, 64, 2, 1, False, "bf16"),     # gate ‖ up at 4,096, the output layer from 2,048
 )
 
 
@@ -208,7 +209,7 @@ def _try_build(tile: Tile) -> bool:
     try:
         build(tile)
         return True
-    except Exception as e:  # noqa: BLE001 - any failure leaves this tile out, logged, and cuBLASLt in
+    except Exception as e:  # noqa: BLE001 - any failure leaves this tile out, logged, and cuBLAS(Lt) in
         logger.warning("CUTLASS GEMM %s not built: %s", tile.name, str(e).splitlines()[0] if str(e) else e)
         return False
 

@@ -3,7 +3,8 @@
 Which plan is fastest — a tile, launched with or without programmatic dependent launch, or
 cuBLAS — depends on the weight's shape, on the kernel in front of it (timed with it: the norm
 kernel in front, the SiLU fused or its own kernel) and on the GPU. So every candidate is timed
-per (shape, dtype, neighbour) at each row bucket's upper bound, replaying a CUDA graph over
+per (shape, dtype, neighbour) at each row bucket's upper bound (a bucket of many rows up to
+``SAMPLED_UP_TO`` at four row counts spread over it: ``many_bucket_samples``), replaying a CUDA graph over
 several copies of the weight (together larger than L2, so weights are read from memory as in a
 real step). Results are memoised per process by (shape, dtype, neighbour, device), so layers of
 one shape are tuned once; the memo is consulted only here, never while the engine runs.
@@ -41,7 +42,7 @@ from phalanx.kernels.linear_plan import (
 L2_BYTES = 256 << 20
 _MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, dtype, neighbour, rows, device) -> (plan, ms)
 _PAIR_MEMO: dict[tuple, GateUpSiluPlan | None] = {}
-_MANY_MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, "fp8"/"bf16", rows, device) -> (plan, ms)
+_MANY_MEMO: dict[tuple, tuple[Plan, float]] = {}   # (N, K, "fp8"/"bf16", bucket bound, device) -> (plan, ms)
 logger = logging.getLogger("phalanx")
 
 
@@ -135,8 +136,8 @@ def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L
 
 def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] | None = None,
                 fp8: bool = False, act_dtype: torch.dtype | None = None) -> LinearPlan:
-    """The plan of one projection: the fastest Plan at each row bucket, and for FP8 weights at
-    each bucket of many rows (``tune_many``). ``report`` collects the bandwidth each skinny plan
+    """The plan of one projection: the fastest Plan at each row bucket, and for FP8 and bf16
+    weights at each bucket of many rows (``tune_many``). ``report`` collects the bandwidth each skinny plan
     reaches (GB/s of weight) and the TFLOP/s of each many-row plan, for the log. ``fp8``: the
     weight is FP8, the activations ``act_dtype``."""
     plans = []
@@ -202,7 +203,7 @@ def many_bucket_samples(i: int) -> tuple[int, ...]:
     last), the bound alone above. cuBLAS picks its kernel per row count, and one pick inside a
     bucket can be far off those around it: bf16 gate ‖ up (28,672 × 4,096) on an H200 takes 155 µs
     at 512 rows and 268 µs at 448 (docs/results/gpu27_gemm_forms.txt), so timing at the bound
-    alone would keep it for the 449-row decode steps of 512 in flight."""
+    alone would keep it for the ~445-row decode steps of 512 in flight."""
     bound = MANY_ROW_BUCKETS[i]
     if bound > SAMPLED_UP_TO:
         return (bound,)

@@ -17,8 +17,9 @@
 // named after it:
 //   size_t phalanx_gemm_<NAME>_workspace(int M, int N, int K)
 //   int    phalanx_gemm_<NAME>(a, b, d, scale_a, scale_b, M, N, K, workspace, stream)
-// which return 0, or a nonzero status where CUTLASS cannot run the problem (alignment: K a
-// multiple of 16, N of 8; phalanx calls it where K and N are multiples of 16).
+// which return 0, or a nonzero status where CUTLASS cannot run the problem (alignment: rows of
+// 16 bytes, so K a multiple of 16 in FP8 and of 8 in bf16, N of 8; phalanx calls it where K and
+// N are multiples of 16).
 
 #include <cuda_runtime.h>
 
