@@ -85,9 +85,9 @@ TILES = (
 # (256, 128) cooperative never did and is not built.
 TILES_BF16 = (
     Tile(64, 128, 64, 1, 1, True, "bf16"),       # o and down at 256 rows
-    Tile(128, 128, 64, 1, 1, True, "bf16"),      # gate ‖ up at 512 (cuBLAS's 448-row kernel), o at 8,192
+    Tile(128, 128, 64, 1, 1, True, "bf16"),      # gate ‖ up at 512, o at 8,192, the output layer at 1,024
     Tile(128, 256, 64, 1, 1, False, "bf16"),     # q/k/v at 2,048
-    Tile(128, 256, 64, 2, 1, False, "bf16"),     # gate ‖ up at 4,096, the output layer from 2,048
+    Tile(128, 256, 64, 2, 1, False, "bf16"),     # gate ‖ up at 4,096, the output layer at 2,048-4,096
 )
 
 

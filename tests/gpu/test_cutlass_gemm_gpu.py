@@ -98,11 +98,11 @@ def test_each_bf16_tile_gives_the_product_as_cublas_does(tile, M, N, K):
         cutlass_gemm.kernel(tile)(x.t(), None, w, None)
 
 
-def _tokens_on_a_tile_then_on_cublas(llm, projections, tile, monkeypatch) -> dict:
+def _tokens_on_a_tile_agree_with_cublas(llm, projections, tile, monkeypatch) -> None:
     """Greedy tokens of six prompts of 70–155 tokens (prompt steps of many rows) with every
-    projection's many-row plans set to ``tile``, then to cuBLAS(Lt), in one engine. Every
-    projection of every prompt step must run on the tile (its products counted), and none on
-    cuBLAS(Lt)'s plans."""
+    projection's many-row plans set to ``tile``, then to cuBLAS(Lt), in one engine: every
+    projection of every prompt step runs on the tile (its products counted), none on cuBLAS(Lt)'s
+    plans, and the two give the same tokens up to near ties."""
     g = torch.Generator().manual_seed(11)
     ps = [torch.randint(0, 256, (70 + 17 * i,), generator=g).tolist() for i in range(6)]
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -122,10 +122,6 @@ def _tokens_on_a_tile_then_on_cublas(llm, projections, tile, monkeypatch) -> dic
             assert len(calls) >= len(projections) and set(calls) == {tile}
             n = len(calls)
     assert len(calls) == n
-    return out
-
-
-def _agree(out: dict) -> None:
     first = sum(a[0] == b[0] for a, b in zip(out["cutlass"], out["cublas"], strict=True))
     same = sum(a == b for a, b in zip(out["cutlass"], out["cublas"], strict=True))
     assert first >= 5 and same >= 4, (first, same, out)
@@ -140,8 +136,7 @@ def test_an_engine_on_cutlass_plans_gives_the_tokens_of_cublaslt_plans(tiny_mode
         model = llm._executor.engine.runner.model
         projections = [m for m in model.modules() if isinstance(m, Projection) and m.weight_scale is not None]
         assert projections and all(len(m.plan.many) == len(MANY_ROW_BUCKETS) for m in projections)
-        out = _tokens_on_a_tile_then_on_cublas(llm, projections, cutlass_gemm.TILES[1], monkeypatch)
-    _agree(out)
+        _tokens_on_a_tile_agree_with_cublas(llm, projections, cutlass_gemm.TILES[1], monkeypatch)
 
 
 def test_a_bf16_engine_on_cutlass_plans_gives_the_tokens_of_cublas_plans(tiny_models, monkeypatch):
@@ -154,5 +149,4 @@ def test_a_bf16_engine_on_cutlass_plans_gives_the_tokens_of_cublas_plans(tiny_mo
         projections = [m for m in model.modules() if isinstance(m, Projection) and not isinstance(m, ParallelLMHead)
                        and cutlass_gemm.fits(*m.weight.shape)]
         assert projections and all(m.weight.dtype == torch.bfloat16 for m in projections)
-        out = _tokens_on_a_tile_then_on_cublas(llm, projections, cutlass_gemm.TILES_BF16[1], monkeypatch)
-    _agree(out)
+        _tokens_on_a_tile_agree_with_cublas(llm, projections, cutlass_gemm.TILES_BF16[1], monkeypatch)
