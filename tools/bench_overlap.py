@@ -26,12 +26,26 @@ projections' cuBLAS(Lt) kernels (torch's experimental SM carveout; ``--cublaslt`
 GEMMs there, where the carveout applies), ``--priority`` gives the projections' stream the higher
 priority (its blocks go first onto SMs the attention frees) and ``--attention-sms`` sizes the
 attention's split grid for that many SMs.
+
+  green       the pipeline again, each stream in a CUDA green context of its own: ``--green N``
+              gives the attention's stream N SMs and the projections' stream the rest (a true
+              split of the SMs, which carveouts and priorities only approximate), and times each
+              side alone on its share (``attention_gN``, ``gemms_gN``) and both together
+              (``pipeline_gN``). Green contexts need cuda-bindings (cuda-python) and CUDA 12.4+;
+              they are timed from eager launches, so ``serial_eager`` is their baseline (the
+              pipeline also from a CUDA graph where the driver captures it); ``concurrent_gN``
+              runs both sides at once with no dependencies between them, what sharing costs each;
+              ``--balanced`` gives each context work queues of its own. ``--attention-config`` tries
+              decode configs (keys a step, warps, stages) on the attention's share besides the usual one.
+
+    python tools/bench_overlap.py --batch 256 512 --green 64 80 96 --attention-config 32,2,2 64,4,4
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +90,7 @@ class Model:
         self.x = torch.randn(S, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.attention_sms = self.sms
+        self.attention_config: tuple[int, int, int] | None = None
         self.streams = [torch.cuda.Stream() for _ in range(nano)]
         self.gemm_stream = torch.cuda.Stream(priority=-1)     # lower is sooner; 0 is the default
         self.attention_stream = torch.cuda.Stream(priority=0)
@@ -89,7 +104,7 @@ class Model:
         q = qkv[:, :s.num_heads * s.head_dim].reshape(n, s.num_heads, s.head_dim)
         splits = triton_attention.num_splits(n, s.num_kv_heads, 131072, 32, self.attention_sms)
         out = triton_attention.decode_attention(q, L.k, L.v, L.tables[rows], L.lens[rows], s.head_dim ** -0.5,
-                                                None, splits)
+                                                None, splits, self.attention_config)
         return out.reshape(n, -1)
 
     def after_attention(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
@@ -181,6 +196,112 @@ class Model:
         main.wait_stream(a)
 
 
+def green_streams(attention_sms: int, balanced: bool) -> tuple[torch.cuda.Stream, torch.cuda.Stream, int, int]:
+    """Two streams, each in a CUDA green context of its own: the first on ``attention_sms`` SMs
+    (rounded up to the GPU's granularity, 8 on Hopper), the second on the SMs left. ``balanced``:
+    each context also gets work queues of its own (a workqueue configuration resource with the
+    green-context-balanced sharing scope, CUDA 13), so that one stream's launches cannot queue
+    behind the other's. Returns the streams and their SM counts."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:
+        raise SystemExit("--green needs cuda-bindings (pip install cuda-bindings)") from e
+
+    def ok(res):
+        if res[0] != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver error {res[0]!r} while making green contexts")
+        return res[1] if len(res) == 2 else res[1:]
+
+    torch.cuda.init()
+    dev = ok(cu.cuDeviceGet(torch.cuda.current_device()))
+    whole = ok(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, _, rest = ok(cu.cuDevSmResourceSplitByCount(1, whole, 0, attention_sms))
+    streams = []
+    for part in (groups[0], rest):
+        parts = [part]
+        if balanced:
+            wq = ok(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_WORKQUEUE_CONFIG))
+            wq.wqConfig.sharingScope = cu.CUdevWorkqueueConfigScope.CU_WORKQUEUE_SCOPE_GREEN_CTX_BALANCED
+            parts.append(wq)
+        desc = ok(cu.cuDevResourceGenerateDesc(parts, len(parts)))
+        ctx = ok(cu.cuGreenCtxCreate(desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        handle = ok(cu.cuGreenCtxStreamCreate(ctx, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        streams.append(torch.cuda.ExternalStream(int(handle)))
+    return streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount
+
+
+def time_eager(fn: Callable[[], object], reps: int = 8) -> float:
+    """Milliseconds per call of fn, launched eagerly (after three warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def on_stream(st: torch.cuda.Stream, fn: Callable[[], object]) -> Callable[[], None]:
+    """fn run on stream st, ordered after and before the current stream's work."""
+    def run() -> None:
+        main = torch.cuda.current_stream()
+        st.wait_stream(main)
+        with torch.cuda.stream(st):
+            fn()
+        main.wait_stream(st)
+    return run
+
+
+def green_rows(m: Model, shares: list[int], configs: list[tuple[int, int, int] | None], layers: int,
+               balanced: bool) -> dict:
+    """On each green split, µs a layer: each side alone on its share, both at once with nothing
+    between them (``concurrent``: what sharing the GPU costs each), and the pipeline, eager and
+    (where the driver lets streams of two contexts into one capture) from a CUDA graph."""
+    res: dict[str, float] = {"serial_eager": time_eager(lambda: m.run("serial")) * 1e3 / layers}
+    for n in shares:
+        try:
+            a_st, g_st, a_sms, g_sms = green_streams(n, balanced)
+        except (RuntimeError, AttributeError) as e:
+            print(f"  green {n} (balanced={balanced}): {e}", flush=True)
+            continue
+        m.attention_sms = a_sms
+        for c in configs:
+            m.attention_config = c
+            tag = f"g{a_sms}" + (f"_{'-'.join(map(str, c))}" if c else "")
+
+            def attention() -> None:
+                m.run("attention")
+
+            def gemms() -> None:
+                m.run("gemms")
+
+            def both(a_st: torch.cuda.Stream = a_st, g_st: torch.cuda.Stream = g_st) -> None:
+                main = torch.cuda.current_stream()
+                for st, fn in ((a_st, attention), (g_st, gemms)):
+                    st.wait_stream(main)
+                    with torch.cuda.stream(st):
+                        fn()
+                for st in (a_st, g_st):
+                    main.wait_stream(st)
+
+            res[f"attention_{tag}"] = time_eager(on_stream(a_st, attention)) * 1e3 / layers
+            res[f"gemms_{tag}"] = time_eager(on_stream(g_st, gemms)) * 1e3 / layers
+            res[f"concurrent_{tag}"] = time_eager(both) * 1e3 / layers
+            m.gemm_stream, m.attention_stream = g_st, a_st
+            res[f"pipeline_{tag}"] = time_eager(lambda: m.pipeline()) * 1e3 / layers
+            try:
+                res[f"pipeline_graph_{tag}"] = gemv_tuner.time_graph(lambda i: m.pipeline(), 1, reps=2) * 1e3 / layers
+            except RuntimeError as e:
+                print(f"  pipeline over green streams in a CUDA graph: {str(e).splitlines()[0]}", flush=True)
+                torch.cuda.synchronize()
+        print(f"  green: attention {a_sms} SMs, projections {g_sms} SMs, balanced work queues {balanced}", flush=True)
+    m.attention_sms, m.attention_config = m.sms, None
+    return res
+
+
 def set_carveout(sms: int) -> None:
     """Leave ``sms`` SMs out of cuBLAS(Lt) kernels launched from now on (0: none)."""
     if hasattr(torch._C, "_set_sm_carveout_experimental"):
@@ -201,8 +322,18 @@ def main() -> None:
     ap.add_argument("--attention-sms", type=int, default=0, help="size the attention's split grid for this many SMs")
     ap.add_argument("--priority", action="store_true", help="the projections' stream first")
     ap.add_argument("--cublaslt", action="store_true", help="bf16 GEMMs on cuBLASLt (where the carveout applies)")
+    ap.add_argument("--green", type=int, nargs="*", default=[],
+                    help="SMs of the attention's green context (the projections take the rest), one run each")
+    ap.add_argument("--balanced", action="store_true",
+                    help="green contexts with work queues of their own (CUDA 13's balanced workqueue scope)")
+    ap.add_argument("--attention-config", nargs="*", default=[],
+                    help="decode configs 'keys,warps,stages' tried on the attention's green share (default: the usual)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
+    configs: list[tuple[int, int, int] | None] = [None]
+    for c in a.attention_config:
+        keys, warps, stages = (int(v) for v in c.split(","))
+        configs.append((keys, warps, stages))
     if a.cublaslt:
         torch.backends.cuda.preferred_blas_library("cublaslt")
     shape = Shape(SHAPES[a.model])
@@ -222,6 +353,8 @@ def main() -> None:
                     res[f"gemms_c{c}"], res[f"pipeline_c{c}"] = timed("gemms"), timed("pipeline")
                     m.attention_sms = m.sms
                     set_carveout(0)
+                if a.green:
+                    res.update(green_rows(m, a.green, configs, a.layers, a.balanced))
                 flop = 2 * S * (m.layers[0].qkv.numel() + m.layers[0].o.numel() + m.layers[0].gate_up.numel()
                                 + m.layers[0].down.numel())
                 kv = 2 * S * ctx * shape.num_kv_heads * shape.head_dim * 2
@@ -230,11 +363,18 @@ def main() -> None:
                        "serial_over_overlap": res["serial"] / res["overlap"],
                        **{f"serial_over_pipeline_c{c}": res["serial"] / res[f"pipeline_c{c}"] for c in a.carveout},
                        "sum_over_serial": (res["gemms"] + res["attention"]) / res["serial"]}
+                for k in [k for k in res if k.startswith("attention_g")]:
+                    row[k + "_tb_s"] = kv / res[k] / 1e6
+                for k in [k for k in res if k.startswith(("pipeline_g", "concurrent_g"))]:
+                    row["serial_eager_over_" + k] = res["serial_eager"] / res[k]
                 rows.append(row)
                 print(f"S={S:4d} ctx={ctx:5d} nano={n}: " + "  ".join(f"{k} {v:7.1f}" for k, v in res.items())
                       + f" us/layer; GEMMs {row['gemm_tflop_s']:.0f} TFLOP/s, attention {row['attention_tb_s']:.2f}"
                       f" TB/s; serial/overlap {row['serial_over_overlap']:.2f}; serial/pipeline "
-                      + " ".join(f"c{c} {res['serial'] / res[f'pipeline_c{c}']:.2f}" for c in a.carveout), flush=True)
+                      + " ".join(f"c{c} {res['serial'] / res[f'pipeline_c{c}']:.2f}" for c in a.carveout)
+                      + "".join(f"; {k} {v:.2f}" for k, v in row.items() if k.endswith("_tb_s") and "_g" in k)
+                      + "".join(f"; {k} {v:.2f}" for k, v in row.items() if k.startswith("serial_eager_over")),
+                      flush=True)
                 m.layers.clear()
                 torch.cuda.empty_cache()
     if a.output:
