@@ -228,14 +228,22 @@ def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, len_ptr, s_ps, s_ph, s_psp,
 MAX_SPLITS = 64
 
 
+# the shortest key slice, in blocks. Slices of one or two blocks pay in the step: batch-1 decode
+# of Llama-3.1-8B with FP8 weights on an H200 (tools/ablate_decode.py, docs/gpu_notes.md,
+# twenty-eighth round), 128-256 tokens of context: 398.6 tok/s with 2 slices (what a floor of 4
+# blocks gave an engine of 320 positions), 410.2 with 8, 409.9 with 32; 1,024-1,152 tokens: 380.7
+# with 8 (the floor of 4 again), 404.6 with 32.
+MIN_SLICE_BLOCKS = 1
+
+
 def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tokens_per_block: int, num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU about twice, but never slices shorter than 4 blocks; a
-    power of two, so that the split kernel (SPLITS is a compile-time constant) has few forms —
-    seven slice counts, one key slice in two or three configs (``decode_configs``) — all
-    compiled at start-up (``compile_decode_splits``): a batch of any size, a mixed step's decode
-    rows included, never waits for a compile while serving."""
+    """Enough programs to fill the GPU about twice, but no slice shorter than
+    ``MIN_SLICE_BLOCKS``; a power of two, so that the split kernel (SPLITS is a compile-time
+    constant) has few forms — seven slice counts, one key slice in two or three configs
+    (``decode_configs``) — all compiled at start-up (``compile_decode_splits``): a batch of any
+    size, a mixed step's decode rows included, never waits for a compile while serving."""
     want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
-    cap = max(1, triton.cdiv(max_seq_len, 4 * tokens_per_block))
+    cap = max(1, triton.cdiv(max_seq_len, MIN_SLICE_BLOCKS * tokens_per_block))
     n = int(max(1, min(want, cap, MAX_SPLITS)))
     return 1 << (n.bit_length() - 1)
 
