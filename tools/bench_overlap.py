@@ -230,20 +230,6 @@ def green_streams(attention_sms: int, balanced: bool) -> tuple[torch.cuda.Stream
     return streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount
 
 
-def time_eager(fn: Callable[[], object], reps: int = 8) -> float:
-    """Milliseconds per call of fn, launched eagerly (after three warm-up calls)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def on_stream(st: torch.cuda.Stream, fn: Callable[[], object]) -> Callable[[], None]:
     """fn run on stream st, ordered after and before the current stream's work."""
     def run() -> None:
@@ -260,7 +246,7 @@ def green_rows(m: Model, shares: list[int], configs: list[tuple[int, int, int] |
     """On each green split, µs a layer: each side alone on its share, both at once with nothing
     between them (``concurrent``: what sharing the GPU costs each), and the pipeline, eager and
     (where the driver lets streams of two contexts into one capture) from a CUDA graph."""
-    res: dict[str, float] = {"serial_eager": time_eager(lambda: m.run("serial")) * 1e3 / layers}
+    res: dict[str, float] = {"serial_eager": gemv_tuner.time_eager(lambda: m.run("serial")) * 1e3 / layers}
     for n in shares:
         try:
             a_st, g_st, a_sms, g_sms = green_streams(n, balanced)
@@ -287,11 +273,11 @@ def green_rows(m: Model, shares: list[int], configs: list[tuple[int, int, int] |
                 for st in (a_st, g_st):
                     main.wait_stream(st)
 
-            res[f"attention_{tag}"] = time_eager(on_stream(a_st, attention)) * 1e3 / layers
-            res[f"gemms_{tag}"] = time_eager(on_stream(g_st, gemms)) * 1e3 / layers
-            res[f"concurrent_{tag}"] = time_eager(both) * 1e3 / layers
+            res[f"attention_{tag}"] = gemv_tuner.time_eager(on_stream(a_st, attention)) * 1e3 / layers
+            res[f"gemms_{tag}"] = gemv_tuner.time_eager(on_stream(g_st, gemms)) * 1e3 / layers
+            res[f"concurrent_{tag}"] = gemv_tuner.time_eager(both) * 1e3 / layers
             m.gemm_stream, m.attention_stream = g_st, a_st
-            res[f"pipeline_{tag}"] = time_eager(lambda: m.pipeline()) * 1e3 / layers
+            res[f"pipeline_{tag}"] = gemv_tuner.time_eager(lambda: m.pipeline()) * 1e3 / layers
             try:
                 res[f"pipeline_graph_{tag}"] = gemv_tuner.time_graph(lambda i: m.pipeline(), 1, reps=2) * 1e3 / layers
             except RuntimeError as e:

@@ -34,23 +34,12 @@ def measure_bandwidth(gib: float = 4.0) -> dict[str, float]:
     import torch
     if not torch.cuda.is_available():
         return {}
+    from phalanx.kernels.gemv_tuner import time_eager
     n = int(gib * 2**30) // 2
     x = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     y = torch.empty_like(x)
-
-    def timed(fn, reps=10):
-        fn()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e) / reps / 1e3
-
-    copy_s = timed(functools.partial(torch.Tensor.copy_, y, x))
-    read_s = timed(functools.partial(torch.sum, x, dtype=torch.float32))
+    copy_s = time_eager(functools.partial(torch.Tensor.copy_, y, x), reps=10, warmup=1) / 1e3
+    read_s = time_eager(functools.partial(torch.sum, x, dtype=torch.float32), reps=10, warmup=1) / 1e3
     del x, y   # free the memory before the engine starts
     torch.cuda.empty_cache()
     return {"copy_tb_s": 2 * n * 2 / copy_s / 1e12, "read_tb_s": n * 2 / read_s / 1e12}

@@ -66,6 +66,21 @@ def time_graph(fn: Callable[[int], object], copies: int, reps: int = 24) -> floa
     return start.elapsed_time(end) / (3 * reps)
 
 
+def time_eager(fn: Callable[[], object], reps: int = 8, warmup: int = 3) -> float:
+    """Milliseconds per call of fn launched eagerly (after ``warmup`` calls), for work whose
+    launches take far less than its kernels, or that a graph cannot capture."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def weight_copies(w: torch.Tensor, l2_bytes: int = L2_BYTES) -> list[torch.Tensor]:
     """w and random copies of it, together larger than L2: timing reads them from memory."""
     nbytes = w.numel() * w.element_size()
