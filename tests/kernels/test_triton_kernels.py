@@ -417,6 +417,16 @@ def test_decode_slices_are_powers_of_two_and_all_compile_at_start_up():
     assert len(triton_attention.decode_configs(kc, 1)) == 2 and len(triton_attention.decode_configs(kc, 2)) == 1
 
 
+def test_a_short_engine_decodes_one_sequence_over_slices_of_one_block():
+    """The floor on a key slice is one block (``MIN_SLICE_BLOCKS``): an engine of 320 positions
+    with 32-token blocks splits one sequence's keys 8 ways (a floor of 4 blocks gave 2), one of
+    1,216 positions 32 ways; many sequences still fill the GPU without slicing."""
+    assert triton_attention.num_splits(1, 8, 320, 32) == 8
+    assert triton_attention.num_splits(1, 8, 1216, 32) == 32
+    assert triton_attention.num_splits(1, 8, 131072, 32) == 32
+    assert triton_attention.num_splits(256, 8, 320, 32) == 1
+
+
 def test_leading_decode_rows_counts_only_a_mixed_steps_first_one_query_rows():
     import numpy as np
 
