@@ -39,10 +39,27 @@ def skip(what: set[str]) -> None:
     if "attention" in what:
         def no_attention(q, k_cache, v_cache, meta, scale, window=None, kv_of_q=None, out=None):
             return q if out is None else out
-        ops.paged_attention = no_attention     
+        ops.paged_attention = no_attention
     if "norms" in what:
         ops.rms_norm = lambda x, weight, eps: x
         ops.fused_add_rms_norm = lambda x, residual, weight, eps: (x, residual)
+
+
+def check(variant: str, batch: int) -> None:
+    """Refuse a variant this tool cannot run as asked, naming the part and the limit."""
+    from phalanx.kernels.linear_plan import ROW_BUCKETS
+    from phalanx.kernels.triton_attention import MAX_SPLITS
+    parts = variant.split("+")
+    bad = {w for w in parts if not w.startswith("splits=")} - {"none", "attention", "norms", "merge"}
+    if bad:
+        raise SystemExit(f"--skip: unknown {sorted(bad)} in {variant!r} (attention, norms, merge, splits=N)")
+    for w in parts:
+        n = w.removeprefix("splits=")
+        if w.startswith("splits=") and not (n.isdigit() and 0 < int(n) <= MAX_SPLITS and not int(n) & (int(n) - 1)):
+            raise SystemExit(f"--skip {w}: N must be a power of two from 1 to {MAX_SPLITS} (the compiled forms)")
+    if "norms" in parts and batch > ROW_BUCKETS[-1]:
+        raise SystemExit(f"--skip norms: up to --batch {ROW_BUCKETS[-1]} (got {batch}); above that an FP8 model's "
+                         "norms also quantize the rows (ops.rms_norm_fp8), which this tool does not leave out")
 
 
 def one(variant: str, config: str | None, prompt_len: int, steps: int, batch: int) -> dict:
@@ -87,13 +104,12 @@ def main() -> None:
     if a.child is not None:
         print(json.dumps(one(a.child, a.config, a.prompt_len, a.steps, a.batch)))
         return
+    for variant in a.skip:
+        check(variant, a.batch)
     if not torch.cuda.is_available():
         raise SystemExit("ablate_decode needs a GPU")
     rows = []
     for variant in a.skip:
-        bad = {w for w in variant.split("+") if not w.startswith("splits=")} - {"none", "attention", "norms", "merge"}
-        if bad:
-            raise SystemExit(f"--skip: unknown {sorted(bad)} in {variant!r} (attention, norms, merge, splits=N)")
         cmd = [sys.executable, __file__, "--child", variant, "--prompt-len", str(a.prompt_len), "--steps", str(a.steps),
                "--batch", str(a.batch)]
         if a.config:

@@ -35,7 +35,8 @@ attention's split grid for that many SMs.
               they are timed from eager launches, so ``serial_eager`` is their baseline (the
               pipeline also from a CUDA graph where the driver captures it); ``concurrent_gN``
               runs both sides at once with no dependencies between them, what sharing costs each;
-              ``--balanced`` gives each context work queues of its own. ``--attention-config`` tries
+              ``--balanced`` gives each context work queues of its own. The usual decode config
+              is the one the engine picks for the grid on the whole GPU. ``--attention-config`` tries
               decode configs (keys a step, warps, stages) on the attention's share besides the usual one.
 
     python tools/bench_overlap.py --batch 256 512 --green 64 80 96 --attention-config 32,2,2 64,4,4
@@ -196,38 +197,52 @@ class Model:
         main.wait_stream(a)
 
 
+def cuda_driver():
+    """cuda-bindings' driver module, which ``--green`` needs."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise SystemExit("--green needs cuda-bindings (pip install cuda-bindings)") from e
+    return driver
+
+
+_GREEN: dict[tuple[int, bool], tuple[torch.cuda.Stream, torch.cuda.Stream, int, int]] = {}
+
+
 def green_streams(attention_sms: int, balanced: bool) -> tuple[torch.cuda.Stream, torch.cuda.Stream, int, int]:
     """Two streams, each in a CUDA green context of its own: the first on ``attention_sms`` SMs
     (rounded up to the GPU's granularity, 8 on Hopper), the second on the SMs left. ``balanced``:
     each context also gets work queues of its own (a workqueue configuration resource with the
     green-context-balanced sharing scope, CUDA 13), so that one stream's launches cannot queue
-    behind the other's. Returns the streams and their SM counts."""
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError as e:
-        raise SystemExit("--green needs cuda-bindings (pip install cuda-bindings)") from e
+    behind the other's. Returns the streams and their SM counts; made once per split and kept
+    for the rest of the run."""
+    if (attention_sms, balanced) in _GREEN:
+        return _GREEN[attention_sms, balanced]
+    cu = cuda_driver()
 
-    def ok(res):
+    def ok(call: str, *args):
+        res = getattr(cu, call)(*args)
         if res[0] != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA driver error {res[0]!r} while making green contexts")
+            raise RuntimeError(f"{call}: CUDA driver error {res[0]!r}")
         return res[1] if len(res) == 2 else res[1:]
 
     torch.cuda.init()
-    dev = ok(cu.cuDeviceGet(torch.cuda.current_device()))
-    whole = ok(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
-    groups, _, rest = ok(cu.cuDevSmResourceSplitByCount(1, whole, 0, attention_sms))
+    dev = ok("cuDeviceGet", torch.cuda.current_device())
+    whole = ok("cuDeviceGetDevResource", dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
+    groups, _, rest = ok("cuDevSmResourceSplitByCount", 1, whole, 0, attention_sms)
     streams = []
     for part in (groups[0], rest):
         parts = [part]
         if balanced:
-            wq = ok(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_WORKQUEUE_CONFIG))
+            wq = ok("cuDeviceGetDevResource", dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_WORKQUEUE_CONFIG)
             wq.wqConfig.sharingScope = cu.CUdevWorkqueueConfigScope.CU_WORKQUEUE_SCOPE_GREEN_CTX_BALANCED
             parts.append(wq)
-        desc = ok(cu.cuDevResourceGenerateDesc(parts, len(parts)))
-        ctx = ok(cu.cuGreenCtxCreate(desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-        handle = ok(cu.cuGreenCtxStreamCreate(ctx, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        desc = ok("cuDevResourceGenerateDesc", parts, len(parts))
+        ctx = ok("cuGreenCtxCreate", desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
+        handle = ok("cuGreenCtxStreamCreate", ctx, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
         streams.append(torch.cuda.ExternalStream(int(handle)))
-    return streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount
+    _GREEN[attention_sms, balanced] = (streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount)
+    return _GREEN[attention_sms, balanced]
 
 
 def on_stream(st: torch.cuda.Stream, fn: Callable[[], object]) -> Callable[[], None]:
@@ -247,6 +262,7 @@ def green_rows(m: Model, shares: list[int], configs: list[tuple[int, int, int] |
     between them (``concurrent``: what sharing the GPU costs each), and the pipeline, eager and
     (where the driver lets streams of two contexts into one capture) from a CUDA graph."""
     res: dict[str, float] = {"serial_eager": gemv_tuner.time_eager(lambda: m.run("serial")) * 1e3 / layers}
+    streams = m.gemm_stream, m.attention_stream
     for n in shares:
         try:
             a_st, g_st, a_sms, g_sms = green_streams(n, balanced)
@@ -285,6 +301,7 @@ def green_rows(m: Model, shares: list[int], configs: list[tuple[int, int, int] |
                 torch.cuda.synchronize()
         print(f"  green: attention {a_sms} SMs, projections {g_sms} SMs, balanced work queues {balanced}", flush=True)
     m.attention_sms, m.attention_config = m.sms, None
+    m.gemm_stream, m.attention_stream = streams
     return res
 
 
@@ -316,6 +333,8 @@ def main() -> None:
                     help="decode configs 'keys,warps,stages' tried on the attention's green share (default: the usual)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
+    if a.green:
+        cuda_driver()
     configs: list[tuple[int, int, int] | None] = [None]
     for c in a.attention_config:
         keys, warps, stages = (int(v) for v in c.split(","))
