@@ -245,14 +245,17 @@ def green_streams(attention_sms: int, balanced: bool) -> tuple[torch.cuda.Stream
     return _GREEN[attention_sms, balanced]
 
 
-def on_stream(st: torch.cuda.Stream, fn: Callable[[], object]) -> Callable[[], None]:
-    """fn run on stream st, ordered after and before the current stream's work."""
+def on_streams(*work: tuple[torch.cuda.Stream, Callable[[], object]]) -> Callable[[], None]:
+    """Each (stream, fn) pair run on its stream, all started after the current stream's work and
+    joined back into it: one pair times a side alone, two run both sides at once."""
     def run() -> None:
         main = torch.cuda.current_stream()
-        st.wait_stream(main)
-        with torch.cuda.stream(st):
-            fn()
-        main.wait_stream(st)
+        for st, fn in work:
+            st.wait_stream(main)
+            with torch.cuda.stream(st):
+                fn()
+        for st, _ in work:
+            main.wait_stream(st)
     return run
 
 
@@ -270,30 +273,16 @@ def green_rows(m: Model, shares: list[int], configs: list[tuple[int, int, int] |
             print(f"  green {n} (balanced={balanced}): {e}", flush=True)
             continue
         m.attention_sms = a_sms
+        m.gemm_stream, m.attention_stream = g_st, a_st
+        attention = (a_st, lambda: m.run("attention"))
+        gemms = (g_st, lambda: m.run("gemms"))
         for c in configs:
             m.attention_config = c
             tag = f"g{a_sms}" + (f"_{'-'.join(map(str, c))}" if c else "")
-
-            def attention() -> None:
-                m.run("attention")
-
-            def gemms() -> None:
-                m.run("gemms")
-
-            def both(a_st: torch.cuda.Stream = a_st, g_st: torch.cuda.Stream = g_st) -> None:
-                main = torch.cuda.current_stream()
-                for st, fn in ((a_st, attention), (g_st, gemms)):
-                    st.wait_stream(main)
-                    with torch.cuda.stream(st):
-                        fn()
-                for st in (a_st, g_st):
-                    main.wait_stream(st)
-
-            res[f"attention_{tag}"] = gemv_tuner.time_eager(on_stream(a_st, attention)) * 1e3 / layers
-            res[f"gemms_{tag}"] = gemv_tuner.time_eager(on_stream(g_st, gemms)) * 1e3 / layers
-            res[f"concurrent_{tag}"] = gemv_tuner.time_eager(both) * 1e3 / layers
-            m.gemm_stream, m.attention_stream = g_st, a_st
-            res[f"pipeline_{tag}"] = gemv_tuner.time_eager(lambda: m.pipeline()) * 1e3 / layers
+            res[f"attention_{tag}"] = gemv_tuner.time_eager(on_streams(attention)) * 1e3 / layers
+            res[f"gemms_{tag}"] = gemv_tuner.time_eager(on_streams(gemms)) * 1e3 / layers
+            res[f"concurrent_{tag}"] = gemv_tuner.time_eager(on_streams(attention, gemms)) * 1e3 / layers
+            res[f"pipeline_{tag}"] = gemv_tuner.time_eager(m.pipeline) * 1e3 / layers
             try:
                 res[f"pipeline_graph_{tag}"] = gemv_tuner.time_graph(lambda i: m.pipeline(), 1, reps=2) * 1e3 / layers
             except RuntimeError as e:
