@@ -14,6 +14,7 @@ the next step gathers it from that buffer on the device; its position comes from
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, pairwise
 from typing import TYPE_CHECKING
@@ -540,6 +541,19 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one step synchronously and return host-side results."""
         return self.collect(self.launch(batch))
+
+    def align_marker(self) -> dict[str, float]:
+        """A kernel launched on an idle device at a known host time (``time.monotonic``): a
+        profile started just before holds it as its first kernel, whose start then places the
+        host's stamped marks (HostClock's trace) on the profile's clock, to within the launch
+        latency (tools/profile_gaps.py)."""
+        if self.device.type != "cuda":
+            return {"monotonic": time.monotonic()}
+        torch.cuda.synchronize(self.device)
+        t = time.monotonic()
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize(self.device)
+        return {"monotonic": t}
 
     def idle_fraction(self) -> dict[str, float]:
         """From the recorded CUDA events: busy time, gaps between consecutive steps, idle share."""

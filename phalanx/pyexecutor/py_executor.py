@@ -348,10 +348,12 @@ class PyExecutor:
                                "compiled": compiles.since(self._compiles_before)})
         if op == "profile:start":                # the torch profiler around the steps that follow
             from torch.profiler import ProfilerActivity, profile
-            self._profiler = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+            # gpu_only: no host op recorded, so the loop runs at its own pace (a GPU only: the host's ops elsewhere)
+            gpu_only = bool(args.get("gpu_only")) and self.runner.device.type == "cuda"
+            self._profiler = profile(activities=[ProfilerActivity.CUDA] + ([] if gpu_only else [ProfilerActivity.CPU]))
             self._profiler.__enter__()
             self._profiled_from = self.iteration
-            return "ok"
+            return json.dumps(self.runner.align_marker()) if args.get("align") else "ok"
         if op == "profile:stop":                 # this rank's kernels per step, slowest first
             prof, self._profiler = self._profiler, None
             if prof is None:
