@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="gaps.json.gz", help="the profile's Chrome trace (.gz: compressed)")
     ap.add_argument("--analyse", default=None, metavar="TRACE",
                     help="only analyse a trace written before (with its marks file beside it)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="instead: the profiled point with rank 0's loop under cProfile (functions by own time)")
     ap.add_argument("--output", default=None, help="write the report as JSON here")
     a = ap.parse_args(argv)
     for name in ("isl", "osl", "concurrency", "num_requests", "max_batch_size"):
@@ -170,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         report = analyse(load_events(a.analyse), saved["marks"], saved["monotonic"])
     else:
         report = profile_point(a)
-    print_report(report)
+    if "host_profile" in report:
+        print(report["host_profile"])
+    else:
+        print_report(report)
     if a.output:
         with open(a.output, "w") as f:
             json.dump(report, f, indent=1)
@@ -187,10 +192,24 @@ def profile_point(a: argparse.Namespace) -> dict[str, Any]:
     if a.config:
         kwargs = merge_yaml(kwargs, a.config)
     with LLM(model, skip_tokenizer_init=dummy, **kwargs) as llm:
-        warm = run_phalanx(llm, a.isl, a.osl, a.concurrency, a.num_requests)   # unprofiled: its figures
-        print(f"unprofiled point: {warm['output_throughput']:.1f} out tok/s in {warm['duration_s']:.2f} s", flush=True)
+        warm = run_phalanx(llm, a.isl, a.osl, a.concurrency, a.num_requests, step_times=True)   # unprofiled
+        steps = warm["steps"]
+        print(f"unprofiled point: {warm['output_throughput']:.1f} out tok/s in {warm['duration_s']:.2f} s; "
+              f"GPU idle between steps {steps.get('gap_ms', 0.0):.0f} ms; rank 0's GC {steps.get('gc')}", flush=True)
         prompts = make_prompts(a.num_requests + 2, a.isl, llm.vocab_size)[2:]
         llm.reset_prefix_cache()
+        if a.host_profile:
+            llm.control("timing:on")
+            llm.control("hostprofile:start")
+            t0 = time.perf_counter()
+            asyncio.run(_run(llm, prompts, a.osl, a.concurrency))
+            elapsed = time.perf_counter() - t0
+            stats = llm.control("hostprofile:stop", timeout=120, args={"top": 70, "sort": "tottime"}).per_rank[0]
+            steps = json.loads(llm.control("timing", timeout=300).per_rank[0])
+            llm.control("timing:off")
+            return {"host_profile": stats, "profiled_out_tok_s": a.num_requests * a.osl / elapsed,
+                    "unprofiled_out_tok_s": warm["output_throughput"], "gc": steps.get("gc"),
+                    "host_ms_per_step": steps.get("host_ms_per_step")}
         llm.control("trace:on")
         align = json.loads(llm.control("profile:start", args={"gpu_only": True, "align": True}).per_rank[0])
         t0 = time.perf_counter()

@@ -257,6 +257,9 @@ def _steps_line(steps: dict) -> str:
         parts.append(f"{kind}: {k['steps']} steps {k['gpu_ms'] / 1e3:.1f} s GPU ({k['gpu_ms'] / n:.1f} ms a step, "
                      f"{k['decode_rows'] / n:.0f} decode rows + {k['prompt_tokens'] / n:.0f} prompt tokens)")
     gaps = f"idle between steps {steps['gap_ms'] / 1e3:.1f} s" if "gap_ms" in steps else "no step times"
+    if "gc" in steps:   # rank 0's garbage-collector pauses over the point
+        gc = steps["gc"]
+        gaps += f"; rank 0's GC paused {sum(gc['ms']):.0f} ms (longest {gc['max_ms']:.0f})"
     line = "    " + "; ".join(parts + [gaps])
     bins = sorted(steps.get("decode_by_rows", {}).items(), key=lambda kv: int(kv[0]))
     if bins:

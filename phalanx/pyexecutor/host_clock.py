@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 TRACE_LIMIT = 100_000   # marks a trace keeps (a forgotten trace stops growing there)
@@ -64,3 +65,47 @@ class HostClock:
         first, last = self._steps
         steps = (last if last is not None else iteration) - first
         return {k: round(1e3 * v / max(1, steps), 4) for k, v in self.seconds.items()}
+
+
+class GcPauses:
+    """The garbage collector's pauses in this process, by generation (``gc.callbacks``): how
+    many collections, their total and their longest milliseconds since ``reset``. A full
+    collection walks every object the process tracks, so with a model's worth of them it can
+    stall the loop for a whole step; the rank loop therefore freezes what start-up made
+    (``freeze_startup_objects``) and reports its pauses here."""
+
+    def __init__(self) -> None:
+        self.reset()
+        self._t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def reset(self) -> None:
+        self.count = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self.max_ms = 0.0
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._t0) * 1e3
+        g = min(int(info.get("generation", 2)), 2)
+        self.count[g] += 1
+        self.ms[g] += ms
+        self.max_ms = max(self.max_ms, ms)
+
+    def summary(self) -> dict[str, object]:
+        return {"collections": list(self.count), "ms": [round(x, 3) for x in self.ms], "max_ms": round(self.max_ms, 3)}
+
+
+def freeze_startup_objects() -> int:
+    """Collect once, then move every object alive now (the model, its kernels and caches, the
+    engine's tables) to the collector's permanent generation, so that later collections walk
+    only what serving creates; returns how many were frozen. For a process that only serves."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

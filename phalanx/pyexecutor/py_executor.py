@@ -12,6 +12,7 @@ other ranks can no longer line up) and propagates to the worker, which reports t
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -37,7 +38,7 @@ from phalanx.executor.messages import (
 )
 from phalanx.kernels import compiles
 from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
-from phalanx.pyexecutor.host_clock import HostClock
+from phalanx.pyexecutor.host_clock import GcPauses, HostClock
 from phalanx.pyexecutor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
 from phalanx.pyexecutor.request import Request, RequestStatus
 from phalanx.pyexecutor.rollout import Rollout
@@ -129,13 +130,17 @@ class PyExecutor:
         self._host_profiler: Any = None
         self._profiled_from = 0
         self.clock = runner.clock = HostClock()   # the runner marks its own phases of a launch
+        self.gc_pauses = GcPauses()
         self.rollout = Rollout(self)   # pause, sleep, weight updates and versions (RL trainers)
 
     # -- the loops: one switch, two short functions -----------------------------------------------------
     def run(self) -> None:
         """Run until a shutdown arrives and (after aborting what is left) return."""
-        (self._loop_sync if self.disable_overlap else self._loop_overlap)()
-        self.abort_all()
+        try:
+            (self._loop_sync if self.disable_overlap else self._loop_overlap)()
+            self.abort_all()
+        finally:
+            self.gc_pauses.close()
 
     def _loop_sync(self) -> None:
         """Schedule, run and read each step before scheduling the next."""
@@ -334,6 +339,7 @@ class PyExecutor:
                 self.runner.timing_shapes.clear()
                 self._compiles_before = compiles.count()
                 self.clock.start(self.iteration)
+                self.gc_pauses.reset()
             else:
                 self.clock.stop(self.iteration)
             return "ok"
@@ -345,6 +351,7 @@ class PyExecutor:
         if op == "timing":   # + the host's milliseconds per step in each phase of the loop
             out = self.runner.idle_fraction() if self.runner.timings else {}
             return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration),
+                               "gc": self.gc_pauses.summary(), "gc_frozen": gc.get_freeze_count(),
                                "compiled": compiles.since(self._compiles_before)})
         if op == "profile:start":                # the torch profiler around the steps that follow
             from torch.profiler import ProfilerActivity, profile

@@ -40,6 +40,7 @@ from phalanx.executor.messages import (
     pack,
     unpack,
 )
+from phalanx.pyexecutor.host_clock import freeze_startup_objects
 
 logger = logging.getLogger("phalanx")
 
@@ -154,6 +155,10 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
     if link is not None:
         info["rank_processes"] = [[host, int(pid)] for host, pid in (p.split() for p in processes)]
         link.sender.send(Ready(info))
+    # this process only serves from here: what start-up made (the model, kernels, tables) stays
+    # out of every later collection, whose full passes would otherwise walk it and stall a step
+    frozen = freeze_startup_objects()
+    logger.debug("rank %d: %d start-up objects frozen out of garbage collection", dist.rank, frozen)
     try:
         engine.run()
     except BaseException:

@@ -2,6 +2,7 @@
 streaming and abort at scale; rank failures fail every pending request, naming the rank."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -139,6 +140,20 @@ def test_fifty_concurrent_streams_are_exact(tp2):
         n = lengths[i]
         assert len(deltas) == n and deltas == reference[n]
         assert finished[-1] and not any(finished[:-1])
+
+
+def test_every_rank_serves_with_its_start_up_frozen_and_counts_its_gc_pauses(tp2):
+    """A rank process only serves once started: what start-up made is out of every collection
+    (gc.freeze), and the timing op reports the collector's pauses over the timed steps."""
+    tp2.control("timing:on")
+    try:
+        tp2.generate([[9, 9, 4]] * 4, greedy(6), use_tqdm=False)
+        timing = [json.loads(r) for r in tp2.control("timing").per_rank]
+    finally:
+        tp2.control("timing:off")
+    for rank in timing:
+        assert rank["gc_frozen"] > 10_000, rank["gc_frozen"]     # torch and the model alone make far more
+        assert len(rank["gc"]["collections"]) == 3 and rank["gc"]["max_ms"] <= sum(rank["gc"]["ms"]) + 1e-9
 
 
 def test_abort_ten_of_a_hundred(tp2):

@@ -51,3 +51,38 @@ def test_timing_and_a_trace_run_together_and_stop_apart():
     clock.mark("wait")
     clock.stop(iteration=1)
     assert set(clock.seconds) == {"schedule", "wait"} and not clock.on
+
+
+def test_gc_pauses_count_each_collection_by_generation_until_closed():
+    import gc
+
+    from phalanx.pyexecutor.host_clock import GcPauses
+    pauses = GcPauses()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+        got = pauses.summary()
+        assert got["collections"][0] >= 1 and got["collections"][2] >= 2
+        assert got["max_ms"] > 0 and got["max_ms"] <= sum(got["ms"])
+        pauses.reset()
+        assert pauses.summary() == {"collections": [0, 0, 0], "ms": [0.0, 0.0, 0.0], "max_ms": 0.0}
+    finally:
+        pauses.close()
+    gc.collect(2)
+    assert pauses.summary()["collections"] == [0, 0, 0]     # closed: no longer called
+
+
+def test_freezing_leaves_what_is_alive_out_of_later_collections():
+    import gc
+
+    from phalanx.pyexecutor.host_clock import freeze_startup_objects
+    before = gc.get_freeze_count()
+    try:
+        kept = [[i] for i in range(1000)]      # alive now: frozen with the rest
+        frozen = freeze_startup_objects()
+        assert frozen >= before + len(kept)
+        collected = {id(o) for g in range(3) for o in gc.get_objects(g)}   # the generations a collection walks
+        assert all(gc.is_tracked(x) and id(x) not in collected for x in kept)
+    finally:
+        gc.unfreeze()
