@@ -2,15 +2,17 @@
 
 Runs one point of ``phalanx bench throughput`` (after an unprofiled one that warms the engine)
 with rank 0 under the torch profiler, GPU activity only (no host op is recorded, so the loop runs
-at its own pace), and its HostClock trace on (every phase mark, stamped). A kernel launched on the
-idle device at a known host time (``ModelRunner.align_marker``) puts the marks on the profile's
-clock. Then:
+at its own pace), and its HostClock trace on (every phase mark, stamped). A kernel run on the
+idle device, whose end the host saw at a known time (``ModelRunner.align_marker``), puts the
+marks on the profile's clock. Then:
 
 - the device's idle time: the gaps in the union of its kernels, copies and sets over the point;
 - that idle time split by the host phase under way (``receive``, ``schedule``, ``pack``, ``stage``,
   ``prepare``, ``forward``, ``launch``, ``wait``, ``update``, ``sample``, ``respond``: the phase a
   mark ends; HostClock);
-- the idle gaps by size, and the largest ones with the kernels on either side.
+- the idle gaps by size, and the largest ones with the kernels on either side;
+- with ``--host-ops`` (the host's ops recorded too, which slows it), its calls into CUDA of a
+  millisecond or more: a call that waits for the device shows there.
 
 The step times of ``--step-times`` count the GPU busy from the step's first event, which the
 host records before it packs the step's inputs; the kernel gaps here also show the device waiting
@@ -99,14 +101,36 @@ def by_size(gaps: list[tuple[float, float, str, str]]) -> list[dict[str, Any]]:
     return bins
 
 
+MARKER = "spin_kernel"      # the kernels ModelRunner.align_marker runs (torch.cuda._sleep)
+SLOW_CALL_US = 1000.0      # host calls into CUDA reported when at least this long
+
+
+def slow_calls(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The host's calls into the CUDA runtime or driver of at least SLOW_CALL_US (a profile with
+    host activity): per name, how many and their total ms — a synchronizing call shows here."""
+    out: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("dur", 0) >= SLOW_CALL_US:
+            row = out.setdefault(str(e.get("name")), {"calls": 0, "ms": 0.0})
+            row["calls"] += 1
+            row["ms"] += float(e["dur"]) / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
 def analyse(events: list[dict[str, Any]], marks: list[tuple[int, str, float]], align_monotonic: float,
             top: int = 12) -> dict[str, Any]:
     """The report: span, busy and idle µs of the device, idle by host phase and by size, the
-    largest gaps. The first device event is the alignment marker (left out of the rest)."""
+    largest gaps. The leading ``spin_kernel`` events are the alignment markers (left out of the
+    rest): the last one's end is the host's ``align_monotonic``."""
     gpu = gpu_events(events)
-    if len(gpu) < 2:
-        raise ValueError(f"the profile holds {len(gpu)} device events: nothing to analyse")
-    align_ts, gpu = gpu[0][0], gpu[1:]
+    lead = 0
+    while lead < len(gpu) and MARKER in gpu[lead][2]:
+        lead += 1
+    if lead == 0:
+        raise ValueError(f"the profile does not begin with the alignment marker ({MARKER})")
+    if len(gpu) - lead < 1:
+        raise ValueError(f"the profile holds {len(gpu) - lead} device events after its markers: nothing to analyse")
+    align_ts, gpu = gpu[lead - 1][1], gpu[lead:]
     gaps = idle_gaps(gpu)
     spans = phase_spans(marks, align_monotonic, align_ts)
     span = max(e for _, e, _ in gpu) - gpu[0][0]
@@ -116,6 +140,7 @@ def analyse(events: list[dict[str, Any]], marks: list[tuple[int, str, float]], a
         "span_us": span, "busy_us": span - idle, "idle_us": idle, "idle_fraction": idle / span if span else 0.0,
         "idle_by_phase_us": idle_by_phase(gaps, spans),
         "idle_by_size": by_size(gaps),
+        "slow_host_calls": slow_calls(events),
         "largest": [{"start_us": round(g0 - gpu[0][0], 1), "idle_us": round(g1 - g0, 1), "before": b[:80],
                      "after": a[:80], "phases": idle_by_phase([(g0, g1, b, a)], spans)}
                     for g0, g1, b, a in largest],
@@ -140,6 +165,10 @@ def print_report(r: dict[str, Any]) -> None:
         hi = f"< {b['below_us']:g} us" if b["below_us"] is not None else ""
         print(f"  {lo:>7g} us {hi:12s} {b['count']:8d} gaps {b['idle_us'] / 1e3:9.2f} ms")
         lo = b["below_us"] or lo
+    if r.get("slow_host_calls"):
+        print(f"host calls into CUDA of {SLOW_CALL_US / 1e3:g} ms or more:")
+        for name, c in r["slow_host_calls"].items():
+            print(f"  {name:32s} {c['calls']:6d} calls {c['ms']:9.1f} ms")
     print("largest gaps:")
     for g in r["largest"]:
         ph = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in g["phases"].items())
@@ -159,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="gaps.json.gz", help="the profile's Chrome trace (.gz: compressed)")
     ap.add_argument("--analyse", default=None, metavar="TRACE",
                     help="only analyse a trace written before (with its marks file beside it)")
+    ap.add_argument("--host-ops", action="store_true",
+                    help="record the host's ops and CUDA calls too (slower host; shows synchronizing calls)")
     ap.add_argument("--host-profile", action="store_true",
                     help="instead: the profiled point with rank 0's loop under cProfile (functions by own time)")
     ap.add_argument("--output", default=None, help="write the report as JSON here")
@@ -195,7 +226,8 @@ def profile_point(a: argparse.Namespace) -> dict[str, Any]:
         warm = run_phalanx(llm, a.isl, a.osl, a.concurrency, a.num_requests, step_times=True)   # unprofiled
         steps = warm["steps"]
         print(f"unprofiled point: {warm['output_throughput']:.1f} out tok/s in {warm['duration_s']:.2f} s; "
-              f"GPU idle between steps {steps.get('gap_ms', 0.0):.0f} ms; rank 0's GC {steps.get('gc')}", flush=True)
+              f"GPU idle between steps {steps.get('gap_ms', 0.0):.0f} ms; rank 0's GC {steps.get('gc')}; "
+              f"allocator {steps.get('allocator')}", flush=True)
         prompts = make_prompts(a.num_requests + 2, a.isl, llm.vocab_size)[2:]
         llm.reset_prefix_cache()
         if a.host_profile:
@@ -211,7 +243,7 @@ def profile_point(a: argparse.Namespace) -> dict[str, Any]:
                     "unprofiled_out_tok_s": warm["output_throughput"], "gc": steps.get("gc"),
                     "host_ms_per_step": steps.get("host_ms_per_step")}
         llm.control("trace:on")
-        align = json.loads(llm.control("profile:start", args={"gpu_only": True, "align": True}).per_rank[0])
+        align = json.loads(llm.control("profile:start", args={"gpu_only": not a.host_ops, "align": True}).per_rank[0])
         t0 = time.perf_counter()
         asyncio.run(_run(llm, prompts, a.osl, a.concurrency))
         elapsed = time.perf_counter() - t0

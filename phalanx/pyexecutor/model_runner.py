@@ -543,17 +543,28 @@ class ModelRunner:
         return self.collect(self.launch(batch))
 
     def align_marker(self) -> dict[str, float]:
-        """A kernel launched on an idle device at a known host time (``time.monotonic``): a
-        profile started just before holds it as its first kernel, whose start then places the
-        host's stamped marks (HostClock's trace) on the profile's clock, to within the launch
-        latency (tools/profile_gaps.py)."""
+        """A kernel run on an idle device, and the host time (``time.monotonic``) at which the
+        wait for its end returned: a profile started just before holds it as its last leading
+        ``spin_kernel``, whose end then places the host's stamped marks (HostClock's trace) on
+        the profile's clock to within the wait's wake-up (tools/profile_gaps.py). The end, not
+        the start: the first launches under a new profile can start milliseconds late. One
+        kernel goes first, so that the profiler's set-up is paid before the marker."""
         if self.device.type != "cuda":
             return {"monotonic": time.monotonic()}
-        torch.cuda.synchronize(self.device)
-        t = time.monotonic()
         torch.cuda._sleep(1000)
         torch.cuda.synchronize(self.device)
-        return {"monotonic": t}
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize(self.device)
+        return {"monotonic": time.monotonic()}
+
+    def allocator_counts(self) -> dict[str, int]:
+        """The caching allocator's counters that mean a device call in a step: cudaMalloc
+        and cudaFree calls, and retries (a failed cudaMalloc that freed the cache, which waits
+        for the device)."""
+        if self.device.type != "cuda":
+            return {}
+        st = torch.cuda.memory_stats(self.device)
+        return {k: int(st.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
     def idle_fraction(self) -> dict[str, float]:
         """From the recorded CUDA events: busy time, gaps between consecutive steps, idle share."""

@@ -129,6 +129,7 @@ class PyExecutor:
         self._profiler: Any = None
         self._host_profiler: Any = None
         self._profiled_from = 0
+        self._allocs_before: dict[str, int] = {}
         self.clock = runner.clock = HostClock()   # the runner marks its own phases of a launch
         self.gc_pauses = GcPauses()
         self.rollout = Rollout(self)   # pause, sleep, weight updates and versions (RL trainers)
@@ -340,6 +341,7 @@ class PyExecutor:
                 self._compiles_before = compiles.count()
                 self.clock.start(self.iteration)
                 self.gc_pauses.reset()
+                self._allocs_before = self.runner.allocator_counts()
             else:
                 self.clock.stop(self.iteration)
             return "ok"
@@ -352,6 +354,8 @@ class PyExecutor:
             out = self.runner.idle_fraction() if self.runner.timings else {}
             return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration),
                                "gc": self.gc_pauses.summary(), "gc_frozen": gc.get_freeze_count(),
+                               "allocator": {k: v - self._allocs_before.get(k, 0)
+                                             for k, v in self.runner.allocator_counts().items()},
                                "compiled": compiles.since(self._compiles_before)})
         if op == "profile:start":                # the torch profiler around the steps that follow
             from torch.profiler import ProfilerActivity, profile

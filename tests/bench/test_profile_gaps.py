@@ -20,7 +20,8 @@ def _gpu(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
 
 def test_idle_gaps_are_the_holes_in_the_union_of_the_devices_work():
     events = [
-        _gpu("marker", 1000.0, 1.0),                   # the alignment kernel, at host time 50.0 s
+        _gpu("spin_kernel", 900.0, 1.0),                     # the profiler's first launch
+        _gpu("spin_kernel", 999.0, 1.0),                     # the marker: its end is host time 50.0 s
         _gpu("a", 1100.0, 50.0),
         _gpu("b", 1120.0, 10.0),                       # inside a: no gap after it
         _gpu("copy", 1160.0, 5.0, cat="gpu_memcpy"),   # 10 us after a ended
@@ -42,18 +43,24 @@ def test_idle_gaps_are_the_holes_in_the_union_of_the_devices_work():
 
 
 def test_idle_outside_every_traced_phase_is_reported_as_untraced():
-    events = [_gpu("marker", 0.0, 1.0), _gpu("a", 10.0, 5.0), _gpu("b", 40.0, 5.0)]
+    events = [_gpu("spin_kernel", -1.0, 1.0), _gpu("a", 10.0, 5.0), _gpu("b", 40.0, 5.0)]
     r = profile_gaps.analyse(events, [(1, "fetch", 0.0), (1, "schedule", 0.000020)], align_monotonic=0.0)
     assert r["idle_by_phase_us"] == pytest.approx({"schedule": 5.0, "untraced": 20.0})
 
 
-def test_a_profile_without_device_work_is_refused():
-    try:
-        profile_gaps.analyse([_gpu("marker", 0.0, 1.0)], [], 0.0)
-    except ValueError as e:
-        assert "1 device events" in str(e)
-    else:
-        raise AssertionError("analyse took a profile with no device work")
+def test_a_profile_without_its_marker_or_device_work_is_refused():
+    with pytest.raises(ValueError, match="0 device events after its markers"):
+        profile_gaps.analyse([_gpu("spin_kernel", 0.0, 1.0)], [], 0.0)
+    with pytest.raises(ValueError, match="does not begin with the alignment marker"):
+        profile_gaps.analyse([_gpu("a", 0.0, 1.0), _gpu("spin_kernel", 5.0, 1.0)], [], 0.0)
+
+
+def test_slow_host_calls_into_cuda_are_counted_by_name():
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaFree", "ts": 0.0, "dur": 5000.0},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaFree", "ts": 9.0, "dur": 3000.0},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9.0, "dur": 20.0},   # quick
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 9000.0}]             # not a CUDA call
+    assert profile_gaps.slow_calls(events) == {"cudaFree": {"calls": 2, "ms": 8.0}}
 
 
 def test_the_profile_start_control_answers_the_host_time_of_its_marker(tiny_models):
