@@ -164,6 +164,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                                             piecewise_sizes=piecewise)
             runner.graphs.capture()
             extra["graph_capture_s"] = runner.graphs.capture_seconds
+            runner.pad_logits_to(runner.graphs.sizes)   # row counts whose output layer the capture ran
     if adp:   # each rank owns its requests; sync loop (see attention_dp/executor.py)
         from phalanx.attention_dp.executor import AdpExecutor
         executor: PyExecutor = AdpExecutor(scheduler, runner, queue or RequestQueue(), sender, cfg.vocab_size,

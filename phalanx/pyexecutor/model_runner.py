@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, pairwise
 from typing import TYPE_CHECKING
@@ -127,6 +128,12 @@ class InFlightStep:
     spec: SpecStep | None = None
 
 
+def padded_rows(n: int, sizes: list[int]) -> int:
+    """The smallest of the ascending ``sizes`` that holds ``n`` rows; ``n`` itself past the last."""
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else n
+
+
 def step_shape(batch: ScheduledBatch) -> tuple[int, int, int]:
     """(decode rows, prompt tokens, decode context) of a step: the rows past their prompts (a
     speculative row with its drafts included), the tokens of the rows still computing their prompts
@@ -155,6 +162,8 @@ class ModelRunner:
         if device.type == "cuda":
             compiles.install()      # the step timing lists the kernels compiled while it ran
         self.graphs: CudaGraphRunner | None = None   # decode-only steps (GPU)
+        self.logits_rows: list[int] = []               # row counts an eager output layer is padded to (``_logits``)
+        self._zero_rows = torch.zeros(0, dtype=torch.long, device=device)
         self.guided: GuidedDecoder | None = None      # grammar state (guided decoding)
         self.spec: SpecDecoder | None = None          # speculative decoding (device state, proposer)
         self.num_graph_steps = 0                     # steps that replayed a graph
@@ -394,11 +403,30 @@ class ModelRunner:
             if t is not None:
                 self.num_piecewise_steps += 1
                 hidden = pieces.run(t, inputs.input_ids, inputs.positions, inputs.meta)
-                return self.model.compute_logits(hidden[inputs.logits_indices])
+                return self._logits(hidden, inputs.logits_indices)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_pool.tensor)
         if inputs.prompt_logprobs is not None:
             self.last_prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprobs)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return self._logits(hidden, inputs.logits_indices)
+
+    def pad_logits_to(self, sizes: list[int]) -> None:
+        """Set once at build time: the row counts an eager step's output layer is padded to."""
+        self.logits_rows = sorted(set(sizes))
+        self._zero_rows = torch.zeros(self.logits_rows[-1] if self.logits_rows else 0, dtype=torch.long,
+                                      device=self.device)
+
+    def _logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The output layer over the rows ``indices`` picks, outside a graph. Its row count is
+        padded (with row 0, its logits then dropped) to the next of ``logits_rows``: the batch
+        sizes the graphs were captured at, whose products the start-up ran eagerly. A product
+        of a row count never seen may take a kernel not loaded yet, and loading one waits until
+        the device has run everything queued (CUDA's lazy loading): the host then stops running
+        ahead of an eager step, and the device idles for the host's next step."""
+        n = indices.shape[0]
+        size = padded_rows(n, self.logits_rows)
+        if size > n:
+            indices = torch.cat([indices, self._zero_rows[:size - n]])
+        return self.model.compute_logits(hidden[indices])[:n]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> PromptLogprobs:
         """Log-softmax over the prompt positions' logits, a slice of rows at a time (a long
