@@ -344,8 +344,11 @@ def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_token
     if not src:
         return
     L, two, NB, B, Hkv, D = kv_pool.shape
-    dev = kv_pool.device
-    t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+    # one copy from pinned memory, queued: a tensor made on the device from a list would copy
+    # from pageable memory and wait for the stream, stalling the host until the device drains
+    idx = torch.tensor([src, dst, num_tokens], dtype=torch.int64)
+    if kv_pool.device.type == "cuda":
+        idx = idx.pin_memory().to(kv_pool.device, non_blocking=True)
     row = Hkv * D
-    _copy_blocks_kernel[(len(src), L * two)](kv_pool, t(src), t(dst), t(num_tokens), kv_pool.stride(1),
+    _copy_blocks_kernel[(len(src), L * two)](kv_pool, idx[0], idx[1], idx[2], kv_pool.stride(1),
                                              kv_pool.stride(2), ROW=row, BLOCK=min(1024, _pow2(row)), MAX_ROWS=B)

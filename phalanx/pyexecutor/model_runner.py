@@ -163,6 +163,7 @@ class ModelRunner:
             compiles.install()      # the step timing lists the kernels compiled while it ran
         self.graphs: CudaGraphRunner | None = None   # decode-only steps (GPU)
         self.logits_rows: list[int] = []               # row counts an eager output layer is padded to (``_logits``)
+        self._dummy: tuple[torch.Tensor, AttentionMetadata] | None = None   # dummy_step's inputs, made once
         self._zero_rows = torch.zeros(0, dtype=torch.long, device=device)
         self.guided: GuidedDecoder | None = None      # grammar state (guided decoding)
         self.spec: SpecDecoder | None = None          # speculative decoding (device state, proposer)
@@ -554,16 +555,19 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_step(self) -> None:
         """A forward over one token in the scratch block no request owns (attention-DP ranks
-        without work still have to join the MoE layers' collectives)."""
-        dev, B = self.device, self.tokens_per_block
-        scratch = self.kv_pool.num_blocks - 1
-        i32 = torch.int32
-        meta = AttentionMetadata(slot_mapping=torch.tensor([scratch * B], device=dev),
-                                 query_start=torch.tensor([0, 1], dtype=i32, device=dev),
-                                 seq_lens=torch.tensor([1], dtype=i32, device=dev),
-                                 block_tables=torch.tensor([[scratch]], dtype=i32, device=dev), max_query_len=1,
-                                 max_seq_len=1, tokens_per_block=B, is_decode_only=True)
-        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        without work still have to join the MoE layers' collectives). Its inputs are made on the
+        first call and kept: made anew from host lists, each would wait for the stream."""
+        if self._dummy is None:
+            dev, B = self.device, self.tokens_per_block
+            scratch = self.kv_pool.num_blocks - 1
+            i32 = torch.int32
+            meta = AttentionMetadata(slot_mapping=torch.tensor([scratch * B], device=dev),
+                                     query_start=torch.tensor([0, 1], dtype=i32, device=dev),
+                                     seq_lens=torch.tensor([1], dtype=i32, device=dev),
+                                     block_tables=torch.tensor([[scratch]], dtype=i32, device=dev), max_query_len=1,
+                                     max_seq_len=1, tokens_per_block=B, is_decode_only=True)
+            self._dummy = (torch.zeros(1, dtype=torch.long, device=dev), meta)
+        zero, meta = self._dummy   # its attention plans (meta.cache) hold for every dummy step
         self.model(zero, zero, meta, self.kv_pool.tensor)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
