@@ -48,6 +48,10 @@ class AdpExecutor(PyExecutor):
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
+        with self.gc_pauses:
+            self._run()
+
+    def _run(self) -> None:
         any_work = False
         while not self.shutdown_requested:
             self._fetch(idle=not any_work and not self.pending)

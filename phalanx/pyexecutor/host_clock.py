@@ -77,14 +77,18 @@ class GcPauses:
     def __init__(self) -> None:
         self.reset()
         self._t0 = 0.0
-        gc.callbacks.append(self._on_gc)
 
     def reset(self) -> None:
         self.count = [0, 0, 0]
         self.ms = [0.0, 0.0, 0.0]
         self.max_ms = 0.0
 
-    def close(self) -> None:
+    def __enter__(self) -> GcPauses:
+        """Counted while the ``with`` block runs (an executor's loop): the hook goes with it."""
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
@@ -105,7 +109,8 @@ class GcPauses:
 def freeze_startup_objects() -> int:
     """Collect once, then move every object alive now (the model, its kernels and caches, the
     engine's tables) to the collector's permanent generation, so that later collections walk
-    only what serving creates; returns how many were frozen. For a process that only serves."""
+    only what serving creates; returns how many were frozen. For a process that only serves:
+    a cycle among frozen objects that later becomes garbage is never collected."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -425,7 +425,7 @@ class ModelRunner:
         ahead of an eager step, and the device idles for the host's next step."""
         n = indices.shape[0]
         size = padded_rows(n, self.logits_rows)
-        if size > n:
+        if 0 < n < size:   # (a step that samples nothing keeps its empty product)
             indices = torch.cat([indices, self._zero_rows[:size - n]])
         return self.model.compute_logits(hidden[indices])[:n]
 

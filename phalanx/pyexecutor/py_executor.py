@@ -137,11 +137,9 @@ class PyExecutor:
     # -- the loops: one switch, two short functions -----------------------------------------------------
     def run(self) -> None:
         """Run until a shutdown arrives and (after aborting what is left) return."""
-        try:
+        with self.gc_pauses:
             (self._loop_sync if self.disable_overlap else self._loop_overlap)()
             self.abort_all()
-        finally:
-            self.gc_pauses.close()
 
     def _loop_sync(self) -> None:
         """Schedule, run and read each step before scheduling the next."""
@@ -359,7 +357,7 @@ class PyExecutor:
                                "compiled": compiles.since(self._compiles_before)})
         if op == "profile:start":                # the torch profiler around the steps that follow
             from torch.profiler import ProfilerActivity, profile
-            # gpu_only: no host op recorded, so the loop runs at its own pace (a GPU only: the host's ops elsewhere)
+            # gpu_only: CUDA activity alone (recording host ops slows the loop); a CPU engine records its host ops
             gpu_only = bool(args.get("gpu_only")) and self.runner.device.type == "cuda"
             self._profiler = profile(activities=[ProfilerActivity.CUDA] + ([] if gpu_only else [ProfilerActivity.CPU]))
             self._profiler.__enter__()

@@ -151,14 +151,15 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
             r, tb = failed[0] if failed else (dist.rank, "no engine was built")
             link.sender.send(Fatal(r, f"rank {r} failed to start:\n{tb}"))
         return 1
+    # this process only serves from here: what start-up made (the model, kernels, tables) stays
+    # out of every later collection, whose full passes would otherwise walk it and stall a step
+    # (before Ready: the first request does not wait for the collection that precedes the freeze)
+    frozen = freeze_startup_objects()
+    logger.debug("rank %d: %d start-up objects frozen out of garbage collection", dist.rank, frozen)
     processes = [p.decode() for p in dist.allgather_bytes(f"{socket.gethostname()} {os.getpid()}".encode())]
     if link is not None:
         info["rank_processes"] = [[host, int(pid)] for host, pid in (p.split() for p in processes)]
         link.sender.send(Ready(info))
-    # this process only serves from here: what start-up made (the model, kernels, tables) stays
-    # out of every later collection, whose full passes would otherwise walk it and stall a step
-    frozen = freeze_startup_objects()
-    logger.debug("rank %d: %d start-up objects frozen out of garbage collection", dist.rank, frozen)
     try:
         engine.run()
     except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -65,7 +66,6 @@ def test_slow_host_calls_into_cuda_are_counted_by_name():
 
 def test_the_profile_start_control_answers_the_host_time_of_its_marker(tiny_models):
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
-        import time
         before = time.monotonic()
         answer = llm.control("profile:start", args={"gpu_only": True, "align": True}).per_rank[0]
         after = time.monotonic()

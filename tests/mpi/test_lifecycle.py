@@ -147,13 +147,17 @@ def test_every_rank_serves_with_its_start_up_frozen_and_counts_its_gc_pauses(tp2
     (gc.freeze), and the timing op reports the collector's pauses over the timed steps."""
     tp2.control("timing:on")
     try:
-        tp2.generate([[9, 9, 4]] * 4, greedy(6), use_tqdm=False)
+        tp2.generate([[9, 9, 4 + i] for i in range(16)], greedy(8), use_tqdm=False)
         timing = [json.loads(r) for r in tp2.control("timing").per_rank]
     finally:
         tp2.control("timing:off")
     for rank in timing:
         assert rank["gc_frozen"] > 10_000, rank["gc_frozen"]     # torch and the model alone make far more
-        assert len(rank["gc"]["collections"]) == 3 and rank["gc"]["max_ms"] <= sum(rank["gc"]["ms"]) + 1e-9
+        # steady serving frees what it makes, so a short run may trigger no collection at all
+        # (the counting itself: tests/unit/test_host_clock.py); what is reported must add up
+        gc = rank["gc"]
+        assert len(gc["collections"]) == len(gc["ms"]) == 3, gc
+        assert (sum(gc["collections"]) == 0) == (gc["max_ms"] == 0.0) and gc["max_ms"] <= sum(gc["ms"]) + 1e-9, gc
 
 
 def test_abort_ten_of_a_hundred(tp2):

@@ -53,12 +53,14 @@ def test_timing_and_a_trace_run_together_and_stop_apart():
     assert set(clock.seconds) == {"schedule", "wait"} and not clock.on
 
 
-def test_gc_pauses_count_each_collection_by_generation_until_closed():
+def test_gc_pauses_count_each_collection_by_generation_while_entered():
     import gc
 
     from phalanx.pyexecutor.host_clock import GcPauses
     pauses = GcPauses()
-    try:
+    gc.collect(2)
+    assert pauses.summary()["collections"] == [0, 0, 0]     # not entered: not called
+    with pauses:
         gc.collect(0)
         gc.collect(2)
         gc.collect(2)
@@ -67,10 +69,9 @@ def test_gc_pauses_count_each_collection_by_generation_until_closed():
         assert got["max_ms"] > 0 and got["max_ms"] <= sum(got["ms"])
         pauses.reset()
         assert pauses.summary() == {"collections": [0, 0, 0], "ms": [0.0, 0.0, 0.0], "max_ms": 0.0}
-    finally:
-        pauses.close()
     gc.collect(2)
-    assert pauses.summary()["collections"] == [0, 0, 0]     # closed: no longer called
+    assert pauses.summary()["collections"] == [0, 0, 0]     # left: the hook is gone
+    assert pauses._on_gc not in gc.callbacks
 
 
 def test_freezing_leaves_what_is_alive_out_of_later_collections():
@@ -85,4 +86,4 @@ def test_freezing_leaves_what_is_alive_out_of_later_collections():
         collected = {id(o) for g in range(3) for o in gc.get_objects(g)}   # the generations a collection walks
         assert all(gc.is_tracked(x) and id(x) not in collected for x in kept)
     finally:
-        gc.unfreeze()
+        gc.unfreeze()   # (this test process froze nothing before)
