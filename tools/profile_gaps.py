@@ -101,6 +101,7 @@ def by_size(gaps: list[tuple[float, float, str, str]]) -> list[dict[str, Any]]:
     return bins
 
 
+WARMUP = 2                  # requests run_phalanx sends first (and leaves out of its point)
 MARKER = "spin_kernel"      # the kernels ModelRunner.align_marker runs (torch.cuda._sleep)
 SLOW_CALL_US = 1000.0      # host calls into CUDA reported when at least this long
 
@@ -223,19 +224,24 @@ def profile_point(a: argparse.Namespace) -> dict[str, Any]:
     if a.config:
         kwargs = merge_yaml(kwargs, a.config)
     with LLM(model, skip_tokenizer_init=dummy, **kwargs) as llm:
-        warm = run_phalanx(llm, a.isl, a.osl, a.concurrency, a.num_requests, step_times=True)   # unprofiled
+        warm = run_phalanx(llm, a.isl, a.osl, a.concurrency, a.num_requests, warmup=WARMUP, step_times=True)
         steps = warm["steps"]
         print(f"unprofiled point: {warm['output_throughput']:.1f} out tok/s in {warm['duration_s']:.2f} s; "
               f"GPU idle between steps {steps.get('gap_ms', 0.0):.0f} ms; rank 0's GC {steps.get('gc')}; "
               f"allocator {steps.get('allocator')}", flush=True)
-        prompts = make_prompts(a.num_requests + 2, a.isl, llm.vocab_size)[2:]
+        prompts = make_prompts(a.num_requests + WARMUP, a.isl, llm.vocab_size)[WARMUP:]   # the point's own
+
+        def send() -> float:
+            """The point's requests again, from an empty prefix cache: seconds to the last token."""
+            t0 = time.perf_counter()
+            asyncio.run(_run(llm, prompts, a.osl, a.concurrency))
+            return time.perf_counter() - t0
+
         llm.reset_prefix_cache()
         if a.host_profile:
             llm.control("timing:on")
             llm.control("hostprofile:start")
-            t0 = time.perf_counter()
-            asyncio.run(_run(llm, prompts, a.osl, a.concurrency))
-            elapsed = time.perf_counter() - t0
+            elapsed = send()
             stats = llm.control("hostprofile:stop", timeout=120, args={"top": 70, "sort": "tottime"}).per_rank[0]
             steps = json.loads(llm.control("timing", timeout=300).per_rank[0])
             llm.control("timing:off")
@@ -244,9 +250,7 @@ def profile_point(a: argparse.Namespace) -> dict[str, Any]:
                     "host_ms_per_step": steps.get("host_ms_per_step")}
         llm.control("trace:on")
         align = json.loads(llm.control("profile:start", args={"gpu_only": not a.host_ops, "align": True}).per_rank[0])
-        t0 = time.perf_counter()
-        asyncio.run(_run(llm, prompts, a.osl, a.concurrency))
-        elapsed = time.perf_counter() - t0
+        elapsed = send()
         marks = json.loads(llm.control("trace:off").per_rank[0])
         kernels = json.loads(llm.control("profile:stop", timeout=600, args={"trace": a.trace}).per_rank[0])
     with open(a.trace + ".marks.json", "w") as f:
