@@ -69,12 +69,29 @@ class HostClock:
 
 class GcPauses:
     """The garbage collector's pauses in this process, by generation (``gc.callbacks``): how
-    many collections, their total and their longest milliseconds since ``reset``. A full
-    collection walks every object the process tracks, so with a model's worth of them it can
-    stall the loop for a whole step; the rank loop therefore freezes what start-up made
-    (``freeze_startup_objects``) and reports its pauses here."""
+    many collections, their total and their longest milliseconds since ``reset``, and how many
+    objects they found unreachable. A full collection walks every object the process tracks, so
+    with a model's worth of them it can stall the loop for a whole step; the rank loop therefore
+    freezes what start-up made (``freeze_startup_objects``) and reports its pauses here.
 
-    def __init__(self) -> None:
+    ``defer_full`` (rank processes, set once at build): while the loop runs (the ``with``
+    block), the young generations collect as usual but a full collection waits for the loop to
+    idle: ``idle()``, which the loop calls when an idle wait brought nothing, runs it once
+    ``gc.get_threshold()[2]`` collections of the middle generation have passed since the last
+    (the interpreter's own trigger, less its rule that the old generation grow by a quarter).
+    What serving keeps (the radix tree's nodes, the requests) still made a full collection
+    15–20 ms at 512 sequences on an H200 host (docs/gpu_notes.md, twenty-ninth round), longer
+    than the decode step it stalled, while the loop makes no cyclic garbage for it to find (a
+    CPU engine's rank 0 at 512 in flight: 0 objects over 618 collections). A loop that never
+    idles still gets one every BUSY_FULL_AFTER middle-generation collections (minutes of work).
+    Idle collections are counted apart (``idle_collections``, ``idle_ms``): no step waited."""
+
+    BUSY_FULL_AFTER = 1000
+
+    def __init__(self, defer_full: bool = False) -> None:
+        self.defer_full = defer_full
+        self._thresholds: tuple[int, int, int] | None = None   # the interpreter's, while deferring
+        self._idle = False
         self.reset()
         self._t0 = 0.0
 
@@ -82,28 +99,54 @@ class GcPauses:
         self.count = [0, 0, 0]
         self.ms = [0.0, 0.0, 0.0]
         self.max_ms = 0.0
+        self.collected = 0        # unreachable objects the collections freed (cycles: what refcounts miss)
+        self.idle_count = 0
+        self.idle_ms = 0.0
 
     def __enter__(self) -> GcPauses:
         """Counted while the ``with`` block runs (an executor's loop): the hook goes with it."""
         gc.callbacks.append(self._on_gc)
+        if self.defer_full:
+            self._thresholds = t0, t1, t2 = gc.get_threshold()
+            gc.set_threshold(t0, t1, max(t2, self.BUSY_FULL_AFTER))
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        if self._thresholds is not None:
+            gc.set_threshold(*self._thresholds)
+            self._thresholds = None
+
+    def idle(self) -> bool:
+        """The loop has nothing to do: run the full collection deferred so far, if one is due."""
+        if self._thresholds is None or not gc.isenabled() or gc.get_count()[2] < self._thresholds[2]:
+            return False
+        self._idle = True
+        try:
+            gc.collect()
+        finally:
+            self._idle = False
+        return True
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
             return
         ms = (time.perf_counter() - self._t0) * 1e3
+        self.collected += int(info.get("collected", 0))
+        if self._idle:
+            self.idle_count += 1
+            self.idle_ms += ms
+            return
         g = min(int(info.get("generation", 2)), 2)
         self.count[g] += 1
         self.ms[g] += ms
         self.max_ms = max(self.max_ms, ms)
 
     def summary(self) -> dict[str, object]:
-        return {"collections": list(self.count), "ms": [round(x, 3) for x in self.ms], "max_ms": round(self.max_ms, 3)}
+        return {"collections": list(self.count), "ms": [round(x, 3) for x in self.ms], "max_ms": round(self.max_ms, 3),
+                "collected": self.collected, "idle_collections": self.idle_count, "idle_ms": round(self.idle_ms, 3)}
 
 
 def freeze_startup_objects() -> int:

@@ -253,6 +253,8 @@ class PyExecutor:
             self._control(ctl)
         if inp.shutdown:
             self.shutdown_requested = True
+        elif idle and not (inp.new or inp.cancel or inp.control):
+            self.gc_pauses.idle()   # an idle wait brought nothing: the deferred full collection, if due
 
     def _cancel(self, request_id: int) -> None:
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
@@ -352,6 +354,7 @@ class PyExecutor:
             out = self.runner.idle_fraction() if self.runner.timings else {}
             return json.dumps({**out, "host_ms_per_step": self.clock.per_step_ms(self.iteration),
                                "gc": self.gc_pauses.summary(), "gc_frozen": gc.get_freeze_count(),
+                               "gc_thresholds": list(gc.get_threshold()),
                                "allocator": {k: v - self._allocs_before.get(k, 0)
                                              for k, v in self.runner.allocator_counts().items()},
                                "compiled": compiles.since(self._compiles_before)})

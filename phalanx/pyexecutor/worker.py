@@ -155,6 +155,7 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
     # out of every later collection, whose full passes would otherwise walk it and stall a step
     # (before Ready: the first request does not wait for the collection that precedes the freeze)
     frozen = freeze_startup_objects()
+    engine.gc_pauses.defer_full = True   # and full collections wait for the loop to idle
     logger.debug("rank %d: %d start-up objects frozen out of garbage collection", dist.rank, frozen)
     processes = [p.decode() for p in dist.allgather_bytes(f"{socket.gethostname()} {os.getpid()}".encode())]
     if link is not None:

@@ -13,6 +13,7 @@ import pytest
 from phalanx import LLM, SamplingParams
 from phalanx.executor.executor import EngineDeadError
 from phalanx.llmapi.outputs import RequestError
+from phalanx.pyexecutor.host_clock import GcPauses
 from serve_helpers import job_exposure
 
 pytestmark = pytest.mark.mpi
@@ -144,7 +145,9 @@ def test_fifty_concurrent_streams_are_exact(tp2):
 
 def test_every_rank_serves_with_its_start_up_frozen_and_counts_its_gc_pauses(tp2):
     """A rank process only serves once started: what start-up made is out of every collection
-    (gc.freeze), and the timing op reports the collector's pauses over the timed steps."""
+    (gc.freeze), its full collections wait for the loop to idle (the oldest generation's
+    threshold raised while the loop runs), and the timing op reports the collector's pauses
+    over the timed steps."""
     tp2.control("timing:on")
     try:
         tp2.generate([[9, 9, 4 + i] for i in range(16)], greedy(8), use_tqdm=False)
@@ -153,6 +156,7 @@ def test_every_rank_serves_with_its_start_up_frozen_and_counts_its_gc_pauses(tp2
         tp2.control("timing:off")
     for rank in timing:
         assert rank["gc_frozen"] > 10_000, rank["gc_frozen"]     # torch and the model alone make far more
+        assert rank["gc_thresholds"][2] == GcPauses.BUSY_FULL_AFTER, rank["gc_thresholds"]
         # steady serving frees what it makes, so a short run may trigger no collection at all
         # (the counting itself: tests/unit/test_host_clock.py); what is reported must add up
         gc = rank["gc"]

@@ -68,7 +68,8 @@ def test_gc_pauses_count_each_collection_by_generation_while_entered():
         assert got["collections"][0] >= 1 and got["collections"][2] >= 2
         assert got["max_ms"] > 0 and got["max_ms"] <= sum(got["ms"])
         pauses.reset()
-        assert pauses.summary() == {"collections": [0, 0, 0], "ms": [0.0, 0.0, 0.0], "max_ms": 0.0}
+        assert pauses.summary() == {"collections": [0, 0, 0], "ms": [0.0, 0.0, 0.0], "max_ms": 0.0, "collected": 0,
+                                    "idle_collections": 0, "idle_ms": 0.0}
     gc.collect(2)
     assert pauses.summary()["collections"] == [0, 0, 0]     # left: the hook is gone
     assert pauses._on_gc not in gc.callbacks
@@ -87,3 +88,69 @@ def test_freezing_leaves_what_is_alive_out_of_later_collections():
         assert all(gc.is_tracked(x) and id(x) not in collected for x in kept)
     finally:
         gc.unfreeze()   # (this test process froze nothing before)
+
+
+def test_deferred_full_collections_wait_for_idle_and_young_ones_go_on():
+    """defer_full: while entered, allocation triggers young collections but no full one; ``idle``
+    runs the full collection once the middle generation has collected as often as the
+    interpreter's own threshold asks (not before), counts it apart, and finds the cycles;
+    leaving restores the thresholds."""
+    import gc
+
+    from phalanx.pyexecutor.host_clock import GcPauses
+    before = gc.get_threshold()
+    pauses = GcPauses(defer_full=True)
+    gc.collect()
+    with pauses:
+        assert gc.get_threshold() == (before[0], before[1], max(before[2], GcPauses.BUSY_FULL_AFTER))
+        kept = [[i] for i in range(3 * before[0] * before[1] * before[2])]   # survivors well past the usual trigger
+        got = pauses.summary()
+        assert got["collections"][0] > 0 and got["collections"][1] >= before[2], got
+        assert got["collections"][2] == 0, got          # the interpreter alone would have run one by now
+        while gc.get_count()[2] < before[2]:
+            gc.collect(1)                               # each middle-generation collection counts toward a full one
+        a, b = [], []
+        a.append(b)
+        b.append(a)                                     # a cycle only a full pass can free now (once it is old)
+        gc.collect(1)
+        gc.collect(1)
+        del a, b
+        assert pauses.idle() is True
+        got = pauses.summary()
+        assert got["idle_collections"] == 1 and got["idle_ms"] > 0 and got["collections"][2] == 0, got
+        assert got["collected"] >= 2, got
+        assert pauses.idle() is False                   # nothing due right after one
+        del kept
+    assert gc.get_threshold() == before
+    assert GcPauses().idle() is False                   # not deferring: never collects on idle
+
+
+def test_rank_executor_collects_on_an_idle_fetch_only():
+    """The loop's fetch runs the deferred collection when an idle wait brought nothing."""
+    import gc
+
+    from phalanx.executor.messages import IterationInput
+    from phalanx.pyexecutor.host_clock import GcPauses, HostClock
+    from phalanx.pyexecutor.py_executor import PyExecutor
+
+    class Source:
+        def __init__(self, inp):
+            self.inp = inp
+
+        def fetch(self, idle, timeout=0.05):
+            return self.inp
+
+    ex = PyExecutor.__new__(PyExecutor)    # the fetch path alone: no model behind it
+    ex.gc_pauses = GcPauses(defer_full=True)
+    ex.shutdown_requested = False
+    ex._beat = lambda: None
+    ex.clock = HostClock()
+    ex._cancel = lambda rid: None
+    with ex.gc_pauses:
+        for idle, inp, expect in ((False, IterationInput(), 0), (True, IterationInput(cancel=[7]), 0),
+                                  (True, IterationInput(), 1)):
+            while gc.get_count()[2] < gc.get_threshold()[2] and gc.get_count()[2] < 10:
+                gc.collect(1)
+            ex.queue = Source(inp)
+            ex._fetch(idle)
+            assert ex.gc_pauses.summary()["idle_collections"] == expect, (idle, inp)
