@@ -110,6 +110,7 @@ def test_a_request_whose_ids_cannot_be_read_fails_alone(tiny_models):
     raw["b"]["prompt_token_ids"], raw["b"]["request_id"] = None, 3     # no ids at all
     ex._add(unpack(msgpack.packb(raw)))
     ex._add(unpack(pack(GenerationRequest(2, [5, 6, 7], {"max_tokens": 2}))))
+    ex._take_intake()
     assert [(r.request_id, r.finish_reason) for r in sent] == [(1, "error"), (3, "error")]
     assert "prompt_token_ids: 5 bytes" in sent[0].error and "at least one token" in sent[1].error
     batch = ex.scheduler.schedule()
@@ -141,3 +142,70 @@ def test_prompt_logprobs_equal_transformers(tiny_models, hf_models, max_num_toke
         plain = llm.generate(prompt, SamplingParams(max_tokens=3), use_tqdm=False)
         assert plain.prompt_logprobs is None and plain.cached_tokens > 0
         assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_a_burst_of_arrivals_is_taken_in_as_steps_admit_it(tiny_models):
+    """Arrivals become the scheduler's requests only while its waiting queue holds less than
+    two steps' prompt tokens (or a batch of rows): a burst does not stall one iteration. Every
+    request of the burst still runs to its last token in arrival order; a bad one fails alone
+    when it is taken in; one cancelled before it was taken in is answered and never runs; and
+    the stats count what waits to be taken in."""
+    from phalanx.executor.messages import GenerationRequest, TokenBatch
+    source = resolve_model(tiny_models["llama"])
+    cfg = source.config
+    runner = ModelRunner(build_model(source, torch.float32, CPU),
+                         KVPool(cfg.num_layers, 64, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU),
+                         Sampler(cfg.vocab_size, CPU), CPU)
+    sent: list = []
+
+    class Collect:
+        def send_responses(self, responses):
+            sent.extend(responses)
+
+        def send(self, obj):
+            if isinstance(obj, TokenBatch):
+                sent.extend(obj.responses())
+            elif isinstance(obj, list):
+                sent.extend(obj)
+
+    queue = py_executor.RequestQueue()
+    ex = py_executor.PyExecutor(Scheduler(SchedulerLimits(8, 64, 128), KVCacheManager(64, 8)), runner,
+                                queue, Collect(), cfg.vocab_size, 128)
+    prompts = {i: [3 + (i + j) % 40 for j in range(16)] for i in range(30)}
+    for i, p in prompts.items():
+        queue.put_request(GenerationRequest(i, p, {"max_tokens": 3, "ignore_eos": True}))
+        if i == 5:
+            queue.put_request(GenerationRequest(100, [5, 6], {"max_tokens": 3, "temperature": -1.0}))
+    queue.put_cancel(29)
+    ex._fetch(idle=False)
+    s = ex.scheduler
+    # 2 x 64 prompt tokens: the first 8 requests of 16 tokens (the bad one, taken in among them,
+    # fails at once); the other 21 wait to be taken in
+    assert [r.request_id for r in s.waiting] == list(range(8))
+    assert len(ex.intake) == 21 and ex.stats()["num_waiting"] == 29 and ex.num_unfinished() == 29
+    assert [(r.request_id, r.finish_reason) for r in sent] == [(29, "abort"), (100, "error")]
+    assert "temperature" in sent[1].error
+    order: list[int] = []
+    for _ in range(200):
+        ex._fetch(idle=False)
+        batch = ex._schedule()
+        if batch is None:
+            break
+        order += [r.request_id for r in batch.requests if r.request_id not in order]
+        ex._process(ex._launch(batch))
+        assert len(s.waiting) <= 8 + 1 and len(ex.intake) + len(s.requests) <= 30
+    assert not ex.intake and not s.requests and ex.num_unfinished() == 0
+    assert order == list(range(29))                        # first come, first served; 29 never ran
+    tokens: dict[int, list[int]] = {}
+    for r in sent:
+        tokens.setdefault(r.request_id, []).extend(r.token_ids)
+    assert all(len(tokens[i]) == 3 for i in range(29)) and tokens[29] == []
+    assert [r.request_id for r in sent].count(100) == 1
+    queue.put_request(GenerationRequest(200, prompts[0], {"max_tokens": 3}))
+    for i in range(201, 230):
+        queue.put_request(GenerationRequest(i, prompts[1], {"max_tokens": 3}))
+    ex._fetch(idle=False)
+    sent.clear()
+    ex.abort_all()                                         # taken in or not, each is answered
+    assert sorted(r.request_id for r in sent) == list(range(200, 230))
+    assert all(r.finish_reason == "abort" for r in sent) and ex.num_unfinished() == 0

@@ -1,0 +1,165 @@
+"""Rank 0's host time per loop iteration under an offline load, phase by phase: what the loop
+itself costs the host (schedule, pack, update, respond, intake, the collector's pauses) apart
+from the forward. Runs one ``bench throughput``-style point (``--concurrency`` requests in flight
+of ``--isl`` random prompt tokens and ``--osl`` output tokens, MPI orchestrator) with the loop's
+HostClock trace on, and reports per phase the mean milliseconds per iteration, the p50 / p90 /
+max of each phase's single stretches, and the iterations whose host work (every phase but the
+forward and the wait for a step's tokens) took longest: the stalls a GPU would idle through.
+
+    python tools/bench_host_loop.py                       # the default: a one-layer model on this CPU
+    python tools/bench_host_loop.py --baseline-rev HEAD~1 # the same point on another revision first
+    python tools/bench_host_loop.py --model shape:llama-3.1-8b --config tools/gpu_engine_512_fp8.yaml
+
+Without ``--model`` the engine is a one-layer, 64-wide model of the Llama-3.1 family with random
+weights, whose forward is cheap enough on a CPU that the host's own work stands out, with a
+KV pool as large as ``--kv-tokens`` (an H200's FP8 pool at 8B holds ~1.7 M tokens).
+``--baseline-rev`` runs this file's point from a temporary git worktree of that revision (same
+arguments, same machine, one after the other) and prints both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+HOST_ONLY_EXCLUDES = ("forward", "wait")   # device work (a CPU forward) and waiting for it
+
+
+def one_layer_model() -> str:
+    from phalanx.bench.shapes import TINY_OVERRIDES, shape_dir
+    return shape_dir("llama-3.1-8b", **{**TINY_OVERRIDES, "num_hidden_layers": 1, "hidden_size": 64,
+                                        "intermediate_size": 64, "num_attention_heads": 2,
+                                        "num_key_value_heads": 1, "head_dim": 32})
+
+
+def run_point(a: argparse.Namespace) -> dict[str, Any]:
+    from phalanx import LLM
+    from phalanx.bench.shapes import resolve_model_arg
+    from phalanx.bench.throughput import _run, make_prompts
+    from phalanx.config import merge_yaml
+    model, dummy = resolve_model_arg(a.model) if a.model else (one_layer_model(), True)
+    kwargs: dict[str, Any] = {"load_format": "dummy" if dummy else "auto", "max_batch_size": a.concurrency,
+                              "max_num_tokens": a.max_num_tokens}
+    if not a.model:
+        kwargs.update(max_seq_len=a.isl + a.osl + 64, kv_cache_config={"max_tokens": a.kv_tokens})
+    if a.config:
+        kwargs = merge_yaml(kwargs, a.config)
+    with LLM(model, skip_tokenizer_init=dummy, **kwargs) as llm:
+        prompts = make_prompts(a.num_requests + 8, a.isl, llm.vocab_size)
+        asyncio.run(_run(llm, prompts[:8], 4, a.concurrency))     # warm-up
+        llm.reset_prefix_cache()
+        llm.control("timing:on")
+        llm.control("trace:on")
+        t0 = time.perf_counter()
+        asyncio.run(_run(llm, prompts[8:], a.osl, a.concurrency))
+        elapsed = time.perf_counter() - t0
+        marks = json.loads(llm.control("trace:off").per_rank[0])
+        timing = json.loads(llm.control("timing", timeout=300).per_rank[0])
+        llm.control("timing:off")
+    return {"out_tok_s": a.num_requests * a.osl / elapsed, "seconds": elapsed, "gc": timing.get("gc"),
+            "host_ms_per_step": timing.get("host_ms_per_step"), **analyse(marks)}
+
+
+def analyse(marks: list[list[Any]]) -> dict[str, Any]:
+    """Phase stretches and per-iteration host time from the HostClock trace: each mark ends the
+    stretch of its phase that began at the previous mark."""
+    stretches: dict[str, list[float]] = defaultdict(list)
+    per_iteration: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for (_, _, t0), (it, phase, t1) in zip(marks, marks[1:], strict=False):
+        ms = (t1 - t0) * 1e3
+        stretches[phase].append(ms)
+        per_iteration[it][phase] += ms
+    phases = {}
+    for phase, v in stretches.items():
+        v.sort()
+        phases[phase] = {"n": len(v), "p50": v[len(v) // 2], "p90": v[int(len(v) * 0.9)], "max": v[-1]}
+    host = sorted(((sum(ms for p, ms in ph.items() if p not in HOST_ONLY_EXCLUDES), it, dict(ph))
+                   for it, ph in per_iteration.items()), reverse=True)
+    totals = sorted(h for h, _, _ in host)
+    return {"phases": phases,
+            "host_ms_per_iteration": {"p50": totals[len(totals) // 2], "p90": totals[int(len(totals) * 0.9)],
+                                      "max": totals[-1]} if totals else {},
+            "slowest_iterations": [{"iteration": it, "host_ms": round(h, 2),
+                                    "phases": {p: round(ms, 2) for p, ms in sorted(ph.items(), key=lambda x: -x[1])
+                                               if ms >= 0.5}} for h, it, ph in host[:6]]}
+
+
+def print_report(label: str, r: dict[str, Any]) -> None:
+    print(f"== {label}: {r['out_tok_s']:.0f} out tok/s in {r['seconds']:.2f} s; GC {r['gc']}")
+    h = r["host_ms_per_iteration"]
+    print(f"host ms per iteration (all phases but {', '.join(HOST_ONLY_EXCLUDES)}): "
+          f"p50 {h['p50']:.2f}  p90 {h['p90']:.2f}  max {h['max']:.2f}")
+    print(f"{'phase':10s} {'ms/iter':>8s} {'n':>6s} {'p50':>8s} {'p90':>8s} {'max':>8s}")
+    per = r["host_ms_per_step"] or {}
+    for phase, s in sorted(r["phases"].items(), key=lambda x: -per.get(x[0], 0.0)):
+        print(f"{phase:10s} {per.get(phase, 0.0):8.3f} {s['n']:6d} {s['p50']:8.3f} {s['p90']:8.3f} {s['max']:8.2f}")
+    print("slowest iterations (host ms, phases of 0.5 ms or more):")
+    for s in r["slowest_iterations"]:
+        print(f"  #{s['iteration']:<6d} {s['host_ms']:8.2f}  {s['phases']}")
+
+
+def baseline(rev: str, argv: list[str]) -> dict[str, Any]:
+    """This point on another revision: a temporary worktree, this file run there (its own copy
+    if the revision has one, else this one) with that tree first on the path."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="phalanx-baseline-") as d:
+        tree = os.path.join(d, "tree")
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, rev], check=True,
+                       capture_output=True)
+        try:
+            out = os.path.join(d, "report.json")
+            env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--output", out], cwd=tree, env=env,
+                           check=True, stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                return json.load(f)[0]["report"]
+        finally:
+            subprocess.run(["git", "-C", root, "worktree", "remove", "--force", tree], check=False,
+                           capture_output=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: a one-layer model of the Llama-3.1 family (random)")
+    ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
+    ap.add_argument("--isl", type=int, default=128)
+    ap.add_argument("--osl", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=512)
+    ap.add_argument("--num-requests", type=int, default=2048)
+    ap.add_argument("--max-num-tokens", type=int, default=8192)
+    ap.add_argument("--kv-tokens", type=int, default=1_700_000, help="KV pool tokens of the default model")
+    ap.add_argument("--baseline-rev", default=None, help="first run the same point on this git revision")
+    ap.add_argument("--output", default=None, help="write the report(s) as JSON here")
+    raw = sys.argv[1:] if argv is None else argv
+    a = ap.parse_args(raw)
+    for name in ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    reports = []
+    if a.baseline_rev:
+        passed = [x for i, x in enumerate(raw) if x != "--baseline-rev" and (i == 0 or raw[i - 1] != "--baseline-rev")
+                  and not x.startswith("--baseline-rev=")]
+        passed = [x for i, x in enumerate(passed) if x != "--output" and (i == 0 or passed[i - 1] != "--output")
+                  and not x.startswith("--output=")]
+        reports.append({"revision": a.baseline_rev, "report": baseline(a.baseline_rev, passed)})
+        print_report(f"baseline {a.baseline_rev}", reports[-1]["report"])
+    reports.append({"revision": "working tree", "report": run_point(a)})
+    print_report("this tree", reports[-1]["report"])
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(reports, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
