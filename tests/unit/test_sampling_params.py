@@ -61,3 +61,19 @@ def test_check_prompt_refuses_each_kind_of_bad_token_id_and_names_it():
         check_prompt([], 100, 10)
     with pytest.raises(ValueError, match="max_seq_len is 10"):
         check_prompt(list(range(10)), 100, 10)
+
+
+def test_the_wire_form_carries_only_what_differs_from_the_defaults_and_round_trips():
+    from phalanx.llmapi.sampling_params import GuidedDecodingParams
+    cases = [SamplingParams(max_tokens=128, ignore_eos=True, temperature=0.0, detokenize=False),
+             SamplingParams(), SamplingParams(max_tokens=None), SamplingParams(presence_penalty=0, logit_bias={}),
+             SamplingParams(stop=["a"], stop_token_ids=[3], logit_bias={5: 1.0}, seed=3, top_p=0.5,
+                            guided_decoding=GuidedDecodingParams(regex="a+"), logprobs=0, min_tokens=2)]
+    for sp in cases:
+        assert SamplingParams.from_dict(sp.to_dict()) == sp, sp
+    assert cases[0].to_dict() == {"max_tokens": 128, "temperature": 0.0, "ignore_eos": True, "detokenize": False}
+    assert SamplingParams().to_dict() == {} and cases[2].to_dict() == {"max_tokens": None}
+    assert cases[3].to_dict() == {"presence_penalty": 0, "logit_bias": {}}   # an int 0 is not the float default
+    assert cases[4].to_dict()["logit_bias"] == [[5, 1.0]] and cases[4].to_dict()["logprobs"] == 0
+    with pytest.raises(TypeError, match="best_of"):     # a field phalanx does not have is refused on the rank
+        SamplingParams.from_dict({"max_tokens": 4, "best_of": 2})
