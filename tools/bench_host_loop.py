@@ -13,8 +13,10 @@ forward and the wait for a step's tokens) took longest: the stalls a GPU would i
 Without ``--model`` the engine is a one-layer, 64-wide model of the Llama-3.1 family with random
 weights, whose forward is cheap enough on a CPU that the host's own work stands out, with a
 KV pool as large as ``--kv-tokens`` (an H200's FP8 pool at 8B holds ~1.7 M tokens).
-``--baseline-rev`` runs this file's point from a temporary git worktree of that revision (same
-arguments, same machine, one after the other) and prints both.
+``--baseline-rev`` runs this file (this tree's copy) with a temporary git worktree of that
+revision first on the path (same arguments, same machine, one after the other) and prints both.
+The per-iteration host time counts every phase but the forward and the wait for a step's tokens;
+``receive`` includes the loop's waits for work while it has none (at the start and the end).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-HOST_ONLY_EXCLUDES = ("forward", "wait")   # device work (a CPU forward) and waiting for it
+HOST_ONLY_EXCLUDES = ("forward", "wait", "collect")   # device work (a CPU forward), waiting for it, idle GC
 
 
 def one_layer_model() -> str:
@@ -107,10 +109,10 @@ def print_report(label: str, r: dict[str, Any]) -> None:
 
 
 def baseline(rev: str, argv: list[str]) -> dict[str, Any]:
-    """This point on another revision: a temporary worktree, this file run there (its own copy
-    if the revision has one, else this one) with that tree first on the path."""
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    """This point on another revision: this file run with a temporary worktree of it first on
+    the path (``argv`` holds no baseline or output option, and absolute paths)."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="phalanx-baseline-") as d:
         tree = os.path.join(d, "tree")
         subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, rev], check=True,
@@ -128,7 +130,7 @@ def baseline(rev: str, argv: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: a one-layer model of the Llama-3.1 family (random)")
     ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
@@ -140,17 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=1_700_000, help="KV pool tokens of the default model")
     ap.add_argument("--baseline-rev", default=None, help="first run the same point on this git revision")
     ap.add_argument("--output", default=None, help="write the report(s) as JSON here")
-    raw = sys.argv[1:] if argv is None else argv
-    a = ap.parse_args(raw)
+    a = ap.parse_args(argv)
     for name in ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     reports = []
     if a.baseline_rev:
-        passed = [x for i, x in enumerate(raw) if x != "--baseline-rev" and (i == 0 or raw[i - 1] != "--baseline-rev")
-                  and not x.startswith("--baseline-rev=")]
-        passed = [x for i, x in enumerate(passed) if x != "--output" and (i == 0 or passed[i - 1] != "--output")
-                  and not x.startswith("--output=")]
+        passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
+                  ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens")]
+        if a.config:
+            passed.append(f"--config={os.path.abspath(a.config)}")
+        if a.model:   # a local directory as an absolute path (the child runs in the worktree)
+            passed.append(f"--model={os.path.abspath(a.model) if os.path.exists(a.model) else a.model}")
         reports.append({"revision": a.baseline_rev, "report": baseline(a.baseline_rev, passed)})
         print_report(f"baseline {a.baseline_rev}", reports[-1]["report"])
     reports.append({"revision": "working tree", "report": run_point(a)})

@@ -71,9 +71,12 @@ class GenerationExecutor(ABC):
         wire = params.to_dict()
         msgs = []
         for i, cid in enumerate(child_ids):
-            child = dict(wire, n=1, seed=child_seed(params.seed, i))
+            child = {k: v for k, v in wire.items() if k not in ("n", "seed")}   # each is one sequence
+            seed = child_seed(params.seed, i)
+            if seed is not None:
+                child["seed"] = seed
             if i > 0:
-                child["prompt_logprobs"] = None   # one sequence reports the shared prompt's
+                child.pop("prompt_logprobs", None)   # one sequence reports the shared prompt's
             msgs.append(GenerationRequest(cid, list(prompt_token_ids), child, list(eos_token_ids),
                                           max_total_tokens, cache_salt, priority, result.arrival_time))
         with self._lock:

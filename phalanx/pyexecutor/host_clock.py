@@ -8,7 +8,7 @@ import time
 TRACE_LIMIT = 100_000   # marks a trace keeps (a forgotten trace stops growing there)
 # the loop's phases in the order a step marks them (py_executor.py, model_runner.py's launch)
 PHASES = ("receive", "fetch", "schedule", "pack", "stage", "prepare", "forward", "launch", "wait", "update",
-          "sample", "respond")
+          "sample", "respond", "collect")   # collect: a full garbage collection run while the loop idled
 
 
 class HostClock:
@@ -83,7 +83,9 @@ class GcPauses:
     15–20 ms at 512 sequences on an H200 host (docs/gpu_notes.md, twenty-ninth round), longer
     than the decode step it stalled, while the loop makes no cyclic garbage for it to find (a
     CPU engine's rank 0 at 512 in flight: 0 objects over 618 collections). A loop that never
-    idles still gets one every BUSY_FULL_AFTER middle-generation collections (minutes of work).
+    idles still gets one after BUSY_FULL_AFTER middle-generation collections (minutes of work;
+    later if the interpreter's quarter rule holds it back). An interpreter whose oldest
+    generation has no such trigger (an incremental collector) is left as it is.
     Idle collections are counted apart (``idle_collections``, ``idle_ms``): no step waited."""
 
     BUSY_FULL_AFTER = 1000
@@ -107,8 +109,12 @@ class GcPauses:
         """Counted while the ``with`` block runs (an executor's loop): the hook goes with it."""
         gc.callbacks.append(self._on_gc)
         if self.defer_full:
-            self._thresholds = t0, t1, t2 = gc.get_threshold()
+            t0, t1, t2 = before = gc.get_threshold()
             gc.set_threshold(t0, t1, max(t2, self.BUSY_FULL_AFTER))
+            if t2 > 0 and gc.get_threshold()[2] == max(t2, self.BUSY_FULL_AFTER):
+                self._thresholds = before
+            else:   # no oldest-generation trigger to raise (an incremental collector): nothing deferred
+                gc.set_threshold(*before)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -185,7 +185,7 @@ class PyExecutor:
     def _has_steps(self) -> bool:
         """Whether a step could run now (work, not paused or asleep)."""
         s = self.scheduler
-        return not self.rollout.holds and bool(s.running or (s.waiting and self.rollout.admits))
+        return not self.rollout.holds and bool(s.running or ((s.waiting or self.intake) and self.rollout.admits))
 
     def _schedule(self) -> ScheduledBatch | None:
         if self.shutdown_requested or not self._has_steps:
@@ -259,7 +259,9 @@ class PyExecutor:
         if inp.shutdown:
             self.shutdown_requested = True
         elif idle and not (inp.new or inp.cancel or inp.control):
-            self.gc_pauses.idle()   # an idle wait brought nothing: the deferred full collection, if due
+            self.clock.mark("fetch")
+            if self.gc_pauses.idle():   # an idle wait brought nothing: the deferred full collection, if due
+                self.clock.mark("collect")
 
     def _cancel(self, request_id: int) -> None:
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)

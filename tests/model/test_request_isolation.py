@@ -195,17 +195,21 @@ def test_a_burst_of_arrivals_is_taken_in_as_steps_admit_it(tiny_models):
         ex._process(ex._launch(batch))
         assert len(s.waiting) <= 8 + 1 and len(ex.intake) + len(s.requests) <= 30
     assert not ex.intake and not s.requests and ex.num_unfinished() == 0
+    ex._add(GenerationRequest(300, prompts[0], {"max_tokens": 1}))
+    assert ex._has_steps and ex.num_unfinished() == 1    # arrived, not taken in: the loop must not idle-wait
+    ex._take_intake()
+    assert [r.request_id for r in s.waiting] == [300]
     assert order == list(range(29))                        # first come, first served; 29 never ran
     tokens: dict[int, list[int]] = {}
     for r in sent:
         tokens.setdefault(r.request_id, []).extend(r.token_ids)
     assert all(len(tokens[i]) == 3 for i in range(29)) and tokens[29] == []
     assert [r.request_id for r in sent].count(100) == 1
-    queue.put_request(GenerationRequest(200, prompts[0], {"max_tokens": 3}))
+    queue.put_request(GenerationRequest(200, prompts[1], {"max_tokens": 3}))
     for i in range(201, 230):
         queue.put_request(GenerationRequest(i, prompts[1], {"max_tokens": 3}))
     ex._fetch(idle=False)
     sent.clear()
     ex.abort_all()                                         # taken in or not, each is answered
-    assert sorted(r.request_id for r in sent) == list(range(200, 230))
+    assert sorted(r.request_id for r in sent) == [*range(200, 230), 300]
     assert all(r.finish_reason == "abort" for r in sent) and ex.num_unfinished() == 0

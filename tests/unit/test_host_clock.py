@@ -123,6 +123,12 @@ def test_deferred_full_collections_wait_for_idle_and_young_ones_go_on():
         del kept
     assert gc.get_threshold() == before
     assert GcPauses().idle() is False                   # not deferring: never collects on idle
+    gc.set_threshold(before[0], before[1], 0)           # no oldest-generation trigger: nothing to defer
+    try:
+        with GcPauses(defer_full=True) as none:
+            assert gc.get_threshold()[2] == 0 and none.idle() is False
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_rank_executor_collects_on_an_idle_fetch_only():
