@@ -9,6 +9,14 @@ forward and the wait for a step's tokens) took longest: the stalls a GPU would i
     python tools/bench_host_loop.py                       # the default: a one-layer model on this CPU
     python tools/bench_host_loop.py --baseline-rev HEAD~1 # the same point on another revision first
     python tools/bench_host_loop.py --model shape:llama-3.1-8b --config tools/gpu_engine_512_fp8.yaml
+    python tools/bench_host_loop.py --control-plane --baseline-rev HEAD~1   # no engine: µs per row
+
+``--control-plane`` times rank 0's per-request and per-row Python alone, with no engine and no
+torch in the timed code: a request's way in (its message unpacked, checked and made a
+``Request``, as the loop takes arrivals in), then ``--concurrency`` decoding rows scheduled and
+updated step after step as the overlap loop does (``Scheduler.schedule`` for step n + 1, then
+``Scheduler.update`` with step n's tokens), over a KV pool of ``--kv-tokens``; medians over
+``--steps`` steps.
 
 Without ``--model`` the engine is a one-layer, 64-wide model of the Llama-3.1 family with random
 weights, whose forward is cheap enough on a CPU that the host's own work stands out, with a
@@ -70,6 +78,50 @@ def run_point(a: argparse.Namespace) -> dict[str, Any]:
             "host_ms_per_step": timing.get("host_ms_per_step"), **analyse(marks)}
 
 
+def control_plane(a: argparse.Namespace) -> dict[str, Any]:
+    import random
+    import statistics
+    from types import SimpleNamespace
+
+    from phalanx.bench.throughput import make_prompts
+    from phalanx.executor.messages import GenerationRequest, pack, unpack
+    from phalanx.kv_manager import KVCacheManager
+    from phalanx.llmapi.sampling_params import SamplingParams
+    from phalanx.pyexecutor.py_executor import PyExecutor
+    from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
+    vocab = 128256
+    sp = SamplingParams(max_tokens=a.osl, ignore_eos=True, temperature=0.0, detokenize=False)
+    wire = [pack(GenerationRequest(i, p, sp.to_dict(), [128001]))
+            for i, p in enumerate(make_prompts(a.concurrency, a.isl, vocab))]
+    rank = SimpleNamespace(vocab_size=vocab, max_seq_len=a.isl + a.osl + 64,
+                           runner=SimpleNamespace(guided=None, spec=None))
+    t0 = time.perf_counter()
+    requests = [PyExecutor._make_request(rank, unpack(m)) for m in wire]   # type: ignore[arg-type]
+    intake_us = (time.perf_counter() - t0) / len(wire) * 1e6
+    s = Scheduler(SchedulerLimits(a.concurrency, a.max_num_tokens, a.isl + a.osl + 64),
+                  KVCacheManager(max(a.kv_tokens // 32, a.concurrency * (-(-(a.isl + a.osl) // 32) + 1)), 32))
+    for r in requests:
+        s.add_request(r)
+    rng = random.Random(0)
+    prev = None
+    while s.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running):   # the prompts
+        b = s.schedule()
+        s.update(b, [rng.randrange(1000, vocab) if x else None for x in b.samples])
+    prev = s.schedule()
+    sched, upd, rows = [], [], len(prev.requests)
+    for _ in range(min(a.steps, a.osl - 4)):
+        t0 = time.perf_counter()
+        batch = s.schedule()
+        t1 = time.perf_counter()
+        s.update(prev, [rng.randrange(1000, vocab) for _ in prev.requests])
+        t2 = time.perf_counter()
+        sched.append((t1 - t0) / rows * 1e6)
+        upd.append((t2 - t1) / rows * 1e6)
+        prev = batch
+    return {"rows": rows, "steps": len(sched), "intake_us_per_request": intake_us,
+            "schedule_us_per_row": statistics.median(sched), "update_us_per_row": statistics.median(upd)}
+
+
 def analyse(marks: list[list[Any]]) -> dict[str, Any]:
     """Phase stretches and per-iteration host time from the HostClock trace: each mark ends the
     stretch of its phase that began at the previous mark."""
@@ -95,6 +147,11 @@ def analyse(marks: list[list[Any]]) -> dict[str, Any]:
 
 
 def print_report(label: str, r: dict[str, Any]) -> None:
+    if "schedule_us_per_row" in r:
+        print(f"== {label}: a request taken in {r['intake_us_per_request']:.1f} µs; {r['rows']} decoding rows "
+              f"over {r['steps']} steps: schedule {r['schedule_us_per_row']:.2f} µs a row, "
+              f"update {r['update_us_per_row']:.2f} µs a row (medians)")
+        return
     print(f"== {label}: {r['out_tok_s']:.0f} out tok/s in {r['seconds']:.2f} s; GC {r['gc']}")
     h = r["host_ms_per_iteration"]
     print(f"host ms per iteration (all phases but {', '.join(HOST_ONLY_EXCLUDES)}): "
@@ -140,23 +197,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=2048)
     ap.add_argument("--max-num-tokens", type=int, default=8192)
     ap.add_argument("--kv-tokens", type=int, default=1_700_000, help="KV pool tokens of the default model")
+    ap.add_argument("--control-plane", action="store_true", help="no engine: intake, schedule and update alone")
+    ap.add_argument("--steps", type=int, default=200, help="--control-plane: decode steps timed")
     ap.add_argument("--baseline-rev", default=None, help="first run the same point on this git revision")
     ap.add_argument("--output", default=None, help="write the report(s) as JSON here")
     a = ap.parse_args(argv)
-    for name in ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens"):
+    for name in ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens", "steps"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     reports = []
     if a.baseline_rev:
         passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
-                  ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens")]
+                  ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens", "steps")]
+        if a.control_plane:
+            passed.append("--control-plane")
         if a.config:
             passed.append(f"--config={os.path.abspath(a.config)}")
         if a.model:   # a local directory as an absolute path (the child runs in the worktree)
             passed.append(f"--model={os.path.abspath(a.model) if os.path.exists(a.model) else a.model}")
         reports.append({"revision": a.baseline_rev, "report": baseline(a.baseline_rev, passed)})
         print_report(f"baseline {a.baseline_rev}", reports[-1]["report"])
-    reports.append({"revision": "working tree", "report": run_point(a)})
+    reports.append({"revision": "working tree", "report": control_plane(a) if a.control_plane else run_point(a)})
     print_report("this tree", reports[-1]["report"])
     if a.output:
         with open(a.output, "w") as f:

@@ -215,8 +215,9 @@ class ModelRunner:
         starts = np.fromiter(batch.num_computed_tokens, np.int64, S)
         counts = np.fromiter(batch.num_scheduled_tokens, np.int64, S)
         ends = starts + counts
-        query_start = np.fromiter(accumulate(batch.num_scheduled_tokens, initial=0), np.int32, S + 1)
-        T = int(query_start[-1])
+        row_starts = list(accumulate(batch.num_scheduled_tokens, initial=0))   # Python ints for the row loop
+        query_start = np.array(row_starts, np.int32)
+        T = row_starts[-1]
         ids = np.zeros(T, np.int64)
         slots = np.empty(T, np.int64)
         gather_dst: list[int] = []
@@ -226,7 +227,7 @@ class ModelRunner:
         spec = _SpecRows() if self.spec is not None else None
         for row, (req, start, n, table) in enumerate(zip(batch.requests, batch.num_computed_tokens,
                                                           batch.num_scheduled_tokens, batch.block_tables, strict=True)):
-            q0 = int(query_start[row])
+            q0 = row_starts[row]
             try:
                 if spec is not None and req.spec_len:
                     slot = self.slot_of(req.request_id)
@@ -242,19 +243,25 @@ class ModelRunner:
                         spec.prompt.append((q0, n, start, slot))
                     if batch.samples[row]:
                         spec.first.append((row, start + n + 1, req.max_total_tokens, slot))
-                known = req.token_ids[start:start + n]
-                ids[q0:q0 + len(known)] = known
-                if len(known) < n:   # the last input token is still in flight: gather it on the device
-                    gather_dst.append(q0 + len(known))
-                    gather_slot.append(self.slot_of(req.request_id))
-                if n == 1:
+                if n == 1:   # a decode row: scalars, no slices (hundreds of rows a step)
+                    if start < len(req.token_ids):
+                        ids[q0] = req.token_ids[start]
+                    else:    # its input token is still in flight: gathered on the device
+                        gather_dst.append(q0)
+                        gather_slot.append(self.slot_of(req.request_id))
                     slots[q0] = table[start // B] * B + start % B
                 else:
+                    known = req.token_ids[start:start + n]
+                    ids[q0:q0 + len(known)] = known
+                    if len(known) < n:   # the last input token is still in flight: gather it on the device
+                        gather_dst.append(q0 + len(known))
+                        gather_slot.append(self.slot_of(req.request_id))
                     pos = np.arange(start, start + n)
                     slots[q0:q0 + n] = np.asarray(table, np.int64)[pos // B] * B + pos % B
-                span = _prompt_logprob_span(req, start, n)
-                if span is not None:
-                    prompt_spans.append((row, *span))
+                if req.sampling.prompt_logprobs is not None:
+                    span = _prompt_logprob_span(req, start, n)
+                    if span is not None:
+                        prompt_spans.append((row, *span))
             except (ValueError, TypeError, OverflowError, IndexError) as e:
                 failed[row] = f"preparing the step: {type(e).__name__}: {e}"
         sample_rows = [i for i, (x, d) in enumerate(zip(batch.samples, batch.num_drafts, strict=True))

@@ -141,14 +141,14 @@ class Request:
 
     def check_stop(self) -> RequestStatus | None:
         """After a token was appended: the finished status it causes, or None."""
-        n_out = self.num_output_tokens
-        last = self.token_ids[-1]
-        if n_out > self.sampling.min_tokens:
+        tokens = self.token_ids   # (lengths read directly: called for every row every step)
+        last = tokens[-1]
+        if len(tokens) - len(self.prompt_token_ids) > self.sampling.min_tokens:
             if last in (self.sampling.stop_token_ids or ()):
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
             if not self.sampling.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_tokens >= self.max_total_tokens:
+        if len(tokens) >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

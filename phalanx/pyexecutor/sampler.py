@@ -86,7 +86,7 @@ class RowSettings:
         still banning its stop tokens, or not) and kept on the request — its sampling parameters
         do not change, and at hundreds of rows a step building them anew cost ~0.7 ms of host time.
         Raises (ValueError, TypeError, OverflowError) for settings no tensor can hold."""
-        banning = _num_before(r) < r.sampling.min_tokens
+        banning = r.sampling.min_tokens > 0 and _num_before(r) < r.sampling.min_tokens
         settings = r.row_settings[banning]
         if settings is None:
             settings = r.row_settings[banning] = cls._build(r, vocab_size, banning)

@@ -162,7 +162,8 @@ class ScheduledBatch:
         self.num_scheduled_tokens.append(num_tokens)
         self.num_computed_tokens.append(req.num_computed_tokens)
         self.block_tables.append(list(block_table))
-        self.samples.append(num_drafts != HOST_PLACED or req.num_computed_tokens + num_tokens >= req.num_total_tokens)
+        self.samples.append(num_drafts != HOST_PLACED
+                            or req.num_computed_tokens + num_tokens >= len(req.token_ids) + req.num_inflight_tokens)
         self.num_drafts.append(num_drafts)
 
     def without(self, rows: Iterable[int]) -> ScheduledBatch:
@@ -279,9 +280,10 @@ class Scheduler:
         # recomputing its output tokens is prompt work, like a prompt
         decoding: list[Request] = []
         prefilling: list[Request] = []
-        for r in self.running:
-            one = r.num_computed_tokens >= r.num_prompt_tokens and (
-                r.spec_ready or r.num_total_tokens - r.num_computed_tokens <= 1)
+        for r in self.running:   # (num_prompt_tokens, num_total_tokens: lengths read directly, once a row a step)
+            c = r.num_computed_tokens
+            one = c >= len(r.prompt_token_ids) and (
+                r.spec_ready or len(r.token_ids) + r.num_inflight_tokens - c <= 1)
             (decoding if one else prefilling).append(r)
         scheduled: set[int] = set()
         ready = sum(1 for r in decoding if r.spec_ready)
@@ -295,22 +297,29 @@ class Scheduler:
 
     def _running_rows(self, batch: ScheduledBatch, requests: list[Request], budget: int, k_step: int,
                       scheduled: set[int]) -> int:
+        # runs for every running request every step: the limits are locals, each request's
+        # total (``num_total_tokens``) is computed once
+        max_rows, running = self.limits.max_batch_size, RequestStatus.RUNNING
         for req in requests:
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue  # preempted earlier in this step
-            if len(batch) >= self.limits.max_batch_size or budget <= 0:
+            if len(batch) >= max_rows or budget <= 0:
                 break
-            k = min(k_step, req.spec_len) if req.spec_ready else HOST_PLACED
-            if k != HOST_PLACED:   # the last token and k drafts; room for the draft model's drafts
+            if req.spec_ready:   # the last token and k drafts; room for the draft model's drafts
+                k = min(k_step, req.spec_len)
                 n = k + 1
                 if n > budget:
                     break
                 grow_to = min(req.num_computed_tokens + n + req.spec_len, req.kv_limit)
             else:
-                if req.awaiting_last_token:
-                    continue
-                n = min(req.num_total_tokens - req.num_computed_tokens, budget)
-                grow_to = req.num_computed_tokens + n + self._first_drafts(req, req.num_computed_tokens + n)
+                k = HOST_PLACED
+                total = len(req.token_ids) + req.num_inflight_tokens
+                if total >= req.max_total_tokens:
+                    continue   # its last token is in flight (``awaiting_last_token``)
+                n = min(total - req.num_computed_tokens, budget)
+                grow_to = req.num_computed_tokens + n
+                if req.spec_len:
+                    grow_to += self._first_drafts(req, grow_to)
             if not self._grow_or_preempt(req, grow_to, batch, scheduled):
                 continue
             self._add_row(batch, req, n, k)
@@ -332,7 +341,8 @@ class Scheduler:
             req.spec_ready = True      # the step that samples sets its device state: verify from now on
 
     def _grow_or_preempt(self, req: Request, num_slots: int, batch: ScheduledBatch, scheduled: set[int]) -> bool:
-        while not self.kv.grow(req.request_id, num_slots):
+        grow = self.kv.grow
+        while not grow(req.request_id, num_slots):
             if self.limits.policy == GUARANTEED_NO_EVICT:
                 raise RuntimeError("KV reservation broken: a running request cannot grow")
             victims = [r for r in self.running if r.request_id not in scheduled]
@@ -356,6 +366,8 @@ class Scheduler:
         batch.preempted.append(req)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        if not self.waiting or budget <= 0 or len(batch) >= self.limits.max_batch_size:
+            return   # (before the reservation count: a pass over every running request)
         reserved = self._reserved_blocks() if self.limits.policy == GUARANTEED_NO_EVICT else 0
         while self.waiting and budget > 0 and len(batch) < self.limits.max_batch_size:
             req = self.waiting[0]
@@ -412,12 +424,24 @@ class Scheduler:
         """
         out = StepOutcome()
         accepted: list[int] = []
+        running, requests, commit = RequestStatus.RUNNING, self.requests, self.kv.commit
         for req, start, n, k, token in zip(batch.requests, batch.num_computed_tokens, batch.num_scheduled_tokens,
                                            batch.num_drafts, sampled, strict=True):
-            if req.status != RequestStatus.RUNNING or req.request_id not in self.requests:
+            if req.status != running or req.request_id not in requests:
                 continue
             tokens: list[int]
             placed = k != HOST_PLACED
+            if not placed and type(token) is int and stops_at is None:
+                # the common row: one sampled token, no grammar (what the loop below does for it)
+                commit(req.request_id, req.token_ids, start + n)
+                req.num_inflight_tokens -= 1
+                req.token_ids.append(token)
+                out.new_tokens[req.request_id] = [token]
+                status = req.check_stop()
+                if status is not None:
+                    self.finish(req.request_id, status)
+                    out.finished.append(req)
+                continue
             if placed:
                 tokens = token if isinstance(token, list) else [] if token is None else [token]
                 req.num_computed_tokens -= n - len(tokens)   # the rejected drafts' positions are free again
@@ -427,7 +451,7 @@ class Scheduler:
                     self.num_accepted_drafts += len(tokens) - 1
                     accepted.append(len(tokens))
             else:
-                self.kv.commit(req.request_id, req.token_ids, start + n)
+                commit(req.request_id, req.token_ids, start + n)
                 if token is None:
                     continue
                 req.num_inflight_tokens -= 1
