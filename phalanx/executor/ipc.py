@@ -100,9 +100,15 @@ class IpcQueue:
         Frames with a bad tag are dropped (and counted) and waiting goes on.
         """
         while True:
-            if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLIN):
-                return None
-            frame = self.socket.recv(copy=True)
+            if timeout_ms == 0:   # a non-blocking read: one call, not a poll and then a read
+                try:
+                    frame = self.socket.recv(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    return None
+            else:
+                if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLIN):
+                    return None
+                frame = self.socket.recv(copy=True)
             payload = verify(self._key, frame)
             if payload is not None:
                 return messages.unpack(payload)
