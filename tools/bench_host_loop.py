@@ -40,7 +40,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
-HOST_ONLY_EXCLUDES = ("forward", "wait", "collect")   # device work (a CPU forward), waiting for it, idle GC
+# device work (a CPU forward), waiting for it, and host_clock.IDLE_COLLECT (spelled out: a baseline
+# revision run by --baseline-rev may not have the name)
+HOST_ONLY_EXCLUDES = ("forward", "wait", "collect")
 
 
 def one_layer_model() -> str:

@@ -8,7 +8,8 @@ import time
 TRACE_LIMIT = 100_000   # marks a trace keeps (a forgotten trace stops growing there)
 # the loop's phases in the order a step marks them (py_executor.py, model_runner.py's launch)
 PHASES = ("receive", "fetch", "schedule", "pack", "stage", "prepare", "forward", "launch", "wait", "update",
-          "sample", "respond", "collect")   # collect: a full garbage collection run while the loop idled
+          "sample", "respond")
+IDLE_COLLECT = "collect"   # not a step's: a full garbage collection run while the loop idled (GcPauses.idle)
 
 
 class HostClock:

@@ -39,7 +39,7 @@ from phalanx.executor.messages import (
 )
 from phalanx.kernels import compiles
 from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
-from phalanx.pyexecutor.host_clock import GcPauses, HostClock
+from phalanx.pyexecutor.host_clock import IDLE_COLLECT, GcPauses, HostClock
 from phalanx.pyexecutor.model_runner import InFlightStep, ModelRunner, RequestFailures, StepResult
 from phalanx.pyexecutor.request import Request, RequestStatus
 from phalanx.pyexecutor.rollout import Rollout
@@ -261,7 +261,7 @@ class PyExecutor:
         elif idle and not (inp.new or inp.cancel or inp.control):
             self.clock.mark("fetch")
             if self.gc_pauses.idle():   # an idle wait brought nothing: the deferred full collection, if due
-                self.clock.mark("collect")
+                self.clock.mark(IDLE_COLLECT)
 
     def _cancel(self, request_id: int) -> None:
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
