@@ -111,7 +111,11 @@ def control_plane(a: argparse.Namespace) -> dict[str, Any]:
         s.update(b, [rng.randrange(1000, vocab) if x else None for x in b.samples])
     prev = s.schedule()
     sched, upd, rows = [], [], len(prev.requests)
-    for _ in range(min(a.steps, a.osl - 4)):
+    # every request keeps decoding for this many steps (the earliest admitted finish first)
+    left = min(r.max_total_tokens - r.num_total_tokens for r in s.running)
+    if left < 1:
+        raise SystemExit(f"--osl {a.osl} leaves no decode step in which every request still runs")
+    for _ in range(min(a.steps, left)):
         t0 = time.perf_counter()
         batch = s.schedule()
         t1 = time.perf_counter()

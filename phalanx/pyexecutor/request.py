@@ -137,6 +137,7 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def append_token(self, token_id: int) -> None:
+        # (Scheduler.update's path for a row's one sampled token appends to token_ids itself)
         self.token_ids.append(token_id)
 
     def check_stop(self) -> RequestStatus | None:
