@@ -174,7 +174,7 @@ class KVCacheManager:
         """Make sure positions ``[0, num_slots)`` have blocks. False (changing nothing) if
         there are not enough available blocks."""
         seq = self._seqs[request_id]
-        need = -(-num_slots // self.tokens_per_block) - len(seq.block_ids)   # (num_blocks_for: once a row a step)
+        need = self.num_blocks_for(num_slots) - len(seq.block_ids)
         if need <= 0:
             return True
         if need > self.pool.num_available:
