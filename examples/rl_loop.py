@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="answers per prompt")
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--policy", default=None, help="the trainer's copy of the model as a transformers checkpoint "
+                    "directory (default: the bundled GGUF, read by transformers' GGUF loader: slow)")
     a = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -34,9 +36,12 @@ def main() -> None:
     from phalanx import LLM, SamplingParams
     from phalanx.models.source import bundled_model_path
 
-    path = bundled_model_path()
-    policy = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=torch.float32)
+    if a.policy:
+        policy = AutoModelForCausalLM.from_pretrained(a.policy, dtype=torch.float32)
+    else:
+        path = bundled_model_path()
+        policy = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                      dtype=torch.float32)
     optimizer = torch.optim.SGD(policy.parameters(), lr=a.lr)
     questions = ["Describe the sea.", "What is a cat?"]
 

@@ -126,8 +126,9 @@ class Projection(nn.Module):
         if src.shape != param.data[rows].shape:
             raise ValueError(f"weight shape {tuple(src.shape)} does not fit parameter {tuple(param.data[rows].shape)}")
         q, scale = fp8.quantize_weight(src.to(param.device))   # checkpoint tensors arrive on the host
-        param.data[rows] = q
-        self.weight_scale.data[rows] = scale
+        with torch.no_grad():   # through the parameters, not .data: their version counters see the write
+            param[rows] = q                                    # (fp8.reference keeps a CPU copy by them)
+            self.weight_scale[rows] = scale
 
 
 class ColumnParallelLinear(Projection):

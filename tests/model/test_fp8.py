@@ -130,6 +130,28 @@ def test_fp8_helpers_round_trip_within_e4m3_precision():
     assert torch.isfinite(fp8.dequantize(zero_q, zero_scale, torch.float32)).all()
 
 
+def test_a_cpu_weight_keeps_its_dequantized_copy_until_it_or_its_scale_is_written():
+    """The CPU reference dequantizes a weight once, not every call, and never serves a stale copy."""
+    g = torch.Generator().manual_seed(1)
+    q, scale = fp8.quantize_weight(torch.randn(32, 48, generator=g))
+    x = torch.randn(3, 48, generator=g, dtype=torch.bfloat16)
+
+    def expect() -> torch.Tensor:
+        return torch.nn.functional.linear(x, fp8.dequantize(q, scale, x.dtype))
+
+    assert torch.equal(fp8.reference(x, q, None, scale), expect())
+    kept = q._phalanx_dequantized[1]
+    assert torch.equal(fp8.reference(x, q, None, scale), expect()) and q._phalanx_dequantized[1] is kept
+    new_q, new_scale = fp8.quantize_weight(torch.randn(32, 48, generator=g))
+    with torch.inference_mode():            # as a weight update writes: in place, without autograd
+        q.copy_(new_q)
+    assert torch.equal(fp8.reference(x, q, None, scale), expect())
+    scale.copy_(new_scale)
+    assert torch.equal(fp8.reference(x, q, None, scale), expect())
+    x32 = x.float()
+    assert torch.equal(fp8.reference(x32, q, None, scale), x32 @ fp8.dequantize(q, scale, torch.float32).T)
+
+
 def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None):
     """``src`` as an FP8 checkpoint: every decoder projection e4m3 with a scale per ``block`` tile
     (``weight_scale_inv``, as DeepSeek and Qwen3 ship), or one per tensor (``weight_scale`` and an
