@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from array import array
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -135,7 +135,8 @@ class PyExecutor:
         self._allocs_before: dict[str, int] = {}
         self.clock = runner.clock = HostClock()   # the runner marks its own phases of a launch
         self.gc_pauses = GcPauses()
-        self.intake: deque[GenerationRequest] = deque()   # arrived, made into Requests as steps need them
+        # arrived, made into Requests as steps need them, in arrival order (by id: a cancel finds one at once)
+        self.intake: OrderedDict[int, GenerationRequest] = OrderedDict()
         self.rollout = Rollout(self)   # pause, sleep, weight updates and versions (RL trainers)
 
     # -- the loops: one switch, two short functions -----------------------------------------------------
@@ -270,14 +271,16 @@ class PyExecutor:
             self._send([Response(request_id, finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
                                  num_prompt_tokens=req.num_prompt_tokens)])
             return
-        for i, msg in enumerate(self.intake):   # not taken in yet
-            if msg.request_id == request_id:
-                del self.intake[i]
-                self._send([Response(request_id, finish_reason="abort", num_prompt_tokens=_num_ids(msg))])
-                return
+        msg = self.intake.pop(request_id, None)   # not taken in yet
+        if msg is not None:
+            self._send([Response(request_id, finish_reason="abort", num_prompt_tokens=_num_ids(msg))])
 
     def _add(self, msg: GenerationRequest) -> None:
-        self.intake.append(msg)
+        if msg.request_id in self.intake:   # as the scheduler refuses an id it holds
+            self._send([Response(msg.request_id, finish_reason="error", num_prompt_tokens=_num_ids(msg),
+                                 error=f"request id {msg.request_id} is already in use")])
+            return
+        self.intake[msg.request_id] = msg
 
     def _take_intake(self) -> None:
         """Make arrived requests into the scheduler's, first come first served, until its waiting
@@ -297,7 +300,7 @@ class PyExecutor:
             if tokens >= need_tokens or rows >= need_rows:
                 return
         while self.intake and tokens < need_tokens and rows < need_rows:
-            taken = self._take(self.intake.popleft())
+            taken = self._take(self.intake.popitem(last=False)[1])
             if taken is not None:
                 tokens += taken.num_tokens
                 rows += 1
@@ -535,7 +538,7 @@ class PyExecutor:
 
     def abort_all(self) -> None:
         """End every unfinished request now (finish reason "abort": each keeps its tokens)."""
-        out = [Response(m.request_id, finish_reason="abort", num_prompt_tokens=_num_ids(m)) for m in self.intake]
+        out = [Response(rid, finish_reason="abort", num_prompt_tokens=_num_ids(m)) for rid, m in self.intake.items()]
         self.intake.clear()
         for req in list(self.scheduler.requests.values()):
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)

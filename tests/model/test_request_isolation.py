@@ -176,6 +176,7 @@ def test_a_burst_of_arrivals_is_taken_in_as_steps_admit_it(tiny_models):
         queue.put_request(GenerationRequest(i, p, {"max_tokens": 3, "ignore_eos": True}))
         if i == 5:
             queue.put_request(GenerationRequest(100, [5, 6], {"max_tokens": 3, "temperature": -1.0}))
+    queue.put_request(GenerationRequest(20, [7, 8], {"max_tokens": 3}))   # an id already waiting: refused alone
     queue.put_cancel(29)
     ex._fetch(idle=False)
     s = ex.scheduler
@@ -183,8 +184,8 @@ def test_a_burst_of_arrivals_is_taken_in_as_steps_admit_it(tiny_models):
     # fails at once); the other 21 wait to be taken in
     assert [r.request_id for r in s.waiting] == list(range(8))
     assert len(ex.intake) == 21 and ex.stats()["num_waiting"] == 29 and ex.num_unfinished() == 29
-    assert [(r.request_id, r.finish_reason) for r in sent] == [(29, "abort"), (100, "error")]
-    assert "temperature" in sent[1].error
+    assert [(r.request_id, r.finish_reason) for r in sent] == [(20, "error"), (29, "abort"), (100, "error")]
+    assert "already in use" in sent[0].error and "temperature" in sent[2].error
     order: list[int] = []
     for _ in range(200):
         ex._fetch(idle=False)
@@ -203,7 +204,7 @@ def test_a_burst_of_arrivals_is_taken_in_as_steps_admit_it(tiny_models):
     tokens: dict[int, list[int]] = {}
     for r in sent:
         tokens.setdefault(r.request_id, []).extend(r.token_ids)
-    assert all(len(tokens[i]) == 3 for i in range(29)) and tokens[29] == []
+    assert all(len(tokens[i]) == 3 for i in range(29)) and tokens[29] == []   # the first 20 ran whole
     assert [r.request_id for r in sent].count(100) == 1
     queue.put_request(GenerationRequest(200, prompts[1], {"max_tokens": 3}))
     for i in range(201, 230):

@@ -134,7 +134,7 @@ def test_deferred_full_collections_wait_for_idle_and_young_ones_go_on():
 def test_rank_executor_collects_on_an_idle_fetch_only():
     """The loop's fetch runs the deferred collection when an idle wait brought nothing."""
     import gc
-    from collections import deque
+    from collections import OrderedDict
 
     from phalanx.executor.messages import IterationInput
     from phalanx.pyexecutor.host_clock import GcPauses, HostClock
@@ -153,7 +153,7 @@ def test_rank_executor_collects_on_an_idle_fetch_only():
     ex._beat = lambda: None
     ex.clock = HostClock()
     ex._cancel = lambda rid: None
-    ex.intake = deque()
+    ex.intake = OrderedDict()
     with ex.gc_pauses:
         for idle, inp, expect in ((False, IterationInput(), 0), (True, IterationInput(cancel=[7]), 0),
                                   (True, IterationInput(), 1)):
