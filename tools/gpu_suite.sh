@@ -4,7 +4,8 @@
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
-#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|moe_fp8|itl|fp8_experts|all]...
+#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|gaps128|moe_fp8|itl|fp8_experts|
+#                              all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -60,6 +61,10 @@ for what in "${@:-all}"; do
         timeout 250 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
           --isl $1 --osl $2 --concurrency 512 --num-requests $3 --config $c \
           --output "$OUT/throughput_$1_$2_$d.json" > "$OUT/throughput_$1_$2_$d.txt" 2>&1; done ;;
+    gaps128)   # where the GPU idles at 128/128, FP8 weights + KV, 512 in flight (the twenty-ninth round: 449 ms of 9,147)
+      timeout 400 python3 tools/profile_gaps.py --config tools/gpu_engine_512_fp8.yaml --isl 128 --osl 128 \
+        --concurrency 512 --num-requests 2048 --trace /tmp/gaps128.json.gz --output "$OUT/gaps128.json" \
+        > "$OUT/gaps128.txt" 2>&1 ;;
     fp8_table)   # #19's table in one call: 128/128, 2048/128, 1000/1000 at 512 in flight, one engine per precision,
       # each step's GPU time by kind (--step-times), the board's clock and power sampled every second
       nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
