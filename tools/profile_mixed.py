@@ -19,7 +19,7 @@ from typing import Any
 
 from phalanx import LLM, SamplingParams
 from phalanx.bench.shapes import TINY_OVERRIDES, profiling_engine_args, shape_dir
-from phalanx.pyexecutor.host_clock import PHASES
+from phalanx.pyexecutor.host_clock import IDLE_COLLECT, PHASES
 
 
 async def _drain(llm: LLM, prompt: list[int], sp: SamplingParams, seen: list[int], i: int) -> None:
@@ -121,7 +121,7 @@ def main() -> None:
           f"({report['ttft_profiled_ms']:.1f} under the profiler"
           + (f", {report['ttft_first_ms']:.1f} for the untraced first arrival" if report["ttft_first_ms"] else "")
           + f"); arrival at iteration {it0}")
-    phases = PHASES
+    phases = (*PHASES, IDLE_COLLECT)   # the total includes an idle full collection, so it gets its column
     print("iteration " + " ".join(f"{p:>8s}" for p in phases) + "   total (host ms)")
     for k, v in report["iterations"].items():
         if it0 is not None and it0 - 4 <= int(k) <= it0 + 8:
