@@ -16,7 +16,10 @@ torch in the timed code: a request's way in (its message unpacked, checked and m
 ``Request``, as the loop takes arrivals in), then ``--concurrency`` decoding rows scheduled and
 updated step after step as the overlap loop does (``Scheduler.schedule`` for step n + 1, then
 ``Scheduler.update`` with step n's tokens), over a KV pool of ``--kv-tokens``; medians over
-``--steps`` steps.
+``--steps`` steps. Per request besides: the prompt steps' ``schedule`` (admission) and ``update``
+(the prompt's blocks entered into the prefix tree), and the updates in which requests finish,
+less their rows' decode cost. The collector runs as in a rank process's loop: what exists
+before the timed code frozen, full collections deferred (``host_clock``).
 
 Without ``--model`` the engine is a one-layer, 64-wide model of the Llama-3.1 family with random
 weights, whose forward is cheap enough on a CPU that the host's own work stands out, with a
@@ -81,22 +84,43 @@ def run_point(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def control_plane(a: argparse.Namespace) -> dict[str, Any]:
-    import random
-    import statistics
     from types import SimpleNamespace
 
     from phalanx.bench.throughput import make_prompts
-    from phalanx.executor.messages import GenerationRequest, pack, unpack
-    from phalanx.kv_manager import KVCacheManager
+    from phalanx.executor.messages import GenerationRequest, pack
     from phalanx.llmapi.sampling_params import SamplingParams
-    from phalanx.pyexecutor.py_executor import PyExecutor
-    from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
     vocab = 128256
     sp = SamplingParams(max_tokens=a.osl, ignore_eos=True, temperature=0.0, detokenize=False)
     wire = [pack(GenerationRequest(i, p, sp.to_dict(), [128001]))
             for i, p in enumerate(make_prompts(a.concurrency, a.isl, vocab))]
     rank = SimpleNamespace(vocab_size=vocab, max_seq_len=a.isl + a.osl + 64,
                            runner=SimpleNamespace(guided=None, spec=None))
+    with rank_gc():
+        return _control_plane(a, vocab, wire, rank)
+
+
+def rank_gc() -> Any:
+    """The collector as a rank process has it in its loop: what exists now frozen, full collections
+    deferred (a revision without these, as it had it); the young collections run as they come."""
+    import contextlib
+
+    from phalanx.pyexecutor import host_clock
+    if hasattr(host_clock, "freeze_startup_objects"):
+        host_clock.freeze_startup_objects()
+    try:
+        return host_clock.GcPauses(defer_full=True)
+    except (AttributeError, TypeError):
+        return contextlib.nullcontext()
+
+
+def _control_plane(a: argparse.Namespace, vocab: int, wire: list[bytes], rank: Any) -> dict[str, Any]:
+    import random
+    import statistics
+
+    from phalanx.executor.messages import unpack
+    from phalanx.kv_manager import KVCacheManager
+    from phalanx.pyexecutor.py_executor import PyExecutor
+    from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
     t0 = time.perf_counter()
     requests = [PyExecutor._make_request(rank, unpack(m)) for m in wire]   # type: ignore[arg-type]
     intake_us = (time.perf_counter() - t0) / len(wire) * 1e6
@@ -106,9 +130,14 @@ def control_plane(a: argparse.Namespace) -> dict[str, Any]:
         s.add_request(r)
     rng = random.Random(0)
     prev = None
+    admit_s = prompt_update_s = 0.0
     while s.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running):   # the prompts
+        t0 = time.perf_counter()
         b = s.schedule()
+        t1 = time.perf_counter()
         s.update(b, [rng.randrange(1000, vocab) if x else None for x in b.samples])
+        admit_s += t1 - t0
+        prompt_update_s += time.perf_counter() - t1
     prev = s.schedule()
     sched, upd, rows = [], [], len(prev.requests)
     # every request keeps decoding for this many steps (the earliest admitted finish first)
@@ -124,7 +153,24 @@ def control_plane(a: argparse.Namespace) -> dict[str, Any]:
         sched.append((t1 - t0) / rows * 1e6)
         upd.append((t2 - t1) / rows * 1e6)
         prev = batch
+    # the rest, to the last token: the updates in which requests finish (their blocks freed, their
+    # tokens entered into the prefix tree), less what their rows cost as plain decode rows
+    finish_s, finished, per_row = 0.0, 0, statistics.median(upd) / 1e6
+    while prev.requests:
+        batch = s.schedule()
+        t0 = time.perf_counter()
+        s.update(prev, [rng.randrange(1000, vocab) for _ in prev.requests])
+        dt = time.perf_counter() - t0
+        done = len(prev.requests) - len(s.running)
+        if done > 0:
+            finish_s += dt - per_row * len(s.running)
+            finished += done
+        prev = batch
     return {"rows": rows, "steps": len(sched), "intake_us_per_request": intake_us,
+            "finish_us_per_request": finish_s / max(1, finished) * 1e6,
+            # the prompt steps (every request admitted, its prompt computed and entered into the prefix tree)
+            "admit_us_per_request": admit_s / len(requests) * 1e6,
+            "prompt_update_us_per_request": prompt_update_s / len(requests) * 1e6,
             "schedule_us_per_row": statistics.median(sched), "update_us_per_row": statistics.median(upd)}
 
 
@@ -157,6 +203,10 @@ def print_report(label: str, r: dict[str, Any]) -> None:
         print(f"== {label}: a request taken in {r['intake_us_per_request']:.1f} µs; {r['rows']} decoding rows "
               f"over {r['steps']} steps: schedule {r['schedule_us_per_row']:.2f} µs a row, "
               f"update {r['update_us_per_row']:.2f} µs a row (medians)")
+        if "admit_us_per_request" in r:   # (a baseline revision's copy of this tool may not have them)
+            print(f"   per request: admitted (prompt steps' schedule) {r['admit_us_per_request']:.1f} µs, "
+                  f"prompt steps' update {r['prompt_update_us_per_request']:.1f} µs, "
+                  f"finished {r['finish_us_per_request']:.1f} µs")
         return
     print(f"== {label}: {r['out_tok_s']:.0f} out tok/s in {r['seconds']:.2f} s; GC {r['gc']}")
     h = r["host_ms_per_iteration"]
