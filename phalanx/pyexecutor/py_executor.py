@@ -109,8 +109,11 @@ class BroadcastRequestQueue:
             local.fetch if local is not None and dist.size == 1 else self._broadcast)
 
     def _broadcast(self, idle: bool) -> IterationInput:
-        data = pack(self.local.fetch(idle)) if self.local is not None else None
-        return unpack(self.dist.bcast_bytes(data, idle))
+        if self.local is None:
+            return unpack(self.dist.bcast_bytes(None, idle))
+        inp = self.local.fetch(idle)   # rank 0 keeps its own: the others unpack what it packed, equal
+        self.dist.bcast_bytes(pack(inp), idle)   # to it (~13 µs a request it need not unpack again)
+        return inp
 
 
 class PyExecutor:

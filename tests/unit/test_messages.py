@@ -94,3 +94,20 @@ def test_prompt_ids_cross_as_uint32_bytes_and_only_in_range_ids_do():
     assert odd.prompt_token_ids == b"\x01\x02\x03" and unpack(pack(odd)) == odd
     with pytest.raises(ValueError, match="prompt_token_ids: 3 bytes are not a sequence of uint32 token ids"):
         check_prompt(odd.prompt_token_ids, 100, 10)
+
+
+def test_what_came_off_the_wire_crosses_again_unchanged():
+    """Rank 0 keeps the iteration's input it read from the socket and broadcasts it packed: the
+    other ranks must unpack what rank 0 holds, whatever the proxy sent (ids out of range, bytes
+    that are not whole ids, odd settings), or the ranks would schedule different requests."""
+    from phalanx.executor.messages import Control
+    sp = SamplingParams(max_tokens=5, temperature=0.7, stop=["\n"], logit_bias={3: -1.5}).to_dict()
+    sent = IterationInput(new=[GenerationRequest(1, [1, 2, 3], sp, [2], 40, "salt", 7, 1.5),
+                               GenerationRequest(2, [-1, 2**40, 3], {}),
+                               GenerationRequest(3, [1.5, "x"], {"n": None}),   # type: ignore[list-item]
+                               GenerationRequest(4, b"\x01\x02\x03", {})],
+                          cancel=[9], control=[Control("stats", 2, {"y": [1, {"z": None}]})])
+    rank0 = unpack(pack(sent))               # what rank 0 read
+    others = unpack(pack(rank0))             # what every other rank gets from it
+    assert others == rank0
+    assert [type(r.prompt_token_ids) for r in others.new] == [type(r.prompt_token_ids) for r in rank0.new]
