@@ -276,11 +276,11 @@ class PyExecutor:
             return
         msg = self.intake.pop(request_id, None)   # not taken in yet
         if msg is not None:
-            self._send([Response(request_id, finish_reason="abort", num_prompt_tokens=_num_ids(msg))])
+            self._send([Response(request_id, finish_reason="abort", num_prompt_tokens=prompt_len(msg))])
 
     def _add(self, msg: GenerationRequest) -> None:
         if msg.request_id in self.intake:   # as the scheduler refuses an id it holds
-            self._send([Response(msg.request_id, finish_reason="error", num_prompt_tokens=_num_ids(msg),
+            self._send([Response(msg.request_id, finish_reason="error", num_prompt_tokens=prompt_len(msg),
                                  error=f"request id {msg.request_id} is already in use")])
             return
         self.intake[msg.request_id] = msg
@@ -317,7 +317,7 @@ class PyExecutor:
             error = str(e)
         if error is None:
             return req
-        self._send([Response(msg.request_id, finish_reason="error", error=error, num_prompt_tokens=_num_ids(msg))])
+        self._send([Response(msg.request_id, finish_reason="error", error=error, num_prompt_tokens=prompt_len(msg))])
         return None
 
     def _make_request(self, msg: GenerationRequest) -> Request:
@@ -541,7 +541,7 @@ class PyExecutor:
 
     def abort_all(self) -> None:
         """End every unfinished request now (finish reason "abort": each keeps its tokens)."""
-        out = [Response(rid, finish_reason="abort", num_prompt_tokens=_num_ids(m)) for rid, m in self.intake.items()]
+        out = [Response(rid, finish_reason="abort", num_prompt_tokens=prompt_len(m)) for rid, m in self.intake.items()]
         self.intake.clear()
         for req in list(self.scheduler.requests.values()):
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
@@ -561,7 +561,7 @@ def kernel_table(prof: Any, steps: int, top: int = 40) -> list[dict[str, Any]]:
     return rows[:top]
 
 
-def _num_ids(msg: GenerationRequest) -> int:
+def prompt_len(msg: GenerationRequest) -> int:
     """A request's prompt length as it arrived (which may be anything a client of the socket sent)."""
     ids = msg.prompt_token_ids
     return len(ids) if isinstance(ids, list | tuple | array) else 0

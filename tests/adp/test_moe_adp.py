@@ -64,6 +64,19 @@ def test_attention_dp_uneven_load_neither_hangs_nor_changes_results(tiny_moe_mod
         check(llm, hf, prompts(5, seed=2))            # and everything still works afterwards
 
 
+def test_attention_dp_places_a_burst_over_several_iterations(tiny_moe_models, hf_moe_models):
+    """Twelve requests at once, where two steps of both ranks admit at most 4 rows (a batch of 2 a
+    rank): placed a few at a time over both ranks, and each still equal to transformers."""
+    with LLM(tiny_moe_models["mixtral"], skip_tokenizer_init=True, tensor_parallel_size=2,
+             enable_attention_dp=True, max_batch_size=2, max_num_tokens=64) as llm:
+        ps = prompts(12, seed=3)
+        outs = check(llm, hf_moe_models["mixtral"], ps)
+        stats = llm._executor.stats()
+        assert sum(stats[0]["num_placed"]) == 12 and all(s["num_placements"] >= 3 for s in stats), stats
+        assert {o.metrics["rank"] for o in outs} == {0, 1}
+        assert llm._executor.check_integrity() == ["ok", "ok"]
+
+
 def test_attention_dp_conversations_stay_on_their_rank(tiny_moe_models):
     with LLM(tiny_moe_models["mixtral"], skip_tokenizer_init=True, tensor_parallel_size=2,
              enable_attention_dp=True, kv_cache_config={"tokens_per_block": 8}) as llm:
