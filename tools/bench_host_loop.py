@@ -18,8 +18,9 @@ updated step after step as the overlap loop does (``Scheduler.schedule`` for ste
 ``Scheduler.update`` with step n's tokens), over a KV pool of ``--kv-tokens``; medians over
 ``--steps`` steps. Per request besides: the prompt steps' ``schedule`` (admission) and ``update``
 (the prompt's blocks entered into the prefix tree), and the updates in which requests finish,
-less their rows' decode cost. The collector runs as in a rank process's loop: what exists
-before the timed code frozen, full collections deferred (``host_clock``).
+each less what the step's other rows cost as decode rows (the medians). The collector runs as
+in a rank process's loop: what exists before the timed code frozen, full collections deferred
+(``host_clock``).
 
 Without ``--model`` the engine is a one-layer, 64-wide model of the Llama-3.1 family with random
 weights, whose forward is cheap enough on a CPU that the host's own work stands out, with a
@@ -131,6 +132,7 @@ def _control_plane(a: argparse.Namespace, vocab: int, wire: list[bytes], rank: A
     rng = random.Random(0)
     prev = None
     admit_s = prompt_update_s = 0.0
+    decode_rows = 0   # rows of the prompt steps already decoding (their cost is taken out below)
     while s.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running):   # the prompts
         t0 = time.perf_counter()
         b = s.schedule()
@@ -138,6 +140,7 @@ def _control_plane(a: argparse.Namespace, vocab: int, wire: list[bytes], rank: A
         s.update(b, [rng.randrange(1000, vocab) if x else None for x in b.samples])
         admit_s += t1 - t0
         prompt_update_s += time.perf_counter() - t1
+        decode_rows += sum(c >= r.num_prompt_tokens for r, c in zip(b.requests, b.num_computed_tokens, strict=True))
     prev = s.schedule()
     sched, upd, rows = [], [], len(prev.requests)
     # every request keeps decoding for this many steps (the earliest admitted finish first)
@@ -154,7 +157,7 @@ def _control_plane(a: argparse.Namespace, vocab: int, wire: list[bytes], rank: A
         upd.append((t2 - t1) / rows * 1e6)
         prev = batch
     # the rest, to the last token: the updates in which requests finish (their blocks freed, their
-    # tokens entered into the prefix tree), less what their rows cost as plain decode rows
+    # tokens entered into the prefix tree), less what the rows that go on decoding cost
     finish_s, finished, per_row = 0.0, 0, statistics.median(upd) / 1e6
     while prev.requests:
         batch = s.schedule()
@@ -168,9 +171,10 @@ def _control_plane(a: argparse.Namespace, vocab: int, wire: list[bytes], rank: A
         prev = batch
     return {"rows": rows, "steps": len(sched), "intake_us_per_request": intake_us,
             "finish_us_per_request": finish_s / max(1, finished) * 1e6,
-            # the prompt steps (every request admitted, its prompt computed and entered into the prefix tree)
-            "admit_us_per_request": admit_s / len(requests) * 1e6,
-            "prompt_update_us_per_request": prompt_update_s / len(requests) * 1e6,
+            # the prompt steps (every request admitted, its prompt computed and entered into the prefix
+            # tree), less what their rows already decoding cost at the medians below
+            "admit_us_per_request": (admit_s - decode_rows * statistics.median(sched) / 1e6) / len(requests) * 1e6,
+            "prompt_update_us_per_request": (prompt_update_s - decode_rows * per_row) / len(requests) * 1e6,
             "schedule_us_per_row": statistics.median(sched), "update_us_per_row": statistics.median(upd)}
 
 

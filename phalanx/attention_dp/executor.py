@@ -46,7 +46,7 @@ class AdpExecutor(PyExecutor):
         self.num_dummy_steps = 0
         self.num_padding_steps = 0
         self.num_placed = [0] * self.dist.size
-        self.num_placements = 0    # iterations that placed requests (a burst is placed over several)
+        self.num_placements = 0    # iterations that took pending requests to place (a burst: several)
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -108,12 +108,13 @@ class AdpExecutor(PyExecutor):
         if not self.pending:
             return
         world = self.dist.size
-        if (self.adp.enable_balance and any_work and len(self.pending) < world
-                and self.waited < min(self.adp.batching_wait_iters, self.adp.timeout_iters)):
+        wait = min(self.adp.batching_wait_iters, self.adp.timeout_iters)
+        if self.adp.enable_balance and any_work and len(self.pending) < world and self.waited < wait:
             self.waited += 1
             return
         n = self._num_to_place()
-        batch, self.pending, self.waited = self.pending[:n], self.pending[n:], 0
+        batch, self.pending = self.pending[:n], self.pending[n:]
+        self.waited = wait if self.pending else 0   # the rest of a burst does not wait for company
         self.num_placements += 1
         valid, reqs = [], []
         for msg in batch:
@@ -140,11 +141,12 @@ class AdpExecutor(PyExecutor):
                 self._emit([Response(req.request_id, finish_reason="error", error=error)])
 
     def _num_to_place(self) -> int:
-        """How many of the pending requests to place this iteration, first come first served: what
-        INTAKE_STEPS steps of every rank can admit (their prompt tokens for the ranks' token
-        budgets, or a batch of rows a rank), at least one. Every rank makes a Request of each one
-        placed (~0.1 ms of host time) before it keeps its share: a burst of hundreds placed at
-        once held every rank for tens of milliseconds in one iteration. The same on every rank."""
+        """How many of the pending requests to place this iteration, first come first served: at
+        most INTAKE_STEPS steps' prompt tokens of every rank's token budget, and at most a batch of
+        rows a rank; at least one. A cap per iteration (what ranks already hold waiting is not
+        counted: that would take another exchange). Every rank makes a Request of each one placed
+        (~0.1 ms of host time) before it keeps its share: a burst of hundreds placed at once held
+        every rank for tens of milliseconds in one iteration. The same on every rank."""
         limits, world = self.scheduler.limits, self.dist.size
         need_tokens, need_rows = INTAKE_STEPS * limits.max_num_tokens * world, limits.max_batch_size * world
         tokens = 0

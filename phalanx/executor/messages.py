@@ -212,7 +212,10 @@ def ids_to_wire(ids: Sequence[int]) -> bytes | list[int]:
     try:
         packed = array(WIRE_IDS, ids)
     except (OverflowError, TypeError):
-        return list(ids)
+        try:
+            return list(ids)
+        except TypeError:   # not a sequence at all: as it is, for the check to refuse
+            return ids      # type: ignore[return-value]
     if _SWAP:
         packed.byteswap()
     return packed.tobytes()
@@ -220,10 +223,17 @@ def ids_to_wire(ids: Sequence[int]) -> bytes | list[int]:
 
 def ids_from_wire(value: Any) -> Any:
     """``ids_to_wire``'s bytes as an array("I") (ints in [0, 2**32) by construction: the rank's
-    check only compares them with the vocabulary); a list stays a list. Bytes that are not whole
-    uint32 ids (no proxy sends them) stay bytes, for the rank's prompt check to refuse that one
-    request: raising here would stop the loop that reads every request."""
-    if not isinstance(value, bytes | bytearray) or len(value) % 4:
+    check only compares them with the vocabulary). Bytes that are not whole uint32 ids (no proxy
+    sends them) stay bytes, for the rank's prompt check to refuse that one request: raising here
+    would stop the loop that reads every request. Anything else a client of the socket sent (a
+    list, a string, a map) is made what another crossing would make of it (ids_to_wire, then
+    this), so that a message decoded once equals itself decoded again: rank 0 keeps what it read
+    and the other ranks unpack its broadcast of it (``BroadcastRequestQueue``)."""
+    if not isinstance(value, bytes | bytearray):
+        value = ids_to_wire(value)
+        if not isinstance(value, bytes):
+            return value
+    if len(value) % 4:
         return value
     ids = array(WIRE_IDS)
     ids.frombytes(value)

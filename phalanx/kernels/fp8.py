@@ -93,18 +93,21 @@ def reference(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale
 
 def _kept_dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``dequantize`` of a CPU weight, kept on the weight until it or its scale is written (their
-    version counters) or the dtype changes: a CPU runs FP8 through this reference, and converting
-    e4m3 to float in every projection of every step was most of an FP8 forward's time there (the
-    FP8 accuracy test: 26 of 86 s). The same values as ``dequantize`` each call; it costs a copy
-    of the weight in ``dtype`` (a CPU's FP8 path is for testing the engine, not for its memory).
-    A write through ``.data`` has a version counter of its own and goes unseen: the FP8 weight
-    loaders (``Projection._load_fp8``) write through the parameters."""
+    version counters and addresses) or the dtype changes: a CPU runs FP8 through this reference,
+    and converting e4m3 to float in every projection of every step took a third of an FP8
+    forward's time there (the FP8 accuracy test: 26 of 86 s). The same values as ``dequantize``
+    each call; it costs a copy of the weight in ``dtype``, kept through a sleep (a CPU's FP8 path
+    is for testing the engine, not for its memory). A write through ``.data`` has a version
+    counter of its own and goes unseen: the FP8 projections' loader (``Projection._load_fp8``)
+    writes through the parameters (the experts' loader need not: their reference, ``experts_ref``,
+    dequantizes each call)."""
     if q.is_inference() or scale.is_inference():   # no version counters to tell a write
         return dequantize(q, scale, dtype)
-    key = (q._version, scale.data_ptr(), scale._version, dtype)
+    key = (q.data_ptr(), q._version, scale.data_ptr(), scale._version, dtype)
     kept = getattr(q, "_phalanx_dequantized", None)
     if kept is None or kept[0] != key:
-        kept = (key, dequantize(q, scale, dtype))
+        with torch.inference_mode(False):   # a plain tensor, whatever mode the first call ran in
+            kept = (key, dequantize(q, scale, dtype))
         q._phalanx_dequantized = kept   # type: ignore[attr-defined]
     return kept[1]
 

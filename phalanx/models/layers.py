@@ -48,8 +48,9 @@ _FP8_WEIGHTS = contextvars.ContextVar("phalanx_fp8_weights", default=False)
 def fp8_weights(enabled: bool = True) -> Iterator[None]:
     """While a model is built inside: its projections (the output layer excepted) and MoE
     experts get FP8 weights from the start, and each load quantizes the rows it writes, so the
-    model is never held in full precision (``quantization: fp8``: a model whose bf16 weights do
-    not fit the GPU can still be served in FP8)."""
+    model is never held in full precision on a GPU (``quantization: fp8``: a model whose bf16
+    weights do not fit the GPU can still be served in FP8; a CPU, which runs the reference,
+    keeps each projection's dequantized copy from its first use: ``fp8.reference``)."""
     token = _FP8_WEIGHTS.set(enabled)
     try:
         yield

@@ -111,8 +111,11 @@ class BroadcastRequestQueue:
     def _broadcast(self, idle: bool) -> IterationInput:
         if self.local is None:
             return unpack(self.dist.bcast_bytes(None, idle))
-        inp = self.local.fetch(idle)   # rank 0 keeps its own: the others unpack what it packed, equal
-        self.dist.bcast_bytes(pack(inp), idle)   # to it (~13 µs a request it need not unpack again)
+        # rank 0 keeps its own input (~13 µs a request it need not unpack again): its source hands
+        # over messages unpacked once (worker.Rank0Link), which unpack again to themselves
+        # (messages.ids_from_wire), so every rank holds the same requests
+        inp = self.local.fetch(idle)
+        self.dist.bcast_bytes(pack(inp), idle)
         return inp
 
 
@@ -256,7 +259,8 @@ class PyExecutor:
         for req in inp.new:
             self._add(req)
         for rid in inp.cancel:
-            self._cancel(rid)
+            if isinstance(rid, int):   # (from a client of the socket: anything; an id is an int)
+                self._cancel(rid)
         self._take_intake()
         for ctl in inp.control:
             self._control(ctl)
@@ -279,11 +283,13 @@ class PyExecutor:
             self._send([Response(request_id, finish_reason="abort", num_prompt_tokens=prompt_len(msg))])
 
     def _add(self, msg: GenerationRequest) -> None:
-        if msg.request_id in self.intake:   # as the scheduler refuses an id it holds
-            self._send([Response(msg.request_id, finish_reason="error", num_prompt_tokens=prompt_len(msg),
-                                 error=f"request id {msg.request_id} is already in use")])
+        rid = msg.request_id
+        error = (f"request_id must be an integer, got {type(rid).__name__}" if not isinstance(rid, int) else
+                 f"request id {rid} is already in use" if rid in self.intake else None)   # as the scheduler's
+        if error is not None:
+            self._send([Response(rid, finish_reason="error", num_prompt_tokens=prompt_len(msg), error=error)])
             return
-        self.intake[msg.request_id] = msg
+        self.intake[rid] = msg
 
     def _take_intake(self) -> None:
         """Make arrived requests into the scheduler's, first come first served, until its waiting
@@ -321,6 +327,8 @@ class PyExecutor:
         return None
 
     def _make_request(self, msg: GenerationRequest) -> Request:
+        if not isinstance(msg.request_id, int):
+            raise TypeError(f"request_id must be an integer, got {type(msg.request_id).__name__}")
         ids = msg.prompt_token_ids
         check_prompt(ids, self.vocab_size, self.max_seq_len)
         params = SamplingParams.from_dict(msg.sampling_params)

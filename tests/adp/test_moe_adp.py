@@ -65,8 +65,8 @@ def test_attention_dp_uneven_load_neither_hangs_nor_changes_results(tiny_moe_mod
 
 
 def test_attention_dp_places_a_burst_over_several_iterations(tiny_moe_models, hf_moe_models):
-    """Twelve requests at once, where two steps of both ranks admit at most 4 rows (a batch of 2 a
-    rank): placed a few at a time over both ranks, and each still equal to transformers."""
+    """Twelve requests at once, where an iteration places at most 4 (a batch of 2 rows a rank):
+    placed a few at a time over both ranks, and each still equal to transformers."""
     with LLM(tiny_moe_models["mixtral"], skip_tokenizer_init=True, tensor_parallel_size=2,
              enable_attention_dp=True, max_batch_size=2, max_num_tokens=64) as llm:
         ps = prompts(12, seed=3)

@@ -204,7 +204,7 @@ def test_a_burst_of_arrivals_is_taken_in_as_steps_admit_it(tiny_models):
     tokens: dict[int, list[int]] = {}
     for r in sent:
         tokens.setdefault(r.request_id, []).extend(r.token_ids)
-    assert all(len(tokens[i]) == 3 for i in range(29)) and tokens[29] == []   # the first 20 ran whole
+    assert all(len(tokens[i]) == 3 for i in range(29)) and tokens[29] == []   # id 20: the one that came first ran
     assert [r.request_id for r in sent].count(100) == 1
     queue.put_request(GenerationRequest(200, prompts[1], {"max_tokens": 3}))
     for i in range(201, 230):
@@ -214,3 +214,10 @@ def test_a_burst_of_arrivals_is_taken_in_as_steps_admit_it(tiny_models):
     ex.abort_all()                                         # taken in or not, each is answered
     assert sorted(r.request_id for r in sent) == [*range(200, 230), 300]
     assert all(r.finish_reason == "abort" for r in sent) and ex.num_unfinished() == 0
+    sent.clear()                                           # ids a client of the socket may send: refused alone
+    queue.put_request(GenerationRequest([1], prompts[0], {"max_tokens": 1}))   # type: ignore[arg-type]
+    queue.put_cancel([2])                                  # type: ignore[arg-type]
+    queue.put_request(GenerationRequest(400, prompts[0], {"max_tokens": 1}))
+    ex._fetch(idle=False)
+    assert [(r.request_id, r.finish_reason) for r in sent] == [([1], "error")] and "integer" in sent[0].error
+    assert [r.request_id for r in s.waiting] == [400]

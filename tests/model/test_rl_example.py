@@ -1,7 +1,7 @@
 """examples/rl_loop.py runs end to end on the bundled model: roll out, train one step with
 the engine asleep, push the trainer's tensors in, and generate with the new version. The trainer's
 copy is the session's transformers model of the bundled GGUF, saved as a checkpoint (transformers'
-GGUF loader takes ~50 s here; the example's default path is that loader, the same code)."""
+GGUF loader takes 30-50 s here; the example's default path is that loader, the same code)."""
 
 import os
 import subprocess

@@ -98,8 +98,9 @@ def test_prompt_ids_cross_as_uint32_bytes_and_only_in_range_ids_do():
 
 def test_what_came_off_the_wire_crosses_again_unchanged():
     """Rank 0 keeps the iteration's input it read from the socket and broadcasts it packed: the
-    other ranks must unpack what rank 0 holds, whatever the proxy sent (ids out of range, bytes
-    that are not whole ids, odd settings), or the ranks would schedule different requests."""
+    other ranks must unpack what rank 0 holds, whatever a client of the socket sent (ids out of
+    range, bytes that are not whole ids, a string or a map for ids, odd settings), or the ranks
+    would schedule different requests."""
     from phalanx.executor.messages import Control
     sp = SamplingParams(max_tokens=5, temperature=0.7, stop=["\n"], logit_bias={3: -1.5}).to_dict()
     sent = IterationInput(new=[GenerationRequest(1, [1, 2, 3], sp, [2], 40, "salt", 7, 1.5),
@@ -111,3 +112,12 @@ def test_what_came_off_the_wire_crosses_again_unchanged():
     others = unpack(pack(rank0))             # what every other rank gets from it
     assert others == rank0
     assert [type(r.prompt_token_ids) for r in others.new] == [type(r.prompt_token_ids) for r in rank0.new]
+    import msgpack
+
+    from phalanx.executor.messages import _TAGS
+    for ids in (["a", "b"], "abc", {1: 2, 3: 4}, [1, 2], [True, 1], 5, None, [1.5], [-1, 2**40], b"\x01\x02\x03"):
+        frame = msgpack.packb({"t": _TAGS[GenerationRequest], "b": {"request_id": 1, "prompt_token_ids": ids,
+                                                                      "sampling_params": {}}}, use_bin_type=True)
+        rank0_req = unpack(frame)            # what a raw client of the socket sent, as rank 0 read it
+        again = unpack(pack(rank0_req))
+        assert again == rank0_req and type(again.prompt_token_ids) is type(rank0_req.prompt_token_ids), ids
