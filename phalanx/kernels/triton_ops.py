@@ -345,8 +345,11 @@ def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_token
         return
     L, two, NB, B, Hkv, D = kv_pool.shape
     # one copy from pinned memory, queued: a tensor made on the device from a list would copy
-    # from pageable memory and wait for the stream, stalling the host until the device drains
-    idx = torch.tensor([src, dst, num_tokens], dtype=torch.int64)
+    # from pageable memory and wait for the stream, stalling the host until the device drains.
+    # Each row padded to an even length: Triton specializes a pointer on 16-byte alignment, so
+    # rows starting at n * 8 bytes compiled the kernel again for every other n while serving
+    pad = [0] * (len(src) % 2)
+    idx = torch.tensor([src + pad, dst + pad, num_tokens + pad], dtype=torch.int64)
     if kv_pool.device.type == "cuda":
         idx = idx.pin_memory().to(kv_pool.device, non_blocking=True)
     row = Hkv * D
