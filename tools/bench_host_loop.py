@@ -207,10 +207,9 @@ def print_report(label: str, r: dict[str, Any]) -> None:
         print(f"== {label}: a request taken in {r['intake_us_per_request']:.1f} µs; {r['rows']} decoding rows "
               f"over {r['steps']} steps: schedule {r['schedule_us_per_row']:.2f} µs a row, "
               f"update {r['update_us_per_row']:.2f} µs a row (medians)")
-        if "admit_us_per_request" in r:   # (a baseline revision's copy of this tool may not have them)
-            print(f"   per request: admitted (prompt steps' schedule) {r['admit_us_per_request']:.1f} µs, "
-                  f"prompt steps' update {r['prompt_update_us_per_request']:.1f} µs, "
-                  f"finished {r['finish_us_per_request']:.1f} µs")
+        print(f"   per request: admitted (prompt steps' schedule) {r['admit_us_per_request']:.1f} µs, "
+              f"prompt steps' update {r['prompt_update_us_per_request']:.1f} µs, "
+              f"finished {r['finish_us_per_request']:.1f} µs")
         return
     print(f"== {label}: {r['out_tok_s']:.0f} out tok/s in {r['seconds']:.2f} s; GC {r['gc']}")
     h = r["host_ms_per_iteration"]

@@ -284,8 +284,9 @@ class PyExecutor:
 
     def _add(self, msg: GenerationRequest) -> None:
         rid = msg.request_id
-        error = (f"request_id must be an integer, got {type(rid).__name__}" if not isinstance(rid, int) else
-                 f"request id {rid} is already in use" if rid in self.intake else None)   # as the scheduler's
+        error = _id_error(rid)
+        if error is None and rid in self.intake:
+            error = f"request id {rid} is already in use"   # as the scheduler refuses an id it holds
         if error is not None:
             self._send([Response(rid, finish_reason="error", num_prompt_tokens=prompt_len(msg), error=error)])
             return
@@ -327,8 +328,9 @@ class PyExecutor:
         return None
 
     def _make_request(self, msg: GenerationRequest) -> Request:
-        if not isinstance(msg.request_id, int):
-            raise TypeError(f"request_id must be an integer, got {type(msg.request_id).__name__}")
+        error = _id_error(msg.request_id)   # (attention DP's arrivals come here unchecked)
+        if error is not None:
+            raise TypeError(error)
         ids = msg.prompt_token_ids
         check_prompt(ids, self.vocab_size, self.max_seq_len)
         params = SamplingParams.from_dict(msg.sampling_params)
@@ -567,6 +569,11 @@ def kernel_table(prof: Any, steps: int, top: int = 40) -> list[dict[str, Any]]:
             rows.append({"kernel": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": t / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     return rows[:top]
+
+
+def _id_error(request_id: Any) -> str | None:
+    """Why a request id that came off the socket cannot be one (anything may), or None."""
+    return None if isinstance(request_id, int) else f"request_id must be an integer, got {type(request_id).__name__}"
 
 
 def prompt_len(msg: GenerationRequest) -> int:

@@ -37,4 +37,3 @@ def test_no_sharing_balances_within_one():
     ranks = place([50] * 37, [[0] * 37, [0] * 37, [0] * 37], [0, 0, 0], [64, 64, 64])
     counts = [ranks.count(r) for r in range(3)]
     assert max(counts) - min(counts) <= 1
-
