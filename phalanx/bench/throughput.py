@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import platform
 import time
@@ -27,6 +28,21 @@ def make_prompts(num: int, isl: int, vocab: int, seed: int = 0) -> list[list[int
 
 
 async def _run(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -> list[dict]:
+    """Stream every prompt through ``llm.generate_async``, at most ``concurrency`` at a time.
+
+    What this client's process holds before the run (the prompts, the engine's client) is frozen
+    out of garbage collection for the run, as the ranks freeze what start-up made: the full
+    collections that a run's allocations trigger would otherwise walk it, and a pause here at a
+    wave's end delays the next wave's requests while the engine idles."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _stream_all(llm, prompts, osl, concurrency)
+    finally:
+        gc.unfreeze()
+
+
+async def _stream_all(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -> list[dict]:
     from phalanx import SamplingParams
     sem = asyncio.Semaphore(concurrency)
     sp = SamplingParams(max_tokens=osl, ignore_eos=True, temperature=0.0, detokenize=False)

@@ -13,9 +13,11 @@ import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
 
 from phalanx.executor.messages import Control, ControlResult, GenerationRequest, Heartbeat, Response, TokenBatch
-from phalanx.executor.result import GenerationResult
+from phalanx.executor.result import GenerationResult, Wakeups
 from phalanx.kv_manager.radix_tree import DEFAULT_PRIORITY
 from phalanx.llmapi.sampling_params import SamplingParams, child_seed
 from phalanx.llmapi.tokenizer import Tokenizer
@@ -169,24 +171,46 @@ class GenerationExecutor(ABC):
 
     # -- results --------------------------------------------------------------------------------------
     def _dispatch(self, responses: list[Response]) -> None:
-        for resp in responses:
-            result = self._results.get(resp.request_id)
-            if result is None:
-                continue  # already finished on this side (stop string), or aborted
-            try:
-                result.handle(resp)
-            except Exception:  # a bug in output handling must not stop the dispatcher
-                logger.error("output handling failed for request %d:\n%s", resp.request_id, traceback.format_exc())
-                result.fail("output handling failed")
-            if resp.finish_reason is not None or resp.error is not None:
-                with self._lock:
-                    self._results.pop(resp.request_id, None)
+        wakeups = Wakeups()   # one wake-up per event loop for the whole batch
+        try:
+            for resp in responses:
+                result = self._results.get(resp.request_id)
+                if result is not None:   # None: already finished on this side (stop string), or aborted
+                    self._apply(result, resp.request_id, resp.finish_reason is not None or resp.error is not None,
+                                result.handle, resp, wakeups)
+        finally:
+            wakeups.fire()
+
+    def _dispatch_batch(self, batch: TokenBatch) -> None:
+        """A step's tokens, row by row (``GenerationResult.handle_row``: no Response a row)."""
+        wakeups = Wakeups()
+        version = batch.weight_version
+        try:
+            for rid, toks, lps, fin, fst in batch.rows():
+                result = self._results.get(rid)
+                if result is not None:
+                    self._apply(result, rid, fin is not None, result.handle_row, rid, toks, lps, fin, fst, version,
+                                wakeups)
+        finally:
+            wakeups.fire()
+
+    def _apply(self, result: GenerationResult, request_id: int, final: bool, handle: Callable[..., bool],
+               *args: Any) -> None:
+        """``handle(*args)`` for one request; a failure there fails that request alone."""
+        try:
+            handle(*args)
+        except Exception:  # a bug in output handling must not stop the dispatcher
+            logger.error("output handling failed for request %d:\n%s", request_id, traceback.format_exc())
+            result.fail("output handling failed")
+        if final:
+            with self._lock:
+                self._results.pop(request_id, None)
 
     def _dispatch_other(self, obj: object) -> None:
         if isinstance(obj, list):
             self._dispatch([r for r in obj if isinstance(r, Response)])
         elif isinstance(obj, TokenBatch):
-            self._dispatch(obj.responses())
+            self._dispatch_batch(obj)
         elif isinstance(obj, Heartbeat):
             self._beats[obj.rank] = obj
             self._last_beat = time.monotonic()

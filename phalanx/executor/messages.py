@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -91,15 +91,22 @@ class TokenBatch:
         self.finished = [f if isinstance(f, Finished) else Finished(*f) for f in self.finished]
         self.first = [f if isinstance(f, FirstToken) else FirstToken(*f) for f in self.first]
 
-    def responses(self) -> list[Response]:
+    def rows(self) -> Iterator[tuple[int, list[int], list[Any] | None, Finished | None, FirstToken | None]]:
+        """Row by row: (request id, its new tokens, their logprobs or None, its Finished row or
+        None, its FirstToken row or None)."""
         done = {f.request_id: f for f in self.finished}
         first = {f.request_id: f for f in self.first}
-        out = []
+        lps = self.logprobs
         for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids, strict=True)):
-            fin, fst = done.get(rid), first.get(rid)
-            lp = self.logprobs[i] if self.logprobs is not None else None
-            toks = tok if isinstance(tok, list) else [tok]
-            resp = Response(rid, toks, [lp] if lp is not None else None, weight_version=self.weight_version)
+            lp = lps[i] if lps is not None else None
+            yield (rid, tok if isinstance(tok, list) else [tok], [lp] if lp is not None else None,
+                   done.get(rid) if done else None, first.get(rid) if first else None)
+
+    def responses(self) -> list[Response]:
+        """The rows as Response messages (the user side applies ``rows`` without making these)."""
+        out = []
+        for rid, toks, lps, fin, fst in self.rows():
+            resp = Response(rid, toks, lps, weight_version=self.weight_version)
             if fin is not None:
                 resp.finish_reason, resp.stop_reason = fin.finish_reason, fin.stop_reason
             if fst is not None:

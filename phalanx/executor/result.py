@@ -3,21 +3,69 @@
 Responses from rank 0 are applied here by the dispatching thread: incremental detokenization,
 stop strings (a hit cuts the text exactly and aborts the sequence on the ranks), logprobs,
 timings. Readers take consistent snapshots under the lock; waiters (threads or asyncio tasks)
-are woken after every change.
+are woken after every change. A step's tokens for hundreds of requests arrive together: the
+dispatcher collects the asyncio waiters of all of them (``Wakeups``) and wakes each event loop
+once for the lot, not once a request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-from phalanx.executor.messages import Response
+from phalanx.executor.messages import Finished, FirstToken, Response
 from phalanx.llmapi.outputs import Logprob
 from phalanx.llmapi.sampling_params import SamplingParams
 from phalanx.llmapi.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class Wakeups:
+    """asyncio futures to set, collected over one dispatched batch, then set with one
+    ``call_soon_threadsafe`` per event loop (each call writes to the loop's wake-up pipe)."""
+
+    __slots__ = ("_by_loop",)
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+
+    def add(self, waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+        for loop, fut in waiters:
+            self._by_loop.setdefault(loop, []).append(fut)
+
+    def fire(self) -> None:
+        by_loop, self._by_loop = self._by_loop, {}
+        for loop, futs in by_loop.items():
+            with contextlib.suppress(RuntimeError):   # that loop was closed: nobody waits there any more
+                loop.call_soon_threadsafe(_set_all_pending, futs)
+
+
+class SeqSnapshot(NamedTuple):
+    """One sequence as ``snapshot`` saw it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[dict[int, Logprob]] | None
+    weight_versions: list[tuple[int, str]]
+    cumulative_logprob: float | None
+
+
+class Snapshot(NamedTuple):
+    """A request's state as ``snapshot`` saw it."""
+
+    version: int
+    finished: bool
+    error: str | None
+    weight_version: str
+    cached_tokens: int
+    metrics: dict[str, float]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    seqs: tuple[SeqSnapshot, ...]
 
 
 class _Sequence:
@@ -42,15 +90,16 @@ class _Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, resp: Response) -> bool:
-        """Apply a response; True if a stop string ended the sequence here."""
-        if resp.token_ids and resp.weight_version and (
-                not self.weight_versions or self.weight_versions[-1][1] != resp.weight_version):
-            self.weight_versions.append((len(self.token_ids), resp.weight_version))
+    def add(self, token_ids: list[int], logprobs: list[Any] | None, finish_reason: str | None,
+            stop_reason: int | None, weight_version: str) -> bool:
+        """Apply one step's tokens (a response's fields); True if a stop string ended the sequence here."""
+        if token_ids and weight_version and (
+                not self.weight_versions or self.weight_versions[-1][1] != weight_version):
+            self.weight_versions.append((len(self.token_ids), weight_version))
         hit = False
-        if self.detok is not None and self.params.stop_strings and len(resp.token_ids) > 1:
+        if self.detok is not None and self.params.stop_strings and len(token_ids) > 1:
             # several tokens at once (a speculative step): the tokens after a stop string's are dropped
-            for tok in resp.token_ids:
+            for tok in token_ids:
                 self.token_ids.append(tok)
                 before = len(self.text)
                 self.text += self.detok.add([tok])
@@ -58,22 +107,22 @@ class _Sequence:
                     hit = True
                     break
         else:
-            self.token_ids.extend(resp.token_ids)
-            if self.logprobs is not None and resp.logprobs:
-                for tok, (chosen, top) in zip(resp.token_ids, resp.logprobs, strict=True):
+            self.token_ids.extend(token_ids)
+            if self.logprobs is not None and logprobs:
+                for tok, (chosen, top) in zip(token_ids, logprobs, strict=True):
                     self.logprobs.append(_logprob_entry(tok, (chosen, top)))
                     self.cumulative_logprob += float(chosen)
-            if self.detok is not None and resp.token_ids:
+            if self.detok is not None and token_ids:
                 before = len(self.text)
-                self.text += self.detok.add(resp.token_ids)
+                self.text += self.detok.add(token_ids)
                 hit = self._check_stop_strings(before)
-        if resp.finish_reason is not None and not self.finished:
+        if finish_reason is not None and not self.finished:
             if self.detok is not None:
                 before = len(self.text)
                 self.text += self.detok.flush()
                 hit = self._check_stop_strings(before) or hit
             if not self.finished:
-                self.finish_reason, self.stop_reason = resp.finish_reason, resp.stop_reason
+                self.finish_reason, self.stop_reason = finish_reason, stop_reason
         return hit
 
     def _check_stop_strings(self, before: int) -> bool:
@@ -117,8 +166,14 @@ class GenerationResult:
         self._index = {cid: i for i, cid in enumerate(child_ids)}
         self._seqs = [_Sequence(i, params, tokenizer, prompt_token_ids) for i in range(self.n)]
         self._abort = abort
-        self._lock = threading.Condition()
+        # writes and reads hold the mutex; threads that block for a change wait on the condition
+        # (over the same mutex: ``with self._mutex`` is a C call, ``with`` the condition a Python one)
+        self._mutex = threading.RLock()
+        self._lock = threading.Condition(self._mutex)
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._done = False                  # the error is set or every sequence finished
+        self._blocked = 0                   # threads waiting on the condition (wait_done, wait_change)
+        self._metrics: dict[str, float] | None = None   # metrics() until one of its inputs changes
         self.version = 0
         self.error: str | None = None
         self.cached_tokens = 0
@@ -136,16 +191,16 @@ class GenerationResult:
 
     @property
     def is_done(self) -> bool:
-        return self.error is not None or all(s.finished for s in self._seqs)
+        return self._done
 
     # -- writer side -------------------------------------------------------------------------------
-    def handle(self, resp: Response) -> bool:
-        """Apply one response (dispatch thread). Returns True once every sequence is done."""
-        stopped: list[int] = []
-        with self._lock:
-            seq = self._seqs[self._index[resp.request_id]]
-            if seq.finished or self.error is not None:
-                return self.is_done
+    def handle(self, resp: Response, wakeups: Wakeups | None = None) -> bool:
+        """Apply one response (dispatch thread). Returns True once every sequence is done.
+        ``wakeups``: collect the asyncio waiters there (the caller fires them) instead of waking
+        their loops now."""
+        with self._mutex:
+            if self._seqs[self._index[resp.request_id]].finish_reason is not None or self.error is not None:
+                return self._done
             if resp.error is not None:
                 self.error = resp.error
             if resp.prompt_logprobs and self.prompt_logprobs is not None:
@@ -153,35 +208,69 @@ class GenerationResult:
                 targets = self.prompt_token_ids[start:start + len(resp.prompt_logprobs)]
                 self.prompt_logprobs.extend(_logprob_entry(tok, lp) for tok, lp in zip(
                     targets, resp.prompt_logprobs, strict=True))
-            now = time.monotonic()
-            if resp.token_ids:
-                self.first_token_time = self.first_token_time or now
-                self.last_token_time = now
-                self.token_times.append(now)
-            self.cached_tokens = max(self.cached_tokens, resp.num_cached_tokens)
-            if resp.first_scheduled_time and self.first_scheduled_time is None:
-                self.first_scheduled_time = resp.first_scheduled_time
-            if resp.rank >= 0:
-                self.rank = resp.rank
-            if resp.token_ids and resp.weight_version:
-                self.weight_version = resp.weight_version
-            if seq.add(resp) and resp.finish_reason is None:
-                stopped.append(resp.request_id)
-            done = self.is_done
-            if done:
-                self.finish_time = now
-            self._changed()
-        for cid in stopped:  # outside the lock: aborting may call back into the executor
-            self._abort(cid)
+            self._started(resp.num_cached_tokens, resp.first_scheduled_time, resp.rank)
+            done, stopped = self._add(resp.request_id, resp.token_ids, resp.logprobs, resp.finish_reason,
+                                      resp.stop_reason, resp.weight_version, wakeups)
+        if stopped:  # outside the lock: aborting may call back into the executor
+            self._abort(resp.request_id)
         return done
+
+    def handle_row(self, request_id: int, token_ids: list[int], logprobs: list[Any] | None,
+                   finished: Finished | None, first: FirstToken | None, weight_version: str,
+                   wakeups: Wakeups | None = None) -> bool:
+        """Apply one ``TokenBatch`` row (``TokenBatch.rows``) as ``handle`` applies its Response,
+        without making one (hundreds of rows a step)."""
+        with self._mutex:
+            if self._seqs[self._index[request_id]].finish_reason is not None or self.error is not None:
+                return self._done
+            if first is not None:
+                self._started(first.num_cached_tokens, first.first_scheduled_time, first.rank)
+            finish, stop = (finished.finish_reason, finished.stop_reason) if finished is not None else (None, None)
+            done, stopped = self._add(request_id, token_ids, logprobs, finish, stop, weight_version, wakeups)
+        if stopped:  # outside the lock: aborting may call back into the executor
+            self._abort(request_id)
+        return done
+
+    def _started(self, num_cached_tokens: int, first_scheduled_time: float, rank: int) -> None:
+        if num_cached_tokens > self.cached_tokens:
+            self.cached_tokens = num_cached_tokens
+        if first_scheduled_time and self.first_scheduled_time is None:
+            self.first_scheduled_time = first_scheduled_time
+        if rank >= 0 and rank != self.rank:
+            self.rank = rank
+            self._metrics = None
+
+    def _add(self, request_id: int, token_ids: list[int], logprobs: list[Any] | None, finish_reason: str | None,
+             stop_reason: int | None, weight_version: str, wakeups: Wakeups | None) -> tuple[bool, bool]:
+        """Under the lock: one sequence's new tokens and finish. (done, a stop string ended it here)."""
+        seq = self._seqs[self._index[request_id]]
+        now = time.monotonic()
+        if token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                self._metrics = None
+            self.last_token_time = now
+            self.token_times.append(now)
+            if weight_version:
+                self.weight_version = weight_version
+        stopped = seq.add(token_ids, logprobs, finish_reason, stop_reason, weight_version) and finish_reason is None
+        if seq.finish_reason is not None or self.error is not None:
+            self._done = self.error is not None or all(s.finished for s in self._seqs)
+            if self._done:
+                self.finish_time = now
+                self._metrics = None
+        self._changed(wakeups)
+        return self._done, stopped
 
     def fail(self, error: str) -> None:
         """The engine is gone: fail whatever is still running."""
-        with self._lock:
+        with self._mutex:
             if self.is_done:
                 return
             self.error = error
+            self._done = True
             self.finish_time = time.monotonic()
+            self._metrics = None
             self._changed()
 
     def abort(self) -> None:
@@ -190,48 +279,62 @@ class GenerationResult:
             if not seq.finished:
                 self._abort(cid)
 
-    def _changed(self) -> None:
+    def _changed(self, wakeups: Wakeups | None = None) -> None:
         self.version += 1
-        self._lock.notify_all()
+        if self._blocked:
+            self._lock.notify_all()
         waiters, self._waiters = self._waiters, []
+        if wakeups is not None:
+            wakeups.add(waiters)
+            return
         for loop, fut in waiters:
             loop.call_soon_threadsafe(_set_if_pending, fut)
 
     # -- reader side -------------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "version": self.version, "finished": self.is_done, "error": self.error,
-                "weight_version": self.weight_version,
-                "cached_tokens": self.cached_tokens, "metrics": self.metrics(),
-                "prompt_logprobs": list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-                "seqs": [{"text": s.visible_text(), "token_ids": list(s.token_ids),
-                          "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
-                          "logprobs": list(s.logprobs) if s.logprobs is not None else None,
-                          "weight_versions": list(s.weight_versions),
-                          "cumulative_logprob": s.cumulative_logprob if s.logprobs is not None else None}
-                         for s in self._seqs],
-            }
+    def snapshot(self) -> Snapshot:
+        """A consistent copy of what the reader sees (its lists are new lists)."""
+        with self._mutex:
+            return Snapshot(
+                self.version, self._done, self.error, self.weight_version, self.cached_tokens, self.metrics(),
+                list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+                tuple(SeqSnapshot(s.visible_text(), list(s.token_ids), s.finish_reason, s.stop_reason,
+                                  list(s.logprobs) if s.logprobs is not None else None, list(s.weight_versions),
+                                  s.cumulative_logprob if s.logprobs is not None else None)
+                      for s in self._seqs))
 
     def metrics(self) -> dict[str, float]:
-        m: dict[str, float] = {"arrival_time": self.arrival_time, "rank": self.rank}
-        if self.first_token_time is not None:
-            m["ttft"] = self.first_token_time - self.arrival_time
-        if self.finish_time is not None:
-            m["e2e"] = self.finish_time - self.arrival_time
+        """Arrival, rank, and TTFT and end-to-end latency once known (a dict not changed later)."""
+        m = self._metrics
+        if m is None:
+            m = {"arrival_time": self.arrival_time, "rank": self.rank}
+            if self.first_token_time is not None:
+                m["ttft"] = self.first_token_time - self.arrival_time
+            if self.finish_time is not None:
+                m["e2e"] = self.finish_time - self.arrival_time
+            self._metrics = m
         return m
 
     def wait_done(self, timeout: float | None = None) -> bool:
         with self._lock:
-            return self._lock.wait_for(lambda: self.is_done, timeout)
+            self._blocked += 1
+            try:
+                return self._lock.wait_for(lambda: self._done, timeout)
+            finally:
+                self._blocked -= 1
 
     def wait_change(self, version: int) -> None:
         with self._lock:
-            self._lock.wait_for(lambda: self.version != version)
+            self._blocked += 1
+            try:
+                self._lock.wait_for(lambda: self.version != version)
+            finally:
+                self._blocked -= 1
 
     async def await_change(self, version: int) -> None:
         while True:
-            with self._lock:
+            if self.version != version:   # read without the lock: an int, written under it
+                return
+            with self._mutex:
                 if self.version != version:
                     return
                 loop = asyncio.get_running_loop()
@@ -241,7 +344,7 @@ class GenerationResult:
 
     async def await_done(self) -> None:
         while True:
-            with self._lock:
+            with self._mutex:
                 if self.is_done:
                     return
                 version = self.version
@@ -260,3 +363,9 @@ def _logprob_entry(token_id: int, wire: Any) -> dict[int, Logprob]:
 def _set_if_pending(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _set_all_pending(futs: list[asyncio.Future]) -> None:
+    for fut in futs:
+        if not fut.done():
+            fut.set_result(None)

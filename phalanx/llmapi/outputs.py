@@ -120,20 +120,19 @@ class RequestOutput:
 
     def _pull(self) -> None:
         snap = self._state.snapshot()
-        self._version = snap["version"]
-        self.finished, self.cached_tokens, self.error = snap["finished"], snap["cached_tokens"], snap["error"]
-        self.metrics = snap["metrics"]
-        self.weight_version = snap["weight_version"]
-        self.prompt_logprobs = snap["prompt_logprobs"]
-        for out, s in zip(self.outputs, snap["seqs"], strict=True):
-            out.text_diff = s["text"][len(out.text):]
-            out.token_ids_diff = s["token_ids"][len(out.token_ids):]
-            if s["logprobs"] is not None:
+        self._version = snap.version
+        self.finished, self.cached_tokens, self.error = snap.finished, snap.cached_tokens, snap.error
+        self.metrics = snap.metrics
+        self.weight_version = snap.weight_version
+        self.prompt_logprobs = snap.prompt_logprobs
+        for out, s in zip(self.outputs, snap.seqs, strict=True):
+            out.text_diff = s.text[len(out.text):]
+            out.token_ids_diff = s.token_ids[len(out.token_ids):]
+            if s.logprobs is not None:
                 old = len(out.logprobs or [])
-                out.logprobs_diff = s["logprobs"][old:]
-                out.logprobs = s["logprobs"]
-                out.cumulative_logprob = s["cumulative_logprob"]
-            out.text, out.token_ids = s["text"], s["token_ids"]
-            out.finish_reason, out.stop_reason = s["finish_reason"], s["stop_reason"]
-            out.weight_versions = s["weight_versions"]
-
+                out.logprobs_diff = s.logprobs[old:]
+                out.logprobs = s.logprobs
+                out.cumulative_logprob = s.cumulative_logprob
+            out.text, out.token_ids = s.text, s.token_ids
+            out.finish_reason, out.stop_reason = s.finish_reason, s.stop_reason
+            out.weight_versions = s.weight_versions

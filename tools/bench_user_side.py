@@ -1,0 +1,208 @@
+"""The user process's side of an offline run, alone: what ``LLM.generate_async`` with streaming
+costs the caller's process per request and per output token, and how fast it refills the
+engine when a wave of requests finishes together.
+
+    python tools/bench_user_side.py                          # 2,048 requests of 128/128, 512 in flight
+    python tools/bench_user_side.py --baseline-rev HEAD~1    # the same on another revision first
+
+The client is ``phalanx bench throughput``'s own (``throughput._run``: a semaphore of
+``--concurrency``, each request streamed with ``LLM.generate_async``) on a real ``LLM`` whose
+proxy attaches, as under ``phalanx launch``, to a scripted rank 0 in another process. That rank
+speaks the real protocol over the real signed ZMQ sockets (``Init``/``Ready``, ``GenerationRequest``,
+one ``TokenBatch`` a step) but runs no model: every ``--step-ms`` it sends one token to each
+request it holds (the first with the request's ``FirstToken`` row, the ``--osl``-th with its
+``Finished`` row) and takes in what arrived. So the figures are the user side's own:
+
+- CPU seconds of the client's process (its caller and dispatch threads) per request and per token;
+- the refill lag: for each request sent after the first ``--concurrency``, the time from the step
+  that finished the request whose place it takes to its arrival at rank 0. With equal requests
+  a whole wave finishes in one step, and the engine idles until the next wave's requests arrive:
+  this lag is what a GPU would wait for at every wave's end;
+- the run's wall time against the steps' own (``--step-ms`` × the steps a perfect client allows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def responder(step_ms: float, osl: int, vocab: int, max_seq_len: int, out_path: str) -> None:
+    """The scripted rank 0 (a process of its own): runs until Shutdown, then writes its timings."""
+    from phalanx.executor import ipc
+    from phalanx.executor.messages import (
+        Finished,
+        FirstToken,
+        GenerationRequest,
+        Heartbeat,
+        Init,
+        Ready,
+        Shutdown,
+        TokenBatch,
+    )
+    key = bytes.fromhex(os.environ[ipc.KEY_ENV])
+    inbox = ipc.IpcQueue(os.environ[ipc.REQUEST_ADDR_ENV], key, bind=False)
+    outbox = ipc.IpcQueue(os.environ[ipc.RESPONSE_ADDR_ENV], key, bind=False)
+    while not isinstance(inbox.get(timeout_ms=1000), Init):
+        pass
+    outbox.put(Ready({"max_seq_len": max_seq_len, "vocab_size": vocab, "rank_processes": []}))
+    live: dict[int, int] = {}          # request id -> tokens sent
+    new: list[tuple[int, int]] = []    # (request id, prompt tokens) arrived since the last step
+    arrivals: list[float] = []         # monotonic time of each request's arrival
+    finish_steps: list[float] = []     # monotonic time of the step that finished each request, in order
+    step = 0
+    next_step = time.monotonic()
+    stop = False
+    while not stop:
+        timeout = max(0.0, next_step - time.monotonic())
+        msg = inbox.get(timeout_ms=int(timeout * 1000) if live or new else 200)
+        while msg is not None:
+            if isinstance(msg, GenerationRequest):
+                arrivals.append(time.monotonic())
+                new.append((msg.request_id, len(msg.prompt_token_ids)))
+            elif isinstance(msg, Shutdown):
+                stop = True
+            msg = inbox.get_nowait()
+        if time.monotonic() < next_step or not (live or new):
+            if not (live or new):
+                next_step = time.monotonic()
+            continue
+        now = time.monotonic()
+        for rid, _ in new:
+            live[rid] = 0
+        first = [FirstToken(rid, 0, n, now, 0) for rid, n in new]
+        new = []
+        ids = list(live)
+        finished = []
+        for rid in ids:
+            live[rid] += 1
+            if live[rid] >= osl:
+                finished.append(Finished(rid, "length", None))
+                del live[rid]
+                finish_steps.append(now)
+        outbox.put(TokenBatch(ids, [1000 + (rid % (vocab - 1000)) for rid in ids], None, finished, first))
+        step += 1
+        if step % 10 == 0:
+            outbox.put(Heartbeat(0, step))
+        next_step = now + step_ms / 1000.0
+    with open(out_path, "w") as f:
+        json.dump({"arrivals": arrivals, "finish_steps": finish_steps, "steps": step}, f)
+
+
+def run_point(a: argparse.Namespace) -> dict[str, Any]:
+    from phalanx import LLM
+    from phalanx.bench.throughput import _run, make_prompts
+    from phalanx.executor import ipc
+    from phalanx.executor.proxy import LAUNCH_ENV
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_host_loop import one_layer_model
+    d = ipc.private_dir()
+    key = ipc.new_key()
+    req, resp = ipc.ipc_addresses(d)
+    timings = os.path.join(d, "timings.json")
+    env = {**os.environ, ipc.KEY_ENV: key.hex(), ipc.REQUEST_ADDR_ENV: req, ipc.RESPONSE_ADDR_ENV: resp}
+    os.environ.update({LAUNCH_ENV: "1", ipc.KEY_ENV: key.hex(), ipc.REQUEST_ADDR_ENV: req,
+                       ipc.RESPONSE_ADDR_ENV: resp})
+    vocab, max_seq_len = 128256, a.isl + a.osl + 64
+    # the proxy binds the addresses as it starts; the scripted rank connects and waits for Init
+    rank = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--responder", str(a.step_ms), str(a.osl),
+                             str(vocab), str(max_seq_len), timings], env=env)
+    try:
+        llm = LLM(one_layer_model(), skip_tokenizer_init=True, load_format="dummy", max_batch_size=a.concurrency,
+                  max_seq_len=max_seq_len)
+        prompts = make_prompts(a.num_requests, a.isl, vocab)
+        t0, c0 = time.perf_counter(), time.process_time()
+        results = asyncio.run(_run(llm, prompts, a.osl, a.concurrency))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        llm.shutdown()
+        rank.wait(30)
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+    with open(timings) as f:
+        t = json.load(f)
+    tokens = sum(r["num_output_tokens"] for r in results)
+    lags = [arr - fin for arr, fin in zip(t["arrivals"][a.concurrency:], t["finish_steps"], strict=False)]
+    waves = -(-a.num_requests // a.concurrency)
+    ideal = waves * a.osl * a.step_ms / 1000.0
+    q = statistics.quantiles(lags, n=10) if len(lags) >= 2 else [0.0] * 9
+    return {"num_requests": a.num_requests, "output_tokens": tokens, "wall_s": wall, "steps_s": ideal,
+            "steps": t["steps"], "cpu_s": cpu, "cpu_us_per_request": cpu / a.num_requests * 1e6,
+            "cpu_us_per_token": cpu / max(1, tokens) * 1e6,
+            "refill_lag_ms": {"p50": statistics.median(lags) * 1e3 if lags else 0.0, "p90": q[8] * 1e3,
+                              "max": max(lags, default=0.0) * 1e3}}
+
+
+def print_report(title: str, r: dict[str, Any]) -> None:
+    lag = r["refill_lag_ms"]
+    print(f"== {title}: {r['num_requests']} requests, {r['output_tokens']} tokens, {r['steps']} steps")
+    print(f"wall {r['wall_s']:.2f} s (the steps alone: {r['steps_s']:.2f} s)   client CPU {r['cpu_s']:.2f} s: "
+          f"{r['cpu_us_per_request']:.0f} us a request, {r['cpu_us_per_token']:.1f} us a token")
+    print(f"refill lag (a finished request's step to its successor's arrival): p50 {lag['p50']:.1f} ms  "
+          f"p90 {lag['p90']:.1f}  max {lag['max']:.1f}")
+
+
+def baseline(rev: str, argv: list[str]) -> dict[str, Any]:
+    """This point on another revision: this file run with a temporary worktree of it first on the path."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="phalanx-baseline-") as d:
+        tree = os.path.join(d, "tree")
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, rev], check=True, capture_output=True)
+        try:
+            out = os.path.join(d, "report.json")
+            env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--output", out], cwd=tree, env=env,
+                           check=True, stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                return json.load(f)[0]["report"]
+        finally:
+            subprocess.run(["git", "-C", root, "worktree", "remove", "--force", tree], check=False, capture_output=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--responder":
+        step_ms, osl, vocab, max_seq_len, out = argv[1:6]
+        responder(float(step_ms), int(osl), int(vocab), int(max_seq_len), out)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--isl", type=int, default=128)
+    ap.add_argument("--osl", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=512)
+    ap.add_argument("--num-requests", type=int, default=2048)
+    ap.add_argument("--step-ms", type=float, default=18.0,
+                    help="the scripted rank's step (default: a 512-row step at 128/128 FP8 on an H200)")
+    ap.add_argument("--baseline-rev", default=None, help="first run the same point on this git revision")
+    ap.add_argument("--output", default=None, help="write the report(s) as JSON here")
+    a = ap.parse_args(argv)
+    for name in ("isl", "osl", "concurrency", "num_requests"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    if a.step_ms <= 0:
+        ap.error(f"--step-ms must be positive, got {a.step_ms}")
+    reports = []
+    if a.baseline_rev:
+        passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
+                  ("isl", "osl", "concurrency", "num_requests", "step_ms")]
+        reports.append({"revision": a.baseline_rev, "report": baseline(a.baseline_rev, passed)})
+        print_report(f"baseline {a.baseline_rev}", reports[-1]["report"])
+    reports.append({"revision": "working tree", "report": run_point(a)})
+    print_report("this tree", reports[-1]["report"])
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(reports, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
