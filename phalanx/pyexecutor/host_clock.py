@@ -79,7 +79,8 @@ class GcPauses:
     block), the young generations collect as usual but a full collection waits for the loop to
     idle: ``idle()``, which the loop calls when an idle wait brought nothing, runs it once
     ``gc.get_threshold()[2]`` collections of the middle generation have passed since the last
-    (the interpreter's own trigger, less its rule that the old generation grow by a quarter).
+    (the interpreter's own trigger, less its rule that the old generation grow by a quarter) and
+    the loop has idled for ``IDLE_FULL_AFTER_S`` in a row.
     What serving keeps (the radix tree's nodes, the requests) still made a full collection
     15–20 ms at 512 sequences on an H200 host (docs/gpu_notes.md, twenty-ninth round), longer
     than the decode step it stalled, while the loop makes no cyclic garbage for it to find (a
@@ -90,11 +91,17 @@ class GcPauses:
     Idle collections are counted apart (``idle_collections``, ``idle_ms``): no step waited."""
 
     BUSY_FULL_AFTER = 1000
+    # how long the loop must have had nothing to do before ``idle`` runs a full collection: a
+    # wave of requests finishing together leaves the loop idle for a moment until the next wave
+    # arrives, and a 45-50 ms collection begun there delays that wave (thirty-first round, the
+    # 128/128 FP8 point: both idle profiles had one in the wait at the first wave's end)
+    IDLE_FULL_AFTER_S = 1.0
 
     def __init__(self, defer_full: bool = False) -> None:
         self.defer_full = defer_full
         self._thresholds: tuple[int, int, int] | None = None   # the interpreter's, while deferring
         self._idle = False
+        self._idle_since: float | None = None   # monotonic start of the current run of empty idle waits
         self.reset()
         self._t0 = 0.0
 
@@ -125,9 +132,15 @@ class GcPauses:
             gc.set_threshold(*self._thresholds)
             self._thresholds = None
 
-    def idle(self) -> bool:
-        """The loop has nothing to do: run the full collection deferred so far, if one is due."""
-        if self._thresholds is None or not gc.isenabled() or gc.get_count()[2] < self._thresholds[2]:
+    def idle(self, now: float | None = None) -> bool:
+        """An idle wait of the loop brought nothing: run the full collection deferred so far, if
+        one is due and the loop has had nothing to do for ``IDLE_FULL_AFTER_S`` (since the first
+        of these calls after the last ``busy``). ``now``: monotonic seconds (default: the clock)."""
+        now = time.monotonic() if now is None else now
+        if self._idle_since is None:
+            self._idle_since = now
+        if (self._thresholds is None or not gc.isenabled() or gc.get_count()[2] < self._thresholds[2]
+                or now - self._idle_since < self.IDLE_FULL_AFTER_S):
             return False
         self._idle = True
         try:
@@ -135,6 +148,10 @@ class GcPauses:
         finally:
             self._idle = False
         return True
+
+    def busy(self) -> None:
+        """The loop has work (a fetch brought some, or it has requests): an idle run ends."""
+        self._idle_since = None
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":

@@ -270,6 +270,8 @@ class PyExecutor:
             self.clock.mark("fetch")
             if self.gc_pauses.idle():   # an idle wait brought nothing: the deferred full collection, if due
                 self.clock.mark(IDLE_COLLECT)
+            return
+        self.gc_pauses.busy()
 
     def _cancel(self, request_id: int) -> None:
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)

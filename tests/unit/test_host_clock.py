@@ -93,8 +93,9 @@ def test_freezing_leaves_what_is_alive_out_of_later_collections():
 def test_deferred_full_collections_wait_for_idle_and_young_ones_go_on():
     """defer_full: while entered, allocation triggers young collections but no full one; ``idle``
     runs the full collection once the middle generation has collected as often as the
-    interpreter's own threshold asks (not before), counts it apart, and finds the cycles;
-    leaving restores the thresholds."""
+    interpreter's own threshold asks (not before) and the loop has idled IDLE_FULL_AFTER_S in a
+    row (``busy`` starts that over), counts it apart, and finds the cycles; leaving restores the
+    thresholds."""
     import gc
 
     from phalanx.pyexecutor.host_clock import GcPauses
@@ -115,11 +116,18 @@ def test_deferred_full_collections_wait_for_idle_and_young_ones_go_on():
         gc.collect(1)
         gc.collect(1)
         del a, b
-        assert pauses.idle() is True
+        t = 100.0
+        assert pauses.idle(t) is False                  # due, but the loop has only just idled
+        assert pauses.idle(t + 0.5 * GcPauses.IDLE_FULL_AFTER_S) is False
+        pauses.busy()                                   # work came: the idle run starts again
+        assert pauses.idle(t + 0.9 * GcPauses.IDLE_FULL_AFTER_S) is False
+        assert pauses.idle(t + 1.8 * GcPauses.IDLE_FULL_AFTER_S) is False
+        assert pauses.summary()["idle_collections"] == 0
+        assert pauses.idle(t + 2.0 * GcPauses.IDLE_FULL_AFTER_S) is True
         got = pauses.summary()
         assert got["idle_collections"] == 1 and got["idle_ms"] > 0 and got["collections"][2] == 0, got
         assert got["collected"] >= 2, got
-        assert pauses.idle() is False                   # nothing due right after one
+        assert pauses.idle(t + 9 * GcPauses.IDLE_FULL_AFTER_S) is False   # nothing due right after one
         del kept
     assert gc.get_threshold() == before
     assert GcPauses().idle() is False                   # not deferring: never collects on idle
@@ -131,8 +139,9 @@ def test_deferred_full_collections_wait_for_idle_and_young_ones_go_on():
         gc.set_threshold(*before)
 
 
-def test_rank_executor_collects_on_an_idle_fetch_only():
-    """The loop's fetch runs the deferred collection when an idle wait brought nothing."""
+def test_rank_executor_collects_on_an_idle_fetch_only(monkeypatch):
+    """The loop's fetch runs the deferred collection when idle waits have brought nothing for
+    IDLE_FULL_AFTER_S; a fetch that brings work, or runs while the loop has work, starts over."""
     import gc
     from collections import OrderedDict
 
@@ -154,11 +163,20 @@ def test_rank_executor_collects_on_an_idle_fetch_only():
     ex.clock = HostClock()
     ex._cancel = lambda rid: None
     ex.intake = OrderedDict()
+    now = [0.0]
+    monkeypatch.setattr("phalanx.pyexecutor.host_clock.time.monotonic", lambda: now[0])
+    after = GcPauses.IDLE_FULL_AFTER_S
     with ex.gc_pauses:
-        for idle, inp, expect in ((False, IterationInput(), 0), (True, IterationInput(cancel=[7]), 0),
-                                  (True, IterationInput(), 1)):
+        for t, idle, inp, expect in ((0.0, True, IterationInput(), 0),              # an idle run starts
+                                     (2 * after, False, IterationInput(), 0),      # the loop had work
+                                     (2.5 * after, True, IterationInput(), 0),     # a new idle run
+                                     (3 * after, True, IterationInput(cancel=[7]), 0),   # brought something
+                                     (3.5 * after, True, IterationInput(), 0),
+                                     (4 * after, True, IterationInput(), 0),
+                                     (4.5 * after, True, IterationInput(), 1)):    # idle for IDLE_FULL_AFTER_S
             while gc.get_count()[2] < gc.get_threshold()[2] and gc.get_count()[2] < 10:
                 gc.collect(1)
+            now[0] = t
             ex.queue = Source(inp)
             ex._fetch(idle)
-            assert ex.gc_pauses.summary()["idle_collections"] == expect, (idle, inp)
+            assert ex.gc_pauses.summary()["idle_collections"] == expect, (t, idle, inp)

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from phalanx.executor.executor import GenerationExecutor
-from phalanx.executor.messages import Finished, FirstToken, Response, TokenBatch, pack, unpack
+from phalanx.executor.messages import Finished, FirstToken, TokenBatch, pack, unpack
 from phalanx.executor.result import GenerationResult
 from phalanx.llmapi.outputs import RequestOutput
 from phalanx.llmapi.sampling_params import SamplingParams
