@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -124,11 +125,12 @@ def run_point(a: argparse.Namespace) -> dict[str, Any]:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         llm.shutdown()
         rank.wait(30)
+        with open(timings) as f:
+            t = json.load(f)
     finally:
         if rank.poll() is None:
             rank.kill()
-    with open(timings) as f:
-        t = json.load(f)
+        shutil.rmtree(d, ignore_errors=True)
     tokens = sum(r["num_output_tokens"] for r in results)
     lags = [arr - fin for arr, fin in zip(t["arrivals"][a.concurrency:], t["finish_steps"], strict=False)]
     waves = -(-a.num_requests // a.concurrency)

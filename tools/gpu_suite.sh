@@ -4,7 +4,7 @@
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
-#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|gaps128|moe_fp8|itl|fp8_experts|
+#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|gaps128|user_side|moe_fp8|itl|fp8_experts|
 #                              all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
@@ -65,6 +65,10 @@ for what in "${@:-all}"; do
       timeout 400 python3 tools/profile_gaps.py --config tools/gpu_engine_512_fp8.yaml --isl 128 --osl 128 \
         --concurrency 512 --num-requests 2048 --trace /tmp/gaps128.json.gz --output "$OUT/gaps128.json" \
         > "$OUT/gaps128.txt" 2>&1 ;;
+    user_side)   # the user process alone against a scripted rank 0 (this host's CPU): per-token cost, refill lag
+      for osl in 128 1000; do n=2048; ms=18; [ $osl = 1000 ] && n=1024 && ms=40
+        timeout 150 python3 tools/bench_user_side.py --osl $osl --num-requests $n --step-ms $ms \
+          --output "$OUT/user_side_$osl.json" > "$OUT/user_side_$osl.txt" 2>&1; done ;;
     fp8_table)   # #19's table in one call: 128/128, 2048/128, 1000/1000 at 512 in flight, one engine per precision,
       # each step's GPU time by kind (--step-times), the board's clock and power sampled every second
       nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
