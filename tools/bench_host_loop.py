@@ -224,9 +224,10 @@ def print_report(label: str, r: dict[str, Any]) -> None:
         print(f"  #{s['iteration']:<6d} {s['host_ms']:8.2f}  {s['phases']}")
 
 
-def baseline(rev: str, argv: list[str]) -> dict[str, Any]:
-    """This point on another revision: this file run with a temporary worktree of it first on
-    the path (``argv`` holds no baseline or output option, and absolute paths)."""
+def baseline(rev: str, argv: list[str], script: str = __file__) -> dict[str, Any]:
+    """This point on another revision: ``script`` (this file, or another tool that reports the
+    same way) run with a temporary worktree of it first on the path (``argv`` holds no baseline
+    or output option, and absolute paths); its first report."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="phalanx-baseline-") as d:
@@ -236,7 +237,7 @@ def baseline(rev: str, argv: list[str]) -> dict[str, Any]:
         try:
             out = os.path.join(d, "report.json")
             env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
-            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--output", out], cwd=tree, env=env,
+            subprocess.run([sys.executable, os.path.abspath(script), *argv, "--output", out], cwd=tree, env=env,
                            check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 return json.load(f)[0]["report"]

@@ -31,7 +31,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -152,24 +151,6 @@ def print_report(title: str, r: dict[str, Any]) -> None:
           f"p90 {lag['p90']:.1f}  max {lag['max']:.1f}")
 
 
-def baseline(rev: str, argv: list[str]) -> dict[str, Any]:
-    """This point on another revision: this file run with a temporary worktree of it first on the path."""
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="phalanx-baseline-") as d:
-        tree = os.path.join(d, "tree")
-        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, rev], check=True, capture_output=True)
-        try:
-            out = os.path.join(d, "report.json")
-            env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
-            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--output", out], cwd=tree, env=env,
-                           check=True, stdout=subprocess.DEVNULL)
-            with open(out) as f:
-                return json.load(f)[0]["report"]
-        finally:
-            subprocess.run(["git", "-C", root, "worktree", "remove", "--force", tree], check=False, capture_output=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--responder":
@@ -196,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.baseline_rev:
         passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
                   ("isl", "osl", "concurrency", "num_requests", "step_ms")]
-        reports.append({"revision": a.baseline_rev, "report": baseline(a.baseline_rev, passed)})
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_host_loop import baseline
+        reports.append({"revision": a.baseline_rev, "report": baseline(a.baseline_rev, passed, __file__)})
         print_report(f"baseline {a.baseline_rev}", reports[-1]["report"])
     reports.append({"revision": "working tree", "report": run_point(a)})
     print_report("this tree", reports[-1]["report"])
