@@ -34,12 +34,15 @@ async def _run(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -
     out of garbage collection for the run, as the ranks freeze what start-up made: the full
     collections that a run's allocations trigger would otherwise walk it, and a pause here at a
     wave's end delays the next wave's requests while the engine idles."""
-    gc.collect()
-    gc.freeze()
+    freeze = gc.get_freeze_count() == 0   # (a process that froze objects itself keeps its own)
+    if freeze:
+        gc.collect()
+        gc.freeze()
     try:
         return await _stream_all(llm, prompts, osl, concurrency)
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
 
 
 async def _stream_all(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -> list[dict]:

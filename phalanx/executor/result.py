@@ -288,7 +288,8 @@ class GenerationResult:
             wakeups.add(waiters)
             return
         for loop, fut in waiters:
-            loop.call_soon_threadsafe(_set_if_pending, fut)
+            with contextlib.suppress(RuntimeError):   # that loop was closed: nobody waits there any more
+                loop.call_soon_threadsafe(_set_if_pending, fut)
 
     # -- reader side -------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -303,7 +304,7 @@ class GenerationResult:
                       for s in self._seqs))
 
     def metrics(self) -> dict[str, float]:
-        """Arrival, rank, and TTFT and end-to-end latency once known (a dict not changed later)."""
+        """Arrival, rank, and TTFT and end-to-end latency once known (a copy: the caller's to change)."""
         m = self._metrics
         if m is None:
             m = {"arrival_time": self.arrival_time, "rank": self.rank}
@@ -312,7 +313,7 @@ class GenerationResult:
             if self.finish_time is not None:
                 m["e2e"] = self.finish_time - self.arrival_time
             self._metrics = m
-        return m
+        return dict(m)
 
     def wait_done(self, timeout: float | None = None) -> bool:
         with self._lock:

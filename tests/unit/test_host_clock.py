@@ -173,7 +173,7 @@ def test_rank_executor_collects_on_an_idle_fetch_only(monkeypatch):
                                      (3 * after, True, IterationInput(cancel=[7]), 0),   # brought something
                                      (3.5 * after, True, IterationInput(), 0),
                                      (4 * after, True, IterationInput(), 0),
-                                     (4.5 * after, True, IterationInput(), 1)):    # idle for IDLE_FULL_AFTER_S
+                                     (4.6 * after, True, IterationInput(), 1)):    # idle for IDLE_FULL_AFTER_S
             while gc.get_count()[2] < gc.get_threshold()[2] and gc.get_count()[2] < 10:
                 gc.collect(1)
             now[0] = t

@@ -85,6 +85,9 @@ def test_token_batch_rows_apply_as_their_responses(logprobs):
         assert sa._replace(metrics={}) == sb._replace(metrics={})
         assert a._state.rank == b._state.rank == 1 and a.cached_tokens == 32
         assert a._state.first_scheduled_time == 12.5
+        assert a.metrics["ttft"] >= 0 and a.metrics["e2e"] >= a.metrics["ttft"] and a.metrics["rank"] == 1
+        a.metrics["e2e"] = -1.0                          # the caller's copy: the state's is unchanged
+        assert a._state.metrics()["e2e"] >= 0
         rid = a.request_id
         assert a.outputs[0].token_ids == _expected(rid, 2 if rid in (ids[0], ids[3]) else 3, logprobs)
         assert a.outputs[0].weight_versions == [(0, "v1")]
