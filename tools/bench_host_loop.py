@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 # device work (a CPU forward), waiting for it, and host_clock.IDLE_COLLECT (spelled out: a baseline
@@ -265,22 +266,30 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens", "steps"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
+              ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens", "steps")]
+    if a.control_plane:
+        passed.append("--control-plane")
+    if a.config:
+        passed.append(f"--config={os.path.abspath(a.config)}")
+    if a.model:   # a local directory as an absolute path (the child runs in the worktree)
+        passed.append(f"--model={os.path.abspath(a.model) if os.path.exists(a.model) else a.model}")
+    return compare(a.baseline_rev, passed, __file__,
+                   lambda: control_plane(a) if a.control_plane else run_point(a), print_report, a.output)
+
+
+def compare(rev: str | None, passed: list[str], script: str, run: Callable[[], dict[str, Any]],
+            show: Callable[[str, dict[str, Any]], None], output: str | None) -> int:
+    """A tool's point on the baseline revision ``rev`` first (``baseline``, with ``passed``), if
+    given, then on this tree (``run``); each report shown, and all written to ``output`` as JSON."""
     reports = []
-    if a.baseline_rev:
-        passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
-                  ("isl", "osl", "concurrency", "num_requests", "max_num_tokens", "kv_tokens", "steps")]
-        if a.control_plane:
-            passed.append("--control-plane")
-        if a.config:
-            passed.append(f"--config={os.path.abspath(a.config)}")
-        if a.model:   # a local directory as an absolute path (the child runs in the worktree)
-            passed.append(f"--model={os.path.abspath(a.model) if os.path.exists(a.model) else a.model}")
-        reports.append({"revision": a.baseline_rev, "report": baseline(a.baseline_rev, passed)})
-        print_report(f"baseline {a.baseline_rev}", reports[-1]["report"])
-    reports.append({"revision": "working tree", "report": control_plane(a) if a.control_plane else run_point(a)})
-    print_report("this tree", reports[-1]["report"])
-    if a.output:
-        with open(a.output, "w") as f:
+    if rev:
+        reports.append({"revision": rev, "report": baseline(rev, passed, script)})
+        show(f"baseline {rev}", reports[-1]["report"])
+    reports.append({"revision": "working tree", "report": run()})
+    show("this tree", reports[-1]["report"])
+    if output:
+        with open(output, "w") as f:
             json.dump(reports, f, indent=1)
     return 0
 

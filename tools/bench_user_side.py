@@ -173,20 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     if a.step_ms <= 0:
         ap.error(f"--step-ms must be positive, got {a.step_ms}")
-    reports = []
-    if a.baseline_rev:
-        passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
-                  ("isl", "osl", "concurrency", "num_requests", "step_ms")]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from bench_host_loop import baseline
-        reports.append({"revision": a.baseline_rev, "report": baseline(a.baseline_rev, passed, __file__)})
-        print_report(f"baseline {a.baseline_rev}", reports[-1]["report"])
-    reports.append({"revision": "working tree", "report": run_point(a)})
-    print_report("this tree", reports[-1]["report"])
-    if a.output:
-        with open(a.output, "w") as f:
-            json.dump(reports, f, indent=1)
-    return 0
+    passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
+              ("isl", "osl", "concurrency", "num_requests", "step_ms")]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_host_loop import compare
+    return compare(a.baseline_rev, passed, __file__, lambda: run_point(a), print_report, a.output)
 
 
 if __name__ == "__main__":
