@@ -2,7 +2,7 @@
 
 Responses from rank 0 are applied here by the dispatching thread: incremental detokenization,
 stop strings (a hit cuts the text exactly and aborts the sequence on the ranks), logprobs,
-timings. Readers take consistent snapshots under the lock; waiters (threads or asyncio tasks)
+timings. Readers take consistent snapshots under the lock, of what is new to them; waiters (threads or asyncio tasks)
 are woken after every change. A step's tokens for hundreds of requests arrive together: the
 dispatcher collects the asyncio waiters of all of them (``Wakeups``) and wakes each event loop
 once for the lot, not once a request.
@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from phalanx.executor.messages import Finished, FirstToken, Response
@@ -44,13 +44,14 @@ class Wakeups:
 
 
 class SeqSnapshot(NamedTuple):
-    """One sequence as ``snapshot`` saw it."""
+    """One sequence as ``snapshot`` saw it: its text whole (a string is shared, not copied), its
+    tokens and their logprobs from the reader's count on (new lists)."""
 
     text: str
-    token_ids: list[int]
+    new_token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None
-    logprobs: list[dict[int, Logprob]] | None
+    new_logprobs: list[dict[int, Logprob]] | None
     weight_versions: list[tuple[int, str]]
     cumulative_logprob: float | None
 
@@ -64,7 +65,7 @@ class Snapshot(NamedTuple):
     weight_version: str
     cached_tokens: int
     metrics: dict[str, float]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    new_prompt_logprobs: list[dict[int, Logprob] | None] | None   # from the reader's count on
     seqs: tuple[SeqSnapshot, ...]
 
 
@@ -292,16 +293,17 @@ class GenerationResult:
                 loop.call_soon_threadsafe(_set_if_pending, fut)
 
     # -- reader side -------------------------------------------------------------------------------
-    def snapshot(self) -> Snapshot:
-        """A consistent copy of what the reader sees (its lists are new lists)."""
+    def snapshot(self, seen_tokens: Sequence[int] = (), seen_prompt_logprobs: int = 0) -> Snapshot:
+        """A consistent copy of what the reader sees. Tokens, logprobs and prompt logprobs only
+        grow, so only what comes after the reader's counts is copied (``seen_tokens[i]`` of
+        sequence i, 0 where missing): a stream's pulls cost what is new, not the whole output."""
         with self._mutex:
+            pl = self.prompt_logprobs
             return Snapshot(
                 self.version, self._done, self.error, self.weight_version, self.cached_tokens, self.metrics(),
-                list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-                tuple(SeqSnapshot(s.visible_text(), list(s.token_ids), s.finish_reason, s.stop_reason,
-                                  list(s.logprobs) if s.logprobs is not None else None, list(s.weight_versions),
-                                  s.cumulative_logprob if s.logprobs is not None else None)
-                      for s in self._seqs))
+                pl[seen_prompt_logprobs:] if pl is not None else None,
+                tuple(_seq_snapshot(s, seen_tokens[i] if i < len(seen_tokens) else 0)
+                      for i, s in enumerate(self._seqs)))
 
     def metrics(self) -> dict[str, float]:
         """Arrival, rank, and TTFT and end-to-end latency once known (a copy: the caller's to change)."""
@@ -350,6 +352,12 @@ class GenerationResult:
                     return
                 version = self.version
             await self.await_change(version)
+
+
+def _seq_snapshot(s: _Sequence, seen: int) -> SeqSnapshot:
+    return SeqSnapshot(s.visible_text(), s.token_ids[seen:], s.finish_reason, s.stop_reason,
+                       s.logprobs[seen:] if s.logprobs is not None else None, list(s.weight_versions),
+                       s.cumulative_logprob if s.logprobs is not None else None)
 
 
 def _logprob_entry(token_id: int, wire: Any) -> dict[int, Logprob]:

@@ -3,7 +3,10 @@
 ``RequestOutput`` is also the future ``generate_async`` returns: ``.result()``, ``await
 .aresult()``, and ``async for out in fut`` (streaming). Its fields change only in the caller's
 thread, when it waits or iterates, so a reader never sees a half-applied update. While
-streaming, ``text_diff`` / ``token_ids_diff`` hold what is new since the previous yield.
+streaming, ``text_diff`` / ``token_ids_diff`` / ``logprobs_diff`` hold what is new since the
+previous yield (new lists each yield). ``token_ids``, ``logprobs`` and ``prompt_logprobs`` are one
+list each for the request's life, extended in place at each yield, as vLLM's cumulative outputs
+are: a pull costs what is new, not the whole output (copy a list to keep it as it was).
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ class RequestOutput:
         self.metrics: dict[str, float] = {}
         self.weight_version = ""   # the weights of the latest token ("" before the first)
         self._version = 0   # the state starts at version 0: wait for its first change
+        # the lists handed out, extended in place at each pull, and how much of each is taken
+        self._token_ids: list[list[int]] = [o.token_ids for o in self.outputs]
+        self._logprobs: list[list[dict[int, Logprob]]] = [[] for _ in self.outputs]
+        self._seen = [0] * state.n
+        self._prompt_logprobs: list[dict[int, Logprob] | None] = []
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id}, finished={self.finished}, "
@@ -119,20 +127,25 @@ class RequestOutput:
         return self
 
     def _pull(self) -> None:
-        snap = self._state.snapshot()
+        snap = self._state.snapshot(self._seen, len(self._prompt_logprobs))
         self._version = snap.version
         self.finished, self.cached_tokens, self.error = snap.finished, snap.cached_tokens, snap.error
         self.metrics = snap.metrics
         self.weight_version = snap.weight_version
-        self.prompt_logprobs = snap.prompt_logprobs
-        for out, s in zip(self.outputs, snap.seqs, strict=True):
+        if snap.new_prompt_logprobs is not None:
+            self._prompt_logprobs.extend(snap.new_prompt_logprobs)
+            self.prompt_logprobs = self._prompt_logprobs
+        for i, (out, s) in enumerate(zip(self.outputs, snap.seqs, strict=True)):
+            new = s.new_token_ids
+            self._seen[i] += len(new)
+            self._token_ids[i].extend(new)
             out.text_diff = s.text[len(out.text):]
-            out.token_ids_diff = s.token_ids[len(out.token_ids):]
-            if s.logprobs is not None:
-                old = len(out.logprobs or [])
-                out.logprobs_diff = s.logprobs[old:]
-                out.logprobs = s.logprobs
+            out.token_ids_diff = new
+            if s.new_logprobs is not None:
+                self._logprobs[i].extend(s.new_logprobs)
+                out.logprobs_diff = s.new_logprobs
+                out.logprobs = self._logprobs[i]
                 out.cumulative_logprob = s.cumulative_logprob
-            out.text, out.token_ids = s.text, s.token_ids
+            out.text, out.token_ids = s.text, self._token_ids[i]
             out.finish_reason, out.stop_reason = s.finish_reason, s.stop_reason
             out.weight_versions = s.weight_versions

@@ -183,3 +183,30 @@ def test_a_failing_row_fails_its_request_alone(monkeypatch):
     with pytest.raises(Exception, match="output handling failed"):
         a.result(timeout=1)
     assert ex.num_pending == 0
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_stream_pulls_only_what_is_new_into_lists_that_grow_in_place(logprobs):
+    ex = _Loopback()
+    params = SamplingParams(max_tokens=40, logprobs=2 if logprobs else None, detokenize=False)
+    [out] = _submit_all(ex, 1, params)
+    state, rid = out._state, out.request_id
+    seen_lists, steps = None, 40
+    for step in range(steps):
+        ex._dispatch_other(_batch([rid], step, finished=(rid,) if step == steps - 1 else (),
+                                  first=(rid,) if step == 0 else (), logprobs=logprobs))
+        before = out._seen[0]
+        snap = state.snapshot(out._seen)
+        assert snap.seqs[0].new_token_ids == _expected(rid, step + 1, logprobs)[before:]   # the new ones only
+        out._pull()
+        o = out.outputs[0]
+        assert o.token_ids == _expected(rid, step + 1, logprobs)
+        assert o.token_ids_diff == _expected(rid, step + 1, logprobs)[before:]
+        if seen_lists is None:
+            seen_lists = (o.token_ids, o.logprobs)
+        assert o.token_ids is seen_lists[0] and o.logprobs is seen_lists[1]      # extended, not rebuilt
+        if logprobs:
+            assert len(o.logprobs) == step + 1 and len(o.logprobs_diff) == 1
+            assert o.logprobs_diff[0] is o.logprobs[-1]
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert state.snapshot().seqs[0].new_token_ids == out.outputs[0].token_ids   # no count: everything
