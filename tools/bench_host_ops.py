@@ -7,6 +7,7 @@ run once per step on a cold path and take longer (docs/gpu_notes.md, fifteenth r
     python tools/bench_host_ops.py --after-idle     # the same calls after the thread slept or spun
     python tools/bench_host_ops.py --request-hop    # a request from the user's process to rank 0's loop (no GPU)
     python tools/bench_host_ops.py --wire           # a prompt's ids through check, pack and unpack (no GPU)
+    python tools/bench_host_ops.py --detokenize     # a streamed token's text in the user's process (no GPU)
 
 ``--after-idle`` times one Python call and one copy + event record after the thread has been idle
 for 0-100 ms, sleeping or spinning: whether a cold path is slow for all host work after a sleep
@@ -23,6 +24,11 @@ thread holds it, over the IPC queue (ZMQ PAIR, signed msgpack): read by the loop
 process: the user's side (check the ids, pack, sign) and the rank's (verify, unpack, check, the
 Request's list), with the ids crossing as uint32 bytes (``messages.ids_to_wire``) against a
 msgpack list of ints (how they crossed before; still the form of ids that do not fit).
+
+``--detokenize`` times a streamed token's text (``IncrementalDetokenizer.add``, one token a call,
+what the dispatch thread does for every token of a request that detokenizes) with the bundled
+tokenizer, through tokenizers' native stream decoder and through the two-decode window, over
+English, accented and CJK text, after a chat prompt.
 """
 
 from __future__ import annotations
@@ -177,12 +183,35 @@ def wire(n_ids: int) -> None:
               f"{median_us(rank, 1000):6.1f} us, frame {len(frame)} bytes", flush=True)
 
 
+def detokenize() -> None:
+    """µs a token for a request's streamed text, native stream against the window."""
+    from phalanx.llmapi.tokenizer import IncrementalDetokenizer, load_tokenizer
+    from phalanx.models.source import resolve_model
+    tok = load_tokenizer(resolve_model(None))
+    context = tok.encode_chat([{"role": "user", "content": "Write something."}])
+    texts = {"English": "The quick brown fox jumps over the lazy dog, and then it naps. " * 30,
+             "accents and CJK": "Ünïcödé façade, naïve café. 日本語のテキスト、漢字とひらがな。 " * 20}
+    for name, text in texts.items():
+        ids = tok.encode(text, add_special_tokens=False)
+        for native in (True, False):
+            def run(native=native, ids=ids) -> str:
+                d = IncrementalDetokenizer(tok, True, context, native=native)
+                return "".join(d.add([t]) for t in ids) + d.flush()
+            assert run() == tok.decode(ids)
+            how = "native stream" if native else "two-decode window"
+            print(f"{name:16s} {how:18s} {median_us(run, 7) / len(ids):6.2f} us a token ({len(ids)} tokens)",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--after-idle", action="store_true")
     ap.add_argument("--request-hop", action="store_true")
     ap.add_argument("--wire", action="store_true")
+    ap.add_argument("--detokenize", action="store_true")
     a = ap.parse_args()
+    if a.detokenize:
+        return detokenize()
     if a.after_idle:
         return after_idle([0, 1, 5, 20])
     if a.wire:

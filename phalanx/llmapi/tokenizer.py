@@ -59,6 +59,9 @@ class Tokenizer:
         self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
         self.vocab_size = len(hf_tokenizer)
         self._specials = set(getattr(hf_tokenizer, "all_special_ids", []) or [])
+        # tokenizers' native stream decoder, where it streams what ``decode`` gives (decided here, once)
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._decode_stream: Any = _native_decode_stream(self)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``. With ``max_tokens``, a text too long to fit is refused before
@@ -87,6 +90,21 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool, context: list[int]) -> tuple[Any, Any, int] | None:
+        """A native stream decoder that continues ``context``: (the stream, the tokenizer it steps
+        with, where in ``context`` its prefill starts). The prefill is the last 5 tokens or fewer,
+        the longest that decodes to whole characters (one that starts inside a character would
+        misplace the stream's first text). None where this tokenizer has no stream that gives
+        what ``decode`` gives, or where the context ends inside a character."""
+        if self._decode_stream is None:
+            return None
+        for start in range(max(0, len(context) - 5), len(context) + 1):
+            if start == len(context) or "\ufffd" not in self.decode(context[start:], skip_special_tokens):
+                break
+        if start == len(context) and context:
+            return None
+        return self._decode_stream(ids=context[start:], skip_special_tokens=skip_special_tokens), self._backend, start
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._specials
@@ -150,6 +168,38 @@ def load_tokenizer(source: Any, tokenizer: str | None = None, trust_remote_code:
     return Tokenizer(hf, eos)
 
 
+# what the native stream decoder must stream as ``decode`` does before it is used: several-byte
+# characters split across tokens, spaces, a newline, and what transformers' clean-up rewrites
+_STREAM_PROBE = "Ünïcödé 日本語 😀👍🏽 façade , don't . it 's\n  x ?"
+
+
+def _native_decode_stream(tok: Tokenizer) -> Any:
+    """``tokenizers.decoders.DecodeStream`` where it gives, on a probe with and without context
+    and with special tokens kept or skipped, the text the two-decode window gives; else None."""
+    if tok._backend is None or getattr(tok.hf, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+        DecodeStream(ids=[], skip_special_tokens=True)   # a prefill needs tokenizers >= 0.22
+    except (ImportError, TypeError):
+        return None
+    try:
+        ids = tok.encode(_STREAM_PROBE, add_special_tokens=False)
+        specials = sorted(tok._specials)[:2]
+        ids = ids[:4] + specials + ids[4:] + specials
+        for skip in (True, False):
+            for context in ([], ids[:3]):
+                window = IncrementalDetokenizer(tok, skip, context, native=False)
+                want = "".join(window.add([t]) for t in ids[len(context):]) + window.flush()
+                stream = DecodeStream(ids=context, skip_special_tokens=skip)
+                got = "".join(p for t in ids[len(context):] if (p := stream.step(tok._backend, t)) is not None)
+                if got != want:
+                    return None
+    except Exception:  # noqa: BLE001 - any failure of the probe keeps the window
+        return None
+    return DecodeStream
+
+
 def _generation_config_eos(path: str) -> tuple[int, ...]:
     import json
     f = os.path.join(path, "generation_config.json")
@@ -168,28 +218,47 @@ class IncrementalDetokenizer:
     Decodes a small window ``ids[prefix_offset:]`` and emits only what extends the window's
     already-emitted part; holds text back while it ends in an incomplete UTF-8 sequence
     (U+FFFD), so byte-fallback and multi-token characters never leak a replacement char.
+    Where the tokenizer has a native stream decoder (``Tokenizer.decode_stream``: tokenizers'
+    ``DecodeStream``, checked at load against this window) a token is one call into it, ~10×
+    cheaper than the window's two decodes; the offsets are kept the same way, for ``flush``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: list[int] | None = None):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: list[int] | None = None,
+                 native: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = list(context or [])
         # start the window a few tokens back into the context so leading spaces decode right
         self.prefix_offset = max(0, len(self.ids) - 5)
         self.read_offset = len(self.ids)
-        self.text = ""
+        self._stream: tuple[Any, Any] | None = None
+        found = tokenizer.decode_stream(skip_special_tokens, self.ids) if native else None
+        if found is not None:
+            self._stream, self.prefix_offset = found[:2], found[2]
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the new text (possibly empty)."""
         self.ids.extend(new_ids)
+        if self._stream is not None:
+            return self._add_streamed(self._stream, new_ids)
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
         return delta
+
+    def _add_streamed(self, native: tuple[Any, Any], new_ids: list[int]) -> str:
+        stream, backend = native
+        at = len(self.ids) - len(new_ids)
+        pieces = []
+        for k, tok in enumerate(new_ids, 1):
+            piece = stream.step(backend, tok)
+            if piece is not None:   # None: the token ends inside a character; held in the stream
+                pieces.append(piece)
+                self.prefix_offset, self.read_offset = self.read_offset, at + k
+        return "".join(pieces)
 
     def flush(self) -> str:
         """At the end: whatever is still held back (e.g. a truly invalid byte sequence)."""
@@ -197,5 +266,5 @@ class IncrementalDetokenizer:
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         delta = full[len(prefix):] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
-        self.text += delta
+        self._stream = None
         return delta

@@ -1,5 +1,7 @@
 """Incremental detokenization equals a full decode: CJK, emoji (multi-token characters),
-accents, and arbitrary token sequences; no U+FFFD is ever streamed for valid text."""
+accents, and arbitrary token sequences; no U+FFFD is ever streamed for valid text. Both ways
+are checked: tokenizers' native stream decoder (what the bundled tokenizer uses) and the
+two-decode window it falls back to."""
 
 import random
 
@@ -24,22 +26,29 @@ TEXTS = [
 ]
 
 
+def test_the_bundled_tokenizer_streams_natively(tok):
+    assert tok.decode_stream(True, [19556, 905]) is not None
+    assert IncrementalDetokenizer(tok, context=[19556, 905])._stream is not None
+
+
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("context", [[], [19556, 905]])
-def test_streamed_text_equals_full_decode(tok, text, context):
+def test_streamed_text_equals_full_decode(tok, text, context, native):
     ids = tok.encode(text)
-    d = IncrementalDetokenizer(tok, skip_special_tokens=True, context=context)
+    d = IncrementalDetokenizer(tok, skip_special_tokens=True, context=context, native=native)
     deltas = [d.add([t]) for t in ids]
     deltas.append(d.flush())
     assert "".join(deltas) == tok.decode(ids)
     assert all("\ufffd" not in x for x in deltas)
 
 
-def test_random_token_sequences_add_up(tok):
+@pytest.mark.parametrize("native", [True, False])
+def test_random_token_sequences_add_up(tok, native):
     rng = random.Random(0)
     for _ in range(30):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
-        d = IncrementalDetokenizer(tok, skip_special_tokens=True)
+        d = IncrementalDetokenizer(tok, skip_special_tokens=True, native=native)
         out, i = [], 0
         while i < len(ids):
             k = rng.randrange(1, 4)
@@ -49,9 +58,26 @@ def test_random_token_sequences_add_up(tok):
         assert "".join(out) == tok.decode(ids)
 
 
-def test_special_tokens_skipped_or_kept(tok):
+@pytest.mark.parametrize("native", [True, False])
+def test_special_tokens_skipped_or_kept(tok, native):
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)
     for skip in (True, False):
-        d = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        d = IncrementalDetokenizer(tok, skip_special_tokens=skip, native=native)
         got = "".join(d.add([t]) for t in ids) + d.flush()
         assert got == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_the_native_stream_gives_the_window_text_after_any_context(tok):
+    """After every cut of a text with characters split across tokens, the stream continues the
+    context as the window does: where the context ends inside a character, the window is used."""
+    text = "Ünïcödé ✓ 日本語のテキスト 😀👍🏽 and code: f(x) ?\n" * 3
+    ids = tok.encode(text, add_special_tokens=False)
+    native_cuts = 0
+    for cut in range(len(ids)):
+        streamed = IncrementalDetokenizer(tok, context=ids[:cut])
+        window = IncrementalDetokenizer(tok, context=ids[:cut], native=False)
+        native_cuts += streamed._stream is not None
+        got = [streamed.add(ids[i:i + 2]) for i in range(cut, len(ids), 2)] + [streamed.flush()]
+        want = [window.add(ids[i:i + 2]) for i in range(cut, len(ids), 2)] + [window.flush()]
+        assert "".join(got) == "".join(want), cut
+    assert native_cuts > len(ids) // 2
