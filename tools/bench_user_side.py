@@ -142,7 +142,7 @@ def run_serve(llm: Any, a: argparse.Namespace, vocab: int) -> list[dict[str, Any
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(OpenAIServer(llm, "bench").app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(OpenAIServer(llm, "bench").app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:

@@ -93,8 +93,9 @@ class ServerMetrics:
             self.request_success.labels(m, reason or "abort").inc()
         if state.first_token_time is not None:
             self.ttft.labels(m).observe(state.first_token_time - state.arrival_time)
+        itl = self.itl.labels(m)   # (a lookup under a lock: once, not once a token)
         for a, b in pairwise(state.token_times):
-            self.itl.labels(m).observe(b - a)
+            itl.observe(b - a)
         if state.finish_time is not None:
             self.e2e.labels(m).observe(state.finish_time - state.arrival_time)
         if state.first_scheduled_time is not None:

@@ -795,6 +795,11 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
         _abort(futs)
 
 
+# one encoder for every event: ``json.dumps`` with a non-default argument builds a new one a call
+# (~18 µs an event against ~10 on a CPU, every streamed token of every request)
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_ENCODE(obj)}\n\n"
 
