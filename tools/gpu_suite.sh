@@ -68,7 +68,10 @@ for what in "${@:-all}"; do
     user_side)   # the user process alone against a scripted rank 0 (this host's CPU): per-token cost, refill lag
       for osl in 128 1000; do n=2048; ms=18; [ $osl = 1000 ] && n=1024 && ms=40
         timeout 150 python3 tools/bench_user_side.py --osl $osl --num-requests $n --step-ms $ms \
-          --output "$OUT/user_side_$osl.json" > "$OUT/user_side_$osl.txt" 2>&1; done ;;
+          --output "$OUT/user_side_$osl.json" > "$OUT/user_side_$osl.txt" 2>&1; done
+      # phalanx serve's server in front, streamed completions from an HTTP client: the server's CPU a token
+      timeout 150 python3 tools/bench_user_side.py --serve --concurrency 128 --num-requests 512 --osl 256 \
+        --step-ms 20 --output "$OUT/user_side_serve.json" > "$OUT/user_side_serve.txt" 2>&1 ;;
     fp8_table)   # #19's table in one call: 128/128, 2048/128, 1000/1000 at 512 in flight, one engine per precision,
       # each step's GPU time by kind (--step-times), the board's clock and power sampled every second
       nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
