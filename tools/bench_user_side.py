@@ -6,8 +6,8 @@ engine when a wave of requests finishes together.
     python tools/bench_user_side.py --baseline-rev HEAD~1    # the same on another revision first
     python tools/bench_user_side.py --serve --concurrency 64 --num-requests 256 --osl 512
 
-The client is ``phalanx bench throughput``'s own (``throughput._run``: a semaphore of
-``--concurrency``, each request streamed with ``LLM.generate_async``) on a real ``LLM`` whose
+The client is ``phalanx bench throughput``'s own (``throughput._run``: ``--concurrency`` workers,
+each streaming its requests one after another with ``LLM.generate_async``) on a real ``LLM`` whose
 proxy attaches, as under ``phalanx launch``, to a scripted rank 0 in another process. That rank
 speaks the real protocol over the real signed ZMQ sockets (``Init``/``Ready``, ``GenerationRequest``,
 one ``TokenBatch`` a step) but runs no model: every ``--step-ms`` it sends one token to each

@@ -46,12 +46,19 @@ async def _run(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -
 
 
 async def _stream_all(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -> list[dict]:
+    """Every prompt streamed, ``concurrency`` workers each sending its next prompt the moment its
+    last request finishes. (With a semaphore and a task a prompt, the next request's task ran only
+    after every other request that finished in the same step had run its own end: at a wave's end
+    the engine waited for all of them before the first new request came.) A request's latencies
+    are computed after the run, so nothing but its final pull stands between one request's end
+    and the next one's start."""
     from phalanx import SamplingParams
-    sem = asyncio.Semaphore(concurrency)
     sp = SamplingParams(max_tokens=osl, ignore_eos=True, temperature=0.0, detokenize=False)
+    runs: list[tuple[float, list[float], int]] = [(0.0, [], 0)] * len(prompts)
+    pending = iter(enumerate(prompts))   # shared by the workers (one thread: each next() is whole)
 
-    async def one(p: list[int]) -> dict:
-        async with sem:
+    async def worker() -> None:
+        for i, p in pending:
             start = time.perf_counter()
             times: list[float] = []
             cached = 0
@@ -59,13 +66,17 @@ async def _stream_all(llm: Any, prompts: list[list[int]], osl: int, concurrency:
                 now = time.perf_counter()
                 times += [now] * len(out.outputs[0].token_ids_diff)
                 cached = out.cached_tokens
-            lat = request_latencies(start, times)
-            lat["num_output_tokens"] = len(times)
-            lat["cached_tokens"] = cached
-            lat["start"], lat["end"] = start, times[-1] if times else start
-            return lat
+            runs[i] = (start, times, cached)
 
-    return await asyncio.gather(*(one(p) for p in prompts))
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+    results = []
+    for start, times, cached in runs:
+        lat = request_latencies(start, times)
+        lat["num_output_tokens"] = len(times)
+        lat["cached_tokens"] = cached
+        lat["start"], lat["end"] = start, times[-1] if times else start
+        results.append(lat)
+    return results
 
 
 def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: int, warmup: int = 2,
