@@ -146,6 +146,8 @@ def run_serve(llm: Any, a: argparse.Namespace, vocab: int) -> list[dict[str, Any
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
         time.sleep(0.01)
     try:
         client = subprocess.run([sys.executable, os.path.abspath(__file__), "--client", str(port), str(a.isl),

@@ -293,16 +293,19 @@ class GenerationResult:
                 loop.call_soon_threadsafe(_set_if_pending, fut)
 
     # -- reader side -------------------------------------------------------------------------------
-    def snapshot(self, seen_tokens: Sequence[int] = (), seen_prompt_logprobs: int = 0) -> Snapshot:
+    def snapshot(self, seen_tokens: Sequence[int] = (), seen_logprobs: Sequence[int] = (),
+                 seen_prompt_logprobs: int = 0) -> Snapshot:
         """A consistent copy of what the reader sees. Tokens, logprobs and prompt logprobs only
-        grow, so only what comes after the reader's counts is copied (``seen_tokens[i]`` of
-        sequence i, 0 where missing): a stream's pulls cost what is new, not the whole output."""
+        grow, so only what comes after the reader's counts is copied (``seen_tokens[i]`` and
+        ``seen_logprobs[i]`` of sequence i, 0 where missing): a stream's pulls cost what is new,
+        not the whole output."""
         with self._mutex:
             pl = self.prompt_logprobs
             return Snapshot(
                 self.version, self._done, self.error, self.weight_version, self.cached_tokens, self.metrics(),
                 pl[seen_prompt_logprobs:] if pl is not None else None,
-                tuple(_seq_snapshot(s, seen_tokens[i] if i < len(seen_tokens) else 0)
+                tuple(_seq_snapshot(s, seen_tokens[i] if i < len(seen_tokens) else 0,
+                                    seen_logprobs[i] if i < len(seen_logprobs) else 0)
                       for i, s in enumerate(self._seqs)))
 
     def metrics(self) -> dict[str, float]:
@@ -354,9 +357,9 @@ class GenerationResult:
             await self.await_change(version)
 
 
-def _seq_snapshot(s: _Sequence, seen: int) -> SeqSnapshot:
+def _seq_snapshot(s: _Sequence, seen: int, seen_logprobs: int) -> SeqSnapshot:
     return SeqSnapshot(s.visible_text(), s.token_ids[seen:], s.finish_reason, s.stop_reason,
-                       s.logprobs[seen:] if s.logprobs is not None else None, list(s.weight_versions),
+                       s.logprobs[seen_logprobs:] if s.logprobs is not None else None, list(s.weight_versions),
                        s.cumulative_logprob if s.logprobs is not None else None)
 
 

@@ -69,7 +69,8 @@ class RequestOutput:
         # the lists handed out, extended in place at each pull, and how much of each is taken
         self._token_ids: list[list[int]] = [o.token_ids for o in self.outputs]
         self._logprobs: list[list[dict[int, Logprob]]] = [[] for _ in self.outputs]
-        self._seen = [0] * state.n
+        self._seen = [0] * state.n            # tokens taken, per sequence
+        self._seen_logprobs = [0] * state.n   # logprobs taken, per sequence
         self._prompt_logprobs: list[dict[int, Logprob] | None] = []
 
     def __repr__(self) -> str:
@@ -127,7 +128,7 @@ class RequestOutput:
         return self
 
     def _pull(self) -> None:
-        snap = self._state.snapshot(self._seen, len(self._prompt_logprobs))
+        snap = self._state.snapshot(self._seen, self._seen_logprobs, len(self._prompt_logprobs))
         self._version = snap.version
         self.finished, self.cached_tokens, self.error = snap.finished, snap.cached_tokens, snap.error
         self.metrics = snap.metrics
@@ -142,6 +143,7 @@ class RequestOutput:
             out.text_diff = s.text[len(out.text):]
             out.token_ids_diff = new
             if s.new_logprobs is not None:
+                self._seen_logprobs[i] += len(s.new_logprobs)
                 self._logprobs[i].extend(s.new_logprobs)
                 out.logprobs_diff = s.new_logprobs
                 out.logprobs = self._logprobs[i]

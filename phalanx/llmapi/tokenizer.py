@@ -241,6 +241,10 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         if self._stream is not None:
             return self._add_streamed(self._stream, new_ids)
+        return self._window()
+
+    def _window(self) -> str:
+        """What the tokens after ``read_offset`` add to the text, by two decodes of the window."""
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -253,11 +257,16 @@ class IncrementalDetokenizer:
         stream, backend = native
         at = len(self.ids) - len(new_ids)
         pieces = []
-        for k, tok in enumerate(new_ids, 1):
-            piece = stream.step(backend, tok)
-            if piece is not None:   # None: the token ends inside a character; held in the stream
-                pieces.append(piece)
-                self.prefix_offset, self.read_offset = self.read_offset, at + k
+        try:
+            for k, tok in enumerate(new_ids, 1):
+                piece = stream.step(backend, tok)
+                if piece is not None:   # None: the token ends inside a character; held in the stream
+                    pieces.append(piece)
+                    self.prefix_offset, self.read_offset = self.read_offset, at + k
+        except Exception:  # noqa: BLE001 - e.g. a byte-fallback run that re-decodes text already sent
+            # (tokenizers' InvalidPrefix): the window goes on from the offsets, kept in step with the stream
+            self._stream = None
+            pieces.append(self._window())
         return "".join(pieces)
 
     def flush(self) -> str:

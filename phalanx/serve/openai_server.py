@@ -513,8 +513,8 @@ class OpenAIServer:
                                   texts: list[str | None]) -> AsyncIterator[str]:
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-        # echo: the prompt goes first; with logprobs it waits for the prompt's logprobs (computed
-        # with the first token) and carries them
+        # echo: the prompt goes first; with logprobs it waits for all of the prompt's logprobs (they
+        # come a prefill chunk at a time, all of them before the first token) and carries them
         echo_due = [body.echo] * len(futs)
         offsets = [0] * (len(futs) * body.n)
         if body.echo and body.logprobs is None:
@@ -528,7 +528,7 @@ class OpenAIServer:
             if isinstance(out, Exception):
                 yield self._error_event(out)
                 break
-            if echo_due[i]:
+            if echo_due[i] and (out.finished or len(out.prompt_logprobs or ()) >= len(out.prompt_token_ids)):
                 echo_due[i] = False
                 for k in range(body.n):
                     lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -749,7 +749,7 @@ def _has_text(prompt: Any) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and str in set(map(type, prompt)))
 
 
-async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
     """Stream several requests as one: (index, snapshot) in arrival order. If the consumer
     stops early (client gone, server stopping), every unfinished request is aborted.
 
@@ -769,7 +769,8 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
 
     async def pump(i: int, fut: RequestOutput) -> None:
         try:
-            async for out in fut:   # the future mutates itself on every pull: queue a copy
+            async for out in fut:   # the future changes itself at every pull: queue a copy (its _diff
+                                    # fields are that pull's own; token_ids and logprobs are shared lists)
                 snap = copy.copy(out)
                 snap.outputs = [copy.copy(o) for o in out.outputs]
                 await queue.put((i, snap, None))

@@ -37,5 +37,5 @@ def test_the_serve_mode_streams_every_completion_over_http(tmp_path):
     (entry,) = json.loads(out.read_text())
     r = entry["report"]
     assert r["num_requests"] == 12 and r["output_tokens"] == 12 * 6
-    assert r["steps"] >= 3 * 6 and len(r) > 0
+    assert r["steps"] >= 3 * 6                      # three waves of 4, six steps each, at best
     assert 0 <= r["refill_lag_ms"]["p50"] <= r["refill_lag_ms"]["max"] < 30_000

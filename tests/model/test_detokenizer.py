@@ -81,3 +81,56 @@ def test_the_native_stream_gives_the_window_text_after_any_context(tok):
         want = [window.add(ids[i:i + 2]) for i in range(cut, len(ids), 2)] + [window.flush()]
         assert "".join(got) == "".join(want), cut
     assert native_cuts > len(ids) // 2
+
+
+def _byte_fallback_tokenizer(metaspace: bool):
+    """A SentencePiece-style BPE with byte fallback (the Llama-2 / Mistral layout, or Metaspace)."""
+    import json
+
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from phalanx.llmapi.tokenizer import Tokenizer
+    t = RustTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    if metaspace:
+        t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        t.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="▁",
+                                                                                  prepend_scheme="first")])
+    else:
+        t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    corpus = ["Hello world, the quick brown fox jumps over the lazy dog.", "Ünïcödé façade naïve café",
+              "def f(x): return x + 1\n  indented", "日本語 テキスト 😀 👍🏽"] * 20
+    t.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                      limit_alphabet=60))
+    spec = json.loads(t.to_str())
+    vocab = spec["model"]["vocab"]
+    base = len(vocab)
+    vocab.update({f"<0x{i:02X}>": base + i for i in range(256)})
+    hf = PreTrainedTokenizerFast(tokenizer_object=RustTokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                 eos_token="</s>", unk_token="<unk>", clean_up_tokenization_spaces=False)
+    return Tokenizer(hf)
+
+
+@pytest.mark.parametrize("metaspace", [False, True])
+def test_byte_fallback_runs_that_do_not_decode_stream_as_the_window_does(metaspace):
+    """Bytes that make no character re-decode text already sent as U+FFFD: tokenizers' stream
+    refuses that (InvalidPrefix), and the request goes on through the window, never failing."""
+    tok = _byte_fallback_tokenizer(metaspace)
+    assert tok.decode_stream(True, []) is not None          # valid text passes the load-time probe
+    byte = {b: tok.hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0x0A, 0x97, 0xE6)}
+    head, tail = tok.encode("Hello world, the", add_special_tokens=False), tok.encode(" quick fox",
+                                                                                      add_special_tokens=False)
+    rng = random.Random(1)
+    cases = [head + [byte[0x0A], byte[0xE6], byte[0x97]] + tail, head + [byte[0x97]] + tail,
+             head + [byte[0xE6]] + tail[:1] + [byte[0x97]] + tail[1:]]
+    cases += [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))] for _ in range(200)]
+    context = tok.encode("Q: hi", add_special_tokens=True)
+    for ids in cases:
+        for skip in (True, False):
+            streamed = IncrementalDetokenizer(tok, skip, context)
+            window = IncrementalDetokenizer(tok, skip, context, native=False)
+            got = "".join(streamed.add([t]) for t in ids) + streamed.flush()
+            assert got == "".join(window.add([t]) for t in ids) + window.flush(), ids

@@ -196,7 +196,7 @@ def test_a_stream_pulls_only_what_is_new_into_lists_that_grow_in_place(logprobs)
         ex._dispatch_other(_batch([rid], step, finished=(rid,) if step == steps - 1 else (),
                                   first=(rid,) if step == 0 else (), logprobs=logprobs))
         before = out._seen[0]
-        snap = state.snapshot(out._seen)
+        snap = state.snapshot(out._seen, out._seen_logprobs)
         assert snap.seqs[0].new_token_ids == _expected(rid, step + 1, logprobs)[before:]   # the new ones only
         out._pull()
         o = out.outputs[0]
