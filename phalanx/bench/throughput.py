@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import platform
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from phalanx.bench.metrics import emit_report, request_latencies, summarize
@@ -34,12 +36,21 @@ async def _run(llm: Any, prompts: list[list[int]], osl: int, concurrency: int) -
     out of garbage collection for the run, as the ranks freeze what start-up made: the full
     collections that a run's allocations trigger would otherwise walk it, and a pause here at a
     wave's end delays the next wave's requests while the engine idles."""
-    freeze = gc.get_freeze_count() == 0   # (a process that froze objects itself keeps its own)
+    with frozen_heap():
+        return await _stream_all(llm, prompts, osl, concurrency)
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """What the process holds now, collected once and frozen out of garbage collection until the
+    block ends; nothing is done where something is frozen already (a process that froze objects
+    itself keeps its own, and ``_run`` inside a ``frozen_heap`` block does not collect again)."""
+    freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.collect()
         gc.freeze()
     try:
-        return await _stream_all(llm, prompts, osl, concurrency)
+        yield
     finally:
         if freeze:
             gc.unfreeze()
@@ -94,9 +105,10 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
     if step_times:
         llm.control("timing:on")
     try:
-        t0 = time.perf_counter()
-        results = asyncio.run(_run(llm, prompts[warmup:], osl, concurrency))
-        elapsed = time.perf_counter() - t0
+        with frozen_heap():   # its collection before the clock starts
+            t0 = time.perf_counter()
+            results = asyncio.run(_run(llm, prompts[warmup:], osl, concurrency))
+            elapsed = time.perf_counter() - t0
         if step_times:
             steps = json.loads(llm.control("timing", timeout=300).per_rank[0])
             steps.pop("last_steps_ms", None)
