@@ -64,6 +64,8 @@ async def _stream_all(llm: Any, prompts: list[list[int]], osl: int, concurrency:
     are computed after the run, so nothing but its final pull stands between one request's end
     and the next one's start."""
     from phalanx import SamplingParams
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     sp = SamplingParams(max_tokens=osl, ignore_eos=True, temperature=0.0, detokenize=False)
     runs: list[tuple[float, list[float], int]] = [(0.0, [], 0)] * len(prompts)
     pending = iter(enumerate(prompts))   # shared by the workers (one thread: each next() is whole)

@@ -517,6 +517,7 @@ class OpenAIServer:
         # come a prefill chunk at a time, all of them before the first token) and carries them
         echo_due = [body.echo] * len(futs)
         offsets = [0] * (len(futs) * body.n)
+        sent_ids, sent_chars = [0] * (len(futs) * body.n), [0] * (len(futs) * body.n)   # per choice
         if body.echo and body.logprobs is None:
             for i, text in enumerate(texts):
                 for k in range(body.n):
@@ -536,21 +537,29 @@ class OpenAIServer:
                                                                  0)
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
                                                      "finish_reason": None}]})
+            if echo_due[i]:
+                continue   # with n > 1 another sequence may have tokens already: they follow the echo
             for o in out.outputs:
                 finishing = out.finished and o.finish_reason is not None
-                if not o.text_diff and not o.token_ids_diff and not finishing:
-                    continue
                 index = i * body.n + o.index
-                choice: dict[str, Any] = {"index": index, "text": o.text_diff, "logprobs": None,
+                # what this choice has not sent yet (counted, not the pull's diffs: a pull held back
+                # for the echo is not lost)
+                new_ids, text = o.token_ids[sent_ids[index]:], o.text[sent_chars[index]:]
+                if not text and not new_ids and not finishing:
+                    continue
+                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
                                           "finish_reason": o.finish_reason if finishing else None}
                 if body.logprobs is not None:
                     lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                    offsets[index] = self._add_logprobs(lp, o.token_ids_diff, o.logprobs_diff, offsets[index])
+                    new_lps = (o.logprobs or [])[sent_ids[index]:sent_ids[index] + len(new_ids)]
+                    offsets[index] = self._add_logprobs(lp, new_ids, new_lps, offsets[index])
                     choice["logprobs"] = lp
+                sent_ids[index] += len(new_ids)
+                sent_chars[index] += len(text)
                 if finishing:
                     choice["stop_reason"] = o.stop_reason
                 if body.return_token_ids:
-                    choice["token_ids"] = o.token_ids_diff
+                    choice["token_ids"] = new_ids
                 yield _sse({**base, "choices": [choice], "weight_version": out.weight_version})
         for f in futs:
             self._observe(f)
