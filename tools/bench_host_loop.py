@@ -50,11 +50,11 @@ from typing import Any
 HOST_ONLY_EXCLUDES = ("forward", "wait", "collect")
 
 
-def one_layer_model() -> str:
+def one_layer_model(**overrides: Any) -> str:
     from phalanx.bench.shapes import TINY_OVERRIDES, shape_dir
     return shape_dir("llama-3.1-8b", **{**TINY_OVERRIDES, "num_hidden_layers": 1, "hidden_size": 64,
                                         "intermediate_size": 64, "num_attention_heads": 2,
-                                        "num_key_value_heads": 1, "head_dim": 32})
+                                        "num_key_value_heads": 1, "head_dim": 32, **overrides})
 
 
 def run_point(a: argparse.Namespace) -> dict[str, Any]:

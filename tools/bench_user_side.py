@@ -179,9 +179,11 @@ def run_point(a: argparse.Namespace) -> dict[str, Any]:
     rank = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--responder", str(a.step_ms), str(a.osl),
                              str(vocab), str(max_seq_len), timings], env=env)
     try:
-        if a.serve:   # the bundled model's tokenizer (the scripted rank loads no weights)
+        if a.serve and a.tokenizer:   # a saved copy of that tokenizer over a one-layer model of its vocabulary
+            llm = LLM(one_layer_model(vocab_size=vocab, bos_token_id=1, eos_token_id=2), tokenizer=a.tokenizer, load_format="dummy",
+                      max_batch_size=a.concurrency, max_seq_len=max_seq_len)
+        elif a.serve:   # the bundled model's tokenizer (the scripted rank loads no weights)
             llm = LLM(None, max_batch_size=a.concurrency, max_seq_len=max_seq_len)
-            assert llm.vocab_size == vocab, llm.vocab_size
         else:
             llm = LLM(one_layer_model(), skip_tokenizer_init=True, load_format="dummy",
                       max_batch_size=a.concurrency, max_seq_len=max_seq_len)
@@ -238,16 +240,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="the scripted rank's step (default: a 512-row step at 128/128 FP8 on an H200)")
     ap.add_argument("--serve", action="store_true",
                     help="through phalanx serve's server, from an HTTP client process (the bundled model's tokenizer)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with --serve: the bundled model's tokenizer saved as a directory (tools/export_tokenizer.py), "
+                         "for machines without the bundled model")
     ap.add_argument("--baseline-rev", default=None, help="first run the same point on this git revision")
     ap.add_argument("--output", default=None, help="write the report(s) as JSON here")
     a = ap.parse_args(argv)
     for name in ("isl", "osl", "concurrency", "num_requests"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    if a.tokenizer and not a.serve:
+        ap.error("--tokenizer is for --serve (the scripted rank's plain run detokenizes nothing)")
     if a.step_ms <= 0:
         ap.error(f"--step-ms must be positive, got {a.step_ms}")
     passed = [f"--{name.replace('_', '-')}={getattr(a, name)}" for name in
-              ("isl", "osl", "concurrency", "num_requests", "step_ms")] + (["--serve"] if a.serve else [])
+              ("isl", "osl", "concurrency", "num_requests", "step_ms")] + (["--serve"] if a.serve else []) \
+        + ([f"--tokenizer={os.path.abspath(a.tokenizer)}"] if a.tokenizer else [])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_host_loop import compare
     return compare(a.baseline_rev, passed, __file__, lambda: run_point(a), print_report, a.output)

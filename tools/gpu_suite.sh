@@ -70,7 +70,9 @@ for what in "${@:-all}"; do
         timeout 150 python3 tools/bench_user_side.py --osl $osl --num-requests $n --step-ms $ms \
           --output "$OUT/user_side_$osl.json" > "$OUT/user_side_$osl.txt" 2>&1; done
       # phalanx serve's server in front, streamed completions from an HTTP client: the server's CPU a token
-      timeout 150 python3 tools/bench_user_side.py --serve --concurrency 128 --num-requests 512 --osl 256 \
+      # (the bundled model's tokenizer from .gpu_assets where the model is not installed: tools/export_tokenizer.py)
+      tok=""; [ -d .gpu_assets/smollm2-tokenizer ] && tok="--tokenizer .gpu_assets/smollm2-tokenizer"
+      timeout 150 python3 tools/bench_user_side.py --serve $tok --concurrency 128 --num-requests 512 --osl 256 \
         --step-ms 20 --output "$OUT/user_side_serve.json" > "$OUT/user_side_serve.txt" 2>&1 ;;
     fp8_table)   # #19's table in one call: 128/128, 2048/128, 1000/1000 at 512 in flight, one engine per precision,
       # each step's GPU time by kind (--step-times), the board's clock and power sampled every second
