@@ -22,6 +22,17 @@ def pytest_sessionstart(session):
     signal.signal(signal.SIGTERM, unwind)
 
 
+@pytest.fixture(autouse=True)
+def _same_random_state():
+    """Every test starts from the same global random state, whatever ran before it in its process:
+    make test spreads the files over workers, so that differs from run to run."""
+    import random
+    random.seed(0)
+    torch = sys.modules.get("torch")   # not imported for a test that does not use it
+    if torch is not None:
+        torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """model type -> directory with config.json + model.safetensors (fp32, seeded)."""

@@ -180,8 +180,8 @@ def run_point(a: argparse.Namespace) -> dict[str, Any]:
                              str(vocab), str(max_seq_len), timings], env=env)
     try:
         if a.serve and a.tokenizer:   # a saved copy of that tokenizer over a one-layer model of its vocabulary
-            llm = LLM(one_layer_model(vocab_size=vocab, bos_token_id=1, eos_token_id=2), tokenizer=a.tokenizer, load_format="dummy",
-                      max_batch_size=a.concurrency, max_seq_len=max_seq_len)
+            llm = LLM(one_layer_model(vocab_size=vocab, bos_token_id=1, eos_token_id=2), tokenizer=a.tokenizer,
+                      load_format="dummy", max_batch_size=a.concurrency, max_seq_len=max_seq_len)
         elif a.serve:   # the bundled model's tokenizer (the scripted rank loads no weights)
             llm = LLM(None, max_batch_size=a.concurrency, max_seq_len=max_seq_len)
         else:
@@ -241,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve", action="store_true",
                     help="through phalanx serve's server, from an HTTP client process (the bundled model's tokenizer)")
     ap.add_argument("--tokenizer", default=None,
-                    help="with --serve: the bundled model's tokenizer saved as a directory (tools/export_tokenizer.py), "
-                         "for machines without the bundled model")
+                    help="with --serve: the bundled model's tokenizer saved as a directory "
+                         "(tools/export_tokenizer.py), for machines without the bundled model")
     ap.add_argument("--baseline-rev", default=None, help="first run the same point on this git revision")
     ap.add_argument("--output", default=None, help="write the report(s) as JSON here")
     a = ap.parse_args(argv)

@@ -244,9 +244,10 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
                                                       meta.max_query_len, D ** -0.5, None, 2), ref, dtype)
     close(out, ref, dtype)
     T = q.shape[0]
-    k, v = (torch.randn(T, Hkv, D).to(DEV, dtype) * 4 for _ in range(2))
+    g = torch.Generator().manual_seed(4)   # not the global generator: what ran before must not matter
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(DEV, dtype) * 4 for _ in range(2))
     pos = torch.arange(T, device=DEV)
-    cos_sin = torch.randn(T, D).to(DEV, torch.float32)
+    cos_sin = torch.randn(T, D, generator=g).to(DEV, torch.float32)
     k8, v8 = torch.zeros_like(kc), torch.zeros_like(vc)
     meta.slot_mapping = torch.arange(T, device=DEV) * 3
     triton_ops.rope_and_write_kv(pos, q.clone(), k.clone(), v.clone(), cos_sin, k8, v8, meta.slot_mapping)
@@ -256,7 +257,8 @@ def test_attention_over_an_fp8_pool_equals_the_reference(seq_lens, q_lens, H, Hk
     if CUDA:
         assert ((got - want).abs() <= want.abs() / 8 + 1e-3).all() and (got == want).float().mean() > 0.99
     else:   # the interpreter's e4m3 cast drops the carry of a mantissa that rounds up to a power of two
-        assert (got == want).float().mean() > 0.9
+        # (8 -> 4) and breaks bf16's exact ties the other way: rare, and never further off than that
+        assert (got == want).float().mean() > 0.9 and ((got - want).abs() <= want.abs() / 2 + 2 ** -9).all()
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1], [3, 5]])
