@@ -22,7 +22,8 @@ class KvCacheConfig(StrictModel):
         description="Fraction of the GPU memory left free after weights and a profiling run that the KV pool takes.")
     enable_block_reuse: bool = Field(True, description="Prefix caching through the radix tree.")
     enable_partial_reuse: bool = Field(True, description="Reuse part of a block by copy-on-write.")
-    copy_on_partial_reuse: bool = Field(True, description="Partial hits are always copied (kept for compatibility).")
+    copy_on_partial_reuse: bool = Field(True, description="Partial hits are always copied (TensorRT-LLM's name; "
+                                                          "false, sharing a partly matched block, is refused).")
     tokens_per_block: int = Field(32, ge=2, le=256, description="Tokens per KV block (a power of two).")
     max_tokens: int | None = Field(None, ge=1, description="Upper bound on the tokens the KV pool holds.")
     max_gpu_total_bytes: int = Field(0, ge=0, description="Upper bound on the KV pool's bytes (0: none). "
@@ -30,6 +31,13 @@ class KvCacheConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
         "auto", description="The KV pool's dtype; fp8: e4m3 with scale 1 (K and V rounded when written, "
                             "saturating at ±448), half the bytes of bf16.")
+
+    @field_validator("copy_on_partial_reuse")
+    @classmethod
+    def _copied(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("false is not supported: a partly matched block is always copied")
+        return v
 
     @field_validator("tokens_per_block")
     @classmethod

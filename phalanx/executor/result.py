@@ -127,8 +127,8 @@ class _Sequence:
         return hit
 
     def _check_stop_strings(self, before: int) -> bool:
-        if not self.params.stop_strings or self.finished:
-            return False
+        if not self.params.stop_strings or self.finished or len(self.token_ids) < self.params.min_tokens:
+            return False   # (as EOS is suppressed until min_tokens, so are stop strings: vLLM does the same)
         start = max(0, before - self.max_stop_len + 1)
         best: tuple[int, str] | None = None
         for s in self.params.stop_strings:

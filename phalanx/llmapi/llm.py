@@ -106,9 +106,9 @@ class LLM:
 
     def generate_async(self, inputs: PromptInput, sampling_params: SamplingParams | None = None,
                        streaming: bool = False, cache_salt: str | None = None) -> RequestOutput:
-        """Submit one prompt; returns a RequestOutput future (``.result()``, ``await .aresult()``,
-        ``async for`` when streaming)."""
-        return self._submit_all([self._prepare(inputs, sampling_params)], cache_salt)[0]
+        """Submit one prompt; returns a RequestOutput future (``.result()``, ``await .aresult()``;
+        ``async for`` / ``for`` yields each update when streaming, else once, the finished output)."""
+        return self._submit_all([self._prepare(inputs, sampling_params)], cache_salt, streaming)[0]
 
     def _prepare(self, inputs: PromptInput, sampling_params: SamplingParams | None) -> PreparedPrompt:
         """Tokenize and check one prompt and its params (raises ValueError naming the field)."""
@@ -122,14 +122,15 @@ class LLM:
         self._check_prompt(ids, params)
         return PreparedPrompt(prompt, ids, params)
 
-    def _submit_all(self, prepared: list[PreparedPrompt], cache_salt: str | None) -> list[RequestOutput]:
+    def _submit_all(self, prepared: list[PreparedPrompt], cache_salt: str | None,
+                    streaming: bool = False) -> list[RequestOutput]:
         """Submit checked prompts; if one submit fails, the ones already sent are aborted."""
         futures: list[RequestOutput] = []
         try:
             for p in prepared:
                 eos = (p.params.end_id,) if p.params.end_id is not None else self._eos_token_ids()
                 state = self._executor.submit(p.token_ids, p.params, self.tokenizer, p.prompt, eos, cache_salt)
-                futures.append(RequestOutput(state))
+                futures.append(RequestOutput(state, streaming))
         except BaseException:
             for f in futures:
                 f.abort()
@@ -154,6 +155,10 @@ class LLM:
 
     def _tokenize(self, inputs: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(inputs, dict):
+            unknown = sorted(map(str, set(inputs) - {"prompt", "prompt_token_ids"}))
+            if unknown:
+                raise ValueError(f"{unknown[0]}: not supported (a prompt dict takes 'prompt' and 'prompt_token_ids'; "
+                                 f"got {unknown})")
             if "prompt_token_ids" in inputs:
                 ids = inputs["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):
@@ -173,6 +178,13 @@ class LLM:
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         check_prompt(ids, self.vocab_size, self.max_seq_len)
         params.check_vocab(self.vocab_size)
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"max_tokens {params.max_tokens} and a prompt of {len(ids)} tokens exceed max_seq_len "
+                             f"{self.max_seq_len} (at most {self.max_seq_len - len(ids)} new tokens fit; "
+                             f"max_tokens=None generates up to the limit)")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop needs a tokenizer: stop strings are matched in the output's text, and this LLM "
+                             "has none (skip_tokenizer_init=True); stop_token_ids need no text")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

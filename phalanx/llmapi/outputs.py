@@ -53,8 +53,9 @@ class CompletionOutput:
 class RequestOutput:
     """One request's output, and a future of it."""
 
-    def __init__(self, state: GenerationResult) -> None:
+    def __init__(self, state: GenerationResult, streaming: bool = True) -> None:
         self._state = state
+        self._streaming = streaming   # False: iterating yields once, the finished output
         self.request_id: int = state.request_id
         self.prompt: str | None = state.prompt
         self.prompt_token_ids: list[int] = state.prompt_token_ids
@@ -94,6 +95,9 @@ class RequestOutput:
         return self._stream()
 
     async def _stream(self):
+        if not self._streaming:
+            yield await self.aresult()
+            return
         while True:
             await self._state.await_change(self._version)
             self._pull()
@@ -105,6 +109,9 @@ class RequestOutput:
 
     def __iter__(self):
         """Synchronous streaming (blocking)."""
+        if not self._streaming:
+            yield self.result()
+            return
         while True:
             self._state.wait_change(self._version)
             self._pull()

@@ -105,7 +105,7 @@ class SamplingParams:
     """Decoding settings of one request (names as TensorRT-LLM's ``SamplingParams``).
 
     max_tokens: tokens to generate (None: up to max_seq_len). min_tokens: EOS and
-    stop_token_ids are suppressed until this many tokens exist. temperature 0 is greedy.
+    stop_token_ids are suppressed, and stop strings not matched, until this many tokens exist. temperature 0 is greedy.
     top_k 0/None/-1 disables (values above the vocabulary size keep every token); top_p in
     (0, 1]; min_p in [0, 1]. seed makes sampling reproducible for this request whatever else
     is in the batch. n > 1 returns n sequences. stop: strings that end the output (cut from
@@ -140,12 +140,6 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        elif isinstance(self.stop, (list, tuple)):
-            self.stop_strings = list(self.stop)
-        else:
-            _check(self.stop is None, "stop", "must be a string or a list of strings", self.stop)
         if self.stop_token_ids is not None:
             _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "must be a list of token ids",
                    self.stop_token_ids)
@@ -176,7 +170,15 @@ class SamplingParams:
 
     # -- checks --------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ValueError naming the first field whose type or value is out of range."""
+        """Raise ValueError naming the first field whose type or value is out of range. Derived
+        fields (``stop_strings``) are made again here: a field may have changed since construction."""
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_strings = list(self.stop)
+        else:
+            _check(self.stop is None, "stop", "must be a string or a list of strings", self.stop)
+            self.stop_strings = []
         _int(self.max_tokens, "max_tokens", 1, INT32_MAX, optional=True)
         _int(self.min_tokens, "min_tokens", 0, INT32_MAX)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -202,6 +204,9 @@ class SamplingParams:
         for s in self.stop_strings:
             _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop",
                    f"each must be a non-empty string of at most {MAX_STOP_STRING_LEN} characters", s)
+        _check(self.detokenize or not self.stop_strings, "stop",
+               "needs detokenize=True: stop strings are matched in the output's text (stop_token_ids need no text)",
+               self.stop_strings)
         _check(len(self.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids or []))
         for t in self.stop_token_ids or []:

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -51,7 +52,7 @@ from phalanx.serve.protocol import (
 
 logger = logging.getLogger("phalanx")
 
-OPEN_PATHS = ("/health", "/metrics")      # answered without the API key (probes and scrapers)
+OPEN_PATHS = ("/health", "/health_generate", "/metrics")   # answered without the API key (probes, scrapers)
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex", "ebnf")
 T = TypeVar("T")
 
@@ -335,7 +336,7 @@ class OpenAIServer:
     def _sampling(self, req: Any, max_tokens: int | None, logprobs: int | None,
                   prompt_logprobs: int | None = None, guided: GuidedDecodingParams | None = None) -> SamplingParams:
         try:
-            return SamplingParams(
+            sp = SamplingParams(
                 max_tokens=max_tokens, min_tokens=req.min_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, seed=req.seed, n=req.n,
@@ -344,10 +345,13 @@ class OpenAIServer:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, guided_decoding=guided, skip_special_tokens=req.skip_special_tokens)
+            sp.check_vocab(self.llm.vocab_size)   # here, so that the error names its field
+            return sp
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
-    def _output_limit(self, prompt_len: int, asked: int | None, what: str) -> int:
+    def _output_limit(self, prompt_len: int, asked: int | None, what: str, field: str = "max_tokens") -> int:
+        """The output's token limit: ``asked`` (the client's ``field``), or what the context leaves."""
         limit = self.llm.max_seq_len
         if prompt_len >= limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your {what} has "
@@ -358,7 +362,7 @@ class OpenAIServer:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{prompt_len + asked} tokens ({prompt_len} in the {what}, {asked} in the "
                                 f"completion). Please reduce the length of the {what} or the completion.",
-                           "max_tokens")
+                           field)
         return asked
 
     def _submit_all(self, jobs: list[tuple[list[int], SamplingParams]], salt: str | None,
@@ -368,9 +372,10 @@ class OpenAIServer:
         try:
             for ids, sp in jobs:
                 futs.append(self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt))
-        except ValueError as e:
+        except ValueError as e:   # named by its field where it begins with one (e.g. stop without a tokenizer)
             _abort(futs)
-            raise ApiError(400, str(e), what) from None
+            named = str(e).split(" ", 1)[0].rstrip(":")
+            raise ApiError(400, str(e), named if named in _PARAM_FIELDS else what) from None
         except RuntimeError as e:
             _abort(futs)
             raise ApiError(503, f"the engine is not running: {e}") from None
@@ -586,7 +591,9 @@ class OpenAIServer:
         except Exception as e:  # template errors (e.g. roles it does not accept)
             raise ApiError(400, f"the chat template failed: {e}", "messages") from None
         k = (body.top_logprobs or 0) if body.logprobs else None
-        sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages"), k, guided=plan.guided)
+        limit_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", limit_field), k,
+                            guided=plan.guided)
         await self._check_grammar(sp, plan.guided_field)
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -723,6 +730,10 @@ class OpenAIServer:
             if not finished:
                 self.metrics.client_aborts.labels(self.model_name).inc()
                 await gen.aclose()   # type: ignore[attr-defined]
+
+
+# the fields of SamplingParams (a submission's ValueError that begins with one names it)
+_PARAM_FIELDS = {f.name for f in dataclass_fields(SamplingParams) if f.init}
 
 
 def _weight_version(outs: list[RequestOutput]) -> str:

@@ -162,6 +162,48 @@ def test_stop_string_never_leaks_into_the_stream(llm):
     assert seen[-1] == full[:full.find(stop)]
 
 
+def test_min_tokens_holds_back_stop_strings_as_it_holds_back_eos(llm):
+    prompt = _chat(llm, "Write two sentences about the moon.")
+    full = llm.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False).outputs[0]
+    stop = next(c for c in full.text if not c.isspace())   # in the text from its first token
+    early = llm.generate(prompt, SamplingParams(max_tokens=40, stop=[stop]), use_tqdm=False).outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 10
+    held = llm.generate(prompt, SamplingParams(max_tokens=40, min_tokens=10, stop=[stop]), use_tqdm=False).outputs[0]
+    assert len(held.token_ids) >= 10 and held.token_ids == full.token_ids[:len(held.token_ids)]
+    assert held.finish_reason in ("stop", "length") and len(held.text) > len(early.text)
+
+
+def test_stop_set_after_construction_stops_as_one_set_at_construction(llm):
+    prompt = _chat(llm, "Write two sentences about the moon.")
+    full = llm.generate(prompt, SamplingParams(max_tokens=40), use_tqdm=False).outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 4]
+    late = SamplingParams(max_tokens=40)
+    late.stop = [stop]
+    got = [llm.generate(prompt, sp, use_tqdm=False).outputs[0] for sp in (SamplingParams(max_tokens=40, stop=[stop]),
+                                                                        late)]
+    assert got[0].text == got[1].text == full[:full.find(stop)] and got[1].finish_reason == "stop"
+
+
+def test_what_the_llm_class_cannot_honour_is_refused_by_name(llm):
+    n = len(llm.tokenizer.encode("Hello there"))
+    with pytest.raises(ValueError, match="^max_tokens .* exceed max_seq_len"):
+        llm.generate_async("Hello there", SamplingParams(max_tokens=llm.max_seq_len - n + 1))
+    llm.generate_async("Hello there", SamplingParams(max_tokens=llm.max_seq_len - n)).abort()   # just fits
+    with pytest.raises(ValueError, match="^multi_modal_data: not supported"):
+        llm.generate_async({"prompt": "Hello there", "multi_modal_data": {}})
+
+
+def test_a_future_that_does_not_stream_yields_once_the_finished_output(llm):
+    import asyncio
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert [(o.finished, len(o.outputs[0].token_ids)) for o in llm.generate_async("Hello", sp)] == [(True, 12)]
+
+    async def consume(streaming):
+        return [len(o.outputs[0].token_ids) async for o in llm.generate_async("Hello", sp, streaming=streaming)]
+    assert asyncio.run(consume(False)) == [12]
+    assert len(asyncio.run(consume(True))) > 1
+
+
 def test_abort_mid_generation(llm):
     import time
     fut = llm.generate_async(_chat(llm, "Write a long essay about rivers."), SamplingParams(max_tokens=200),

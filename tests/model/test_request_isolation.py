@@ -221,3 +221,50 @@ def test_a_burst_of_arrivals_is_taken_in_as_steps_admit_it(tiny_models):
     ex._fetch(idle=False)
     assert [(r.request_id, r.finish_reason) for r in sent] == [([1], "error")] and "integer" in sent[0].error
     assert [r.request_id for r in s.waiting] == [400]
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_by_name(tiny_llm):
+    """They are matched in the output's text, and an LLM without a tokenizer has none."""
+    with pytest.raises(ValueError, match="^stop needs a tokenizer"):
+        tiny_llm.generate([5, 6, 7], SamplingParams(max_tokens=4, stop=["."]), use_tqdm=False)
+    out = tiny_llm.generate([5, 6, 7], SamplingParams(max_tokens=4, stop_token_ids=[3]), use_tqdm=False)
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_an_abort_during_chunked_prefill_leaves_no_half_written_block_to_reuse(tiny_models):
+    """RELIABILITY's chunked-prefill abort with block reuse on: a prompt computed 32 positions a
+    step is aborted at various points of its prefill; the same prompt afterwards reuses only what
+    was really written (its tokens equal a run with an empty cache) and the pool checks out."""
+    import random
+    import time
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 250) for _ in range(300)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", max_num_tokens=32,
+             kv_cache_config={"tokens_per_block": 16}) as llm:
+        want = llm.generate(prompt, sp, use_tqdm=False).outputs[0].token_ids
+        cached = []
+        for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08):
+            llm.reset_prefix_cache()
+            fut = llm.generate_async(prompt, sp)
+            time.sleep(delay)
+            fut.abort()
+            fut.result(timeout=60)
+            again = llm.generate(prompt, sp, use_tqdm=False)
+            cached.append(again.cached_tokens)
+            assert again.outputs[0].token_ids == want, (delay, cached)
+        llm.check_integrity()   # (cached here: 0, 32, 64, 160, 288, 256, 299 tokens; how far the prefill got
+                                #  before each abort depends on the machine's speed)
+
+
+def test_a_cache_salt_keeps_a_prefix_to_the_requests_that_share_it(tiny_llm):
+    """cache_salt (a tenant's): a cached prefix is found only by requests with the same salt (or,
+    unsalted, by unsalted ones), and the tokens are the same whichever way they were computed."""
+    prompt = [(7 * i) % 250 + 3 for i in range(100)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    tiny_llm.reset_prefix_cache()
+    run = lambda salt: tiny_llm.generate(prompt, sp, use_tqdm=False, cache_salt=salt)  # noqa: E731
+    first = run("a")
+    hits = [run(salt).cached_tokens for salt in ("b", None, "a", "b", None)]
+    assert first.cached_tokens == 0 and hits[:2] == [0, 0] and all(h > 0 for h in hits[2:]), hits
+    assert all(run(salt).outputs[0].token_ids == first.outputs[0].token_ids for salt in ("a", "c", None))

@@ -185,7 +185,8 @@ def test_abort_ten_of_a_hundred(tp2):
 
 def test_kill_rank1_fails_every_pending_request_then_a_new_llm_starts(tiny_models):
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True)
-    futs = [llm.generate_async([1, 2, i + 3], SamplingParams(max_tokens=400, ignore_eos=True)) for i in range(6)]
+    futs = [llm.generate_async([1, 2, i + 3], SamplingParams(max_tokens=400, ignore_eos=True), streaming=True)
+            for i in range(6)]
     next(iter(futs[0]))                                   # generation is under way
     rank1 = [p for p in job_processes(llm) if p.environ().get("OMPI_COMM_WORLD_RANK") == "1"]
     assert len(rank1) == 1
@@ -222,7 +223,7 @@ def test_a_stopped_rank_is_found_and_named(tiny_models):
     iteration timeout every pending request fails naming rank 1; the job is taken down."""
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True, engine_iteration_timeout=3)
     try:
-        fut = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True), streaming=True)
+        fut = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=None, ignore_eos=True), streaming=True)
         next(iter(fut))
         rank1 = [p for p in job_processes(llm) if p.environ().get("OMPI_COMM_WORLD_RANK") == "1"][0]
         t0 = time.time()

@@ -60,10 +60,20 @@ def innocent_text(server):
     ("stream", "yes"), ("logprobs", True), ("echo", 1), ("n", True), ("temperature", "0.5"),
     ("stop", [""]), ("stop_token_ids", [True]), ("tools", []), ("functions", []), ("guided_decoding_backend", "x"),
     ("response_format", {"type": "xml"}), ("guided_regex", "[a-"), ("guided_choice", []),
+    # past the vocabulary (named by their own field, not the prompt's) and past the protocol's limits
+    ("stop_token_ids", [99999]), ("logit_bias", {"99999": 5}), ("n", 17), ("stop", ["x"] * 65),
+    ("stop", ["x" * 1025]), ("logit_bias", {str(i): 1 for i in range(1025)}), ("logprobs", 21),
 ])
 def test_bad_field_is_a_400_naming_it(server, field, value):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, field: value})
     assert_openai_error(r, 400, param=field)
+
+
+def test_a_chat_output_limit_past_the_context_names_the_field_sent(server):
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                 field: 600})
+        assert_openai_error(r, 400, param=field, needle="maximum context length")
 
 
 @pytest.mark.parametrize("body,param", [
@@ -99,8 +109,8 @@ def test_every_error_is_openai_shaped(server):
     assert_openai_error(httpx.get(server + "/v1/models/other", headers=H), 404, param="model")
     card = httpx.get(server + f"/v1/models/{MODEL}", headers=H).json()
     assert card["id"] == MODEL and card["max_model_len"] == 512
-    assert_openai_error(httpx.get(server + "/health_generate"), 401)
-    assert httpx.get(server + "/health_generate", headers=H).status_code == 200
+    assert_openai_error(httpx.get(server + "/v1/models"), 401)
+    assert httpx.get(server + "/health_generate").status_code == 200   # /health* and /metrics need no key (API.md)
 
 
 def test_openapi_lists_the_status_codes_the_server_returns(server):

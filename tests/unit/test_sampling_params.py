@@ -44,6 +44,35 @@ def test_stop_string_forms():
     assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]
 
 
+def test_stop_changed_after_construction_is_what_validate_checks_and_keeps():
+    sp = SamplingParams()
+    sp.stop = ["The"]
+    sp.validate()                 # what LLM._prepare calls before it submits
+    assert sp.stop_strings == ["The"]
+    sp.stop = [""]
+    with pytest.raises(ValueError, match="stop"):
+        sp.validate()
+    sp.stop = None
+    sp.validate()
+    assert sp.stop_strings == []
+
+
+def test_stop_strings_without_detokenizing_are_refused():
+    """They are matched in the output's text: with detokenize=False there is none, so they would be ignored."""
+    with pytest.raises(ValueError, match="^stop needs detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)
+    SamplingParams(stop_token_ids=[5], detokenize=False)   # ids need no text
+
+
+def test_kv_cache_config_refuses_what_it_does_not_do():
+    from pydantic import ValidationError
+
+    from phalanx.config import KvCacheConfig
+    with pytest.raises(ValidationError, match="copy_on_partial_reuse"):
+        KvCacheConfig(copy_on_partial_reuse=False)
+    assert KvCacheConfig(copy_on_partial_reuse=True).copy_on_partial_reuse
+
+
 def test_check_prompt_refuses_each_kind_of_bad_token_id_and_names_it():
     import enum
 
