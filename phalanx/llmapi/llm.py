@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -113,9 +114,10 @@ class LLM:
     def _prepare(self, inputs: PromptInput, sampling_params: SamplingParams | None) -> PreparedPrompt:
         """Tokenize and check one prompt and its params (raises ValueError naming the field)."""
         self._check_open()
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        # the request keeps a copy of its own: the caller may change and reuse the object while it runs
+        params = SamplingParams() if sampling_params is None else copy.copy(sampling_params)
         params.validate()   # the fields may have been changed since it was built
         self.check_grammar(params)
         prompt, ids = self._tokenize(inputs)

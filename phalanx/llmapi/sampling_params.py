@@ -171,14 +171,15 @@ class SamplingParams:
     # -- checks --------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first field whose type or value is out of range. Derived
-        fields (``stop_strings``) are made again here: a field may have changed since construction."""
+        fields (``stop_strings``) are made again here, and set once all checks pass: a field may
+        have changed since construction."""
         if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
+            stop_strings = [self.stop]
         elif isinstance(self.stop, (list, tuple)):
-            self.stop_strings = list(self.stop)
+            stop_strings = list(self.stop)
         else:
             _check(self.stop is None, "stop", "must be a string or a list of strings", self.stop)
-            self.stop_strings = []
+            stop_strings = []
         _int(self.max_tokens, "max_tokens", 1, INT32_MAX, optional=True)
         _int(self.min_tokens, "min_tokens", 0, INT32_MAX)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -199,14 +200,14 @@ class SamplingParams:
                "guided_decoding", "must be a GuidedDecodingParams", type(self.guided_decoding).__name__)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false", getattr(self, name))
-        _check(len(self.stop_strings) <= MAX_STOP_STRINGS, "stop",
-               f"at most {MAX_STOP_STRINGS} strings", len(self.stop_strings))
-        for s in self.stop_strings:
+        _check(len(stop_strings) <= MAX_STOP_STRINGS, "stop",
+               f"at most {MAX_STOP_STRINGS} strings", len(stop_strings))
+        for s in stop_strings:
             _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN, "stop",
                    f"each must be a non-empty string of at most {MAX_STOP_STRING_LEN} characters", s)
-        _check(self.detokenize or not self.stop_strings, "stop",
+        _check(self.detokenize or not stop_strings, "stop",
                "needs detokenize=True: stop strings are matched in the output's text (stop_token_ids need no text)",
-               self.stop_strings)
+               stop_strings)
         _check(len(self.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids or []))
         for t in self.stop_token_ids or []:
@@ -216,6 +217,7 @@ class SamplingParams:
         for t, v in (self.logit_bias or {}).items():
             _int(t, "logit_bias", 0, INT32_MAX, rule="keys must be token ids (integers >= 0)")
             _real(v, "logit_bias", -100.0, 100.0, rule="values must be numbers in [-100, 100]")
+        self.stop_strings = stop_strings   # only once every check has passed
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the params must exist in the vocabulary."""

@@ -184,6 +184,24 @@ def test_stop_set_after_construction_stops_as_one_set_at_construction(llm):
     assert got[0].text == got[1].text == full[:full.find(stop)] and got[1].finish_reason == "stop"
 
 
+def test_a_request_keeps_its_settings_when_the_caller_changes_and_reuses_them(llm):
+    """A refused or changed SamplingParams must not reach a request already running with it."""
+    prompt = _chat(llm, "Write two sentences about the moon.")
+    sp = SamplingParams(max_tokens=30, ignore_eos=True, stop=["\x00"])
+    want = llm.generate(prompt, sp, use_tqdm=False).outputs[0].text
+    running = llm.generate_async(prompt, sp, streaming=True)
+    updates = iter(running)
+    next(updates)
+    sp.stop = [""]                        # refused for the next request ...
+    with pytest.raises(ValueError, match="^stop"):
+        llm.generate_async(prompt, sp)
+    next(updates)                         # (tokens arrive for the running one meanwhile)
+    sp.stop, sp.max_tokens = [want[-8:-4]], 3   # ... and a valid change applies to the next one only
+    assert llm.generate(prompt, sp, use_tqdm=False).outputs[0].token_ids != []
+    out = running.result(timeout=60).outputs[0]
+    assert out.text == want and out.finish_reason == "length" and len(out.token_ids) == 30
+
+
 def test_what_the_llm_class_cannot_honour_is_refused_by_name(llm):
     n = len(llm.tokenizer.encode("Hello there"))
     with pytest.raises(ValueError, match="^max_tokens .* exceed max_seq_len"):

@@ -110,7 +110,7 @@ def test_every_error_is_openai_shaped(server):
     card = httpx.get(server + f"/v1/models/{MODEL}", headers=H).json()
     assert card["id"] == MODEL and card["max_model_len"] == 512
     assert_openai_error(httpx.get(server + "/v1/models"), 401)
-    assert httpx.get(server + "/health_generate").status_code == 200   # /health* and /metrics need no key (API.md)
+    assert httpx.get(server + "/health_generate").status_code == 200   # probes (/health*) and /metrics need no key
 
 
 def test_openapi_lists_the_status_codes_the_server_returns(server):
