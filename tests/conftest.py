@@ -11,6 +11,12 @@ if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVIC
 
 from hf_reference import _moe_configs, hf_models_from, tiny_model_dirs  # noqa: E402
 
+# make test's workers share the cores: one torch thread each (in-process engines included; the rank
+# and server processes a test starts keep their own)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+    torch.set_num_threads(1)
+
 
 def pytest_sessionstart(session):
     """SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so `finally` blocks stop the servers
