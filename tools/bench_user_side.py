@@ -187,6 +187,8 @@ def run_point(a: argparse.Namespace) -> dict[str, Any]:
         else:
             llm = LLM(one_layer_model(), skip_tokenizer_init=True, load_format="dummy",
                       max_batch_size=a.concurrency, max_seq_len=max_seq_len)
+        if a.serve:   # the client draws ids from the bundled model's vocabulary
+            assert llm.vocab_size == vocab, llm.vocab_size
         prompts = make_prompts(a.num_requests, a.isl, vocab)
         t0, c0 = time.perf_counter(), time.process_time()
         results = run_serve(llm, a, vocab) if a.serve else asyncio.run(_run(llm, prompts, a.osl, a.concurrency))

@@ -591,9 +591,8 @@ class OpenAIServer:
         except Exception as e:  # template errors (e.g. roles it does not accept)
             raise ApiError(400, f"the chat template failed: {e}", "messages") from None
         k = (body.top_logprobs or 0) if body.logprobs else None
-        limit_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", limit_field), k,
-                            guided=plan.guided)
+        sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
+                            k, guided=plan.guided)
         await self._check_grammar(sp, plan.guided_field)
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -309,6 +309,11 @@ class ChatCompletionRequest(SamplingFields):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def output_limit_field(self) -> str:
+        """The field ``output_limit`` comes from (an error about it names what the client sent)."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
 
 class ErrorDetail(BaseModel):
     message: str
