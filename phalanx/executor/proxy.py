@@ -83,6 +83,8 @@ def mpirun_command(world_size: int) -> list[str]:
 
 
 class MpiProxyExecutor(GenerationExecutor):
+    FAILURE_REPORT_LINES = 80   # of a failed rank's stderr kept for the error: its marker line and traceback
+
     def __init__(self, args: LlmArgs, startup_timeout: float | None = None,
                  model_source: dict[str, Any] | None = None,
                  startup_check: Callable[[], None] | None = None) -> None:
@@ -97,6 +99,7 @@ class MpiProxyExecutor(GenerationExecutor):
         self.proc: subprocess.Popen | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
         self._failed_rank_line: str | None = None
+        self._failed_rank_report: list[str] = []   # that line and the traceback printed after it
         # set by _spawn when it wraps the job; a fallback line from the wrapper, or attaching to
         # `phalanx launch`, leaves the ranks on the host's network
         self.private_network = False
@@ -164,6 +167,8 @@ class MpiProxyExecutor(GenerationExecutor):
             self._stderr_tail.append(line)
             if line.startswith(FATAL_MARKER) and self._failed_rank_line is None:
                 self._failed_rank_line = line
+            if self._failed_rank_line is not None and len(self._failed_rank_report) < self.FAILURE_REPORT_LINES:
+                self._failed_rank_report.append(line)
             if line.startswith(FALLBACK_MARKER):
                 self.private_network = False
                 logger.warning("%s", line[len(FALLBACK_MARKER) + 2:])
@@ -184,6 +189,14 @@ class MpiProxyExecutor(GenerationExecutor):
             launcher_failed = any(m in line for line in list(self._stderr_tail) for m in _LAUNCH_FAILURES)
             if self.proc is not None and (self.proc.poll() is not None or launcher_failed):
                 time.sleep(0.2)  # let the stderr reader catch up
+                msg = self.responses.get(timeout_ms=0)
+                if isinstance(msg, Fatal):   # rank 0's report, sent before the job went
+                    raise EngineStartError(msg.error)
+                failed = re.match(rf"{FATAL_MARKER} rank=(\d+): (.*)", self._failed_rank_line or "")
+                if failed:   # a rank other than 0 failed and took the job down: its traceback
+                    raise EngineStartError(
+                        f"rank {failed[1]} failed to start: {failed[2]} (the MPI job exited with code "
+                        f"{self.proc.returncode})\n" + "\n".join(self._failed_rank_report[1:]))
                 raise EngineStartError(f"the MPI job exited with code {self.proc.returncode} during start-up: "
                                        f"{self._death_reason()}\n" + "\n".join(list(self._stderr_tail)[-30:]))
         raise EngineStartError(f"no engine within {timeout:.0f}s (set {STARTUP_TIMEOUT_ENV} to wait longer)")

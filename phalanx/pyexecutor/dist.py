@@ -28,6 +28,11 @@ class Dist:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
 
+    def dup(self) -> Dist:
+        """The same ranks over a communicator of their own (collective): its exchanges never
+        match, nor wait behind, those on this one."""
+        return Dist(self.comm.Dup())
+
     def _wait(self, req: Any) -> None:
         while not req.Test():
             time.sleep(0.0005)

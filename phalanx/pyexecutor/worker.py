@@ -125,6 +125,27 @@ def exit_with_launcher() -> None:
     threading.Thread(target=watch, name="phalanx-launcher-watch", daemon=True).start()
 
 
+USER_GONE_GRACE_S = 10.0   # after the user process is gone, how long rank 0 lets the job end on its own
+
+
+def abort_without_user(alive: Callable[[], bool], dist: Any) -> None:
+    """Rank 0 takes the job down when the user process has been gone for ``USER_GONE_GRACE_S``
+    and the job is still here. The loop ends the job itself within a second or two of finding the
+    user gone (``Rank0Link.fetch``); this is for a job that cannot get there: one waiting in a
+    start-up exchange or a collective for a rank that hangs."""
+
+    def watch() -> None:
+        while alive():
+            time.sleep(Rank0Link.ALIVE_CHECK_S)
+        time.sleep(USER_GONE_GRACE_S)
+        with contextlib.suppress(Exception):
+            print(f"{FATAL_MARKER} rank=0: the user process is gone and the job did not end; aborting",
+                  file=sys.stderr, flush=True)
+        dist.abort(1)
+
+    threading.Thread(target=watch, name="phalanx-user-watch", daemon=True).start()
+
+
 def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None) -> int:
     """The body every rank runs. Rank 0 passes its ``link``; returns the exit code."""
     from phalanx.pyexecutor.dist import Dist
@@ -133,21 +154,28 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
     rank0 = dist.rank == 0
     if rank0 and link is None:
         link = Rank0Link(_pid_alive(int(os.environ.get(ipc.PROXY_PID_ENV, "0"))))
+    if link is not None:
+        abort_without_user(link.proxy_alive, dist)
     init = link.wait_init() if link is not None else None
     data = dist.bcast_bytes(pack(init) if rank0 and init is not None else None, idle=True)
     if not data:
         return 0  # the user went away before starting an engine
     init = unpack(data)
     rendezvous_dir = rendezvous_dir or os.environ.get(DIR_ENV)
-    engine, info, status = None, {}, "ok"
+    # start-up's statuses cross on a communicator of their own: a rank that failed must not meet
+    # a peer still waiting in one of start-up's own exchanges, or each takes the other's data
+    status_dist = dist.dup()
+    engine, info, status, exchanged = None, {}, "ok", threading.Event()
     try:
         engine, info = _build(init, dist, link if rank0 else None, rendezvous_dir)
     except BaseException:
         status = traceback.format_exc()
-    statuses = [s.decode() for s in dist.allgather_bytes(status.encode())]
+        _report_start_failure(dist, status, link, exchanged)
+    statuses = [s.decode() for s in status_dist.allgather_bytes(status.encode())]
+    exchanged.set()
     failed = [(r, s) for r, s in enumerate(statuses) if s != "ok"]
     if failed or engine is None:
-        if link is not None:
+        if link is not None and status == "ok":
             r, tb = failed[0] if failed else (dist.rank, "no engine was built")
             link.sender.send(Fatal(r, f"rank {r} failed to start:\n{tb}"))
         return 1
@@ -234,6 +262,26 @@ def parallel_groups(args: Any, rank: int, size: int, group: Any):
         return TPGroup(), EPGroup(rank, size, group, attention_dp=True)
     ep = EPGroup(rank, size, group) if ep_size == size and size > 1 else EPGroup()
     return TPGroup(rank, size, group), ep
+
+
+START_FAILURE_WAIT_S = 5.0   # how long a rank that failed to start waits for the others' statuses
+
+
+def _report_start_failure(dist: Any, tb: str, link: Rank0Link | None, exchanged: threading.Event) -> None:
+    """A rank whose start-up failed says so at once: its traceback on stderr (the user process
+    reads it), and through ``link`` on rank 0. It then joins the exchange of start-up statuses,
+    but a peer may be waiting in one of start-up's collectives for it and never get there: if the
+    exchange has not completed within ``START_FAILURE_WAIT_S``, the rank aborts the job."""
+    last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+    print(f"{FATAL_MARKER} rank={dist.rank}: {last}\n{tb}", file=sys.stderr, flush=True)
+    if link is not None:
+        with contextlib.suppress(Exception):
+            link.sender.send(Fatal(dist.rank, f"rank {dist.rank} failed to start:\n{tb}"))
+
+    def watch() -> None:
+        if not exchanged.wait(START_FAILURE_WAIT_S):
+            dist.abort(1)
+    threading.Thread(target=watch, name="phalanx-start-failure-watch", daemon=True).start()
 
 
 def _report_fatal(rank: int, tb: str, sender: IpcSender | None) -> None:

@@ -1,5 +1,6 @@
 """`mpirun -n 2 phalanx launch -- python script.py`: the script's LLM attaches to the job.
-Also: interpreter exit (or a killed user process) leaves no process behind."""
+Also: interpreter exit (or a killed user process, even one whose job hangs in start-up) leaves
+no process behind."""
 
 import os
 import signal
@@ -12,6 +13,7 @@ import pytest
 
 from hf_reference import hf_greedy
 from phalanx.executor.proxy import find_mpirun
+from rank_faults import fault_in_rank_build
 
 pytestmark = pytest.mark.mpi
 
@@ -92,3 +94,26 @@ def test_killed_user_process_takes_the_job_down(tmp_path, tiny_models):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert _wait_gone(pids, 20) == []
+
+
+def test_killed_user_process_takes_down_a_job_hung_in_start_up(tmp_path, tiny_models):
+    """Rank 1 hangs while it builds the model, so rank 0 waits in a start-up exchange that never
+    completes and never reads the user's socket: when the user process is killed, rank 0 still
+    takes the job down (after its grace period)."""
+    from phalanx.pyexecutor.worker import USER_GONE_GRACE_S
+    hung = tmp_path / "hung"
+    env = dict(os.environ, PYTHONPATH=fault_in_rank_build(
+        tmp_path / "site", 1, f"open({str(hung)!r}, 'w').close()\nimport time\ntime.sleep(3600)"))
+    code = "import sys; from phalanx import LLM; LLM(sys.argv[1], tensor_parallel_size=2, skip_tokenizer_init=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code, tiny_models["llama"]], env=env)
+    try:
+        deadline = time.time() + 180
+        while not hung.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert hung.exists() and proc.poll() is None
+        pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(pids) >= 3      # mpirun and two ranks
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _wait_gone(pids, USER_GONE_GRACE_S + 30) == []

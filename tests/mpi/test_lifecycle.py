@@ -14,6 +14,7 @@ from phalanx import LLM, SamplingParams
 from phalanx.executor.executor import EngineDeadError
 from phalanx.llmapi.outputs import RequestError
 from phalanx.pyexecutor.host_clock import GcPauses
+from rank_faults import fault_in_rank_build
 from serve_helpers import job_exposure
 
 pytestmark = pytest.mark.mpi
@@ -183,17 +184,18 @@ def test_abort_ten_of_a_hundred(tp2):
     assert all(s["num_running"] == 0 and s["num_available_blocks"] == s["num_blocks"] for s in stats)
 
 
-def test_kill_rank1_fails_every_pending_request_then_a_new_llm_starts(tiny_models):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_kill_a_rank_fails_every_pending_request_then_a_new_llm_starts(rank, tiny_models):
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True)
     futs = [llm.generate_async([1, 2, i + 3], SamplingParams(max_tokens=400, ignore_eos=True), streaming=True)
             for i in range(6)]
     next(iter(futs[0]))                                   # generation is under way
-    rank1 = [p for p in job_processes(llm) if p.environ().get("OMPI_COMM_WORLD_RANK") == "1"]
-    assert len(rank1) == 1
+    victim = [p for p in job_processes(llm) if p.environ().get("OMPI_COMM_WORLD_RANK") == str(rank)]
+    assert len(victim) == 1
     t0 = time.time()
-    os.kill(rank1[0].pid, signal.SIGKILL)
+    os.kill(victim[0].pid, signal.SIGKILL)
     for f in futs:
-        with pytest.raises(RequestError, match="rank 1"):
+        with pytest.raises(RequestError, match=rf"rank {rank} \(pid {victim[0].pid}\) died from signal 9"):
             f.result(timeout=10)
     assert time.time() - t0 < 10
     with pytest.raises(EngineDeadError):
@@ -260,9 +262,26 @@ def test_startup_failure_reports_the_rank_traceback(tmp_path, tiny_models):
     from phalanx.executor.proxy import EngineStartError
     before = {j.pid for j in mpi_jobs()}
     t0 = time.time()
-    with pytest.raises(EngineStartError, match=r"rank 0 failed to start"):
+    with pytest.raises(EngineStartError, match=r"rank [01] failed to start"):   # both ranks fail
         LLM(str(bad), tensor_parallel_size=2, skip_tokenizer_init=True)
     assert time.time() - t0 < 60
+    assert {j.pid for j in mpi_jobs()} <= before
+
+
+def test_startup_failure_on_rank1_alone_reports_its_traceback(tmp_path, tiny_models, monkeypatch):
+    """Rank 0 waits in a start-up exchange for rank 1, which failed before it: the job must not
+    hang there. Rank 1 reports its traceback and takes the job down."""
+    from phalanx.executor.proxy import EngineStartError
+    monkeypatch.setenv("PYTHONPATH", fault_in_rank_build(
+        tmp_path / "site", 1, 'raise MemoryError("rank 1 is out of memory")'))
+    before = {j.pid for j in mpi_jobs()}
+    t0 = time.time()
+    with pytest.raises(EngineStartError) as err:
+        LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True)
+    assert time.time() - t0 < 120
+    message = str(err.value)
+    assert message.startswith("rank 1 failed to start: MemoryError: rank 1 is out of memory"), message
+    assert "Traceback (most recent call last)" in message and "in build_model" in message
     assert {j.pid for j in mpi_jobs()} <= before
 
 
