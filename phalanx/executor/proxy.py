@@ -158,7 +158,8 @@ class MpiProxyExecutor(GenerationExecutor):
             self.private_network = True
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        threading.Thread(target=self._read_stderr, name="phalanx-job-stderr", daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, name="phalanx-job-stderr", daemon=True)
+        self._stderr_reader.start()
 
     def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -175,6 +176,14 @@ class MpiProxyExecutor(GenerationExecutor):
             if os.environ.get("PHALANX_ECHO_WORKER_STDERR"):
                 print(line, file=sys.stderr)
 
+    def _stderr_read(self, exited: bool) -> None:
+        """Wait until the job's stderr has been read: to its end once the job has exited (bounded:
+        a process left behind may hold the pipe open), else for a moment."""
+        if exited:
+            self._stderr_reader.join(5.0)
+        else:
+            time.sleep(0.2)
+
     def _handshake(self, args: LlmArgs, timeout: float) -> dict[str, Any]:
         self._put(Init(args.model_dump(mode="json"), self._model_source))
         deadline = time.monotonic() + timeout
@@ -188,7 +197,7 @@ class MpiProxyExecutor(GenerationExecutor):
                 self._startup_check()
             launcher_failed = any(m in line for line in list(self._stderr_tail) for m in _LAUNCH_FAILURES)
             if self.proc is not None and (self.proc.poll() is not None or launcher_failed):
-                time.sleep(0.2)  # let the stderr reader catch up
+                self._stderr_read(exited=self.proc.poll() is not None)
                 msg = self.responses.get(timeout_ms=0)
                 if isinstance(msg, Fatal):   # rank 0's report, sent before the job went
                     raise EngineStartError(msg.error)
@@ -240,7 +249,7 @@ class MpiProxyExecutor(GenerationExecutor):
         if self._stopping and code == 0:
             self._fail_all("the engine has been shut down")
             return
-        time.sleep(0.3)  # the stderr reader may still hold the failing rank's line
+        self._stderr_read(exited=True)   # the failing rank's line may still be on its way
         self._fail_all(f"the MPI job exited (code {code}): {self._death_reason()}")
 
     def _fail_after_job(self, error: str) -> None:
@@ -249,7 +258,7 @@ class MpiProxyExecutor(GenerationExecutor):
         if self.proc is not None:
             try:
                 self.proc.wait(3.0)
-                time.sleep(0.3)
+                self._stderr_read(exited=True)
             except subprocess.TimeoutExpired:
                 pass
         killed = self._killed_rank()

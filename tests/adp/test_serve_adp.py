@@ -28,21 +28,21 @@ def test_serve_with_attention_dp_from_yaml(tmp_path):
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
             cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         assert cached[0] == 0 and all(c > 0 for c in cached[1:])
-        placed = httpx.get(url + "/debug/stats", headers=h).json()[0]["num_placed"]
+        placed = httpx.get(url + "/debug/stats", headers=h, timeout=60).json()[0]["num_placed"]
         assert sorted(placed) == [0, 3]
         # a burst arrives together: load spreads it over both replicas
         import asyncio
 
         async def burst():
             async with httpx.AsyncClient(timeout=120) as c:
-                body = lambda i: {"model": "SmolLM2-135M-Instruct", "max_tokens": 4,  # noqa: E731
+                body = lambda i: {"model": "SmolLM2-135M-Instruct", "max_tokens": 32, "ignore_eos": True,  # noqa: E731
                                   "messages": [{"role": "user", "content": f"Count to {i}."}]}
                 return await asyncio.gather(*(c.post(url + "/v1/chat/completions", headers=h, json=body(i))
                                               for i in range(8)))
         assert all(r.status_code == 200 for r in asyncio.run(burst()))
-        stats = httpx.get(url + "/debug/stats", headers=h).json()
+        stats = httpx.get(url + "/debug/stats", headers=h, timeout=60).json()
         assert len(stats) == 2 and sum(stats[0]["num_placed"]) == 11
         assert min(stats[0]["num_placed"]) >= 2
-        assert httpx.get(url + "/debug/check_integrity", headers=h).json()["ok"]
+        assert httpx.get(url + "/debug/check_integrity", headers=h, timeout=60).json()["ok"]
     finally:
         assert stop_server(proc) == 0

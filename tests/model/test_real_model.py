@@ -195,7 +195,7 @@ def test_a_request_keeps_its_settings_when_the_caller_changes_and_reuses_them(ll
     sp.stop = [""]                        # refused for the next request ...
     with pytest.raises(ValueError, match="^stop"):
         llm.generate_async(prompt, sp)
-    next(updates)                         # (tokens arrive for the running one meanwhile)
+    next(updates, None)                   # (tokens arrive for the running one meanwhile)
     sp.stop, sp.max_tokens = [want[-8:-4]], 3   # ... and a valid change applies to the next one only
     assert llm.generate(prompt, sp, use_tqdm=False).outputs[0].token_ids != []
     out = running.result(timeout=60).outputs[0]

@@ -233,36 +233,43 @@ def test_stop_strings_without_a_tokenizer_are_refused_by_name(tiny_llm):
 
 def test_an_abort_during_chunked_prefill_leaves_no_half_written_block_to_reuse(tiny_models):
     """RELIABILITY's chunked-prefill abort with block reuse on: a prompt computed 32 positions a
-    step is aborted at points spread over its prefill (timed from a first run's time to its first
-    token); the same prompt afterwards reuses only what was really written (its tokens equal a run
-    from an empty cache) and the pool checks out. At least one abort must land inside the prefill
-    (a rerun reusing some of the prompt's 18 whole blocks, not all)."""
+    step (10 steps) is aborted from inside the engine's thread as its k-th step is launched, for
+    each k; the same prompt afterwards reuses only what was really written (its tokens equal a run
+    from an empty cache, and at most the positions of the steps launched are reused) and the pool
+    checks out."""
     import random
-    import time
     rng = random.Random(1)
     prompt = [rng.randrange(3, 250) for _ in range(300)]
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", max_num_tokens=32,
              kv_cache_config={"tokens_per_block": 16}) as llm:
-        llm.generate(prompt[:40], sp, use_tqdm=False)   # warm
-        llm.reset_prefix_cache()
-        t0 = time.perf_counter()
-        fut = llm.generate_async(prompt, sp, streaming=True)
-        next(iter(fut))
-        prefill = time.perf_counter() - t0
-        want = fut.result(timeout=60).outputs[0].token_ids
+        want = llm.generate(prompt, sp, use_tqdm=False).outputs[0].token_ids
+        runner = llm._executor.engine.runner
+        launch, armed = runner.launch, {}
+
+        def launch_then_abort(batch, *args, **kwargs):
+            step = launch(batch, *args, **kwargs)
+            if armed:
+                armed["launched"] += 1
+                if armed["launched"] == armed["abort_at"]:    # as the request's own abort() does
+                    llm._executor.abort(batch.requests[0].request_id)
+            return step
+        runner.launch = launch_then_abort
         cached = []
-        for f in (0.0, 0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9):
+        for k in range(1, 11):
             llm.reset_prefix_cache()
-            fut = llm.generate_async(prompt, sp)
-            time.sleep(f * prefill)
-            fut.abort()
-            fut.result(timeout=60)
+            armed.update(launched=0, abort_at=k)
+            out = llm.generate_async(prompt, sp).result(timeout=60)
+            armed.clear()
+            assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
             again = llm.generate(prompt, sp, use_tqdm=False)
             cached.append(again.cached_tokens)
-            assert again.outputs[0].token_ids == want, (f, cached)
+            assert again.outputs[0].token_ids == want, (k, cached)
+            assert again.cached_tokens <= 32 * k, (k, cached)
+        runner.launch = launch
         llm.check_integrity()
-    assert any(0 < c < 18 * 16 for c in cached), (prefill, cached)
+    assert any(0 < c < 18 * 16 for c in cached), cached
+    print("reused after an abort at each step:", cached)
 
 
 def test_a_cache_salt_keeps_a_prefix_to_the_requests_that_share_it(tiny_llm):

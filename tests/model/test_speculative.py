@@ -163,8 +163,9 @@ def test_abort_mid_draft_leaves_the_others_unchanged(tiny_models, hf_models):
     ps = prompts(256)[:4]
 
     async def run(llm):
-        sp = SamplingParams(max_tokens=40, ignore_eos=True)
-        tasks = [llm.generate_async(p, sp, streaming=True) for p in ps]
+        # request 1 (aborted) is long enough that it cannot end before its abort however slow this thread
+        sps = [SamplingParams(max_tokens=400 if i == 1 else 40, ignore_eos=True) for i in range(len(ps))]
+        tasks = [llm.generate_async(p, sp, streaming=True) for p, sp in zip(ps, sps, strict=True)]
 
         async def consume(i, gen):
             last = None

@@ -141,7 +141,7 @@ def test_a_later_bad_prompt_leaves_nothing_running(server):
     assert_openai_error(post(server, "/v1/completions", body), 400, needle="512")
     body = {"model": MODEL, "prompt": [[5, 6, 7], [999_999]], "max_tokens": None, "ignore_eos": True}
     assert_openai_error(post(server, "/v1/completions", body), 400, param="prompt", needle="vocabulary")
-    assert engine_idle(server, timeout=2)
+    assert engine_idle(server, timeout=30)
 
 
 def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
@@ -149,7 +149,7 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
     body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": None, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         post(server, "/v1/completions", body, timeout=1.0)
-    assert engine_idle(server, timeout=3)
+    assert engine_idle(server, timeout=30)     # returns once idle: the bound only stops a hang
     assert _counter(server, "phalanx:client_aborts_total") >= before + 1
 
 

@@ -68,7 +68,7 @@ def test_update_from_disk_sets_the_version_every_response_carries(server):
     r = httpx.post(server + "/update_weights_from_disk", json={"model_path": bundled_model_path(),
                                                                "weight_version": "policy-2"}, headers=AUTH, timeout=300)
     assert r.status_code == 200 and r.json() == {"success": True, "weight_version": "policy-2"}
-    assert httpx.get(server + "/weight_version", headers=AUTH).json() == {"weight_version": "policy-2"}
+    assert httpx.get(server + "/weight_version", headers=AUTH, timeout=60).json() == {"weight_version": "policy-2"}
     again = complete(server)
     assert again["weight_version"] == "policy-2"
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0     # not the old weights' KV
@@ -76,17 +76,17 @@ def test_update_from_disk_sets_the_version_every_response_carries(server):
     r = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=120, json={
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "return_token_ids": True})
     assert r.json()["weight_version"] == "policy-2" and r.json()["prompt_token_ids"]
-    assert httpx.post(server + "/reset_prefix_cache", headers=AUTH).json() == {"success": True}
+    assert httpx.post(server + "/reset_prefix_cache", headers=AUTH, timeout=60).json() == {"success": True}
 
 
 def test_pause_keep_holds_a_request_until_continue(server):
-    assert httpx.post(server + "/pause_generation", json={"mode": "keep"}, headers=AUTH).status_code == 200
+    assert httpx.post(server + "/pause_generation", json={"mode": "keep"}, headers=AUTH, timeout=60).status_code == 200
     done = []
     t = threading.Thread(target=lambda: done.append(complete(server)))
     t.start()
     time.sleep(0.5)
     assert not done
-    assert httpx.post(server + "/continue_generation", headers=AUTH).status_code == 200
+    assert httpx.post(server + "/continue_generation", headers=AUTH, timeout=60).status_code == 200
     t.join(60)
     assert done and done[0]["choices"][0]["finish_reason"] == "length"
 
@@ -94,10 +94,10 @@ def test_pause_keep_holds_a_request_until_continue(server):
 def test_sleep_and_wake_up(server):
     before = complete(server)
     assert httpx.post(server + "/sleep", json={"level": 1}, headers=AUTH, timeout=120).json() == {"success": True}
-    assert httpx.get(server + "/is_sleeping", headers=AUTH).json() == {"is_sleeping": True}
+    assert httpx.get(server + "/is_sleeping", headers=AUTH, timeout=60).json() == {"is_sleeping": True}
     assert httpx.get(server + "/health", timeout=10).status_code == 200
     assert httpx.post(server + "/wake_up", json={}, headers=AUTH, timeout=120).json() == {"success": True}
-    assert httpx.get(server + "/is_sleeping", headers=AUTH).json() == {"is_sleeping": False}
+    assert httpx.get(server + "/is_sleeping", headers=AUTH, timeout=60).json() == {"is_sleeping": False}
     assert complete(server)["choices"][0]["text"] == before["choices"][0]["text"]
 
 

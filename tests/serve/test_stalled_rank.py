@@ -33,11 +33,11 @@ def test_a_stopped_rank_fails_pending_requests_with_503_naming_it():
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert "stalled" in err["message"] and f"rank 0 (pid {rank.pid}) is stopped" in err["message"]
-        assert time.time() - t0 < 10
+        assert time.time() - t0 < 20       # the watchdog's 3 s and a loaded machine's slack
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and "rank 0" in health.json()["error"]["message"]
         t1 = time.time()
-        assert httpx.get(url + "/metrics").status_code == 200 and time.time() - t1 < 2
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200 and time.time() - t1 < 5
         new = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=H, timeout=10)
         assert new.status_code == 503
     finally:
