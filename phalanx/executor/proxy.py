@@ -83,7 +83,7 @@ def mpirun_command(world_size: int) -> list[str]:
 
 
 class MpiProxyExecutor(GenerationExecutor):
-    FAILURE_REPORT_LINES = 80   # of a failed rank's stderr kept for the error: its marker line and traceback
+    FAILURE_REPORT_LINES = 80   # of the job's stderr from a failed rank's marker line on (its traceback)
 
     def __init__(self, args: LlmArgs, startup_timeout: float | None = None,
                  model_source: dict[str, Any] | None = None,
@@ -99,7 +99,8 @@ class MpiProxyExecutor(GenerationExecutor):
         self.proc: subprocess.Popen | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
         self._failed_rank_line: str | None = None
-        self._failed_rank_report: list[str] = []   # that line and the traceback printed after it
+        self._failed_rank_report: list[str] = []   # that line and what followed (its traceback)
+        self._stderr_reader: threading.Thread | None = None
         # set by _spawn when it wraps the job; a fallback line from the wrapper, or attaching to
         # `phalanx launch`, leaves the ranks on the host's network
         self.private_network = False
@@ -179,7 +180,7 @@ class MpiProxyExecutor(GenerationExecutor):
     def _stderr_read(self, exited: bool) -> None:
         """Wait until the job's stderr has been read: to its end once the job has exited (bounded:
         a process left behind may hold the pipe open), else for a moment."""
-        if exited:
+        if exited and self._stderr_reader is not None:
             self._stderr_reader.join(5.0)
         else:
             time.sleep(0.2)
@@ -197,8 +198,10 @@ class MpiProxyExecutor(GenerationExecutor):
                 self._startup_check()
             launcher_failed = any(m in line for line in list(self._stderr_tail) for m in _LAUNCH_FAILURES)
             if self.proc is not None and (self.proc.poll() is not None or launcher_failed):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(5.0)      # a launcher that failed takes a moment to exit
                 self._stderr_read(exited=self.proc.poll() is not None)
-                msg = self.responses.get(timeout_ms=0)
+                msg = self.responses.get(timeout_ms=500)
                 if isinstance(msg, Fatal):   # rank 0's report, sent before the job went
                     raise EngineStartError(msg.error)
                 failed = re.match(rf"{FATAL_MARKER} rank=(\d+): (.*)", self._failed_rank_line or "")

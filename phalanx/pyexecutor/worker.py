@@ -2,11 +2,16 @@
 
 Every rank: wait for the user's ``Init`` (rank 0 receives it over IPC and broadcasts it), start
 torch.distributed, build its engine shard, report (rank 0 sends ``Ready`` or the first failing
-rank's traceback), then run the executor loop in lockstep until ``Shutdown``.
+rank's traceback), then run the executor loop in lockstep until ``Shutdown``. A rank whose build
+fails reports its own traceback at once and, if its peers do not all reach the exchange of
+start-up statuses within ``START_FAILURE_WAIT_S`` (one may wait in a start-up collective for it),
+aborts the job. Under ``phalanx launch`` an abort also ends the user's command, which runs in
+rank 0's process group.
 
 Rank 0's loop reads the user's requests from the IPC socket itself (``Rank0Link``, the loop's
 request source): an idle loop waits in the socket's poll, so a request wakes it with no thread
-in between. The same fetch watches the user process and shuts the job down if it disappears.
+in between. The same fetch watches the user process and shuts the job down if it disappears; a
+job that cannot get there (hung in start-up) is aborted ``USER_GONE_GRACE_S`` after it does.
 
 The address and key arrive in the environment (never argv); the key is removed from the
 environment as soon as it is read.
@@ -175,9 +180,9 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
     exchanged.set()
     failed = [(r, s) for r, s in enumerate(statuses) if s != "ok"]
     if failed or engine is None:
-        if link is not None and status == "ok":
+        if link is not None and status == "ok":   # (a rank 0 that failed has reported already)
             r, tb = failed[0] if failed else (dist.rank, "no engine was built")
-            link.sender.send(Fatal(r, f"rank {r} failed to start:\n{tb}"))
+            link.sender.send(Fatal(r, start_failure(r, tb)))
         return 1
     # this process only serves from here: what start-up made (the model, kernels, tables) stays
     # out of every later collection, whose full passes would otherwise walk it and stall a step
@@ -272,11 +277,10 @@ def _report_start_failure(dist: Any, tb: str, link: Rank0Link | None, exchanged:
     reads it), and through ``link`` on rank 0. It then joins the exchange of start-up statuses,
     but a peer may be waiting in one of start-up's collectives for it and never get there: if the
     exchange has not completed within ``START_FAILURE_WAIT_S``, the rank aborts the job."""
-    last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
-    print(f"{FATAL_MARKER} rank={dist.rank}: {last}\n{tb}", file=sys.stderr, flush=True)
+    print(f"{FATAL_MARKER} rank={dist.rank}: {_last_line(tb)}\n{tb}", file=sys.stderr, flush=True)
     if link is not None:
         with contextlib.suppress(Exception):
-            link.sender.send(Fatal(dist.rank, f"rank {dist.rank} failed to start:\n{tb}"))
+            link.sender.send(Fatal(dist.rank, start_failure(dist.rank, tb)))
 
     def watch() -> None:
         if not exchanged.wait(START_FAILURE_WAIT_S):
@@ -284,8 +288,17 @@ def _report_start_failure(dist: Any, tb: str, link: Rank0Link | None, exchanged:
     threading.Thread(target=watch, name="phalanx-start-failure-watch", daemon=True).start()
 
 
+def _last_line(tb: str) -> str:
+    return tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+
+
+def start_failure(rank: int, tb: str) -> str:
+    """The user's error for a rank that failed to start (the proxy writes the same from stderr)."""
+    return f"rank {rank} failed to start: {_last_line(tb)}\n{tb}"
+
+
 def _report_fatal(rank: int, tb: str, sender: IpcSender | None) -> None:
-    last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+    last = _last_line(tb)
     print(f"{FATAL_MARKER} rank={rank}: {last}\n{tb}", file=sys.stderr, flush=True)
     if sender is not None:
         with contextlib.suppress(Exception):

@@ -2,6 +2,7 @@
 Also: interpreter exit (or a killed user process, even one whose job hangs in start-up) leaves
 no process behind."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -106,6 +107,7 @@ def test_killed_user_process_takes_down_a_job_hung_in_start_up(tmp_path, tiny_mo
         tmp_path / "site", 1, f"open({str(hung)!r}, 'w').close()\nimport time\ntime.sleep(3600)"))
     code = "import sys; from phalanx import LLM; LLM(sys.argv[1], tensor_parallel_size=2, skip_tokenizer_init=True)"
     proc = subprocess.Popen([sys.executable, "-c", code, tiny_models["llama"]], env=env)
+    pids = []
     try:
         deadline = time.time() + 180
         while not hung.exists() and time.time() < deadline and proc.poll() is None:
@@ -116,4 +118,8 @@ def test_killed_user_process_takes_down_a_job_hung_in_start_up(tmp_path, tiny_mo
     finally:
         proc.kill()
         proc.wait()
-    assert _wait_gone(pids, USER_GONE_GRACE_S + 30) == []
+    left = _wait_gone(pids, USER_GONE_GRACE_S + 30)
+    for pid in left:                     # a failure here must not leave the hung job spinning
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+    assert left == []

@@ -274,6 +274,7 @@ def test_startup_failure_on_rank1_alone_reports_its_traceback(tmp_path, tiny_mod
     from phalanx.executor.proxy import EngineStartError
     monkeypatch.setenv("PYTHONPATH", fault_in_rank_build(
         tmp_path / "site", 1, 'raise MemoryError("rank 1 is out of memory")'))
+    monkeypatch.setenv("PHALANX_STARTUP_TIMEOUT", "150")   # a hang fails the test, not the suite
     before = {j.pid for j in mpi_jobs()}
     t0 = time.time()
     with pytest.raises(EngineStartError) as err:

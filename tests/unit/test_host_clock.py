@@ -6,8 +6,10 @@ from phalanx.pyexecutor.host_clock import HostClock
 
 
 def test_marks_split_the_time_between_phases_over_the_timed_iterations(monkeypatch):
+    import types
     now = [100.0]      # the host clock's monotonic time, stepped by the test (not slept: exact on any machine)
-    monkeypatch.setattr("phalanx.pyexecutor.host_clock.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("phalanx.pyexecutor.host_clock.time",
+                        types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
     clock = HostClock()
     clock.mark("fetch")                       # off: nothing recorded
     assert clock.seconds == {}
