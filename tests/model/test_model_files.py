@@ -16,16 +16,23 @@ import pytest
 from phalanx import LLM, SamplingParams
 
 
+def _map_to_marking_code(folder, json_name: str, auto: str, base: str, name: str, body: str, marker) -> None:
+    """Map ``auto`` in ``folder/json_name`` to ``name``, a subclass of transformers' ``base`` in a
+    module of the folder's own that appends the importing process's pid to ``marker``."""
+    conf = json.loads((folder / json_name).read_text())
+    conf["auto_map"] = {auto: f"marking.{name}" if auto == "AutoConfig" else [None, f"marking.{name}"]}
+    (folder / json_name).write_text(json.dumps(conf))
+    (folder / "marking.py").write_text(
+        f"import os\nfrom transformers import {base}\n"
+        f"with open({str(marker)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n\n"
+        f"class {name}({base}):\n    {body}\n")
+
+
 def _marked_model(src: str, dst, marker) -> str:
     """A copy of the tiny model whose config.json maps AutoConfig to code that leaves a mark."""
     shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["auto_map"] = {"AutoConfig": "marked_config.MarkedConfig"}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    (dst / "marked_config.py").write_text(
-        "import os\nfrom transformers import LlamaConfig\n"
-        f"with open({str(marker)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n\n"
-        "class MarkedConfig(LlamaConfig):\n    model_type = 'llama'\n")
+    _map_to_marking_code(dst, "config.json", "AutoConfig", "LlamaConfig", "MarkedConfig", "model_type = 'llama'",
+                         marker)
     return str(dst)
 
 
@@ -37,13 +44,8 @@ def _marked_tokenizer(dst, marker) -> str:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(dst)
-    conf = json.loads((dst / "tokenizer_config.json").read_text())
-    conf["auto_map"] = {"AutoTokenizer": [None, "marked_tokenizer.MarkedTokenizerFast"]}
-    (dst / "tokenizer_config.json").write_text(json.dumps(conf))
-    (dst / "marked_tokenizer.py").write_text(
-        "import os\nfrom transformers import PreTrainedTokenizerFast\n"
-        f"with open({str(marker)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n\n"
-        "class MarkedTokenizerFast(PreTrainedTokenizerFast):\n    pass\n")
+    _map_to_marking_code(dst, "tokenizer_config.json", "AutoTokenizer", "PreTrainedTokenizerFast",
+                         "MarkedTokenizerFast", "pass", marker)
     return str(dst)
 
 
