@@ -1,7 +1,7 @@
 """A fault in one rank of an MPI job, made from outside phalanx: a ``sitecustomize`` module, which
 every Python process with it on its path imports at start-up, replaces ``build_model`` on that
 rank alone by a function of the test's choosing (what running out of memory, a missing device or
-a hung driver does to one rank of a job)."""
+a hung driver does to one rank of a job). A ``sitecustomize`` it shadows still runs."""
 
 from __future__ import annotations
 
@@ -24,6 +24,15 @@ if os.environ.get("OMPI_COMM_WORLD_RANK") == "{rank}":
             spec.loader.exec_module = exec_module
             return spec
     sys.meta_path.insert(0, Fault())
+# the sitecustomize this one shadows, if any, runs as it would have
+import importlib.util
+_here = os.path.dirname(os.path.abspath(__file__))
+for _d in sys.path:
+    _f = os.path.join(os.path.abspath(_d or "."), "sitecustomize.py")
+    if os.path.dirname(_f) != _here and os.path.isfile(_f):
+        _spec = importlib.util.spec_from_file_location("_shadowed_sitecustomize", _f)
+        _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+        break
 """
 
 
