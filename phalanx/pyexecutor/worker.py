@@ -277,7 +277,7 @@ def _report_start_failure(dist: Any, tb: str, link: Rank0Link | None, exchanged:
     reads it), and through ``link`` on rank 0. It then joins the exchange of start-up statuses,
     but a peer may be waiting in one of start-up's collectives for it and never get there: if the
     exchange has not completed within ``START_FAILURE_WAIT_S``, the rank aborts the job."""
-    print(f"{FATAL_MARKER} rank={dist.rank}: {_last_line(tb)}\n{tb}", file=sys.stderr, flush=True)
+    _print_failure(dist.rank, tb)
     if link is not None:
         with contextlib.suppress(Exception):
             link.sender.send(Fatal(dist.rank, start_failure(dist.rank, tb)))
@@ -297,12 +297,16 @@ def start_failure(rank: int, tb: str) -> str:
     return f"rank {rank} failed to start: {_last_line(tb)}\n{tb}"
 
 
+def _print_failure(rank: int, tb: str) -> None:
+    """The marker line the user process looks for on the job's stderr, then the traceback."""
+    print(f"{FATAL_MARKER} rank={rank}: {_last_line(tb)}\n{tb}", file=sys.stderr, flush=True)
+
+
 def _report_fatal(rank: int, tb: str, sender: IpcSender | None) -> None:
-    last = _last_line(tb)
-    print(f"{FATAL_MARKER} rank={rank}: {last}\n{tb}", file=sys.stderr, flush=True)
+    _print_failure(rank, tb)
     if sender is not None:
         with contextlib.suppress(Exception):
-            sender.send(Fatal(rank, f"rank {rank} failed: {last}"))
+            sender.send(Fatal(rank, f"rank {rank} failed: {_last_line(tb)}"))
 
 
 def _teardown() -> None:

@@ -336,7 +336,7 @@ class OpenAIServer:
     def _sampling(self, req: Any, max_tokens: int | None, logprobs: int | None,
                   prompt_logprobs: int | None = None, guided: GuidedDecodingParams | None = None) -> SamplingParams:
         try:
-            sp = SamplingParams(
+            return SamplingParams(
                 max_tokens=max_tokens, min_tokens=req.min_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, seed=req.seed, n=req.n,
@@ -345,8 +345,6 @@ class OpenAIServer:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, guided_decoding=guided, skip_special_tokens=req.skip_special_tokens)
-            sp.check_vocab(self.llm.vocab_size)   # here, so that the error names its field
-            return sp
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
@@ -372,7 +370,7 @@ class OpenAIServer:
         try:
             for ids, sp in jobs:
                 futs.append(self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt))
-        except ValueError as e:   # named by its field where it begins with one (e.g. stop without a tokenizer)
+        except ValueError as e:   # named by its field where it begins with one (stop_token_ids past the vocabulary)
             _abort(futs)
             named = str(e).split(" ", 1)[0].rstrip(":")
             raise ApiError(400, str(e), named if named in _PARAM_FIELDS else what) from None
