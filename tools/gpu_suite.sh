@@ -5,7 +5,7 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              all]...
+#                              cutlass|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -75,12 +75,15 @@ for what in "${@:-all}"; do
       tok=""; [ -d .gpu_assets/smollm2-tokenizer ] && tok="--tokenizer .gpu_assets/smollm2-tokenizer"
       timeout 150 python3 tools/bench_user_side.py --serve $tok --concurrency 128 --num-requests 512 --osl 256 \
         --step-ms 20 --output "$OUT/user_side_serve.json" > "$OUT/user_side_serve.txt" 2>&1 ;;
-    fp8_table)   # #19's table in one call: 128/128, 2048/128, 1000/1000 at 512 in flight, one engine per precision,
+    cutlass)   # every CUTLASS tile built at once (a fresh machine builds each ~2 min on one core)
+      timeout 300 python3 -c "from phalanx.kernels import cutlass_gemm as c; print(len(c.load_all(c.TILES + c.TILES_BF16)), 'tiles')" \
+        > "$OUT/cutlass.txt" 2>&1 ;;
+    fp8_table)   # #19's table in one call (TABLE_PRECISIONS=fp8 or bf16 for one of them): 128/128, 2048/128, 1000/1000 at 512 in flight, one engine per precision,
       # each step's GPU time by kind (--step-times), the board's clock and power sampled every second
       nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv -lms 1000 > "$OUT/fp8_table_smi.csv" 2>&1 & smi=$!
-      for d in fp8 bf16; do c=tools/gpu_engine_512.yaml; [ $d = fp8 ] && c=tools/gpu_engine_512_fp8.yaml
-        timeout 240 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
+      for d in ${TABLE_PRECISIONS:-fp8 bf16}; do c=tools/gpu_engine_512.yaml; [ $d = fp8 ] && c=tools/gpu_engine_512_fp8.yaml
+        timeout ${TABLE_TIMEOUT:-240} python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --max-batch-size 512 \
           --step-times --isl 128 2048 1000 --osl 128 128 1000 --concurrency 512 --num-requests 2048 512 512 \
           --config $c --output "$OUT/fp8_table_$d.json" > "$OUT/fp8_table_$d.txt" 2>&1; free_gpus; done
       kill $smi ;;
