@@ -22,7 +22,7 @@ from phalanx.pyexecutor.guided_decoder import GuidedDecoder
 from phalanx.pyexecutor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
 from phalanx.pyexecutor.model_runner import ModelRunner
 from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
-from phalanx.pyexecutor.sampler import Sampler
+from phalanx.pyexecutor.sampler import Sampler, costliest_rows
 from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits, SpecPolicy
 
 logger = logging.getLogger("phalanx")
@@ -287,14 +287,21 @@ def _piecewise_sizes(sizes: list[int], max_num_tokens: int) -> list[int]:
 def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block_bytes: int,
                         max_seq_len: int, extra: dict, draft: tuple[CausalLM, tuple] | None = None) -> int:
     """KV blocks from a profiling run: a forward over a max_num_tokens batch with a small
-    temporary pool, then (memory free after weights − that run's activation peak) × fraction.
-    A draft model runs the same forward over a pool of its own shape after the target's (as it
-    does in a step): the higher of the two peaks counts, and its kernels are compiled here too."""
+    temporary pool, the logits of the most rows a step samples (one a request, k + 1 a request
+    that verifies k drafts) and their sampling with every setting on, then (memory free after
+    weights − that run's activation peak) × fraction. With a large vocabulary the sampling is
+    the peak: 512 rows of 128k float32 logits are 263 MB a copy, and top-p's sort, the
+    penalties and logprobs hold several. A draft model runs the same forward over a pool of
+    its own shape after the target's (as it does in a step) with its logits of one row a
+    request: the higher of the two peaks counts, and its kernels are compiled here too."""
     dev = pool_shape[-1]
     n = max(1, min(args.max_num_tokens, max_seq_len - 1))
-    activation_peak = _activation_peak(model, n, pool_shape)
+    sc = args.speculative_config
+    rows = min(args.max_num_tokens, args.max_batch_size * (1 + (sc.max_draft_len if sc is not None else 0)))
+    activation_peak = _activation_peak(model, n, pool_shape, rows, sample=True)
     if draft is not None:   # (the draft model, its pool's shape)
-        activation_peak = max(activation_peak, _activation_peak(draft[0], n, draft[1]))
+        draft_rows = min(args.max_num_tokens, args.max_batch_size)
+        activation_peak = max(activation_peak, _activation_peak(draft[0], n, draft[1], draft_rows))
     free, total = torch.cuda.mem_get_info(dev)
     kvc = args.kv_cache_config
     budget = int(max(0, free - activation_peak) * kvc.free_gpu_memory_fraction)
@@ -306,9 +313,11 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
 
 
 @torch.inference_mode()
-def _activation_peak(model: CausalLM, n: int, pool_shape: tuple) -> int:
-    """The memory one forward over a prompt of n tokens (and its last row's logits) allocates at
-    its peak, over a temporary pool of ``pool_shape``."""
+def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, sample: bool = False) -> int:
+    """The memory one forward over a prompt of n tokens and the logits of ``rows`` rows of its
+    output (a step of short prompts samples more rows than one prompt has) allocate at their
+    peak, over a temporary pool of ``pool_shape``; with ``sample``, those rows are also sampled
+    as the costliest requests are (``sampler.costliest_rows``)."""
     from phalanx.kernels.metadata import AttentionMetadata
     L, B, Hkv, D, kdt, dev = pool_shape
     tmp = KVPool(L, -(-n // B) + 1, B, Hkv, D, kdt, dev)
@@ -318,10 +327,13 @@ def _activation_peak(model: CausalLM, n: int, pool_shape: tuple) -> int:
     torch.cuda.reset_peak_memory_stats(dev)
     ids = torch.zeros(n, dtype=torch.long, device=dev)
     hidden = model(ids, torch.arange(n, device=dev), meta, tmp.tensor)
-    model.compute_logits(hidden[-1:])
+    logits = model.compute_logits(hidden[torch.arange(rows, device=dev) % n])   # a gather, as a step's
+    if sample:
+        vocab = model.config.vocab_size
+        Sampler(vocab, dev).sample(logits, costliest_rows(rows, vocab))
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
-    del tmp, hidden, meta
+    del tmp, hidden, meta, logits
     torch.cuda.empty_cache()
     return peak
 

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from phalanx.llmapi.sampling_params import MAX_LOGPROBS, SamplingParams
 from phalanx.pyexecutor.request import Request
 
 
@@ -212,6 +213,20 @@ class Sampler:
         # Exponential race: argmax p_i / E_i draws i with probability p_i.
         greedy[rows_t] = (probs / noise).argmax(dim=-1)
         return greedy
+
+
+def costliest_rows(rows: int, vocab_size: int) -> list[Request]:
+    """``rows`` requests whose sampling takes every path of the sampler at once: temperature,
+    top-k, top-p and min-p, a logit bias, min_tokens banning, the three penalties, a seed on
+    every other row and the most logprobs. Sampling them allocates the most that a step
+    sampling that many rows can (its [rows, vocabulary] temporaries); the KV pool is sized
+    after it (``pyexecutor/creator.py``)."""
+    ids = [i % vocab_size for i in range(8)]
+    return [Request(i, ids, SamplingParams(
+        temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1,
+        presence_penalty=0.1, logit_bias={ids[1]: 1.0}, min_tokens=1, stop_token_ids=[ids[2]],
+        seed=i if i % 2 else None, logprobs=MAX_LOGPROBS), max_total_tokens=len(ids) + 1, eos_token_ids=(ids[3],))
+        for i in range(rows)]
 
 
 _MASK64 = (1 << 64) - 1

@@ -5,7 +5,7 @@ import torch
 
 from phalanx import LLM, SamplingParams
 from phalanx.pyexecutor.request import Request
-from phalanx.pyexecutor.sampler import RowSettings, Sampler
+from phalanx.pyexecutor.sampler import RowSettings, Sampler, costliest_rows
 
 CPU = torch.device("cpu")
 
@@ -26,6 +26,22 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
     lp = logits.log_softmax(-1)[0]
     assert chosen == pytest.approx(lp[1].item())
     assert [t for t, _ in top] == [1, 3] and top[1][1] == pytest.approx(lp[3].item())
+
+
+def test_the_costliest_rows_take_every_path_of_the_sampler():
+    """The KV pool is sized after sampling these rows (the profiling run): every setting a row
+    can have is on in some row, seeded and unseeded draws both, so no step allocates more for
+    its sampling than they do. A setting added to RowSettings and left off here fails this."""
+    import dataclasses
+    rows = costliest_rows(4, 300)
+    settings = [RowSettings.of(r, 300) for r in rows]
+    for f in dataclasses.fields(RowSettings):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        assert any(getattr(s, f.name) != default for s in settings), f"{f.name} is off in every row"
+    assert {s.seed is None for s in settings} == {True, False} and not any(s.greedy for s in settings)
+    assert all(s.top_k and s.top_p < 1 and s.min_p and s.penalties and s.banned for s in settings)
+    out = Sampler(300, CPU).sample(torch.randn(4, 320), rows)
+    assert out.top_ids is not None and out.top_ids.shape == (4, 20)
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
