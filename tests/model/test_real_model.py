@@ -231,6 +231,8 @@ def test_abort_mid_generation(llm):
     fut.abort()
     out = fut.result(timeout=30)
     assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 200
-    time.sleep(0.2)
     kv = llm._executor.engine.scheduler.kv
+    deadline = time.monotonic() + 30    # (its blocks come back once the engine's step in flight is read)
+    while kv.pool.num_available != kv.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert kv.pool.num_available == kv.num_blocks

@@ -82,10 +82,16 @@ def test_rank0s_loop_reads_the_users_socket_itself(monkeypatch):
                 Shutdown(), GenerationRequest(3, [9], {})]
         for m in sent:
             user_req.put(m)
-        time.sleep(0.2)
-        got = link.fetch(idle=False)
-        assert [r.request_id for r in got.new] == [1, 2] and got.cancel == [7]
-        assert got.control == [Control("stats", 3)] and got.shutdown
+        new, cancel, control = [], [], []
+        deadline = time.monotonic() + 30
+        while True:   # non-blocking reads until the shutdown is read (delivery takes its time on a busy machine)
+            got = link.fetch(idle=False)
+            new, cancel, control = new + got.new, cancel + got.cancel, control + got.control
+            if got.shutdown or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert [r.request_id for r in new] == [1, 2] and cancel == [7]
+        assert control == [Control("stats", 3)] and got.shutdown
         assert [r.request_id for r in link.fetch(idle=True, timeout=0.5).new] == [3]   # read after the shutdown
         alive[0] = False
         link._last_check -= Rank0Link.ALIVE_CHECK_S
