@@ -290,8 +290,9 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
     temporary pool, the logits of the most rows a step samples (one a request, k + 1 a request
     that verifies k drafts) and their sampling with every setting on, then (memory free after
     weights − that run's activation peak) × fraction. With a large vocabulary the sampling is
-    the peak: 512 rows of 128k float32 logits are 263 MB a copy, and top-p's sort, the
-    penalties and logprobs hold several. A draft model runs the same forward over a pool of
+    the peak: 2,048 rows of 128k float32 logits are 1 GB, and top-p's sorts, the penalties and
+    logprobs hold ~12 copies of the rows they work on, which the sampler bounds by taking 256
+    rows at a time (``sampler.SAMPLE_CHUNK_ROWS``: ~1.6 GB at 128k). A draft model runs the same forward over a pool of
     its own shape after the target's (as it does in a step) with its logits of one row a
     request: the higher of the two peaks counts, and its kernels are compiled here too."""
     dev = pool_shape[-1]

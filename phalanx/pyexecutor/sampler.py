@@ -35,6 +35,11 @@ class TokenMask(NamedTuple):
     rows: list[int]           # the sampling rows it constrains
     vocab_size: int           # ids it covers; the model's ids past it are never allowed
 
+    def chunk(self, lo: int, hi: int) -> TokenMask | None:
+        """The mask of sampling rows lo..hi-1, numbered from lo (None: no grammar row there)."""
+        rows = [r - lo for r in self.rows if lo <= r < hi]
+        return TokenMask(self.bits[lo:hi], rows, self.vocab_size) if rows else None
+
 
 @dataclass
 class SampleOutput:
@@ -46,6 +51,20 @@ class SampleOutput:
     top_ids: torch.Tensor | None = None           # [R, k]
     top_logprobs: torch.Tensor | None = None      # [R, k]
     top_k: list[int] | None = None                # [R] alternatives each row asked for
+
+    @classmethod
+    def join(cls, parts: list[SampleOutput], rows: int) -> SampleOutput:
+        """One step's output from its chunks' (each of ``rows`` rows but the last; their top
+        logprobs of one width)."""
+        out = cls(torch.cat([p.token_ids for p in parts]))
+        with_lp = [(i, p) for i, p in enumerate(parts) if p.logprob_rows is not None]
+        if with_lp:
+            out.logprob_rows = [i * rows + r for i, p in with_lp for r in p.logprob_rows or ()]
+            out.top_k = [n for _, p in with_lp for n in p.top_k or ()]
+            out.chosen_logprobs = torch.cat([p.chosen_logprobs for _, p in with_lp if p.chosen_logprobs is not None])
+            out.top_ids = torch.cat([p.top_ids for _, p in with_lp if p.top_ids is not None])
+            out.top_logprobs = torch.cat([p.top_logprobs for _, p in with_lp if p.top_logprobs is not None])
+        return out
 
     def host_logprobs(self) -> list | None:
         """Per row: (chosen logprob, [(id, logprob), ...]) or None. Synchronizes."""
@@ -120,9 +139,17 @@ class RowSettings:
         return settings
 
 
+# Rows sampled at once. The filters, penalties and logprobs hold several [rows, vocabulary]
+# float32 temporaries (~12 at their peak); 256 rows of a 128k vocabulary peak at ~1.6 GB, and a
+# larger batch is sampled a chunk at a time, so what sampling holds beside the logits is bounded
+# whatever the batch (the KV pool is sized after it: pyexecutor/creator.py).
+SAMPLE_CHUNK_ROWS = 256
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, chunk_rows: int | None = None) -> None:
         self.vocab_size = vocab_size
+        self.chunk_rows = chunk_rows or SAMPLE_CHUNK_ROWS
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -149,6 +176,18 @@ class Sampler:
         if settings is None:
             settings = [RowSettings.of(r, self.vocab_size) for r in requests]
         logits = logits[:, :self.vocab_size]
+        S, C = logits.shape[0], self.chunk_rows
+        if S <= C or (bitmask is None and all(s.greedy and not s.needs_processing and s.logprobs is None
+                                              for s in settings)):
+            return self._sample_rows(logits, requests, settings, bitmask, _top_width(settings))
+        # a chunk of rows at a time: the temporaries below are [rows, vocabulary] each
+        parts = [self._sample_rows(logits[lo:lo + C], requests[lo:lo + C], settings[lo:lo + C],
+                                   None if bitmask is None else bitmask.chunk(lo, lo + C), _top_width(settings))
+                 for lo in range(0, S, C)]
+        return SampleOutput.join(parts, C)
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings],
+                     bitmask: TokenMask | None, top_width: int) -> SampleOutput:
         raw = logits
         if bitmask is not None:
             import xgrammar as xgr
@@ -162,7 +201,7 @@ class Sampler:
         token_ids = self._draw(logits, requests, settings)
         out = SampleOutput(token_ids)
         if any(s.logprobs is not None for s in settings):
-            _logprobs(out, raw, settings)
+            _logprobs(out, raw, settings, top_width)
         return out
 
     # -- logit processing ---------------------------------------------------------------------
@@ -316,14 +355,20 @@ def _filter(logits: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
     return logits
 
 
-def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings]) -> None:
-    """Raw-distribution logprobs of the sampled token and the top-k, left on the device."""
+def _top_width(settings: list[RowSettings]) -> int:
+    """The top logprobs' width of a step: the most alternatives any of its rows asks for."""
+    return max((s.logprobs or 0 for s in settings), default=0)
+
+
+def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings], width: int) -> None:
+    """Raw-distribution logprobs of the sampled token and the top ``width`` (the step's widest
+    ask, so that chunks of one step join), left on the device."""
     rows = [i for i, s in enumerate(settings) if s.logprobs is not None]
     lp = raw[rows].log_softmax(dim=-1)
     out.logprob_rows = rows
     out.top_k = [settings[i].logprobs or 0 for i in rows]
     out.chosen_logprobs = lp.gather(1, out.token_ids[rows][:, None]).squeeze(1)
-    k = min(max(out.top_k), lp.shape[1])
+    k = min(width, lp.shape[1])
     if k > 0:
         out.top_logprobs, out.top_ids = lp.topk(k, dim=-1)
     else:

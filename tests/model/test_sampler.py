@@ -44,6 +44,40 @@ def test_the_costliest_rows_take_every_path_of_the_sampler():
     assert out.top_ids is not None and out.top_ids.shape == (4, 20)
 
 
+def test_rows_sampled_a_chunk_at_a_time_equal_one_pass():
+    """A batch larger than the sampler's chunk is sampled a chunk at a time (the temporaries are
+    [rows, vocabulary] each). Seeded rows draw noise keyed by position, so their tokens and every
+    row's logprobs are those of one pass over the batch: greedy and sampled rows, penalties, a
+    bias, logprobs of different widths (none in some chunks), and grammar masks on rows in some
+    chunks only."""
+    import numpy as np
+
+    from phalanx.pyexecutor.sampler import TokenMask
+    V, S = 300, 45
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(S, 320, generator=g) * 3
+    kinds = [dict(), dict(temperature=0.8, top_k=40, seed=1), dict(temperature=1.1, top_p=0.8, min_p=0.02, seed=2),
+             dict(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={5: 3.0}, temperature=0.9, seed=3)]
+    rows = [req(rid=i, prompt=(i % V, 7), output=(i % 13,), **kinds[i % 4],
+                **({"logprobs": i % 6} if 10 <= i < 30 else {})) for i in range(S)]
+    masked = [3, 4, 17, 40]
+    words = np.zeros((S, (V + 31) // 32), dtype=np.uint32)
+    for r in masked:
+        for t in range(r, V, 7):           # a few allowed ids a row
+            words[r, t // 32] |= np.uint32(1 << (t % 32))
+    mask = TokenMask(torch.from_numpy(words.view(np.int32)), masked, V)
+    one = Sampler(V, CPU, chunk_rows=1024).sample(logits, rows, bitmask=mask)
+    for chunk in (4, 16):
+        got = Sampler(V, CPU, chunk_rows=chunk).sample(logits, rows, bitmask=mask)
+        assert got.token_ids.tolist() == one.token_ids.tolist()
+        assert got.logprob_rows == one.logprob_rows == list(range(10, 30))
+        for a, b in zip(got.host_logprobs(), one.host_logprobs(), strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a[0] == pytest.approx(b[0], abs=1e-5) and [t for t, _ in a[1]] == [t for t, _ in b[1]]
+    assert all(one.token_ids[r] % 7 == r % 7 for r in masked)   # the grammar rows kept to their ids
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[5.0, 1.0, 0.0, 4.0]])
     s = Sampler(4, CPU)

@@ -261,22 +261,28 @@ def test_sampled_tokens_follow_the_targets_distribution(proposer, small_vocab_mo
             assert chi_square_p(counts, colder[pos], n) < 1e-3
 
 
-def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny_models):
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny_models, monkeypatch):
     """A seeded row's noise is keyed by position: verify steps (several positions at once,
-    drafts accepted or not) give exactly plain sampling's tokens, whatever the batch."""
+    drafts accepted or not) give exactly plain sampling's tokens, whatever the batch, and so do
+    steps that sample their rows a chunk at a time (here 2 rows, and 1 verify row of k + 1)."""
+    from phalanx.pyexecutor import sampler
     ps = prompts(256)
     sp = [SamplingParams(max_tokens=12, temperature=t, top_p=p, seed=s, ignore_eos=True)
           for t, p, s in ((1.0, 1.0, 1), (0.7, 0.9, 2), (1.0, 1.0, 1), (1.3, 0.8, 3))]
     outs = {}
-    for spec in (None, draft(tiny_models["llama"]), ngram()):
+    for name, spec, chunk in ((None, None, None), ("DraftTarget", draft(tiny_models["llama"]), None),
+                              ("NGram", ngram(), None), ("chunked", None, 2),
+                              ("DraftTarget chunked", draft(tiny_models["llama"]), 2)):
+        monkeypatch.setattr(sampler, "SAMPLE_CHUNK_ROWS", chunk or 256)
         with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
                  speculative_config=spec) as llm:
+            assert llm._executor.engine.runner.sampler.chunk_rows == (chunk or 256)
             batch = [o.outputs[0].token_ids for o in llm.generate(ps[:4], sp, use_tqdm=False)]
             alone = llm.generate(ps[:1], sp[:1], use_tqdm=False)[0].outputs[0].token_ids
-            outs[None if spec is None else spec["decoding_type"]] = (batch, alone)
+            outs[name] = (batch, alone)
             if spec is not None and spec["decoding_type"] == "DraftTarget":
                 assert stats(llm)["spec_verify_rows"] > 0
-    assert outs[None] == outs["DraftTarget"] == outs["NGram"]
+    assert outs[None] == outs["DraftTarget"] == outs["NGram"] == outs["chunked"] == outs["DraftTarget chunked"]
     batch, alone = outs[None]
     assert batch[0] == alone and batch[0] != batch[2]     # same seed, other prompt: other tokens
 
