@@ -13,6 +13,7 @@ from phalanx.config import LlmArgs
 from phalanx.kernels import fp8, ops
 from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.grammar import GrammarCompiler
+from phalanx.llmapi.sampling_params import MAX_LOGPROBS
 from phalanx.models.config import ModelConfig
 from phalanx.models.llama import CausalLM
 from phalanx.models.loader import build_model, resolve_dtype
@@ -20,7 +21,7 @@ from phalanx.models.parallel import TPGroup, shard_heads
 from phalanx.models.source import ModelSource
 from phalanx.pyexecutor.guided_decoder import GuidedDecoder
 from phalanx.pyexecutor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
-from phalanx.pyexecutor.model_runner import ModelRunner
+from phalanx.pyexecutor.model_runner import PROMPT_LOGPROB_ROWS, ModelRunner
 from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
 from phalanx.pyexecutor.sampler import Sampler, costliest_rows
 from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits, SpecPolicy
@@ -287,22 +288,28 @@ def _piecewise_sizes(sizes: list[int], max_num_tokens: int) -> list[int]:
 def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block_bytes: int,
                         max_seq_len: int, extra: dict, draft: tuple[CausalLM, tuple] | None = None) -> int:
     """KV blocks from a profiling run: a forward over a max_num_tokens batch with a small
-    temporary pool, the logits of the most rows a step samples (one a request, k + 1 a request
-    that verifies k drafts) and their sampling with every setting on, then (memory free after
-    weights − that run's activation peak) × fraction. With a large vocabulary the sampling is
-    the peak: 2,048 rows of 128k float32 logits are 1 GB, and top-p's sorts, the penalties and
-    logprobs hold ~12 copies of the rows they work on, which the sampler bounds by taking 256
-    rows at a time (``sampler.SAMPLE_CHUNK_ROWS``: ~1.6 GB at 128k). A draft model runs the same forward over a pool of
-    its own shape after the target's (as it does in a step) with its logits of one row a
-    request: the higher of the two peaks counts, and its kernels are compiled here too."""
+    temporary pool, a slice of prompt logprobs, the logits of the most rows a step samples
+    (``SpecPolicy.most_sampled_rows`` with speculation) and their sampling with every setting
+    on, then (memory free after weights − that run's activation peak) × fraction. With a large
+    vocabulary the sampling is the peak: 2,048 rows of 128k float32 logits are 1 GB, and
+    top-p's sorts, the penalties, the seeded noise and logprobs hold ~12 copies of the rows
+    they work on, which the sampler bounds by taking 256 rows at a time
+    (``sampler.SAMPLE_CHUNK_ROWS``: ~1.6 GB at 128k). A draft model runs the same forward over a
+    pool of its own shape (as it does in a step, while the target's logits are held) with its
+    logits of one row a request: the higher of the two peaks counts, and its kernels are
+    compiled here too."""
     dev = pool_shape[-1]
     n = max(1, min(args.max_num_tokens, max_seq_len - 1))
     sc = args.speculative_config
-    rows = min(args.max_num_tokens, args.max_batch_size * (1 + (sc.max_draft_len if sc is not None else 0)))
-    activation_peak = _activation_peak(model, n, pool_shape, rows, sample=True)
-    if draft is not None:   # (the draft model, its pool's shape)
+    rows = min(args.max_num_tokens, args.max_batch_size) if sc is None else \
+        SpecPolicy(sc.max_draft_len, sc.max_concurrency).most_sampled_rows(args.max_batch_size, args.max_num_tokens)
+    vocab = model.config.vocab_size
+    activation_peak = _activation_peak(model, n, pool_shape, rows, vocab,
+                                       logprob_rows=min(PROMPT_LOGPROB_ROWS, args.max_num_tokens))
+    if draft is not None:   # (the draft model, its pool's shape); the target's logits are held meanwhile
+        held = rows * vocab * 4
         draft_rows = min(args.max_num_tokens, args.max_batch_size)
-        activation_peak = max(activation_peak, _activation_peak(draft[0], n, draft[1], draft_rows))
+        activation_peak = max(activation_peak, held + _activation_peak(draft[0], n, draft[1], draft_rows))
     free, total = torch.cuda.mem_get_info(dev)
     kvc = args.kv_cache_config
     budget = int(max(0, free - activation_peak) * kvc.free_gpu_memory_fraction)
@@ -314,11 +321,14 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
 
 
 @torch.inference_mode()
-def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, sample: bool = False) -> int:
+def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, sample_vocab: int = 0,
+                     logprob_rows: int = 0) -> int:
     """The memory one forward over a prompt of n tokens and the logits of ``rows`` rows of its
     output (a step of short prompts samples more rows than one prompt has) allocate at their
-    peak, over a temporary pool of ``pool_shape``; with ``sample``, those rows are also sampled
-    as the costliest requests are (``sampler.costliest_rows``)."""
+    peak, over a temporary pool of ``pool_shape``. With ``sample_vocab``, those rows are also
+    sampled as the costliest requests are (``sampler.costliest_rows``), after a slice of
+    ``logprob_rows`` prompt logprobs (``ModelRunner._prompt_logprobs``'s, before a step's
+    logits)."""
     from phalanx.kernels.metadata import AttentionMetadata
     L, B, Hkv, D, kdt, dev = pool_shape
     tmp = KVPool(L, -(-n // B) + 1, B, Hkv, D, kdt, dev)
@@ -328,10 +338,13 @@ def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, samp
     torch.cuda.reset_peak_memory_stats(dev)
     ids = torch.zeros(n, dtype=torch.long, device=dev)
     hidden = model(ids, torch.arange(n, device=dev), meta, tmp.tensor)
+    if logprob_rows:
+        lp = model.compute_logits(hidden[torch.arange(logprob_rows, device=dev) % n])[:, :sample_vocab]
+        lp.log_softmax(dim=-1).topk(MAX_LOGPROBS, dim=-1)
+        del lp
     logits = model.compute_logits(hidden[torch.arange(rows, device=dev) % n])   # a gather, as a step's
-    if sample:
-        vocab = model.config.vocab_size
-        Sampler(vocab, dev).sample(logits, costliest_rows(rows, vocab))
+    if sample_vocab:
+        Sampler(sample_vocab, dev).sample(logits, costliest_rows(rows, sample_vocab))
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del tmp, hidden, meta, logits

@@ -177,12 +177,13 @@ class Sampler:
             settings = [RowSettings.of(r, self.vocab_size) for r in requests]
         logits = logits[:, :self.vocab_size]
         S, C = logits.shape[0], self.chunk_rows
+        width = max((s.logprobs or 0 for s in settings), default=0)   # the step's widest top logprobs
         if S <= C or (bitmask is None and all(s.greedy and not s.needs_processing and s.logprobs is None
                                               for s in settings)):
-            return self._sample_rows(logits, requests, settings, bitmask, _top_width(settings))
+            return self._sample_rows(logits, requests, settings, bitmask, width)
         # a chunk of rows at a time: the temporaries below are [rows, vocabulary] each
         parts = [self._sample_rows(logits[lo:lo + C], requests[lo:lo + C], settings[lo:lo + C],
-                                   None if bitmask is None else bitmask.chunk(lo, lo + C), _top_width(settings))
+                                   None if bitmask is None else bitmask.chunk(lo, lo + C), width)
                  for lo in range(0, S, C)]
         return SampleOutput.join(parts, C)
 
@@ -256,15 +257,15 @@ class Sampler:
 
 def costliest_rows(rows: int, vocab_size: int) -> list[Request]:
     """``rows`` requests whose sampling takes every path of the sampler at once: temperature,
-    top-k, top-p and min-p, a logit bias, min_tokens banning, the three penalties, a seed on
-    every other row and the most logprobs. Sampling them allocates the most that a step
-    sampling that many rows can (its [rows, vocabulary] temporaries); the KV pool is sized
-    after it (``pyexecutor/creator.py``)."""
+    top-k, top-p and min-p, a logit bias, min_tokens banning, the three penalties, a seed (its
+    keyed noise holds more than the shared generator's) and the most logprobs. Sampling them
+    allocates the most that a step sampling that many rows can (its [rows, vocabulary]
+    temporaries); the KV pool is sized after it (``pyexecutor/creator.py``)."""
     ids = [i % vocab_size for i in range(8)]
     return [Request(i, ids, SamplingParams(
         temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1,
         presence_penalty=0.1, logit_bias={ids[1]: 1.0}, min_tokens=1, stop_token_ids=[ids[2]],
-        seed=i if i % 2 else None, logprobs=MAX_LOGPROBS), max_total_tokens=len(ids) + 1, eos_token_ids=(ids[3],))
+        seed=i, logprobs=MAX_LOGPROBS), max_total_tokens=len(ids) + 1, eos_token_ids=(ids[3],))
         for i in range(rows)]
 
 
@@ -289,12 +290,16 @@ def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int)
     id): splitmix64 of seed·K1 + position·K2 + token·K3 (int64 arithmetic wraps), its top 53
     bits a uniform u in (0, 1), then −log u."""
     tok = torch.arange(vocab, device=seeds.device, dtype=torch.long)
-    x = seeds[:, None, None] * _K_SEED + positions[..., None] * _K_POS + tok * _K_TOKEN
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    x = x ^ _shr(x, 31)
-    u = (_shr(x, 11).double() + 0.5) * 2.0 ** -53
-    return (-torch.log(u)).float()
+    x = (seeds[:, None, None] * _K_SEED + positions[..., None] * _K_POS) + tok * _K_TOKEN
+    # in place: each int64 [R, P, vocab] temporary is twice a float32 copy of the logits
+    x ^= _shr(x, 30)
+    x *= _MIX1
+    x ^= _shr(x, 27)
+    x *= _MIX2
+    x ^= _shr(x, 31)
+    u = _shr(x, 11).double()
+    del x
+    return u.add_(0.5).mul_(2.0 ** -53).log_().neg_().float()
 
 
 def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -353,11 +358,6 @@ def _filter(logits: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
         floor = device_floats(mins, logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
-
-
-def _top_width(settings: list[RowSettings]) -> int:
-    """The top logprobs' width of a step: the most alternatives any of its rows asks for."""
-    return max((s.logprobs or 0 for s in settings), default=0)
 
 
 def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings], width: int) -> None:

@@ -64,6 +64,15 @@ class SpecPolicy:
         self.steps_off = 0
         self.last = 0            # the previous step's draft length
 
+    def most_sampled_rows(self, max_batch_size: int, max_num_tokens: int) -> int:
+        """The most rows one step can sample: one a request, k + 1 a request that verifies, and
+        ``draft_len`` lets at most max_concurrency rows verify, with their drafts at most half of
+        the step's tokens."""
+        verifying = min(max_batch_size, max_num_tokens // (2 * (self.k + 1)))
+        if self.max_concurrency is not None:
+            verifying = min(verifying, self.max_concurrency)
+        return min(max_num_tokens, max_batch_size + self.k * verifying)
+
     def cost(self, rows: int) -> float:
         """r(b): a verify step over ``rows`` rows, in decode steps."""
         return 1 + self.OVERHEAD + rows * (self.k + 1) / self.TOKENS_FREE

@@ -215,31 +215,31 @@ class SpecDecoder:
         per = max(1, sampler.chunk_rows // (k + 1))   # rows drawn at once: [rows · (k + 1), V] temporaries
         for lo in range(0, len(sampled), per):
             rows = sampled[lo:lo + per]
-            out[device_ints(rows, logits.device)] = self._draw(logits, rows, settings, sampler, slots)
+            rows_t = device_ints(rows, logits.device)
+            out[rows_t] = self._draw(logits, rows, rows_t, settings, sampler, slots)
         if k == 0:
             return out, self.ones[:Sv]
         lead = (out[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)   # drafts accepted
         return out, lead + 1
 
-    def _draw(self, logits: torch.Tensor, rows: list[int], settings: list[RowSettings], sampler: Sampler,
-              slots: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: list[int], rows_t: torch.Tensor, settings: list[RowSettings],
+              sampler: Sampler, slots: torch.Tensor) -> torch.Tensor:
         """The target's own tokens [len(rows), k + 1] at every position of the sampled verify
         ``rows`` (logits [Sv, k + 1, V]): the exponential race over each row's filtered
         distribution, a seeded row's noise keyed by the token's position."""
         k, V = logits.shape[1] - 1, logits.shape[2]
         params = [settings[i] for i in rows]
-        rows_t = device_ints(rows, logits.device)
         temps = device_floats([s.temperature for s in params], logits.device)
         sub = logits[rows_t] / temps[:, None, None]
         flat = _filter(sub.reshape(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
         probs = flat.softmax(dim=-1).reshape(len(rows), k + 1, V)
-        noise = torch.empty_like(probs)
         shared = [j for j, s in enumerate(params) if s.seed is None]
         seeded = [j for j, s in enumerate(params) if s.seed is not None]
+        noise = torch.empty_like(probs) if shared and seeded else None   # both kinds: one tensor of both
         if shared:
             draw = torch.empty(len(shared), k + 1, V, device=logits.device).exponential_(
                 generator=sampler.generator)
-            if seeded:
+            if noise is not None:
                 noise[device_ints(shared, logits.device)] = draw
             else:
                 noise = draw
@@ -248,10 +248,11 @@ class SpecDecoder:
             pos = self.length[slots[at]][:, None] + self.offsets[None, :k + 1]
             seeds = device_ints([int(params[j].seed or 0) for j in seeded], logits.device)
             values = seeded_exponential(seeds, pos, V)
-            if shared:
+            if noise is not None:
                 noise[device_ints(seeded, logits.device)] = values
             else:
                 noise = values
+        assert noise is not None
         return (probs / noise).argmax(dim=-1)
 
     def advance(self, step: SpecStep, first_tokens: torch.Tensor | None) -> None:

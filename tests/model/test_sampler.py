@@ -30,26 +30,27 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
 
 def test_the_costliest_rows_take_every_path_of_the_sampler():
     """The KV pool is sized after sampling these rows (the profiling run): every setting a row
-    can have is on in some row, seeded and unseeded draws both, so no step allocates more for
-    its sampling than they do. A setting added to RowSettings and left off here fails this."""
+    can have is on, and every row is seeded (its keyed noise holds more than the shared
+    generator's draw), so no step allocates more for its sampling than they do. A setting added
+    to RowSettings and left off here fails this."""
     import dataclasses
     rows = costliest_rows(4, 300)
     settings = [RowSettings.of(r, 300) for r in rows]
     for f in dataclasses.fields(RowSettings):
         default = f.default if f.default is not dataclasses.MISSING else None
         assert any(getattr(s, f.name) != default for s in settings), f"{f.name} is off in every row"
-    assert {s.seed is None for s in settings} == {True, False} and not any(s.greedy for s in settings)
+    assert all(s.seed is not None and not s.greedy for s in settings)
     assert all(s.top_k and s.top_p < 1 and s.min_p and s.penalties and s.banned for s in settings)
     out = Sampler(300, CPU).sample(torch.randn(4, 320), rows)
     assert out.top_ids is not None and out.top_ids.shape == (4, 20)
 
 
-def test_rows_sampled_a_chunk_at_a_time_equal_one_pass():
+def test_rows_sampled_a_chunk_at_a_time_equal_one_pass(monkeypatch):
     """A batch larger than the sampler's chunk is sampled a chunk at a time (the temporaries are
     [rows, vocabulary] each). Seeded rows draw noise keyed by position, so their tokens and every
     row's logprobs are those of one pass over the batch: greedy and sampled rows, penalties, a
     bias, logprobs of different widths (none in some chunks), and grammar masks on rows in some
-    chunks only."""
+    chunks only, over fewer ids than the output layer has (the rest masked too)."""
     import numpy as np
 
     from phalanx.pyexecutor.sampler import TokenMask
@@ -65,17 +66,24 @@ def test_rows_sampled_a_chunk_at_a_time_equal_one_pass():
     for r in masked:
         for t in range(r, V, 7):           # a few allowed ids a row
             words[r, t // 32] |= np.uint32(1 << (t % 32))
-    mask = TokenMask(torch.from_numpy(words.view(np.int32)), masked, V)
+    mask = TokenMask(torch.from_numpy(words.view(np.int32)), masked, V - 10)   # ids V - 10 .. V - 1: never
+    logits[masked, V - 10:] = 50.0                                              # (they would win)
+    passes = []
+    real = Sampler._sample_rows
+    monkeypatch.setattr(Sampler, "_sample_rows", lambda self, lg, *a: passes.append(len(lg)) or real(self, lg, *a))
     one = Sampler(V, CPU, chunk_rows=1024).sample(logits, rows, bitmask=mask)
+    assert passes == [S]
     for chunk in (4, 16):
+        passes.clear()
         got = Sampler(V, CPU, chunk_rows=chunk).sample(logits, rows, bitmask=mask)
+        assert passes == [chunk] * (S // chunk) + [S % chunk]
         assert got.token_ids.tolist() == one.token_ids.tolist()
         assert got.logprob_rows == one.logprob_rows == list(range(10, 30))
         for a, b in zip(got.host_logprobs(), one.host_logprobs(), strict=True):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a[0] == pytest.approx(b[0], abs=1e-5) and [t for t, _ in a[1]] == [t for t, _ in b[1]]
-    assert all(one.token_ids[r] % 7 == r % 7 for r in masked)   # the grammar rows kept to their ids
+    assert all(one.token_ids[r] % 7 == r % 7 and one.token_ids[r] < V - 10 for r in masked)   # kept to their ids
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():

@@ -332,3 +332,18 @@ def test_a_preempted_request_recomputing_its_output_is_prompt_work():
         s.update(step, [fake_token(r) if x else None for r, x in zip(step.requests, step.samples, strict=True)])
     assert any(c >= b.num_prompt_tokens for c in recompute), recompute   # output positions recomputed too
     assert b.output_token_ids == expected_output([9] * 6, 20) and a.output_token_ids == expected_output([5] * 6, 30)
+
+
+@pytest.mark.parametrize("k,concurrency", [(4, None), (3, 64), (1, None), (7, 8)])
+@pytest.mark.parametrize("max_batch,max_tokens", [(2048, 8192), (256, 8192), (64, 512), (512, 300)])
+def test_most_sampled_rows_is_the_most_the_draft_length_rule_allows(k, concurrency, max_batch, max_tokens):
+    """The KV pool's profiling run samples SpecPolicy.most_sampled_rows rows: the most any step
+    can, found here by asking the policy's own rule (draft_len) at every count of ready rows."""
+    from phalanx.pyexecutor.scheduler import SpecPolicy
+    bound = SpecPolicy(k, concurrency).most_sampled_rows(max_batch, max_tokens)
+    most = 0
+    for ready in range(1, max_batch + 1):
+        policy = SpecPolicy(k, concurrency, adaptive=False)
+        verify = policy.draft_len(ready, max_tokens)
+        most = max(most, min(max_tokens, max_batch + verify * ready))
+    assert bound == most
