@@ -28,6 +28,14 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
             "p99": percentile(v, 99), "min": min(v), "max": max(v)}
 
 
+def per_user_rate(tpots: Sequence[float]) -> float | None:
+    """Mean over requests of 1 / TPOT: the tokens a second each user sees after their first. A
+    request whose later tokens all came in the chunk of its first (TPOT 0, a consumer slower than
+    the engine) has no such rate and is left out; None when no request has one."""
+    rates = [1.0 / t for t in tpots if t > 0]
+    return sum(rates) / len(rates) if rates else None
+
+
 def request_latencies(start: float, token_times: Sequence[float]) -> dict[str, Any]:
     """TTFT, TPOT (mean gap after the first token), ITLs and E2E of one request.
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from phalanx.bench.metrics import emit_report, request_latencies, summarize
+from phalanx.bench.metrics import emit_report, per_user_rate, request_latencies, summarize
 
 
 def make_prompts(num: int, isl: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -131,7 +131,7 @@ def run_phalanx(llm: Any, isl: int, osl: int, concurrency: int, num_requests: in
         "request_throughput": len(results) / elapsed,
         "output_throughput": out_tokens / elapsed,
         "total_token_throughput": (out_tokens + isl * len(results)) / elapsed,
-        "per_user_output_throughput": (sum(1.0 / t for t in tpots) / len(tpots)) if tpots else None,
+        "per_user_output_throughput": per_user_rate(tpots),
         "ttft_ms": summarize([r["ttft"] for r in results], 1000),
         "tpot_ms": summarize(tpots, 1000),
         "itl_ms": summarize([x for r in results for x in r["itl"]], 1000),

@@ -5,7 +5,7 @@ indexes on hand-built traces with known hit counts. No server, no torch."""
 import pytest
 
 from phalanx.bench.datasets import multi_turn_requests, random_requests, shared_prefix_requests
-from phalanx.bench.metrics import percentile, request_latencies, summarize
+from phalanx.bench.metrics import per_user_rate, percentile, request_latencies, summarize
 from phalanx.bench.prefix import HashedBlocks, OurRadix, TokenRadix, replay
 from phalanx.bench.serve import Record, arrival_gaps, parse_goodput, summarize_run
 
@@ -43,6 +43,15 @@ def test_summary_throughput_goodput_and_cached_share():
 def test_tpot_uses_token_counts_when_chunks_carry_several():
     s = summarize_run([Record(0.0, [1.0, 2.0], 5, 10, 0)], 2.0, {})
     assert s["tpot_ms"]["mean"] == pytest.approx(250)          # (2 - 1) / (5 - 1)
+
+
+def test_per_user_rate_leaves_out_requests_whose_tokens_came_in_one_chunk():
+    """A consumer slower than the engine can get a request's every token in one chunk: its TPOT
+    is 0 and it has no per-token rate (this divided by zero once)."""
+    whole = request_latencies(0.0, [0.5, 0.5, 0.5, 0.5])
+    assert whole["tpot"] == 0.0
+    assert per_user_rate([whole["tpot"], 0.01, 0.02]) == pytest.approx((100 + 50) / 2)
+    assert per_user_rate([0.0]) is None and per_user_rate([]) is None
 
 
 def test_goodput_spec_is_validated():
