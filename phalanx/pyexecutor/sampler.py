@@ -189,6 +189,7 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings],
                      bitmask: TokenMask | None, top_width: int) -> SampleOutput:
+        """One pass over these rows: a step's, or a chunk of them."""
         raw = logits
         if bitmask is not None:
             import xgrammar as xgr
