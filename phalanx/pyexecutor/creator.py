@@ -292,9 +292,9 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
     (``SpecPolicy.most_sampled_rows`` with speculation) and their sampling with every setting
     on, then (memory free after weights − that run's activation peak) × fraction. With a large
     vocabulary the sampling is the peak: 2,048 rows of 128k float32 logits are 1 GB, and
-    top-p's sorts, the penalties, the seeded noise and logprobs hold ~12 copies of the rows
+    top-p's sort, the penalties, the seeded noise and logprobs hold up to ~6 copies of the rows
     they work on, which the sampler bounds by taking 256 rows at a time
-    (``sampler.SAMPLE_CHUNK_ROWS``: ~1.6 GB at 128k). A draft model runs the same forward over a
+    (``sampler.SAMPLE_CHUNK_ROWS``: ~0.8 GB at 128k). A draft model runs the same forward over a
     pool of its own shape (as it does in a step, while the target's logits are held) with its
     logits of one row a request: the higher of the two peaks counts, and its kernels are
     compiled here too."""

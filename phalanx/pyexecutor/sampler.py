@@ -139,10 +139,11 @@ class RowSettings:
         return settings
 
 
-# Rows sampled at once. The filters, penalties and logprobs hold several [rows, vocabulary]
-# float32 temporaries (~12 at their peak); 256 rows of a 128k vocabulary peak at ~1.6 GB, and a
-# larger batch is sampled a chunk at a time, so what sampling holds beside the logits is bounded
-# whatever the batch (the KV pool is sized after it: pyexecutor/creator.py).
+# Rows sampled at once. The filters, penalties, keyed noise and logprobs hold [rows, vocabulary]
+# temporaries (up to ~6 float32 copies of the rows' logits at once); 256 rows of a 128k
+# vocabulary peak at ~0.8 GB, and a larger batch is sampled a chunk at a time, so what sampling
+# holds beside the logits is bounded whatever the batch (the KV pool is sized after it:
+# pyexecutor/creator.py).
 SAMPLE_CHUNK_ROWS = 256
 
 
@@ -201,6 +202,7 @@ class Sampler:
         if any(s.needs_processing for s in settings):
             logits = self._process(logits if bitmask is not None else logits.clone(), requests, settings)
         token_ids = self._draw(logits, requests, settings)
+        del logits   # (the processed copy, if any: logprobs are the raw distribution's)
         out = SampleOutput(token_ids)
         if any(s.logprobs is not None for s in settings):
             _logprobs(out, raw, settings, top_width)
@@ -218,10 +220,13 @@ class Sampler:
             if s.banned:
                 logits[i].index_fill_(0, device_ints(s.banned, dev), float("-inf"))
         rows = [i for i, s in enumerate(settings) if s.penalties is not None]
-        if rows:
+        if len(rows) == len(settings):
+            _apply_penalties(logits, requests, [s.penalties for s in settings], self.vocab_size)
+        elif rows:
             index = device_ints(rows, dev)
-            logits.index_copy_(0, index, _apply_penalties(logits.index_select(0, index), [requests[i] for i in rows],
-                                                          [settings[i].penalties for i in rows], self.vocab_size))
+            some = logits.index_select(0, index)
+            _apply_penalties(some, [requests[i] for i in rows], [settings[i].penalties for i in rows], self.vocab_size)
+            logits.index_copy_(0, index, some)
         return logits
 
     # -- drawing --------------------------------------------------------------------------------
@@ -232,11 +237,11 @@ class Sampler:
             return greedy
         dev = logits.device
         rows_t = device_ints(rows, dev)      # host lists reach the device asynchronously (no stream wait)
-        sub = logits[rows_t]
+        sub = logits[rows_t]                 # the rows' own copy: scaled and filtered in place
         params = [settings[i] for i in rows]
-        temps = device_floats([s.temperature for s in params], dev)
-        sub = _filter(sub / temps[:, None], params)
-        probs = sub.softmax(dim=-1)
+        sub.div_(device_floats([s.temperature for s in params], dev)[:, None])
+        probs = _filter(sub, params).softmax(dim=-1)
+        del sub
         shared = [j for j, s in enumerate(params) if s.seed is None]
         seeded = [j for j, s in enumerate(params) if s.seed is not None]
         noise = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(generator=self.generator)
@@ -252,7 +257,7 @@ class Sampler:
             else:
                 noise = keyed
         # Exponential race: argmax p_i / E_i draws i with probability p_i.
-        greedy[rows_t] = (probs / noise).argmax(dim=-1)
+        greedy[rows_t] = probs.div_(noise).argmax(dim=-1)
         return greedy
 
 
@@ -282,8 +287,10 @@ _MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
+    """Logical right shift of int64 (torch's is arithmetic), in one new tensor."""
+    t = x >> s
+    t &= (1 << (64 - s)) - 1
+    return t
 
 
 def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -298,7 +305,8 @@ def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int)
     x ^= _shr(x, 27)
     x *= _MIX2
     x ^= _shr(x, 31)
-    u = _shr(x, 11).double()
+    x = _shr(x, 11)
+    u = x.double()
     del x
     return u.add_(0.5).mul_(2.0 ** -53).log_().neg_().float()
 
@@ -319,8 +327,10 @@ def _num_before(r: Request) -> int:
     return r.num_output_tokens + max(0, r.num_inflight_tokens - 1)
 
 
-def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: list, vocab: int) -> torch.Tensor:
-    """HF-style repetition penalty over prompt + output; OpenAI presence/frequency over output."""
+def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: list, vocab: int) -> None:
+    """HF-style repetition penalty over prompt + output; OpenAI presence/frequency over output.
+    In place on ``logits`` (rows of the caller's own), one [rows, vocabulary] float temporary at
+    a time beside the masks and counts."""
     dev = logits.device
     S = len(requests)
     seen = torch.zeros(S, vocab, dtype=torch.bool, device=dev)
@@ -331,33 +341,45 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: l
         if out:
             out_counts[i].index_add_(0, device_ints(out, dev), torch.ones(len(out), dtype=logits.dtype, device=dev))
     rep, freq, pres = (device_floats(col, dev).to(logits.dtype)[:, None] for col in zip(*penalties, strict=True))
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
+    positive = logits > 0
+    logits.div_(torch.where(seen & positive, rep, 1.0))     # a seen token's positive logit / rep ...
+    logits.mul_(torch.where(seen & ~positive, rep, 1.0))    # ... and any other seen one × rep
+    del seen, positive
+    present = (out_counts > 0).to(logits.dtype)
+    logits.sub_(out_counts.mul_(freq))
+    logits.sub_(present.mul_(pres))
 
 
 def _filter(logits: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
-    """Top-k, then top-p, then min-p, each only where asked; filtered logits are -inf."""
+    """Top-k, then top-p, then min-p, each only where asked; filtered logits become -inf, in
+    place (``logits`` is the caller's own), which is returned. Top-k takes the k-th value from a
+    top-k of the largest k asked, not a sort of the whole vocabulary."""
     V = logits.shape[1]
     ks = [s.top_k if s.top_k > 0 else V for s in params]
-    if any(k < V for k in ks):
-        k = device_ints(ks, logits.device)
-        sorted_desc = logits.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    limited = [k for k in ks if k < V]
+    if limited:
+        kmax = max(limited)
+        kth = logits.topk(kmax, dim=-1).values.gather(1, (device_ints([min(k, kmax) for k in ks], logits.device)
+                                                          - 1)[:, None])
+        if len(limited) < len(ks):   # rows without top-k keep every value
+            kth[device_ints([i for i, k in enumerate(ks) if k >= V], logits.device)] = float("-inf")
+        logits.masked_fill_(logits < kth, float("-inf"))
     ps = [s.top_p for s in params]
     if any(p < 1.0 for p in ps):
         top_p = device_floats(ps, logits.device)[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p  # keep the token that crosses p
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        del sorted_logits
+        drop_sorted = probs.cumsum(dim=-1).sub_(probs) >= top_p   # keep the token that crosses p
+        del probs
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        del order, drop_sorted
+        logits.masked_fill_(drop, float("-inf"))
     mins = [s.min_p for s in params]
     if any(m > 0.0 for m in mins):
         probs = logits.softmax(dim=-1)
         floor = device_floats(mins, logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < floor, float("-inf"))
+        logits.masked_fill_(probs < floor, float("-inf"))
     return logits
 
 
@@ -365,7 +387,7 @@ def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings],
     """Raw-distribution logprobs of the sampled token and the top ``width`` (the step's widest
     ask, so that chunks of one step join), left on the device."""
     rows = [i for i, s in enumerate(settings) if s.logprobs is not None]
-    lp = raw[rows].log_softmax(dim=-1)
+    lp = (raw if len(rows) == len(settings) else raw[rows]).log_softmax(dim=-1)
     out.logprob_rows = rows
     out.top_k = [settings[i].logprobs or 0 for i in rows]
     out.chosen_logprobs = lp.gather(1, out.token_ids[rows][:, None]).squeeze(1)

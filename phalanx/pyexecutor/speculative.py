@@ -229,10 +229,11 @@ class SpecDecoder:
         distribution, a seeded row's noise keyed by the token's position."""
         k, V = logits.shape[1] - 1, logits.shape[2]
         params = [settings[i] for i in rows]
-        temps = device_floats([s.temperature for s in params], logits.device)
-        sub = logits[rows_t] / temps[:, None, None]
-        flat = _filter(sub.reshape(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
-        probs = flat.softmax(dim=-1).reshape(len(rows), k + 1, V)
+        sub = logits[rows_t]   # the rows' own copy: scaled and filtered in place
+        sub.div_(device_floats([s.temperature for s in params], logits.device)[:, None, None])
+        flat = _filter(sub.view(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
+        probs = flat.softmax(dim=-1).view(len(rows), k + 1, V)
+        del sub, flat
         shared = [j for j, s in enumerate(params) if s.seed is None]
         seeded = [j for j, s in enumerate(params) if s.seed is not None]
         noise = torch.empty_like(probs) if shared and seeded else None   # both kinds: one tensor of both
@@ -253,7 +254,7 @@ class SpecDecoder:
             else:
                 noise = values
         assert noise is not None
-        return (probs / noise).argmax(dim=-1)
+        return probs.div_(noise).argmax(dim=-1)
 
     def advance(self, step: SpecStep, first_tokens: torch.Tensor | None) -> None:
         """Append the accepted tokens (verify rows) or the first token (first rows), move L, and
