@@ -140,10 +140,10 @@ class RowSettings:
 
 
 # Rows sampled at once. The filters, penalties, keyed noise and logprobs hold [rows, vocabulary]
-# temporaries (up to ~6 float32 copies of the rows' logits at once); 256 rows of a 128k
-# vocabulary peak at ~0.8 GB, and a larger batch is sampled a chunk at a time, so what sampling
-# holds beside the logits is bounded whatever the batch (the KV pool is sized after it:
-# pyexecutor/creator.py).
+# temporaries (up to ~6 float32 copies of the rows' logits at once, counted on the CPU; a GPU's
+# sort and top-k take scratch space besides); 256 rows of a 128k vocabulary hold ~0.8 GB, and a
+# larger batch is sampled a chunk at a time, so what sampling holds beside the logits is bounded
+# whatever the batch (the KV pool is sized after it: pyexecutor/creator.py).
 SAMPLE_CHUNK_ROWS = 256
 
 

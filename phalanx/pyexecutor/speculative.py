@@ -231,8 +231,8 @@ class SpecDecoder:
         params = [settings[i] for i in rows]
         sub = logits[rows_t]   # the rows' own copy: scaled and filtered in place
         sub.div_(device_floats([s.temperature for s in params], logits.device)[:, None, None])
-        flat = _filter(sub.view(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
-        probs = flat.softmax(dim=-1).view(len(rows), k + 1, V)
+        flat = _filter(sub.reshape(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
+        probs = flat.softmax(dim=-1).reshape(len(rows), k + 1, V)
         del sub, flat
         shared = [j for j, s in enumerate(params) if s.seed is None]
         seeded = [j for j, s in enumerate(params) if s.seed is not None]

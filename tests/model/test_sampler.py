@@ -74,7 +74,8 @@ def test_sampling_the_costliest_rows_holds_at_most_seven_copies_of_their_logits(
     rows = costliest_rows(R, V)
     s = Sampler(V, CPU)
     s.sample(logits, rows)   # (anything made once)
-    assert _peak_bytes(lambda: s.sample(logits, rows)) <= 7 * R * V * 4
+    peak = _peak_bytes(lambda: s.sample(logits, rows))
+    assert 3 * R * V * 4 < peak <= 7 * R * V * 4   # (the floor: the records were there to read)
 
 
 def test_rows_sampled_a_chunk_at_a_time_equal_one_pass(monkeypatch):
