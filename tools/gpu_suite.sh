@@ -5,7 +5,7 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              cutlass|all]...
+#                              cutlass|sampling|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -75,6 +75,10 @@ for what in "${@:-all}"; do
       tok=""; [ -d .gpu_assets/smollm2-tokenizer ] && tok="--tokenizer .gpu_assets/smollm2-tokenizer"
       timeout 150 python3 tools/bench_user_side.py --serve $tok --concurrency 128 --num-requests 512 --osl 256 \
         --step-ms 20 --output "$OUT/user_side_serve.json" > "$OUT/user_side_serve.txt" 2>&1 ;;
+    sampling)   # the sampler on the GPU: the profiled peak covers a step of 512 seeded rows in two chunks,
+      # sampling never waits for the stream, speculative sampling equals plain
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py tests/gpu/test_speculative_gpu.py \
+        -k "profiled_peak or never_waits or speculative" > "$OUT/sampling.txt" 2>&1 ;;
     cutlass)   # every CUTLASS tile built at once (a fresh machine builds each ~2 min on one core)
       timeout 300 python3 -c "from phalanx.kernels import cutlass_gemm as c; print(len(c.load_all(c.TILES + c.TILES_BF16)), 'tiles')" \
         > "$OUT/cutlass.txt" 2>&1 ;;
