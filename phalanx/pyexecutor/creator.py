@@ -304,7 +304,7 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
     rows = min(args.max_num_tokens, args.max_batch_size) if sc is None else \
         SpecPolicy(sc.max_draft_len, sc.max_concurrency).most_sampled_rows(args.max_batch_size, args.max_num_tokens)
     vocab = model.config.vocab_size
-    activation_peak = _activation_peak(model, n, pool_shape, rows, vocab,
+    activation_peak = _activation_peak(model, n, pool_shape, rows, sample=True,
                                        logprob_rows=min(PROMPT_LOGPROB_ROWS, args.max_num_tokens))
     if draft is not None:   # (the draft model, its pool's shape); the target's logits are held meanwhile
         held = rows * vocab * 4
@@ -321,11 +321,11 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
 
 
 @torch.inference_mode()
-def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, sample_vocab: int = 0,
+def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, sample: bool = False,
                      logprob_rows: int = 0) -> int:
     """The memory one forward over a prompt of n tokens and the logits of ``rows`` rows of its
     output (a step of short prompts samples more rows than one prompt has) allocate at their
-    peak, over a temporary pool of ``pool_shape``. With ``sample_vocab``, those rows are also
+    peak, over a temporary pool of ``pool_shape``. With ``sample``, those rows are also
     sampled as the costliest requests are (``sampler.costliest_rows``), after a slice of
     ``logprob_rows`` prompt logprobs (``ModelRunner._prompt_logprobs``'s, before a step's
     logits)."""
@@ -338,13 +338,14 @@ def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, samp
     torch.cuda.reset_peak_memory_stats(dev)
     ids = torch.zeros(n, dtype=torch.long, device=dev)
     hidden = model(ids, torch.arange(n, device=dev), meta, tmp.tensor)
+    vocab = model.config.vocab_size
     if logprob_rows:
-        lp = model.compute_logits(hidden[torch.arange(logprob_rows, device=dev) % n])[:, :sample_vocab]
+        lp = model.compute_logits(hidden[torch.arange(logprob_rows, device=dev) % n])[:, :vocab]
         lp.log_softmax(dim=-1).topk(MAX_LOGPROBS, dim=-1)
         del lp
     logits = model.compute_logits(hidden[torch.arange(rows, device=dev) % n])   # a gather, as a step's
-    if sample_vocab:
-        Sampler(sample_vocab, dev).sample(logits, costliest_rows(rows, sample_vocab))
+    if sample:
+        Sampler(vocab, dev).sample(logits, costliest_rows(rows, vocab))
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del tmp, hidden, meta, logits

@@ -178,18 +178,19 @@ class Sampler:
             settings = [RowSettings.of(r, self.vocab_size) for r in requests]
         logits = logits[:, :self.vocab_size]
         S, C = logits.shape[0], self.chunk_rows
-        width = max((s.logprobs or 0 for s in settings), default=0)   # the step's widest top logprobs
         if S <= C or (bitmask is None and all(s.greedy and not s.needs_processing and s.logprobs is None
                                               for s in settings)):
-            return self._sample_rows(logits, requests, settings, bitmask, width)
-        # a chunk of rows at a time: the temporaries below are [rows, vocabulary] each
+            return self._sample_rows(logits, requests, settings, bitmask)
+        # a chunk of rows at a time: the temporaries below are [rows, vocabulary] each; their top
+        # logprobs of the step's widest ask, so that they join
+        width = max((s.logprobs or 0 for s in settings), default=0)
         parts = [self._sample_rows(logits[lo:lo + C], requests[lo:lo + C], settings[lo:lo + C],
                                    None if bitmask is None else bitmask.chunk(lo, lo + C), width)
                  for lo in range(0, S, C)]
         return SampleOutput.join(parts, C)
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings],
-                     bitmask: TokenMask | None, top_width: int) -> SampleOutput:
+                     bitmask: TokenMask | None, top_width: int | None = None) -> SampleOutput:
         """One pass over these rows: a step's, or a chunk of them."""
         raw = logits
         if bitmask is not None:
@@ -383,15 +384,15 @@ def _filter(logits: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
     return logits
 
 
-def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings], width: int) -> None:
-    """Raw-distribution logprobs of the sampled token and the top ``width`` (the step's widest
-    ask, so that chunks of one step join), left on the device."""
+def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings], width: int | None) -> None:
+    """Raw-distribution logprobs of the sampled token and the top ``width`` (the rows' widest ask
+    when None), left on the device."""
     rows = [i for i, s in enumerate(settings) if s.logprobs is not None]
     lp = (raw if len(rows) == len(settings) else raw[rows]).log_softmax(dim=-1)
     out.logprob_rows = rows
     out.top_k = [settings[i].logprobs or 0 for i in rows]
     out.chosen_logprobs = lp.gather(1, out.token_ids[rows][:, None]).squeeze(1)
-    k = min(width, lp.shape[1])
+    k = min(max(out.top_k) if width is None else width, lp.shape[1])
     if k > 0:
         out.top_logprobs, out.top_ids = lp.topk(k, dim=-1)
     else:
