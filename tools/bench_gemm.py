@@ -22,10 +22,7 @@ Forms:
   (kernels/cutlass_gemm.py), x quantized outside the timing as for ``fp8_fast``: one form per tile
   (``cutlass_<tile>``), built first where not on disk;
 - ``cutlass_bf16``: CUTLASS's bf16 GEMM, one form per bf16 tile (the candidates the tuner times
-  against ``bf16`` for a bf16 weight's many-row buckets);
-- ``split_bf16`` / ``split_fp8``: the Triton split-K GEMM (kernels/splitk_gemm.py), the fastest of
-  its candidate tiles for the shape and rows (named beside the time), FP8 on rows quantized
-  outside the timing as for ``fp8_fast``.
+  against ``bf16`` for a bf16 weight's many-row buckets).
 
 With ``--check`` each FP8 form's error against the float32 product of the same FP8 values is
 printed (relative Frobenius norm).
@@ -42,13 +39,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from phalanx.kernels import cutlass_gemm, fp8, splitk_gemm
+from phalanx.kernels import cutlass_gemm, fp8
 from phalanx.kernels.gemv_tuner import time_graph, weight_copies
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (49152, 4096)}   # the output layer over the bundled tokenizer's vocabulary
 FORMS = ("bf16", "bf16_lt", "bf16_cublaslt", "bf16_halves", "fp8", "fp8_mm", "fp8_fast", "fp8_tensor", "cutlass",
-         "cutlass_bf16", "split_bf16", "split_fp8")
+         "cutlass_bf16")
 CUTLASS = {f"cutlass_{t.name}": t for t in cutlass_gemm.TILES + cutlass_gemm.TILES_BF16}
 
 
@@ -98,29 +95,6 @@ def _form(name: str, x: torch.Tensor, ws: list[torch.Tensor], qs: list[torch.Ten
     raise ValueError(name)
 
 
-def _split(name: str, x: torch.Tensor, ws: list[torch.Tensor], qs: list[torch.Tensor],
-           scale: torch.Tensor) -> tuple[float, str]:
-    """(ms, tile) of the fastest split-K candidate for the shape and rows."""
-    dtype = name.removeprefix("split_")
-    xq, xs, _ = fp8.quantize_rows(x)
-    N, K = ws[0].shape
-    best = (float("inf"), "")
-    for tile in splitk_gemm.tiles(dtype, N, K, x.shape[0], _sms(x.device)):
-        run = splitk_gemm.kernel(tile)
-        if dtype == "bf16":
-            def fn(i: int, run: splitk_gemm.Kernel = run) -> torch.Tensor:
-                return run(x, None, ws[i], None)
-        else:
-            def fn(i: int, run: splitk_gemm.Kernel = run) -> torch.Tensor:
-                return run(xq, xs, qs[i], scale)
-        best = min(best, (time_graph(fn, len(ws), reps=8), "x".join(map(str, tile[:6]))))
-    return best
-
-
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048, 8192])
@@ -150,28 +124,18 @@ def main() -> None:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
             line = {"shape": shape, "N": N, "K": K, "rows": M}
             for name in a.forms:
-                tile = ""
-                if name.startswith("split_"):
-                    ms, tile = _split(name, x, ws, qs, scale)
-                else:
-                    ms = time_graph(_form(name, x, ws, qs, scale), len(ws), reps=8)
-                line[name] = {"us": ms * 1e3, "tflops": 2 * M * N * K / (ms * 1e-3) / 1e12, "tile": tile}
-                if a.check and not (name.startswith("bf16") or "_bf16_" in name or name == "split_bf16"):
+                ms = time_graph(_form(name, x, ws, qs, scale), len(ws), reps=8)
+                line[name] = {"us": ms * 1e3, "tflops": 2 * M * N * K / (ms * 1e-3) / 1e12}
+                if a.check and not (name.startswith("bf16") or "_bf16_" in name):
                     xq, xs, _ = fp8.quantize_rows(x)
                     exact = (xq.float() * xs) @ (q.float() * scale[:, None]).t()
-                    if name == "split_fp8":
-                        won = next(t for t in splitk_gemm.tiles("fp8", N, K, M, _sms(dev))
-                                   if "x".join(map(str, t[:6])) == tile)
-                        y = splitk_gemm.kernel(won)(xq, xs, q, scale).float()
-                    else:
-                        y = _form(name, x, [w], [q], scale)(0).float()  # type: ignore[attr-defined]
+                    y = _form(name, x, [w], [q], scale)(0).float()
                     if name == "fp8_tensor":
                         y = y * xs * scale[None, :]
                     line[name]["rel_err"] = float((y - exact).norm() / exact.norm())
             rows_out.append(line)
             print(f"{shape:8s} {N:6d}x{K:<6d} rows {M:5d}  " + "  ".join(
                 f"{n.replace('cutlass_', 'c_')} {line[n]['us']:8.1f} us {line[n]['tflops']:6.0f} TF"
-                + (f" ({line[n]['tile']})" if line[n]["tile"] else "")
                 + (f" err {line[n]['rel_err']:.1e}" if "rel_err" in line[n] else "") for n in a.forms), flush=True)
     if a.output:
         with open(a.output, "w") as f:

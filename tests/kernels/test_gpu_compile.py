@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from phalanx.kernels import gemv, splitk_gemm, triton_attention, triton_moe, triton_ops  # noqa: E402
+from phalanx.kernels import gemv, triton_attention, triton_moe, triton_ops  # noqa: E402
 
 FP8_POOL = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "out_ptr": "*bf16", "lse_ptr": "*fp32",
             "part_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "qstart_ptr": "*i32"}
@@ -189,18 +189,6 @@ CASES |= {
         **CASES["FP8 experts, down"][1], "act_ptr": "*fp8e4nv", "as_ptr": "*fp32"},
         {**CASES["FP8 experts, down"][2], **A8_TILE}),
 }
-# the split-K GEMM of 65-256 rows, every tile shape the tuner offers: FP8 rows by FP8 weights
-# split over K, bf16 whole
-SPLIT_FP8 = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "as_ptr": "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16",
-             "part_ptr": "*fp32", "count_ptr": "*i32"}
-for bm, bn, warps, stages in splitk_gemm.SHAPES:
-    CASES[f"split-K GEMM, FP8, {bm}x{bn}"] = (splitk_gemm._kernel, SPLIT_FP8, {
-        "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": splitk_gemm.K_BYTES, "FP8": True, "SPLIT": True, "PREC": "tf32",
-        "PDL": True}, {"num_warps": warps, "num_stages": stages})
-    CASES[f"split-K GEMM, bf16, {bm}x{bn}"] = (splitk_gemm._kernel, {
-        **SPLIT_FP8, "a_ptr": "*bf16", "w_ptr": "*bf16", "as_ptr": "*bf16", "ws_ptr": "*bf16"}, {
-        "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": splitk_gemm.K_BYTES // 2, "FP8": False, "SPLIT": False,
-        "PREC": "tf32", "PDL": True}, {"num_warps": warps, "num_stages": stages})
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -211,11 +199,10 @@ def test_kernels_compile_for_sm90(case, compiled):
 SM90_SHARED = 232448    # bytes of shared memory an sm_90 (H100, H200) program may take
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "prefill" in c or "split-K GEMM" in c])
+@pytest.mark.parametrize("case", [c for c in CASES if "prefill" in c])
 def test_prefill_tiles_fit_an_sm90_sms_shared_memory(case, compiled):
     """The prefill kernel's tiles, the tall long-prompt ones and a float32 model's with 128-wide
-    heads among them, and the split-K GEMM's, take no more shared memory than an sm_90 SM has (a
-    launch would fail)."""
+    heads among them, take no more shared memory than an sm_90 SM has (a launch would fail)."""
     assert compiled[case]["error"] is None
     assert compiled[case]["shared"] <= SM90_SHARED, compiled[case]["shared"]
 
