@@ -18,6 +18,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from phalanx.kernels import gemv, triton_attention, triton_moe, triton_ops  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import bench_handover  # noqa: E402  (tools/: the persistent chain a GPU run measures)
+
 FP8_POOL = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "out_ptr": "*bf16", "lse_ptr": "*fp32",
             "part_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "qstart_ptr": "*i32"}
 FP8_WEIGHT = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16",
@@ -189,6 +192,14 @@ CASES |= {
         **CASES["FP8 experts, down"][1], "act_ptr": "*fp8e4nv", "as_ptr": "*fp32"},
         {**CASES["FP8 experts, down"][2], **A8_TILE}),
 }
+# tools/bench_handover.py's persistent chain of one-row FP8 products (a counter in memory between them),
+# with and without the next weight tile loaded before the wait
+for prefetch in (False, True):
+    CASES[f"persistent chain of FP8 products{', prefetched' if prefetch else ''}"] = (
+        bench_handover._chain_kernel, {"buf_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ctr_ptr": "*i32",
+                                       "err_ptr": "*i32"},
+        {"PHASES": 4, "BLOCK_N": 8, "BLOCK_K": 2048, "FOLD": 16, "PREFETCH": prefetch},
+        {"num_warps": 4, "num_stages": 3})
 
 
 @pytest.mark.parametrize("case", list(CASES))
