@@ -1,6 +1,8 @@
 """Where a decode step spends its GPU time: kernels of the Llama-3.1-8B-shaped dummy model under
 the torch profiler, per step, with CUDA graphs (as served) and without, at a batch of sequences
-of 128-token prompts (1 by default; ``--prompt-len`` for longer contexts). With ``--tp 2`` the
+of 128-token prompts (1 by default; ``--prompt-len`` for longer contexts). Only decode steps are
+profiled: the profiler starts once every sequence has its first token and stops after
+``--steps`` more, before any sequence finishes. With ``--tp 2`` the
 ranks run in an MPI job and each profiles itself (the ``profile:start`` / ``profile:stop``
 control ops); ``--allreduce AUTO NCCL`` profiles the custom all-reduce against NCCL in one run.
 
@@ -12,32 +14,72 @@ control ops); ``--allreduce AUTO NCCL`` profiles the custom all-reduce against N
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from phalanx import LLM, SamplingParams
-from phalanx.bench.shapes import shape_dir
+from phalanx.bench.shapes import TINY_OVERRIDES, shape_dir
 from phalanx.config import merge_yaml
+
+TINY = {k: v for k, v in TINY_OVERRIDES.items() if k != "vocab_size"}   # the prompts use ids up to 40k
 
 
 def profile_steps(llm: LLM, batch: int, steps: int, prompt_len: int = 128) -> dict:
     rng = random.Random(batch)     # prompts apart from their first block on: no sequence shares another's KV
     prompt = [[rng.randrange(1000, 40_000) for _ in range(prompt_len)] for _ in range(batch)]
     llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
-    sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True, detokenize=False)
-    llm.control("profile:start")
-    t0 = time.perf_counter()
-    llm.generate(prompt, sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    per_rank = [json.loads(r) for r in llm.control("profile:stop", timeout=120).per_rank]
+    wall, decoded, per_rank_text = asyncio.run(_decode_window(llm, prompt, steps))
+    per_rank = [json.loads(r) for r in per_rank_text]
     ranks = []
     for rows in per_rank:
         ranks.append({"kernel_us_per_step": sum(r["us_per_step"] for r in rows),
                       "kernels_per_step": sum(r["calls_per_step"] for r in rows), "kernels": rows})
-    return {"wall_ms_per_step_profiled": wall * 1e3 / steps, "ranks": ranks}
+    return {"wall_ms_per_step_profiled": wall * 1e3 / decoded, "decode_steps_profiled": decoded, "ranks": ranks}
+
+
+async def _drain(llm: LLM, prompt: list[int], sp: SamplingParams, seen: list[int], i: int) -> None:
+    async for out in llm.generate_async(prompt, sp, streaming=True):
+        seen[i] = len(out.outputs[0].token_ids)
+
+
+async def _until(cond: Callable[[], bool], tasks: Sequence[asyncio.Future], what: str) -> None:
+    deadline = time.monotonic() + 600
+    while not cond():
+        if time.monotonic() > deadline or any(t.done() for t in tasks):
+            raise RuntimeError(f"the sequences did not {what}")
+        await asyncio.sleep(0.001)
+
+
+async def _decode_window(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, int, list[str]]:
+    """The profiler around decode steps only: started once every sequence has its first token (its
+    prompt computed), stopped once each has ``steps`` more, well before any finishes — so the
+    engine's per-step figures (its kernel time over the iterations in between) are those of full
+    decode steps, not averaged with the steps that computed the prompts. Returns (wall seconds,
+    tokens the slowest sequence decoded in the window, each rank's kernel table)."""
+    sp = SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True, detokenize=False)
+    seen = [0] * len(prompts)
+    tasks = [asyncio.ensure_future(_drain(llm, p, sp, seen, i)) for i, p in enumerate(prompts)]
+    loop = asyncio.get_running_loop()
+    try:
+        await _until(lambda: min(seen) >= 2, tasks, "all start decoding")
+        await loop.run_in_executor(None, llm.control, "profile:start")
+        before, t0 = list(seen), time.perf_counter()
+        await _until(lambda: min(s - b for s, b in zip(seen, before, strict=True)) >= steps, tasks,
+                     f"decode {steps} tokens each")
+        wall = time.perf_counter() - t0
+        stop = await loop.run_in_executor(None, lambda: llm.control("profile:stop", timeout=120))
+        decoded = min(s - b for s, b in zip(seen, before, strict=True))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return wall, decoded, stop.per_rank
 
 
 def main() -> None:
@@ -50,6 +92,7 @@ def main() -> None:
     ap.add_argument("--allreduce", nargs="+", default=["AUTO"], choices=["AUTO", "NCCL"])
     ap.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
     ap.add_argument("--config", default=None, help="YAML of extra LLM arguments (e.g. attention DP)")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer shape (checks the tool on a CPU)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     report: dict = {"model": a.model, "tp": a.tp, "config": a.config, "runs": []}
@@ -62,7 +105,9 @@ def main() -> None:
                       "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))} if graphs else None}
             if a.config:
                 kwargs = merge_yaml(kwargs, a.config)
-            llm = LLM(shape_dir(a.model), **kwargs)
+            if a.tiny:
+                kwargs.update(orchestrator_type="inprocess", cuda_graph_config=None)
+            llm = LLM(shape_dir(a.model, **(TINY if a.tiny else {})), **kwargs)
             try:
                 for batch in a.batch:
                     run = {"allreduce": strategy, "graphs": graphs, "batch": batch,
@@ -70,8 +115,9 @@ def main() -> None:
                     report["runs"].append(run)
                     r0 = run["ranks"][0]
                     print(f"allreduce={strategy} graphs={graphs} batch={batch}: {run['wall_ms_per_step_profiled']:.2f} "
-                          f"ms/step wall, rank 0 {r0['kernel_us_per_step']:.0f} us of kernels in "
-                          f"{r0['kernels_per_step']:.0f} kernels; top:", flush=True)
+                          f"ms/step wall over {run['decode_steps_profiled']} decode steps, rank 0 "
+                          f"{r0['kernel_us_per_step']:.0f} us of kernels in {r0['kernels_per_step']:.0f} kernels; top:",
+                          flush=True)
                     for r in r0["kernels"][:12]:
                         print(f"  {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.1f}  {r['kernel']}")
             finally:
