@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import fp8 as f8
-from phalanx.kernels.gemv_tuner import time_graph, tune_one
+from phalanx.kernels.gemv_tuner import time_eager, time_graph, tune_one
 from phalanx.kernels.linear_plan import Neighbour, launcher
 
 MAX_SPINS = tl.constexpr(1 << 20)   # polls of the counter before a program gives up: a grid not all resident
@@ -140,15 +140,9 @@ class Persistent:
 def read_bandwidth(dev: torch.device, nbytes: int = 2 << 30) -> float:
     """Bytes a second that a sum over ``nbytes`` reads."""
     big = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
-    big.sum()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        big.sum()
-    end.record()
-    end.synchronize()
+    ms = time_eager(big.sum, reps=5, warmup=1)
     del big
-    return 5 * nbytes / (start.elapsed_time(end) * 1e-3)
+    return nbytes / (ms * 1e-3)
 
 
 def slope(points: list[tuple[int, float]]) -> float:
