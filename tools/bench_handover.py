@@ -16,8 +16,8 @@ several copies, together larger than L2. Timed from CUDA graphs:
   the shape (``gemv_tuner.tune_one``), as a step runs them;
 - ``persistent``: one launch of ``_chain_kernel``, a fixed grid of programs per SM, each taking
   every G-th row tile of each product; between products each program counts itself in (an atomic
-  add, release) and spins until all G have (acquire), and with ``--prefetch`` loads its first
-  weight tile of the next product before it waits;
+  add, release) and spins until all G have (acquire); the ``_prefetch`` form loads its first
+  weight tile of the next product between the two, so the load overlaps the wait;
 - a single product (P = 1) in each form as well.
 
 Each form's time per product is the slope of its time over P (least squares over the chains,
@@ -50,13 +50,19 @@ MAX_SPINS = tl.constexpr(1 << 20)   # polls of the counter before a program give
 
 
 @triton.jit
-def _grid_barrier(ctr_ptr, err_ptr, G):
-    """Wait until all G programs have reached this point. The counter only grows: a program's
-    arrival number tells which round of G it belongs to, so no reset is needed between launches or
-    graph replays."""
+def _arrive(ctr_ptr, G):
+    """Count this program in; returns the count at which all G of its round have. The counter only
+    grows: a program's arrival number tells which round of G it belongs to, so no reset is needed
+    between launches or graph replays."""
     tl.debug_barrier()                                   # every thread's stores are issued first
     old = tl.atomic_add(ctr_ptr, 1, sem="release")
-    target = (old // G + 1) * G
+    return (old // G + 1) * G
+
+
+@triton.jit
+def _wait(ctr_ptr, err_ptr, target):
+    """Spin until the counter reaches ``target`` (every program of the round has arrived); after
+    MAX_SPINS polls give up and flag an error."""
     cur = tl.atomic_add(ctr_ptr, 0, sem="acquire")
     spins = 0
     while (cur < target) & (spins < MAX_SPINS):
@@ -88,17 +94,20 @@ def _chain_kernel(buf_ptr, w_ptr, s_ptr, ctr_ptr, err_ptr, N, G, PHASES: tl.cons
     pid = tl.program_id(0)
     tiles = tl.cdiv(N, BLOCK_N)
     K = N
+    target = 0
     for i in tl.static_range(PHASES):
         x_ptr = buf_ptr + i * N
         y_ptr = buf_ptr + (i + 1) * N
         w_i = w_ptr + i * N * K
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)      # this program's first tile (pid < tiles: the grid is small)
         acc = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
+        if i > 0:       # the previous product's stores counted in before this product's weight loads
+            target = _arrive(ctr_ptr, G)
         if PREFETCH:    # the first weight tile in registers before the wait: weights are never written
             k = tl.arange(0, BLOCK_K)
             w0 = tl.load(w_i + n[:, None] * K + k[None, :], eviction_policy="evict_first")
         if i > 0:
-            _grid_barrier(ctr_ptr, err_ptr, G)
+            _wait(ctr_ptr, err_ptr, target)
         if PREFETCH:
             x = tl.load(x_ptr + tl.arange(0, BLOCK_K), cache_modifier=".cg")
             p = w0.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -205,6 +214,9 @@ def main() -> None:
                     continue
                 err = float((y - ref).norm() / ref.norm())
                 ms = time_graph(fn, copies)
+                if isinstance(fn, Persistent) and fn.err.item():
+                    line[name] = {"error": "a program gave up waiting while timed: the grid was not resident at once"}
+                    continue
                 line[name] = {"us": ms * 1e3, "tb_s": P * N * N / (ms * 1e-3) / 1e12, "rel_err": err}
             except Exception as e:  # noqa: BLE001 - a form that does not compile or run is reported
                 line[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"}

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from phalanx import LLM, SamplingParams
+from phalanx import LLM, RequestOutput, SamplingParams
 from phalanx.bench.shapes import TINY_OVERRIDES, shape_dir
 from phalanx.config import merge_yaml
 
@@ -42,44 +42,69 @@ def profile_steps(llm: LLM, batch: int, steps: int, prompt_len: int = 128) -> di
     return {"wall_ms_per_step_profiled": wall * 1e3 / decoded, "decode_steps_profiled": decoded, "ranks": ranks}
 
 
-async def _drain(llm: LLM, prompt: list[int], sp: SamplingParams, seen: list[int], i: int) -> None:
-    async for out in llm.generate_async(prompt, sp, streaming=True):
-        seen[i] = len(out.outputs[0].token_ids)
+def decode_tokens(steps: int, batch: int, prompt_len: int) -> int:
+    """Each request's max_tokens: the window's steps twice over, plus the tokens the first
+    sequences decode while the last ones' prompts are still being computed (a step computes at
+    least 2,048 prompt tokens), so that none finishes before the window closes."""
+    return 2 * steps + 16 + -(-batch * prompt_len // 2048)
+
+
+async def _follow(out: RequestOutput, seen: list[int], i: int) -> None:
+    async for update in out:
+        seen[i] = len(update.outputs[0].token_ids)
 
 
 async def _until(cond: Callable[[], bool], tasks: Sequence[asyncio.Future], what: str) -> None:
     deadline = time.monotonic() + 600
     while not cond():
-        if time.monotonic() > deadline or any(t.done() for t in tasks):
-            raise RuntimeError(f"the sequences did not {what}")
+        for t in tasks:
+            if t.done():
+                t.result()      # a request refused or failed: its own error
+                raise RuntimeError(f"a sequence finished before the profiled steps ({what})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the sequences did not {what} within 600 s")
         await asyncio.sleep(0.001)
+
+
+def _control(llm: LLM, op: str) -> list[str]:
+    result = llm.control(op, timeout=120)
+    if not result.ok:
+        raise RuntimeError(f"{op}: {result.per_rank}")
+    return result.per_rank
 
 
 async def _decode_window(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, int, list[str]]:
     """The profiler around decode steps only: started once every sequence has its first token (its
-    prompt computed), stopped once each has ``steps`` more, well before any finishes — so the
-    engine's per-step figures (its kernel time over the iterations in between) are those of full
-    decode steps, not averaged with the steps that computed the prompts. Returns (wall seconds,
-    tokens the slowest sequence decoded in the window, each rank's kernel table)."""
-    sp = SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True, detokenize=False)
+    prompt computed), stopped once each has ``steps`` more, before any finishes — so the engine's
+    per-step figures (its kernel time over the iterations in between) are those of full decode
+    steps, not averaged with the steps that computed the prompts. The requests are aborted then.
+    Returns (wall seconds, tokens the slowest sequence decoded in the window, each rank's kernel
+    table)."""
+    sp = SamplingParams(max_tokens=decode_tokens(steps, len(prompts), len(prompts[0])), ignore_eos=True,
+                        detokenize=False)
     seen = [0] * len(prompts)
-    tasks = [asyncio.ensure_future(_drain(llm, p, sp, seen, i)) for i, p in enumerate(prompts)]
+    outs = [llm.generate_async(p, sp, streaming=True) for p in prompts]
+    tasks = [asyncio.ensure_future(_follow(o, seen, i)) for i, o in enumerate(outs)]
     loop = asyncio.get_running_loop()
+    profiling = False
     try:
         await _until(lambda: min(seen) >= 2, tasks, "all start decoding")
-        await loop.run_in_executor(None, llm.control, "profile:start")
+        await loop.run_in_executor(None, _control, llm, "profile:start")
+        profiling = True
         before, t0 = list(seen), time.perf_counter()
         await _until(lambda: min(s - b for s, b in zip(seen, before, strict=True)) >= steps, tasks,
                      f"decode {steps} tokens each")
         wall = time.perf_counter() - t0
-        stop = await loop.run_in_executor(None, lambda: llm.control("profile:stop", timeout=120))
         decoded = min(s - b for s, b in zip(seen, before, strict=True))
-        await asyncio.gather(*tasks)
+        tables = await loop.run_in_executor(None, _control, llm, "profile:stop")
+        profiling = False
     finally:
-        for t in tasks:
-            t.cancel()
+        for o in outs:
+            o.abort()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return wall, decoded, stop.per_rank
+        if profiling:   # an error inside the window: the profiler is not left running
+            await loop.run_in_executor(None, llm.control, "profile:stop")
+    return wall, decoded, tables
 
 
 def main() -> None:
@@ -95,13 +120,15 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer shape (checks the tool on a CPU)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
+    if a.steps < 1:
+        ap.error("--steps must be at least 1")
     report: dict = {"model": a.model, "tp": a.tp, "config": a.config, "runs": []}
     for strategy in a.allreduce if a.tp > 1 else ["AUTO"]:
         for graphs in (True, False) if a.eager else (True,):
             kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, "tensor_parallel_size": a.tp,
                       "orchestrator_type": "inprocess" if a.tp == 1 else None, "allreduce_strategy": strategy,
                       "max_batch_size": max(8, *a.batch),
-                      "max_seq_len": max(512, a.prompt_len + a.steps + 64),
+                      "max_seq_len": max(512, a.prompt_len + decode_tokens(a.steps, max(a.batch), a.prompt_len) + 64),
                       "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))} if graphs else None}
             if a.config:
                 kwargs = merge_yaml(kwargs, a.config)
