@@ -21,13 +21,12 @@ several copies, together larger than L2. Timed from CUDA graphs:
 - a single product (P = 1) in each form as well.
 
 Each form's time per product is the slope of its time over P (least squares over the chains,
-``one`` included); less the product's bytes at the read bandwidth of the same run (a sum over
+P = 1 included); less the product's bytes at the read bandwidth of the same run (a sum over
 2 GiB), that is what each product costs beyond streaming its weight — mostly its hand-over.
-Every program of the
-persistent kernel must be resident at once (it spins until all have arrived), so its grid is at
-most what fits; a spin that runs past ``MAX_SPINS`` polls gives up and flags an error, so a wrong
-grid ends in a message, not a hung GPU. The chains' outputs are checked against the float32
-product of the dequantized weights.
+Every program of the persistent kernel must be resident at once (it spins until all have
+arrived), so its grid is at most what fits; a spin that runs past ``MAX_SPINS`` polls gives up
+and flags an error, so a wrong grid ends in a message, not a hung GPU. The chains' outputs are
+checked against the float32 product of the dequantized weights.
 
     python tools/bench_handover.py [--phases 2 4 8] [--size 4096] [--programs-per-sm 1 2] [--output F]
 """
