@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import fp8 as f8
+from phalanx.kernels.gemv import _store_one_row
 from phalanx.kernels.gemv_tuner import time_eager, time_graph, tune_one
 from phalanx.kernels.linear_plan import Neighbour, launcher
 
@@ -73,15 +74,20 @@ def _wait(ctr_ptr, err_ptr, target):
 
 
 @triton.jit
+def _fma(acc, w, x_ptr, k, FOLD: tl.constexpr):
+    """acc + a weight tile times x[k], the products summed FOLD at a time (as the engine's one-row
+    kernel does); x read from L2: other programs wrote it in this launch."""
+    x = tl.load(x_ptr + k, cache_modifier=".cg")
+    p = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return acc + tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // FOLD, FOLD]), 2)
+
+
+@triton.jit
 def _tile(w_ptr, x_ptr, n, K, k_start, acc, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
-    """acc + the products of weight rows n with x over K from k_start (x read from L2: other
-    programs wrote it in this launch)."""
+    """acc + the products of weight rows n with x over K from k_start."""
     for k0 in range(k_start, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], eviction_policy="evict_first")
-        x = tl.load(x_ptr + k, cache_modifier=".cg")
-        p = w.to(tl.float32) * x.to(tl.float32)[None, :]
-        acc += tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // FOLD, FOLD]), 2)
+        acc = _fma(acc, tl.load(w_ptr + n[:, None] * K + k[None, :], eviction_policy="evict_first"), x_ptr, k, FOLD)
     return acc
 
 
@@ -108,19 +114,14 @@ def _chain_kernel(buf_ptr, w_ptr, s_ptr, ctr_ptr, err_ptr, N, G, PHASES: tl.cons
         if i > 0:
             _wait(ctr_ptr, err_ptr, target)
         if PREFETCH:
-            x = tl.load(x_ptr + tl.arange(0, BLOCK_K), cache_modifier=".cg")
-            p = w0.to(tl.float32) * x.to(tl.float32)[None, :]
-            acc += tl.sum(tl.reshape(p, [BLOCK_N, BLOCK_K // FOLD, FOLD]), 2)
-            acc = _tile(w_i, x_ptr, n, K, BLOCK_K, acc, BLOCK_K, FOLD)
+            acc = _tile(w_i, x_ptr, n, K, BLOCK_K, _fma(acc, w0, x_ptr, tl.arange(0, BLOCK_K), FOLD), BLOCK_K, FOLD)
         else:
             acc = _tile(w_i, x_ptr, n, K, 0, acc, BLOCK_K, FOLD)
-        y = tl.sum(acc, 1) * tl.load(s_ptr + i * N + n)
-        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
+        _store_one_row(y_ptr, s_ptr, s_ptr + i * N, n, n < N, tl.sum(acc, 1), False, True)
         for t in range(pid + G, tiles, G):
             n = t * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = _tile(w_i, x_ptr, n, K, 0, tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32), BLOCK_K, FOLD)
-            y = tl.sum(acc, 1) * tl.load(s_ptr + i * N + n)
-            tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
+            _store_one_row(y_ptr, s_ptr, s_ptr + i * N, n, n < N, tl.sum(acc, 1), False, True)
 
 
 class Persistent:
