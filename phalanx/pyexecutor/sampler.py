@@ -238,28 +238,45 @@ class Sampler:
             return greedy
         dev = logits.device
         rows_t = device_ints(rows, dev)      # host lists reach the device asynchronously (no stream wait)
-        sub = logits[rows_t]                 # the rows' own copy: scaled and filtered in place
         params = [settings[i] for i in rows]
-        sub.div_(device_floats([s.temperature for s in params], dev)[:, None])
-        probs = _filter(sub, params).softmax(dim=-1)
-        del sub
+        probs = tempered_probs(logits[rows_t], params)
         shared = [j for j, s in enumerate(params) if s.seed is None]
         seeded = [j for j, s in enumerate(params) if s.seed is not None]
         noise = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(generator=self.generator)
+        keyed = None
         if seeded:   # the position of the token drawn: the tokens before it, in flight ones included
             seeds = [int(params[j].seed or 0) for j in seeded]
             pos = [requests[rows[j]].num_prompt_tokens + _num_before(requests[rows[j]]) for j in seeded]
             keyed = seeded_exponential(device_ints(seeds, dev), device_ints(pos, dev)[:, None], probs.shape[1])[:, 0]
-            if shared:
-                both = torch.empty_like(probs)
-                both[device_ints(shared, dev)] = noise
-                both[device_ints(seeded, dev)] = keyed
-                noise = both
-            else:
-                noise = keyed
+        noise = joined_noise(probs, shared, noise, seeded, keyed)
         # Exponential race: argmax p_i / E_i draws i with probability p_i.
         greedy[rows_t] = probs.div_(noise).argmax(dim=-1)
         return greedy
+
+
+def tempered_probs(rows: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
+    """softmax of ``rows`` [R, V] (the caller's own copy: scaled and filtered in place) over each
+    row's temperature, after its top-k / top-p / min-p."""
+    rows.div_(device_floats([s.temperature for s in params], rows.device)[:, None])
+    return _filter(rows, params).softmax(dim=-1)
+
+
+def joined_noise(like: torch.Tensor, shared: list[int], shared_noise: torch.Tensor | None, seeded: list[int],
+                 keyed: torch.Tensor | None) -> torch.Tensor:
+    """The exponential race's noise for rows of both kinds: the generator's for rows ``shared``,
+    the seeded rows' keyed noise for rows ``seeded``, in one tensor shaped as ``like`` where both
+    kinds are there."""
+    if not seeded:
+        assert shared_noise is not None
+        return shared_noise
+    assert keyed is not None
+    if not shared:
+        return keyed
+    assert shared_noise is not None
+    both = torch.empty_like(like)
+    both[device_ints(shared, like.device)] = shared_noise
+    both[device_ints(seeded, like.device)] = keyed
+    return both
 
 
 def costliest_rows(rows: int, vocab_size: int) -> list[Request]:

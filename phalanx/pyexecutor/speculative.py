@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from phalanx.kernels.metadata import AttentionMetadata
-from phalanx.pyexecutor.sampler import _filter, device_floats, device_ints, seeded_exponential
+from phalanx.pyexecutor.sampler import device_ints, joined_noise, seeded_exponential, tempered_probs
 
 if TYPE_CHECKING:
     from phalanx.models.llama import CausalLM
@@ -229,31 +229,20 @@ class SpecDecoder:
         distribution, a seeded row's noise keyed by the token's position."""
         k, V = logits.shape[1] - 1, logits.shape[2]
         params = [settings[i] for i in rows]
-        sub = logits[rows_t]   # the rows' own copy: scaled and filtered in place
-        sub.div_(device_floats([s.temperature for s in params], logits.device)[:, None, None])
-        flat = _filter(sub.reshape(len(rows) * (k + 1), V), [p for p in params for _ in range(k + 1)])
-        probs = flat.softmax(dim=-1).reshape(len(rows), k + 1, V)
-        del sub, flat
+        probs = tempered_probs(logits[rows_t].reshape(len(rows) * (k + 1), V),
+                               [p for p in params for _ in range(k + 1)]).reshape(len(rows), k + 1, V)
         shared = [j for j, s in enumerate(params) if s.seed is None]
         seeded = [j for j, s in enumerate(params) if s.seed is not None]
-        noise = torch.empty_like(probs) if shared and seeded else None   # both kinds: one tensor of both
+        draw = keyed = None
         if shared:
             draw = torch.empty(len(shared), k + 1, V, device=logits.device).exponential_(
                 generator=sampler.generator)
-            if noise is not None:
-                noise[device_ints(shared, logits.device)] = draw
-            else:
-                noise = draw
         if seeded:
             at = device_ints([rows[j] for j in seeded], logits.device)
             pos = self.length[slots[at]][:, None] + self.offsets[None, :k + 1]
             seeds = device_ints([int(params[j].seed or 0) for j in seeded], logits.device)
-            values = seeded_exponential(seeds, pos, V)
-            if noise is not None:
-                noise[device_ints(seeded, logits.device)] = values
-            else:
-                noise = values
-        assert noise is not None
+            keyed = seeded_exponential(seeds, pos, V)
+        noise = joined_noise(probs, shared, draw, seeded, keyed)
         return probs.div_(noise).argmax(dim=-1)
 
     def advance(self, step: SpecStep, first_tokens: torch.Tensor | None) -> None:
