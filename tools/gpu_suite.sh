@@ -5,7 +5,7 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              cutlass|sampling|itl80|handover|all]...
+#                              cutlass|sampling|itl80|handover|layer|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -128,6 +128,9 @@ for what in "${@:-all}"; do
     handover)   # a hand-over between dependent one-row FP8 products: kernels with PDL against one persistent kernel
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_bench_handover.py > "$OUT/handover_tests.txt" 2>&1
       timeout 240 python3 tools/bench_handover.py --output "$OUT/handover.json" > "$OUT/handover.txt" 2>&1 ;;
+    layer)   # one layer's four FP8 products at batch 1: the engine's kernels against one persistent kernel
+      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_bench_layer_stream.py > "$OUT/layer_tests.txt" 2>&1
+      timeout 400 python3 tools/bench_layer_stream.py --output "$OUT/layer.json" > "$OUT/layer.txt" 2>&1 ;;
     itl80)   # #18's ITL goal as it is stated: the capacity at 1000/1000 first (offline, 256 in flight, the serve
       # engine's settings), then phalanx serve under Poisson arrivals at 80 % of it, prefill capped at 512
       timeout 260 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 1000 --osl 1000 \

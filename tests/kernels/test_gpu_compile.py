@@ -20,6 +20,7 @@ from phalanx.kernels import gemv, triton_attention, triton_moe, triton_ops  # no
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import bench_handover  # noqa: E402  (tools/: the persistent chain a GPU run measures)
+import bench_layer_stream  # noqa: E402  (tools/: the persistent layer a GPU run measures)
 
 FP8_POOL = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "out_ptr": "*bf16", "lse_ptr": "*fp32",
             "part_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "qstart_ptr": "*i32"}
@@ -200,6 +201,25 @@ for prefetch in (False, True):
                                        "err_ptr": "*i32"},
         {"PHASES": 4, "BLOCK_N": 8, "BLOCK_K": 2048, "FOLD": 16, "PREFETCH": prefetch},
         {"num_warps": 4, "num_stages": 3})
+
+# tools/bench_layer_stream.py's persistent layer of FP8 products at Llama-3.1-8B's shape, the tiles it runs
+LAYER_POINTERS = {"x_ptr": "*bf16", "qkv_ptr": "*bf16", "o_ptr": "*bf16", "act_ptr": "*bf16", "ctr_ptr": "*i32",
+                  "err_ptr": "*i32", **{f"w{w}_ptr": "*fp8e4nv" for w in "qogd"},
+                  **{f"s{w}_ptr": "*fp32" for w in "qogd"}}
+for warps, bn_h, bn_i, prefetch in ((4, 4, 1, False), (8, 8, 2, True)):
+    layer_case = f"persistent layer of FP8 products, {bn_h}/{bn_i}-row tiles, {warps} warps"
+    CASES[layer_case + (", prefetched" if prefetch else "")] = (
+        bench_layer_stream._layers_kernel, LAYER_POINTERS,
+        {"H": 4096, "NQ": 6144, "I": 14336, "KP_I": 16384, "BN_H": bn_h, "BN_I": bn_i, "STAGES": 3,
+         "PREFETCH": prefetch}, {"num_warps": warps, "num_stages": 1})
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("persistent layer")])
+def test_the_persistent_layers_weight_loads_are_pipelined(case, compiled):
+    """Its row tiles' loads go through shared memory ahead of use (the tile loop's stages), and
+    two programs fit an SM's shared memory (the grid of two an SM must be resident at once)."""
+    assert compiled[case]["error"] is None
+    assert 0 < 2 * compiled[case]["shared"] <= SM90_SHARED
 
 
 @pytest.mark.parametrize("case", list(CASES))
