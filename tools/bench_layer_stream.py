@@ -12,14 +12,16 @@ stream against the engine's kernels before anything of the kind goes into the en
 A layer here is its products only (Llama-3.1-8B's by default): x -> q/k/v [6,144 x 4,096] -> o
 [4,096 x 4,096] over the q part (where the attention would be) -> gate ‖ up [28,672 x 4,096] with
 silu(gate) * up as its epilogue -> down [4,096 x 14,336] -> the next layer's x. No norms, no
-residual, no attention: the weights' stream and its hand-overs are what is timed. L layers are
-chained (each its own weights; one layer's 218 MB is larger than L2), from CUDA graphs:
+residual, no attention: the weights' stream and its hand-overs are what is timed. The ``mlp``
+part is gate ‖ up and down alone (176 MB a layer), the pair the engine runs as two kernels
+(``GateUpSiluPlan``) and the first place one persistent kernel could go. L layers are chained
+(each its own weights, larger than L2), from CUDA graphs:
 
 - ``kernels``: the engine's one-row kernels as the tuner picks them for these shapes (q/k/v and
   o with ``gemv_tuner.tune_one``, the MLP with ``gemv_tuner.gate_up_silu_plan``), PDL as tuned;
 - ``persistent``: one launch of ``_layers_kernel``, G programs (1 or 2 an SM, all resident);
   each product's row tiles are [BLOCK_N, all of K] with x held in registers, program p taking
-  tiles p, p + G, ... in a loop whose loads are pipelined ``--stages`` deep; ``_prefetch``: a
+  tiles p, p + G, ... in a loop whose loads are pipelined ``--stages`` deep; ``prefetch``: a
   program loads the first weight tile of the next product after counting itself in and before
   its wait, so the stream does not stop at the hand-over.
 
@@ -27,8 +29,8 @@ Time per layer is the slope of each form's time over L; against the layer's byte
 bandwidth of the same run (a sum over 2 GiB) it gives each form's share of the copy rate. The
 outputs are checked against the float32 chain of the dequantized weights.
 
-    python tools/bench_layer_stream.py [--layers 1 2 4] [--programs-per-sm 1 2] [--tile-kb 16 32]
-                                       [--warps 4 8] [--stages 3] [--output F]
+    python tools/bench_layer_stream.py [--parts layer mlp] [--layers 1 2 4] [--programs-per-sm 1 2]
+                                       [--tile-kb 16 32] [--warps 4 8] [--stages 3] [--output F]
 """
 
 from __future__ import annotations
@@ -111,10 +113,10 @@ def _product(w_ptr, s_ptr, x_ptr, y_ptr, ctr_ptr, err_ptr, pid, G, N, K: tl.cons
 def _layers_kernel(x_ptr, qkv_ptr, o_ptr, act_ptr, wq_ptr, sq_ptr, wo_ptr, so_ptr, wg_ptr, sg_ptr, wd_ptr, sd_ptr,
                    ctr_ptr, err_ptr, L, G, H: tl.constexpr, NQ: tl.constexpr, I: tl.constexpr,  # noqa: E741
                    KP_I: tl.constexpr, BN_H: tl.constexpr, BN_I: tl.constexpr, STAGES: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   PREFETCH: tl.constexpr, MLP_ONLY: tl.constexpr):
     """L layers' products: x [L + 1, H] (x[l + 1] = layer l's output), qkv [L, NQ], o [L, H], act
     [L, I]; FP8 weights [L, N, K] with float32 scales [L, N]. BN_H: the row tile's rows of the
-    products over K = H; BN_I: of down (K = I)."""
+    products over K = H; BN_I: of down (K = I). MLP_ONLY: gate ‖ up takes x itself (no q/k/v, no o)."""
     pid = tl.program_id(0)
     for layer in range(L):
         l64 = tl.cast(layer, tl.int64)
@@ -122,10 +124,13 @@ def _layers_kernel(x_ptr, qkv_ptr, o_ptr, act_ptr, wq_ptr, sq_ptr, wo_ptr, so_pt
         q_l = qkv_ptr + l64 * NQ
         o_l = o_ptr + l64 * H
         a_l = act_ptr + l64 * I
-        _product(wq_ptr + l64 * NQ * H, sq_ptr + l64 * NQ, x_l, q_l, ctr_ptr, err_ptr, pid, G, NQ, H, H, BN_H,
-                 False, STAGES, PREFETCH)
-        _product(wo_ptr + l64 * H * H, so_ptr + l64 * H, q_l, o_l, ctr_ptr, err_ptr, pid, G, H, H, H, BN_H,
-                 False, STAGES, PREFETCH)
+        if MLP_ONLY:
+            o_l = x_l
+        else:
+            _product(wq_ptr + l64 * NQ * H, sq_ptr + l64 * NQ, x_l, q_l, ctr_ptr, err_ptr, pid, G, NQ, H, H, BN_H,
+                     False, STAGES, PREFETCH)
+            _product(wo_ptr + l64 * H * H, so_ptr + l64 * H, q_l, o_l, ctr_ptr, err_ptr, pid, G, H, H, H, BN_H,
+                     False, STAGES, PREFETCH)
         _product(wg_ptr + l64 * 2 * I * H, sg_ptr + l64 * 2 * I, o_l, a_l, ctr_ptr, err_ptr, pid, G, 2 * I, H, H,
                  BN_H, True, STAGES, PREFETCH)
         _product(wd_ptr + l64 * H * I, sd_ptr + l64 * H, a_l, x_l + H, ctr_ptr, err_ptr, pid, G, H, I, KP_I, BN_I,
@@ -133,14 +138,19 @@ def _layers_kernel(x_ptr, qkv_ptr, o_ptr, act_ptr, wq_ptr, sq_ptr, wo_ptr, so_pt
 
 
 class Layers:
-    """L layers' FP8 weights and scales (``w["q"]`` [L, NQ, H], ...), and their activations."""
+    """L layers' FP8 weights and scales (``w["q"]`` [L, NQ, H], ...), and their activations.
+    ``mlp_only``: gate ‖ up and down alone, gate ‖ up on the layer's input."""
 
-    def __init__(self, shape: Shape, L: int, device: torch.device, gen: torch.Generator | None = None) -> None:
+    def __init__(self, shape: Shape, L: int, device: torch.device, gen: torch.Generator | None = None,
+                 mlp_only: bool = False) -> None:
         H, NQ, I = shape  # noqa: E741
-        self.shape, self.L = shape, L
+        self.shape, self.L, self.mlp_only = shape, L, mlp_only
         self.w: dict[str, torch.Tensor] = {}
         self.s: dict[str, torch.Tensor] = {}
-        for name, (n, k) in {"q": (NQ, H), "o": (H, H), "gu": (2 * I, H), "d": (H, I)}.items():
+        products = {"q": (NQ, H), "o": (H, H), "gu": (2 * I, H), "d": (H, I)}
+        for name, (n, k) in products.items():
+            if mlp_only and name in ("q", "o"):
+                continue
             qs, ss = zip(*(f8.quantize_weight(torch.randn(n, k, generator=gen, device=gen.device if gen else device)
                                               .to(device) * k ** -0.5)
                            for _ in range(L)), strict=True)
@@ -163,7 +173,7 @@ class Layers:
             return (v.float() @ w.t()).to(torch.bfloat16)
         y = x.to(torch.bfloat16)
         for layer in range(self.L):
-            o = mm(mm(y, "q", layer)[:H], "o", layer)
+            o = y if self.mlp_only else mm(mm(y, "q", layer)[:H], "o", layer)
             gu = mm(o, "gu", layer).float()
             y = mm((torch.nn.functional.silu(gu[:I]) * gu[I:]).to(torch.bfloat16), "d", layer)
         return y
@@ -195,9 +205,10 @@ class Persistent:
 
     def __init__(self, layers: Layers, tile: Tile) -> None:
         H, NQ, I = layers.shape  # noqa: E741
-        if NQ % tile.bn_h or H % tile.bn_h or (2 * I) % tile.bn_h or H % tile.bn_i or tile.bn_h % 2:
-            raise ValueError(f"rows {tile.bn_h}/{tile.bn_i} do not divide the products' rows ({NQ}, {H}, {2 * I})")
-        if min(NQ, H, 2 * I) // tile.bn_h < tile.programs or H // tile.bn_i < tile.programs:
+        over_h = (2 * I,) if layers.mlp_only else (NQ, H, 2 * I)     # rows of the products over K = H
+        if any(n % tile.bn_h for n in over_h) or H % tile.bn_i or tile.bn_h % 2:
+            raise ValueError(f"rows {tile.bn_h}/{tile.bn_i} do not divide the products' rows {over_h} and {H}")
+        if min(over_h) // tile.bn_h < tile.programs or H // tile.bn_i < tile.programs:
             raise ValueError(f"{tile.programs} programs: a product has fewer row tiles")
         self.layers, self.tile = layers, tile
         dev = layers.x.device
@@ -207,11 +218,11 @@ class Persistent:
     def __call__(self) -> torch.Tensor:
         ly, t = self.layers, self.tile
         H, NQ, I = ly.shape  # noqa: E741
+        wq, sq, wo, so = (ly.w["gu"], ly.s["gu"]) * 2 if ly.mlp_only else (ly.w["q"], ly.s["q"], ly.w["o"], ly.s["o"])
         _layers_kernel[(t.programs,)](
-            ly.x, ly.qkv, ly.o, ly.act, ly.w["q"], ly.s["q"], ly.w["o"], ly.s["o"], ly.w["gu"], ly.s["gu"],
-            ly.w["d"], ly.s["d"], self.ctr, self.err, ly.L, t.programs, H=H, NQ=NQ, I=I,
-            KP_I=triton.next_power_of_2(I), BN_H=t.bn_h, BN_I=t.bn_i, STAGES=t.stages, PREFETCH=t.prefetch,
-            num_warps=t.warps, num_stages=1)
+            ly.x, ly.qkv, ly.o, ly.act, wq, sq, wo, so, ly.w["gu"], ly.s["gu"], ly.w["d"], ly.s["d"], self.ctr,
+            self.err, ly.L, t.programs, H=H, NQ=NQ, I=I, KP_I=triton.next_power_of_2(I), BN_H=t.bn_h, BN_I=t.bn_i,
+            STAGES=t.stages, PREFETCH=t.prefetch, MLP_ONLY=ly.mlp_only, num_warps=t.warps, num_stages=1)
         return ly.x[ly.L]
 
 
@@ -228,29 +239,33 @@ class Kernels:
         self.layers = layers
         act = torch.bfloat16
         w = layers.w
-        self.q_plan, _ = tune_one(w["q"][0], Neighbour.PLAIN, 1, fp8=True, act_dtype=act)
-        self.o_plan, _ = tune_one(w["o"][0], Neighbour.PLAIN, 1, fp8=True, act_dtype=act)
+        if not layers.mlp_only:
+            self.q_plan, _ = tune_one(w["q"][0], Neighbour.PLAIN, 1, fp8=True, act_dtype=act)
+            self.o_plan, _ = tune_one(w["o"][0], Neighbour.PLAIN, 1, fp8=True, act_dtype=act)
+            self.q_run = launcher(self.q_plan, Neighbour.PLAIN, fp8=True)
+            self.o_run = launcher(self.o_plan, Neighbour.PLAIN, fp8=True)
         gu_plan, _ = tune_one(w["gu"][0], Neighbour.PLAIN, 1, fp8=True, act_dtype=act)
         d_plan, _ = tune_one(w["d"][0], Neighbour.SILU, 1, fp8=True, act_dtype=act)
         self.gu_lp, self.d_lp = one_row_plan(gu_plan), LinearPlan(Neighbour.SILU, (d_plan,) + (CUBLAS,) * (
             len(ROW_BUCKETS) - 1), True, (CUBLAS,) * len(MANY_ROW_BUCKETS))
         self.mlp = gate_up_silu_plan(w["gu"][0], self.gu_lp, w["d"][0], self.d_lp,
                                      scales=(layers.s["gu"][0], layers.s["d"][0]), act_dtype=act)
-        self.q_run = launcher(self.q_plan, Neighbour.PLAIN, fp8=True)
-        self.o_run = launcher(self.o_plan, Neighbour.PLAIN, fp8=True)
 
     def __str__(self) -> str:
         mlp = (f"gate_up_silu{tuple(self.mlp.tile)}{'+pdl' if self.mlp.pdl else ''} then {self.mlp.down}"
                if self.mlp else f"{self.gu_lp.one_row()} then {self.d_lp.one_row()}")
-        return f"kernels: q/k/v {self.q_plan}, o {self.o_plan}, {mlp}"
+        return f"kernels: {mlp}" if self.layers.mlp_only else f"kernels: q/k/v {self.q_plan}, o {self.o_plan}, {mlp}"
 
     def __call__(self) -> torch.Tensor:
         ly = self.layers
         H = ly.shape.hidden
         y = ly.x[:1]
         for layer in range(ly.L):
-            q = self.q_run(y, ly.w["q"][layer], None, ly.s["q"][layer])
-            o = self.o_run(q[:, :H], ly.w["o"][layer], None, ly.s["o"][layer])
+            if ly.mlp_only:
+                o = y
+            else:
+                q = self.q_run(y, ly.w["q"][layer], None, ly.s["q"][layer])
+                o = self.o_run(q[:, :H], ly.w["o"][layer], None, ly.s["o"][layer])
             if self.mlp is not None:
                 y = self.mlp.down_proj(self.mlp.gate_up_silu(o, ly.w["gu"][layer], None, ly.s["gu"][layer]),
                                        ly.w["d"][layer], ly.s["d"][layer])
@@ -268,6 +283,8 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[3])
     ap.add_argument("--prefetch", choices=["off", "on", "both"], default="both")
+    ap.add_argument("--parts", nargs="+", choices=["layer", "mlp"], default=["layer", "mlp"],
+                    help="a layer's four products, or gate ‖ up and down alone")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -281,57 +298,59 @@ def main() -> None:
                                                                      prefetches)]
     x = torch.randn(H, device=dev)
     rows: list[dict] = []
-    names: dict[str, str] = {}
-    for L in a.layers:
-        copies = 2 if L * 218 < 512 else 1          # MB of weight: more than L2 between replays
-        sets = [Layers(shape, L, dev) for _ in range(copies)]
-        for s in sets:
-            s.x[0] = x
-        ref = sets[0].reference(x).float()
-        forms: dict[str, list[Callable[[], torch.Tensor]]] = {"kernels": [Kernels(s) for s in sets]}
-        names["kernels"] = str(forms["kernels"][0])
-        for tile in tiles:
-            try:
-                forms[str(tile)] = [Persistent(s, tile) for s in sets]
-            except ValueError as e:
-                rows.append({"layers": L, "form": str(tile), "error": str(e)})
-        for name, fns in forms.items():
-            line: dict = {"layers": L, "form": name, "bytes": L * sets[0].bytes_per_layer}
-            try:
-                y = fns[0]().float()
-                torch.cuda.synchronize()
-                if isinstance(fns[0], Persistent) and fns[0].err.item():
-                    rows.append({**line, "error": "a program gave up waiting: the grid was not resident at once"})
-                    continue
-                line["rel_err"] = float((y - ref).norm() / ref.norm())
-                ms = time_graph(lambda j, fns=fns: fns[j](), copies)
-                if isinstance(fns[0], Persistent) and any(f.err.item() for f in fns):
-                    rows.append({**line, "error": "a program gave up waiting while timed"})
-                    continue
-                line["us"] = ms * 1e3
-                line["tb_s"] = line["bytes"] / (ms * 1e-3) / 1e12
-            except Exception as e:  # noqa: BLE001 - a form that does not compile or run is reported
-                line["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            rows.append(line)
-            told = line["error"] if "error" in line else \
-                f"{line['us']:8.1f} us {line['tb_s']:4.2f} TB/s err {line['rel_err']:.1e}"
-            print(f"{L} layer(s) {name}: {told}", flush=True)
-        del sets, forms
-        torch.cuda.empty_cache()
-    bw = read_bandwidth(dev)
-    layer_bytes = sum(n * k for n, k in ((shape.qkv, H), (H, H), (2 * I, H), (H, I)))
-    stream_us = layer_bytes / bw * 1e6
-    summary: dict = {"read_tb_s": bw / 1e12, "layer_bytes": layer_bytes, "stream_us_per_layer": stream_us,
-                     "kernels_plans": names["kernels"]}
-    print(names["kernels"])
-    print(f"read bandwidth {bw / 1e12:.2f} TB/s: a layer's {layer_bytes / 1e6:.1f} MB streams in {stream_us:.1f} us")
-    for name in dict.fromkeys(r["form"] for r in rows):
-        points = [(r["layers"], r["us"]) for r in rows if r["form"] == name and "us" in r]
-        if len(points) < 2:
-            continue
-        per = slope(points)
-        summary[name] = {"us_per_layer": per, "of_read_bandwidth": stream_us / per}
-        print(f"  {name:60s} {per:6.1f} us a layer, {100 * stream_us / per:5.1f} % of the read bandwidth")
+    summary: dict = {"read_tb_s": read_bandwidth(dev) / 1e12}
+    bw = summary["read_tb_s"] * 1e12
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for part in a.parts:
+        mlp_only = part == "mlp"
+        for L in a.layers:
+            sets = [Layers(shape, L, dev, mlp_only=mlp_only)]
+            if L * sets[0].bytes_per_layer < 512 << 20:   # more weight than L2 between one replay and the next
+                sets.append(Layers(shape, L, dev, mlp_only=mlp_only))
+            for s in sets:
+                s.x[0] = x
+            ref = sets[0].reference(x).float()
+            kernels = [Kernels(s) for s in sets]
+            forms: dict[str, list[Callable[[], torch.Tensor]]] = {f"{part} {kernels[0]}": list(kernels)}
+            for tile in tiles:
+                try:
+                    forms[f"{part} {tile}"] = [Persistent(s, tile) for s in sets]
+                except ValueError as e:
+                    rows.append({"part": part, "layers": L, "form": f"{part} {tile}", "error": str(e)})
+            for name, fns in forms.items():
+                line: dict = {"part": part, "layers": L, "form": name, "bytes": L * sets[0].bytes_per_layer}
+                rows.append(line)
+                try:
+                    y = fns[0]().float()
+                    torch.cuda.synchronize()
+                    if isinstance(fns[0], Persistent) and fns[0].err.item():
+                        line["error"] = "a program gave up waiting: the grid was not resident at once"
+                    else:
+                        line["rel_err"] = float((y - ref).norm() / ref.norm())
+                        ms = time_graph(lambda j, fns=fns: fns[j](), len(fns))
+                        if isinstance(fns[0], Persistent) and any(f.err.item() for f in fns):
+                            line["error"] = "a program gave up waiting while timed"
+                        else:
+                            line["us"] = ms * 1e3
+                            line["tb_s"] = line["bytes"] / (ms * 1e-3) / 1e12
+                except Exception as e:  # noqa: BLE001 - a form that does not compile or run is reported
+                    line["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                told = line["error"] if "error" in line else \
+                    f"{line['us']:8.1f} us {line['tb_s']:4.2f} TB/s err {line['rel_err']:.1e}"
+                print(f"{L} x {name}: {told}", flush=True)
+            layer_bytes = sets[0].bytes_per_layer
+            del sets, forms, kernels
+            torch.cuda.empty_cache()
+        stream_us = layer_bytes / bw * 1e6
+        summary[part] = {"bytes_per_layer": layer_bytes, "stream_us_per_layer": stream_us}
+        print(f"{part}: {layer_bytes / 1e6:.1f} MB a layer, streamed in {stream_us:.1f} us at the read bandwidth")
+        for name in dict.fromkeys(r["form"] for r in rows if r["part"] == part):
+            points = [(r["layers"], r["us"]) for r in rows if r["form"] == name and "us" in r]
+            if len(points) < 2:
+                continue
+            per = slope(points)
+            summary[part][name] = {"us_per_layer": per, "of_read_bandwidth": stream_us / per}
+            print(f"  {name:100s} {per:6.1f} us a layer, {100 * stream_us / per:5.1f} % of the read bandwidth")
     if a.output:
         with open(a.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "sms": sms, "rows": rows, "summary": summary}, f,

@@ -26,16 +26,20 @@ def stages(layers, layer):
 
     def mm(v, name):
         return v.float() @ (layers.w[name][layer].float() * layers.s[name][layer][:, None]).t()
-    gu = mm(layers.o[layer], "gu").to(torch.bfloat16).float()
-    return [(mm(layers.x[layer], "q"), layers.qkv[layer]), (mm(layers.qkv[layer, :H], "o"), layers.o[layer]),
-            (torch.nn.functional.silu(gu[:I]) * gu[I:], layers.act[layer]),
-            (mm(layers.act[layer], "d"), layers.x[layer + 1])]
+    mlp_in = layers.x[layer] if layers.mlp_only else layers.o[layer]
+    gu = mm(mlp_in, "gu").to(torch.bfloat16).float()
+    mlp = [(torch.nn.functional.silu(gu[:I]) * gu[I:], layers.act[layer]),
+           (mm(layers.act[layer], "d"), layers.x[layer + 1])]
+    if layers.mlp_only:
+        return mlp
+    return [(mm(layers.x[layer], "q"), layers.qkv[layer]), (mm(layers.qkv[layer, :H], "o"), layers.o[layer]), *mlp]
 
 
+@pytest.mark.parametrize("mlp_only", [False, True])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("programs", [1, 4] if CUDA else [1])
-def test_the_persistent_layers_equal_the_float32_products(prefetch, programs):
-    layers = bls.Layers(SHAPE, 2, DEV, torch.Generator(device=DEV).manual_seed(5))
+def test_the_persistent_layers_equal_the_float32_products(prefetch, programs, mlp_only):
+    layers = bls.Layers(SHAPE, 2, DEV, torch.Generator(device=DEV).manual_seed(5), mlp_only=mlp_only)
     x = torch.randn(SHAPE.hidden, generator=torch.Generator().manual_seed(6)).to(DEV)
     layers.x[0] = x
     run = bls.Persistent(layers, bls.Tile(programs, 8, 2, 4, 2, prefetch))
@@ -45,7 +49,8 @@ def test_the_persistent_layers_equal_the_float32_products(prefetch, programs):
             torch.testing.assert_close(got.float(), ref.to(torch.bfloat16).float(), atol=2e-2, rtol=1e-2)
     again = run().float().cpu()    # the counter only grows: a second launch needs no reset
     assert run.err.item() == 0
-    assert int(run.ctr.item()) == 2 * 4 * 2 * programs    # every program counted in before each of 4 products a layer
+    products = 2 if mlp_only else 4      # every program counts itself in before each product of each layer
+    assert int(run.ctr.item()) == 2 * products * 2 * programs
     assert torch.equal(first, again)
 
 
