@@ -19,7 +19,8 @@ part is gate ‖ up and down alone (176 MB a layer), the pair the engine runs as
 
 - ``kernels``: the engine's one-row kernels as the tuner picks them for these shapes (q/k/v and
   o with ``gemv_tuner.tune_one``, the MLP with ``gemv_tuner.gate_up_silu_plan``), PDL as tuned;
-- ``persistent``: one launch of ``_layers_kernel``, G programs (1 or 2 an SM, all resident);
+- ``persistent``: one launch of ``_layers_kernel``, G programs (1 or 2 an SM; their registers
+  capped so that all are resident, and a form whose shared memory does not fit is refused);
   each product's row tiles are [BLOCK_N, all of K] with x held in registers, program p taking
   tiles p, p + G, ... in a loop whose loads are pipelined ``--stages`` deep; ``prefetch``: a
   program loads the first weight tile of the next product after counting itself in and before
@@ -109,7 +110,7 @@ def _product(w_ptr, s_ptr, x_ptr, y_ptr, ctr_ptr, err_ptr, pid, G, N, K: tl.cons
         _finish_tile(_load_tile(w_ptr, t, N, k, km, K, BLOCK_N, PAIRS), x, s_ptr, y_ptr, t, N, BLOCK_N, PAIRS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "G"])     # L = 1 runs the binary of every other L
 def _layers_kernel(x_ptr, qkv_ptr, o_ptr, act_ptr, wq_ptr, sq_ptr, wo_ptr, so_ptr, wg_ptr, sg_ptr, wd_ptr, sd_ptr,
                    ctr_ptr, err_ptr, L, G, H: tl.constexpr, NQ: tl.constexpr, I: tl.constexpr,  # noqa: E741
                    KP_I: tl.constexpr, BN_H: tl.constexpr, BN_I: tl.constexpr, STAGES: tl.constexpr,
@@ -214,16 +215,37 @@ class Persistent:
         dev = layers.x.device
         self.ctr = torch.zeros(1, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        ly = layers
+        wq, sq, wo, so = (ly.w["gu"], ly.s["gu"]) * 2 if ly.mlp_only else (ly.w["q"], ly.s["q"], ly.w["o"], ly.s["o"])
+        self.args = (ly.x, ly.qkv, ly.o, ly.act, wq, sq, wo, so, ly.w["gu"], ly.s["gu"], ly.w["d"], ly.s["d"],
+                     self.ctr, self.err, ly.L, tile.programs)
+        self.launch = {"H": H, "NQ": NQ, "I": I, "KP_I": triton.next_power_of_2(I), "BN_H": tile.bn_h,
+                       "BN_I": tile.bn_i, "STAGES": tile.stages, "PREFETCH": tile.prefetch, "MLP_ONLY": ly.mlp_only,
+                       "num_warps": tile.warps, "num_stages": 1}
+        self.resources: dict = {}
+        if dev.type == "cuda":
+            self._fit(dev)
+
+    def _fit(self, dev: torch.device) -> None:
+        """Every program must be resident at once (each spins until all have counted in): registers
+        capped so that the programs an SM takes fit its register file, and the kernel refused where
+        their shared memory does not fit; what it takes goes into ``resources``."""
+        t = self.tile
+        props = torch.cuda.get_device_properties(dev)
+        per_sm = -(-t.programs // props.multi_processor_count)
+        regs = getattr(props, "regs_per_multiprocessor", 65536)
+        shared = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        self.launch["maxnreg"] = min(255, regs // (32 * t.warps * per_sm)) // 8 * 8
+        k = _layers_kernel.warmup(*self.args, grid=(t.programs,), **self.launch)
+        k._init_handles()
+        self.resources = {"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
+                          "maxnreg": self.launch["maxnreg"]}
+        if per_sm * (k.metadata.shared + 1024) > shared or per_sm * 32 * t.warps * k.n_regs > regs:
+            raise ValueError(f"{per_sm} programs an SM do not fit: {self.resources}")
 
     def __call__(self) -> torch.Tensor:
-        ly, t = self.layers, self.tile
-        H, NQ, I = ly.shape  # noqa: E741
-        wq, sq, wo, so = (ly.w["gu"], ly.s["gu"]) * 2 if ly.mlp_only else (ly.w["q"], ly.s["q"], ly.w["o"], ly.s["o"])
-        _layers_kernel[(t.programs,)](
-            ly.x, ly.qkv, ly.o, ly.act, wq, sq, wo, so, ly.w["gu"], ly.s["gu"], ly.w["d"], ly.s["d"], self.ctr,
-            self.err, ly.L, t.programs, H=H, NQ=NQ, I=I, KP_I=triton.next_power_of_2(I), BN_H=t.bn_h, BN_I=t.bn_i,
-            STAGES=t.stages, PREFETCH=t.prefetch, MLP_ONLY=ly.mlp_only, num_warps=t.warps, num_stages=1)
-        return ly.x[ly.L]
+        _layers_kernel[(self.tile.programs,)](*self.args, **self.launch)
+        return self.layers.x[self.layers.L]
 
 
 def one_row_plan(plan) -> LinearPlan:
@@ -310,15 +332,20 @@ def main() -> None:
             for s in sets:
                 s.x[0] = x
             ref = sets[0].reference(x).float()
-            kernels = [Kernels(s) for s in sets]
-            forms: dict[str, list[Callable[[], torch.Tensor]]] = {f"{part} {kernels[0]}": list(kernels)}
+            forms: dict[str, list[Callable[[], torch.Tensor]]] = {}
+            try:
+                kernels = [Kernels(s) for s in sets]
+                forms[f"{part} {kernels[0]}"] = list(kernels)
+            except Exception as e:  # noqa: BLE001 - the persistent forms still run
+                rows.append({"part": part, "layers": L, "form": f"{part} kernels", "error": f"{type(e).__name__}: {e}"})
             for tile in tiles:
                 try:
                     forms[f"{part} {tile}"] = [Persistent(s, tile) for s in sets]
                 except ValueError as e:
                     rows.append({"part": part, "layers": L, "form": f"{part} {tile}", "error": str(e)})
             for name, fns in forms.items():
-                line: dict = {"part": part, "layers": L, "form": name, "bytes": L * sets[0].bytes_per_layer}
+                line: dict = {"part": part, "layers": L, "form": name, "bytes": L * sets[0].bytes_per_layer,
+                              **getattr(fns[0], "resources", {})}
                 rows.append(line)
                 try:
                     y = fns[0]().float()
@@ -339,8 +366,9 @@ def main() -> None:
                     f"{line['us']:8.1f} us {line['tb_s']:4.2f} TB/s err {line['rel_err']:.1e}"
                 print(f"{L} x {name}: {told}", flush=True)
             layer_bytes = sets[0].bytes_per_layer
-            del sets, forms, kernels
+            del sets, forms
             torch.cuda.empty_cache()
+            dump(a.output, sms, rows, summary)     # what a run cut off by its time limit has measured
         stream_us = layer_bytes / bw * 1e6
         summary[part] = {"bytes_per_layer": layer_bytes, "stream_us_per_layer": stream_us}
         print(f"{part}: {layer_bytes / 1e6:.1f} MB a layer, streamed in {stream_us:.1f} us at the read bandwidth")
@@ -351,8 +379,12 @@ def main() -> None:
             per = slope(points)
             summary[part][name] = {"us_per_layer": per, "of_read_bandwidth": stream_us / per}
             print(f"  {name:100s} {per:6.1f} us a layer, {100 * stream_us / per:5.1f} % of the read bandwidth")
-    if a.output:
-        with open(a.output, "w") as f:
+    dump(a.output, sms, rows, summary)
+
+
+def dump(path: str | None, sms: int, rows: list[dict], summary: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "sms": sms, "rows": rows, "summary": summary}, f,
                       indent=1)
 

@@ -206,13 +206,15 @@ for prefetch in (False, True):
 LAYER_POINTERS = {"x_ptr": "*bf16", "qkv_ptr": "*bf16", "o_ptr": "*bf16", "act_ptr": "*bf16", "ctr_ptr": "*i32",
                   "err_ptr": "*i32", **{f"w{w}_ptr": "*fp8e4nv" for w in "qogd"},
                   **{f"s{w}_ptr": "*fp32" for w in "qogd"}}
-for warps, bn_h, bn_i, prefetch, mlp_only in ((4, 4, 1, False, False), (8, 8, 2, True, False), (8, 8, 2, True, True)):
+# (registers capped where two programs of 8 warps share an SM, as the tool caps them)
+for warps, bn_h, bn_i, prefetch, mlp_only in ((4, 4, 1, False, False), (8, 8, 2, True, False), (8, 4, 1, True, True)):
     layer_case = (f"persistent layer of FP8 products{' (MLP)' if mlp_only else ''}, {bn_h}/{bn_i}-row tiles, "
                   f"{warps} warps")
     CASES[layer_case + (", prefetched" if prefetch else "")] = (
         bench_layer_stream._layers_kernel, LAYER_POINTERS,
         {"H": 4096, "NQ": 6144, "I": 14336, "KP_I": 16384, "BN_H": bn_h, "BN_I": bn_i, "STAGES": 3,
-         "PREFETCH": prefetch, "MLP_ONLY": mlp_only}, {"num_warps": warps, "num_stages": 1})
+         "PREFETCH": prefetch, "MLP_ONLY": mlp_only},
+        {"num_warps": warps, "num_stages": 1, **({"maxnreg": 128} if warps == 8 else {})})
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("persistent layer")])
