@@ -14,26 +14,32 @@ several copies, together larger than L2. Timed from CUDA graphs:
 
 - ``kernels``: P launches of the engine's one-row kernel with the tile and PDL the tuner picks for
   the shape (``gemv_tuner.tune_one``), as a step runs them;
-- ``persistent``: one launch of ``_chain_kernel``, a fixed grid of programs per SM, each taking
-  every G-th row tile of each product; between products each program counts itself in (an atomic
-  add, release) and spins until all G have (acquire); the ``_prefetch`` form loads its first
-  weight tile of the next product between the two, so the load overlaps the wait;
+- ``persistent``: one launch of ``_chain_kernel``, a fixed grid of programs per SM. A row tile is
+  [BLOCK_N, all of K] with x in registers, and program p takes tiles p, p + G, ... of each product
+  in one loop whose loads are pipelined (``_product``; the first form of this tool walked its tiles
+  with their K steps one after another and streamed at half the kernel's rate, thirty-eighth
+  round). Between products each program counts itself in (an atomic add, release) and spins until
+  all G have (acquire); the ``_prefetch`` form loads its first weight tile of the next product
+  between the two, so the load overlaps the wait;
 - a single product (P = 1) in each form as well.
 
 Each form's time per product is the slope of its time over P (least squares over the chains,
 P = 1 included); less the product's bytes at the read bandwidth of the same run (a sum over
 2 GiB), that is what each product costs beyond streaming its weight — mostly its hand-over.
 Every program of the persistent kernel must be resident at once (it spins until all have
-arrived), so its grid is at most what fits; a spin that runs past ``MAX_SPINS`` polls gives up
-and flags an error, so a wrong grid ends in a message, not a hung GPU. The chains' outputs are
-checked against the float32 product of the dequantized weights.
+arrived): its registers are capped at what the programs an SM takes leave each, a form whose
+shared memory does not fit is refused (``fit_resident``), and a spin that runs past
+``MAX_SPINS`` polls gives up and flags an error, so a wrong grid ends in a message, not a hung
+GPU. The chains' outputs are checked against the float32 product of the dequantized weights.
 
-    python tools/bench_handover.py [--phases 2 4 8] [--size 4096] [--programs-per-sm 1 2] [--output F]
+    python tools/bench_handover.py [--phases 2 4 8] [--size 4096] [--programs-per-sm 1 2] [--block-n 4 8]
+                                   [--output F]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections.abc import Callable
 
@@ -42,7 +48,6 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import fp8 as f8
-from phalanx.kernels.gemv import _store_one_row
 from phalanx.kernels.gemv_tuner import time_eager, time_graph, tune_one
 from phalanx.kernels.linear_plan import Neighbour, launcher
 
@@ -74,76 +79,115 @@ def _wait(ctr_ptr, err_ptr, target):
 
 
 @triton.jit
-def _fma(acc, w, x_ptr, k, FOLD: tl.constexpr):
-    """acc + a weight tile times x[k], the products summed FOLD at a time (as the engine's one-row
-    kernel does); x read from L2: other programs wrote it in this launch."""
-    x = tl.load(x_ptr + k, cache_modifier=".cg")
-    p = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    return acc + tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // FOLD, FOLD]), 2)
+def _rows(t, N, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+    """Weight rows of row tile t: BLOCK_N in a run, or with PAIRS (gate ‖ up, N = 2I rows) BLOCK_N
+    // 2 pairs (gate j, up j) interleaved."""
+    r = tl.arange(0, BLOCK_N)
+    if PAIRS:
+        return t * (BLOCK_N // 2) + r // 2 + (r % 2) * (N // 2)
+    return t * BLOCK_N + r
 
 
 @triton.jit
-def _tile(w_ptr, x_ptr, n, K, k_start, acc, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
-    """acc + the products of weight rows n with x over K from k_start."""
-    for k0 in range(k_start, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        acc = _fma(acc, tl.load(w_ptr + n[:, None] * K + k[None, :], eviction_policy="evict_first"), x_ptr, k, FOLD)
-    return acc
+def _load_tile(w_ptr, t, N, k, km, K: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+    n = _rows(t, N, BLOCK_N, PAIRS)
+    return tl.load(w_ptr + n[:, None] * K + k[None, :], mask=km[None, :], other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
-def _chain_kernel(buf_ptr, w_ptr, s_ptr, ctr_ptr, err_ptr, N, G, PHASES: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PREFETCH: tl.constexpr):
+def _finish_tile(w, x, s_ptr, y_ptr, t, N, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+    """Row tile t's sums times the rows' scales, stored (with PAIRS: silu(gate) * up, each rounded
+    to y's dtype first, as the engine's kernel rounds them)."""
+    n = _rows(t, N, BLOCK_N, PAIRS)
+    y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1) * tl.load(s_ptr + n)
+    if PAIRS:
+        gate, up = tl.split(tl.reshape(y.to(y_ptr.dtype.element_ty), [BLOCK_N // 2, 2]))
+        gate = gate.to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+        tl.store(y_ptr + t * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), act.to(y_ptr.dtype.element_ty))
+    else:
+        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _product(w_ptr, s_ptr, x_ptr, y_ptr, ctr_ptr, err_ptr, pid, G, N, K: tl.constexpr, KP: tl.constexpr,
+             BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+    """y = x Wᵀ · s (FP8 W [N, K], a scale a row) over this program's row tiles, once every program
+    has stored its share of x (the counter). A row tile is [BLOCK_N, all of K] with x [K] held in
+    registers (KP: K rounded up to a power of two, masked); program p takes tiles p, p + G, ... in
+    one loop whose loads are pipelined STAGES deep. PREFETCH: the first tile is loaded between
+    counting in and the wait (weights are never written), so the stream does not stop there."""
+    k = tl.arange(0, KP)
+    km = k < K
+    target = _arrive(ctr_ptr, G)
+    if PREFETCH:
+        w0 = _load_tile(w_ptr, pid, N, k, km, K, BLOCK_N, PAIRS)
+    _wait(ctr_ptr, err_ptr, target)
+    x = tl.load(x_ptr + k, mask=km, other=0.0, cache_modifier=".cg")   # written in this launch: from L2
+    tiles = N // BLOCK_N
+    start = pid
+    if PREFETCH:
+        _finish_tile(w0, x, s_ptr, y_ptr, pid, N, BLOCK_N, PAIRS)
+        start = pid + G
+    for t in tl.range(start, tiles, G, num_stages=STAGES):
+        _finish_tile(_load_tile(w_ptr, t, N, k, km, K, BLOCK_N, PAIRS), x, s_ptr, y_ptr, t, N, BLOCK_N, PAIRS)
+
+
+@triton.jit(do_not_specialize=["G"])
+def _chain_kernel(buf_ptr, w_ptr, s_ptr, ctr_ptr, err_ptr, G, N: tl.constexpr, PHASES: tl.constexpr,
+                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """buf [PHASES + 1, N]: buf[i + 1] = buf[i] W_iᵀ · s_i for each i (N = K), W [PHASES, N, N] in
-    FP8, s [PHASES, N]; program p takes row tiles p, p + G, ... of each product."""
+    FP8, s [PHASES, N]."""
     pid = tl.program_id(0)
-    tiles = tl.cdiv(N, BLOCK_N)
-    K = N
-    target = 0
     for i in tl.static_range(PHASES):
-        x_ptr = buf_ptr + i * N
-        y_ptr = buf_ptr + (i + 1) * N
-        w_i = w_ptr + i * N * K
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)      # this program's first tile (pid < tiles: the grid is small)
-        acc = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
-        if i > 0:       # the previous product's stores counted in before this product's weight loads
-            target = _arrive(ctr_ptr, G)
-        if PREFETCH:    # the first weight tile in registers before the wait: weights are never written
-            k = tl.arange(0, BLOCK_K)
-            w0 = tl.load(w_i + n[:, None] * K + k[None, :], eviction_policy="evict_first")
-        if i > 0:
-            _wait(ctr_ptr, err_ptr, target)
-        if PREFETCH:
-            acc = _tile(w_i, x_ptr, n, K, BLOCK_K, _fma(acc, w0, x_ptr, tl.arange(0, BLOCK_K), FOLD), BLOCK_K, FOLD)
-        else:
-            acc = _tile(w_i, x_ptr, n, K, 0, acc, BLOCK_K, FOLD)
-        _store_one_row(y_ptr, s_ptr, s_ptr + i * N, n, n < N, tl.sum(acc, 1), False, True)
-        for t in range(pid + G, tiles, G):
-            n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = _tile(w_i, x_ptr, n, K, 0, tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32), BLOCK_K, FOLD)
-            _store_one_row(y_ptr, s_ptr, s_ptr + i * N, n, n < N, tl.sum(acc, 1), False, True)
+        _product(w_ptr + i * N * N, s_ptr + i * N, buf_ptr + i * N, buf_ptr + (i + 1) * N, ctr_ptr, err_ptr, pid, G,
+                 N, N, N, BLOCK_N, False, STAGES, PREFETCH)
+
+
+def fit_resident(kernel, args: tuple, launch: dict, programs: int, warps: int, dev: torch.device) -> dict:
+    """Every program of a persistent grid must be resident at once (each spins until all have
+    counted in): caps ``launch``'s registers at what the programs an SM takes leave each
+    (``maxnreg``), compiles, and refuses (ValueError) a kernel whose shared memory or registers do
+    not fit; returns what it takes."""
+    props = torch.cuda.get_device_properties(dev)
+    per_sm = -(-programs // props.multi_processor_count)
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    shared = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    launch["maxnreg"] = min(255, regs // (32 * warps * per_sm)) // 8 * 8
+    k = kernel.warmup(*args, grid=(programs,), **launch)
+    k._init_handles()
+    took = {"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared, "maxnreg": launch["maxnreg"]}
+    if per_sm * (k.metadata.shared + 1024) > shared or per_sm * 32 * warps * k.n_regs > regs:
+        raise ValueError(f"{per_sm} programs an SM do not fit: {took}")
+    return took
 
 
 class Persistent:
     """One launch of the chain over weight set j: x (buf[0]) in, buf[P] out."""
 
     def __init__(self, x: torch.Tensor, ws: list[torch.Tensor], ss: list[torch.Tensor], programs: int, prefetch: bool,
-                 block_n: int = 8, block_k: int = 2048, fold: int = 16, warps: int = 4, stages: int = 3):
-        self.ws, self.ss, self.G, self.prefetch = ws, ss, programs, prefetch
+                 block_n: int = 8, warps: int = 8, stages: int = 3):
+        self.ws, self.ss, self.G = ws, ss, programs
         P, N, _ = ws[0].shape
-        self.buf = torch.zeros(P + 1, N, dtype=torch.bfloat16, device=ws[0].device)
+        if N % block_n or N // block_n < programs or N & (N - 1):
+            raise ValueError(f"size {N}: needs a power of two, a multiple of {block_n} with at least {programs} "
+                             "row tiles")
+        dev = ws[0].device
+        self.buf = torch.zeros(P + 1, N, dtype=torch.bfloat16, device=dev)
         self.buf[0] = x
-        self.ctr = torch.zeros(1, dtype=torch.int32, device=ws[0].device)
-        self.err = torch.zeros(1, dtype=torch.int32, device=ws[0].device)
-        self.launch = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FOLD": fold, "num_warps": warps, "num_stages": stages}
-        if N % block_n or N % block_k or triton.cdiv(N, block_n) < programs:
-            raise ValueError(f"size {N}: needs multiples of {block_n} and {block_k} and at least {programs} row tiles")
+        self.ctr = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.launch = {"N": N, "PHASES": P, "BLOCK_N": block_n, "STAGES": stages, "PREFETCH": prefetch,
+                       "num_warps": warps, "num_stages": 1}
+        self.resources = fit_resident(_chain_kernel, self._args(0), self.launch, programs, warps, dev) \
+            if dev.type == "cuda" else {}
+
+    def _args(self, j: int) -> tuple:
+        return (self.buf, self.ws[j], self.ss[j], self.ctr, self.err, self.G)
 
     def __call__(self, j: int) -> torch.Tensor:
-        P, N, _ = self.ws[j].shape
-        _chain_kernel[(self.G,)](self.buf, self.ws[j], self.ss[j], self.ctr, self.err, N, self.G, PHASES=P,
-                                 PREFETCH=self.prefetch, **self.launch)
-        return self.buf[P]
+        _chain_kernel[(self.G,)](*self._args(j), **self.launch)
+        return self.buf[self.ws[j].shape[0]]
 
 
 def read_bandwidth(dev: torch.device, nbytes: int = 2 << 30) -> float:
@@ -167,6 +211,7 @@ def main() -> None:
     ap.add_argument("--phases", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--size", type=int, default=4096, help="N = K of each product")
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[4, 8], help="rows of a row tile (all of K)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -198,13 +243,12 @@ def main() -> None:
             ref = (ref @ (ws[0][i].float() * ss[0][i][:, None]).t()).to(torch.bfloat16).float()
         line: dict = {"phases": P, "size": N, "bytes": P * N * N, "kernels_plan": str(plan)}
         forms: dict[str, Callable[[int], torch.Tensor]] = {"kernels": kernels}
-        for per_sm in a.programs_per_sm:
-            for prefetch in (False, True):
-                name = f"persistent_{per_sm}x{'_prefetch' if prefetch else ''}"
-                try:
-                    forms[name] = Persistent(x, ws, ss, per_sm * sms, prefetch)
-                except ValueError as e:   # more programs than row tiles
-                    line[name] = {"error": str(e)}
+        for per_sm, block_n, prefetch in itertools.product(a.programs_per_sm, a.block_n, (False, True)):
+            name = f"persistent_{per_sm}x_{block_n}rows{'_prefetch' if prefetch else ''}"
+            try:
+                forms[name] = Persistent(x, ws, ss, per_sm * sms, prefetch, block_n=block_n)
+            except ValueError as e:   # more programs than row tiles, or a grid that cannot be resident
+                line[name] = {"error": str(e)}
         for name, fn in forms.items():
             try:
                 y = fn(0).float()
@@ -217,7 +261,8 @@ def main() -> None:
                 if isinstance(fn, Persistent) and fn.err.item():
                     line[name] = {"error": "a program gave up waiting while timed: the grid was not resident at once"}
                     continue
-                line[name] = {"us": ms * 1e3, "tb_s": P * N * N / (ms * 1e-3) / 1e12, "rel_err": err}
+                line[name] = {"us": ms * 1e3, "tb_s": P * N * N / (ms * 1e-3) / 1e12, "rel_err": err,
+                              **getattr(fn, "resources", {})}
             except Exception as e:  # noqa: BLE001 - a form that does not compile or run is reported
                 line[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"}
         rows.append(line)

@@ -6,7 +6,7 @@ round): q/k/v and o read at 2.7–3.1 TB/s because each kernel's ramp and tail w
 work, and each hand-over between kernels costs ~1.9 µs (``bench_handover``). One persistent
 kernel per layer keeps the weights streaming across the products: every program walks its
 share of each product's row tiles with the loads pipelined, counts itself in when its share is
-stored, and spins until all have before it reads the product's output. This measures that
+stored, and spins until all have before it reads the product's output (``bench_handover._product``). This measures that
 stream against the engine's kernels before anything of the kind goes into the engine.
 
 A layer here is its products only (Llama-3.1-8B's by default): x -> q/k/v [6,144 x 4,096] -> o
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_handover import _arrive, _wait, read_bandwidth, slope
+from bench_handover import _product, fit_resident, read_bandwidth, slope
 from phalanx.kernels import fp8 as f8
 from phalanx.kernels.gemv_tuner import gate_up_silu_plan, time_graph, tune_one
 from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, ROW_BUCKETS, LinearPlan, Neighbour, launcher
@@ -56,58 +56,6 @@ class Shape(NamedTuple):
     hidden: int = 4096
     qkv: int = 6144
     inter: int = 14336
-
-
-@triton.jit
-def _rows(t, N, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
-    """Weight rows of row tile t: BLOCK_N in a run, or with PAIRS (gate ‖ up, N = 2I rows) BLOCK_N
-    // 2 pairs (gate j, up j) interleaved."""
-    r = tl.arange(0, BLOCK_N)
-    if PAIRS:
-        return t * (BLOCK_N // 2) + r // 2 + (r % 2) * (N // 2)
-    return t * BLOCK_N + r
-
-
-@triton.jit
-def _load_tile(w_ptr, t, N, k, km, K: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
-    n = _rows(t, N, BLOCK_N, PAIRS)
-    return tl.load(w_ptr + n[:, None] * K + k[None, :], mask=km[None, :], other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
-def _finish_tile(w, x, s_ptr, y_ptr, t, N, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
-    """Row tile t's sums times the rows' scales, stored (with PAIRS: silu(gate) * up, each rounded
-    to y's dtype first, as the engine's kernel rounds them)."""
-    n = _rows(t, N, BLOCK_N, PAIRS)
-    y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1) * tl.load(s_ptr + n)
-    if PAIRS:
-        gate, up = tl.split(tl.reshape(y.to(y_ptr.dtype.element_ty), [BLOCK_N // 2, 2]))
-        gate = gate.to(tl.float32)
-        act = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
-        tl.store(y_ptr + t * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), act.to(y_ptr.dtype.element_ty))
-    else:
-        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _product(w_ptr, s_ptr, x_ptr, y_ptr, ctr_ptr, err_ptr, pid, G, N, K: tl.constexpr, KP: tl.constexpr,
-             BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
-    """y = x Wᵀ · s over this program's row tiles, once every program has stored its share of x
-    (the counter); x [K] in registers (KP: K rounded up to a power of two, masked)."""
-    k = tl.arange(0, KP)
-    km = k < K
-    target = _arrive(ctr_ptr, G)
-    if PREFETCH:        # weights are never written: the first tile streams while the others finish
-        w0 = _load_tile(w_ptr, pid, N, k, km, K, BLOCK_N, PAIRS)
-    _wait(ctr_ptr, err_ptr, target)
-    x = tl.load(x_ptr + k, mask=km, other=0.0, cache_modifier=".cg")   # written in this launch: from L2
-    tiles = N // BLOCK_N
-    start = pid
-    if PREFETCH:
-        _finish_tile(w0, x, s_ptr, y_ptr, pid, N, BLOCK_N, PAIRS)
-        start = pid + G
-    for t in tl.range(start, tiles, G, num_stages=STAGES):
-        _finish_tile(_load_tile(w_ptr, t, N, k, km, K, BLOCK_N, PAIRS), x, s_ptr, y_ptr, t, N, BLOCK_N, PAIRS)
 
 
 @triton.jit(do_not_specialize=["L", "G"])     # L = 1 runs the binary of every other L
@@ -222,26 +170,8 @@ class Persistent:
         self.launch = {"H": H, "NQ": NQ, "I": I, "KP_I": triton.next_power_of_2(I), "BN_H": tile.bn_h,
                        "BN_I": tile.bn_i, "STAGES": tile.stages, "PREFETCH": tile.prefetch, "MLP_ONLY": ly.mlp_only,
                        "num_warps": tile.warps, "num_stages": 1}
-        self.resources: dict = {}
-        if dev.type == "cuda":
-            self._fit(dev)
-
-    def _fit(self, dev: torch.device) -> None:
-        """Every program must be resident at once (each spins until all have counted in): registers
-        capped so that the programs an SM takes fit its register file, and the kernel refused where
-        their shared memory does not fit; what it takes goes into ``resources``."""
-        t = self.tile
-        props = torch.cuda.get_device_properties(dev)
-        per_sm = -(-t.programs // props.multi_processor_count)
-        regs = getattr(props, "regs_per_multiprocessor", 65536)
-        shared = getattr(props, "shared_memory_per_multiprocessor", 233472)
-        self.launch["maxnreg"] = min(255, regs // (32 * t.warps * per_sm)) // 8 * 8
-        k = _layers_kernel.warmup(*self.args, grid=(t.programs,), **self.launch)
-        k._init_handles()
-        self.resources = {"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
-                          "maxnreg": self.launch["maxnreg"]}
-        if per_sm * (k.metadata.shared + 1024) > shared or per_sm * 32 * t.warps * k.n_regs > regs:
-            raise ValueError(f"{per_sm} programs an SM do not fit: {self.resources}")
+        self.resources = fit_resident(_layers_kernel, self.args, self.launch, tile.programs, tile.warps, dev) \
+            if dev.type == "cuda" else {}
 
     def __call__(self) -> torch.Tensor:
         _layers_kernel[(self.tile.programs,)](*self.args, **self.launch)

@@ -194,14 +194,13 @@ CASES |= {
         {**CASES["FP8 experts, down"][2], **A8_TILE}),
 }
 # tools/bench_handover.py's persistent chain of one-row FP8 products (a counter in memory between them),
-# with and without the next weight tile loaded before the wait
+# with and without the next weight tile loaded before the wait, registers capped as the tool caps them
 for prefetch in (False, True):
     CASES[f"persistent chain of FP8 products{', prefetched' if prefetch else ''}"] = (
         bench_handover._chain_kernel, {"buf_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ctr_ptr": "*i32",
                                        "err_ptr": "*i32"},
-        {"PHASES": 4, "BLOCK_N": 8, "BLOCK_K": 2048, "FOLD": 16, "PREFETCH": prefetch},
-        {"num_warps": 4, "num_stages": 3})
-
+        {"N": 4096, "PHASES": 4, "BLOCK_N": 8, "STAGES": 3, "PREFETCH": prefetch},
+        {"num_warps": 8, "num_stages": 1, "maxnreg": 128})
 # tools/bench_layer_stream.py's persistent layer of FP8 products at Llama-3.1-8B's shape, the tiles it runs
 LAYER_POINTERS = {"x_ptr": "*bf16", "qkv_ptr": "*bf16", "o_ptr": "*bf16", "act_ptr": "*bf16", "ctr_ptr": "*i32",
                   "err_ptr": "*i32", **{f"w{w}_ptr": "*fp8e4nv" for w in "qogd"},
