@@ -18,8 +18,8 @@ several copies, together larger than L2. Timed from CUDA graphs:
   [BLOCK_N, all of K] with x in registers, and program p takes tiles p, p + G, ... of each product
   in one loop whose loads are pipelined (``_product``; the first form of this tool walked its tiles
   with their K steps one after another and streamed at half the kernel's rate, thirty-eighth
-  round). Between products each program counts itself in (an atomic add, release) and spins until
-  all G have (acquire); the ``_prefetch`` form loads its first weight tile of the next product
+  round). Before each product, the first included, each program counts itself in (an atomic add,
+  release) and spins until all G have (acquire); the ``_prefetch`` form loads its first weight tile of the next product
   between the two, so the load overlaps the wait;
 - a single product (P = 1) in each form as well.
 
@@ -157,7 +157,7 @@ def fit_resident(kernel, args: tuple, launch: dict, programs: int, warps: int, d
     k = kernel.warmup(*args, grid=(programs,), **launch)
     k._init_handles()
     took = {"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared, "maxnreg": launch["maxnreg"]}
-    if per_sm * (k.metadata.shared + 1024) > shared or per_sm * 32 * warps * k.n_regs > regs:
+    if per_sm * (k.metadata.shared + 1024) > shared or per_sm * 32 * warps * -(-k.n_regs // 8) * 8 > regs:
         raise ValueError(f"{per_sm} programs an SM do not fit: {took}")
     return took
 
@@ -247,8 +247,8 @@ def main() -> None:
             name = f"persistent_{per_sm}x_{block_n}rows{'_prefetch' if prefetch else ''}"
             try:
                 forms[name] = Persistent(x, ws, ss, per_sm * sms, prefetch, block_n=block_n)
-            except ValueError as e:   # more programs than row tiles, or a grid that cannot be resident
-                line[name] = {"error": str(e)}
+            except Exception as e:  # noqa: BLE001 - too few row tiles, a grid that cannot be resident, a compile
+                line[name] = {"error": f"{type(e).__name__}: {e}"}
         for name, fn in forms.items():
             try:
                 y = fn(0).float()
@@ -264,13 +264,14 @@ def main() -> None:
                 line[name] = {"us": ms * 1e3, "tb_s": P * N * N / (ms * 1e-3) / 1e12, "rel_err": err,
                               **getattr(fn, "resources", {})}
             except Exception as e:  # noqa: BLE001 - a form that does not compile or run is reported
-                line[name] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"}
+                last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                line[name] = {"error": f"{type(e).__name__}: {last}"}
         rows.append(line)
-    for r in rows:
         cells = [f"{name} {v['error']}" if "error" in v else
                  f"{name} {v['us']:7.1f} us {v['tb_s']:4.2f} TB/s err {v['rel_err']:.1e}"
-                 for name, v in r.items() if isinstance(v, dict)]
-        print(f"{r['phases']} x {N}x{N} ({r['kernels_plan']}): " + " | ".join(cells), flush=True)
+                 for name, v in line.items() if isinstance(v, dict)]
+        print(f"{P} x {N}x{N} ({line['kernels_plan']}): " + " | ".join(cells), flush=True)
+        dump(a.output, sms, rows, {})       # what a run cut off by its time limit has measured
     bw = read_bandwidth(dev)
     stream_us = N * N / bw * 1e6
     summary = {"read_tb_s": bw / 1e12, "stream_us_per_product": stream_us}
@@ -282,8 +283,12 @@ def main() -> None:
         per = slope(points)
         summary[name] = {"us_per_product": per, "beyond_streaming_us": per - stream_us}
         print(f"  {name:28s} {per:6.2f} us a product, {per - stream_us:+5.2f} us beyond streaming its weight")
-    if a.output:
-        with open(a.output, "w") as f:
+    dump(a.output, sms, rows, summary)
+
+
+def dump(path: str | None, sms: int, rows: list[dict], summary: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "sms": sms, "rows": rows, "summary": summary}, f,
                       indent=1)
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -46,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_handover import _product, fit_resident, read_bandwidth, slope
+from bench_handover import _product, dump, fit_resident, read_bandwidth, slope
 from phalanx.kernels import fp8 as f8
 from phalanx.kernels.gemv_tuner import gate_up_silu_plan, time_graph, tune_one
 from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, ROW_BUCKETS, LinearPlan, Neighbour, launcher
@@ -271,8 +270,9 @@ def main() -> None:
             for tile in tiles:
                 try:
                     forms[f"{part} {tile}"] = [Persistent(s, tile) for s in sets]
-                except ValueError as e:
-                    rows.append({"part": part, "layers": L, "form": f"{part} {tile}", "error": str(e)})
+                except Exception as e:  # noqa: BLE001 - a grid that cannot be resident, a compile that fails
+                    rows.append({"part": part, "layers": L, "form": f"{part} {tile}",
+                                 "error": f"{type(e).__name__}: {e}"})
             for name, fns in forms.items():
                 line: dict = {"part": part, "layers": L, "form": name, "bytes": L * sets[0].bytes_per_layer,
                               **getattr(fns[0], "resources", {})}
@@ -310,13 +310,6 @@ def main() -> None:
             summary[part][name] = {"us_per_layer": per, "of_read_bandwidth": stream_us / per}
             print(f"  {name:100s} {per:6.1f} us a layer, {100 * stream_us / per:5.1f} % of the read bandwidth")
     dump(a.output, sms, rows, summary)
-
-
-def dump(path: str | None, sms: int, rows: list[dict], summary: dict) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "sms": sms, "rows": rows, "summary": summary}, f,
-                      indent=1)
 
 
 if __name__ == "__main__":

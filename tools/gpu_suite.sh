@@ -127,10 +127,10 @@ for what in "${@:-all}"; do
         > "$OUT/itl.txt" 2>&1 ;;
     handover)   # a hand-over between dependent one-row FP8 products: kernels with PDL against one persistent kernel
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_bench_handover.py > "$OUT/handover_tests.txt" 2>&1
-      timeout 240 python3 tools/bench_handover.py --output "$OUT/handover.json" > "$OUT/handover.txt" 2>&1 ;;
+      timeout 180 python3 tools/bench_handover.py --output "$OUT/handover.json" > "$OUT/handover.txt" 2>&1 ;;
     layer)   # one layer's four FP8 products at batch 1: the engine's kernels against one persistent kernel
       timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_bench_layer_stream.py > "$OUT/layer_tests.txt" 2>&1
-      timeout 400 python3 tools/bench_layer_stream.py ${LAYER_ARGS:-} --output "$OUT/layer.json" > "$OUT/layer.txt" 2>&1 ;;
+      timeout 280 python3 tools/bench_layer_stream.py ${LAYER_ARGS:-} --output "$OUT/layer.json" > "$OUT/layer.txt" 2>&1 ;;
     itl80)   # #18's ITL goal as it is stated: the capacity at 1000/1000 first (offline, 256 in flight, the serve
       # engine's settings), then phalanx serve under Poisson arrivals at 80 % of it, prefill capped at 512
       timeout 260 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 1000 --osl 1000 \

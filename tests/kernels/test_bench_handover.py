@@ -1,7 +1,7 @@
 """tools/bench_handover.py's persistent chain of one-row FP8 products, against the float32 chain
 of the dequantized weights. On a CPU the interpreter runs its programs one after another, so a
-grid of one program (the counter between products then never waits); with a GPU every program
-count the tool uses, all resident at once."""
+grid of one program (the counter between products then never waits); with a GPU, grids of 1 and
+8 programs, all resident at once."""
 
 import os
 import sys
