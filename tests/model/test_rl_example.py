@@ -1,11 +1,14 @@
 """examples/rl_loop.py runs end to end on the bundled model: roll out, train one step with
 the engine asleep, push the trainer's tensors in, and generate with the new version. The trainer's
-copy is the session's transformers model of the bundled GGUF, saved as a checkpoint (transformers'
-GGUF loader takes 30-50 s here; the example's default path is that loader, the same code)."""
+copy is either the example's default, the bundled GGUF read by transformers' GGUF loader (the
+command its docstring gives), or a transformers checkpoint directory (``--policy``): the
+session's model of the bundled GGUF, saved."""
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 
 def save_checkpoint(model, path) -> None:
@@ -24,11 +27,14 @@ def save_checkpoint(model, path) -> None:
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_rl_loop_example_updates_the_engine_each_iteration(smollm2_hf, tmp_path):
-    save_checkpoint(smollm2_hf, tmp_path)
+@pytest.mark.parametrize("policy", ["bundled GGUF", "checkpoint"])
+def test_rl_loop_example_updates_the_engine_each_iteration(policy, request, tmp_path):
+    args = []
+    if policy == "checkpoint":
+        save_checkpoint(request.getfixturevalue("smollm2_hf"), tmp_path)
+        args = ["--policy", str(tmp_path)]
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "rl_loop.py"), "--iterations", "2",
-                        "--group", "2", "--max-tokens", "8", "--policy", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                        "--group", "2", "--max-tokens", "8", *args], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert any(line.startswith("iteration 0: weights ['0']") for line in lines), r.stdout
