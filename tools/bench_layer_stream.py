@@ -48,7 +48,8 @@ import triton.language as tl
 from bench_handover import _product, dump, fit_resident, read_bandwidth, slope
 from phalanx.kernels import fp8 as f8
 from phalanx.kernels.gemv_tuner import gate_up_silu_plan, time_graph, tune_one
-from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, ROW_BUCKETS, LinearPlan, Neighbour, launcher
+from phalanx.kernels.linear_plan import CUBLAS, MANY_ROW_BUCKETS, ROW_BUCKETS, LinearPlan, Neighbour, Plan, launcher
+from phalanx.kernels.reference import silu_and_mul_ref as silu_and_mul
 
 
 class Shape(NamedTuple):
@@ -113,7 +114,8 @@ class Layers:
         return sum(w[0].numel() for w in self.w.values())
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The float32 chain of the dequantized weights, rounded to bf16 where the kernels store."""
+        """The float32 chain of the dequantized weights, rounded to bf16 where the kernels store,
+        silu(gate) * up as the engine's reference computes it."""
         H, _, I = self.shape  # noqa: E741
 
         def mm(v: torch.Tensor, name: str, layer: int) -> torch.Tensor:
@@ -122,8 +124,8 @@ class Layers:
         y = x.to(torch.bfloat16)
         for layer in range(self.L):
             o = y if self.mlp_only else mm(mm(y, "q", layer)[:H], "o", layer)
-            gu = mm(o, "gu", layer).float()
-            y = mm((torch.nn.functional.silu(gu[:I]) * gu[I:]).to(torch.bfloat16), "d", layer)
+            gu = mm(o, "gu", layer)
+            y = mm(silu_and_mul(gu), "d", layer)
         return y
 
 
@@ -177,9 +179,9 @@ class Persistent:
         return self.layers.x[self.layers.L]
 
 
-def one_row_plan(plan) -> LinearPlan:
-    """A LinearPlan that runs ``plan`` at one row (cuBLAS beyond: unused here)."""
-    return LinearPlan(Neighbour.PLAIN, (plan,) + (CUBLAS,) * (len(ROW_BUCKETS) - 1), True,
+def one_row_plan(plan: Plan, neighbour: Neighbour) -> LinearPlan:
+    """An FP8 LinearPlan behind ``neighbour`` that runs ``plan`` at one row (cuBLAS beyond: unused here)."""
+    return LinearPlan(neighbour, (plan,) + (CUBLAS,) * (len(ROW_BUCKETS) - 1), True,
                       (CUBLAS,) * len(MANY_ROW_BUCKETS))
 
 
@@ -197,8 +199,7 @@ class Kernels:
             self.o_run = launcher(self.o_plan, Neighbour.PLAIN, fp8=True)
         gu_plan, _ = tune_one(w["gu"][0], Neighbour.PLAIN, 1, fp8=True, act_dtype=act)
         d_plan, _ = tune_one(w["d"][0], Neighbour.SILU, 1, fp8=True, act_dtype=act)
-        self.gu_lp, self.d_lp = one_row_plan(gu_plan), LinearPlan(Neighbour.SILU, (d_plan,) + (CUBLAS,) * (
-            len(ROW_BUCKETS) - 1), True, (CUBLAS,) * len(MANY_ROW_BUCKETS))
+        self.gu_lp, self.d_lp = one_row_plan(gu_plan, Neighbour.PLAIN), one_row_plan(d_plan, Neighbour.SILU)
         self.mlp = gate_up_silu_plan(w["gu"][0], self.gu_lp, w["d"][0], self.d_lp,
                                      scales=(layers.s["gu"][0], layers.s["d"][0]), act_dtype=act)
 

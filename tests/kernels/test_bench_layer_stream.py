@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import bench_layer_stream as bls  # noqa: E402
+from phalanx.kernels.reference import silu_and_mul_ref as silu_and_mul  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -27,8 +28,8 @@ def stages(layers, layer):
     def mm(v, name):
         return v.float() @ (layers.w[name][layer].float() * layers.s[name][layer][:, None]).t()
     mlp_in = layers.x[layer] if layers.mlp_only else layers.o[layer]
-    gu = mm(mlp_in, "gu").to(torch.bfloat16).float()
-    mlp = [(torch.nn.functional.silu(gu[:I]) * gu[I:], layers.act[layer]),
+    gu = mm(mlp_in, "gu").to(torch.bfloat16)
+    mlp = [(silu_and_mul(gu), layers.act[layer]),
            (mm(layers.act[layer], "d"), layers.x[layer + 1])]
     if layers.mlp_only:
         return mlp
