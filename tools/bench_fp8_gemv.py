@@ -369,7 +369,7 @@ def _tma_row_kernel(x_ptr, w_desc, s_ptr, y_ptr, N, K, HAS_SCALE: tl.constexpr, 
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
-def tma_descriptor(w: torch.Tensor, bn: int, bk: int) -> "TensorDescriptor":
+def tma_descriptor(w: torch.Tensor, bn: int, bk: int) -> TensorDescriptor:
     """A host descriptor of W [N, K] viewed as [N, K / SUB, SUB] with boxes [bn, bk / SUB, SUB],
     SUB = 256 bytes of a row (K must be a multiple of it)."""
     N, K = w.shape
@@ -454,27 +454,29 @@ def tma_section(out: list, dtypes: list[str]) -> None:
             tiles = [best[sh][fam][0] for sh in SHAPES]
             pres = [True, True, True, False]   # behind the norm, the attention, the norm; not behind gate_up
             if fam == "shipped":
-                fns = [functools.partial(_shipped_chain, t, p) for t, p in zip(tiles, pres)]
+                fns = [functools.partial(_shipped_chain, t, p) for t, p in zip(tiles, pres, strict=True)]
                 descs = [[None] * 4 for _ in layers]
             else:
-                fns = [tma_row(t, True, p) for t, p in zip(tiles, pres)]
+                fns = [tma_row(t, True, p) for t, p in zip(tiles, pres, strict=True)]
                 descs = [[tma_descriptor(lw[j][0], t[0], t[1]) for j, t in enumerate(tiles)] for lw in layers]
-
-            def layer(i: int, fns=fns, descs=descs) -> None:
-                (wq, sq), (wo, so), (wg, sg), (wd, sd) = layers[i]
-                d = descs[i]
-                h = triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
-                fns[0](h, wq, sq, d[0])
-                a = fns[1](x, wo, so, d[1])
-                h = triton_ops.fused_add_rms_norm(a, r, g, 1e-6)[0]
-                gu = fns[2](h, wg, sg, d[2])
-                fns[3](gu[:, :14336], wd, sd, d[3])
-            ms = time_graph(layer, len(layers))
+            ms = time_graph(functools.partial(_tma_chain_layer, fns, layers, descs, x, r, g), len(layers))
             nbytes = sum(w.numel() * w.element_size() for w, _ in layers[0])
             print(f"{dt} chain {fam:8s} {[tuple(t) for t in tiles]} {ms * 1e3:7.1f} us a layer "
                   f"({nbytes / ms / 1e6:6.0f} GB/s)", flush=True)
             out.append({"dtype": dt, "chain": fam, "tiles": [list(t) for t in tiles], "us": ms * 1e3,
                         "gb_s": nbytes / ms / 1e6})
+
+
+def _tma_chain_layer(fns, layers, descs, x, r, g, i: int) -> None:
+    """One layer's chain of ``tma_section`` over weight copy i: norm, q/k/v, o, norm, gate ‖ up, down."""
+    (wq, sq), (wo, so), (wg, sg), (wd, sd) = layers[i]
+    d = descs[i]
+    h = triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
+    fns[0](h, wq, sq, d[0])
+    a = fns[1](x, wo, so, d[1])
+    h = triton_ops.fused_add_rms_norm(a, r, g, 1e-6)[0]
+    gu = fns[2](h, wg, sg, d[2])
+    fns[3](gu[:, :wd.shape[1]], wd, sd, d[3])
 
 
 def _shipped_chain(tile, pre, x, w, s, desc=None):
