@@ -459,7 +459,11 @@ def tma_section(out: list, dtypes: list[str]) -> None:
             else:
                 fns = [tma_row(t, True, p) for t, p in zip(tiles, pres, strict=True)]
                 descs = [[tma_descriptor(lw[j][0], t[0], t[1]) for j, t in enumerate(tiles)] for lw in layers]
-            ms = time_graph(functools.partial(_tma_chain_layer, fns, layers, descs, x, r, g), len(layers))
+            try:
+                ms = time_graph(functools.partial(_tma_chain_layer, fns, layers, descs, x, r, g), len(layers))
+            except Exception as e:   # noqa: BLE001 - recorded, and the other chain still runs
+                print(f"{dt} chain {fam}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
             nbytes = sum(w.numel() * w.element_size() for w, _ in layers[0])
             print(f"{dt} chain {fam:8s} {[tuple(t) for t in tiles]} {ms * 1e3:7.1f} us a layer "
                   f"({nbytes / ms / 1e6:6.0f} GB/s)", flush=True)
