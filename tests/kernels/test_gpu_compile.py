@@ -19,6 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from phalanx.kernels import gemv, triton_attention, triton_moe, triton_ops  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import bench_fp8_gemv  # noqa: E402  (tools/: the TMA one-row product a GPU run measures)
 import bench_handover  # noqa: E402  (tools/: the persistent chain a GPU run measures)
 import bench_layer_stream  # noqa: E402  (tools/: the persistent layer a GPU run measures)
 
@@ -144,7 +145,7 @@ def compile_all() -> None:
             ptx = kernel.asm["ptx"]
             out[case] = {"error": None, "byte_loads": ptx.count("ld.shared.b8 ") + ptx.count("ld.shared.u8 "),
                          "global_byte_loads": ptx.count("ld.global.b8 ") + ptx.count("ld.global.u8 "),
-                         "shared": kernel.metadata.shared}
+                         "tma_copies": ptx.count("cp.async.bulk.tensor"), "shared": kernel.metadata.shared}
         except Exception as e:  # noqa: BLE001 - the case's failure is the result
             out[case] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
     print(json.dumps(out))
@@ -214,6 +215,23 @@ for warps, bn_h, bn_i, prefetch, mlp_only in ((4, 4, 1, False, False), (8, 8, 2,
         {"H": 4096, "NQ": 6144, "I": 14336, "KP_I": 16384, "BN_H": bn_h, "BN_I": bn_i, "STAGES": 3,
          "PREFETCH": prefetch, "MLP_ONLY": mlp_only},
         {"num_warps": warps, "num_stages": 1, **({"maxnreg": 128} if warps == 8 else {})})
+
+# tools/bench_fp8_gemv.py's one-row product with the weight tiles loaded by the TMA, FP8 and bf16 weights
+for wt, box, fold in (("fp8e4nv", "8,8,256", 16), ("bf16", "8,8,128", 8)):
+    CASES[f"one row, {wt} weight tiles through the TMA"] = (
+        bench_fp8_gemv._tma_row_kernel, {"x_ptr": "*bf16", "w_desc": f"tensordesc<{wt}[{box}]>", "s_ptr": "*fp32",
+                                         "y_ptr": "*bf16"},
+        {"HAS_SCALE": wt != "bf16", "BLOCK_N": 8, "BLOCK_K": 2048 if wt != "bf16" else 1024,
+         "SUB": 256 if wt != "bf16" else 128, "FOLD": fold, "STAGES": 3, "PRE": True, "PDL": True})
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "through the TMA" in c])
+def test_the_tma_products_weight_tiles_come_by_pipelined_tensor_copies(case, compiled):
+    """The weight boxes are TMA copies, the first before the PDL wait and the loop's ahead of use
+    (its stages): at least three copies in the code, and the buffers fit an SM."""
+    assert compiled[case]["error"] is None, compiled[case]["error"]
+    assert compiled[case]["tma_copies"] >= 3
+    assert 0 < compiled[case]["shared"] <= SM90_SHARED
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("persistent layer")])
