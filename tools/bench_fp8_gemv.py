@@ -395,10 +395,10 @@ def tma_row(tile: tuple, use_pdl: bool = False, pre: bool = False):
 
 TMA_TILES = {"fp8": [(bn, bk, w, st, 16) for bn, bk, w in [(4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4),
                                                             (8, 4096, 4), (16, 1024, 4), (16, 2048, 8)]
-                     for st in (2, 3, 4, 6) if st * bn * bk <= 160 << 10],
+                     for st in (3, 4, 6) if st * bn * bk <= 160 << 10],
              "bf16": [(bn, bk, w, st, f) for bn, bk, w, f in [(4, 1024, 4, 8), (8, 512, 4, 1), (8, 1024, 4, 8),
                                                               (16, 512, 4, 1), (16, 1024, 8, 8)]
-                      for st in (2, 3, 4) if st * bn * bk * 2 <= 160 << 10]}
+                      for st in (3, 4) if st * bn * bk * 2 <= 160 << 10]}
 
 
 def _desc_call(fn, x, ws, s, descs, i):

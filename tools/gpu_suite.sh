@@ -48,7 +48,7 @@ for what in "${@:-all}"; do
       timeout 60 python3 tools/bench_attention.py --batch 256 --context 1500 --extend --kv-dtype fp8 \
         --output "$OUT/attention_b256_fp8.json" > "$OUT/attention_b256_fp8.txt" 2>&1 ;;
     tma_gemv)   # one-row products with the weight tiles loaded by the TMA against the shipped tiles, FP8 then bf16
-      timeout 330 python3 tools/bench_fp8_gemv.py --tma ${TMA_DTYPES:-fp8 bf16} --output "$OUT/tma_gemv.json" \
+      timeout 420 python3 tools/bench_fp8_gemv.py --tma ${TMA_DTYPES:-fp8 bf16} --output "$OUT/tma_gemv.json" \
         > "$OUT/tma_gemv.txt" 2>&1 ;;
     fp8_gemv)   # one-row products with FP8 weights: the shipped tiles against widening and tensor-core variants
       timeout 150 python3 tools/bench_fp8_gemv.py --output "$OUT/fp8_gemv.json" > "$OUT/fp8_gemv.txt" 2>&1 ;;
