@@ -76,19 +76,18 @@ def tma_fits(w: torch.Tensor, tile: OneRowTile) -> bool:
             and tile.block_n <= 256 and w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0)
 
 
-def _descriptor(w: torch.Tensor, tile: OneRowTile, pairs: int = 0) -> TensorDescriptor:
-    """W [N, K] for the TMA, each row as K / SUB runs of SUB elements (256 bytes), boxes of a
-    [BLOCK_N, BLOCK_K] tile. ``pairs`` = 0: rows as they are ([N, K/SUB, SUB]); else pairs of
-    rows ``pairs`` apart, interleaved as the fused kernels take them: gate j and up j for
-    pairs = I ([I, 2, K/SUB, SUB]), rows j and j + D/2 of each head for pairs = D/2 ([heads, D/2,
-    2, K/SUB, SUB])."""
+def _descriptor(w: torch.Tensor, tile: OneRowTile, box: int, pairs: int = 0) -> TensorDescriptor:
+    """W [N, K] for the TMA, each row as K / SUB runs of SUB elements (256 bytes), in boxes of a
+    [BLOCK_N, BLOCK_K] tile of rank ``box``: 3, rows as they are ([N, K/SUB, SUB]); 4, gate j and
+    up j interleaved, ``pairs`` = I ([I, 2, K/SUB, SUB]); 5, rows j and j + D/2 of each head
+    interleaved, ``pairs`` = D/2 ([heads, D/2, 2, K/SUB, SUB])."""
     N, K = w.shape
     bn, bk = tile.block_n, tile.block_k
     sub = TMA_ROW_BYTES // w.element_size()
     row = w.stride(0)
-    if pairs == 0:
+    if box == 3:
         return TensorDescriptor(w, [N, K // sub, sub], [row, sub, 1], [bn, bk // sub, sub])
-    if 2 * pairs == N:    # gate ‖ up
+    if box == 4:
         return TensorDescriptor(w, [pairs, 2, K // sub, sub], [row, pairs * row, sub, 1], [bn // 2, 2, bk // sub, sub])
     return TensorDescriptor(w, [N // (2 * pairs), pairs, 2, K // sub, sub], [2 * pairs * row, row, pairs * row, sub, 1],
                             [1, bn // 2, 2, bk // sub, sub])
@@ -371,7 +370,7 @@ def _weight_source(tile: OneRowTile, w: torch.Tensor, box: int, pairs: int = 0) 
         return w, {"SUB": 1, "BOX": 0}
     if not tma_fits(w, tile):
         raise ValueError(f"tile {tile} cannot take {tuple(w.shape)} {w.dtype} weights through the TMA")
-    return _descriptor(w, tile, pairs), {"SUB": TMA_ROW_BYTES // w.element_size(), "BOX": box}
+    return _descriptor(w, tile, box, pairs), {"SUB": TMA_ROW_BYTES // w.element_size(), "BOX": box}
 
 
 def _padded_rows_launch(tile: RowsTile) -> tuple[int, int, int, int, int]:
