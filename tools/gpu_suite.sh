@@ -51,7 +51,7 @@ for what in "${@:-all}"; do
       timeout 420 python3 tools/bench_fp8_gemv.py --tma ${TMA_DTYPES:-fp8 bf16} --output "$OUT/tma_gemv.json" \
         > "$OUT/tma_gemv.txt" 2>&1 ;;
     tma_decode)   # batch-1 decode with FP8 weights (TMA_PRECISIONS: fp8, bf16): the one-row tiles of pointer loads only
-      # (PHALANX_TMA=0), then with the TMA's tiles among the tuner's candidates, one engine after the other
+      # (PHALANX_TMA=0, the default), then with the TMA's tiles among the tuner's candidates (=1), one engine after the other
       for d in ${TMA_PRECISIONS:-fp8}; do cfg=""; [ $d = fp8 ] && cfg="--config tools/gpu_fp8.yaml"
         for t in 0 1; do PHALANX_TMA=$t timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b \
           --batch 1 --prompt-len 128 --steps 128 --overlap on $cfg --output "$OUT/tma_decode_${d}_$t.json" \

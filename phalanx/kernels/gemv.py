@@ -54,10 +54,11 @@ SMEM_BYTES = 200 << 10
 
 
 def one_row_tiles(w: torch.Tensor, fp8: bool) -> list[OneRowTile]:
-    """The one-row tiles the tuner times for weight w: pointer loads, and the TMA's where
-    ``tma_fits`` (all of them off with ``PHALANX_TMA=0``, read here, once a tuning)."""
+    """The one-row tiles the tuner times for weight w: pointer loads, and with ``PHALANX_TMA=1``
+    (read here, once a tuning) the TMA's where ``tma_fits``. The TMA tiles are opt-in until a GPU
+    run has timed them in the engine (docs/gpu_notes.md, thirty-ninth round)."""
     tiles = ONE_ROW_TILES_FP8 if fp8 else ONE_ROW_TILES
-    if os.environ.get("PHALANX_TMA", "1") == "0" or not w.is_cuda:
+    if os.environ.get("PHALANX_TMA", "0") != "1" or not w.is_cuda:
         return list(tiles)
     return list(tiles) + [t for t in (ONE_ROW_TILES_FP8_TMA if fp8 else ONE_ROW_TILES_TMA) if tma_fits(w, t)]
 

@@ -93,8 +93,8 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
                ws: list[torch.Tensor],
                scale: torch.Tensor | None = None) -> Iterator[tuple[Plan, Callable[[int], object]]]:
     """Each Plan for a projection behind ``neighbour``, as fn(i) over the weight copies, the
-    neighbour included. One row: every tile (``gemv.one_row_tiles``: the TMA's too where they fit)
-    with and without PDL; more: every tile whole and
+    neighbour included. One row: every tile (``gemv.one_row_tiles``: the TMA's too where asked
+    for and where they fit) with and without PDL; more: every tile whole and
     split over K, with PDL where the GPU has it (fewer compiles at start-up). ``scale``: the
     weights are FP8 (their launches take it)."""
     if x.shape[0] == 1:
