@@ -82,13 +82,16 @@ class OneRowTile(NamedTuple):
     ``fold``: the products of each K step are summed ``fold`` neighbours at a time into a
     [BLOCK_N, BLOCK_K // fold] float32 accumulator (1: one lane per product). A narrower
     accumulator takes fewer registers, so more programs stay resident and more weight bytes are
-    in flight: what FP8 weights need, whose tiles hold twice the elements per byte."""
+    in flight: what FP8 weights need, whose tiles hold twice the elements per byte. ``tma``: the
+    weight tiles come through the tensor memory accelerator (host tensor descriptors) instead of
+    pointer loads (kernels/gemv.py ``tma_fits`` says for which weights)."""
 
     block_n: int
     block_k: int
     warps: int
     stages: int
     fold: int = 1
+    tma: bool = False
 
 
 class RowsTile(NamedTuple):
