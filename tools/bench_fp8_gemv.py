@@ -407,7 +407,8 @@ def _desc_call(fn, x, ws, s, descs, i):
 
 def tma_section(out: list, dtypes: list[str]) -> None:
     """The one-row product with weight tiles loaded by the TMA (``_tma_row_kernel``) against the
-    shipped kernel's tiles, each projection of a Llama-3.1-8B layer alone (no PDL); then a layer's
+    shipped kernel's tiles (and, as ``engine-tma``, the engine's own TMA tiles: ``OneRowTile.tma``),
+    each projection of a Llama-3.1-8B layer alone (no PDL); then a layer's
     chain as a step runs it (norm, q/k/v, o, norm, gate ‖ up, down; PDL, the first tile before the
     wait behind the short kernels), the best shipped tile of each projection against the best TMA
     tile, over 4 copies of the layer's weights."""
@@ -427,6 +428,8 @@ def tma_section(out: list, dtypes: list[str]) -> None:
             ws = weight_copies(w)
             shipped_tiles = gemv.ONE_ROW_TILES_FP8 if dt == "fp8" else gemv.ONE_ROW_TILES
             cases = [("shipped", t, shipped(t), None) for t in shipped_tiles]
+            cases += [("engine-tma", t, shipped(t), None) for t in (gemv.ONE_ROW_TILES_FP8_TMA if dt == "fp8" else
+                                                                    gemv.ONE_ROW_TILES_TMA) if gemv.tma_fits(w, t)]
             cases += [("tma", t, tma_row(t), [tma_descriptor(c, t[0], t[1]) for c in ws]) for t in TMA_TILES[dt]]
             for fam, tile, fn, descs in cases:
                 try:
@@ -451,6 +454,8 @@ def tma_section(out: list, dtypes: list[str]) -> None:
         g = torch.ones(H, dtype=torch.bfloat16, device="cuda")
         layers = [[(w.clone(), s) for w, s in (weights[sh] for sh in SHAPES)] for _ in range(4)]
         for fam in ("shipped", "tma"):
+            if any(fam not in best.get(sh, {}) for sh in SHAPES):   # every tile of the family failed somewhere
+                continue
             tiles = [best[sh][fam][0] for sh in SHAPES]
             pres = [True, True, True, False]   # behind the norm, the attention, the norm; not behind gate_up
             if fam == "shipped":

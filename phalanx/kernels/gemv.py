@@ -46,7 +46,10 @@ ONE_ROW_TILES_FP8 = [OneRowTile(8, 2048, 4, 3, 16), OneRowTile(4, 2048, 4, 4, 16
 ONE_ROW_TILES_TMA = [OneRowTile(8, 1024, 4, 4, 1, True), OneRowTile(16, 512, 4, 4, 1, True)]
 ONE_ROW_TILES_FP8_TMA = [OneRowTile(8, 2048, 4, 4, 16, True), OneRowTile(4, 4096, 4, 4, 16, True),
                          OneRowTile(8, 4096, 4, 3, 16, True), OneRowTile(16, 2048, 8, 3, 16, True)]
-TMA_ROW_BYTES = 256   # a TMA box spans at most 256 elements a dimension: a tile's rows go in 256-byte runs
+# a TMA box spans at most 256 elements a dimension: a tile's rows go in 256-byte runs (Triton issues each box
+# as 128-byte-wide copies, its widest swizzle). Descriptor loads take no eviction hint: unlike the pointer
+# loads' evict-first, these weights enter L2 at normal priority
+TMA_ROW_BYTES = 256
 # ... and more rows (padded to 16 or 64 for tl.dot), each tried whole and split over K (``auto_splits``);
 # each is a compile at start-up
 ROWS_TILES = [RowsTile(32, 256, 4, 4), RowsTile(64, 128, 4, 3)]
@@ -55,8 +58,9 @@ SMEM_BYTES = 200 << 10
 
 def one_row_tiles(w: torch.Tensor, fp8: bool) -> list[OneRowTile]:
     """The one-row tiles the tuner times for weight w: pointer loads, and with ``PHALANX_TMA=1``
-    (read here, once a tuning) the TMA's where ``tma_fits``. The TMA tiles are opt-in until a GPU
-    run has timed them in the engine (docs/gpu_notes.md, thirty-ninth round)."""
+    (read at each call: the tuner's, once a weight shape) the TMA's where ``tma_fits``. The TMA
+    tiles are opt-in until a GPU run has timed them in the engine (docs/gpu_notes.md,
+    thirty-ninth round)."""
     tiles = ONE_ROW_TILES_FP8 if fp8 else ONE_ROW_TILES
     if os.environ.get("PHALANX_TMA", "0") != "1" or not w.is_cuda:
         return list(tiles)
@@ -66,15 +70,17 @@ def one_row_tiles(w: torch.Tensor, fp8: bool) -> list[OneRowTile]:
 def tma_fits(w: torch.Tensor, tile: OneRowTile) -> bool:
     """Whether ``tile``'s weight tiles can come through the TMA from w [N, K]: a Triton with host
     descriptors, a GPU with a TMA (compute capability 9.0 on; the interpreter emulates one),
-    rows of whole 256-byte runs (``TMA_ROW_BYTES``) that start 16-byte aligned, and a tile
-    of whole runs."""
+    rows of whole 256-byte runs (``TMA_ROW_BYTES``) that start 16-byte aligned, and a tile of a
+    power of two of rows (at least a pair) and of whole runs."""
     sub = TMA_ROW_BYTES // w.element_size()
     if TensorDescriptor is None or w.dim() != 2 or w.stride(1) != 1:
         return False
     if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
         return False
-    return (w.shape[1] % sub == 0 and tile.block_k % sub == 0 and tile.block_k // sub <= 256
-            and tile.block_n <= 256 and w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0)
+    runs = tile.block_k // sub
+    return (w.shape[1] % sub == 0 and tile.block_k % sub == 0 and 0 < runs <= 256 and runs & (runs - 1) == 0
+            and 2 <= tile.block_n <= 256 and tile.block_n & (tile.block_n - 1) == 0
+            and w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0)
 
 
 def _descriptor(w: torch.Tensor, tile: OneRowTile, box: int, pairs: int = 0) -> TensorDescriptor:
@@ -136,7 +142,8 @@ def _store_padded_rows(y_ptr, b_ptr, s_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: t
 def _tile(w_ptr, w_desc, s_wn, n, nm, c0, c1, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           SUB: tl.constexpr, BOX: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile of rows n at K step k0. BOX 0: pointer loads
-    (``_w_tile``); else one TMA box of the descriptor ``_descriptor`` made, of rank BOX: rows
+    (``_w_tile``); else a TMA box (Triton copies it in 128-byte-wide pieces) of the descriptor
+    ``_descriptor`` made, of rank BOX: rows
     c0.. (3), the pairs of rows c0.. (4: gate ‖ up), the pairs c1.. of head c0 (5: q/k/v), its
     rows in the order of n."""
     if BOX == 0:
@@ -226,17 +233,21 @@ def _qkv_rope_kernel(x_ptr, w_ptr, w_desc, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_
                      VB: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr, BOX: tl.constexpr,
                      STAGES: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
-    program takes BLOCK_N // 2 pairs of rows of one head (rows j and j + D/2, interleaved), so a
-    program of the q or k heads can rotate what it computed (v's are stored as they are). Each
+    program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
+    interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
     output is rounded to the model's dtype before it is rotated, as when the projection and
-    ``rope_and_write_kv`` run apart, so the two paths give the same bits. BOX 5: the pairs come
-    through the TMA (w_desc), else pointer loads."""
+    ``rope_and_write_kv`` run apart, so the two paths give the same bits. BOX 5: the rows come
+    through the TMA (w_desc), v's in the same pairs (one view serves every head), else pointer
+    loads."""
     col0 = tl.program_id(0) * BLOCK_N
     head = col0 // D
     r = tl.arange(0, BLOCK_N)
     rotated = head < H + Hkv
     j0 = (col0 % D) // 2
-    n = head * D + j0 + r // 2 + (r % 2) * (D // 2)
+    if BOX == 5:   # every head's rows in pairs: one view of the weight serves them all
+        n = head * D + j0 + r // 2 + (r % 2) * (D // 2)
+    else:
+        n = tl.where(rotated, head * D + j0 + r // 2 + (r % 2) * (D // 2), col0 + r)
     nm = n < (H + 2 * Hkv) * D
     pos = tl.load(pos_ptr)                      # metadata: read before the wait
     slot = tl.load(slot_ptr).to(tl.int64)
@@ -265,9 +276,14 @@ def _qkv_rope_kernel(x_ptr, w_ptr, w_desc, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_
             tl.store(kd + D // 2 + j, r2.to(kc_ptr.dtype.element_ty))
     else:
         vh = head - H - Hkv
-        tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, j, VB), value_to_pool(x1, vc_ptr.dtype.element_ty, VB))
-        tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, D // 2 + j, VB),
-                 value_to_pool(x2, vc_ptr.dtype.element_ty, VB))
+        if BOX == 5:   # v's rows in pairs as well: stored as two halves
+            tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, j, VB),
+                     value_to_pool(x1, vc_ptr.dtype.element_ty, VB))
+            tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, D // 2 + j, VB),
+                     value_to_pool(x2, vc_ptr.dtype.element_ty, VB))
+        else:
+            tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, col0 % D + r, VB),
+                     value_to_pool(y, vc_ptr.dtype.element_ty, VB))
 
 
 @triton.jit
@@ -366,11 +382,9 @@ def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor, silu: bo
 
 def _weight_source(tile: OneRowTile, w: torch.Tensor, box: int, pairs: int = 0) -> tuple[object, dict]:
     """The kernel's w_desc argument and its SUB and BOX: W's descriptor (``_descriptor``, boxes of
-    rank ``box``) for a TMA tile, else W itself, unused (BOX 0)."""
-    if not tile.tma:
+    rank ``box``) for a TMA tile whose weight fits (``tma_fits``), else W itself, unused (BOX 0)."""
+    if not tile.tma or not tma_fits(w, tile):   # a weight the TMA cannot box: the same tile by pointer loads
         return w, {"SUB": 1, "BOX": 0}
-    if not tma_fits(w, tile):
-        raise ValueError(f"tile {tile} cannot take {tuple(w.shape)} {w.dtype} weights through the TMA")
     return _descriptor(w, tile, box, pairs), {"SUB": TMA_ROW_BYTES // w.element_size(), "BOX": box}
 
 

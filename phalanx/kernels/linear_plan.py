@@ -112,7 +112,13 @@ class Plan(NamedTuple):
     pdl: bool = False
 
     def __str__(self) -> str:
-        return self.kernel if self.tile is None else f"{self.kernel}{tuple(self.tile)}{'+pdl' if self.pdl else ''}"
+        return self.kernel if self.tile is None else f"{self.kernel}{tile_str(self.tile)}{'+pdl' if self.pdl else ''}"
+
+
+def tile_str(tile: OneRowTile | RowsTile | CutlassTile) -> str:
+    """A tile's fields as a tuple, a one-row tile's ``tma`` only where it is set (logs and reports)."""
+    t = tuple(tile)
+    return str(t[:-1] if isinstance(tile, OneRowTile) and not tile.tma else t)
 
 
 CUBLAS = Plan("cublas")
