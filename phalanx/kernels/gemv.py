@@ -143,9 +143,8 @@ def _tile(w_ptr, w_desc, s_wn, n, nm, c0, c1, k0, K, BLOCK_N: tl.constexpr, BLOC
           SUB: tl.constexpr, BOX: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile of rows n at K step k0. BOX 0: pointer loads
     (``_w_tile``); else a TMA box (Triton copies it in 128-byte-wide pieces) of the descriptor
-    ``_descriptor`` made, of rank BOX: rows
-    c0.. (3), the pairs of rows c0.. (4: gate ‖ up), the pairs c1.. of head c0 (5: q/k/v), its
-    rows in the order of n."""
+    ``_descriptor`` made, of rank BOX: rows c0.. (3), the pairs of rows c0.. (4: gate ‖ up), the
+    pairs c1.. of head c0 (5: q/k/v), its rows in the order of n."""
     if BOX == 0:
         k = k0 + tl.arange(0, BLOCK_K)
         w = _w_tile(w_ptr, s_wn, n, nm, k, k < K)
