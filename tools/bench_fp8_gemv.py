@@ -6,7 +6,7 @@ not counted), L2 defeated by weight copies, CUDA-graph timing.
     python tools/bench_fp8_gemv.py --output fp8_gemv.json
     python tools/bench_fp8_gemv.py --loops         # folded accumulators, persistent loops, a layer's chain
     python tools/bench_fp8_gemv.py --fold bf16 fp8  # the shipped tiles with products folded or not
-    python tools/bench_fp8_gemv.py --tma fp8 bf16   # weight tiles through the TMA (tensor descriptors)
+    python tools/bench_fp8_gemv.py --tma fp8 bf16   # the engine's one-row tiles through the TMA (OneRowTile.tma)
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ from phalanx.kernels import fp8, gemv, pdl, triton_ops
 from phalanx.kernels.gemv_tuner import time_graph, weight_copies
 from phalanx.kernels.linear_plan import OneRowTile, RowsTile
 from phalanx.kernels.pdl import release, wait
-
-try:   # host-side tensor descriptors: the TMA loads of ``--tma``
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # an older Triton
-    TensorDescriptor = None
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
@@ -331,89 +326,23 @@ def fold_section(out: list, dtypes: list[str]) -> None:
             del ws
 
 
-@triton.jit
-def _tma_fma(acc, w, x_ptr, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr):
-    """acc + a [BLOCK_N, BLOCK_K // SUB, SUB] weight box (as the TMA brought it) times x[k0:]."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    p = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(tl.float32) * x[None, :]
-    if FOLD > 1:
-        p = tl.sum(tl.reshape(p, [BLOCK_N, BLOCK_K // FOLD, FOLD]), 2)
-    return acc + p
-
-
-@triton.jit
-def _tma_row_kernel(x_ptr, w_desc, s_ptr, y_ptr, N, K, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SUB: tl.constexpr, FOLD: tl.constexpr, STAGES: tl.constexpr,
-                    PRE: tl.constexpr, PDL: tl.constexpr):
-    """The one-row product with its weight tiles loaded by the TMA: W viewed as [N, K / SUB, SUB]
-    (a box is at most 256 along each dimension, so a [BLOCK_N, BLOCK_K] tile is one box of
-    [BLOCK_N, BLOCK_K / SUB, SUB]), the boxes pipelined through shared memory over STAGES
-    buffers; the TMA zero-fills what lies past N or K. PRE: the first box is asked for before
-    the PDL wait (a weight: nothing in the chain writes it)."""
-    n0 = tl.program_id(0) * BLOCK_N
-    release(PDL)
-    if PRE:
-        w0 = w_desc.load([n0, 0, 0])
-    wait(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
-    if PRE:
-        acc = _tma_fma(acc, w0, x_ptr, 0, K, BLOCK_N, BLOCK_K, FOLD)
-    for k0 in tl.range(BLOCK_K * PRE, K, BLOCK_K, num_stages=STAGES):
-        acc = _tma_fma(acc, w_desc.load([n0, k0 // SUB, 0]), x_ptr, k0, K, BLOCK_N, BLOCK_K, FOLD)
-    n = n0 + tl.arange(0, BLOCK_N)
-    nm = n < N
-    y = tl.sum(acc, 1)
-    if HAS_SCALE:
-        y *= tl.load(s_ptr + n, mask=nm, other=0.0)
-    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nm)
-
-
-def tma_descriptor(w: torch.Tensor, bn: int, bk: int) -> TensorDescriptor:
-    """A host descriptor of W [N, K] viewed as [N, K / SUB, SUB] with boxes [bn, bk / SUB, SUB],
-    SUB = 256 bytes of a row (K must be a multiple of it)."""
-    N, K = w.shape
-    sub = min(bk, 256 // w.element_size())
-    return TensorDescriptor(w, [N, K // sub, sub], [w.stride(0), sub, 1], [bn, bk // sub, sub])
-
-
-def tma_row(tile: tuple, use_pdl: bool = False, pre: bool = False):
-    """A launcher fn(x, w, s, desc=None) of the TMA one-row kernel with ``tile``; ``desc``: W's
-    descriptor made beforehand (else made per call)."""
-    bn, bk, warps, stages, fold = tile
-
-    def run(x, w, s, desc=None):
-        N, K = w.shape
-        y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-        d = desc if desc is not None else tma_descriptor(w, bn, bk)
-        _tma_row_kernel[(triton.cdiv(N, bn),)](
-            x, d, s if s is not None else w, y, N, K, HAS_SCALE=s is not None, BLOCK_N=bn, BLOCK_K=bk,
-            SUB=d.block_shape[2], FOLD=fold, STAGES=stages, PRE=pre, num_warps=warps, **pdl.launch(x, use_pdl))
-        return y
-    return run
-
-
-TMA_TILES = {"fp8": [(bn, bk, w, st, 16) for bn, bk, w in [(4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4),
-                                                            (8, 4096, 4), (16, 1024, 4), (16, 2048, 8)]
+TMA_TILES = {"fp8": [OneRowTile(bn, bk, w, st, 16, True)
+                     for bn, bk, w in [(4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4), (8, 4096, 4),
+                                       (16, 1024, 4), (16, 2048, 8)]
                      for st in (3, 4, 6) if st * bn * bk <= 160 << 10],
-             "bf16": [(bn, bk, w, st, f) for bn, bk, w, f in [(4, 1024, 4, 8), (8, 512, 4, 1), (8, 1024, 4, 8),
-                                                              (16, 512, 4, 1), (16, 1024, 8, 8)]
+             "bf16": [OneRowTile(bn, bk, w, st, f, True)
+                      for bn, bk, w, f in [(4, 1024, 4, 8), (8, 512, 4, 1), (8, 1024, 4, 8), (16, 512, 4, 1),
+                                           (16, 1024, 8, 8)]
                       for st in (3, 4) if st * bn * bk * 2 <= 160 << 10]}
 
 
-def _desc_call(fn, x, ws, s, descs, i):
-    return fn(x, ws[i], s, descs[i])
-
-
 def tma_section(out: list, dtypes: list[str]) -> None:
-    """The one-row product with weight tiles loaded by the TMA (``_tma_row_kernel``) against the
-    shipped kernel's tiles (and, as ``engine-tma``, the engine's own TMA tiles: ``OneRowTile.tma``),
-    each projection of a Llama-3.1-8B layer alone (no PDL); then a layer's
-    chain as a step runs it (norm, q/k/v, o, norm, gate ‖ up, down; PDL, the first tile before the
-    wait behind the short kernels), the best shipped tile of each projection against the best TMA
-    tile, over 4 copies of the layer's weights."""
-    if TensorDescriptor is None:
-        raise SystemExit("this Triton has no host tensor descriptors")
+    """The engine's one-row kernel with its weight tiles loaded by the TMA (``OneRowTile.tma``: a
+    sweep of tiles, the engine's ``ONE_ROW_TILES*_TMA`` among them) against its pointer-load
+    tiles, each projection of a Llama-3.1-8B layer alone (no PDL); then a layer's chain as a step
+    runs it (norm, q/k/v, o, norm, gate ‖ up, down; PDL, the first tile before the wait behind the
+    short kernels), the best tile of each family for each projection, over 4 copies of the
+    layer's weights."""
     torch.manual_seed(0)
     H = 4096
     for dt in dtypes:
@@ -426,25 +355,22 @@ def tma_section(out: list, dtypes: list[str]) -> None:
             x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
             want = x.float() @ (w.float() * s[:, None] if s is not None else w.float()).t()
             ws = weight_copies(w)
-            shipped_tiles = gemv.ONE_ROW_TILES_FP8 if dt == "fp8" else gemv.ONE_ROW_TILES
-            cases = [("shipped", t, shipped(t), None) for t in shipped_tiles]
-            cases += [("engine-tma", t, shipped(t), None) for t in (gemv.ONE_ROW_TILES_FP8_TMA if dt == "fp8" else
-                                                                    gemv.ONE_ROW_TILES_TMA) if gemv.tma_fits(w, t)]
-            cases += [("tma", t, tma_row(t), [tma_descriptor(c, t[0], t[1]) for c in ws]) for t in TMA_TILES[dt]]
-            for fam, tile, fn, descs in cases:
+            pointer = gemv.ONE_ROW_TILES_FP8 if dt == "fp8" else gemv.ONE_ROW_TILES
+            engine_tma = gemv.ONE_ROW_TILES_FP8_TMA if dt == "fp8" else gemv.ONE_ROW_TILES_TMA
+            tma = list(dict.fromkeys(engine_tma + TMA_TILES[dt]))
+            cases = [("shipped", t) for t in pointer] + [("tma", t) for t in tma if gemv.tma_fits(w, t)]
+            for fam, tile in cases:
+                fn = shipped(tile)
                 try:
-                    y = fn(x, w, s) if descs is None else fn(x, w, s, descs[0])
-                    err = ((y.float() - want).norm() / want.norm()).item()
-                    call = (functools.partial(_call, fn, x, ws, s) if descs is None
-                            else functools.partial(_desc_call, fn, x, ws, s, descs))
-                    ms = time_graph(call, len(ws))
+                    err = ((fn(x, w, s).float() - want).norm() / want.norm()).item()
+                    ms = time_graph(functools.partial(_call, fn, x, ws, s), len(ws))
                 except Exception as e:   # a tile that does not compile or fit here
                     print(f"{dt} {N}x{K} {fam} {tuple(tile)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 nbytes = w.numel() * w.element_size()
                 out.append({"dtype": dt, "N": N, "K": K, "variant": f"{fam} {tuple(tile)}", "us": ms * 1e3,
                             "gb_s": nbytes / ms / 1e6, "rel_err": err})
-                print(f"{dt:4s} {N:6d}x{K:5d} {fam:8s} {str(tuple(tile)):24s} {ms * 1e3:7.2f} us "
+                print(f"{dt:4s} {N:6d}x{K:5d} {fam:8s} {str(tuple(tile)):30s} {ms * 1e3:7.2f} us "
                       f"{nbytes / ms / 1e6:6.0f} GB/s err {err:.2e}", flush=True)
                 if ms < best.setdefault((N, K), {}).get(fam, (None, 1e9))[1]:
                     best[(N, K)][fam] = (tile, ms)
@@ -458,14 +384,9 @@ def tma_section(out: list, dtypes: list[str]) -> None:
                 continue
             tiles = [best[sh][fam][0] for sh in SHAPES]
             pres = [True, True, True, False]   # behind the norm, the attention, the norm; not behind gate_up
-            if fam == "shipped":
-                fns = [functools.partial(_shipped_chain, t, p) for t, p in zip(tiles, pres, strict=True)]
-                descs = [[None] * 4 for _ in layers]
-            else:
-                fns = [tma_row(t, True, p) for t, p in zip(tiles, pres, strict=True)]
-                descs = [[tma_descriptor(lw[j][0], t[0], t[1]) for j, t in enumerate(tiles)] for lw in layers]
+            fns = [functools.partial(_chain_gemv, "folded", t, p) for t, p in zip(tiles, pres, strict=True)]
             try:
-                ms = time_graph(functools.partial(_tma_chain_layer, fns, layers, descs, x, r, g), len(layers))
+                ms = time_graph(functools.partial(_tma_chain_layer, fns, layers, x, r, g), len(layers))
             except Exception as e:   # noqa: BLE001 - recorded, and the other chain still runs
                 print(f"{dt} chain {fam}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
@@ -476,20 +397,15 @@ def tma_section(out: list, dtypes: list[str]) -> None:
                         "gb_s": nbytes / ms / 1e6})
 
 
-def _tma_chain_layer(fns, layers, descs, x, r, g, i: int) -> None:
+def _tma_chain_layer(fns, layers, x, r, g, i: int) -> None:
     """One layer's chain of ``tma_section`` over weight copy i: norm, q/k/v, o, norm, gate ‖ up, down."""
     (wq, sq), (wo, so), (wg, sg), (wd, sd) = layers[i]
-    d = descs[i]
     h = triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
-    fns[0](h, wq, sq, d[0])
-    a = fns[1](x, wo, so, d[1])
+    fns[0](h, wq, sq)
+    a = fns[1](x, wo, so)
     h = triton_ops.fused_add_rms_norm(a, r, g, 1e-6)[0]
-    gu = fns[2](h, wg, sg, d[2])
-    fns[3](gu[:, :wd.shape[1]], wd, sd, d[3])
-
-
-def _shipped_chain(tile, pre, x, w, s, desc=None):
-    return gemv.gemv(x, w, None, tile, pdl=True, preload=pre, scale=s)
+    gu = fns[2](h, wg, sg)
+    fns[3](gu[:, :wd.shape[1]], wd, sd)
 
 
 def _chain_gemv(fam: str, cfg: tuple, pre: bool, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -507,7 +423,8 @@ def main() -> None:
     ap.add_argument("--fold", nargs="*", choices=["bf16", "fp8", "fp8+"],
                     help="the shipped one-row kernel, products folded or not (fp8+: more FP8 tiles)")
     ap.add_argument("--tma", nargs="*", choices=["fp8", "bf16"],
-                    help="weight tiles loaded by the TMA against the shipped tiles, alone and in a layer's chain")
+                    help="the engine's tiles loaded by the TMA against its pointer tiles, alone and in a "
+                         "layer's chain")
     a = ap.parse_args()
     out = []
     if a.loops or a.fold is not None or a.tma is not None:

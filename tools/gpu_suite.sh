@@ -47,7 +47,7 @@ for what in "${@:-all}"; do
         --output "$OUT/attention_b256.json" > "$OUT/attention_b256.txt" 2>&1
       timeout 60 python3 tools/bench_attention.py --batch 256 --context 1500 --extend --kv-dtype fp8 \
         --output "$OUT/attention_b256_fp8.json" > "$OUT/attention_b256_fp8.txt" 2>&1 ;;
-    tma_gemv)   # one-row products with the weight tiles loaded by the TMA against the shipped tiles, FP8 then bf16
+    tma_gemv)   # the one-row kernel's tiles loaded by the TMA against its pointer tiles, FP8 then bf16
       timeout 420 python3 tools/bench_fp8_gemv.py --tma ${TMA_DTYPES:-fp8 bf16} --output "$OUT/tma_gemv.json" \
         > "$OUT/tma_gemv.txt" 2>&1 ;;
     tma_decode)   # batch-1 decode with FP8 weights (TMA_PRECISIONS: fp8, bf16): the one-row tiles of pointer loads only
@@ -57,8 +57,8 @@ for what in "${@:-all}"; do
           --batch 1 --prompt-len 128 --steps 128 --overlap on $cfg --output "$OUT/tma_decode_${d}_$t.json" \
           > "$OUT/tma_decode_${d}_$t.txt" 2>&1; free_gpus; done; done ;;
     tma_tests)   # the one-row kernels' tests, the TMA tiles' among them
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_bench_fp8_gemv_tma.py \
-        tests/kernels/test_triton_kernels.py -k "tma or gemv or one_token or fused_paths" > "$OUT/tma_tests.txt" 2>&1 ;;
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py \
+        -k "tma or gemv or one_token or fused_paths" > "$OUT/tma_tests.txt" 2>&1 ;;
     fp8_gemv)   # one-row products with FP8 weights: the shipped tiles against widening and tensor-core variants
       timeout 150 python3 tools/bench_fp8_gemv.py --output "$OUT/fp8_gemv.json" > "$OUT/fp8_gemv.txt" 2>&1 ;;
     decode_fp8)   # batch 1 and 64: bf16, FP8 weights, FP8 weights + FP8 KV

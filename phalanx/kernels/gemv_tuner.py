@@ -37,7 +37,6 @@ from phalanx.kernels.linear_plan import (
     QkvRopePlan,
     RowsTile,
     launcher,
-    tile_str,
 )
 
 L2_BYTES = 256 << 20
@@ -307,7 +306,7 @@ def gate_up_silu_plan(gu: torch.Tensor, gu_plan: LinearPlan, down: torch.Tensor,
     _PAIR_MEMO[key] = best
     if report is not None:
         nbytes = (gu.numel() + down.numel()) * gu.element_size()
-        name = f"gemv{tile_str(best.tile)}{'+pdl' if best.pdl else ''}" if best else "apart"
+        name = str(Plan("gemv", best.tile, best.pdl)) if best else "apart"
         report[f"{gu.shape[0]}x{gu.shape[1]}+{down.shape[0]}x{down.shape[1]}/mlp/rows=1:{name}"] = \
             nbytes / best_ms / 1e6
     return best

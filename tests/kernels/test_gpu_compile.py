@@ -19,7 +19,6 @@ from triton.compiler import ASTSource  # noqa: E402
 from phalanx.kernels import gemv, triton_attention, triton_moe, triton_ops  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import bench_fp8_gemv  # noqa: E402  (tools/: the TMA one-row product a GPU run measures)
 import bench_handover  # noqa: E402  (tools/: the persistent chain a GPU run measures)
 import bench_layer_stream  # noqa: E402  (tools/: the persistent layer a GPU run measures)
 
@@ -219,14 +218,6 @@ for warps, bn_h, bn_i, prefetch, mlp_only in ((4, 4, 1, False, False), (8, 8, 2,
         {"H": 4096, "NQ": 6144, "I": 14336, "KP_I": 16384, "BN_H": bn_h, "BN_I": bn_i, "STAGES": 3,
          "PREFETCH": prefetch, "MLP_ONLY": mlp_only},
         {"num_warps": warps, "num_stages": 1, **({"maxnreg": 128} if warps == 8 else {})})
-
-# tools/bench_fp8_gemv.py's one-row product with the weight tiles loaded by the TMA, FP8 and bf16 weights
-for wt, box, fold in (("fp8e4nv", "8,8,256", 16), ("bf16", "8,8,128", 8)):
-    CASES[f"one row, {wt} weight tiles through the TMA"] = (
-        bench_fp8_gemv._tma_row_kernel, {"x_ptr": "*bf16", "w_desc": f"tensordesc<{wt}[{box}]>", "s_ptr": "*fp32",
-                                         "y_ptr": "*bf16"},
-        {"HAS_SCALE": wt != "bf16", "BLOCK_N": 8, "BLOCK_K": 2048 if wt != "bf16" else 1024,
-         "SUB": 256 if wt != "bf16" else 128, "FOLD": fold, "STAGES": 3, "PRE": True, "PDL": True})
 
 # the engine's one-row kernels with a TMA tile (``OneRowTile.tma``): boxes of rows, of gate/up pairs, of rotary pairs
 CASES |= {
