@@ -6,7 +6,6 @@ not counted), L2 defeated by weight copies, CUDA-graph timing.
     python tools/bench_fp8_gemv.py --output fp8_gemv.json
     python tools/bench_fp8_gemv.py --loops         # folded accumulators, persistent loops, a layer's chain
     python tools/bench_fp8_gemv.py --fold bf16 fp8  # the shipped tiles with products folded or not
-    python tools/bench_fp8_gemv.py --tma fp8 bf16   # the engine's one-row tiles through the TMA (OneRowTile.tma)
 """
 
 from __future__ import annotations
@@ -326,88 +325,6 @@ def fold_section(out: list, dtypes: list[str]) -> None:
             del ws
 
 
-TMA_TILES = {"fp8": [OneRowTile(bn, bk, w, st, 16, True)
-                     for bn, bk, w in [(4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4), (8, 4096, 4),
-                                       (16, 1024, 4), (16, 2048, 8)]
-                     for st in (3, 4, 6) if st * bn * bk <= 160 << 10],
-             "bf16": [OneRowTile(bn, bk, w, st, f, True)
-                      for bn, bk, w, f in [(4, 1024, 4, 8), (8, 512, 4, 1), (8, 1024, 4, 8), (16, 512, 4, 1),
-                                           (16, 1024, 8, 8)]
-                      for st in (3, 4) if st * bn * bk * 2 <= 160 << 10]}
-
-
-def tma_section(out: list, dtypes: list[str]) -> None:
-    """The engine's one-row kernel with its weight tiles loaded by the TMA (``OneRowTile.tma``: a
-    sweep of tiles, the engine's ``ONE_ROW_TILES*_TMA`` among them) against its pointer-load
-    tiles, each projection of a Llama-3.1-8B layer alone (no PDL); then a layer's chain as a step
-    runs it (norm, q/k/v, o, norm, gate ‖ up, down; PDL, the first tile before the wait behind the
-    short kernels), the best tile of each family for each projection, over 4 copies of the
-    layer's weights."""
-    torch.manual_seed(0)
-    H = 4096
-    for dt in dtypes:
-        best: dict[tuple, dict[str, tuple]] = {}
-        weights = {}
-        for N, K in SHAPES:
-            wb = torch.randn(N, K, dtype=torch.bfloat16, device="cuda") / 64
-            w, s = fp8.quantize_weight(wb) if dt == "fp8" else (wb, None)
-            weights[(N, K)] = (w, s)
-            x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
-            want = x.float() @ (w.float() * s[:, None] if s is not None else w.float()).t()
-            ws = weight_copies(w)
-            pointer = gemv.ONE_ROW_TILES_FP8 if dt == "fp8" else gemv.ONE_ROW_TILES
-            engine_tma = gemv.ONE_ROW_TILES_FP8_TMA if dt == "fp8" else gemv.ONE_ROW_TILES_TMA
-            tma = list(dict.fromkeys(engine_tma + TMA_TILES[dt]))
-            cases = [("shipped", t) for t in pointer] + [("tma", t) for t in tma if gemv.tma_fits(w, t)]
-            for fam, tile in cases:
-                fn = shipped(tile)
-                try:
-                    err = ((fn(x, w, s).float() - want).norm() / want.norm()).item()
-                    ms = time_graph(functools.partial(_call, fn, x, ws, s), len(ws))
-                except Exception as e:   # a tile that does not compile or fit here
-                    print(f"{dt} {N}x{K} {fam} {tuple(tile)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                nbytes = w.numel() * w.element_size()
-                out.append({"dtype": dt, "N": N, "K": K, "variant": f"{fam} {tuple(tile)}", "us": ms * 1e3,
-                            "gb_s": nbytes / ms / 1e6, "rel_err": err})
-                print(f"{dt:4s} {N:6d}x{K:5d} {fam:8s} {str(tuple(tile)):30s} {ms * 1e3:7.2f} us "
-                      f"{nbytes / ms / 1e6:6.0f} GB/s err {err:.2e}", flush=True)
-                if ms < best.setdefault((N, K), {}).get(fam, (None, 1e9))[1]:
-                    best[(N, K)][fam] = (tile, ms)
-            del ws
-        x = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
-        r = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
-        g = torch.ones(H, dtype=torch.bfloat16, device="cuda")
-        layers = [[(w.clone(), s) for w, s in (weights[sh] for sh in SHAPES)] for _ in range(4)]
-        for fam in ("shipped", "tma"):
-            if any(fam not in best.get(sh, {}) for sh in SHAPES):   # every tile of the family failed somewhere
-                continue
-            tiles = [best[sh][fam][0] for sh in SHAPES]
-            pres = [True, True, True, False]   # behind the norm, the attention, the norm; not behind gate_up
-            fns = [functools.partial(_chain_gemv, "folded", t, p) for t, p in zip(tiles, pres, strict=True)]
-            try:
-                ms = time_graph(functools.partial(_tma_chain_layer, fns, layers, x, r, g), len(layers))
-            except Exception as e:   # noqa: BLE001 - recorded, and the other chain still runs
-                print(f"{dt} chain {fam}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            nbytes = sum(w.numel() * w.element_size() for w, _ in layers[0])
-            print(f"{dt} chain {fam:8s} {[tuple(t) for t in tiles]} {ms * 1e3:7.1f} us a layer "
-                  f"({nbytes / ms / 1e6:6.0f} GB/s)", flush=True)
-            out.append({"dtype": dt, "chain": fam, "tiles": [list(t) for t in tiles], "us": ms * 1e3,
-                        "gb_s": nbytes / ms / 1e6})
-
-
-def _tma_chain_layer(fns, layers, x, r, g, i: int) -> None:
-    """One layer's chain of ``tma_section`` over weight copy i: norm, q/k/v, o, norm, gate ‖ up, down."""
-    (wq, sq), (wo, so), (wg, sg), (wd, sd) = layers[i]
-    h = triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
-    fns[0](h, wq, sq)
-    a = fns[1](x, wo, so)
-    h = triton_ops.fused_add_rms_norm(a, r, g, 1e-6)[0]
-    gu = fns[2](h, wg, sg)
-    fns[3](gu[:, :wd.shape[1]], wd, sd)
-
-
 def _chain_gemv(fam: str, cfg: tuple, pre: bool, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     if fam in ("unfolded", "folded"):
         return gemv.gemv(x, q, None, cfg, pdl=True, preload=pre, scale=s)
@@ -422,16 +339,11 @@ def main() -> None:
     ap.add_argument("--loops", action="store_true", help="folded, flat and persistent one-row loops; a layer's chain")
     ap.add_argument("--fold", nargs="*", choices=["bf16", "fp8", "fp8+"],
                     help="the shipped one-row kernel, products folded or not (fp8+: more FP8 tiles)")
-    ap.add_argument("--tma", nargs="*", choices=["fp8", "bf16"],
-                    help="the engine's tiles loaded by the TMA against its pointer tiles, alone and in a "
-                         "layer's chain")
     a = ap.parse_args()
     out = []
-    if a.loops or a.fold is not None or a.tma is not None:
+    if a.loops or a.fold is not None:
         if a.loops:
             loops_section(out)
-        elif a.tma is not None:
-            tma_section(out, a.tma or ["fp8", "bf16"])
         else:
             fold_section(out, a.fold or ["bf16", "fp8"])
         if a.output:

@@ -5,7 +5,7 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              cutlass|sampling|itl80|handover|layer|tma_gemv|tma_decode|tma_tests|all]...
+#                              cutlass|sampling|itl80|handover|layer|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -47,18 +47,6 @@ for what in "${@:-all}"; do
         --output "$OUT/attention_b256.json" > "$OUT/attention_b256.txt" 2>&1
       timeout 60 python3 tools/bench_attention.py --batch 256 --context 1500 --extend --kv-dtype fp8 \
         --output "$OUT/attention_b256_fp8.json" > "$OUT/attention_b256_fp8.txt" 2>&1 ;;
-    tma_gemv)   # the one-row kernel's tiles loaded by the TMA against its pointer tiles, FP8 then bf16
-      timeout 420 python3 tools/bench_fp8_gemv.py --tma ${TMA_DTYPES:-fp8 bf16} --output "$OUT/tma_gemv.json" \
-        > "$OUT/tma_gemv.txt" 2>&1 ;;
-    tma_decode)   # batch-1 decode with FP8 weights (TMA_PRECISIONS: fp8, bf16): the one-row tiles of pointer loads only
-      # (PHALANX_TMA=0, the default), then with the TMA's tiles among the tuner's candidates (=1), one engine after the other
-      for d in ${TMA_PRECISIONS:-fp8}; do cfg=""; [ $d = fp8 ] && cfg="--config tools/gpu_fp8.yaml"
-        for t in 0 1; do PHALANX_TMA=$t timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b \
-          --batch 1 --prompt-len 128 --steps 128 --overlap on $cfg --output "$OUT/tma_decode_${d}_$t.json" \
-          > "$OUT/tma_decode_${d}_$t.txt" 2>&1; free_gpus; done; done ;;
-    tma_tests)   # the one-row kernels' tests, the TMA tiles' among them
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py \
-        -k "tma or gemv or one_token or fused_paths" > "$OUT/tma_tests.txt" 2>&1 ;;
     fp8_gemv)   # one-row products with FP8 weights: the shipped tiles against widening and tensor-core variants
       timeout 150 python3 tools/bench_fp8_gemv.py --output "$OUT/fp8_gemv.json" > "$OUT/fp8_gemv.txt" 2>&1 ;;
     decode_fp8)   # batch 1 and 64: bf16, FP8 weights, FP8 weights + FP8 KV

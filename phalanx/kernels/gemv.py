@@ -19,8 +19,6 @@ references of the neighbours.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -30,11 +28,6 @@ from phalanx.kernels.linear_plan import OneRowTile, QkvRopePlan, RowsTile, bucke
 from phalanx.kernels.pdl import prologue, release, wait
 from phalanx.kernels.triton_ops import silu_mul, value_block, value_offsets, value_to_pool
 
-try:   # host tensor descriptors: weight tiles loaded by the TMA (``OneRowTile.tma``)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # an older Triton: no tile takes the TMA
-    TensorDescriptor = None
-
 # the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages[, fold]) ...
 ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile(16, 1024, 8, 2),
                  OneRowTile(32, 256, 4, 4), OneRowTile(8, 1024, 4, 3)]
@@ -42,62 +35,10 @@ ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile
 # at a time keep the accumulator of twice the elements per byte small (docs/gpu_notes.md)
 ONE_ROW_TILES_FP8 = [OneRowTile(8, 2048, 4, 3, 16), OneRowTile(4, 2048, 4, 4, 16), OneRowTile(4, 4096, 4, 3, 16),
                      OneRowTile(8, 1024, 4, 4, 16), OneRowTile(16, 2048, 8, 3, 16), OneRowTile(4, 1024, 4, 6, 16)]
-# the same kernels with the weight tiles brought by the TMA (``tma_fits``)
-ONE_ROW_TILES_TMA = [OneRowTile(8, 1024, 4, 4, 1, True), OneRowTile(16, 512, 4, 4, 1, True)]
-ONE_ROW_TILES_FP8_TMA = [OneRowTile(8, 2048, 4, 4, 16, True), OneRowTile(4, 4096, 4, 4, 16, True),
-                         OneRowTile(8, 4096, 4, 3, 16, True), OneRowTile(16, 2048, 8, 3, 16, True)]
-# a TMA box spans at most 256 elements a dimension: a tile's rows go in 256-byte runs (Triton issues each box
-# as 128-byte-wide copies, its widest swizzle). Descriptor loads take no eviction hint: unlike the pointer
-# loads' evict-first, these weights enter L2 at normal priority
-TMA_ROW_BYTES = 256
 # ... and more rows (padded to 16 or 64 for tl.dot), each tried whole and split over K (``auto_splits``);
 # each is a compile at start-up
 ROWS_TILES = [RowsTile(32, 256, 4, 4), RowsTile(64, 128, 4, 3)]
 SMEM_BYTES = 200 << 10
-
-
-def one_row_tiles(w: torch.Tensor, fp8: bool) -> list[OneRowTile]:
-    """The one-row tiles the tuner times for weight w: pointer loads, and with ``PHALANX_TMA=1``
-    (read at each call: the tuner's, once a weight shape) the TMA's where ``tma_fits``. The TMA
-    tiles are opt-in until a GPU run has timed them in the engine (docs/gpu_notes.md,
-    thirty-ninth round)."""
-    tiles = ONE_ROW_TILES_FP8 if fp8 else ONE_ROW_TILES
-    if os.environ.get("PHALANX_TMA", "0") != "1" or not w.is_cuda:
-        return list(tiles)
-    return list(tiles) + [t for t in (ONE_ROW_TILES_FP8_TMA if fp8 else ONE_ROW_TILES_TMA) if tma_fits(w, t)]
-
-
-def tma_fits(w: torch.Tensor, tile: OneRowTile) -> bool:
-    """Whether ``tile``'s weight tiles can come through the TMA from w [N, K]: a Triton with host
-    descriptors, a GPU with a TMA (compute capability 9.0 on; the interpreter emulates one),
-    rows of whole 256-byte runs (``TMA_ROW_BYTES``) that start 16-byte aligned, and a tile of a
-    power of two of rows (at least a pair) and of whole runs."""
-    sub = TMA_ROW_BYTES // w.element_size()
-    if TensorDescriptor is None or w.dim() != 2 or w.stride(1) != 1:
-        return False
-    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
-        return False
-    runs = tile.block_k // sub
-    return (w.shape[1] % sub == 0 and tile.block_k % sub == 0 and 0 < runs <= 256 and runs & (runs - 1) == 0
-            and 2 <= tile.block_n <= 256 and tile.block_n & (tile.block_n - 1) == 0
-            and w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0)
-
-
-def _descriptor(w: torch.Tensor, tile: OneRowTile, box: int, pairs: int = 0) -> TensorDescriptor:
-    """W [N, K] for the TMA, each row as K / SUB runs of SUB elements (256 bytes), in boxes of a
-    [BLOCK_N, BLOCK_K] tile of rank ``box``: 3, rows as they are ([N, K/SUB, SUB]); 4, gate j and
-    up j interleaved, ``pairs`` = I ([I, 2, K/SUB, SUB]); 5, rows j and j + D/2 of each head
-    interleaved, ``pairs`` = D/2 ([heads, D/2, 2, K/SUB, SUB])."""
-    N, K = w.shape
-    bn, bk = tile.block_n, tile.block_k
-    sub = TMA_ROW_BYTES // w.element_size()
-    row = w.stride(0)
-    if box == 3:
-        return TensorDescriptor(w, [N, K // sub, sub], [row, sub, 1], [bn, bk // sub, sub])
-    if box == 4:
-        return TensorDescriptor(w, [pairs, 2, K // sub, sub], [row, pairs * row, sub, 1], [bn // 2, 2, bk // sub, sub])
-    return TensorDescriptor(w, [N // (2 * pairs), pairs, 2, K // sub, sub], [2 * pairs * row, row, pairs * row, sub, 1],
-                            [1, bn // 2, 2, bk // sub, sub])
 
 
 def _fit_stages(stages: int, bytes_per_stage: int) -> int:
@@ -139,28 +80,8 @@ def _store_padded_rows(y_ptr, b_ptr, s_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: t
 
 
 @triton.jit
-def _tile(w_ptr, w_desc, s_wn, n, nm, c0, c1, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          SUB: tl.constexpr, BOX: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile of rows n at K step k0. BOX 0: pointer loads
-    (``_w_tile``); else a TMA box (Triton copies it in 128-byte-wide pieces) of the descriptor
-    ``_descriptor`` made, of rank BOX: rows c0.. (3), the pairs of rows c0.. (4: gate ‖ up), the
-    pairs c1.. of head c0 (5: q/k/v), its rows in the order of n."""
-    if BOX == 0:
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = _w_tile(w_ptr, s_wn, n, nm, k, k < K)
-    elif BOX == 3:
-        w = tl.reshape(w_desc.load([c0, k0 // SUB, 0]), [BLOCK_N, BLOCK_K])
-    elif BOX == 4:
-        w = tl.reshape(w_desc.load([c0, 0, k0 // SUB, 0]), [BLOCK_N, BLOCK_K])
-    else:
-        w = tl.reshape(w_desc.load([c0, c1, 0, k0 // SUB, 0]), [BLOCK_N, BLOCK_K])
-    return w
-
-
-@triton.jit
-def _row_product(x_ptr, w_ptr, w_desc, s_wn, n, nm, c0, c1, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD: tl.constexpr, SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr,
-                 BOX: tl.constexpr, STAGES: tl.constexpr):
+def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
+                 SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """x · W[n] for one row x ([1, K], or gate ‖ up [1, 2K] with SILU) over the weight rows n:
     float32 products, each K step's folded FOLD at a time into a [BLOCK_N, BLOCK_K // FOLD]
     accumulator (``OneRowTile.fold``), summed once at the end -> [BLOCK_N] float32.
@@ -169,30 +90,20 @@ def _row_product(x_ptr, w_ptr, w_desc, s_wn, n, nm, c0, c1, K, BLOCK_N: tl.const
     it), so that it streams while the kernel in front finishes. That pays where the kernel in
     front is short (a norm, the attention) and leaves most of the GPU idle
     (``linear_plan.PRELOAD_BEHIND``); behind a long kernel the early programs would hold
-    registers and slots its later waves need (docs/gpu_notes.md has the measurements).
-
-    BOX > 0: the weight tiles come through the TMA (``_tile``), pipelined through shared
-    memory as the pointer loads are."""
+    registers and slots its later waves need (docs/gpu_notes.md has the measurements)."""
     release(PDL)
     k = tl.arange(0, BLOCK_K)
     km = k < K
     if PRE:
-        w0 = _tile(w_ptr, w_desc, s_wn, n, nm, c0, c1, 0, K, BLOCK_N, BLOCK_K, SUB, BOX)
+        w0 = _w_tile(w_ptr, s_wn, n, nm, k, km)
     wait(PDL)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
     if PRE:
         acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, FOLD, SILU)
-    if BOX == 0:
-        for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, FOLD, SILU)
-    else:   # the boxes pipelined through STAGES buffers (a plain loop would wait for each in turn)
-        for k0 in tl.range(BLOCK_K * PRE, K, BLOCK_K, num_stages=STAGES):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            acc1 = _fma_tile(acc1, _tile(w_ptr, w_desc, s_wn, n, nm, c0, c1, k0, K, BLOCK_N, BLOCK_K, SUB, BOX), x_ptr,
-                             k, km, K, FOLD, SILU)
+    for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, FOLD, SILU)
     return tl.sum(acc1, 1)
 
 
@@ -210,62 +121,51 @@ def _fma_tile(acc1, w, x_ptr, k, km, K, FOLD: tl.constexpr, SILU: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, w_desc, b_ptr, s_ptr, y_ptr, N, K, s_wn,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD: tl.constexpr, SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr,
-                 BOX: tl.constexpr, STAGES: tl.constexpr):
+                 FOLD: tl.constexpr, SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
-    gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly. BOX 3: W's tiles
-    through the TMA (w_desc), else pointer loads."""
-    n0 = tl.program_id(0) * BLOCK_N
-    n = n0 + tl.arange(0, BLOCK_N)
+    gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    y = _row_product(x_ptr, w_ptr, w_desc, s_wn, n, nm, n0, 0, K, BLOCK_N, BLOCK_K, FOLD, SILU, PRE, PDL, SUB, BOX,
-                     STAGES)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, SILU, PRE, PDL)
     _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS, HAS_SCALE)
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, w_ptr, w_desc, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn,
-                     s_qh, s_cs, s_ch, H, Hkv, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh,
+                     s_cs, s_ch, H, Hkv, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr,
-                     VB: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr, BOX: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     VB: tl.constexpr, PDL: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
     output is rounded to the model's dtype before it is rotated, as when the projection and
-    ``rope_and_write_kv`` run apart, so the two paths give the same bits. BOX 5: the rows come
-    through the TMA (w_desc), v's in the same pairs (one view serves every head), else pointer
-    loads."""
+    ``rope_and_write_kv`` run apart, so the two paths give the same bits."""
     col0 = tl.program_id(0) * BLOCK_N
     head = col0 // D
     r = tl.arange(0, BLOCK_N)
     rotated = head < H + Hkv
     j0 = (col0 % D) // 2
-    if BOX == 5:   # every head's rows in pairs: one view of the weight serves them all
-        n = head * D + j0 + r // 2 + (r % 2) * (D // 2)
-    else:
-        n = tl.where(rotated, head * D + j0 + r // 2 + (r % 2) * (D // 2), col0 + r)
+    n = tl.where(rotated, head * D + j0 + r // 2 + (r % 2) * (D // 2), col0 + r)
     nm = n < (H + 2 * Hkv) * D
     pos = tl.load(pos_ptr)                      # metadata: read before the wait
     slot = tl.load(slot_ptr).to(tl.int64)
     j = j0 + tl.arange(0, BLOCK_N // 2)
     cos = tl.load(cs_ptr + pos * D + j)
     sin = tl.load(cs_ptr + pos * D + D // 2 + j)
-    y = _row_product(x_ptr, w_ptr, w_desc, s_wn, n, nm, head, j0, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL, SUB,
-                     BOX, STAGES)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL)
     if HAS_SCALE:   # FP8 weights
         y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     y = y.to(q_ptr.dtype.element_ty)
-    x1, x2 = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
     if rotated:
-        f1 = x1.to(tl.float32)
-        f2 = x2.to(tl.float32)
-        r1 = f1 * cos - f2 * sin
-        r2 = f2 * cos + f1 * sin
+        x1, x2 = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
         if head < H:   # stored apart: the pool's dtype may differ from q's (an FP8 pool)
             tl.store(q_ptr + head * s_qh + j, r1.to(q_ptr.dtype.element_ty))
             tl.store(q_ptr + head * s_qh + D // 2 + j, r2.to(q_ptr.dtype.element_ty))
@@ -275,32 +175,23 @@ def _qkv_rope_kernel(x_ptr, w_ptr, w_desc, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_
             tl.store(kd + D // 2 + j, r2.to(kc_ptr.dtype.element_ty))
     else:
         vh = head - H - Hkv
-        if BOX == 5:   # v's rows in pairs as well: stored as two halves
-            tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, j, VB),
-                     value_to_pool(x1, vc_ptr.dtype.element_ty, VB))
-            tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, D // 2 + j, VB),
-                     value_to_pool(x2, vc_ptr.dtype.element_ty, VB))
-        else:
-            tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, col0 % D + r, VB),
-                     value_to_pool(y, vc_ptr.dtype.element_ty, VB))
+        tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, col0 % D + r, VB),
+                 value_to_pool(y, vc_ptr.dtype.element_ty, VB))
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, w_desc, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (I: intermediate size)
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (I: intermediate size)
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
-                         SUB: tl.constexpr, BOX: tl.constexpr, STAGES: tl.constexpr):
+                         BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """The gate ‖ up projection of one token with SiLU-and-mul as its epilogue: a program takes
     BLOCK_N // 2 pairs of rows (gate j and up j, interleaved) and writes silu(gate) * up for
     them, so the down projection reads I values instead of 2I and computes no SiLU. Outputs are
-    rounded to the model's dtype before the SiLU, as when the two run apart: the same bits. BOX 4:
-    the pairs come through the TMA (w_desc), else pointer loads."""
+    rounded to the model's dtype before the SiLU, as when the two run apart: the same bits."""
     r = tl.arange(0, BLOCK_N)
     j0 = tl.program_id(0) * (BLOCK_N // 2)
     n = j0 + r // 2 + (r % 2) * I
     nm = j0 + r // 2 < I
-    y = _row_product(x_ptr, w_ptr, w_desc, s_wn, n, nm, j0, 0, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL, SUB, BOX,
-                     STAGES)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL)
     if HAS_SCALE:   # FP8 weights
         y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
@@ -374,17 +265,9 @@ def _one_row_launch(tile: OneRowTile, x: torch.Tensor, w: torch.Tensor, silu: bo
     """The launch arguments of a one-row tile for input x (gate ‖ up with silu) and weight w (FP8
     weights take half the bytes): BLOCK_N, BLOCK_K, FOLD, warps, and the stages cut to what fits
     in shared memory."""
-    bn, bk, warps, stages, fold, _ = tile
+    bn, bk, warps, stages, fold = tile
     stages = _fit_stages(stages, bn * bk * w.element_size() + bk * (2 if silu else 1) * x.element_size())
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "FOLD": fold, "num_warps": warps, "num_stages": stages, "STAGES": stages}
-
-
-def _weight_source(tile: OneRowTile, w: torch.Tensor, box: int, pairs: int = 0) -> tuple[object, dict]:
-    """The kernel's w_desc argument and its SUB and BOX: W's descriptor (``_descriptor``, boxes of
-    rank ``box``) for a TMA tile whose weight fits (``tma_fits``), else W itself, unused (BOX 0)."""
-    if not tile.tma or not tma_fits(w, tile):   # a weight the TMA cannot box: the same tile by pointer loads
-        return w, {"SUB": 1, "BOX": 0}
-    return _descriptor(w, tile, box, pairs), {"SUB": TMA_ROW_BYTES // w.element_size(), "BOX": box}
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "FOLD": fold, "num_warps": warps, "num_stages": stages}
 
 
 def _padded_rows_launch(tile: RowsTile) -> tuple[int, int, int, int, int]:
@@ -416,10 +299,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
     if M == 1 and isinstance(tile, OneRowTile):
-        src, box = _weight_source(tile, weight, 3)
         _gemv_kernel[(triton.cdiv(N, tile.block_n),)](
-            x, weight, src, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
-            HAS_SCALE=scale is not None, SILU=silu, PRE=preload, **_one_row_launch(tile, x, weight, silu), **box,
+            x, weight, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
+            HAS_SCALE=scale is not None, SILU=silu, PRE=preload, **_one_row_launch(tile, x, weight, silu),
             **_pdl.launch(x, pdl))
         return y
     rows_tile = tile if isinstance(tile, RowsTile) else RowsTile(*tile[:4])
@@ -457,12 +339,11 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     H, Hkv = num_heads, num_kv_heads
     q = torch.empty(1, H, D, dtype=x.dtype, device=x.device)
     kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
-    src, box = _weight_source(tile, weight, 5, D // 2)
     _qkv_rope_kernel[((H + 2 * Hkv) * D // tile.block_n,)](
-        x, weight, src, bias if bias is not None else weight, scale if scale is not None else weight, positions,
-        cos_sin, slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H,
-        Hkv, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=True, VB=value_block(v_cache),
-        **_one_row_launch(tile, x, weight), **box, **_pdl.launch(x, pdl))
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
+        slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=True, VB=value_block(v_cache),
+        **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return q
 
 
@@ -476,9 +357,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x = x.contiguous()
     I = weight.shape[0] // 2  # noqa: E741 (the intermediate size, as everywhere in the MLP code)
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
-    src, box = _weight_source(tile, weight, 4, I)
     _gate_up_silu_kernel[(triton.cdiv(I, tile.block_n // 2),)](
-        x, weight, src, bias if bias is not None else weight, scale if scale is not None else weight, act, I,
-        x.shape[1], weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRE=True,
-        **_one_row_launch(tile, x, weight), **box, **_pdl.launch(x, pdl))
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, act, I, x.shape[1],
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRE=True,
+        **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return act

@@ -93,13 +93,13 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
                ws: list[torch.Tensor],
                scale: torch.Tensor | None = None) -> Iterator[tuple[Plan, Callable[[int], object]]]:
     """Each Plan for a projection behind ``neighbour``, as fn(i) over the weight copies, the
-    neighbour included. One row: every tile (``gemv.one_row_tiles``: the TMA's too where asked
-    for and where they fit) with and without PDL; more: every tile whole and
+    neighbour included. One row: every tile with and without PDL; more: every tile whole and
     split over K, with PDL where the GPU has it (fewer compiles at start-up). ``scale``: the
     weights are FP8 (their launches take it)."""
     if x.shape[0] == 1:
         launches = (False, True) if pdl.enabled(x) else (False,)
-        plans = [Plan("gemv", t, p) for t in gemv.one_row_tiles(ws[0], scale is not None) for p in launches]
+        tiles = gemv.ONE_ROW_TILES if scale is None else gemv.ONE_ROW_TILES_FP8
+        plans = [Plan("gemv", t, p) for t in tiles for p in launches]
     else:
         N, K = ws[0].shape
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -290,7 +290,7 @@ def gate_up_silu_plan(gu: torch.Tensor, gu_plan: LinearPlan, down: torch.Tensor,
         down_plan(gu_plan(norm(), gus[i % len(gus)], None, s_gu), downs[i % len(downs)], None, s_down)
 
     best, best_ms = None, time_graph(apart, n)
-    for tile in [t for t in gemv.one_row_tiles(gu, fp8) if t.block_n % 2 == 0]:
+    for tile in [t for t in (gemv.ONE_ROW_TILES_FP8 if fp8 else gemv.ONE_ROW_TILES) if t.block_n % 2 == 0]:
         for use_pdl in (False, True) if pdl.enabled(x) else (False,):
             plan = GateUpSiluPlan(tile, use_pdl, down_ready, fp8)
 

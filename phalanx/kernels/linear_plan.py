@@ -82,16 +82,13 @@ class OneRowTile(NamedTuple):
     ``fold``: the products of each K step are summed ``fold`` neighbours at a time into a
     [BLOCK_N, BLOCK_K // fold] float32 accumulator (1: one lane per product). A narrower
     accumulator takes fewer registers, so more programs stay resident and more weight bytes are
-    in flight: what FP8 weights need, whose tiles hold twice the elements per byte. ``tma``: the
-    weight tiles come through the tensor memory accelerator (host tensor descriptors) instead of
-    pointer loads (kernels/gemv.py ``tma_fits`` says for which weights)."""
+    in flight: what FP8 weights need, whose tiles hold twice the elements per byte."""
 
     block_n: int
     block_k: int
     warps: int
     stages: int
     fold: int = 1
-    tma: bool = False
 
 
 class RowsTile(NamedTuple):
@@ -112,13 +109,7 @@ class Plan(NamedTuple):
     pdl: bool = False
 
     def __str__(self) -> str:
-        return self.kernel if self.tile is None else f"{self.kernel}{tile_str(self.tile)}{'+pdl' if self.pdl else ''}"
-
-
-def tile_str(tile: OneRowTile | RowsTile | CutlassTile) -> str:
-    """A tile's fields as a tuple, a one-row tile's ``tma`` only where it is set (logs and reports)."""
-    t = tuple(tile)
-    return str(t[:-1] if isinstance(tile, OneRowTile) and not tile.tma else t)
+        return self.kernel if self.tile is None else f"{self.kernel}{tuple(self.tile)}{'+pdl' if self.pdl else ''}"
 
 
 CUBLAS = Plan("cublas")

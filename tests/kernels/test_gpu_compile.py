@@ -24,10 +24,8 @@ import bench_layer_stream  # noqa: E402  (tools/: the persistent layer a GPU run
 
 FP8_POOL = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "out_ptr": "*bf16", "lse_ptr": "*fp32",
             "part_ptr": "*fp32", "bt_ptr": "*i32", "len_ptr": "*i32", "qstart_ptr": "*i32"}
-FP8_WEIGHT = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_desc": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32",
-              "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-# the one-row kernels with their weight tiles by pointer loads (w_desc unused)
-gemv_pointer_loads = {"SUB": 1, "BOX": 0, "STAGES": 1}
+FP8_WEIGHT = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32", "y_ptr": "*bf16",
+              "part_ptr": "*fp32", "count_ptr": "*i32"}
 ATTN = {"G": 4, "BLOCK_G": 16, "D": 128, "BLOCK_D": 128, "B": 32, "BLOCK_N": 64, "PREC": "tf32", "KV_F16": False,
         "V_KEYS": False}
 # an FP8 pool's dots in float16, as shipped (FP8_POOL_F16); its values key-minor (values_key_minor)
@@ -40,16 +38,14 @@ CASES = {
         "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
         {"HALF": 64, "BLOCK": 64, "QH": 8, "KVH": 8, "VB": 32, "PDL": False}),
     "one token's q/k/v (FP8 weights) + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
-        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_desc": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32",
-        "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv",
-        "vc_ptr": "*fp8e4nv"},
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "pos_ptr": "*i64",
+        "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
         {"HAS_BIAS": False, "HAS_SCALE": True, "D": 128, "BLOCK_N": 16, "BLOCK_K": 1024, "FOLD": 16, "PRE": True,
-         "VB": 32, "PDL": False, **gemv_pointer_loads}),
+         "VB": 32, "PDL": False}),
     "one token's gate ‖ up + SiLU, FP8 weights": (gemv._gate_up_silu_kernel, {
-        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_desc": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32",
-        "a_ptr": "*bf16"},
+        "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "a_ptr": "*bf16"},
         {"HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_N": 16, "BLOCK_K": 1024, "FOLD": 16, "PRE": True,
-         "PDL": False, **gemv_pointer_loads}),
+         "PDL": False}),
     "decode over an FP8 pool": (triton_attention._decode_split_kernel, FP8_POOL, {**DECODE_FP8, "SPLITS": 4,
                                                                                  "PDL": False}),
     "decode over an FP8 pool, bf16 dots": (triton_attention._decode_split_kernel, FP8_POOL,
@@ -86,7 +82,7 @@ CASES = {
                                        "BLOCK_N": triton_attention.EXTEND_SPLIT_CONFIG[0]}),
     "one row, FP8 weights": (gemv._gemv_kernel, FP8_WEIGHT, {"HAS_BIAS": True, "HAS_SCALE": True, "BLOCK_N": 8,
                                                             "BLOCK_K": 1024, "FOLD": 16, "SILU": True, "PRE": True,
-                                                            "PDL": False, **gemv_pointer_loads}),
+                                                            "PDL": False}),
     "padded rows, FP8 weights, split K": (gemv._rows_kernel, FP8_WEIGHT, {
         "HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PREC": "tf32",
         "SILU": False, "SPLIT": True, "PDL": False}),
@@ -148,7 +144,7 @@ def compile_all() -> None:
             ptx = kernel.asm["ptx"]
             out[case] = {"error": None, "byte_loads": ptx.count("ld.shared.b8 ") + ptx.count("ld.shared.u8 "),
                          "global_byte_loads": ptx.count("ld.global.b8 ") + ptx.count("ld.global.u8 "),
-                         "tma_copies": ptx.count("cp.async.bulk.tensor"), "shared": kernel.metadata.shared}
+                         "shared": kernel.metadata.shared}
         except Exception as e:  # noqa: BLE001 - the case's failure is the result
             out[case] = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
     print(json.dumps(out))
@@ -180,9 +176,9 @@ CASES |= {
     "decode over a bf16 pool, a wide grid": (triton_attention._decode_split_kernel, BF16_POOL, {
         **ATTN, "BLOCK_N": triton_attention.DECODE_CONFIG_WIDE[0], "SPLITS": 1, "PDL": True},
         dict(zip(("num_warps", "num_stages"), triton_attention.DECODE_CONFIG_WIDE[1:], strict=True))),
-    "one row, bf16 weights": (gemv._gemv_kernel, {**FP8_WEIGHT, "w_ptr": "*bf16", "w_desc": "*bf16"}, {
+    "one row, bf16 weights": (gemv._gemv_kernel, {**FP8_WEIGHT, "w_ptr": "*bf16"}, {
         "HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 512, "FOLD": 1, "SILU": False, "PRE": True,
-        "PDL": True, **gemv_pointer_loads}),
+        "PDL": True}),
     "bf16 experts, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
         **CASES["FP8 experts, gate ‖ up"][1], "w_ptr": "*bf16"}, {**CASES["FP8 experts, gate ‖ up"][2],
                                                                    "HAS_SCALE": False}),
@@ -218,39 +214,6 @@ for warps, bn_h, bn_i, prefetch, mlp_only in ((4, 4, 1, False, False), (8, 8, 2,
         {"H": 4096, "NQ": 6144, "I": 14336, "KP_I": 16384, "BN_H": bn_h, "BN_I": bn_i, "STAGES": 3,
          "PREFETCH": prefetch, "MLP_ONLY": mlp_only},
         {"num_warps": warps, "num_stages": 1, **({"maxnreg": 128} if warps == 8 else {})})
-
-# the engine's one-row kernels with a TMA tile (``OneRowTile.tma``): boxes of rows, of gate/up pairs, of rotary pairs
-CASES |= {
-    "one row, FP8 weight tiles through the TMA": (gemv._gemv_kernel, {
-        **FP8_WEIGHT, "w_desc": "tensordesc<fp8e4nv[8,8,256]>"}, {
-        "HAS_BIAS": False, "HAS_SCALE": True, "BLOCK_N": 8, "BLOCK_K": 2048, "FOLD": 16, "SILU": False, "PRE": True,
-        "PDL": True, "SUB": 256, "BOX": 3, "STAGES": 4},
-        {"num_warps": 4, "num_stages": 4}),
-    "one row, bf16 weight tiles through the TMA, SiLU in front": (gemv._gemv_kernel, {
-        **FP8_WEIGHT, "w_ptr": "*bf16", "w_desc": "tensordesc<bf16[8,8,128]>"}, {
-        "HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_N": 8, "BLOCK_K": 1024, "FOLD": 1, "SILU": True, "PRE": False,
-        "PDL": True, "SUB": 128, "BOX": 3, "STAGES": 4},
-        {"num_warps": 4, "num_stages": 4}),
-    "one token's gate ‖ up + SiLU, FP8 weight pairs through the TMA": (gemv._gate_up_silu_kernel, {
-        **CASES["one token's gate ‖ up + SiLU, FP8 weights"][1], "w_desc": "tensordesc<fp8e4nv[4,2,8,256]>"}, {
-        **CASES["one token's gate ‖ up + SiLU, FP8 weights"][2], "BLOCK_N": 8, "BLOCK_K": 2048, "PDL": True, "SUB": 256,
-        "BOX": 4, "STAGES": 4},
-        {"num_warps": 4, "num_stages": 4}),
-    "one token's q/k/v (FP8 weights) + rotary into an FP8 pool, rotary pairs through the TMA": (gemv._qkv_rope_kernel, {
-        **CASES["one token's q/k/v (FP8 weights) + rotary into an FP8 pool"][1],
-        "w_desc": "tensordesc<fp8e4nv[1,4,2,8,256]>"}, {
-        **CASES["one token's q/k/v (FP8 weights) + rotary into an FP8 pool"][2], "BLOCK_N": 8, "BLOCK_K": 2048,
-        "PDL": True, "SUB": 256, "BOX": 5, "STAGES": 4}, {"num_warps": 4, "num_stages": 4}),
-}
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if "through the TMA" in c])
-def test_the_tma_products_weight_tiles_come_by_pipelined_tensor_copies(case, compiled):
-    """The weight boxes are TMA copies, the first before the PDL wait and the loop's ahead of use
-    (its stages): at least three copies in the code, and the buffers fit an SM."""
-    assert compiled[case]["error"] is None, compiled[case]["error"]
-    assert compiled[case]["tma_copies"] >= 3
-    assert 0 < compiled[case]["shared"] <= SM90_SHARED
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("persistent layer")])

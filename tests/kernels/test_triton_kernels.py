@@ -654,67 +654,6 @@ def test_one_token_fused_paths_with_fp8_weights_equal_the_kernels_apart(fold):
     close(plan.down_proj(act, dn, s_dn), fp8.reference(act.float(), dn, None, s_dn), dtype)
 
 
-@pytest.mark.parametrize("weights", ["fp8", "float"])
-def test_one_row_tiles_through_the_tma_equal_the_reference_and_their_fused_paths(weights):
-    """Tiles whose weight tiles come through the TMA (``OneRowTile.tma``: the GPU's, or the
-    interpreter's emulation): the one-row product equals the reference, and the fused one-token
-    paths — q/k/v + rotary + K/V write (boxes of rotary pairs) and gate ‖ up + SiLU (boxes of
-    gate/up pairs) — give the bits of the TMA product and the kernels after it run apart, with and
-    without the first tile before the PDL wait. On the CPU the shapes leave rows past N, pairs
-    past I and a K remainder to the TMA's zero fill. A weight whose rows are no whole 256-byte runs
-    takes the same tile by pointer loads."""
-    from phalanx.kernels import fp8, gemv
-    from phalanx.kernels.linear_plan import GateUpSiluPlan, OneRowTile, Plan, QkvRopePlan
-    g = torch.Generator().manual_seed(17)
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    H, Hkv, D, B, nb = (32, 8, 128, 16, 6) if CUDA else (4, 2, 32, 16, 6)
-    sub = 256 if weights == "fp8" else 256 // torch.tensor([], dtype=dtype).element_size()
-    K, I = (4096, 14336) if CUDA else (5 * sub, 42)  # noqa: E741 (I: intermediate size)
-
-    def weight(n, k):
-        w = torch.randn(n, k, generator=g) / k ** 0.5
-        if weights == "fp8":
-            return tuple(t.to(DEV) for t in fp8.quantize_weight(w))
-        return w.to(DEV, dtype), None
-    tiles = [OneRowTile(16, 2 * sub, 4, 2, 16 if weights == "fp8" else 1, True), OneRowTile(8, 4 * sub, 4, 3, 8, True)]
-    if CUDA:
-        tiles += gemv.ONE_ROW_TILES_FP8_TMA if weights == "fp8" else gemv.ONE_ROW_TILES_TMA
-    x = torch.randn(1, K, generator=g).to(DEV, dtype)
-    wq, sq = weight((H + 2 * Hkv) * D, K)
-    gu, s_gu = weight(2 * I, K)
-    dn, s_dn = weight(K, I)
-    cs = torch.randn(40, D, generator=g).to(DEV)
-    pos, slot = torch.tensor([37], device=DEV), torch.tensor([3 * B + 5], device=DEV)
-    pool = torch.float8_e4m3fn if weights == "fp8" else dtype
-
-    def ref(x, w, s):
-        return fp8.reference(x.float(), w, None, s) if s is not None else x.float() @ w.float().t()
-    w20, s20 = weight(20, K)              # rows past N in the last program
-    for tile in tiles:
-        assert gemv.tma_fits(wq, tile) and gemv.tma_fits(gu, tile), tile
-        close(gemv.gemv(x, w20, None, tile, scale=s20), ref(x, w20, s20), dtype)
-        y = gemv.gemv(x, wq, None, tile, scale=sq)
-        close(y, ref(x, wq, sq), dtype)
-        assert torch.equal(gemv.gemv(x, wq, None, tile, scale=sq, preload=True), y)
-        caches = [torch.zeros(nb, B, Hkv, D, dtype=pool, device=DEV) for _ in range(4)]
-        q = QkvRopePlan(tile, False)(x, wq, None, pos, cs, caches[0], caches[1], slot, H, Hkv, D, sq)
-        parts = y[:, :H * D], y[:, H * D:(H + Hkv) * D], y[:, (H + Hkv) * D:]
-        q_ref = triton_ops.rope_and_write_kv(pos, *(t.view(1, -1, D) for t in parts), cs, caches[2], caches[3], slot)
-        assert torch.equal(q, q_ref), tile
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in ((caches[0], caches[2]),
-                                                                                       (caches[1], caches[3])))
-        down = Plan("gemv", tile if gemv.tma_fits(dn, tile) else tile._replace(tma=False))
-        plan = GateUpSiluPlan(tile, False, down, fp8=weights == "fp8")
-        act = plan.gate_up_silu(x, gu, None, s_gu)
-        assert torch.equal(act, triton_ops.silu_and_mul(gemv.gemv(x, gu, None, tile, scale=s_gu))), tile
-        close(plan.down_proj(act, dn, s_dn), ref(act, dn, s_dn), dtype)
-    odd, s_odd = weight(24, 3 * sub // 2)     # rows of one and a half runs
-    assert not gemv.tma_fits(odd, tiles[0])
-    xo = torch.randn(1, odd.shape[1], generator=g).to(DEV, dtype)
-    close(gemv.gemv(xo, odd, None, tiles[0], scale=s_odd), ref(xo, odd, s_odd), dtype)
-    assert not gemv.tma_fits(wq, tiles[0]._replace(block_k=3 * sub))   # a box of 3 runs: no power of two
-
-
 @pytest.mark.skipif(not CUDA, reason="tuning times CUDA graphs")
 def test_gate_up_silu_pair_tuning_picks_a_path_that_runs():
     """The pair tuner times both paths of a (gate ‖ up, down) pair and returns a plan or None;
