@@ -98,12 +98,17 @@ class _Sequence:
                 not self.weight_versions or self.weight_versions[-1][1] != weight_version):
             self.weight_versions.append((len(self.token_ids), weight_version))
         hit = False
+        # the token that ended the sequence (EOS, or one of stop_token_ids) stays in token_ids and
+        # its logprobs, not in the text (as vLLM), unless include_stop_str_in_output
+        text_ids = token_ids[:-1] if token_ids and self._ends_on_stop_token(token_ids[-1], finish_reason,
+                                                                              stop_reason) else token_ids
         if self.detok is not None and self.params.stop_strings and len(token_ids) > 1:
             # several tokens at once (a speculative step): the tokens after a stop string's are dropped
-            for tok in token_ids:
+            for i, tok in enumerate(token_ids):
                 self.token_ids.append(tok)
                 before = len(self.text)
-                self.text += self.detok.add([tok])
+                if i < len(text_ids):
+                    self.text += self.detok.add([tok])
                 if self._check_stop_strings(before):
                     hit = True
                     break
@@ -113,9 +118,9 @@ class _Sequence:
                 for tok, (chosen, top) in zip(token_ids, logprobs, strict=True):
                     self.logprobs.append(_logprob_entry(tok, (chosen, top)))
                     self.cumulative_logprob += float(chosen)
-            if self.detok is not None and token_ids:
+            if self.detok is not None and text_ids:
                 before = len(self.text)
-                self.text += self.detok.add(token_ids)
+                self.text += self.detok.add(text_ids)
                 hit = self._check_stop_strings(before)
         if finish_reason is not None and not self.finished:
             if self.detok is not None:
@@ -125,6 +130,16 @@ class _Sequence:
             if not self.finished:
                 self.finish_reason, self.stop_reason = finish_reason, stop_reason
         return hit
+
+    def _ends_on_stop_token(self, last: int, finish_reason: str | None, stop_reason: int | None) -> bool:
+        """Whether ``last``, the step's last token, is a stop token that ended the sequence: one of
+        stop_token_ids (the engine names it in ``stop_reason``) or EOS (no reason; a complete
+        grammar ends on EOS too)."""
+        if finish_reason != "stop" or self.params.include_stop_str_in_output or self.finished:
+            return False
+        if stop_reason is not None:
+            return stop_reason == last
+        return self.tokenizer is not None and last in self.tokenizer.eos_token_ids
 
     def _check_stop_strings(self, before: int) -> bool:
         if not self.params.stop_strings or self.finished or len(self.token_ids) < self.params.min_tokens:

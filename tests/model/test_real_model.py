@@ -145,6 +145,28 @@ def test_stop_string_across_token_boundaries_cuts_exactly(llm, include):
     assert len(out.token_ids) < len(full.token_ids)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_that_ends_a_sequence_keeps_its_id_and_leaves_the_text(llm, include):
+    """A stop_token_ids hit, or EOS with special tokens shown: the token stays in token_ids, its
+    text is not in the output unless include_stop_str_in_output (as vLLM)."""
+    prompt = _chat(llm, "What is the capital of France?")
+    full = llm.generate(prompt, SamplingParams(max_tokens=30, skip_special_tokens=False,
+                                               include_stop_str_in_output=include), use_tqdm=False).outputs[0]
+    tok = llm.tokenizer
+    eos = full.token_ids[-1]
+    assert full.finish_reason == "stop" and eos in tok.eos_token_ids   # the model ends its answer itself
+    eos_text = tok.decode([eos], skip_special_tokens=False)
+    assert eos_text and full.text.endswith(eos_text) == include
+    assert full.text == tok.decode(full.token_ids if include else full.token_ids[:-1], skip_special_tokens=False)
+
+    stop_at = next(t for t in full.token_ids[3:] if tok.decode([t]).strip())   # a visible token, not the first
+    first = full.token_ids.index(stop_at)
+    sp = SamplingParams(max_tokens=30, stop_token_ids=[stop_at], include_stop_str_in_output=include)
+    out = llm.generate(prompt, sp, use_tqdm=False).outputs[0]
+    assert out.token_ids == full.token_ids[:first + 1] and out.stop_reason == stop_at
+    assert out.text == tok.decode(out.token_ids if include else out.token_ids[:-1])
+
+
 def test_stop_string_never_leaks_into_the_stream(llm):
     import asyncio
     prompt = _chat(llm, "Write two sentences about the moon.")
