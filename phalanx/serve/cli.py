@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shlex
 import socket
 import sys
 from typing import Any
@@ -60,16 +62,18 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def instructions(host: str, port: int, model: str, api_key: str | None) -> str:
+    """A curl command and an openai one-liner that call the server, quoted for a POSIX shell
+    whatever the key and the model's name hold."""
     url = f"http://{host}:{port}"
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    key = repr(api_key) if api_key else '"unused"'
+    auth = f" -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    code = (f"from openai import OpenAI; c = OpenAI(base_url={json.dumps(url + '/v1')}, "
+            f"api_key={json.dumps(api_key or 'unused')}); print(c.chat.completions.create(model={json.dumps(model)}, "
+            f"messages=[{{\"role\": \"user\", \"content\": \"Hello!\"}}], max_tokens=32).choices[0].message.content)")
     return (f"phalanx serve: {model} on {url}\n\n"
             f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-            f"\"max_tokens\": 32}}'\n\n"
-            f"  python -c 'from openai import OpenAI; c = OpenAI(base_url=\"{url}/v1\", api_key={key}); "
-            f"print(c.chat.completions.create(model=\"{model}\", messages=[{{\"role\": \"user\", \"content\": "
-            f"\"Hello!\"}}], max_tokens=32).choices[0].message.content)'\n")
+            f"    -d {shlex.quote(body)}\n\n"
+            f"  python -c {shlex.quote(code)}\n")
 
 
 def serve(a: argparse.Namespace) -> int:

@@ -113,14 +113,11 @@ class _ChoiceStream:
         """A named function's arguments stream as they come; "required" is read at the end."""
         forced = self.plan.forced
         if forced != "required":
-            out = []
-            if self.named is None:
+            if self.named is None:   # the call's first delta: its id, name and what arguments there are yet
                 self.named = tools.ToolCall(forced["function"]["name"], "")
                 self.called = True
-                out.append(dict(self.named.to_openai(0), function={"name": self.named.name, "arguments": ""}))
-            if text:
-                out.append({"index": 0, "function": {"arguments": text}})
-            return out
+                return [dict(self.named.to_openai(0), function={"name": self.named.name, "arguments": text})]
+            return [{"index": 0, "function": {"arguments": text}}] if text else []
         self.forced_text += text
         if not final:
             return []
@@ -131,6 +128,14 @@ class _ChoiceStream:
         self.called = bool(found)
         return [c.to_openai(i) for i, c in enumerate(found)]
 
+
+
+def _chat_finish(finish: str | None, called: bool, plan: ChatPlan) -> str | None:
+    """A chat choice's finish_reason: "tool_calls" where the model chose to call (tool_choice auto
+    or required) and stopped; a named function's forced call stops as "stop" (OpenAI, vLLM)."""
+    if finish == "stop" and called and not isinstance(plan.forced, dict):
+        return "tool_calls"
+    return finish
 
 
 class ApiError(Exception):
@@ -601,8 +606,7 @@ class OpenAIServer:
         choices = []
         for o in out.outputs:
             (message, called), finish = self._chat_message(o.text, plan), o.finish_reason
-            if called and finish == "stop":
-                finish = "tool_calls"
+            finish = _chat_finish(finish, called, plan)
             choice = {"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
                       "logprobs": None}
             if body.logprobs:
@@ -695,12 +699,12 @@ class OpenAIServer:
                 if not o.text_diff and not o.token_ids_diff and not finishing:
                     continue
                 delta, calls = streams[o.index].feed(o.text_diff, finishing)
-                finish = o.finish_reason if finishing else None
-                if finish == "stop" and streams[o.index].called:
-                    finish = "tool_calls"
+                finish = _chat_finish(o.finish_reason, streams[o.index].called, plan) if finishing else None
                 if calls:
                     delta["tool_calls"] = calls
                 choice: dict[str, Any] = {"index": o.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                if finishing:
+                    choice["stop_reason"] = o.stop_reason
                 if body.logprobs and o.token_ids_diff:
                     choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids_diff, o.logprobs_diff)}
                 if body.return_token_ids:

@@ -98,6 +98,7 @@ class CalledFunction(Strict):
 
 
 class MessageToolCall(Strict):
+    index: int | None = Field(None, ge=0, le=127)   # a streamed call's position, kept by clients that send it back
     id: str = Field(..., max_length=256)
     type: Literal["function"]
     function: CalledFunction
@@ -221,12 +222,28 @@ class CompletionRequest(SamplingFields):
                          "token-id lists; these forms do not mix")
 
 
+NULL_ONLY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations", "parsed")
+
+
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)   # an assistant's may be null
     name: str | None = Field(None, max_length=256)
     tool_calls: list[MessageToolCall] | None = Field(None, max_length=128)     # an assistant's calls
-    tool_call_id: str | None = Field(None, max_length=256)                   # a tool message's call
+    tool_call_id: str | None = Field(None, max_length=256, validate_default=True)   # a tool message's call
+    # fields of a returned assistant message that OpenAI's SDK sends back as they came: null only
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: None = None
+    parsed: None = None
+
+    @field_validator(*NULL_ONLY_MESSAGE_FIELDS, mode="wrap")
+    @classmethod
+    def _null_only(cls, v: Any, handler: Any, info: ValidationInfo) -> None:
+        if v is not None:
+            raise ValueError(f"only null is supported (phalanx does not render an assistant's {info.field_name})")
+        return None
 
     @field_validator("tool_calls")
     @classmethod
@@ -240,11 +257,17 @@ class ChatMessage(Strict):
     def _ids_are_the_tools(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and info.data.get("role") != "tool":
             raise ValueError("only tool messages carry a tool_call_id")
+        if v is None and info.data.get("role") == "tool":
+            raise ValueError("required in a tool message")
         return v
 
     @field_validator("content")
     @classmethod
-    def _text_parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+    def _text_parts(cls, v: str | list[dict[str, Any]] | None,
+                    info: ValidationInfo) -> str | list[dict[str, Any]] | None:
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"required in a {role} message")
         if not isinstance(v, list):
             return v
         for i, part in enumerate(v):

@@ -93,6 +93,10 @@ def test_bad_prompts_are_400s(server, body, param):
     ({"role": "user", "content": "hi", "tool_calls": []}, "messages.0.tool_calls"),
     ({"role": "wizard", "content": "hi"}, "messages.0.role"),
     ({"role": "user", "content": "\udfff"}, "messages.0.content"),
+    ({"role": "user"}, "messages.0.content"),
+    ({"role": "tool", "content": "18 C"}, "messages.0.tool_call_id"),
+    ({"role": "assistant", "content": "no", "refusal": "I cannot"}, "messages.0.refusal"),
+    ({"role": "assistant", "content": "hi", "audio": {"id": "a1"}}, "messages.0.audio"),
 ])
 def test_bad_chat_messages_are_400s(server, message, param):
     r = post(server, "/v1/chat/completions", raw=json.dumps({"model": MODEL, "messages": [message]}).encode())

@@ -1,6 +1,7 @@
 """`mpirun -n 2 phalanx launch -- phalanx serve --tp_size 2` answers; the snippets `phalanx
 serve` prints work as printed."""
 
+import json
 import shlex
 import subprocess
 import sys
@@ -18,16 +19,21 @@ def test_printed_curl_and_openai_snippet_work_as_printed():
     proc, url = start_server(key=None)
     try:
         port = int(url.rsplit(":", 1)[1])
-        text = instructions("127.0.0.1", port, MODEL, None)
-        lines = [x.strip() for x in text.splitlines()]
-        curl = " ".join(x.rstrip("\\").strip() for x in lines if x.startswith("curl") or x.startswith("-d"))
-        out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
-        assert '"choices"' in out.stdout and '"content"' in out.stdout, out.stdout + out.stderr
-        snippet = next(x for x in lines if x.startswith("python -c"))
-        args = shlex.split(snippet)
-        args[0] = sys.executable
-        res = subprocess.run(args, capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0 and res.stdout.strip(), res.stderr
+        # a key with quotes and a dollar (this server takes no key, so any is let through) must
+        # reach the server as it is: the snippets are quoted for the shell
+        for key in (None, 'it\'s $ecret "x"'):
+            text = instructions("127.0.0.1", port, MODEL, key)
+            lines = [x.strip() for x in text.splitlines()]
+            curl = " ".join(x.rstrip("\\").strip() for x in lines if x.startswith("curl") or x.startswith("-d"))
+            out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
+            assert '"choices"' in out.stdout and '"content"' in out.stdout, out.stdout + out.stderr
+            snippet = next(x for x in lines if x.startswith("python -c"))
+            res = subprocess.run(snippet.replace("python", shlex.quote(sys.executable), 1), shell=True,
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0 and res.stdout.strip(), res.stderr
+            if key:
+                assert shlex.split(snippet)[2].count(json.dumps(key)) == 1
+                assert f"Authorization: Bearer {key}" in shlex.split(curl)
     finally:
         assert stop_server(proc) == 0
 

@@ -66,6 +66,15 @@ def test_tool_round_trip(client):
                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 18, "sky": "cloudy"})}]
     answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=40, temperature=0)
     assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+    # the message sent back whole, as the SDK returned it (refusal, audio, function_call, annotations:
+    # null; its calls with the index a stream gives them): the same history, the same answer
+    sent_back = msg.model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= sent_back.keys()
+    for i, c in enumerate(sent_back["tool_calls"]):
+        c["index"] = i
+    again = client.chat.completions.create(model=MODEL, messages=[*ASK, sent_back, history[-1]], tools=TOOLS,
+                                           max_tokens=40, temperature=0)
+    assert again.choices[0].message.content == answer.choices[0].message.content
 
 
 def test_named_tool_choice_streams_its_arguments(client):
@@ -79,7 +88,13 @@ def test_named_tool_choice_streams_its_arguments(client):
     calls = [tc for c in deltas for tc in (c.delta.tool_calls or [])]
     assert calls[0].id and calls[0].function.name == "get_weather"
     assert "".join(tc.function.arguments or "" for tc in calls) == whole.message.tool_calls[0].function.arguments
-    assert deltas[-1].finish_reason == "tool_calls"
+    for c in deltas:   # a call's pieces in a chunk: one entry an index
+        indices = [tc.index for tc in c.delta.tool_calls or []]
+        assert len(indices) == len(set(indices)), c
+    # a named function was forced, not chosen: the choice stops as "stop" (OpenAI, vLLM), with its stop_reason
+    assert whole.finish_reason == "stop" and deltas[-1].finish_reason == "stop"
+    assert "stop_reason" in deltas[-1].model_extra and deltas[-1].model_extra["stop_reason"] == whole.model_extra[
+        "stop_reason"]
 
 
 def test_required_tool_choice_streams_complete_calls(client):
