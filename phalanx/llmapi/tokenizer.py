@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 # Hugging Face's GGUF path rebuilds the vocabulary on every load (seconds); the result is kept
@@ -62,6 +63,8 @@ class Tokenizer:
         # tokenizers' native stream decoder, where it streams what ``decode`` gives (decided here, once)
         self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._decode_stream: Any = _native_decode_stream(self)
+        # how a token's string maps back to the bytes it stands for (decided here, once)
+        self._piece_bytes = _piece_bytes_rule(self)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``. With ``max_tokens``, a text too long to fit is refused before
@@ -152,6 +155,59 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprob listings)."""
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for, also where it holds part of a character (whose
+        ``token_text`` is U+FFFD): byte-level BPE tokens through the byte alphabet, SentencePiece
+        pieces with ``▁`` as a space and byte-fallback pieces (``<0xF0>``) as their byte; other
+        tokenizers' tokens, and special tokens, as their text."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if self._piece_bytes is None or not isinstance(piece, str) or token_id in self._specials:
+            return self.token_text(token_id).encode()
+        return self._piece_bytes(piece)
+
+
+def _byte_level_bytes(piece: str) -> bytes:
+    return bytes(_BYTE_ALPHABET[c] for c in piece)
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode()
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character that stands for each byte."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in shown}
+    n = 0
+    for b in range(256):
+        if b not in shown:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
+
+
+_BYTE_ALPHABET = _gpt2_byte_alphabet()
+_BYTE_PROBE = "naïve café — 🍕 中文"
+
+
+def _piece_bytes_rule(tok: Tokenizer) -> Callable[[str], bytes] | None:
+    """How the tokenizer's token strings map to bytes, if either rule gives back a probe's bytes
+    from its tokens (leading spaces aside: SentencePiece marks the start of text)."""
+    try:
+        pieces = tok.hf.convert_ids_to_tokens(tok.encode(_BYTE_PROBE, add_special_tokens=False))
+    except (TypeError, ValueError, KeyError):
+        return None
+    if not all(isinstance(p, str) for p in pieces):
+        return None
+    if all(c in _BYTE_ALPHABET for p in pieces for c in p) and \
+            b"".join(map(_byte_level_bytes, pieces)) == _BYTE_PROBE.encode():
+        return _byte_level_bytes
+    if b"".join(map(_sentencepiece_bytes, pieces)).lstrip(b" ") == _BYTE_PROBE.encode():
+        return _sentencepiece_bytes
+    return None
 
 
 def load_tokenizer(source: Any, tokenizer: str | None = None, trust_remote_code: bool = False) -> Tokenizer:

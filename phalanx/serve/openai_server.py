@@ -16,6 +16,7 @@ What a hostile or careless client cannot do:
 from __future__ import annotations
 
 import asyncio
+import codecs
 import copy
 import hmac
 import json
@@ -128,6 +129,21 @@ class _ChoiceStream:
         self.called = bool(found)
         return [c.to_openai(i) for i, c in enumerate(found)]
 
+
+
+class _TextOffsets:
+    """Where each token starts in a choice's text, in characters (completions' ``text_offset``):
+    the tokens' bytes decoded as they come, so a token that holds part of a character starts
+    where that character does."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.chars = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, token_bytes: bytes) -> int:
+        offset = self.chars
+        self.chars += len(self._utf8.decode(token_bytes))
+        return offset
 
 
 def _chat_finish(finish: str | None, called: bool, plan: ChatPlan) -> str | None:
@@ -423,6 +439,10 @@ class OpenAIServer:
     def _token_str(self, token_id: int) -> str:
         return self.llm.tokenizer.token_text(token_id) if self.llm.tokenizer else str(token_id)
 
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """A token's own UTF-8 bytes (part of a character's where it holds part of one)."""
+        return list(self.llm.tokenizer.token_bytes(token_id) if self.llm.tokenizer else str(token_id).encode())
+
     def _error_event(self, error: Exception) -> str:
         return _sse(error_body(f"generation failed: {error}", 500 if self.llm.is_alive else 503))
 
@@ -500,22 +520,19 @@ class OpenAIServer:
         """OpenAI's completion logprobs: with ``echo`` the prompt's tokens come first (the very
         first one has no logprob), then the generated ones."""
         lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        pos = 0
+        offsets = _TextOffsets()
         if echo:
-            pos = self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], pos)
-        self._add_logprobs(lp, o.token_ids, o.logprobs or [], pos)
+            self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets)
+        self._add_logprobs(lp, o.token_ids, o.logprobs or [], offsets)
         return lp
 
-    def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, pos: int) -> int:
+    def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, offsets: _TextOffsets) -> None:
         for tid, entry in zip(token_ids, entries, strict=False):
-            s = self._token_str(tid)
-            lp["tokens"].append(s)
+            lp["tokens"].append(self._token_str(tid))
             lp["token_logprobs"].append(entry[tid].logprob if entry is not None else None)
             lp["top_logprobs"].append({self._token_str(t): x.logprob for t, x in entry.items() if x.rank is not None}
                                       if entry is not None else None)
-            lp["text_offset"].append(pos)
-            pos += len(s)
-        return pos
+            lp["text_offset"].append(offsets.advance(bytes(self._token_bytes(tid))))
 
     async def _stream_completions(self, rid: str, body: CompletionRequest, futs: list[RequestOutput],
                                   texts: list[str | None]) -> AsyncIterator[str]:
@@ -524,14 +541,14 @@ class OpenAIServer:
         # echo: the prompt goes first; with logprobs it waits for all of the prompt's logprobs (they
         # come a prefill chunk at a time, all of them before the first token) and carries them
         echo_due = [body.echo] * len(futs)
-        offsets = [0] * (len(futs) * body.n)
+        offsets = [_TextOffsets() for _ in range(len(futs) * body.n)]
         sent_ids, sent_chars = [0] * (len(futs) * body.n), [0] * (len(futs) * body.n)   # per choice
         if body.echo and body.logprobs is None:
             for i, text in enumerate(texts):
                 for k in range(body.n):
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": text or "", "logprobs": None,
                                                      "finish_reason": None}]})
-                    offsets[i * body.n + k] = len(text or "")
+                    offsets[i * body.n + k] = _TextOffsets(len(text or ""))
             echo_due = [False] * len(futs)
         async for i, out in _merge(futs):
             if isinstance(out, Exception):
@@ -541,8 +558,7 @@ class OpenAIServer:
                 echo_due[i] = False
                 for k in range(body.n):
                     lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                    offsets[i * body.n + k] = self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [],
-                                                                 0)
+                    self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets[i * body.n + k])
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
                                                      "finish_reason": None}]})
             if echo_due[i]:
@@ -560,7 +576,7 @@ class OpenAIServer:
                 if body.logprobs is not None:
                     lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
                     new_lps = (o.logprobs or [])[sent_ids[index]:sent_ids[index] + len(new_ids)]
-                    offsets[index] = self._add_logprobs(lp, new_ids, new_lps, offsets[index])
+                    self._add_logprobs(lp, new_ids, new_lps, offsets[index])
                     choice["logprobs"] = lp
                 sent_ids[index] += len(new_ids)
                 sent_chars[index] += len(text)
@@ -678,9 +694,9 @@ class OpenAIServer:
         for tid, entry in zip(token_ids, entries, strict=False):
             s = self._token_str(tid)
             tops = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
-            out.append({"token": s, "logprob": entry[tid].logprob, "bytes": list(s.encode()),
+            out.append({"token": s, "logprob": entry[tid].logprob, "bytes": self._token_bytes(tid),
                         "top_logprobs": [{"token": self._token_str(t), "logprob": lp.logprob,
-                                          "bytes": list(self._token_str(t).encode())} for t, lp in tops]})
+                                          "bytes": self._token_bytes(t)} for t, lp in tops]})
         return out
 
     async def _stream_chat(self, rid: str, body: ChatCompletionRequest, fut: RequestOutput,

@@ -134,3 +134,16 @@ def test_byte_fallback_runs_that_do_not_decode_stream_as_the_window_does(metaspa
             window = IncrementalDetokenizer(tok, skip, context, native=False)
             got = "".join(streamed.add([t]) for t in ids) + streamed.flush()
             assert got == "".join(window.add([t]) for t in ids) + window.flush(), ids
+
+
+@pytest.mark.parametrize("which", ["bundled", "byte_fallback", "metaspace"])
+def test_token_bytes_join_into_the_texts_bytes(tok, which):
+    """A token's own bytes (logprobs' ``bytes``), also for tokens that hold part of a character:
+    byte-level BPE through its byte alphabet, SentencePiece pieces and byte-fallback pieces."""
+    t = tok if which == "bundled" else _byte_fallback_tokenizer(which == "metaspace")
+    split = 0
+    for text in TEXTS:
+        ids = t.encode(text, add_special_tokens=False)
+        assert b"".join(t.token_bytes(i) for i in ids).lstrip(b" ") == text.encode().lstrip(b" "), text
+        split += sum(t.token_text(i) == "\ufffd" for i in ids)
+    assert split   # some tokens were parts of characters

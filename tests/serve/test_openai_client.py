@@ -94,6 +94,34 @@ def test_chat_logprobs(client):
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
 
 
+EMOJI = "Repeat exactly: 🍕🎉🍕🎉 中文字 naïve"
+
+
+def test_logprob_bytes_and_offsets_of_tokens_that_split_a_character(client):
+    """Tokens holding part of a character (the pizza's four bytes over several tokens) report
+    their own bytes, which join into the text's; completions' text_offset points at the character
+    each token's first byte belongs to (streamed or not)."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": EMOJI}], max_tokens=16,
+                                       temperature=0, logprobs=True, top_logprobs=1)
+    content, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    assert any(c.token == "\ufffd" for c in content)          # the model repeats an emoji, split over tokens
+    assert bytes(b for c in content for b in c.bytes).decode(errors="replace") == text, text
+    assert all(c.top_logprobs[0].bytes != list("\ufffd".encode()) for c in content if c.token == "\ufffd")
+
+    for stream in (False, True):
+        res = client.completions.create(model=MODEL, prompt=EMOJI, max_tokens=1, temperature=0, logprobs=0, echo=True,
+                                        stream=stream)
+        chunks = list(res) if stream else [res]
+        echoed = "".join(c.choices[0].text for c in chunks)
+        offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+        tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert echoed.startswith(EMOJI) and offsets == sorted(offsets) and offsets[0] == 0
+        for tok, off in zip(tokens, offsets, strict=True):   # every whole token is the text at its offset
+            assert "\ufffd" in tok or echoed.startswith(tok, off), (tok, off)
+        assert offsets[tokens.index(" 中") if " 中" in tokens else tokens.index("中")] == EMOJI.index("中") - (
+            " 中" in tokens)
+
+
 def _error(server, path, body, key=KEY):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     r = httpx.post(server + path, json=body, headers=headers, timeout=60)
