@@ -130,11 +130,15 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
 def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
                       template: str | None) -> list[dict[str, Any]]:
     """Chat messages as templates expect them: assistant tool calls with their arguments as
-    objects, tool results with their call id; the tools described in a system message where the
-    template would not render them."""
+    objects, tool results with their call id, developer messages as system ones where the template
+    does not know the role; the tools described in a system message where the template would not
+    render them."""
     out = []
+    # OpenAI's "developer" messages are its newer models' system messages: a template that does
+    # not name the role gets them as "system"
+    developer = "developer" if template is not None and "developer" in template else "system"
     for m in messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        msg: dict[str, Any] = {"role": developer if m.role == "developer" else m.role, "content": m.text()}
         if m.name:
             msg["name"] = m.name
         if m.tool_call_id:

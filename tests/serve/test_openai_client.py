@@ -30,6 +30,17 @@ def test_chat_plain(client):
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_a_developer_message_is_a_system_message_to_a_template_without_the_role(client):
+    """OpenAI's newer name for the system role: the bundled template does not know it, so the
+    prompt is the system message's (its default system prompt replaced, not added to)."""
+    def ask(role):
+        return client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+            {"role": role, "content": "Answer in French."}, {"role": "user", "content": "Name a color."}])
+    developer, system = ask("developer"), ask("system")
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    assert developer.choices[0].message.content == system.choices[0].message.content
+
+
 def test_chat_streaming_one_finish_per_choice_and_usage_last(client):
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
                                             max_tokens=20, temperature=0, n=2, stream=True,
