@@ -42,6 +42,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="split <think> blocks into reasoning_content")
     p.add_argument("--engine_iteration_timeout", type=float, default=None,
                    help="seconds without progress from the ranks before the engine is declared stalled (0: off)")
+    p.add_argument("--allowed_origins", "--allowed-origins", dest="allowed_origins", nargs="+", default=None,
+                   help="origins whose browser pages may call the server (CORS; '*' for any): off by default, "
+                        "so that a page the user visits cannot reach a server that takes no key")
     p.add_argument("--enable_debug_endpoints", action="store_true",
                    help="serve /debug/check_integrity and /debug/stats (KV integrity and engine counters per rank)")
 
@@ -99,7 +102,8 @@ def serve(a: argparse.Namespace) -> int:
         return 1
     name = a.served_model_name or (llm.source.name if a.model else "SmolLM2-135M-Instruct")
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
-                          tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser)
+                          tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+                          allowed_origins=a.allowed_origins)
     config = uvicorn.Config(server.app, host=a.host, port=a.port, log_level=a.log_level.lower(),
                             timeout_graceful_shutdown=a.drain_timeout, access_log=False)
     userver = uvicorn.Server(config)

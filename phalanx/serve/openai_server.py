@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -210,7 +211,8 @@ class Guard:
 class OpenAIServer:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, chat_template: str | None = None,
                  max_body_bytes: int = 8 << 20, debug_endpoints: bool = False, tokenizer_threads: int = 4,
-                 tool_call_parser: str = "auto", reasoning_parser: str = "none") -> None:
+                 tool_call_parser: str = "auto", reasoning_parser: str = "none",
+                 allowed_origins: list[str] | None = None) -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.model_type = llm.source.config.model_type
@@ -224,6 +226,9 @@ class OpenAIServer:
         self._routes()
         self.app.openapi = self._openapi   # type: ignore[method-assign]
         self.app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+        if allowed_origins:   # outside the guard: a browser's preflight carries no key
+            self.app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                                    allow_headers=["*"])
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _routes(self) -> None:

@@ -96,3 +96,30 @@ def test_connections_to_the_listening_socket_send_without_nagle_delay():
             server.close()
 
     assert asyncio.run(accept_one()) != 0
+
+
+def test_browser_pages_reach_the_server_only_from_the_allowed_origins():
+    """CORS is off unless --allowed-origins names origins: a listed origin's preflight is answered
+    without the key (browsers send none there) and its calls carry the allow header; any other
+    origin gets neither. The shared server (no flag) answers no preflight."""
+    from serve_helpers import KEY
+    proc, url = start_server("--allowed-origins", "http://app.example", key=KEY)
+    try:
+        pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        ok = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://app.example", **pre})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+        other = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://evil.example", **pre})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        call = httpx.get(url + "/v1/models", headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"})
+        assert call.status_code == 200 and call.headers["access-control-allow-origin"] == "http://app.example"
+        assert httpx.get(url + "/v1/models", headers={"Origin": "http://app.example"}).status_code == 401
+    finally:
+        assert stop_server(proc) == 0
+    proc, url = start_server(key=None)
+    try:
+        r = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://app.example", **pre})
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+        r = httpx.get(url + "/v1/models", headers={"Origin": "http://app.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    finally:
+        assert stop_server(proc) == 0
