@@ -69,7 +69,7 @@ class GenerationExecutor(ABC):
         with self._lock:
             child_ids = [next(self._ids) for _ in range(params.n)]
         result = GenerationResult(child_ids[0], child_ids, prompt, list(prompt_token_ids), params,
-                                  tokenizer, self.abort)
+                                  tokenizer, self.abort, tuple(eos_token_ids))
         wire = params.to_dict()
         msgs = []
         for i, cid in enumerate(child_ids):

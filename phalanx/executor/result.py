@@ -73,8 +73,9 @@ class _Sequence:
     """One of the n output sequences: tokens, text, stop strings, logprobs."""
 
     def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer | None,
-                 prompt_token_ids: list[int]) -> None:
+                 prompt_token_ids: list[int], eos_token_ids: tuple[int, ...] = ()) -> None:
         self.index, self.params = index, params
+        self.eos_token_ids = frozenset(eos_token_ids)   # what the engine ends this request on
         self.detok = (IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_token_ids)
                       if tokenizer is not None and params.detokenize else None)
         self.tokenizer = tokenizer
@@ -133,13 +134,13 @@ class _Sequence:
 
     def _ends_on_stop_token(self, last: int, finish_reason: str | None, stop_reason: int | None) -> bool:
         """Whether ``last``, the step's last token, is a stop token that ended the sequence: one of
-        stop_token_ids (the engine names it in ``stop_reason``) or EOS (no reason; a complete
-        grammar ends on EOS too)."""
+        stop_token_ids (the engine names it in ``stop_reason``) or an EOS the request was sent
+        with (no reason; ``end_id`` where set; a complete grammar ends on EOS too)."""
         if finish_reason != "stop" or self.params.include_stop_str_in_output or self.finished:
             return False
         if stop_reason is not None:
             return stop_reason == last
-        return self.tokenizer is not None and last in self.tokenizer.eos_token_ids
+        return last in self.eos_token_ids
 
     def _check_stop_strings(self, before: int) -> bool:
         if not self.params.stop_strings or self.finished or len(self.token_ids) < self.params.min_tokens:
@@ -175,12 +176,12 @@ class GenerationResult:
 
     def __init__(self, request_id: int, child_ids: list[int], prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer: Tokenizer | None,
-                 abort: Callable[[int], None]) -> None:
+                 abort: Callable[[int], None], eos_token_ids: tuple[int, ...] = ()) -> None:
         self.request_id, self.child_ids = request_id, child_ids
         self.prompt, self.prompt_token_ids, self.params = prompt, prompt_token_ids, params
         self.n = len(child_ids)
         self._index = {cid: i for i, cid in enumerate(child_ids)}
-        self._seqs = [_Sequence(i, params, tokenizer, prompt_token_ids) for i in range(self.n)]
+        self._seqs = [_Sequence(i, params, tokenizer, prompt_token_ids, eos_token_ids) for i in range(self.n)]
         self._abort = abort
         # writes and reads hold the mutex; threads that block for a change wait on the condition
         # (over the same mutex: ``with self._mutex`` is a C call, ``with`` the condition a Python one)

@@ -63,8 +63,11 @@ class Tokenizer:
         # tokenizers' native stream decoder, where it streams what ``decode`` gives (decided here, once)
         self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._decode_stream: Any = _native_decode_stream(self)
-        # how a token's string maps back to the bytes it stands for (decided here, once)
+        # how a token's string maps back to the bytes it stands for (decided here, once); added
+        # tokens (special or not) are stored as their text, not in the model's byte alphabet
         self._piece_bytes = _piece_bytes_rule(self)
+        self._added_bytes = {int(i): str(getattr(t, "content", t)).encode()
+                             for i, t in (getattr(hf_tokenizer, "added_tokens_decoder", None) or {}).items()}
 
     def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``. With ``max_tokens``, a text too long to fit is refused before
@@ -159,12 +162,17 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token stands for, also where it holds part of a character (whose
         ``token_text`` is U+FFFD): byte-level BPE tokens through the byte alphabet, SentencePiece
-        pieces with ``▁`` as a space and byte-fallback pieces (``<0xF0>``) as their byte; other
-        tokenizers' tokens, and special tokens, as their text."""
+        pieces with ``▁`` as a space and byte-fallback pieces (``<0xF0>``) as their byte; added
+        tokens, and other tokenizers' tokens, as their text."""
+        if token_id in self._added_bytes:
+            return self._added_bytes[token_id]
         piece = self.hf.convert_ids_to_tokens(token_id)
         if self._piece_bytes is None or not isinstance(piece, str) or token_id in self._specials:
             return self.token_text(token_id).encode()
-        return self._piece_bytes(piece)
+        try:
+            return self._piece_bytes(piece)
+        except KeyError:   # a character outside the byte alphabet: not a byte-level piece after all
+            return self.token_text(token_id).encode()
 
 
 def _byte_level_bytes(piece: str) -> bytes:

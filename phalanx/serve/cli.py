@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import socket
 import sys
@@ -42,11 +43,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="split <think> blocks into reasoning_content")
     p.add_argument("--engine_iteration_timeout", type=float, default=None,
                    help="seconds without progress from the ranks before the engine is declared stalled (0: off)")
-    p.add_argument("--allowed_origins", "--allowed-origins", dest="allowed_origins", nargs="+", default=None,
-                   help="origins whose browser pages may call the server (CORS; '*' for any): off by default, "
-                        "so that a page the user visits cannot reach a server that takes no key")
+    p.add_argument("--allowed_origins", "--allowed-origins", dest="allowed_origins", type=origins, default=None,
+                   help="origins whose browser pages may call the server, comma-separated or a JSON list (CORS; "
+                        "'*' for any): off by default, so that a page the user visits cannot reach a server that "
+                        "takes no key")
     p.add_argument("--enable_debug_endpoints", action="store_true",
                    help="serve /debug/check_integrity and /debug/stats (KV integrity and engine counters per rank)")
+
+
+_ORIGIN = re.compile(r"\*|[a-z][a-z0-9+.-]*://[^/\s]+")
+
+
+def origins(value: str) -> list[str]:
+    """``--allowed-origins``: "https://a,https://b" or vLLM's '["https://a"]'; each a scheme and a
+    host (a trailing slash never matches a browser's Origin header, so it is refused)."""
+    try:
+        items = json.loads(value) if value.lstrip().startswith("[") else value.split(",")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+    items = [str(x).strip() for x in items]
+    bad = [x for x in items if not _ORIGIN.fullmatch(x)]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else value!r} is not an origin ('*' or scheme://host[:port], "
+                                         "no path)")
+    return items
 
 
 def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -70,8 +90,8 @@ def instructions(host: str, port: int, model: str, api_key: str | None) -> str:
     url = f"http://{host}:{port}"
     auth = f" -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
-    code = (f"from openai import OpenAI; c = OpenAI(base_url={json.dumps(url + '/v1')}, "
-            f"api_key={json.dumps(api_key or 'unused')}); print(c.chat.completions.create(model={json.dumps(model)}, "
+    code = (f"from openai import OpenAI; c = OpenAI(base_url={repr(url + '/v1')}, "
+            f"api_key={repr(api_key or 'unused')}); print(c.chat.completions.create(model={repr(model)}, "
             f"messages=[{{\"role\": \"user\", \"content\": \"Hello!\"}}], max_tokens=32).choices[0].message.content)")
     return (f"phalanx serve: {model} on {url}\n\n"
             f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"

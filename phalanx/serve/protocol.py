@@ -222,7 +222,7 @@ class CompletionRequest(SamplingFields):
                          "token-id lists; these forms do not mix")
 
 
-NULL_ONLY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations", "parsed")
+EMPTY_ONLY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations", "parsed")   # annotations: [] too
 
 
 class ChatMessage(Strict):
@@ -231,19 +231,28 @@ class ChatMessage(Strict):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[MessageToolCall] | None = Field(None, max_length=128)     # an assistant's calls
     tool_call_id: str | None = Field(None, max_length=256, validate_default=True)   # a tool message's call
-    # fields of a returned assistant message that OpenAI's SDK sends back as they came: null only
+    # an assistant's reasoning as phalanx returned it (--reasoning_parser), for templates that render it
+    reasoning_content: str | None = Field(None, max_length=MAX_TEXT_CHARS)
+    # fields of a returned assistant message that OpenAI's SDK sends back as they came: empty only
     refusal: None = None
     audio: None = None
     function_call: None = None
     annotations: None = None
     parsed: None = None
 
-    @field_validator(*NULL_ONLY_MESSAGE_FIELDS, mode="wrap")
+    @field_validator(*EMPTY_ONLY_MESSAGE_FIELDS, mode="wrap")
     @classmethod
-    def _null_only(cls, v: Any, handler: Any, info: ValidationInfo) -> None:
-        if v is not None:
+    def _empty_only(cls, v: Any, handler: Any, info: ValidationInfo) -> None:
+        if v is not None and not (info.field_name == "annotations" and v == []):
             raise ValueError(f"only null is supported (phalanx does not render an assistant's {info.field_name})")
         return None
+
+    @field_validator("reasoning_content")
+    @classmethod
+    def _reasoning_is_the_assistants(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
+        return v
 
     @field_validator("tool_calls")
     @classmethod

@@ -18,6 +18,7 @@ them described in a system message in the Hermes format, which the parser then r
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -127,6 +128,14 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+@functools.lru_cache(maxsize=16)
+def template_names_developer(template: str | None) -> bool:
+    """Whether a chat template tests for the role "developer" (a quoted 'developer'); OpenAI's
+    developer messages are its newer models' system messages, and reach a template that does not
+    know the role as "system" (decided once a template)."""
+    return template is not None and re.search(r"""(['"])developer\1""", template) is not None
+
+
 def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
                       template: str | None) -> list[dict[str, Any]]:
     """Chat messages as templates expect them: assistant tool calls with their arguments as
@@ -134,13 +143,13 @@ def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
     does not know the role; the tools described in a system message where the template would not
     render them."""
     out = []
-    # OpenAI's "developer" messages are its newer models' system messages: a template that does
-    # not name the role gets them as "system"
-    developer = "developer" if template is not None and "developer" in template else "system"
+    developer = "developer" if template_names_developer(template) else "system"
     for m in messages:
         msg: dict[str, Any] = {"role": developer if m.role == "developer" else m.role, "content": m.text()}
         if m.name:
             msg["name"] = m.name
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:

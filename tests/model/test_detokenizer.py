@@ -147,3 +147,18 @@ def test_token_bytes_join_into_the_texts_bytes(tok, which):
         assert b"".join(t.token_bytes(i) for i in ids).lstrip(b" ") == text.encode().lstrip(b" "), text
         split += sum(t.token_text(i) == "\ufffd" for i in ids)
     assert split   # some tokens were parts of characters
+
+
+def test_added_tokens_bytes_are_their_text(tok):
+    """Tokens added to a vocabulary (special or not: DeepSeek-R1-Distill's '<｜User｜>' is not
+    special) are stored as text, outside the byte alphabet: their bytes are that text's."""
+    import copy
+
+    from phalanx.llmapi.tokenizer import Tokenizer
+    hf = copy.deepcopy(tok.hf)
+    added = ["<｜User｜>", "  x y", "café!"]
+    hf.add_tokens(added)
+    t = Tokenizer(hf)
+    for text in added:
+        assert t.token_bytes(hf.convert_tokens_to_ids(text)) == text.encode()
+    assert t.token_bytes(t.eos_token_ids[0]) == tok.token_text(t.eos_token_ids[0]).encode()

@@ -165,6 +165,10 @@ def test_the_stop_token_that_ends_a_sequence_keeps_its_id_and_leaves_the_text(ll
     out = llm.generate(prompt, sp, use_tqdm=False).outputs[0]
     assert out.token_ids == full.token_ids[:first + 1] and out.stop_reason == stop_at
     assert out.text == tok.decode(out.token_ids if include else out.token_ids[:-1])
+    # the same token as the request's own EOS (end_id): no stop reason, the same text
+    sp = SamplingParams(max_tokens=30, end_id=stop_at, include_stop_str_in_output=include)
+    by_end_id = llm.generate(prompt, sp, use_tqdm=False).outputs[0]
+    assert by_end_id.stop_reason is None and (by_end_id.token_ids, by_end_id.text) == (out.token_ids, out.text)
 
 
 def test_stop_string_never_leaks_into_the_stream(llm):

@@ -97,6 +97,8 @@ def test_bad_prompts_are_400s(server, body, param):
     ({"role": "tool", "content": "18 C"}, "messages.0.tool_call_id"),
     ({"role": "assistant", "content": "no", "refusal": "I cannot"}, "messages.0.refusal"),
     ({"role": "assistant", "content": "hi", "audio": {"id": "a1"}}, "messages.0.audio"),
+    ({"role": "assistant", "content": "hi", "annotations": [{"type": "url_citation"}]}, "messages.0.annotations"),
+    ({"role": "user", "content": "hi", "reasoning_content": "hm"}, "messages.0.reasoning_content"),
 ])
 def test_bad_chat_messages_are_400s(server, message, param):
     r = post(server, "/v1/chat/completions", raw=json.dumps({"model": MODEL, "messages": [message]}).encode())

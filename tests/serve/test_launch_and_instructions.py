@@ -1,7 +1,6 @@
 """`mpirun -n 2 phalanx launch -- phalanx serve --tp_size 2` answers; the snippets `phalanx
 serve` prints work as printed."""
 
-import json
 import shlex
 import subprocess
 import sys
@@ -32,7 +31,7 @@ def test_printed_curl_and_openai_snippet_work_as_printed():
                                  capture_output=True, text=True, timeout=120)
             assert res.returncode == 0 and res.stdout.strip(), res.stderr
             if key:
-                assert shlex.split(snippet)[2].count(json.dumps(key)) == 1
+                assert shlex.split(snippet)[2].count(f"api_key={key!r}") == 1
                 assert f"Authorization: Bearer {key}" in shlex.split(curl)
     finally:
         assert stop_server(proc) == 0
@@ -123,3 +122,18 @@ def test_browser_pages_reach_the_server_only_from_the_allowed_origins():
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     finally:
         assert stop_server(proc) == 0
+
+
+def test_the_allowed_origins_flag_takes_lists_and_refuses_what_no_browser_sends(capsys):
+    import argparse
+
+    from phalanx.serve.cli import add_serve_args
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    a = p.parse_args(["--allowed-origins", "https://a.example,http://b.example:8080", "Qwen/Qwen2.5-0.5B"])
+    assert a.allowed_origins == ["https://a.example", "http://b.example:8080"] and a.model == "Qwen/Qwen2.5-0.5B"
+    assert p.parse_args(["--allowed-origins", '["*"]']).allowed_origins == ["*"]     # vLLM's form
+    for bad in ("https://a.example/", "a.example", '["https://a", 3]', "["):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--allowed-origins", bad])
+        assert "--allowed-origins" in capsys.readouterr().err

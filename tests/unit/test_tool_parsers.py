@@ -139,3 +139,20 @@ def test_a_whole_chat_output_reads_as_its_stream():
     whole, _ = OpenAIServer._chat_message(SimpleNamespace(reasoning_parser="none"), '[{"name": "add", "argu',
                                           ChatPlan([], TOOLS, "required", None, None, None))
     assert whole["content"] == '[{"name": "add", "argu' and "tool_calls" not in whole
+
+
+def test_messages_reach_the_template_with_the_roles_and_reasoning_it_knows():
+    """A developer message is a system message to a template that does not test for the role, and
+    stays a developer one where it does (a quoted 'developer', not the word in any text); an
+    assistant's reasoning_content goes to the template as it came."""
+    from phalanx.serve.protocol import ChatMessage
+    from phalanx.serve.tools import template_messages
+    msgs = [ChatMessage.model_validate(m) for m in (
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet back", "annotations": []})]
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}{% endfor %}"
+    mentions = "{{ 'You are a helpful developer assistant.' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    for template, role in ((knows, "developer"), (mentions, "system"), (None, "system")):
+        out = template_messages(msgs, None, template)
+        assert [m["role"] for m in out] == [role, "user", "assistant"]
+        assert out[2]["reasoning_content"] == "greet back" and "reasoning_content" not in out[1]
