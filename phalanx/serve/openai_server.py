@@ -141,8 +141,15 @@ class _TextOffsets:
         self.chars = start
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
+    @classmethod
+    def echoing(cls, text: str, prompt_bytes: list[bytes]) -> _TextOffsets:
+        """Offsets into an echoed prompt ``text``: its tokens' bytes can hold more than the text
+        (a BOS's text, the space SentencePiece marks the start with), at the front, so the count
+        starts that much below zero (and no offset is below zero)."""
+        return cls(min(0, len(text) - len(b"".join(prompt_bytes).decode("utf-8", "replace"))))
+
     def advance(self, token_bytes: bytes) -> int:
-        offset = self.chars
+        offset = max(0, self.chars)
         self.chars += len(self._utf8.decode(token_bytes))
         return offset
 
@@ -487,7 +494,7 @@ class OpenAIServer:
                 choice = {"index": i * body.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
                           "stop_reason": o.stop_reason, "logprobs": None}
                 if body.logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(out, o, body.echo)
+                    choice["logprobs"] = self._completion_logprobs(out, o, body.echo, text)
                 _add_ids(choice, body, o, out.prompt_token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
@@ -521,15 +528,18 @@ class OpenAIServer:
                 out.append((tok.decode(p, skip_special_tokens=False) if tok and with_text else None, list(p)))
         return out
 
-    def _completion_logprobs(self, out: RequestOutput, o: Any, echo: bool) -> dict[str, Any]:
+    def _completion_logprobs(self, out: RequestOutput, o: Any, echo: bool, text: str | None) -> dict[str, Any]:
         """OpenAI's completion logprobs: with ``echo`` the prompt's tokens come first (the very
         first one has no logprob), then the generated ones."""
         lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offsets = _TextOffsets()
+        offsets = self._echo_offsets(text, out.prompt_token_ids) if echo else _TextOffsets()
         if echo:
             self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets)
         self._add_logprobs(lp, o.token_ids, o.logprobs or [], offsets)
         return lp
+
+    def _echo_offsets(self, text: str | None, prompt_token_ids: list[int]) -> _TextOffsets:
+        return _TextOffsets.echoing(text or "", [bytes(self._token_bytes(t)) for t in prompt_token_ids])
 
     def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, offsets: _TextOffsets) -> None:
         for tid, entry in zip(token_ids, entries, strict=False):
@@ -563,6 +573,7 @@ class OpenAIServer:
                 echo_due[i] = False
                 for k in range(body.n):
                     lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                    offsets[i * body.n + k] = self._echo_offsets(texts[i], out.prompt_token_ids)
                     self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets[i * body.n + k])
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
                                                      "finish_reason": None}]})

@@ -162,3 +162,20 @@ def test_added_tokens_bytes_are_their_text(tok):
     for text in added:
         assert t.token_bytes(hf.convert_tokens_to_ids(text)) == text.encode()
     assert t.token_bytes(t.eos_token_ids[0]) == tok.token_text(t.eos_token_ids[0]).encode()
+
+
+@pytest.mark.parametrize("metaspace", [False, True])
+def test_echoed_prompt_offsets_skip_what_the_tokens_hold_beyond_the_text(metaspace):
+    """completions' text_offset over an echoed prompt whose tokens start with a BOS and
+    SentencePiece's start-of-text space: each token's text is found at its offset."""
+    from phalanx.serve.openai_server import _TextOffsets
+    tok = _byte_fallback_tokenizer(metaspace)
+    text = "Hello world, naïve café 😀"
+    ids = [tok.hf.bos_token_id, *tok.encode(text, add_special_tokens=False)]
+    pieces = [tok.token_bytes(i) for i in ids]
+    offsets = _TextOffsets.echoing(text, pieces)
+    at = [offsets.advance(b) for b in pieces]
+    assert at[:2] == [0, 0] and at == sorted(at)
+    for b, off in zip(pieces[1:], at[1:], strict=True):
+        piece = b.decode(errors="ignore").lstrip(" ") if off == 0 else b.decode(errors="ignore")
+        assert text.startswith(piece, off), (piece, off)
