@@ -95,31 +95,41 @@ class RequestOutput:
         return self._stream()
 
     async def _stream(self):
-        if not self._streaming:
-            yield await self.aresult()
-            return
-        while True:
-            await self._state.await_change(self._version)
-            self._pull()
-            if self.error is not None:
-                raise RequestError(self.error)
-            yield self
-            if self.finished:
+        # a consumer that leaves before the end (its task cancelled, a break, the iterator dropped)
+        # aborts the request, as vLLM's does: nobody reads the rest, so no rank computes it
+        try:
+            if not self._streaming:
+                yield await self.aresult()
                 return
+            while True:
+                await self._state.await_change(self._version)
+                self._pull()
+                if self.error is not None:
+                    raise RequestError(self.error)
+                yield self
+                if self.finished:
+                    return
+        finally:
+            if not self._state.is_done:
+                self.abort()
 
     def __iter__(self):
-        """Synchronous streaming (blocking)."""
-        if not self._streaming:
-            yield self.result()
-            return
-        while True:
-            self._state.wait_change(self._version)
-            self._pull()
-            if self.error is not None:
-                raise RequestError(self.error)
-            yield self
-            if self.finished:
+        """Synchronous streaming (blocking); leaving the loop before the end aborts the request."""
+        try:
+            if not self._streaming:
+                yield self.result()
                 return
+            while True:
+                self._state.wait_change(self._version)
+                self._pull()
+                if self.error is not None:
+                    raise RequestError(self.error)
+                yield self
+                if self.finished:
+                    return
+        finally:
+            if not self._state.is_done:
+                self.abort()
 
     def abort(self) -> None:
         self._state.abort()

@@ -198,6 +198,9 @@ class SamplingParams:
         _int(self.end_id, "end_id", 0, INT32_MAX, optional=True)
         _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                "guided_decoding", "must be a GuidedDecodingParams", type(self.guided_decoding).__name__)
+        _check(self.guided_decoding is None or self.min_tokens == 0, "min_tokens",
+               "must be 0 with guided_decoding: the grammar decides where the output ends (a complete one allows "
+               "only EOS, which min_tokens would ban)", self.min_tokens)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false", getattr(self, name))
         _check(len(stop_strings) <= MAX_STOP_STRINGS, "stop",
@@ -208,6 +211,10 @@ class SamplingParams:
         _check(self.detokenize or not stop_strings, "stop",
                "needs detokenize=True: stop strings are matched in the output's text (stop_token_ids need no text)",
                stop_strings)
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+               "must be a list of token ids", self.stop_token_ids)
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias",
+               "must be a dict of token id -> bias", self.logit_bias)
         _check(len(self.stop_token_ids or []) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids or []))
         for t in self.stop_token_ids or []:

@@ -262,3 +262,34 @@ def test_abort_mid_generation(llm):
     while kv.pool.num_available != kv.num_blocks and time.monotonic() < deadline:
         time.sleep(0.01)
     assert kv.pool.num_available == kv.num_blocks
+
+
+def test_a_stream_left_before_its_end_aborts_its_request(llm):
+    """A consumer that stops reading (a break out of the loop, its task cancelled) aborts the
+    request, as vLLM's generate does; one that reads to the end does not."""
+    import asyncio
+    prompt = _chat(llm, "Write a long essay about rivers.")
+    sp = SamplingParams(max_tokens=200, ignore_eos=True)
+    fut = llm.generate_async(prompt, sp, streaming=True)
+    for _ in fut:
+        break
+    out = fut.result(timeout=30)
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 200
+
+    async def cancelled():
+        fut = llm.generate_async(prompt, sp, streaming=True)
+
+        async def consume():
+            async for _ in fut:
+                pass
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        return await fut.aresult()
+    out = asyncio.run(cancelled())
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 200
+
+    whole = llm.generate_async(prompt, SamplingParams(max_tokens=5, ignore_eos=True), streaming=True)
+    for _ in whole:
+        pass
+    assert whole.outputs[0].finish_reason == "length"

@@ -18,6 +18,8 @@ from phalanx.llmapi.sampling_params import SamplingParams
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"stop": [""]}, "stop"),
     ({"logit_bias": {1: 500.0}}, "logit_bias"),
+    # a complete grammar allows only EOS, which min_tokens bans: the row had no token left (it sampled id 0)
+    ({"min_tokens": 3, "guided_decoding": {"choice": ["yes", "no"]}}, "min_tokens"),
 ])
 def test_out_of_range_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):
@@ -55,6 +57,14 @@ def test_stop_changed_after_construction_is_what_validate_checks_and_keeps():
     sp.stop = None
     sp.validate()
     assert sp.stop_strings == []
+
+
+def test_lists_changed_after_construction_to_the_wrong_type_are_refused_by_name():
+    for field, value in (("stop_token_ids", 5), ("logit_bias", [1, 2])):
+        sp = SamplingParams()
+        setattr(sp, field, value)
+        with pytest.raises(ValueError, match=f"^{field} "):
+            sp.validate()
 
 
 def test_stop_strings_without_detokenizing_are_refused():
@@ -97,7 +107,8 @@ def test_the_wire_form_carries_only_what_differs_from_the_defaults_and_round_tri
     cases = [SamplingParams(max_tokens=128, ignore_eos=True, temperature=0.0, detokenize=False),
              SamplingParams(), SamplingParams(max_tokens=None), SamplingParams(presence_penalty=0, logit_bias={}),
              SamplingParams(stop=["a"], stop_token_ids=[3], logit_bias={5: 1.0}, seed=3, top_p=0.5,
-                            guided_decoding=GuidedDecodingParams(regex="a+"), logprobs=0, min_tokens=2)]
+                            guided_decoding=GuidedDecodingParams(regex="a+"), logprobs=0),
+             SamplingParams(min_tokens=2, stop_token_ids=[4])]
     for sp in cases:
         assert SamplingParams.from_dict(sp.to_dict()) == sp, sp
     assert cases[0].to_dict() == {"max_tokens": 128, "temperature": 0.0, "ignore_eos": True, "detokenize": False}
