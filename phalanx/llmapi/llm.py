@@ -92,6 +92,9 @@ class LLM:
 
         Every prompt is tokenized and checked before any is submitted; if one fails later (or
         the caller is interrupted), the others are aborted."""
+        if not isinstance(inputs, (str, dict, list, tuple)):
+            raise ValueError(f"inputs must be a prompt (a string, token ids or a dict) or a list of prompts, "
+                             f"got {type(inputs).__name__}")
         single = _is_single(inputs)
         prompts: list[Any] = [inputs] if single else list(inputs)  # type: ignore[arg-type, unused-ignore]
         params = _per_prompt(sampling_params, len(prompts))
@@ -108,14 +111,43 @@ class LLM:
     def generate_async(self, inputs: PromptInput, sampling_params: SamplingParams | None = None,
                        streaming: bool = False, cache_salt: str | None = None) -> RequestOutput:
         """Submit one prompt; returns a RequestOutput future (``.result()``, ``await .aresult()``;
-        ``async for`` / ``for`` yields each update when streaming, else once, the finished output)."""
+        ``async for`` / ``for`` yields each update when streaming, else once, the finished output;
+        leaving the loop before the end aborts the request)."""
+        if isinstance(inputs, (list, tuple)) and inputs and not all(isinstance(t, int) for t in inputs):
+            raise ValueError("inputs: generate_async takes one prompt (a string, token ids or a dict); "
+                             f"got a list of {type(inputs[0]).__name__}: use generate for a batch")
         return self._submit_all([self._prepare(inputs, sampling_params)], cache_salt, streaming)[0]
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             cache_salt: str | None = None) -> RequestOutput | list[RequestOutput]:
+        """Generate for one conversation (a list of messages) or several (a list of them), each
+        rendered by the chat template (as vLLM's ``LLM.chat``): one RequestOutput, or a list."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True)")
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs: list[Any] = [messages] if single else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(
+            list(c), add_generation_prompt, chat_template, self.max_seq_len - 1, **(chat_template_kwargs or {}))}
+            for c in convs]
+        outs = self.generate(prompts, sampling_params, use_tqdm, cache_salt)
+        return outs[0] if single and isinstance(outs, list) else outs
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (vLLM's ``get_tokenizer``); ``llm.tokenizer`` is phalanx's own."""
+        if self.tokenizer is None:
+            raise ValueError("get_tokenizer: this LLM has no tokenizer (skip_tokenizer_init=True)")
+        return self.tokenizer.hf
 
     def _prepare(self, inputs: PromptInput, sampling_params: SamplingParams | None) -> PreparedPrompt:
         """Tokenize and check one prompt and its params (raises ValueError naming the field)."""
         self._check_open()
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
+                             + (" (SamplingParams(**d) takes a dict's fields)" if isinstance(sampling_params, dict)
+                                else ""))
         # the request keeps a copy of its own: the caller may change and reuse the object while it runs
         params = SamplingParams() if sampling_params is None else copy.copy(sampling_params)
         params.validate()   # the fields may have been changed since it was built
@@ -189,9 +221,13 @@ class LLM:
                              "has none (skip_tokenizer_init=True); stop_token_ids need no text")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+                            tokenize: bool = False, **kwargs: Any) -> Any:
+        """The chat as the template renders it (``tokenize=True``: as token ids, control tokens
+        from the template only, as ``chat`` sends it)."""
         if self.tokenizer is None:
             raise ValueError("apply_chat_template needs a tokenizer (skip_tokenizer_init=True)")
+        if tokenize:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
     # -- the engine, for servers, benchmarks and operators ---------------------------------------------
@@ -393,7 +429,7 @@ def _is_single(inputs: Any) -> bool:
 
 
 def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
-    if sp is None or isinstance(sp, SamplingParams):
+    if sp is None or isinstance(sp, (SamplingParams, dict)):   # (a dict is refused by name in _prepare)
         return [sp] * n
     sps: list[SamplingParams | None] = list(sp)
     if len(sps) != n:

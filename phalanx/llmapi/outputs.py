@@ -79,6 +79,11 @@ class RequestOutput:
                 f"cached_tokens={self.cached_tokens}, outputs={self.outputs!r})")
 
     # -- future protocol -------------------------------------------------------------------------
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's name for ``cached_tokens``: the prompt's tokens read from the prefix cache."""
+        return self.cached_tokens
+
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Block until finished; raises RequestError if the request failed."""
         if not self._state.wait_done(timeout):

@@ -116,7 +116,10 @@ class Tokenizer:
         return token_id in self._specials
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
+                            chat_template: str | None = None, tokenize: bool = False, **kwargs: Any) -> str:
+        """The chat as text (``encode_chat`` gives its token ids)."""
+        if tokenize:
+            raise ValueError("tokenize=True: Tokenizer.encode_chat gives a chat's token ids")
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template")

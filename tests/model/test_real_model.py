@@ -2,6 +2,8 @@
 transformers' greedy output on the same file, and reads as sensible text."""
 
 
+import re
+
 import pytest
 import torch
 
@@ -293,3 +295,34 @@ def test_a_stream_left_before_its_end_aborts_its_request(llm):
     for _ in whole:
         pass
     assert whole.outputs[0].finish_reason == "length"
+
+
+def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
+    """``llm.chat`` (one conversation, or several) equals generating its rendered prompt;
+    ``apply_chat_template(tokenize=False)`` (the Hugging Face idiom) and ``tokenize=True``;
+    ``get_tokenizer`` is the Hugging Face tokenizer; ``num_cached_tokens`` is ``cached_tokens``."""
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    sp = SamplingParams(max_tokens=8)
+    text = llm.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert text == _chat(llm, conv[0]["content"])
+    ids = llm.apply_chat_template(conv, tokenize=True)
+    assert ids == llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    one = llm.chat(conv, sp)
+    assert one.prompt_token_ids == ids and one.outputs[0].token_ids == llm.generate(text, sp).outputs[0].token_ids
+    two = llm.chat([conv, [{"role": "user", "content": "Name a color."}]], sp, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == one.outputs[0].token_ids
+    assert two[0].num_cached_tokens == two[0].cached_tokens > 0     # the first conversation's prefix again
+    assert llm.get_tokenizer().eos_token_id in llm.tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda llm: llm.generate(None), "inputs must be a prompt"),
+    (lambda llm: llm.generate(5), "inputs must be a prompt"),
+    (lambda llm: llm.generate("hi", {"max_tokens": 3}), "SamplingParams(**d)"),
+    (lambda llm: llm.generate_async(["a", "b"]), "generate_async takes one prompt"),
+    (lambda llm: llm.generate_async([[1, 2], [3]]), "generate_async takes one prompt"),
+])
+def test_inputs_of_the_wrong_shape_are_named(llm, call, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        call(llm)
+    assert llm.generate("Hi", SamplingParams(max_tokens=2)).outputs[0].token_ids   # the engine goes on
