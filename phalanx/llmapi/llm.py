@@ -112,7 +112,7 @@ class LLM:
                        streaming: bool = False, cache_salt: str | None = None) -> RequestOutput:
         """Submit one prompt; returns a RequestOutput future (``.result()``, ``await .aresult()``;
         ``async for`` / ``for`` yields each update when streaming, else once, the finished output;
-        leaving the loop before the end aborts the request)."""
+        cancelling the task that consumes the stream aborts the request)."""
         if isinstance(inputs, (list, tuple)) and inputs and not all(isinstance(t, int) for t in inputs):
             raise ValueError("inputs: generate_async takes one prompt (a string, token ids or a dict); "
                              f"got a list of {type(inputs[0]).__name__}: use generate for a batch")

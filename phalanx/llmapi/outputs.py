@@ -11,6 +11,7 @@ are: a pull costs what is new, not the whole output (copy a list to keep it as i
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -100,8 +101,6 @@ class RequestOutput:
         return self._stream()
 
     async def _stream(self):
-        # a consumer that leaves before the end (its task cancelled, a break, the iterator dropped)
-        # aborts the request, as vLLM's does: nobody reads the rest, so no rank computes it
         try:
             if not self._streaming:
                 yield await self.aresult()
@@ -114,27 +113,27 @@ class RequestOutput:
                 yield self
                 if self.finished:
                     return
-        finally:
+        except asyncio.CancelledError:
+            # the consuming task was cancelled (its client gone, a timeout): nobody reads the
+            # rest, so no rank computes it (as vLLM's generate). A loop merely left (a break)
+            # keeps the request: the future still gives .result()
             if not self._state.is_done:
                 self.abort()
+            raise
 
     def __iter__(self):
-        """Synchronous streaming (blocking); leaving the loop before the end aborts the request."""
-        try:
-            if not self._streaming:
-                yield self.result()
+        """Synchronous streaming (blocking)."""
+        if not self._streaming:
+            yield self.result()
+            return
+        while True:
+            self._state.wait_change(self._version)
+            self._pull()
+            if self.error is not None:
+                raise RequestError(self.error)
+            yield self
+            if self.finished:
                 return
-            while True:
-                self._state.wait_change(self._version)
-                self._pull()
-                if self.error is not None:
-                    raise RequestError(self.error)
-                yield self
-                if self.finished:
-                    return
-        finally:
-            if not self._state.is_done:
-                self.abort()
 
     def abort(self) -> None:
         self._state.abort()
