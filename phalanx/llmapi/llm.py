@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx.config import LlmArgs, make_llm_args
@@ -92,7 +92,7 @@ class LLM:
 
         Every prompt is tokenized and checked before any is submitted; if one fails later (or
         the caller is interrupted), the others are aborted."""
-        if not isinstance(inputs, (str, dict, list, tuple)):
+        if not isinstance(inputs, (str, dict, Iterable)):
             raise ValueError(f"inputs must be a prompt (a string, token ids or a dict) or a list of prompts, "
                              f"got {type(inputs).__name__}")
         single = _is_single(inputs)
@@ -113,27 +113,39 @@ class LLM:
         """Submit one prompt; returns a RequestOutput future (``.result()``, ``await .aresult()``;
         ``async for`` / ``for`` yields each update when streaming, else once, the finished output;
         cancelling the task that consumes the stream aborts the request)."""
-        if isinstance(inputs, (list, tuple)) and inputs and not all(isinstance(t, int) for t in inputs):
+        if isinstance(inputs, (list, tuple)) and any(isinstance(t, (str, dict, list, tuple)) for t in inputs):
             raise ValueError("inputs: generate_async takes one prompt (a string, token ids or a dict); "
-                             f"got a list of {type(inputs[0]).__name__}: use generate for a batch")
+                             "got a list of prompts: use generate for a batch")
         return self._submit_all([self._prepare(inputs, sampling_params)], cache_salt, streaming)[0]
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
-             cache_salt: str | None = None) -> RequestOutput | list[RequestOutput]:
+             cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for one conversation (a list of messages) or several (a list of them), each
-        rendered by the chat template (as vLLM's ``LLM.chat``): one RequestOutput, or a list."""
+        rendered by the chat template: a list of RequestOutputs, one a conversation (as vLLM's
+        ``LLM.chat``). A message's content is a string or OpenAI's text parts."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True)")
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages must be a list of messages or a list of conversations, "
+                             f"got {type(messages).__name__}")
+        reserved = sorted(set(chat_template_kwargs or {}) & {"add_generation_prompt", "chat_template", "tokenize",
+                                                             "max_tokens", "messages"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved[0]} is an argument of chat itself")
         single = bool(messages) and isinstance(messages[0], dict)
-        convs: list[Any] = [messages] if single else list(messages)
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(
-            list(c), add_generation_prompt, chat_template, self.max_seq_len - 1, **(chat_template_kwargs or {}))}
-            for c in convs]
+        convs = [_chat_messages(messages)] if single else [_chat_messages(c) for c in messages]
+        kwargs = chat_template_kwargs or {}
+        prompts = [{"prompt": self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs),
+                    "prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt, chat_template,
+                                                                   self.max_seq_len - 1, **kwargs)}
+                   for c in convs]
+        if not prompts:
+            return []
         outs = self.generate(prompts, sampling_params, use_tqdm, cache_salt)
-        return outs[0] if single and isinstance(outs, list) else outs
+        return outs if isinstance(outs, list) else [outs]
 
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer (vLLM's ``get_tokenizer``); ``llm.tokenizer`` is phalanx's own."""
@@ -426,6 +438,23 @@ def _is_single(inputs: Any) -> bool:
     if isinstance(inputs, (str, dict)):
         return True
     return isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(isinstance(t, int) for t in inputs)
+
+
+def _chat_messages(conv: Any) -> list[dict[str, Any]]:
+    """One conversation's messages as templates take them: OpenAI's text parts joined."""
+    if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+        raise ValueError(f"messages: a conversation is a list of message dicts, got {type(conv).__name__}")
+    out = []
+    for i, m in enumerate(conv):
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts are supported "
+                                 "({'type': 'text', 'text': ...})")
+            m = dict(m, content="".join(p["text"] for p in content))
+        out.append(m)
+    return out
 
 
 def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:

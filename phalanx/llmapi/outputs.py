@@ -101,6 +101,7 @@ class RequestOutput:
         return self._stream()
 
     async def _stream(self):
+        task = asyncio.current_task()
         try:
             if not self._streaming:
                 yield await self.aresult()
@@ -114,10 +115,15 @@ class RequestOutput:
                 if self.finished:
                     return
         except asyncio.CancelledError:
-            # the consuming task was cancelled (its client gone, a timeout): nobody reads the
-            # rest, so no rank computes it (as vLLM's generate). A loop merely left (a break)
-            # keeps the request: the future still gives .result()
+            # the consuming task was cancelled (its client gone, a timeout) while it waited here:
+            # nobody reads the rest, so no rank computes it (as vLLM's generate)
             if not self._state.is_done:
+                self.abort()
+            raise
+        except GeneratorExit:
+            # closed: by a task cancelled in its loop's body (the same), or by a loop merely left
+            # (a break), which keeps the request: the future still gives .result()
+            if task is not None and task.cancelling() and not self._state.is_done:
                 self.abort()
             raise
 

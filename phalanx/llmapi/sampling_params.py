@@ -199,7 +199,8 @@ class SamplingParams:
         _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                "guided_decoding", "must be a GuidedDecodingParams", type(self.guided_decoding).__name__)
         _check(self.guided_decoding is None or self.min_tokens == 0, "min_tokens",
-               "must be 0 with guided_decoding: the grammar decides where the output ends (a complete one allows "
+               "must be 0 with a grammar (guided_decoding; the server's response_format, guided_* fields and "
+               "forced tool_choice make one): the grammar decides where the output ends (a complete one allows "
                "only EOS, which min_tokens would ban)", self.min_tokens)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false", getattr(self, name))

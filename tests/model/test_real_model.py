@@ -266,32 +266,50 @@ def test_abort_mid_generation(llm):
     assert kv.pool.num_available == kv.num_blocks
 
 
-def test_a_cancelled_stream_aborts_its_request_and_a_loop_left_keeps_it(llm):
+@pytest.mark.parametrize("where", ["waiting", "in_the_body"])
+def test_a_cancelled_stream_aborts_its_request(llm, where):
     """The task consuming a stream cancelled (its client gone) aborts the request, as vLLM's
-    generate does; a loop merely left (a break) keeps it: the future still gives the rest."""
+    generate does, whether it waited for a token or was busy in its loop's body."""
     import asyncio
     prompt = _chat(llm, "Write a long essay about rivers.")
-    sp = SamplingParams(max_tokens=60, ignore_eos=True)
 
     async def cancelled():
-        fut = llm.generate_async(prompt, sp, streaming=True)
+        fut = llm.generate_async(prompt, SamplingParams(max_tokens=60, ignore_eos=True), streaming=True)
+        busy = asyncio.Event()
 
         async def consume():
             async for _ in fut:
-                pass
+                if where == "in_the_body":
+                    busy.set()
+                    await asyncio.sleep(60)      # a slow client
         task = asyncio.create_task(consume())
         while not fut.outputs[0].token_ids:
             await asyncio.sleep(0.01)
+        if where == "in_the_body":
+            await busy.wait()
         task.cancel()
         return await fut.aresult()
     out = asyncio.run(cancelled())
     assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 60
 
+
+def test_a_stream_loop_left_keeps_its_request(llm):
+    """A loop merely left (a break, sync or async) keeps the request: the future gives the rest."""
+    import asyncio
+    prompt = _chat(llm, "Write a long essay about rivers.")
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
     fut = llm.generate_async(prompt, sp, streaming=True)
     for _ in fut:
         break
-    out = fut.result(timeout=60)
-    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 60
+    assert fut.result(timeout=60).outputs[0].finish_reason == "length"
+
+    async def left():
+        fut = llm.generate_async(prompt, sp, streaming=True)
+        async for _ in fut:
+            break
+        return await fut.aresult()
+    out = asyncio.run(left())
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
 
 
 def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
@@ -304,12 +322,22 @@ def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
     assert text == _chat(llm, conv[0]["content"])
     ids = llm.apply_chat_template(conv, tokenize=True)
     assert ids == llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
-    one = llm.chat(conv, sp)
-    assert one.prompt_token_ids == ids and one.outputs[0].token_ids == llm.generate(text, sp).outputs[0].token_ids
-    two = llm.chat([conv, [{"role": "user", "content": "Name a color."}]], sp, use_tqdm=False)
+    [one] = llm.chat(conv, sp)                                        # a list, as vLLM's
+    assert one.prompt_token_ids == ids and one.prompt == text
+    assert one.outputs[0].token_ids == llm.generate(text, sp).outputs[0].token_ids
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    two = llm.chat((tuple(parts), [{"role": "user", "content": "Name a color."}]), sp, use_tqdm=False)
     assert len(two) == 2 and two[0].outputs[0].token_ids == one.outputs[0].token_ids
     assert two[0].num_cached_tokens == two[0].cached_tokens > 0     # the first conversation's prefix again
+    assert llm.chat([]) == []
     assert llm.get_tokenizer().eos_token_id in llm.tokenizer.eos_token_ids
+    for bad, needle in (("hi", "messages must be a list"), ([["hi"]], "list of message dicts"),
+                        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            llm.chat(bad)
+    with pytest.raises(ValueError, match="chat_template_kwargs: add_generation_prompt"):
+        llm.chat(conv, chat_template_kwargs={"add_generation_prompt": False})
 
 
 @pytest.mark.parametrize("call,needle", [
@@ -318,8 +346,11 @@ def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
     (lambda llm: llm.generate("hi", {"max_tokens": 3}), "SamplingParams(**d)"),
     (lambda llm: llm.generate_async(["a", "b"]), "generate_async takes one prompt"),
     (lambda llm: llm.generate_async([[1, 2], [3]]), "generate_async takes one prompt"),
+    (lambda llm: llm.generate_async([1, 2.5]), "prompt_token_ids"),          # one prompt, a bad id in it
 ])
 def test_inputs_of_the_wrong_shape_are_named(llm, call, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         call(llm)
     assert llm.generate("Hi", SamplingParams(max_tokens=2)).outputs[0].token_ids   # the engine goes on
+    outs = llm.generate((p for p in ("Hi", "Yo")), SamplingParams(max_tokens=2), use_tqdm=False)   # any iterable
+    assert len(outs) == 2
