@@ -92,7 +92,7 @@ class LLM:
 
         Every prompt is tokenized and checked before any is submitted; if one fails later (or
         the caller is interrupted), the others are aborted."""
-        if not isinstance(inputs, (str, dict, Iterable)):
+        if not isinstance(inputs, Iterable):
             raise ValueError(f"inputs must be a prompt (a string, token ids or a dict) or a list of prompts, "
                              f"got {type(inputs).__name__}")
         single = _is_single(inputs)
@@ -138,10 +138,8 @@ class LLM:
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [_chat_messages(messages)] if single else [_chat_messages(c) for c in messages]
         kwargs = chat_template_kwargs or {}
-        prompts = [{"prompt": self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs),
-                    "prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt, chat_template,
-                                                                   self.max_seq_len - 1, **kwargs)}
-                   for c in convs]
+        prompts = [dict(zip(("prompt", "prompt_token_ids"), self.tokenizer.render_chat(
+            c, add_generation_prompt, chat_template, self.max_seq_len - 1, **kwargs), strict=True)) for c in convs]
         if not prompts:
             return []
         outs = self.generate(prompts, sampling_params, use_tqdm, cache_salt)
@@ -457,10 +455,12 @@ def _chat_messages(conv: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
-    if sp is None or isinstance(sp, (SamplingParams, dict)):   # (a dict is refused by name in _prepare)
+def _per_prompt(sp: Any, n: int) -> list[Any]:
+    """One SamplingParams for all prompts, or a list of one per prompt (``_prepare`` refuses an
+    item that is not a SamplingParams, by name)."""
+    if not isinstance(sp, (list, tuple)):
         return [sp] * n
-    sps: list[SamplingParams | None] = list(sp)
+    sps = list(sp)
     if len(sps) != n:
         raise ValueError(f"sampling_params: got {len(sps)} for {n} prompts (give one, or one per prompt)")
     return sps

@@ -141,22 +141,31 @@ class Tokenizer:
         """Token ids of a chat. Control tokens come only from the template: text inside a
         message that spells one (e.g. "<|im_end|>") is tokenized as plain text. With
         ``max_tokens``, a chat too long to fit is refused before it is tokenized."""
+        return self.render_chat(messages, add_generation_prompt, chat_template, max_tokens, **kwargs)[1]
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, max_tokens: int | None = None,
+                    **kwargs: Any) -> tuple[str, list[int]]:
+        """A chat's text as the template renders it, and its token ids (``encode_chat``), from
+        one rendering."""
         specials = self.special_strings()
         contents = [m.get("content") or "" for m in messages]
         if not any(sp in c for c in contents if isinstance(c, str) for sp in specials):
             text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
-            return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+            return text, self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
         if max_tokens is not None:
             self.check_length("".join(c for c in contents if isinstance(c, str)), max_tokens)
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         masked = [dict(m, content=mark) for m, mark in zip(messages, marks, strict=True)]
-        text = self.apply_chat_template(masked, add_generation_prompt, chat_template, **kwargs)
+        rest = self.apply_chat_template(masked, add_generation_prompt, chat_template, **kwargs)
         ids: list[int] = []
+        pieces: list[str] = []
         for i, mark in enumerate(marks):
-            before, _, text = text.partition(mark)
+            before, _, rest = rest.partition(mark)
             ids += self.encode(before, add_special_tokens=False)
             ids += self.hf(contents[i], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return ids + self.encode(text, add_special_tokens=False)
+            pieces += [before, contents[i]]
+        return "".join(pieces) + rest, ids + self.encode(rest, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprob listings)."""

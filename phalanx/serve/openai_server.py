@@ -451,9 +451,9 @@ class OpenAIServer:
     def _token_str(self, token_id: int) -> str:
         return self.llm.tokenizer.token_text(token_id) if self.llm.tokenizer else str(token_id)
 
-    def _token_bytes(self, token_id: int) -> list[int]:
+    def _token_piece(self, token_id: int) -> bytes:
         """A token's own UTF-8 bytes (part of a character's where it holds part of one)."""
-        return list(self.llm.tokenizer.token_bytes(token_id) if self.llm.tokenizer else str(token_id).encode())
+        return self.llm.tokenizer.token_bytes(token_id) if self.llm.tokenizer else str(token_id).encode()
 
     def _error_event(self, error: Exception) -> str:
         return _sse(error_body(f"generation failed: {error}", 500 if self.llm.is_alive else 503))
@@ -532,22 +532,25 @@ class OpenAIServer:
         """OpenAI's completion logprobs: with ``echo`` the prompt's tokens come first (the very
         first one has no logprob), then the generated ones."""
         lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offsets = self._echo_offsets(text, out.prompt_token_ids) if echo else _TextOffsets()
-        if echo:
-            self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets)
+        offsets = self._add_echo_logprobs(lp, out, text) if echo else _TextOffsets()
         self._add_logprobs(lp, o.token_ids, o.logprobs or [], offsets)
         return lp
 
-    def _echo_offsets(self, text: str | None, prompt_token_ids: list[int]) -> _TextOffsets:
-        return _TextOffsets.echoing(text or "", [bytes(self._token_bytes(t)) for t in prompt_token_ids])
+    def _add_echo_logprobs(self, lp: dict[str, list], out: RequestOutput, text: str | None) -> _TextOffsets:
+        """The echoed prompt's logprobs, its offsets into ``text``; the offsets to go on from."""
+        pieces = [self._token_piece(t) for t in out.prompt_token_ids]
+        offsets = _TextOffsets.echoing(text or "", pieces)
+        self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets, pieces)
+        return offsets
 
-    def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, offsets: _TextOffsets) -> None:
-        for tid, entry in zip(token_ids, entries, strict=False):
+    def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, offsets: _TextOffsets,
+                      pieces: list[bytes] | None = None) -> None:
+        for i, (tid, entry) in enumerate(zip(token_ids, entries, strict=False)):
             lp["tokens"].append(self._token_str(tid))
             lp["token_logprobs"].append(entry[tid].logprob if entry is not None else None)
             lp["top_logprobs"].append({self._token_str(t): x.logprob for t, x in entry.items() if x.rank is not None}
                                       if entry is not None else None)
-            lp["text_offset"].append(offsets.advance(bytes(self._token_bytes(tid))))
+            lp["text_offset"].append(offsets.advance(pieces[i] if pieces is not None else self._token_piece(tid)))
 
     async def _stream_completions(self, rid: str, body: CompletionRequest, futs: list[RequestOutput],
                                   texts: list[str | None]) -> AsyncIterator[str]:
@@ -573,8 +576,7 @@ class OpenAIServer:
                 echo_due[i] = False
                 for k in range(body.n):
                     lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                    offsets[i * body.n + k] = self._echo_offsets(texts[i], out.prompt_token_ids)
-                    self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets[i * body.n + k])
+                    offsets[i * body.n + k] = self._add_echo_logprobs(lp, out, texts[i])
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
                                                      "finish_reason": None}]})
             if echo_due[i]:
@@ -710,9 +712,9 @@ class OpenAIServer:
         for tid, entry in zip(token_ids, entries, strict=False):
             s = self._token_str(tid)
             tops = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
-            out.append({"token": s, "logprob": entry[tid].logprob, "bytes": self._token_bytes(tid),
+            out.append({"token": s, "logprob": entry[tid].logprob, "bytes": list(self._token_piece(tid)),
                         "top_logprobs": [{"token": self._token_str(t), "logprob": lp.logprob,
-                                          "bytes": self._token_bytes(t)} for t, lp in tops]})
+                                          "bytes": list(self._token_piece(t))} for t, lp in tops]})
         return out
 
     async def _stream_chat(self, rid: str, body: ChatCompletionRequest, fut: RequestOutput,

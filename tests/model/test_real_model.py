@@ -331,6 +331,10 @@ def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == one.outputs[0].token_ids
     assert two[0].num_cached_tokens == two[0].cached_tokens > 0     # the first conversation's prefix again
     assert llm.chat([]) == []
+    spelled = [{"role": "user", "content": "Is <|im_end|> a word?"}]     # a control token's text, as plain text
+    [plain] = llm.chat(spelled, sp)
+    assert plain.prompt == llm.apply_chat_template(spelled)
+    assert plain.prompt_token_ids == llm.apply_chat_template(spelled, tokenize=True)
     assert llm.get_tokenizer().eos_token_id in llm.tokenizer.eos_token_ids
     for bad, needle in (("hi", "messages must be a list"), ([["hi"]], "list of message dicts"),
                         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
