@@ -44,6 +44,26 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+class Fp8Weight(NamedTuple):
+    """A checkpoint's e4m3 weight whose scale is one per tensor or one per row, as a scale per
+    row: W = q · scale[:, None], q [N, K] e4m3, scale [N] float32. An FP8 projection or expert
+    stores these bytes and scales as they are (``weight_rows``), where quantizing the
+    dequantized weight again would round it a second time."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.q, self.scale, dtype)
+
+
+def weight_rows(w: torch.Tensor | Fp8Weight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale per row) of checkpoint rows on ``device``: an ``Fp8Weight``'s own, exactly, or a
+    full-precision tensor quantized (``quantize_weight``)."""
+    if isinstance(w, Fp8Weight):
+        return w.q.to(device), w.scale.to(device, torch.float32)
+    return quantize_weight(w.to(device))
+
+
 class Fp8Rows(NamedTuple):
     """Activations quantized per row: x ≈ q · scale, q [M, K] e4m3, scale [M, 1] float32;
     ``dtype``: what x was computed in, and what a product of the rows gives."""

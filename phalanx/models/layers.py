@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.kernels import ops
+from phalanx.kernels import fp8, ops
 from phalanx.kernels.linear_plan import LinearPlan, Neighbour
 from phalanx.models.parallel import HeadShard, TPGroup, split_range
 
@@ -65,7 +65,6 @@ def building_fp8() -> bool:
 def fp8_param(shape: tuple[int, ...], loader: Callable) -> nn.Parameter:
     """An FP8 weight built under ``fp8_weights``: zero until its ``loader`` quantizes rows into
     it; checkpoints load into it in the model's dtype."""
-    from phalanx.kernels import fp8
     p = nn.Parameter(torch.zeros(shape, dtype=fp8.FP8), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
     p.load_dtype = torch.get_default_dtype()  # type: ignore[attr-defined]
@@ -118,15 +117,25 @@ class Projection(nn.Module):
         self.plan = LinearPlan(self.behind, fp8=True)
         return fp8_param(shape, self._load_fp8)
 
-    def _load_fp8(self, param: torch.Tensor, w: torch.Tensor, shard_id: object = None) -> None:
-        """A full-precision checkpoint tensor into the FP8 weight: the rows it writes, quantized
-        with a scale each (the rows of other loads keep theirs)."""
-        from phalanx.kernels import fp8
+    def _place_scale(self, scale: torch.Tensor, shard_id: object) -> torch.Tensor:
+        """The scales of the checkpoint rows ``_place`` sends here (one per row, [N])."""
+        return self._place(scale[:, None], shard_id)[1][:, 0]
+
+    def _load_fp8(self, param: torch.Tensor, w: torch.Tensor | fp8.Fp8Weight, shard_id: object = None) -> None:
+        """A checkpoint tensor into the FP8 weight, the rows it writes only (the rows of other
+        loads keep theirs): full precision is quantized with a scale a row; an FP8 checkpoint's
+        rows with a scale each (``fp8.Fp8Weight``) are stored as they are."""
         assert self.weight_scale is not None
-        rows, src = self._place(w, shard_id)
-        if src.shape != param.data[rows].shape:
-            raise ValueError(f"weight shape {tuple(src.shape)} does not fit parameter {tuple(param.data[rows].shape)}")
-        q, scale = fp8.quantize_weight(src.to(param.device))   # checkpoint tensors arrive on the host
+        if isinstance(w, fp8.Fp8Weight):
+            rows, q_rows = self._place(w.q, shard_id)
+            src: torch.Tensor | fp8.Fp8Weight = fp8.Fp8Weight(q_rows, self._place_scale(w.scale, shard_id))
+            shape = q_rows.shape
+        else:
+            rows, src = self._place(w, shard_id)
+            shape = src.shape
+        if shape != param.data[rows].shape:
+            raise ValueError(f"weight shape {tuple(shape)} does not fit parameter {tuple(param.data[rows].shape)}")
+        q, scale = fp8.weight_rows(src, param.device)   # checkpoint tensors arrive on the host
         with torch.no_grad():   # through the parameters, not .data: their version counters see the write
             param[rows] = q                                    # (fp8.reference keeps a CPU copy by them)
             self.weight_scale[rows] = scale
@@ -224,6 +233,9 @@ class RowParallelLinear(Projection):
     def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
         return slice(None), torch.cat([w[:, s:e] for s, e in self.in_ranges], dim=1)
 
+    def _place_scale(self, scale: torch.Tensor, shard_id: object) -> torch.Tensor:
+        return scale   # every output row is here, its input columns split
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: this rank's input columns (gate ‖ up behind SILU) -> the full output on every rank
         (this rank's partial sum when ``deferred``)."""
@@ -310,7 +322,6 @@ class RMSNorm(nn.Module):
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def _fp8_rows(self, x: torch.Tensor, residual: torch.Tensor | None, reduce: TPGroup | None):
-        from phalanx.kernels import fp8
         if reduce is not None and residual is not None:
             if reduce.fuses_norm(x, residual, self.weight):   # the all-reduce kernel's norm, then the rows apart
                 h, residual = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from phalanx.kernels import ops
+from phalanx.kernels import fp8, ops
 from phalanx.kernels.linear_plan import GateUpSiluPlan, Neighbour, QkvRopePlan
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.config import ModelConfig
@@ -255,7 +255,7 @@ class CausalLM(nn.Module):
         yield
 
     # -- weights -------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | fp8.Fp8Weight]], partial: bool = False) -> int:
         """Copy checkpoint tensors (Hugging Face names, full unsharded shapes) into this rank's
         parameters; returns how many were copied. Raises ValueError naming any parameter left
         unloaded, unless ``partial`` (a weight update may bring some tensors only)."""
@@ -271,8 +271,11 @@ class CausalLM(nn.Module):
             param = params.get(target)
             if param is None or getattr(param, "written_by_loader", False):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            dtype = getattr(param, "load_dtype", param.dtype)   # an FP8 weight loads full precision
-            param.weight_loader(param, w.to(dtype), shard)  # type: ignore[attr-defined]  # set by layers._param
+            if isinstance(w, fp8.Fp8Weight):   # an FP8 checkpoint's weight: kept as it is by an FP8 parameter
+                w = w if param.dtype == fp8.FP8 else w.dequantize(param.dtype)
+            else:   # an FP8 parameter quantizes full precision as it loads
+                w = w.to(getattr(param, "load_dtype", param.dtype))
+            param.weight_loader(param, w, shard)  # type: ignore[attr-defined]  # set by layers._param
             loaded.add(target)
             count += 1
         if self.config.tie_word_embeddings:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phalanx.kernels.fp8 import FP8, Fp8Weight
 from phalanx.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from phalanx.models.parallel import TPGroup
 from phalanx.models.source import ModelSource, gguf_file
@@ -96,7 +97,7 @@ FP8_SCALE_SUFFIXES = _WEIGHT_SCALES + _UNUSED_SCALES
 def check_fp8_checkpoint(specs: list[dict], block: tuple[int, ...]) -> None:
     """From a checkpoint's tensor headers (name, safetensors dtype, shape), before any tensor is
     copied: every FP8 weight has exactly one scale tensor and every scale its FP8 weight, of a
-    shape ``_dequantize_fp8`` takes. ValueError naming the first tensor that does not."""
+    shape ``_fp8_weight`` takes. ValueError naming the first tensor that does not."""
     weights = {s["name"].removesuffix(".weight"): s["shape"] for s in specs if str(s["dtype"]).startswith("F8")}
     scales: dict[str, list] = {}
     for s in specs:
@@ -127,24 +128,30 @@ def _scale_layout(shape: list[int] | tuple[int, ...], N: int, K: int, block: tup
                      + (f" (blocks of {block[0]}x{block[1]})" if block else ""))
 
 
-def checkpoint_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors under Hugging Face names, an FP8 checkpoint's dequantized."""
+def checkpoint_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """The checkpoint's tensors under Hugging Face names; an FP8 checkpoint's weights as
+    ``fp8_checkpoint_weights`` gives them."""
     if source.kind == "gguf":
         return iter_gguf_weights(source)
     weights = iter_hf_weights(source.path)
     if source.config.fp8_checkpoint:
-        return dequantize_fp8_checkpoint(weights, source.config.fp8_block, dtype)
+        return fp8_checkpoint_weights(weights, source.config.fp8_block, dtype)
     return weights
 
 
-def dequantize_fp8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, ...],
-                              dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """An FP8 checkpoint (``quantization_config.quant_method: fp8``) as full-precision tensors:
-    each e4m3 ``X.weight`` times its ``X.weight_scale_inv`` (one scale per ``block`` =
-    (rows, cols) tile: DeepSeek, Qwen3 FP8) or ``X.weight_scale`` (one per tensor or per row),
-    whichever shard brings either first. The engine then quantizes the projections again with
-    a scale per output channel (``quantization: fp8``): block-scaled weights are rounded a second
-    time. Static activation scales (``input_scale``) and KV or output scales are not used:
+def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, ...],
+                           dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """An FP8 checkpoint (``quantization_config.quant_method: fp8``, or compressed-tensors FP8)
+    with each e4m3 ``X.weight`` paired with its ``X.weight_scale_inv`` or ``X.weight_scale``,
+    whichever shard brings either first:
+    - one scale per tensor or per row (Llama FP8 checkpoints, llm-compressor's per-channel
+      ones): the e4m3 bytes and a scale a row as they are (``fp8.Fp8Weight``), which the
+      engine's FP8 projections store without rounding them again (a full-precision parameter
+      dequantizes them);
+    - one scale per ``block`` = (rows, cols) tile (DeepSeek, Qwen3 FP8), or e5m2 weights:
+      dequantized to ``dtype``; the engine quantizes them again with a scale per output row,
+      so block-scaled weights are rounded a second time.
+    Static activation scales (``input_scale``) and KV or output scales are not used:
     activations get a scale per token at run time, and an FP8 KV pool has scale 1."""
     waiting_w: dict[str, torch.Tensor] = {}
     waiting_s: dict[str, torch.Tensor] = {}
@@ -156,13 +163,13 @@ def dequantize_fp8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], block
         if name.endswith(_WEIGHT_SCALES):
             base = name.rsplit(".", 1)[0]
             if base in waiting_w:
-                yield base + ".weight", _dequantize_fp8(waiting_w.pop(base), t, block, dtype, base)
+                yield base + ".weight", _fp8_weight(waiting_w.pop(base), t, block, dtype, base)
             else:
                 waiting_s[base] = t
         elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             base = name.removesuffix(".weight")
             if base in waiting_s:
-                yield name, _dequantize_fp8(t, waiting_s.pop(base), block, dtype, base)
+                yield name, _fp8_weight(t, waiting_s.pop(base), block, dtype, base)
             else:
                 waiting_w[base] = t
         else:
@@ -175,16 +182,16 @@ def dequantize_fp8_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], block
                        "per token, an FP8 KV pool has scale 1), e.g. %s", len(unused), unused[0])
 
 
-def _dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype,
-                    name: str) -> torch.Tensor:
-    w = q.float()
+def _fp8_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype,
+                name: str) -> torch.Tensor | Fp8Weight:
     s = scale.float()
-    N, K = w.shape
+    N, K = q.shape
     layout = _scale_layout(tuple(s.shape), N, K, block, name)
-    if layout == "tensor":
-        return (w * s.reshape(())).to(dtype)
-    if layout == "row":
-        return (w * s.reshape(N, 1)).to(dtype)
+    if layout != "block" and q.dtype == FP8:
+        return Fp8Weight(q, s.reshape(-1).expand(N).contiguous())
+    w = q.float()
+    if layout != "block":
+        return (w * s.reshape(-1, 1)).to(dtype)
     rows, cols = block
     return (w * s.repeat_interleave(rows, 0)[:N].repeat_interleave(cols, 1)[:, :K]).to(dtype)
 
@@ -238,6 +245,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     with torch.device(device), _default_dtype(dtype), fp8_weights(fp8):
         model = cls(source.config, tp, **model_kwargs)
     model.eval()
+    weights: Iterator[tuple[str, torch.Tensor | Fp8Weight]]
     if load_format == "dummy":
         weights = iter_dummy_weights(model, seed)
     elif load_format == "auto":

@@ -115,21 +115,30 @@ class SparseMoE(nn.Module):
 
     def _load_expert(self, param: torch.Tensor, w: torch.Tensor, shard: Any) -> None:
         """shard = (global expert id, "gate" | "up" | "down"); other ranks' experts are skipped.
-        FP8 experts: the rows written are quantized here, each with its own scale."""
+        FP8 experts: the rows written are quantized here, each with its own scale, unless they
+        come as an FP8 checkpoint's rows and scales (``fp8.Fp8Weight``), stored as they are."""
         expert, kind = shard
         e = expert - self.first
         if not 0 <= e < self.num_local:
             return
         s, t = self.i_range
         n = t - s
-        rows, src, scale = ((slice(None), w[:, s:t], self.w2_scale) if kind == "down" else
-                            (slice(0, n) if kind == "gate" else slice(n, 2 * n), w[s:t], self.w13_scale))
-        if src.shape != param.data[e, rows].shape:
-            raise ValueError(f"expert weight shape {tuple(src.shape)} does not fit {tuple(param.data[e, rows].shape)}")
+        rows, scale = ((slice(None), self.w2_scale) if kind == "down" else
+                       (slice(0, n) if kind == "gate" else slice(n, 2 * n), self.w13_scale))
+        src: torch.Tensor | fp8.Fp8Weight
+        if isinstance(w, fp8.Fp8Weight):   # an FP8 checkpoint's rows with a scale each: stored as they are
+            src = (fp8.Fp8Weight(w.q[:, s:t], w.scale) if kind == "down" else fp8.Fp8Weight(w.q[s:t], w.scale[s:t]))
+            shape = src.q.shape
+        else:
+            src = w[:, s:t] if kind == "down" else w[s:t]
+            shape = src.shape
+        if shape != param.data[e, rows].shape:
+            raise ValueError(f"expert weight shape {tuple(shape)} does not fit {tuple(param.data[e, rows].shape)}")
         if scale is None:
+            assert isinstance(src, torch.Tensor)   # the model's loader dequantizes for full-precision experts
             param.data[e, rows].copy_(src)
             return
-        q, row_scale = fp8.quantize_weight(src.to(param.device))   # checkpoint tensors arrive on the host
+        q, row_scale = fp8.weight_rows(src, param.device)   # checkpoint tensors arrive on the host
         param.data[e, rows].copy_(q)
         scale.data[e, rows].copy_(row_scale)
 
@@ -240,6 +249,6 @@ class MoECausalLM(CausalLM):
                            p + "shared_expert.down_proj.weight": (H, S), p + "shared_expert_gate.weight": (1, H)})
         return shapes
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | fp8.Fp8Weight]], partial: bool = False) -> int:
         # experts of other ranks are skipped by the loader, so every expert tensor counts as placed
         return super().load_weights(weights, partial)

@@ -39,6 +39,7 @@ from phalanx.llmapi.weight_transfer import DEFAULT_BUCKET_BYTES, DTYPES, EngineG
 from phalanx.pyexecutor.speculative import NGramProposer
 
 if TYPE_CHECKING:
+    from phalanx.kernels.fp8 import Fp8Weight
     from phalanx.pyexecutor.py_executor import PyExecutor
 
 logger = logging.getLogger("phalanx")
@@ -216,8 +217,8 @@ class Rollout:
                 self._group.answer(str(e))
                 raise
             self._group.answer(None)
-            weights: Iterable[tuple[str, torch.Tensor]] = self._group.receive(checked, bucket_bytes,
-                                                                             self.ex.runner.device)
+            weights: Iterable[tuple[str, torch.Tensor | Fp8Weight]] = self._group.receive(
+                checked, bucket_bytes, self.ex.runner.device)
         elif source == "tensors":
             self._check_awake()
             weights = open_tensors(self._check_specs(specs))
@@ -267,7 +268,7 @@ class Rollout:
             shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
         return shapes
 
-    def _disk_weights(self, path: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def _disk_weights(self, path: Any) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
         """The checkpoint at ``path`` (a Hugging Face directory or a GGUF file), checked first:
         the same architecture and sizes, and (safetensors) every tensor's name and shape."""
         import dataclasses

@@ -209,16 +209,18 @@ def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None):
 @pytest.mark.parametrize("block,compressed", [((16, 32), None), (None, None), (None, "tensor"),
                                               (None, "channel"), ((16, 32), "block")])
 def test_an_fp8_checkpoint_serves_what_it_stores(block, compressed, tiny_models, hf_models, tmp_path, caplog):
-    """Block-scaled (and per-tensor) FP8 checkpoints, and compressed-tensors FP8 checkpoints (per
-    tensor, channel or block), load dequantized and are served in FP8 (a scale per output
-    channel): the tokens of transformers holding those weights; a weight update from the same
-    checkpoint changes nothing."""
+    """FP8 checkpoints with a scale per tensor or per row (quant_method fp8, compressed-tensors
+    "tensor" and "channel") are served with their own bytes and scales; block-scaled ones
+    (quant_method fp8 with weight_block_size, compressed-tensors "block") load dequantized and
+    are quantized again with a scale per output channel. Either way: the tokens of transformers
+    holding the weights the engine holds; a weight update from the same checkpoint changes
+    nothing."""
     meant = write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", block, compressed)
     ref = copy.deepcopy(hf_models["llama"])
     with torch.no_grad():
         params = dict(ref.named_parameters())
         for name, w in meant.items():
-            params[name].copy_(fp8.dequantize(*fp8.quantize_weight(w), torch.float32))
+            params[name].copy_(w if block is None else fp8.dequantize(*fp8.quantize_weight(w), torch.float32))
     ps = prompts(ref.config.vocab_size, n=4, seed=5)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     with LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32",
@@ -232,6 +234,49 @@ def test_an_fp8_checkpoint_serves_what_it_stores(block, compressed, tiny_models,
         want, gaps = hf_greedy(ref, p, 8)
         assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
         assert o2.outputs[0].token_ids == o.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compressed", [None, "channel"])   # a scale a tensor (quant_method fp8), a row
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_an_fp8_checkpoint_scaled_per_tensor_or_row_is_stored_as_it_is(kind, compressed, dtype, tiny_models,
+                                                                       tiny_moe_models, tmp_path):
+    """An FP8 checkpoint with a scale per tensor or per row keeps its e4m3 bytes and scales in
+    the engine's FP8 projections and experts, on every rank of a split: each row holds exactly
+    the weight the checkpoint stands for (quantizing the dequantized weight again, in the
+    model's dtype, would round it a second time)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from phalanx.models.loader import build_model
+    from phalanx.models.parallel import TPGroup
+    from phalanx.models.source import resolve_model
+    src = tiny_moe_models[kind] if kind == "qwen3_moe" else tiny_models[kind]
+    meant = write_fp8_checkpoint(src, tmp_path / "fp8", None, compressed)
+    plain = tmp_path / "plain"    # the same weights in full precision: the reference's placement on each rank
+    shutil.copytree(src, plain)
+    tensors = load_file(f"{plain}/model.safetensors")
+    tensors.update({name: w.contiguous() for name, w in meant.items()})
+    save_file(tensors, f"{plain}/model.safetensors")
+    cpu = torch.device("cpu")
+    for rank in (0, 1):
+        tp = TPGroup(rank=rank, size=2)
+        ours = build_model(resolve_model(str(tmp_path / "fp8")), dtype, cpu, tp, fp8=True)
+        full = build_model(resolve_model(str(plain)), torch.float32, cpu, tp)
+        got, want = dict(ours.named_parameters()), dict(full.named_parameters())
+        checked = 0
+        for name, w in want.items():
+            if got[name].dtype != fp8.FP8:
+                assert torch.equal(got[name], w.to(dtype)), name
+                continue
+            experts = name.endswith(("w13", "w2"))
+            scale = got[name + "_scale"] if experts else got[name.removesuffix("weight") + "weight_scale"]
+            K = w.shape[-1]
+            back = fp8.dequantize(got[name].reshape(-1, K), scale.reshape(-1), torch.float32)
+            assert torch.equal(back, w.reshape(-1, K)), (rank, name)
+            checked += 1
+        assert checked == 4 * ours.config.num_layers   # q‖k‖v, o, and gate‖up and down (or the experts) a layer
 
 
 INT4_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
