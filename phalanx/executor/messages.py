@@ -44,7 +44,7 @@ class Response:
 
     request_id: int
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] | None = None         # per token: [chosen logprob, [[id, logprob], ...]]
+    logprobs: list[Any] | None = None         # per token: [chosen logprob, its rank, [[id, logprob], ...]]
     finish_reason: str | None = None          # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None
     num_cached_tokens: int = 0
@@ -53,7 +53,7 @@ class Response:
     first_scheduled_time: float = 0.0         # monotonic seconds (queue-time metric)
     rank: int = -1                            # the rank serving the request (attention DP)
     prompt_logprobs: list[Any] | None = None  # per prompt position from prompt_logprobs_start:
-    prompt_logprobs_start: int = 0            # [logprob of the next prompt token, [[id, logprob], ...]]
+    prompt_logprobs_start: int = 0            # [logprob of the next prompt token, its rank, [[id, lp], ...]]
     weight_version: str = ""                  # the weights that produced token_ids
 
 
@@ -82,7 +82,7 @@ class TokenBatch:
 
     request_ids: list[int] = field(default_factory=list)
     token_ids: list[int | list[int]] = field(default_factory=list)   # a list: a verify step's accepted tokens
-    logprobs: list[Any] | None = None     # aligned with request_ids: None or [chosen, [[id, lp], ...]]
+    logprobs: list[Any] | None = None     # aligned with request_ids: None or [chosen, rank, [[id, lp], ...]]
     finished: list[Finished] = field(default_factory=list)
     first: list[FirstToken] = field(default_factory=list)
     weight_version: str = ""              # the weights that produced this step's tokens

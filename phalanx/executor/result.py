@@ -79,6 +79,7 @@ class _Sequence:
         self.detok = (IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_token_ids)
                       if tokenizer is not None and params.detokenize else None)
         self.tokenizer = tokenizer
+        self.named = tokenizer if params.detokenize else None   # logprob entries get their tokens' text
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -116,9 +117,9 @@ class _Sequence:
         else:
             self.token_ids.extend(token_ids)
             if self.logprobs is not None and logprobs:
-                for tok, (chosen, top) in zip(token_ids, logprobs, strict=True):
-                    self.logprobs.append(_logprob_entry(tok, (chosen, top)))
-                    self.cumulative_logprob += float(chosen)
+                for tok, wire in zip(token_ids, logprobs, strict=True):
+                    self.logprobs.append(_logprob_entry(tok, wire, self.named))
+                    self.cumulative_logprob += float(wire[0])
             if self.detok is not None and text_ids:
                 before = len(self.text)
                 self.text += self.detok.add(text_ids)
@@ -182,6 +183,7 @@ class GenerationResult:
         self.n = len(child_ids)
         self._index = {cid: i for i, cid in enumerate(child_ids)}
         self._seqs = [_Sequence(i, params, tokenizer, prompt_token_ids, eos_token_ids) for i in range(self.n)]
+        self._named = tokenizer if params.detokenize else None
         self._abort = abort
         # writes and reads hold the mutex; threads that block for a change wait on the condition
         # (over the same mutex: ``with self._mutex`` is a C call, ``with`` the condition a Python one)
@@ -223,7 +225,7 @@ class GenerationResult:
             if resp.prompt_logprobs and self.prompt_logprobs is not None:
                 start = resp.prompt_logprobs_start + 1       # the chunk's entries are for these tokens
                 targets = self.prompt_token_ids[start:start + len(resp.prompt_logprobs)]
-                self.prompt_logprobs.extend(_logprob_entry(tok, lp) for tok, lp in zip(
+                self.prompt_logprobs.extend(_logprob_entry(tok, lp, self._named) for tok, lp in zip(
                     targets, resp.prompt_logprobs, strict=True))
             self._started(resp.num_cached_tokens, resp.first_scheduled_time, resp.rank)
             done, stopped = self._add(resp.request_id, resp.token_ids, resp.logprobs, resp.finish_reason,
@@ -379,13 +381,20 @@ def _seq_snapshot(s: _Sequence, seen: int, seen_logprobs: int) -> SeqSnapshot:
                        s.cumulative_logprob if s.logprobs is not None else None)
 
 
-def _logprob_entry(token_id: int, wire: Any) -> dict[int, Logprob]:
-    """{token id: Logprob} from the wire's [chosen logprob, [[id, logprob], ...]]: the top
-    alternatives ranked from 1, and the token itself (rank None unless it is among them)."""
-    chosen, top = wire
-    entry = {int(t): Logprob(float(lp), rank + 1) for rank, (t, lp) in enumerate(top)}
-    entry.setdefault(int(token_id), Logprob(float(chosen), None))
+def _logprob_entry(token_id: int, wire: Any, named: Tokenizer | None = None) -> dict[int, Logprob]:
+    """{token id: Logprob} from the wire's [chosen logprob, its rank, [[id, logprob], ...]]: the
+    top alternatives ranked from 1, and the token itself with its rank in the vocabulary; with
+    ``named``, each with its token's text (``decoded_token``)."""
+    chosen, rank, top = wire
+    text = named.token_text if named is not None else _no_text
+    entry = {int(t): Logprob(float(lp), i + 1, text(int(t))) for i, (t, lp) in enumerate(top)}
+    if token_id not in entry:
+        entry[int(token_id)] = Logprob(float(chosen), int(rank), text(int(token_id)))
     return entry
+
+
+def _no_text(token_id: int) -> None:
+    return None
 
 
 def _set_if_pending(fut: asyncio.Future) -> None:

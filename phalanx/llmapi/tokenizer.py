@@ -60,6 +60,7 @@ class Tokenizer:
         self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
         self.vocab_size = len(hf_tokenizer)
         self._specials = set(getattr(hf_tokenizer, "all_special_ids", []) or [])
+        self._token_texts: dict[int, str] = {}   # token_text's, as they are asked for
         # tokenizers' native stream decoder, where it streams what ``decode`` gives (decided here, once)
         self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._decode_stream: Any = _native_decode_stream(self)
@@ -168,8 +169,11 @@ class Tokenizer:
         return "".join(pieces) + rest, ids + self.encode(rest, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token on its own (for logprob listings)."""
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        """The text of one token on its own (for logprob listings), decoded once a token."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
+        return text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token stands for, also where it holds part of a character (whose

@@ -28,7 +28,7 @@ from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.parallel import TPGroup
 from phalanx.pyexecutor.host_clock import HostClock
 from phalanx.pyexecutor.kv_pool import KVPool
-from phalanx.pyexecutor.sampler import RowSettings, SampleOutput, Sampler
+from phalanx.pyexecutor.sampler import RowSettings, SampleOutput, Sampler, logprob_ranks
 from phalanx.pyexecutor.scheduler import HOST_PLACED, ScheduledBatch
 
 if TYPE_CHECKING:
@@ -85,15 +85,17 @@ class PromptLogprobs:
 
     spans: list[tuple[int, int, int, int]]
     chosen: torch.Tensor           # [N]
+    ranks: torch.Tensor            # [N] the chosen token's rank in the vocabulary
     top_ids: torch.Tensor          # [N, k]
     top_logprobs: torch.Tensor     # [N, k]
 
     def host(self) -> dict[int, tuple[int, list]]:
-        """{batch row: (first position, [[chosen, [[id, logprob], ...]], ...])}. Synchronizes."""
-        chosen, ids, vals = self.chosen.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+        """{batch row: (first position, [[chosen, rank, [[id, logprob], ...]], ...])}. Synchronizes."""
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        ids, vals = self.top_ids.tolist(), self.top_logprobs.tolist()
         out, j = {}, 0
         for row, first, count, k in self.spans:
-            out[row] = (first, [[chosen[i], [list(p) for p in zip(ids[i][:k], vals[i][:k], strict=True)]]
+            out[row] = (first, [[chosen[i], ranks[i], [list(p) for p in zip(ids[i][:k], vals[i][:k], strict=True)]]
                                 for i in range(j, j + count)])
             j += count
         return out
@@ -440,15 +442,17 @@ class ModelRunner:
         """Log-softmax over the prompt positions' logits, a slice of rows at a time (a long
         prompt's [N, V] float32 logits would not fit at once)."""
         k = max(span[3] for span in rows.spans)
-        chosen, top_ids, top_vals = [], [], []
+        chosen, ranks, top_ids, top_vals = [], [], [], []
         for lo in range(0, rows.indices.shape[0], PROMPT_LOGPROB_ROWS):
             idx = rows.indices[lo:lo + PROMPT_LOGPROB_ROWS]
             lp = self.model.compute_logits(hidden[idx])[:, :self.sampler.vocab_size].log_softmax(dim=-1)
             chosen.append(lp.gather(1, rows.targets[lo:lo + PROMPT_LOGPROB_ROWS, None]).squeeze(1))
+            ranks.append(logprob_ranks(lp, chosen[-1]))
             vals, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
             top_ids.append(ids)
             top_vals.append(vals)
-        return PromptLogprobs(rows.spans, torch.cat(chosen), torch.cat(top_ids), torch.cat(top_vals))
+        return PromptLogprobs(rows.spans, torch.cat(chosen), torch.cat(ranks), torch.cat(top_ids),
+                              torch.cat(top_vals))
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         if self.stream is None:

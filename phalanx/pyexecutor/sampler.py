@@ -48,6 +48,7 @@ class SampleOutput:
     token_ids: torch.Tensor                       # [S]
     logprob_rows: list[int] | None = None         # rows (of S) that asked for logprobs
     chosen_logprobs: torch.Tensor | None = None   # [R] logprob of the sampled token
+    chosen_ranks: torch.Tensor | None = None      # [R] its rank in the vocabulary (1: the likeliest)
     top_ids: torch.Tensor | None = None           # [R, k]
     top_logprobs: torch.Tensor | None = None      # [R, k]
     top_k: list[int] | None = None                # [R] alternatives each row asked for
@@ -62,21 +63,22 @@ class SampleOutput:
             out.logprob_rows = [i * rows + r for i, p in with_lp for r in p.logprob_rows or ()]
             out.top_k = [n for _, p in with_lp for n in p.top_k or ()]
             out.chosen_logprobs = torch.cat([p.chosen_logprobs for _, p in with_lp if p.chosen_logprobs is not None])
+            out.chosen_ranks = torch.cat([p.chosen_ranks for _, p in with_lp if p.chosen_ranks is not None])
             out.top_ids = torch.cat([p.top_ids for _, p in with_lp if p.top_ids is not None])
             out.top_logprobs = torch.cat([p.top_logprobs for _, p in with_lp if p.top_logprobs is not None])
         return out
 
     def host_logprobs(self) -> list | None:
-        """Per row: (chosen logprob, [(id, logprob), ...]) or None. Synchronizes."""
+        """Per row: (chosen logprob, its rank, [(id, logprob), ...]) or None. Synchronizes."""
         if self.logprob_rows is None:
             return None
         assert self.chosen_logprobs is not None and self.top_ids is not None and self.top_logprobs is not None
-        assert self.top_k is not None
-        chosen = self.chosen_logprobs.tolist()
+        assert self.top_k is not None and self.chosen_ranks is not None
+        chosen, ranks = self.chosen_logprobs.tolist(), self.chosen_ranks.tolist()
         ids, vals = self.top_ids.tolist(), self.top_logprobs.tolist()
         out: list = [None] * len(self.token_ids)
         for j, (i, n) in enumerate(zip(self.logprob_rows, self.top_k, strict=True)):
-            out[i] = (chosen[j], list(zip(ids[j][:n], vals[j][:n], strict=True)))
+            out[i] = (chosen[j], ranks[j], list(zip(ids[j][:n], vals[j][:n], strict=True)))
         return out
 
 
@@ -401,14 +403,21 @@ def _filter(logits: torch.Tensor, params: list[RowSettings]) -> torch.Tensor:
     return logits
 
 
+def logprob_ranks(lp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The rank of each row's chosen logprob in the row [R, V] -> [R]: how many tokens are at
+    least as likely (1: none likelier; ties rank as the worst of them, as vLLM counts)."""
+    return (lp >= chosen[:, None]).sum(dim=-1)
+
+
 def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings], width: int | None) -> None:
-    """Raw-distribution logprobs of the sampled token and the top ``width`` (the rows' widest ask
-    when None), left on the device."""
+    """Raw-distribution logprobs of the sampled token, its rank (``logprob_ranks``) and the top
+    ``width`` (the rows' widest ask when None), left on the device."""
     rows = [i for i, s in enumerate(settings) if s.logprobs is not None]
     lp = (raw if len(rows) == len(settings) else raw[rows]).log_softmax(dim=-1)
     out.logprob_rows = rows
     out.top_k = [settings[i].logprobs or 0 for i in rows]
     out.chosen_logprobs = lp.gather(1, out.token_ids[rows][:, None]).squeeze(1)
+    out.chosen_ranks = logprob_ranks(lp, out.chosen_logprobs)
     k = min(max(out.top_k) if width is None else width, lp.shape[1])
     if k > 0:
         out.top_logprobs, out.top_ids = lp.topk(k, dim=-1)

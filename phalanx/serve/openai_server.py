@@ -494,7 +494,7 @@ class OpenAIServer:
                 choice = {"index": i * body.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
                           "stop_reason": o.stop_reason, "logprobs": None}
                 if body.logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(out, o, body.echo, text)
+                    choice["logprobs"] = self._completion_logprobs(out, o, body.echo, text, body.logprobs)
                 _add_ids(choice, body, o, out.prompt_token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
@@ -528,27 +528,28 @@ class OpenAIServer:
                 out.append((tok.decode(p, skip_special_tokens=False) if tok and with_text else None, list(p)))
         return out
 
-    def _completion_logprobs(self, out: RequestOutput, o: Any, echo: bool, text: str | None) -> dict[str, Any]:
-        """OpenAI's completion logprobs: with ``echo`` the prompt's tokens come first (the very
-        first one has no logprob), then the generated ones."""
+    def _completion_logprobs(self, out: RequestOutput, o: Any, echo: bool, text: str | None,
+                             k: int) -> dict[str, Any]:
+        """OpenAI's completion logprobs (``k`` alternatives a token): with ``echo`` the prompt's
+        tokens come first (the very first one has no logprob), then the generated ones."""
         lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offsets = self._add_echo_logprobs(lp, out, text) if echo else _TextOffsets()
-        self._add_logprobs(lp, o.token_ids, o.logprobs or [], offsets)
+        offsets = self._add_echo_logprobs(lp, out, text, k) if echo else _TextOffsets()
+        self._add_logprobs(lp, o.token_ids, o.logprobs or [], offsets, k)
         return lp
 
-    def _add_echo_logprobs(self, lp: dict[str, list], out: RequestOutput, text: str | None) -> _TextOffsets:
+    def _add_echo_logprobs(self, lp: dict[str, list], out: RequestOutput, text: str | None, k: int) -> _TextOffsets:
         """The echoed prompt's logprobs, its offsets into ``text``; the offsets to go on from."""
         pieces = [self._token_piece(t) for t in out.prompt_token_ids]
         offsets = _TextOffsets.echoing(text or "", pieces)
-        self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets, pieces)
+        self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets, k, pieces)
         return offsets
 
     def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, offsets: _TextOffsets,
-                      pieces: list[bytes] | None = None) -> None:
+                      k: int, pieces: list[bytes] | None = None) -> None:
         for i, (tid, entry) in enumerate(zip(token_ids, entries, strict=False)):
             lp["tokens"].append(self._token_str(tid))
             lp["token_logprobs"].append(entry[tid].logprob if entry is not None else None)
-            lp["top_logprobs"].append({self._token_str(t): x.logprob for t, x in entry.items() if x.rank is not None}
+            lp["top_logprobs"].append({self._token_str(t): x.logprob for t, x in _alternatives(entry, k)}
                                       if entry is not None else None)
             lp["text_offset"].append(offsets.advance(pieces[i] if pieces is not None else self._token_piece(tid)))
 
@@ -576,7 +577,7 @@ class OpenAIServer:
                 echo_due[i] = False
                 for k in range(body.n):
                     lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                    offsets[i * body.n + k] = self._add_echo_logprobs(lp, out, texts[i])
+                    offsets[i * body.n + k] = self._add_echo_logprobs(lp, out, texts[i], body.logprobs or 0)
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
                                                      "finish_reason": None}]})
             if echo_due[i]:
@@ -594,7 +595,7 @@ class OpenAIServer:
                 if body.logprobs is not None:
                     lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
                     new_lps = (o.logprobs or [])[sent_ids[index]:sent_ids[index] + len(new_ids)]
-                    self._add_logprobs(lp, new_ids, new_lps, offsets[index])
+                    self._add_logprobs(lp, new_ids, new_lps, offsets[index], body.logprobs)
                     choice["logprobs"] = lp
                 sent_ids[index] += len(new_ids)
                 sent_chars[index] += len(text)
@@ -644,7 +645,8 @@ class OpenAIServer:
             choice = {"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
                       "logprobs": None}
             if body.logprobs:
-                choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids, o.logprobs or [])}
+                choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids, o.logprobs or [],
+                                                                     body.top_logprobs or 0)}
             _add_ids(choice, body, o, None)
             choices.append(choice)
         response = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
@@ -707,14 +709,13 @@ class OpenAIServer:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
         return message, stream.called
 
-    def _chat_logprobs(self, token_ids: list[int], entries: list[dict]) -> list[dict[str, Any]]:
+    def _chat_logprobs(self, token_ids: list[int], entries: list[dict], k: int) -> list[dict[str, Any]]:
         out = []
         for tid, entry in zip(token_ids, entries, strict=False):
             s = self._token_str(tid)
-            tops = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
             out.append({"token": s, "logprob": entry[tid].logprob, "bytes": list(self._token_piece(tid)),
                         "top_logprobs": [{"token": self._token_str(t), "logprob": lp.logprob,
-                                          "bytes": list(self._token_piece(t))} for t, lp in tops]})
+                                          "bytes": list(self._token_piece(t))} for t, lp in _alternatives(entry, k)]})
         return out
 
     async def _stream_chat(self, rid: str, body: ChatCompletionRequest, fut: RequestOutput,
@@ -740,7 +741,8 @@ class OpenAIServer:
                 if finishing:
                     choice["stop_reason"] = o.stop_reason
                 if body.logprobs and o.token_ids_diff:
-                    choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids_diff, o.logprobs_diff)}
+                    choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids_diff, o.logprobs_diff,
+                                                                         body.top_logprobs or 0)}
                 if body.return_token_ids:
                     choice["token_ids"] = o.token_ids_diff
                 if delta or finishing or choice["logprobs"] or choice.get("token_ids"):
@@ -854,6 +856,13 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
 # one encoder for every event: ``json.dumps`` with a non-default argument builds a new one a call
 # (~18 µs an event against ~10 on a CPU, every streamed token of every request)
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def _alternatives(entry: dict[int, Any], k: int) -> list[tuple[int, Any]]:
+    """A token's logprob entry's ``k`` likeliest tokens, likeliest first. The chosen token is in
+    the entry with its rank in the vocabulary: outside the top k that rank is above k (every one
+    of them is at least as likely), so it is left out here."""
+    return sorted(((t, x) for t, x in entry.items() if x.rank is not None and x.rank <= k), key=lambda tx: tx[1].rank)
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -358,3 +358,23 @@ def test_inputs_of_the_wrong_shape_are_named(llm, call, needle):
     assert llm.generate("Hi", SamplingParams(max_tokens=2)).outputs[0].token_ids   # the engine goes on
     outs = llm.generate((p for p in ("Hi", "Yo")), SamplingParams(max_tokens=2), use_tqdm=False)   # any iterable
     assert len(outs) == 2
+
+
+def test_logprob_entries_carry_their_tokens_text_and_the_chosen_tokens_rank(llm):
+    """vLLM's Logprob fields: ``decoded_token`` is each listed token's own text (None when the
+    request does not detokenize), ``rank`` the chosen token's place in the whole vocabulary,
+    also when it is outside the alternatives asked for; prompt logprobs the same."""
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=6, logprobs=2, prompt_logprobs=1, temperature=2.0, seed=11, ignore_eos=True)
+    out = llm.generate("The capital of France is", sp, use_tqdm=False)
+    o = out.outputs[0]
+    for t, entry in zip(o.token_ids, o.logprobs, strict=True):
+        assert all(lp.decoded_token == tok.decode([u], skip_special_tokens=False) for u, lp in entry.items())
+        assert sorted(lp.rank for u, lp in entry.items() if u != t) == [1, 2] or entry[t].rank <= 2
+        assert isinstance(entry[t].rank, int) and entry[t].rank >= 1
+    assert any(entry[t].rank > 2 for t, entry in zip(o.token_ids, o.logprobs, strict=True))   # sampled hot
+    for t, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
+        assert entry[t].decoded_token == tok.decode([t], skip_special_tokens=False) and entry[t].rank >= 1
+    plain = llm.generate("The capital of France is", SamplingParams(max_tokens=2, logprobs=1, detokenize=False),
+                         use_tqdm=False).outputs[0]
+    assert all(lp.decoded_token is None for entry in plain.logprobs for lp in entry.values())

@@ -133,8 +133,9 @@ def test_prompt_logprobs_equal_transformers(tiny_models, hf_models, max_num_toke
         for i in range(1, len(prompt)):
             assert plp[i][prompt[i]].logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
             top = ref[i - 1].topk(3)
-            ranked = sorted((lp.rank, t) for t, lp in plp[i].items() if lp.rank is not None)
+            ranked = sorted((lp.rank, t) for t, lp in plp[i].items() if lp.rank <= 3)
             assert [t for _, t in ranked] == top.indices.tolist()
+            assert plp[i][prompt[i]].rank == int((ref[i - 1] >= ref[i - 1, prompt[i]]).sum())   # over the vocabulary
         one = llm.generate(prompt, SamplingParams(max_tokens=3, prompt_logprobs=0), use_tqdm=False)
         assert one.cached_tokens == 0          # every position computed, none reused
         assert [e[t].logprob for e, t in zip(one.prompt_logprobs[1:], prompt[1:], strict=True)] == \

@@ -22,10 +22,25 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
     r = req(logprobs=2)
     out = Sampler(5, CPU).sample(logits, [r])
     assert out.token_ids.tolist() == [1]
-    chosen, top = out.host_logprobs()[0]
+    chosen, rank, top = out.host_logprobs()[0]
     lp = logits.log_softmax(-1)[0]
-    assert chosen == pytest.approx(lp[1].item())
+    assert chosen == pytest.approx(lp[1].item()) and rank == 1
     assert [t for t, _ in top] == [1, 3] and top[1][1] == pytest.approx(lp[3].item())
+
+
+def test_a_sampled_tokens_rank_counts_the_whole_vocabulary():
+    """The sampled token's rank is over every token, not only the alternatives asked for
+    (vLLM's count: the tokens at least as likely, so ties rank as the worst of them)."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.0, 2.0]]).repeat(64, 1)
+    rows = [req(logprobs=i % 2, temperature=50.0, seed=i) for i in range(64)]
+    out = Sampler(6, CPU).sample(logits, rows)
+    lp = logits[0].log_softmax(-1)
+    ranks = []
+    for i, (tok, (chosen, rank, top)) in enumerate(zip(out.token_ids.tolist(), out.host_logprobs(), strict=True)):
+        assert chosen == pytest.approx(lp[tok].item()) and len(top) == i % 2
+        assert rank == int((lp >= lp[tok]).sum())
+        ranks.append(rank)
+    assert set(ranks) == {2, 3, 4, 5, 6}      # rows sampled every token; the tied top two rank 2
 
 
 def test_the_costliest_rows_take_every_path_of_the_sampler():
@@ -115,7 +130,8 @@ def test_rows_sampled_a_chunk_at_a_time_equal_one_pass(monkeypatch):
         for a, b in zip(got.host_logprobs(), one.host_logprobs(), strict=True):
             assert (a is None) == (b is None)
             if a is not None:
-                assert a[0] == pytest.approx(b[0], abs=1e-5) and [t for t, _ in a[1]] == [t for t, _ in b[1]]
+                assert a[0] == pytest.approx(b[0], abs=1e-5) and a[1] == b[1]
+                assert [t for t, _ in a[2]] == [t for t, _ in b[2]]
     assert all(one.token_ids[r] % 7 == r % 7 and one.token_ids[r] < V - 10 for r in masked)   # kept to their ids
 
 
@@ -223,3 +239,9 @@ def test_logprobs_through_the_engine(tiny_llm):
         assert entry[tok].logprob == max(lp.logprob for lp in entry.values())   # greedy: the top one
     chosen = [e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)]
     assert out.cumulative_logprob == pytest.approx(sum(chosen))
+    assert all(e[t].rank == 1 for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    hot = tiny_llm.generate([4, 4, 4], SamplingParams(max_tokens=8, logprobs=0, temperature=5.0, seed=3,
+                                                      ignore_eos=True), use_tqdm=False).outputs[0]
+    ranks = [e[t].rank for t, e in zip(hot.token_ids, hot.logprobs, strict=True)]
+    assert all(len(e) == 1 for e in hot.logprobs) and all(isinstance(r, int) and r >= 1 for r in ranks)
+    assert max(ranks) > 1     # a token outside the (empty) top list keeps its rank in the vocabulary

@@ -39,7 +39,7 @@ class _Loopback(GenerationExecutor):
 def _batch(ids: list[int], step: int, finished: tuple[int, ...] = (), first: tuple[int, ...] = (),
            logprobs: bool = False) -> TokenBatch:
     """A step's TokenBatch as rank 0 sends it (through the wire form)."""
-    lps = [[-0.5 - rid / 100, [[7, -0.25], [rid, -0.5 - rid / 100]]] for rid in ids] if logprobs else None
+    lps = [[-0.5 - rid / 100, 2, [[7, -0.25], [rid, -0.5 - rid / 100]]] for rid in ids] if logprobs else None
     return unpack(pack(TokenBatch(
         list(ids), [_tokens(rid, step, logprobs) for rid in ids], lps,
         [Finished(rid, "length", None) for rid in finished],
