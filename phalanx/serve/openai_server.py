@@ -46,10 +46,14 @@ from phalanx.serve.protocol import (
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     NamedToolChoice,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_body,
     parse_body,
+    parse_tokenize,
 )
 
 logger = logging.getLogger("phalanx")
@@ -279,6 +283,8 @@ class OpenAIServer:
         app.get("/v1/models/{model_id:path}")(self.model_card_route)
         app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))(self.completions)
         app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))(self.chat)
+        app.post("/tokenize", openapi_extra=_body_doc(TokenizeCompletionRequest, TokenizeChatRequest))(self.tokenize)
+        app.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))(self.detokenize)
         rollout_routes.add_routes(self)   # the RL hand-off: pause, sleep, weight updates
         if self.debug_endpoints:   # inspection for tests and operators; off by default
             app.get("/debug/check_integrity")(self.debug_integrity)
@@ -291,7 +297,8 @@ class OpenAIServer:
             return self.app.openapi_schema
         doc = get_openapi(title="phalanx", version=__version__, routes=self.app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest, ErrorResponse):
+        for model in (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                      DetokenizeRequest, ErrorResponse):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(defs.pop("$defs", {}))
             schemas[model.__name__] = defs
@@ -618,16 +625,8 @@ class OpenAIServer:
         if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: chat needs one", "messages")
         plan = self._chat_plan(body, tokenizer.chat_template)
-        kwargs = dict(body.chat_template_kwargs or {})
-        if plan.tools is not None and tools.template_renders_tools(self.chat_template or tokenizer.chat_template):
-            kwargs["tools"] = plan.tools
-        try:
-            ids = await self._text(lambda: tokenizer.encode_chat(
-                plan.messages, body.add_generation_prompt, self.chat_template, self.llm.max_seq_len - 1, **kwargs))
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from None
-        except Exception as e:  # template errors (e.g. roles it does not accept)
-            raise ApiError(400, f"the chat template failed: {e}", "messages") from None
+        ids = await self._chat_ids(plan.messages, plan.tools, body.add_generation_prompt, body.chat_template_kwargs,
+                                   self.llm.max_seq_len - 1)
         k = (body.top_logprobs or 0) if body.logprobs else None
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
                             k, guided=plan.guided)
@@ -654,6 +653,59 @@ class OpenAIServer:
         if body.return_token_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
         return response
+
+    async def _chat_ids(self, messages: list[dict[str, Any]], active_tools: list[dict[str, Any]] | None,
+                        add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+                        limit: int | None) -> list[int]:
+        """A conversation's token ids as the chat template renders it (with the tools where the
+        template renders them), in the text pool; at most ``limit`` (a 400 naming messages)."""
+        tokenizer = self.llm.tokenizer
+        assert tokenizer is not None
+        kwargs = dict(template_kwargs or {})
+        if active_tools is not None and tools.template_renders_tools(self.chat_template or tokenizer.chat_template):
+            kwargs["tools"] = active_tools
+        try:
+            return await self._text(lambda: tokenizer.encode_chat(
+                messages, add_generation_prompt, self.chat_template, limit, **kwargs))
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        except Exception as e:  # template errors (e.g. roles it does not accept)
+            raise ApiError(400, f"the chat template failed: {e}", "messages") from None
+
+    async def tokenize(self, request: Request):
+        """vLLM's ``/tokenize``: a prompt's ids as a completion would run on them, or (with
+        ``messages``) a conversation's as the chat endpoint renders it."""
+        try:
+            body = parse_tokenize(await request.body())
+        except BodyError as e:
+            raise ApiError(400, e.message, e.param) from None
+        self._check_model(body.model)
+        chat = isinstance(body, TokenizeChatRequest)
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer: /tokenize needs one", "messages" if chat else "prompt")
+        if isinstance(body, TokenizeChatRequest):
+            tool_defs = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            active = tool_defs if tool_defs and body.tool_choice != "none" else None
+            messages = tools.template_messages(body.messages, active, self.chat_template or tokenizer.chat_template)
+            ids = await self._chat_ids(messages, active, body.add_generation_prompt, body.chat_template_kwargs, None)
+        else:
+            ids = await self._text(tokenizer.encode, body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.llm.max_seq_len, "tokens": ids,
+                "token_strs": tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+    async def detokenize(self, request: Request):
+        """vLLM's ``/detokenize``: token ids back to text (special tokens included)."""
+        body = await self._parse(request, DetokenizeRequest)
+        self._check_model(body.model)
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer: /detokenize needs one", "tokens")
+        bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to {tokenizer.vocab_size - 1})",
+                           "tokens")
+        return {"prompt": await self._text(tokenizer.decode, body.tokens, False)}
 
     def _chat_plan(self, body: ChatCompletionRequest, tokenizer_template: str | None) -> ChatPlan:
         """What a chat request asks of the output: its grammar, and how to read the text back."""
@@ -795,10 +847,12 @@ def _abort(futs: list[RequestOutput]) -> None:
             f.abort()
 
 
-def _body_doc(model: type) -> dict[str, Any]:
-    """The request body of a route whose handler parses it itself (see protocol.parse_body)."""
+def _body_doc(*models: type) -> dict[str, Any]:
+    """The request body of a route whose handler parses it itself (see protocol.parse_body): one
+    model, or one of several."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+        "schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}}}}
 
 
 def _has_text(prompt: Any) -> bool:

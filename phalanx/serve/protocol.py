@@ -347,6 +347,49 @@ class ChatCompletionRequest(SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
+class TokenizeCompletionRequest(Strict):
+    """``/tokenize`` of a text: the ids a completion of this prompt would run on."""
+
+    model: str | None = None
+    prompt: str = Field(..., max_length=MAX_TEXT_CHARS)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Strict):
+    """``/tokenize`` of a conversation: the ids the chat endpoint would run on (its template,
+    tools and ``chat_template_kwargs`` rendered the same way)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    return_token_strs: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _not_too_long(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if sum(m.num_chars() for m in v) > MAX_TEXT_CHARS:
+            raise ValueError(f"at most {MAX_TEXT_CHARS} characters in all")
+        return v
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _template_tokens_only(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("only false is supported: a conversation gets its template's special tokens, as the "
+                             "chat endpoint renders it")
+        return v
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=MAX_PROMPT_TOKEN_IDS)
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -383,6 +426,18 @@ Body = TypeVar("Body", bound=BaseModel)
 
 def parse_body(raw: bytes, model: type[Body]) -> Body:
     """Bytes of a JSON body -> a validated ``model``; raises BodyError naming the field."""
+    return _validate(_json_object(raw), model)
+
+
+def parse_tokenize(raw: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A ``/tokenize`` body: a conversation's form when it has ``messages``, else a prompt's."""
+    data = _json_object(raw)
+    if "messages" in data:
+        return _validate(data, TokenizeChatRequest)
+    return _validate(data, TokenizeCompletionRequest)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -396,6 +451,10 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
     if not isinstance(data, dict):
         raise BodyError("the body must be a JSON object")
     _check_values(data, "", 0)
+    return data
+
+
+def _validate(data: dict[str, Any], model: type[Body]) -> Body:
     try:
         return model.model_validate(data)
     except ValidationError as e:

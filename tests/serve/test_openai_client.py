@@ -232,3 +232,38 @@ def test_streams_lose_nothing_under_many_choices(client):
             for c in ch.choices:
                 text[c.index] += c.delta.content or ""
         assert all(t == want for t in text.values()), text
+
+
+def test_tokenize_and_detokenize_give_the_ids_the_endpoints_run_on(server):
+    """vLLM's /tokenize and /detokenize: a prompt's ids as a completion runs on them, a
+    conversation's as the chat endpoint renders it (the same ids it reports with
+    return_token_ids), and the ids back to text; what they cannot do is a 400 naming the field."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    prompt = "The capital of France is"
+    t = httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True},
+                   headers=auth).json()
+    comp = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "return_token_ids": True},
+                      headers=auth).json()
+    assert t["tokens"] == comp["choices"][0]["prompt_token_ids"] and t["count"] == len(t["tokens"])
+    assert t["max_model_len"] > t["count"] and len(t["token_strs"]) == t["count"]
+    assert all(isinstance(s, str) for s in t["token_strs"])
+    back = httpx.post(server + "/detokenize", json={"tokens": t["tokens"]}, headers=auth).json()
+    assert back == {"prompt": prompt}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"}]
+    chat = httpx.post(server + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                             "return_token_ids": True}, headers=auth).json()
+    tc = httpx.post(server + "/tokenize", json={"messages": messages}, headers=auth).json()
+    assert tc["tokens"] == chat["prompt_token_ids"] and tc["token_strs"] is None
+    bare = httpx.post(server + "/tokenize", json={"messages": messages, "add_generation_prompt": False},
+                      headers=auth).json()
+    assert bare["count"] < tc["count"] and tc["tokens"][:bare["count"]] == bare["tokens"]
+    for path, body, field in [("/tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
+                              ("/tokenize", {"prompt": prompt, "continue_final_message": True},
+                               "continue_final_message"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/detokenize", {"tokens": [1, 10 ** 7]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens")]:
+        r = httpx.post(server + path, json=body, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, body, r.text)
+    assert httpx.post(server + "/tokenize", json={"prompt": prompt}).status_code == 401
+    assert httpx.post(server + "/tokenize", json={"model": "other", "prompt": prompt}, headers=auth).status_code == 404
