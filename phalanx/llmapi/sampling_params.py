@@ -105,7 +105,8 @@ class SamplingParams:
     """Decoding settings of one request (names as TensorRT-LLM's ``SamplingParams``).
 
     max_tokens: tokens to generate (None: up to max_seq_len). min_tokens: EOS and
-    stop_token_ids are suppressed, and stop strings not matched, until this many tokens exist. temperature 0 is greedy.
+    stop_token_ids are suppressed, and stop strings not matched, until this many tokens exist
+    (with a grammar, only while it allows another token: a complete grammar ends the output). temperature 0 is greedy.
     top_k 0/None/-1 disables (values above the vocabulary size keep every token); top_p in
     (0, 1]; min_p in [0, 1]. seed makes sampling reproducible for this request whatever else
     is in the batch. n > 1 returns n sequences. stop: strings that end the output (cut from
@@ -198,10 +199,6 @@ class SamplingParams:
         _int(self.end_id, "end_id", 0, INT32_MAX, optional=True)
         _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                "guided_decoding", "must be a GuidedDecodingParams", type(self.guided_decoding).__name__)
-        _check(self.guided_decoding is None or self.min_tokens == 0, "min_tokens",
-               "must be 0 with a grammar (guided_decoding; the server's response_format, guided_* fields and "
-               "forced tool_choice make one): the grammar decides where the output ends (a complete one allows "
-               "only EOS, which min_tokens would ban)", self.min_tokens)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false", getattr(self, name))
         _check(len(stop_strings) <= MAX_STOP_STRINGS, "stop",

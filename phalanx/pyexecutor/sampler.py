@@ -1,6 +1,7 @@
 """Sampler: logits of the sampling rows -> one token id per row (+ logprobs when asked).
 
-Order per row: logit_bias, min_tokens (EOS and stop ids masked), repetition / presence /
+Order per row: a grammar's mask, logit_bias, min_tokens (EOS and stop ids masked, unless a
+grammar allows nothing else), repetition / presence /
 frequency penalties, then greedy argmax or temperature → top-k → top-p → min-p → a draw.
 Logprobs are those of the raw model distribution (log-softmax of the unprocessed logits).
 
@@ -203,7 +204,8 @@ class Sampler:
             if bitmask.vocab_size < self.vocab_size:   # the output layer's padding ids
                 logits[:, bitmask.vocab_size:].index_fill_(0, device_ints(bitmask.rows, logits.device), float("-inf"))
         if any(s.needs_processing for s in settings):
-            logits = self._process(logits if bitmask is not None else logits.clone(), requests, settings)
+            logits = self._process(logits if bitmask is not None else logits.clone(), requests, settings,
+                                   frozenset(bitmask.rows) if bitmask is not None else frozenset())
         token_ids = self._draw(logits, requests, settings)
         del logits   # (the processed copy, if any: logprobs are the raw distribution's)
         out = SampleOutput(token_ids)
@@ -212,16 +214,24 @@ class Sampler:
         return out
 
     # -- logit processing ---------------------------------------------------------------------
-    def _process(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, requests: list[Request], settings: list[RowSettings],
+                 grammar_rows: frozenset[int] = frozenset()) -> torch.Tensor:
         """Logit bias, banned tokens and penalties, in place. Host lists reach the device through
-        device_ints/device_floats and fills take Python scalars: nothing here waits for the stream."""
+        device_ints/device_floats and fills take Python scalars: nothing here waits for the stream.
+        A grammar row's ban (min_tokens) holds while its grammar allows another token: where the
+        grammar allows only its end (EOS), the ban is lifted and the grammar ends the output."""
         dev = logits.device
         for i, s in enumerate(settings):
             if s.bias_ids:
                 bias = device_floats(s.bias_values, dev).to(logits.dtype)
                 logits[i].index_add_(0, device_ints(s.bias_ids, dev), bias)
             if s.banned:
-                logits[i].index_fill_(0, device_ints(s.banned, dev), float("-inf"))
+                ids = device_ints(s.banned, dev)
+                kept = logits[i].index_select(0, ids) if i in grammar_rows else None
+                logits[i].index_fill_(0, ids, float("-inf"))
+                if kept is not None:   # on the device, no wait: every token masked -> the banned ones back
+                    logits[i].index_copy_(0, ids, torch.where(torch.isneginf(logits[i].amax()), kept,
+                                                              torch.full_like(kept, float("-inf"))))
         rows = [i for i, s in enumerate(settings) if s.penalties is not None]
         if len(rows) == len(settings):
             _apply_penalties(logits, requests, [s.penalties for s in settings], self.vocab_size)

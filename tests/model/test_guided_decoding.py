@@ -82,6 +82,25 @@ def test_choice_and_json_object(llm):
     assert isinstance(json.loads(obj.text), dict)
 
 
+def test_min_tokens_holds_the_end_back_until_a_grammar_allows_nothing_else(llm):
+    """min_tokens with a grammar: EOS stays banned while the grammar allows another token (a
+    regex that may go on is held to min_tokens), and a complete grammar still ends the output
+    where min_tokens would ban its only token (a short choice: before, that row sampled id 0)."""
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    choices = ["Paris", "London"]
+    sps = [SamplingParams(max_tokens=20, min_tokens=12, guided_decoding=GuidedDecodingParams(choice=choices)),
+           SamplingParams(max_tokens=20, min_tokens=8, temperature=0.9, seed=2,
+                          guided_decoding=GuidedDecodingParams(choice=choices)),
+           SamplingParams(max_tokens=30, min_tokens=10, guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{1,60}\.")),
+           SamplingParams(max_tokens=6, min_tokens=3)]    # a free row batched with them keeps its own ban
+    outs = llm.generate([prompt] * len(sps), sps, use_tqdm=False)
+    for o in (outs[0].outputs[0], outs[1].outputs[0]):
+        assert o.text in choices and o.finish_reason == "stop" and 0 not in o.token_ids, o
+    held = outs[2].outputs[0]
+    assert re.fullmatch(r"[a-z ]{1,60}\.", held.text) and len(held.token_ids) > 10, held
+    assert len(outs[3].outputs[0].token_ids) >= 3
+
+
 def mixed_batch(llm):
     prompt = llm.apply_chat_template([{"role": "user", "content": QUESTION}])
     sps = [SamplingParams(max_tokens=120, guided_decoding=GuidedDecodingParams(json=SCHEMAS[i])) for i in range(4)]
