@@ -1,6 +1,6 @@
 """What each kind of short kernel costs a decode step (batch 1 by default) where it runs: the
 step timed as served (in-process engine, CUDA graphs, overlap scheduler), then again with the
-decode attention (or only its merge kernel), the rotary + K/V write, the RMSNorm kernels, or both left out of the
+decode attention (or only its merge kernel), the RMSNorm kernels, or both left out of the
 forward (their callers get their input back, so the graph holds every other kernel as before
 and the tokens are garbage). The difference is what those kernels cost on the critical path,
 PDL hand-overs included, which timing them alone cannot tell; without both, what is left is
@@ -40,10 +40,6 @@ def skip(what: set[str]) -> None:
         def no_attention(q, k_cache, v_cache, meta, scale, window=None, kv_of_q=None, out=None):
             return q if out is None else out
         ops.paged_attention = no_attention
-    if "rope" in what:
-        def no_rope(positions, q, k, v, cos_sin, k_cache, v_cache, meta):
-            return q
-        ops.rope_and_write_kv = no_rope
     if "norms" in what:
         ops.rms_norm = lambda x, weight, eps: x
         ops.fused_add_rms_norm = lambda x, residual, weight, eps: (x, residual)
@@ -54,9 +50,9 @@ def check(variant: str, batch: int) -> None:
     from phalanx.kernels.linear_plan import ROW_BUCKETS
     from phalanx.kernels.triton_attention import MAX_SPLITS
     parts = variant.split("+")
-    bad = {w for w in parts if not w.startswith("splits=")} - {"none", "attention", "norms", "merge", "rope"}
+    bad = {w for w in parts if not w.startswith("splits=")} - {"none", "attention", "norms", "merge"}
     if bad:
-        raise SystemExit(f"--skip: unknown {sorted(bad)} in {variant!r} (attention, norms, merge, rope, splits=N)")
+        raise SystemExit(f"--skip: unknown {sorted(bad)} in {variant!r} (attention, norms, merge, splits=N)")
     for w in parts:
         n = w.removeprefix("splits=")
         if w.startswith("splits=") and not (n.isdigit() and 0 < int(n) <= MAX_SPLITS and not int(n) & (int(n) - 1)):
@@ -97,7 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", nargs="+", default=["none", "attention", "norms", "attention+norms"],
                     help="variants: none, or kernels to leave out joined by '+' (attention, norms, the attention's "
-                         "merge, rope: the rotary + K/V write; splits=N: decode attention over N key slices)")
+                         "merge; splits=N: decode attention over N key slices)")
     ap.add_argument("--config", default=None, help="YAML of extra LLM arguments (tools/gpu_fp8.yaml: FP8 weights)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=128)

@@ -50,7 +50,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default=())
     # an FP8 checkpoint (quantization_config quant_method fp8, or compressed-tensors with FP8
-    # weights): weights e4m3 with scales, dequantized at load and served with quantization fp8;
+    # weights): weights e4m3 with scales, served with quantization fp8 (per-tensor or per-row
+    # scaled weights as they are, block-scaled ones dequantized at load and quantized again);
     # fp8_block = (rows, cols) when block-scaled
     fp8_checkpoint: bool = False
     fp8_block: tuple[int, ...] = ()

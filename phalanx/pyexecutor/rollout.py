@@ -288,7 +288,8 @@ class Rollout:
                              f"(differs in {', '.join(differ[:6])})")
         if source.kind == "hf":
             # names and shapes, all before any copy; an FP8 checkpoint's scales pair with its
-            # weights, and its e4m3 weights load as full precision (checkpoint_weights)
+            # weights (checked as the full-precision tensors they stand for: checkpoint_weights
+            # keeps the bytes of per-tensor or per-row scaled ones, dequantizes the others)
             specs = _safetensors_specs(source.path)
             if source.config.fp8_checkpoint:
                 check_fp8_checkpoint(specs, source.config.fp8_block)

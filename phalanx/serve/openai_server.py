@@ -701,10 +701,10 @@ class OpenAIServer:
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: /detokenize needs one", "tokens")
-        bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        vocab = self.llm.vocab_size    # what a prompt of ids may hold (a padded vocabulary's ids decode to "")
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to {tokenizer.vocab_size - 1})",
-                           "tokens")
+            raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})", "tokens")
         return {"prompt": await self._text(tokenizer.decode, body.tokens, False)}
 
     def _chat_plan(self, body: ChatCompletionRequest, tokenizer_template: str | None) -> ChatPlan:

@@ -302,6 +302,18 @@ class ChatMessage(Strict):
         return len(self.content or "")
 
 
+def _check_tools(tools: list[ToolDef] | None, tool_choice: Any) -> None:
+    """A chat's tools and tool_choice agree (a choice other than none/auto needs tools; names distinct)."""
+    if tool_choice not in (None, "none", "auto") and not tools:
+        raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+    if tools and len({t.function.name for t in tools}) != len(tools):
+        raise ValueError("tools must have distinct function names")
+    if isinstance(tool_choice, NamedToolChoice) and tools and tool_choice.function.name not in {
+            t.function.name for t in tools}:
+        raise ValueError(f"tool_choice names the function {tool_choice.function.name!r}, which is not among the "
+                         f"tools ({sorted(t.function.name for t in tools)})")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -316,10 +328,7 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
-        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
-            raise ValueError("tools must have distinct function names")
+        _check_tools(self.tools, self.tool_choice)
         return self
 
     @field_validator("messages")
@@ -375,6 +384,11 @@ class TokenizeChatRequest(Strict):
         if sum(m.num_chars() for m in v) > MAX_TEXT_CHARS:
             raise ValueError(f"at most {MAX_TEXT_CHARS} characters in all")
         return v
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> TokenizeChatRequest:
+        _check_tools(self.tools, self.tool_choice)
+        return self
 
     @field_validator("add_special_tokens")
     @classmethod

@@ -261,6 +261,10 @@ def test_tokenize_and_detokenize_give_the_ids_the_endpoints_run_on(server):
                               ("/tokenize", {"prompt": prompt, "continue_final_message": True},
                                "continue_final_message"),
                               ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": messages, "tool_choice": "required"}, "tool_choice"),
+                              ("/tokenize", {"messages": messages, "tools": [{"type": "function", "function": {
+                                  "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                               "tool_choice"),
                               ("/detokenize", {"tokens": [1, 10 ** 7]}, "tokens"),
                               ("/detokenize", {"tokens": [-1]}, "tokens")]:
         r = httpx.post(server + path, json=body, headers=auth)
