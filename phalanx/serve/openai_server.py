@@ -40,6 +40,7 @@ from phalanx import __version__
 from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
+from phalanx.llmapi.tokenizer import Tokenizer
 from phalanx.serve import rollout_routes, tools
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
@@ -621,9 +622,7 @@ class OpenAIServer:
     async def chat(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            raise ApiError(400, "this server has no tokenizer: chat needs one", "messages")
+        tokenizer = self._tokenizer("chat needs one", "messages")
         plan = self._chat_plan(body, tokenizer.chat_template)
         ids = await self._chat_ids(plan.messages, plan.tools, body.add_generation_prompt, body.chat_template_kwargs,
                                    self.llm.max_seq_len - 1)
@@ -681,9 +680,7 @@ class OpenAIServer:
             raise ApiError(400, e.message, e.param) from None
         self._check_model(body.model)
         chat = isinstance(body, TokenizeChatRequest)
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            raise ApiError(400, "this server has no tokenizer: /tokenize needs one", "messages" if chat else "prompt")
+        tokenizer = self._tokenizer("/tokenize needs one", "messages" if chat else "prompt")
         if isinstance(body, TokenizeChatRequest):
             tool_defs = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             active = tool_defs if tool_defs and body.tool_choice != "none" else None
@@ -698,14 +695,18 @@ class OpenAIServer:
         """vLLM's ``/detokenize``: token ids back to text (special tokens included)."""
         body = await self._parse(request, DetokenizeRequest)
         self._check_model(body.model)
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            raise ApiError(400, "this server has no tokenizer: /detokenize needs one", "tokens")
+        tokenizer = self._tokenizer("/detokenize needs one", "tokens")
         vocab = self.llm.vocab_size    # what a prompt of ids may hold (a padded vocabulary's ids decode to "")
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})", "tokens")
         return {"prompt": await self._text(tokenizer.decode, body.tokens, False)}
+
+    def _tokenizer(self, why: str, field: str) -> Tokenizer:
+        """The model's tokenizer; a server started without one answers 400 (``why``, naming ``field``)."""
+        if self.llm.tokenizer is None:
+            raise ApiError(400, f"this server has no tokenizer: {why}", field)
+        return self.llm.tokenizer
 
     def _chat_plan(self, body: ChatCompletionRequest, tokenizer_template: str | None) -> ChatPlan:
         """What a chat request asks of the output: its grammar, and how to read the text back."""
