@@ -109,9 +109,7 @@ class RequestOutput:
             while True:
                 await self._state.await_change(self._version)
                 self._pull()
-                if self.error is not None:
-                    raise RequestError(self.error)
-                yield self
+                yield self._checked()
                 if self.finished:
                     return
         except asyncio.CancelledError:
@@ -135,9 +133,7 @@ class RequestOutput:
         while True:
             self._state.wait_change(self._version)
             self._pull()
-            if self.error is not None:
-                raise RequestError(self.error)
-            yield self
+            yield self._checked()
             if self.finished:
                 return
 
