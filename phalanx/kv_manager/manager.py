@@ -134,6 +134,15 @@ class KVCacheManager:
             unreferenced += 1
         return PrefixMatch(tm, tm.num_tokens(self.tokens_per_block), unreferenced)
 
+    def whole_blocks(self, match: PrefixMatch) -> PrefixMatch:
+        """``match`` without its partial block: a partial hit holds its copy source beside the
+        request's own blocks until the copy runs, one block more than the request; where that
+        block does not fit, the whole blocks of the hit may."""
+        nodes = match.tree_match.nodes
+        refs = self.pool.ref_counts
+        return PrefixMatch(TreeMatch(list(nodes)), len(nodes) * self.tokens_per_block,
+                           sum(1 for n in nodes if refs[n.block_id] == 0))
+
     def num_blocks_to_admit(self, match: PrefixMatch, num_slots: int) -> int:
         """Available blocks that ``admit(match, num_slots)`` would consume."""
         new = max(0, self.num_blocks_for(num_slots) - len(match.tree_match.nodes))

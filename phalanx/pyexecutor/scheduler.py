@@ -381,24 +381,36 @@ class Scheduler:
         while self.waiting and budget > 0 and len(batch) < self.limits.max_batch_size:
             req = self.waiting[0]
             match = self.kv.match(req.token_ids, req.extra_key, req.reuses_prefix)
-            n = req.num_tokens - match.num_tokens
-            if n > budget:
-                if not self.limits.enable_chunked_prefill:
-                    break
-                n = budget
-            slots = match.num_tokens + n
-            slots += self._first_drafts(req, slots)
-            need = self.kv.num_blocks_to_admit(match, slots)
-            if self.limits.policy == GUARANTEED_NO_EVICT:
-                future = self.kv.num_blocks_to_admit(match, req.kv_limit)
-                if future + reserved > self.kv.num_available_blocks:
-                    break
-                reserved += future - need
-            elif need > self.kv.num_available_blocks:
+            fit = self._fit(req, match, budget, reserved)
+            if fit is None and match.tree_match.partial_node is not None:
+                match = self.kv.whole_blocks(match)     # the partial block's copy source did not fit
+                fit = self._fit(req, match, budget, reserved)
+            if fit is None:
                 break
+            n, slots, reserved = fit
             self._admit(req, match, slots)
             self._add_row(batch, req, n)
             budget -= n
+
+    def _fit(self, req: Request, match: PrefixMatch, budget: int, reserved: int) -> tuple[int, int, int] | None:
+        """Whether a waiting request is admitted now with ``match``: (its tokens this step, the
+        slots it takes, the blocks reserved for the running requests after it), or None."""
+        n = req.num_tokens - match.num_tokens
+        if n > budget:
+            if not self.limits.enable_chunked_prefill:
+                return None
+            n = budget
+        slots = match.num_tokens + n
+        slots += self._first_drafts(req, slots)
+        need = self.kv.num_blocks_to_admit(match, slots)
+        if self.limits.policy == GUARANTEED_NO_EVICT:
+            future = self.kv.num_blocks_to_admit(match, req.kv_limit)
+            if future + reserved > self.kv.num_available_blocks:
+                return None
+            return n, slots, reserved + future - need
+        if need > self.kv.num_available_blocks:
+            return None
+        return n, slots, reserved
 
     def _admit(self, req: Request, match: PrefixMatch, slots: int) -> None:
         cached = self.kv.admit(req.request_id, match, slots, req.extra_key, req.priority)

@@ -2,7 +2,7 @@ import pytest
 
 from helpers import FakeRunner, fake_token, make_request, run_to_completion, tiny_scheduler
 from phalanx.pyexecutor.request import RequestStatus
-from phalanx.pyexecutor.scheduler import MAX_UTILIZATION
+from phalanx.pyexecutor.scheduler import GUARANTEED_NO_EVICT, MAX_UTILIZATION
 
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
@@ -196,6 +196,27 @@ def test_prefix_hit_skips_computed_tokens():
     assert b_.num_cached_tokens == 10 and batch.num_scheduled_tokens == [2]
     assert batch.copy_ops and batch.copy_ops[0].num_tokens == 2    # rows 8, 9 of block 2
     assert s.kv.num_hit_tokens == 10 and s.kv.num_queried_tokens == 22
+
+
+@pytest.mark.parametrize("policy", [GUARANTEED_NO_EVICT, MAX_UTILIZATION])
+def test_a_partial_hit_whose_copy_source_does_not_fit_runs_on_its_whole_blocks(policy):
+    """A partial prefix hit holds its copy source beside the request's own blocks until the copy
+    runs: where the pool cannot hold that one block more (a request whose reservation is the whole
+    pool), the request is admitted on its whole-block hit instead of waiting forever (with
+    MAX_UTILIZATION nothing is reserved ahead: the copy runs first and its source goes back)."""
+    s = tiny_scheduler(num_blocks=4, policy=policy)
+    prompt = [5, 6, 7, 8, 9, 10]
+    first = make_request(prompt, max_tokens=10)       # 16 positions: the whole pool of 4 blocks
+    s.add_request(first)
+    run_to_completion(s)
+    again = make_request(prompt, max_tokens=10)
+    assert s.add_request(again) is None
+    match = s.kv.match(again.token_ids)
+    assert match.tree_match.partial_node is not None and match.num_tokens == 5    # a hit, partly in a block
+    assert s.kv.num_blocks_to_admit(match, again.kv_limit) > s.kv.num_available_blocks
+    run_to_completion(s, max_steps=50)
+    assert again.output_token_ids == first.output_token_ids
+    assert again.num_cached_tokens == (4 if policy == GUARANTEED_NO_EVICT else 5)   # without the partial block
 
 
 def test_digest_changes_with_the_decision():
