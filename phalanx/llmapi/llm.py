@@ -303,8 +303,8 @@ class LLM:
         weights first, update them, then the KV cache)."""
         self._rollout("wake_up", {"tags": tags}, timeout)
 
-    @property
     def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (``sleep``), in part or wholly (API.md: a method, as vLLM's)."""
         import json
         return bool(json.loads(self._rollout("is_sleeping", {})[0]))
 

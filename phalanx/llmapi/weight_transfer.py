@@ -121,29 +121,66 @@ def _share_cuda(items: list[tuple[str, torch.Tensor]]) -> SharedTensors:
     return SharedTensors(specs, keep, None)
 
 
+_IPC_FIELDS = {"device_uuid": str, "handle": bytes, "storage_bytes": int, "storage_offset_bytes": int,
+               "ref_counter_handle": bytes, "ref_counter_offset": int, "event_handle": bytes,
+               "event_sync_required": bool, "element_offset": int}
+
+
 def open_tensors(specs: list[dict[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The engine's end of ``share_tensors``: each spec's tensor, mapped where it lives (read
-    it before the next one; a CPU segment is closed at the end)."""
+    it before the next one; a CPU segment is closed at the end). Every location is checked
+    before the first tensor is given (ValueError naming the tensor), so that a bad one refuses
+    the update before any weight has changed."""
     segments: dict[str, shared_memory.SharedMemory] = {}
     try:
+        _check_locations(specs, segments)
         for spec in specs:
             dtype, shape = DTYPES[spec["dtype"]], [int(d) for d in spec["shape"]]
             n = spec_nbytes(spec)
             if "shm" in spec:
-                seg = segments.get(spec["shm"])
-                if seg is None:
-                    seg = segments[spec["shm"]] = shared_memory.SharedMemory(name=spec["shm"])
-                raw = torch.frombuffer(seg.buf, dtype=torch.uint8, count=n, offset=int(spec["offset"])) if n else \
+                seg = segments[spec["shm"]]
+                raw = torch.frombuffer(seg.buf, dtype=torch.uint8, count=n, offset=spec["offset"]) if n else \
                     torch.empty(0, dtype=torch.uint8)
                 yield spec["name"], raw.view(dtype).view(shape)
                 del raw
-            elif "cuda_ipc" in spec:
-                yield spec["name"], _open_cuda(spec["cuda_ipc"], dtype, shape)
             else:
-                raise ValueError(f"tensor {spec['name']!r}: no location (shm or cuda_ipc)")
+                yield spec["name"], _open_cuda(spec["cuda_ipc"], dtype, shape)
     finally:
         for seg in segments.values():
             seg.close()
+
+
+def _check_locations(specs: list[dict[str, Any]], segments: dict[str, shared_memory.SharedMemory]) -> None:
+    """Each spec's bytes are where it says: a shared-memory segment that exists and holds
+    [offset, offset + its size) (opened into ``segments``), or CUDA IPC fields of the right types
+    for a GPU of this host."""
+    uuids: set[str] | None = None
+    for spec in specs:
+        name = spec["name"]
+        if "shm" in spec:
+            shm, off = spec["shm"], spec.get("offset")
+            if not isinstance(shm, str) or not isinstance(off, int) or isinstance(off, bool) or off < 0:
+                raise ValueError(f"tensor {name!r}: shm must be a segment name and offset an integer >= 0")
+            if shm not in segments:
+                try:
+                    segments[shm] = shared_memory.SharedMemory(name=shm)
+                except (OSError, ValueError) as e:
+                    raise ValueError(f"tensor {name!r}: shared-memory segment {shm!r} cannot be opened ({e})") from None
+            size, n = segments[shm].size, spec_nbytes(spec)
+            if off + n > size:
+                raise ValueError(f"tensor {name!r}: bytes [{off}, {off + n}) lie outside segment {shm!r} "
+                                 f"({size} bytes)")
+        elif "cuda_ipc" in spec:
+            ipc = spec["cuda_ipc"]
+            bad = [k for k, t in _IPC_FIELDS.items() if not isinstance(ipc, dict) or not isinstance(ipc.get(k), t)]
+            if bad:
+                raise ValueError(f"tensor {name!r}: cuda_ipc needs {', '.join(bad)}")
+            if uuids is None:
+                uuids = {str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())}
+            if ipc["device_uuid"] not in uuids:
+                raise ValueError(f"tensor {name!r}: its GPU ({ipc['device_uuid']}) is not one of this host's")
+        else:
+            raise ValueError(f"tensor {name!r}: no location (shm or cuda_ipc)")
 
 
 def _open_cuda(ipc: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

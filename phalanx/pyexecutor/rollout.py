@@ -111,7 +111,7 @@ class Rollout:
 
     # -- memory ------------------------------------------------------------------------------------
     def _sleep(self, level: int = 1) -> str:
-        if level not in (1, 2):
+        if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"level must be 1 (weights to host memory) or 2 (weights dropped), got {level!r}")
         if self.asleep:
             raise ValueError(f"already asleep ({', '.join(sorted(self.asleep))})")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from fastapi import Request
@@ -45,6 +45,13 @@ class EmptyBody(Strict):
 
 class SleepBody(Strict):
     level: Literal[1, 2] = 1
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("must be the integer 1 or 2, not a bool")
+        return v
 
 
 class WakeUpBody(Strict):
@@ -121,12 +128,13 @@ def add_routes(server: Any) -> None:
     from phalanx.serve.openai_server import ApiError
     app, llm = server.app, server.llm
 
-    async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def call(fn: Callable[..., Any], *args: Any, body: Strict | None = None) -> Any:
+        """``fn(*args)`` off the loop; a refusal is a 400 naming the field of ``body`` it is about."""
         try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await asyncio.to_thread(fn, *args)
         except ValueError as e:
             message = str(e).split(": ", 1)[-1] if ": " in str(e) else str(e)
-            raise ApiError(400, str(e), _named_field(message)) from None
+            raise ApiError(400, str(e), _named_field(message, type(body).model_fields if body else {})) from None
         except RuntimeError as e:
             raise ApiError(503 if not llm.is_alive else 500, str(e)) from None
 
@@ -140,7 +148,7 @@ def add_routes(server: Any) -> None:
     @app.post("/pause_generation")
     async def pause(request: Request):
         b = await body(request, PauseBody)
-        await call(llm.pause_generation, b.mode)
+        await call(llm.pause_generation, b.mode, body=b)
         return {"success": True}
 
     @app.post("/continue_generation")
@@ -152,18 +160,18 @@ def add_routes(server: Any) -> None:
     @app.post("/sleep")
     async def sleep(request: Request):
         b = await body(request, SleepBody)
-        await call(llm.sleep, b.level)
+        await call(llm.sleep, b.level, body=b)
         return {"success": True}
 
     @app.post("/wake_up")
     async def wake_up(request: Request):
         b = await body(request, WakeUpBody)
-        await call(llm.wake_up, list(b.tags) if b.tags is not None else None)
+        await call(llm.wake_up, list(b.tags) if b.tags is not None else None, body=b)
         return {"success": True}
 
     @app.get("/is_sleeping")
     async def is_sleeping():
-        return {"is_sleeping": await call(lambda: llm.is_sleeping)}
+        return {"is_sleeping": await call(llm.is_sleeping)}
 
     @app.get("/weight_version")
     async def weight_version():
@@ -172,7 +180,7 @@ def add_routes(server: Any) -> None:
     @app.post("/update_weights_from_disk")
     async def from_disk(request: Request):
         b = await body(request, DiskBody)
-        version = await call(llm.update_weights_from_disk, b.model_path, b.weight_version)
+        version = await call(llm.update_weights_from_disk, b.model_path, b.weight_version, body=b)
         return {"success": True, "weight_version": version}
 
     @app.post("/update_weights_from_tensor")
@@ -180,21 +188,21 @@ def add_routes(server: Any) -> None:
         b = await body(request, TensorsBody)
         specs = [{**t.model_dump(exclude_none=True, exclude={"cuda_ipc"}),
                   **({"cuda_ipc": t.cuda_ipc.spec()} if t.cuda_ipc is not None else {})} for t in b.tensors]
-        version = await call(llm.update_weights_from_tensors, specs, b.weight_version)
+        version = await call(llm.update_weights_from_tensors, specs, b.weight_version, body=b)
         return {"success": True, "weight_version": version}
 
     @app.post("/init_weights_update_group")
     async def init_group(request: Request):
         b = await body(request, GroupBody)
         await call(llm.init_weights_update_group, b.master_address, b.master_port, b.rank_offset, b.world_size,
-                   b.backend)
+                   b.backend, body=b)
         return {"success": True}
 
     @app.post("/update_weights_from_distributed")
     async def from_distributed(request: Request):
         b = await body(request, DistributedBody)
         version = await call(llm.update_weights_from_distributed, b.names, b.dtypes, b.shapes, b.weight_version,
-                             b.bucket_bytes)
+                             b.bucket_bytes, body=b)
         return {"success": True, "weight_version": version}
 
     @app.post("/destroy_weights_update_group")
@@ -210,9 +218,10 @@ def add_routes(server: Any) -> None:
         return {"success": True}
 
 
-def _named_field(message: str) -> str | None:
-    """The field an engine refusal names: "tensor 'x': ..." -> "tensors", "mode must ..." -> "mode"."""
+def _named_field(message: str, fields: Iterable[str]) -> str | None:
+    """The field of the route's body an engine refusal is about: "tensor 'x': ..." -> "tensors",
+    "path ..." -> "model_path", "mode must ..." -> "mode"; None when it names none of them (a
+    refusal of the call itself, such as sleeping twice)."""
     first = message.split(" ", 1)[0].strip(":")
-    if first == "tensor":
-        return "tensors"
-    return first if first.isidentifier() else None
+    first = {"tensor": "tensors", "path": "model_path"}.get(first, first)
+    return first if first in fields else None

@@ -173,25 +173,26 @@ def test_sleep_releases_memory_and_wake_up_serves_the_same(llm, checkpoints):
     llm.pause_generation("abort")
     llm.continue_generation()
     llm.sleep(1)
-    assert llm.is_sleeping
+    assert llm.is_sleeping()
     weights, kv = _storages(llm)
     assert not any(weights) and kv == 0                          # every byte given back
     asleep = llm.generate_async(PROMPT, SP)
     time.sleep(0.2)
     assert not asleep.done                                       # waits for wake_up
     llm.wake_up()
-    assert not llm.is_sleeping
+    assert not llm.is_sleeping()
     assert asleep.result(timeout=30).outputs[0].token_ids == before
     # level 2: the weights are dropped; wake them, load new ones, then the KV cache
     llm.sleep(2)
     llm.wake_up(["weights"])
-    assert llm.is_sleeping
+    assert llm.is_sleeping()
     llm.update_weights_from_disk(dirs["b"], weight_version="b")
     llm.wake_up(["kv_cache"])
     assert not llm._executor.engine.runner.kv_pool.tensor.any()  # zeroed, as an FP8 pool's kernels need
     check_equals(greedy(llm), hf["b"], what="sleep(2) + update")
-    with pytest.raises(ValueError, match="level"):
-        llm.sleep(3)
+    for level in (3, True):     # a bool is not a level
+        with pytest.raises(ValueError, match="level"):
+            llm.sleep(level)
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(["gpu"])
     llm.check_integrity()
@@ -273,7 +274,7 @@ def test_a_sleep_that_cannot_pin_host_memory_releases_nothing(llm, monkeypatch):
     monkeypatch.setattr(rollout, "reserve_host_buffer", no_memory)
     with pytest.raises(RuntimeError, match="cannot pin"):
         llm.sleep(1)
-    assert not llm.is_sleeping
+    assert not llm.is_sleeping()
     weights, kv = _storages(llm)
     assert all(weights) and kv                                   # nothing was given back
     assert greedy(llm).outputs[0].token_ids == before

@@ -35,14 +35,17 @@ def test_every_route_needs_the_key(server, method, path):
 @pytest.mark.parametrize("path, body, param", [
     ("/pause_generation", {"mode": "later"}, "mode"),
     ("/sleep", {"level": 3}, "level"),
+    ("/sleep", {"level": True}, "level"),
     ("/wake_up", {"tags": ["gpu"]}, "tags.0"),
-    ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, None),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, "model_path"),
     ("/update_weights_from_disk", {"model_path": "/x", "path": "/x"}, "path"),
     ("/update_weights_from_tensor", {"tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [3],
                                                   "shm": "nothing", "offset": 0}]}, "tensors"),
     ("/update_weights_from_tensor", {"tensors": [{"name": "model.nope.weight", "dtype": "float32", "shape": [576],
                                                   "shm": "nothing", "offset": 0}]}, "tensors"),
     ("/update_weights_from_tensor", {"tensors": [{"name": "model.norm.weight", "dtype": "int64", "shape": [576],
+                                                  "shm": "nothing", "offset": 0}]}, "tensors"),
+    ("/update_weights_from_tensor", {"tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [576],
                                                   "shm": "nothing", "offset": 0}]}, "tensors"),
     ("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
                                           "shapes": [[576]]}, None),
@@ -59,6 +62,30 @@ def test_bad_input_is_a_400_and_changes_nothing(server, path, body, param):
     after = complete(server)
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
     assert after["weight_version"] == before["weight_version"]
+
+
+def test_a_tensor_update_refused_on_a_later_tensor_changes_no_weight(server):
+    """Every tensor's location is checked before the first one loads: an update whose last
+    tensor lies outside its segment is a 400 naming tensors, and the weights before it are
+    not half-replaced (zeroed norms would change every output)."""
+    import torch
+
+    from phalanx.llmapi.weight_transfer import share_tensors
+    before = complete(server)
+    with share_tensors([("model.norm.weight", torch.zeros(576)),
+                        ("model.layers.0.input_layernorm.weight", torch.zeros(576))]) as shared:
+        specs = [dict(s) for s in shared.specs]
+        specs[1]["offset"] = 10 ** 8
+        r = httpx.post(server + "/update_weights_from_tensor", json={"tensors": specs}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tensors", r.text
+    assert "outside segment" in r.json()["error"]["message"]
+    after = complete(server)
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    assert after["weight_version"] == before["weight_version"]
+    r = httpx.post(server + "/sleep", json={"level": 1}, headers=AUTH, timeout=120)
+    again = httpx.post(server + "/sleep", json={"level": 1}, headers=AUTH, timeout=120)
+    assert again.status_code == 400 and again.json()["error"]["param"] is None    # the call, no field of it
+    assert httpx.post(server + "/wake_up", json={}, headers=AUTH, timeout=120).status_code == 200
 
 
 def test_update_from_disk_sets_the_version_every_response_carries(server):
