@@ -173,6 +173,10 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
     engine, info, status, exchanged = None, {}, "ok", threading.Event()
     try:
         engine, info = _build(init, dist, link if rank0 else None, rendezvous_dir)
+    except ValueError as e:   # a setting refused by name: its message is the report (the trace at debug level)
+        logger.debug("rank %d: %s", dist.rank, traceback.format_exc())
+        status = f"ValueError: {e}"
+        _report_start_failure(dist, status, link, exchanged)
     except BaseException:
         status = traceback.format_exc()
         _report_start_failure(dist, status, link, exchanged)
@@ -294,12 +298,17 @@ def _last_line(tb: str) -> str:
 
 def start_failure(rank: int, tb: str) -> str:
     """The user's error for a rank that failed to start (the proxy writes the same from stderr)."""
-    return f"rank {rank} failed to start: {_last_line(tb)}\n{tb}"
+    return f"rank {rank} failed to start: {_last_line(tb)}{_trace(tb)}"
+
+
+def _trace(tb: str) -> str:
+    """A traceback after its last line, or nothing for a one-line report (a refused setting)."""
+    return "" if "\n" not in tb.strip() else "\n" + tb
 
 
 def _print_failure(rank: int, tb: str) -> None:
     """The marker line the user process looks for on the job's stderr, then the traceback."""
-    print(f"{FATAL_MARKER} rank={rank}: {_last_line(tb)}\n{tb}", file=sys.stderr, flush=True)
+    print(f"{FATAL_MARKER} rank={rank}: {_last_line(tb)}{_trace(tb)}", file=sys.stderr, flush=True)
 
 
 def _report_fatal(rank: int, tb: str, sender: IpcSender | None) -> None:

@@ -20,7 +20,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="HF directory, .gguf file or HF id (default: bundled SmolLM2)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--backend", default="pytorch", choices=["pytorch"])
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--tp_size", type=int, default=1)
@@ -32,11 +32,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra_llm_api_options", "--config", dest="config", default=None, help="YAML of LLM arguments")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("PHALANX_API_KEY"))
     p.add_argument("--trust_remote_code", action="store_true")
-    p.add_argument("--chat_template", default=None, help="a file with a Jinja chat template")
+    p.add_argument("--chat_template", default=None,
+                   help="a Jinja chat template: a file, or the template itself (checked at start-up)")
     p.add_argument("--served_model_name", default=None)
-    p.add_argument("--log_level", default="info")
-    p.add_argument("--drain_timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    p.add_argument("--max_request_body_bytes", type=int, default=8 << 20)
+    p.add_argument("--log_level", default="info", type=str.lower, choices=list(LOG_LEVELS))
+    p.add_argument("--drain_timeout", type=_at_least(0.0, float), default=30.0,
+                   help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--max_request_body_bytes", type=_at_least(1, int), default=8 << 20)
     p.add_argument("--tool_call_parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="how tool calls are read from free-running output (auto: by the chat template)")
     p.add_argument("--reasoning_parser", default="none", choices=["none", "qwen3", "deepseek_r1"],
@@ -49,6 +51,52 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "takes no key")
     p.add_argument("--enable_debug_endpoints", action="store_true",
                    help="serve /debug/check_integrity and /debug/stats (KV integrity and engine counters per rank)")
+
+
+# uvicorn's levels, and the level of phalanx's own logger at each
+LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
+              "trace": "DEBUG"}
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1 to 65535)")
+    return port
+
+
+def _at_least(low: float, kind: type) -> Any:
+    def check(value: str) -> Any:
+        v = kind(value)
+        if not v >= low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return v
+    check.__name__ = kind.__name__      # argparse names the type in its "invalid value" message
+    return check
+
+
+def chat_template(value: str) -> str:
+    """``--chat_template``: a file's contents, or (as vLLM) the template itself; compiled here, so
+    that a template that does not parse stops start-up instead of failing every chat request."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat_template: {value!r} is neither a file nor a Jinja template")
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return text
+
+
+def url_host(host: str) -> str:
+    """A host as a URL holds it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 _ORIGIN = re.compile(r"\*|[a-z][a-z0-9+.-]*://[^/\s]+")
@@ -87,7 +135,7 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def instructions(host: str, port: int, model: str, api_key: str | None) -> str:
     """A curl command and an openai one-liner that call the server, quoted for a POSIX shell
     whatever the key and the model's name hold."""
-    url = f"http://{host}:{port}"
+    url = f"http://{url_host(host)}:{port}"
     auth = f" -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     code = (f"from openai import OpenAI; c = OpenAI(base_url={repr(url + '/v1')}, "
@@ -104,27 +152,30 @@ def serve(a: argparse.Namespace) -> int:
 
     from phalanx import LLM
     from phalanx.serve.openai_server import OpenAIServer
-    logging.getLogger("phalanx").setLevel(a.log_level.upper())
-    template = None
-    if a.chat_template:
-        with open(a.chat_template) as f:
-            template = f.read()
+    logging.getLogger("phalanx").setLevel(LOG_LEVELS[a.log_level])
+    try:
+        template = chat_template(a.chat_template) if a.chat_template else None
+        kwargs = llm_kwargs(a)
+    except Exception as e:   # a missing or malformed file, a YAML that does not parse
+        print(f"phalanx serve: {e}", file=sys.stderr)
+        return 1
+    model = kwargs.pop("model", a.model)     # the YAML's model wins over the argument, as its other keys
     try:   # the port first: a taken port is reported at once, and no engine port can take it
         sock = listen_socket(a.host, a.port)
     except OSError as e:
         print(f"phalanx serve: cannot listen on {a.host}:{a.port} (--host/--port): {e.strerror or e}", file=sys.stderr)
         return 1
     try:
-        llm = LLM(a.model, **llm_kwargs(a))
+        llm = LLM(model, **kwargs)
     except Exception as e:
         sock.close()
         print(f"phalanx serve: the engine did not start: {e}", file=sys.stderr)
         return 1
-    name = a.served_model_name or (llm.source.name if a.model else "SmolLM2-135M-Instruct")
+    name = a.served_model_name or (llm.source.name if model else "SmolLM2-135M-Instruct")
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
                           tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
                           allowed_origins=a.allowed_origins)
-    config = uvicorn.Config(server.app, host=a.host, port=a.port, log_level=a.log_level.lower(),
+    config = uvicorn.Config(server.app, host=a.host, port=a.port, log_level=a.log_level,
                             timeout_graceful_shutdown=a.drain_timeout, access_log=False)
     userver = uvicorn.Server(config)
     original = userver.startup

@@ -286,6 +286,22 @@ def test_startup_failure_on_rank1_alone_reports_its_traceback(tmp_path, tiny_mod
     assert {j.pid for j in mpi_jobs()} <= before
 
 
+def test_a_setting_a_rank_refuses_is_reported_in_one_line(tmp_path, tiny_models, monkeypatch):
+    """A ValueError at start-up is a setting refused by name: the report is its message (the
+    traceback, which says nothing more to the user, is left out), while other failures keep
+    theirs (above)."""
+    from phalanx.executor.proxy import EngineStartError
+    monkeypatch.setenv("PYTHONPATH", fault_in_rank_build(
+        tmp_path / "site", 1, 'raise ValueError("kv_cache_config.max_tokens: must be at least 32, got 1")'))
+    monkeypatch.setenv("PHALANX_STARTUP_TIMEOUT", "150")
+    with pytest.raises(EngineStartError) as err:
+        LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True)
+    message = str(err.value)
+    assert message.startswith("rank 1 failed to start: ValueError: kv_cache_config.max_tokens: must be at least 32, "
+                              "got 1"), message
+    assert "Traceback" not in message, message
+
+
 def test_a_tokenizer_that_fails_to_load_takes_the_started_job_down(tmp_path, tiny_models):
     """The tokenizer loads while the ranks start: its failure is raised as it would be alone,
     the wait for the ranks stops at it (the tokenizer fails in a second or two, the ranks take

@@ -137,3 +137,54 @@ def test_the_allowed_origins_flag_takes_lists_and_refuses_what_no_browser_sends(
         with pytest.raises(SystemExit):
             p.parse_args(["--allowed-origins", bad])
         assert "--allowed-origins" in capsys.readouterr().err
+
+
+def test_serve_flags_refuse_values_out_of_range_by_name(capsys, tmp_path):
+    """Ports outside 1-65535, a negative drain time or body limit and unknown log levels are
+    usage errors naming the flag (exit 2), not tracebacks or a server that refuses every request;
+    a chat template is a file or the template itself, and one that does not parse is refused
+    before anything starts; an IPv6 host is bracketed in the printed URLs."""
+    import argparse
+
+    from phalanx.serve.cli import add_serve_args, chat_template
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    for flag, bad in (("--port", "70000"), ("--port", "-1"), ("--drain_timeout", "-3"),
+                      ("--max_request_body_bytes", "-1"), ("--log_level", "loud")):
+        with pytest.raises(SystemExit):
+            p.parse_args([flag, bad])
+        assert flag in capsys.readouterr().err
+    assert p.parse_args(["--log_level", "TRACE"]).log_level == "trace"      # uvicorn's level, any case
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(inline)
+    assert chat_template(str(tmp_path / "t.jinja")) == chat_template(inline) == inline
+    for bad, needle in ((str(tmp_path / "none.jinja"), "neither a file"),
+                        ("{% for m in messages %}{{ m }}", "not a valid Jinja template")):
+        with pytest.raises(ValueError, match=needle):
+            chat_template(bad)
+    assert "http://[::1]:8000/v1" in instructions("::1", 8000, "m", None)
+
+
+def test_the_config_yaml_may_name_the_model_and_a_bad_template_stops_start_up(tmp_path):
+    """``model:`` in the --config YAML is the model served (the YAML wins over flags, the
+    positional argument included); a template that does not parse exits 1 with the reason."""
+    import argparse
+
+    from phalanx.serve.cli import add_serve_args, llm_kwargs
+    from serve_helpers import phalanx_bin
+    (tmp_path / "c.yaml").write_text("model: /nowhere/model\nmax_batch_size: 4\n")
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    kw = llm_kwargs(p.parse_args(["other", "--config", str(tmp_path / "c.yaml")]))
+    assert kw["model"] == "/nowhere/model" and kw["max_batch_size"] == 4
+    import socket
+    with socket.socket() as s:      # a free port (the engine is started after the port is claimed)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run([phalanx_bin(), "serve", "--config", str(tmp_path / "c.yaml"), "--port", str(port)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "/nowhere/model" in res.stderr and "multiple values" not in res.stderr, res.stderr
+    res = subprocess.run([phalanx_bin(), "serve", "--chat_template", "{% if x %}", "--port", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "--chat_template: not a valid Jinja template" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
