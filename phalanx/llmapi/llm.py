@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx.config import LlmArgs, make_llm_args
@@ -321,11 +321,12 @@ class LLM:
 
     def update_weights_from_tensors(self, named_tensors: Any, weight_version: str | None = None,
                                     timeout: float = 600.0) -> str:
-        """Load ``(name, tensor)`` pairs (Hugging Face names, full shapes) of a trainer in this
-        host's memory: CUDA tensors are read in place through CUDA IPC, CPU tensors through shared
-        memory; nothing is pickled. Also takes the specs of ``weight_transfer.share_tensors``."""
+        """Load ``(name, tensor)`` pairs or a ``{name: tensor}`` dict (Hugging Face names, full
+        shapes) of a trainer in this host's memory: CUDA tensors are read in place through CUDA
+        IPC, CPU tensors through shared memory; nothing is pickled. Also takes the specs of
+        ``weight_transfer.share_tensors``."""
         from phalanx.llmapi.weight_transfer import share_tensors
-        items = list(named_tensors)
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if items and all(isinstance(i, dict) for i in items):
             return self._update({"source": "tensors", "specs": items}, weight_version, timeout)
         with share_tensors(items) as shared:

@@ -293,8 +293,16 @@ class Rollout:
             specs = _safetensors_specs(source.path)
             if source.config.fp8_checkpoint:
                 check_fp8_checkpoint(specs, source.config.fp8_block)
-            self._check_specs([{**s, "dtype": "float32"} if str(s["dtype"]).startswith("F8") else s
-                               for s in specs if not s["name"].endswith(FP8_SCALE_SUFFIXES)])
+            weights = [{**s, "dtype": "float32"} if str(s["dtype"]).startswith("F8") else s
+                       for s in specs if not s["name"].endswith(FP8_SCALE_SUFFIXES)]
+            self._check_specs(weights)
+            # a checkpoint is the whole model: one missing tensors (a half-written save) would
+            # leave those of the old weights serving beside the new
+            missing = sorted(set(self._expected()) - {s["name"] for s in weights}
+                             - ({"lm_head.weight"} if self.ex.runner.model.config.tie_word_embeddings else set()))
+            if missing:
+                raise ValueError(f"path {path!r}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. "
+                                 f"{', '.join(missing[:3])}")
         return checkpoint_weights(source, self.ex.runner.model.activation_dtype)
 
     def _init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

@@ -89,6 +89,26 @@ def test_a_refused_update_changes_no_weight(llm, checkpoints, specs, field):
     assert llm.weight_version == "0"
 
 
+def test_a_checkpoint_missing_tensors_is_refused_and_a_dict_of_tensors_is_taken(llm, checkpoints, tmp_path):
+    """An update from disk is the whole model: a checkpoint that lacks tensors (a half-written
+    save) is refused by name before anything loads. Tensors may come as a {name: tensor} dict."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    dirs, hf = checkpoints
+    before = greedy(llm).outputs[0].token_ids
+    version = llm.weight_version
+    shutil.copytree(dirs["b"], tmp_path / "half")
+    tensors = load_file(f"{tmp_path}/half/model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, f"{tmp_path}/half/model.safetensors")
+    with pytest.raises(ValueError, match="lacks 1 of the model's tensors, e.g. model.layers.1.mlp.down_proj.weight"):
+        llm.update_weights_from_disk(str(tmp_path / "half"))
+    assert greedy(llm).outputs[0].token_ids == before and llm.weight_version == version
+    llm.update_weights_from_tensors(dict(hf["b"].state_dict()), weight_version="dict")
+    check_equals(greedy(llm), hf["b"], what="from a dict of tensors")
+
+
 def test_bad_tensors_are_refused_before_they_travel(llm):
     with pytest.raises(ValueError, match="cannot travel"):
         llm.update_weights_from_tensors([("model.norm.weight", torch.zeros(64, dtype=torch.int64))])
