@@ -350,13 +350,12 @@ class LLM:
         """Receive tensors the trainer broadcasts (``TrainerGroup.send`` with the same tensors
         and bucket size, running at the same time). Returns the new weight version."""
         from phalanx.llmapi.weight_transfer import DEFAULT_BUCKET_BYTES
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
-            raise ValueError("names, dtypes and shapes must be lists of the same length")
-        specs = [{"name": n, "dtype": d, "shape": list(s) if isinstance(s, (list, tuple)) else s}
-                 for n, d, s in zip(names, dtypes, shapes, strict=True)]
-        return self._update({"source": "distributed", "specs": specs,
-                             "bucket_bytes": bucket_bytes or DEFAULT_BUCKET_BYTES}, weight_version, timeout)
+
+        def plain(x: Any) -> Any:   # as msgpack carries it; the ranks check it (and tell the trainer what is wrong)
+            return [plain(i) for i in x] if isinstance(x, (list, tuple)) else x
+        return self._update({"source": "distributed", "names": plain(names), "dtypes": plain(dtypes),
+                             "shapes": plain(shapes), "bucket_bytes": bucket_bytes or DEFAULT_BUCKET_BYTES},
+                            weight_version, timeout)
 
     def destroy_weights_update_group(self) -> None:
         self._rollout("destroy_weights_update_group", {})

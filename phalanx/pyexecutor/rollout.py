@@ -199,18 +199,18 @@ class Rollout:
 
     # -- weights -----------------------------------------------------------------------------------
     def _update_weights(self, source: str, path: str | None = None, specs: list[dict[str, Any]] | None = None,
-                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, weight_version: str | None = None) -> str:
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, weight_version: str | None = None,
+                        names: Any = None, dtypes: Any = None, shapes: Any = None) -> str:
         if source not in ("disk", "tensors", "distributed"):
             raise ValueError(f"source must be disk, tensors or distributed, got {source!r}")
-        if weight_version is not None and (not isinstance(weight_version, str) or len(weight_version) > 256):
-            raise ValueError("weight_version must be a string of at most 256 characters")
         t0 = time.monotonic()
         if source == "distributed":
             if self._group is None:
                 raise ValueError("no weight-update group: call init_weights_update_group first")
-            try:
+            try:   # every refusal from here is posted: the trainer waits for this update's verdict
+                _check_version(weight_version)
                 self._check_awake()
-                checked = self._check_specs(specs)
+                checked = self._check_specs(_distributed_specs(names, dtypes, shapes))
                 if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
                     raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
             except ValueError as e:
@@ -220,9 +220,11 @@ class Rollout:
             weights: Iterable[tuple[str, torch.Tensor | Fp8Weight]] = self._group.receive(
                 checked, bucket_bytes, self.ex.runner.device)
         elif source == "tensors":
+            _check_version(weight_version)
             self._check_awake()
             weights = open_tensors(self._check_specs(specs))
         else:
+            _check_version(weight_version)
             self._check_awake()
             weights = self._disk_weights(path)
         _sync(self.ex.runner.device)   # the step in flight reads the old weights: let it finish
@@ -369,3 +371,16 @@ def _free_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return int(torch.cuda.mem_get_info(device)[0])
+
+
+def _check_version(weight_version: Any) -> None:
+    if weight_version is not None and (not isinstance(weight_version, str) or not 1 <= len(weight_version) <= 256):
+        raise ValueError("weight_version must be a non-empty string of at most 256 characters")
+
+
+def _distributed_specs(names: Any, dtypes: Any, shapes: Any) -> list[dict[str, Any]]:
+    """The specs of a broadcast update from its three lists (checked: lists of one length)."""
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)):
+        raise ValueError("names, dtypes and shapes must be lists of the same length")
+    return [{"name": n, "dtype": d, "shape": s} for n, d, s in zip(names, dtypes, shapes, strict=True)]

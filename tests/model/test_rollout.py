@@ -227,7 +227,7 @@ def _trainer(port, state_dir, bucket_bytes, bad, results):
         model = AutoModelForCausalLM.from_pretrained(state_dir, dtype=torch.float32)
         group = TrainerGroup("127.0.0.1", port, world_size=2, backend="gloo", timeout=120)
         named = list(model.state_dict().items())
-        if bad:
+        for _ in range(2 if bad else 0):
             try:
                 group.send([(named[0][0], torch.zeros(3, 3))], bucket_bytes)
             except ValueError as e:
@@ -253,6 +253,10 @@ def test_weights_from_a_trainer_process_over_gloo(llm, checkpoints):
         with pytest.raises(ValueError, match="does not match"):   # refused: the trainer learns why
             llm.update_weights_from_distributed([first], ["float32"], [[3, 3]], bucket_bytes=bucket)
         assert results.get(timeout=60)[0] == "refused"
+        with pytest.raises(ValueError, match="same length"):      # lists that do not pair up: the same
+            llm.update_weights_from_distributed([first], ["float32"], [])
+        verdict = results.get(timeout=60)
+        assert verdict[0] == "refused" and "same length" in verdict[1], verdict
         assert greedy(llm).weight_version == "0"
         names = list(state)
         version = llm.update_weights_from_distributed(
