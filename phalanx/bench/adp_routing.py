@@ -13,6 +13,7 @@ import argparse
 import random
 from typing import Any
 
+from phalanx.argtypes import NON_NEGATIVE, POSITIVE
 from phalanx.bench.metrics import emit_report
 
 
@@ -50,12 +51,12 @@ def run_mode(model: str | None, routing: str, waves, osl: int, tp: int, dummy: b
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="phalanx bench adp", description=__doc__)
     ap.add_argument("--model", default=None, help="a MoE or dense model; shape:NAME for random weights")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--per-group", type=int, default=6)
-    ap.add_argument("--system", type=int, default=192)
-    ap.add_argument("--question", type=int, default=24)
-    ap.add_argument("--osl", type=int, default=8)
+    ap.add_argument("--tp", type=POSITIVE, default=2)
+    ap.add_argument("--groups", type=POSITIVE, default=8)
+    ap.add_argument("--per-group", type=POSITIVE, default=6)
+    ap.add_argument("--system", type=NON_NEGATIVE, default=192)
+    ap.add_argument("--question", type=POSITIVE, default=24)
+    ap.add_argument("--osl", type=POSITIVE, default=8)
     ap.add_argument("--output", default=None)
     a = ap.parse_args(argv)
     from phalanx.bench.shapes import resolve_model_arg

@@ -25,6 +25,7 @@ import time
 from itertools import pairwise
 from typing import Any
 
+from phalanx.argtypes import POSITIVE
 from phalanx.bench.metrics import emit_report, summarize
 from phalanx.bench.throughput import make_prompts
 
@@ -133,13 +134,13 @@ def weight_bytes(llm: Any) -> int | None:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="phalanx bench decode", description=__doc__)
     ap.add_argument("--model", default="shape:llama-3.1-8b", help="a model path, or shape:NAME for random weights")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--batch", type=POSITIVE, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--prompt-len", type=POSITIVE, default=128)
+    ap.add_argument("--steps", type=POSITIVE, default=128)
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="both")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--orchestrator", default=None, choices=["mpi", "inprocess"])
-    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--tp", type=POSITIVE, default=1, help="tensor_parallel_size")
     ap.add_argument("--config", default=None, help="YAML of extra LLM arguments")
     ap.add_argument("--guided", choices=["off", "on", "both"], default="off",
                     help="every request under a JSON-schema grammar (on), or free then under it (both)")

@@ -6,6 +6,7 @@ import argparse
 import random
 import time
 
+from phalanx.argtypes import POSITIVE
 from phalanx.bench.metrics import emit_report
 from phalanx.kv_manager import KVCacheManager
 
@@ -50,8 +51,8 @@ def measure(num_blocks: int = 4096, tokens_per_block: int = 32, prompt_blocks: i
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="phalanx bench kv", description=__doc__)
-    ap.add_argument("--prompt-blocks", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-blocks", type=POSITIVE, default=64)
+    ap.add_argument("--num-prompts", type=POSITIVE, default=32)
     ap.add_argument("--output", default=None, help="write the JSON here too")
     a = ap.parse_args(argv)
     res = measure(prompt_blocks=a.prompt_blocks, num_prompts=a.num_prompts)

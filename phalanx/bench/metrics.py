@@ -53,10 +53,21 @@ def request_latencies(start: float, token_times: Sequence[float]) -> dict[str, A
 
 def emit_report(report: dict[str, Any], path: str | None, echo: bool = True) -> None:
     """Write the report as JSON to ``path`` (when given) and print it (when ``echo``, or
-    when there is no path)."""
-    text = json.dumps(report, indent=2)
+    when there is no path). A figure that could not be measured (NaN, an infinity: a GPU idle
+    share on a CPU, a rate over nothing) is null, so that the file is JSON every reader takes."""
+    text = json.dumps(_finite(report), indent=2, allow_nan=False)
     if echo or not path:
         print(text)
     if path:
         with open(path, "w") as f:
             f.write(text + "\n")
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x

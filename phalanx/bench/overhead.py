@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from phalanx.argtypes import POSITIVE
 from phalanx.bench.metrics import emit_report, summarize
 
 
@@ -57,8 +58,8 @@ def ipc_ping(n: int = 2000) -> dict:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="phalanx bench overhead", description=__doc__)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--requests", type=int, default=30)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--requests", type=POSITIVE, default=30)
+    ap.add_argument("--tokens", type=POSITIVE, default=32)
     ap.add_argument("--output", default=None)
     a = ap.parse_args(argv)
     from phalanx import LLM

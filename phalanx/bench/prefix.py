@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from phalanx.bench.serve import need_matplotlib
 from phalanx.kv_manager import KVCacheManager
 
 Trace = list[tuple[list[int], list[int]]]   # (prompt, output) per request, in arrival order
@@ -307,6 +308,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--output", default=None, help="JSON report")
     ap.add_argument("--plot", default=None, help="PNG of hit rates")
     a = ap.parse_args(argv)
+    if a.plot:
+        need_matplotlib(ap)
     rows = study(a.seed)
     print(f"{'trace':14s} {'pressure':8s} {'index':12s} {'hit rate':>8s} {'evict':>7s} {'entries':>8s} {'us/req':>8s}")
     for r in rows:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx.argtypes import NON_NEGATIVE, POSITIVE, above, at_least, ratio
 from phalanx.bench.datasets import (
     BenchRequest,
     jsonl_requests,
@@ -187,6 +188,30 @@ async def run(client: Client, requests: list[BenchRequest] | list[list[BenchRequ
     return records, time.perf_counter() - t0
 
 
+def served_model(ap: argparse.ArgumentParser, base_url: str, api_key: str | None) -> str:
+    """The server's model (its /v1/models); a server that is not there or refuses the key is a
+    usage error naming --base-url or --api-key."""
+    import httpx
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        ap.error(f"--base-url {base_url}: no server answers ({e})")
+    if r.status_code in (401, 403):
+        ap.error(f"--api-key: the server refused it ({r.status_code})")
+    if r.status_code != 200:
+        ap.error(f"--base-url {base_url}: /v1/models answered {r.status_code}: {r.text[:200]}")
+    return str(r.json()["data"][0]["id"])
+
+
+def need_matplotlib(ap: argparse.ArgumentParser) -> None:
+    """--plot draws with matplotlib, which phalanx does not install: said before the run, not after."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        ap.error("--plot needs matplotlib (pip install matplotlib)")
+
+
 def plot(records: list[Record], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -247,22 +272,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tokenizer", default=None, help="tokenizer for text prompts (default: the bundled model's)")
     ap.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn", "jsonl"], default="random")
     ap.add_argument("--jsonl", default=None)
-    ap.add_argument("--num-prompts", type=int, default=100, help="requests (conversations for multi-turn)")
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--range-ratio", type=float, default=0.0)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--prompts-per-group", type=int, default=8)
-    ap.add_argument("--system-len", type=int, default=512)
-    ap.add_argument("--question-len", type=int, default=64)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--num-prompts", type=POSITIVE, default=100, help="requests (conversations for multi-turn)")
+    ap.add_argument("--input-len", type=POSITIVE, default=256)
+    ap.add_argument("--output-len", type=POSITIVE, default=64)
+    ap.add_argument("--range-ratio", type=ratio, default=0.0)
+    ap.add_argument("--groups", type=POSITIVE, default=8)
+    ap.add_argument("--prompts-per-group", type=POSITIVE, default=8)
+    ap.add_argument("--system-len", type=NON_NEGATIVE, default=512)
+    ap.add_argument("--question-len", type=POSITIVE, default=64)
+    ap.add_argument("--turns", type=POSITIVE, default=4)
     ap.add_argument("--prompt-format", choices=["ids", "text"], default="ids")
-    ap.add_argument("--request-rate", type=float, default=float("inf"))
-    ap.add_argument("--burstiness", type=float, default=1.0)
-    ap.add_argument("--max-concurrency", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--request-rate", type=above(0.0), default=float("inf"))
+    ap.add_argument("--burstiness", type=above(0.0), default=1.0)
+    ap.add_argument("--max-concurrency", type=POSITIVE, default=None)
+    ap.add_argument("--warmup", type=NON_NEGATIVE, default=2)
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=at_least(0.0, float), default=0.0)
     ap.add_argument("--goodput", nargs="*", default=None, help="SLOs, e.g. ttft:500 tpot:50 (milliseconds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=None, help="JSON report")
@@ -271,9 +296,9 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.dataset == "jsonl" and not a.jsonl:
         ap.error("--dataset jsonl needs --jsonl FILE")
-    import httpx
-    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-    model = a.model or httpx.get(a.base_url.rstrip("/") + "/v1/models", headers=headers).json()["data"][0]["id"]
+    if a.plot:
+        need_matplotlib(ap)
+    model = a.model or served_model(ap, a.base_url, a.api_key)
     tok = _tokenizer(a.tokenizer)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     reqs = build_requests(a, tok.vocab_size, decode)

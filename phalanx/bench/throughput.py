@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from phalanx.argtypes import POSITIVE
 from phalanx.bench.metrics import emit_report, per_user_rate, request_latencies, summarize
 
 
@@ -198,11 +199,11 @@ def run_hf(model: str | None, isl: int, osl: int, batch: int, num_requests: int,
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="phalanx bench throughput", description=__doc__)
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    ap.add_argument("--isl", type=int, nargs="+", default=[128],
+    ap.add_argument("--isl", type=POSITIVE, nargs="+", default=[128],
                     help="input tokens per request; several values: one workload each, paired with --osl's")
-    ap.add_argument("--osl", type=int, nargs="+", default=[128], help="output tokens per request")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="one run per value (and workload)")
-    ap.add_argument("--num-requests", type=int, nargs="+", default=None,
+    ap.add_argument("--osl", type=POSITIVE, nargs="+", default=[128], help="output tokens per request")
+    ap.add_argument("--concurrency", type=POSITIVE, nargs="+", default=[1], help="one run per value (and workload)")
+    ap.add_argument("--num-requests", type=POSITIVE, nargs="+", default=None,
                     help="default (or 0): 2 × concurrency (at least 4); one value, or one per workload")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -210,11 +211,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--disable-overlap", action="store_true")
     ap.add_argument("--orchestrator", default=None, choices=["mpi", "inprocess"],
                     help="mpi: proxy + MPI ranks (default); inprocess: the engine in a thread of this process")
-    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--tp", type=POSITIVE, default=1, help="tensor_parallel_size")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate")
-    ap.add_argument("--hf-max-new-tokens", type=int, default=None,
+    ap.add_argument("--hf-max-new-tokens", type=POSITIVE, default=None,
                     help="cap the baseline's output length (its throughput is then over that many tokens)")
-    ap.add_argument("--max-batch-size", type=int, default=None)
+    ap.add_argument("--max-batch-size", type=POSITIVE, default=None)
     ap.add_argument("--step-times", action="store_true",
                     help="rank 0's GPU time per step, split into decode-only steps and steps with prompt tokens, "
                          "the decode steps also by their rows (bins of 64); the slowest steps and the "

@@ -13,6 +13,8 @@ import socket
 import sys
 from typing import Any
 
+from phalanx.argtypes import POSITIVE, at_least, port
+
 logger = logging.getLogger("phalanx")
 
 
@@ -20,7 +22,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="HF directory, .gguf file or HF id (default: bundled SmolLM2)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--backend", default="pytorch", choices=["pytorch"])
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--tp_size", type=int, default=1)
@@ -36,9 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template: a file, or the template itself (checked at start-up)")
     p.add_argument("--served_model_name", default=None)
     p.add_argument("--log_level", default="info", type=str.lower, choices=list(LOG_LEVELS))
-    p.add_argument("--drain_timeout", type=_at_least(0.0, float), default=30.0,
+    p.add_argument("--drain_timeout", type=at_least(0.0, float), default=30.0,
                    help="seconds in-flight requests get on SIGTERM")
-    p.add_argument("--max_request_body_bytes", type=_at_least(1, int), default=8 << 20)
+    p.add_argument("--max_request_body_bytes", type=POSITIVE, default=8 << 20)
     p.add_argument("--tool_call_parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="how tool calls are read from free-running output (auto: by the chat template)")
     p.add_argument("--reasoning_parser", default="none", choices=["none", "qwen3", "deepseek_r1"],
@@ -56,23 +58,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 # uvicorn's levels, and the level of phalanx's own logger at each
 LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
               "trace": "DEBUG"}
-
-
-def _port(value: str) -> int:
-    port = int(value)
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1 to 65535)")
-    return port
-
-
-def _at_least(low: float, kind: type) -> Any:
-    def check(value: str) -> Any:
-        v = kind(value)
-        if not v >= low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}")
-        return v
-    check.__name__ = kind.__name__      # argparse names the type in its "invalid value" message
-    return check
 
 
 def chat_template(value: str) -> str:
