@@ -168,6 +168,8 @@ def serve(a: argparse.Namespace) -> int:
     async def startup(*args: Any, **kw: Any) -> None:
         await original(*args, **kw)
         print(instructions(a.host, a.port, name, a.api_key), flush=True)
+        print(f"  pid {os.getpid()}: SIGTERM drains the requests in flight (up to {a.drain_timeout:g} s), then "
+              "stops\n", flush=True)
 
     userver.startup = startup  # type: ignore[method-assign]
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal into the handler that was
