@@ -32,7 +32,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_seq_len", type=int, default=None)
     p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None)
     p.add_argument("--extra_llm_api_options", "--config", dest="config", default=None, help="YAML of LLM arguments")
-    p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("PHALANX_API_KEY"))
+    p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("PHALANX_API_KEY"),
+                   help="the key clients must send (default: $PHALANX_API_KEY; none: no key asked)")
     p.add_argument("--trust_remote_code", action="store_true")
     p.add_argument("--chat_template", default=None,
                    help="a Jinja chat template: a file, or the template itself (checked at start-up)")
@@ -152,6 +153,10 @@ def serve(a: argparse.Namespace) -> int:
         return 1
     try:
         llm = LLM(model, **kwargs)
+    except KeyboardInterrupt:   # Ctrl-C while the engine starts (LLM takes its job down)
+        sock.close()
+        print("phalanx serve: interrupted while the engine started", file=sys.stderr)
+        return 130
     except Exception as e:
         sock.close()
         print(f"phalanx serve: the engine did not start: {e}", file=sys.stderr)
