@@ -42,7 +42,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def tensor_spec(name: str, tensor: torch.Tensor) -> dict[str, Any]:
     """The spec of one tensor: name, dtype, shape."""
-    return {"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+    try:
+        dtype = dtype_name(tensor.dtype)
+    except ValueError as e:
+        raise ValueError(f"tensor {name!r}: {e}") from None
+    return {"name": name, "dtype": dtype, "shape": list(tensor.shape)}
 
 
 def spec_nbytes(spec: dict[str, Any]) -> int:
