@@ -195,13 +195,15 @@ def served_model(ap: argparse.ArgumentParser, base_url: str, api_key: str | None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         ap.error(f"--base-url {base_url}: no server answers ({e})")
     if r.status_code in (401, 403):
         ap.error(f"--api-key: the server refused it ({r.status_code})")
-    if r.status_code != 200:
-        ap.error(f"--base-url {base_url}: /v1/models answered {r.status_code}: {r.text[:200]}")
-    return str(r.json()["data"][0]["id"])
+    try:
+        return str(r.json()["data"][0]["id"]) if r.status_code == 200 else ap.error(
+            f"--base-url {base_url}: /v1/models answered {r.status_code}: {r.text[:200]}")
+    except (ValueError, KeyError, IndexError, TypeError):
+        ap.error(f"--base-url {base_url}: /v1/models names no model ({r.text[:200]}); pass --model")
 
 
 def need_matplotlib(ap: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from phalanx.argtypes import POSITIVE
+from phalanx.argtypes import NON_NEGATIVE, POSITIVE
 from phalanx.bench.metrics import emit_report, per_user_rate, request_latencies, summarize
 
 
@@ -203,7 +203,7 @@ def main(argv: list[str]) -> int:
                     help="input tokens per request; several values: one workload each, paired with --osl's")
     ap.add_argument("--osl", type=POSITIVE, nargs="+", default=[128], help="output tokens per request")
     ap.add_argument("--concurrency", type=POSITIVE, nargs="+", default=[1], help="one run per value (and workload)")
-    ap.add_argument("--num-requests", type=POSITIVE, nargs="+", default=None,
+    ap.add_argument("--num-requests", type=NON_NEGATIVE, nargs="+", default=None,
                     help="default (or 0): 2 × concurrency (at least 4); one value, or one per workload")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])

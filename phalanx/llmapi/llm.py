@@ -352,7 +352,13 @@ class LLM:
         from phalanx.llmapi.weight_transfer import DEFAULT_BUCKET_BYTES
 
         def plain(x: Any) -> Any:   # as msgpack carries it; the ranks check it (and tell the trainer what is wrong)
-            return [plain(i) for i in x] if isinstance(x, (list, tuple)) else x
+            if isinstance(x, (str, bytes, int, float, bool)) or x is None:
+                return x
+            try:
+                return [plain(i) for i in x]     # lists, tuples, dict keys, generators
+            except TypeError:
+                return repr(x)                   # not a list: the ranks refuse it by name
+
         return self._update({"source": "distributed", "names": plain(names), "dtypes": plain(dtypes),
                              "shapes": plain(shapes), "bucket_bytes": bucket_bytes or DEFAULT_BUCKET_BYTES},
                             weight_version, timeout)

@@ -183,6 +183,10 @@ def _check_locations(specs: list[dict[str, Any]], segments: dict[str, shared_mem
                 uuids = {str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())}
             if ipc["device_uuid"] not in uuids:
                 raise ValueError(f"tensor {name!r}: its GPU ({ipc['device_uuid']}) is not one of this host's")
+            start = ipc["element_offset"] * DTYPES[spec["dtype"]].itemsize
+            if ipc["element_offset"] < 0 or start + spec_nbytes(spec) > ipc["storage_bytes"]:
+                raise ValueError(f"tensor {name!r}: bytes [{start}, {start + spec_nbytes(spec)}) lie outside its "
+                                 f"storage ({ipc['storage_bytes']} bytes)")
         else:
             raise ValueError(f"tensor {name!r}: no location (shm or cuda_ipc)")
 

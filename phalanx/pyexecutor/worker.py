@@ -173,12 +173,11 @@ def run_worker(link: Rank0Link | None = None, rendezvous_dir: str | None = None)
     engine, info, status, exchanged = None, {}, "ok", threading.Event()
     try:
         engine, info = _build(init, dist, link if rank0 else None, rendezvous_dir)
-    except ValueError as e:   # a setting refused by name: its message is the report (the trace at debug level)
-        logger.debug("rank %d: %s", dist.rank, traceback.format_exc())
-        status = f"ValueError: {e}"
-        _report_start_failure(dist, status, link, exchanged)
-    except BaseException:
+    except BaseException as e:
         status = traceback.format_exc()
+        if type(e) is ValueError and "\n" not in str(e):   # a setting refused by name: the message is the report
+            logger.debug("rank %d: %s", dist.rank, status)
+            status = f"ValueError: {e}"
         _report_start_failure(dist, status, link, exchanged)
     statuses = [s.decode() for s in status_dist.allgather_bytes(status.encode())]
     exchanged.set()

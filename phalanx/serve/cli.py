@@ -72,12 +72,24 @@ def chat_template(value: str) -> str:
     else:
         raise ValueError(f"--chat_template: {value!r} is neither a file nor a Jinja template")
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
     try:
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        _compile_template(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
     return text
+
+
+def _compile_template(text: str) -> None:
+    """Compile a chat template as transformers does when it renders one (its extensions, such as
+    ``{% generation %}``, included); a sandboxed environment with loop controls where its
+    compiler is not there."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        return
+    _compile_jinja_template(text)
 
 
 def url_host(host: str) -> str:

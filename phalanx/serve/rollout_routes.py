@@ -60,7 +60,7 @@ class WakeUpBody(Strict):
 
 class DiskBody(Strict):
     model_path: str = Field(min_length=1, max_length=4096)
-    weight_version: str | None = Field(None, max_length=256)
+    weight_version: str | None = Field(None, min_length=1, max_length=256)
 
 
 class CudaIpcSpec(Strict):
@@ -104,7 +104,7 @@ class TensorSpec(Strict):
 
 class TensorsBody(Strict):
     tensors: list[TensorSpec] = Field(min_length=1, max_length=100_000)
-    weight_version: str | None = Field(None, max_length=256)
+    weight_version: str | None = Field(None, min_length=1, max_length=256)
 
 
 class GroupBody(Strict):
@@ -119,7 +119,7 @@ class DistributedBody(Strict):
     names: list[str] = Field(min_length=1, max_length=100_000)
     dtypes: list[str] = Field(min_length=1, max_length=100_000)
     shapes: list[list[int]] = Field(min_length=1, max_length=100_000)
-    weight_version: str | None = Field(None, max_length=256)
+    weight_version: str | None = Field(None, min_length=1, max_length=256)
     bucket_bytes: int | None = Field(None, ge=1 << 20, le=1 << 36)
 
 
@@ -222,6 +222,6 @@ def _named_field(message: str, fields: Iterable[str]) -> str | None:
     """The field of the route's body an engine refusal is about: "tensor 'x': ..." -> "tensors",
     "path ..." -> "model_path", "mode must ..." -> "mode"; None when it names none of them (a
     refusal of the call itself, such as sleeping twice)."""
-    first = message.split(" ", 1)[0].strip(":")
+    first = message.split(" ", 1)[0].strip(":,")
     first = {"tensor": "tensors", "path": "model_path"}.get(first, first)
     return first if first in fields else None

@@ -254,7 +254,7 @@ def test_weights_from_a_trainer_process_over_gloo(llm, checkpoints):
             llm.update_weights_from_distributed([first], ["float32"], [[3, 3]], bucket_bytes=bucket)
         assert results.get(timeout=60)[0] == "refused"
         with pytest.raises(ValueError, match="same length"):      # lists that do not pair up: the same
-            llm.update_weights_from_distributed([first], ["float32"], [])
+            llm.update_weights_from_distributed({first: 0}.keys(), ["float32"], [])   # any iterable
         verdict = results.get(timeout=60)
         assert verdict[0] == "refused" and "same length" in verdict[1], verdict
         assert greedy(llm).weight_version == "0"

@@ -158,6 +158,8 @@ def test_serve_flags_refuse_values_out_of_range_by_name(capsys, tmp_path):
     inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (tmp_path / "t.jinja").write_text(inline)
     assert chat_template(str(tmp_path / "t.jinja")) == chat_template(inline) == inline
+    masked = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    assert chat_template(masked) == masked       # transformers' own tags (assistant masks) parse
     for bad, needle in ((str(tmp_path / "none.jinja"), "neither a file"),
                         ("{% for m in messages %}{{ m }}", "not a valid Jinja template")):
         with pytest.raises(ValueError, match=needle):
