@@ -272,6 +272,8 @@ class GenerationResult:
             self.token_times.append(now)
             if weight_version:
                 self.weight_version = weight_version
+        elif weight_version and not self.weight_version:   # ended before a token: the weights serving then
+            self.weight_version = weight_version
         stopped = seq.add(token_ids, logprobs, finish_reason, stop_reason, weight_version) and finish_reason is None
         if seq.finish_reason is not None or self.error is not None:
             self._done = self.error is not None or all(s.finished for s in self._seqs)

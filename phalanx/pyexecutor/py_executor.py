@@ -278,11 +278,12 @@ class PyExecutor:
         if req is not None:
             self._finished(req)
             self._send([Response(request_id, finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
-                                 num_prompt_tokens=req.num_prompt_tokens)])
+                                 num_prompt_tokens=req.num_prompt_tokens, weight_version=self.rollout.weight_version)])
             return
         msg = self.intake.pop(request_id, None)   # not taken in yet
         if msg is not None:
-            self._send([Response(request_id, finish_reason="abort", num_prompt_tokens=prompt_len(msg))])
+            self._send([Response(request_id, finish_reason="abort", num_prompt_tokens=prompt_len(msg),
+                                 weight_version=self.rollout.weight_version)])
 
     def _add(self, msg: GenerationRequest) -> None:
         rid = msg.request_id
@@ -553,12 +554,14 @@ class PyExecutor:
 
     def abort_all(self) -> None:
         """End every unfinished request now (finish reason "abort": each keeps its tokens)."""
-        out = [Response(rid, finish_reason="abort", num_prompt_tokens=prompt_len(m)) for rid, m in self.intake.items()]
+        version = self.rollout.weight_version   # an abort's answer says which weights were serving
+        out = [Response(rid, finish_reason="abort", num_prompt_tokens=prompt_len(m), weight_version=version)
+               for rid, m in self.intake.items()]
         self.intake.clear()
         for req in list(self.scheduler.requests.values()):
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
             self._finished(req)
-            out.append(Response(req.request_id, finish_reason="abort"))
+            out.append(Response(req.request_id, finish_reason="abort", weight_version=version))
         self._send(out)
 
 

@@ -109,6 +109,21 @@ def test_a_checkpoint_missing_tensors_is_refused_and_a_dict_of_tensors_is_taken(
     check_equals(greedy(llm), hf["b"], what="from a dict of tensors")
 
 
+def test_a_request_aborted_before_its_first_token_reports_the_weights_serving(llm):
+    """A request that ends without a token (aborted while it waited) still says which weights
+    were serving, as every other output does."""
+    llm.pause_generation("keep")          # nothing new starts
+    try:
+        waiting = llm.generate_async(PROMPT, SP)
+        time.sleep(0.2)
+        waiting.abort()
+        out = waiting.result(timeout=30)
+    finally:
+        llm.continue_generation()
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "abort"
+    assert out.weight_version == llm.weight_version != ""
+
+
 def test_bad_tensors_are_refused_before_they_travel(llm):
     with pytest.raises(ValueError, match="tensor 'model.norm.weight': dtype torch.int64 cannot travel"):
         llm.update_weights_from_tensors([("model.norm.weight", torch.zeros(64, dtype=torch.int64))])
