@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from phalanx.config import LlmArgs, make_llm_args
 from phalanx.executor.messages import ControlResult
 from phalanx.llmapi.outputs import RequestOutput
-from phalanx.llmapi.sampling_params import SamplingParams, check_prompt
+from phalanx.llmapi.sampling_params import MAX_CACHE_SALT, SamplingParams, check_prompt
 from phalanx.llmapi.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -169,6 +169,9 @@ class LLM:
     def _submit_all(self, prepared: list[PreparedPrompt], cache_salt: str | None,
                     streaming: bool = False) -> list[RequestOutput]:
         """Submit checked prompts; if one submit fails, the ones already sent are aborted."""
+        if cache_salt is not None and not (isinstance(cache_salt, str) and len(cache_salt) <= MAX_CACHE_SALT):
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters, got "
+                             + (f"{len(cache_salt)}" if isinstance(cache_salt, str) else type(cache_salt).__name__))
         futures: list[RequestOutput] = []
         try:
             for p in prepared:

@@ -100,6 +100,8 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+MAX_CACHE_SALT = 256   # characters of a request's cache_salt (LLM and the server alike)
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request (names as TensorRT-LLM's ``SamplingParams``).

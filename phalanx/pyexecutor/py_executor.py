@@ -325,6 +325,7 @@ class PyExecutor:
             error = self._enqueue(req)
         except (ValueError, TypeError) as e:
             error = str(e)
+
         if error is None:
             return req
         self._send([Response(msg.request_id, finish_reason="error", error=error, num_prompt_tokens=prompt_len(msg))])
@@ -346,6 +347,8 @@ class PyExecutor:
             if self.runner.guided is None:
                 raise ValueError("guided_decoding is not available on this engine")
             grammar = self.runner.guided.compile(params.guided_decoding)
+        if msg.cache_salt is not None and not isinstance(msg.cache_salt, str):
+            raise TypeError(f"cache_salt must be a string, got {type(msg.cache_salt).__name__}")
         salt = (msg.cache_salt or "").encode()
         spec = self.runner.spec
         return Request(msg.request_id, ids.tolist() if isinstance(ids, array) else list(ids), params,

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from phalanx.llmapi.sampling_params import plain_token_ids
+from phalanx.llmapi.sampling_params import MAX_CACHE_SALT, plain_token_ids
 
 MAX_N = 16
 MAX_PROMPTS = 256
@@ -132,7 +132,7 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)
     return_token_ids: bool = False        # choices carry their token ids (and the prompt's, when not streamed)
     # structured output: response_format, or one extension field (vLLM's guided_*, SGLang's regex / ebnf)
     response_format: ResponseFormat | None = None

@@ -7,7 +7,7 @@ import torch
 
 from phalanx import LLM, SamplingParams
 from phalanx.kv_manager import KVCacheManager
-from phalanx.llmapi.outputs import RequestError
+from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.models.loader import build_model
 from phalanx.models.source import resolve_model
 from phalanx.pyexecutor import py_executor
@@ -271,6 +271,20 @@ def test_an_abort_during_chunked_prefill_leaves_no_half_written_block_to_reuse(t
         llm.check_integrity()
     assert any(0 < c < 18 * 16 for c in cached), cached
     print("reused after an abort at each step:", cached)
+
+
+def test_a_cache_salt_that_is_not_a_string_is_refused_and_fails_alone_on_the_rank(tiny_llm):
+    """A cache_salt must be a string of at most 256 characters: the LLM class refuses others by
+    name before anything is sent, and a rank that receives one anyway (a client of the socket)
+    fails that request alone; the engine keeps serving."""
+    sp = SamplingParams(max_tokens=3)
+    for bad in (5, b"abc", "x" * 257):
+        with pytest.raises(ValueError, match="cache_salt must be a string of at most 256"):
+            tiny_llm.generate([1, 2, 3], sp, use_tqdm=False, cache_salt=bad)
+    state = tiny_llm._executor.submit([1, 2, 3], sp, None, None, (0,), 7)    # past the LLM's check
+    with pytest.raises(RequestError, match="cache_salt must be a string, got int"):
+        RequestOutput(state, False).result(timeout=60)
+    assert len(tiny_llm.generate([1, 2, 3], sp, use_tqdm=False).outputs[0].token_ids) == 3
 
 
 def test_a_cache_salt_keeps_a_prefix_to_the_requests_that_share_it(tiny_llm):
