@@ -325,7 +325,6 @@ class PyExecutor:
             error = self._enqueue(req)
         except (ValueError, TypeError) as e:
             error = str(e)
-
         if error is None:
             return req
         self._send([Response(msg.request_id, finish_reason="error", error=error, num_prompt_tokens=prompt_len(msg))])
