@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class StrictModel(BaseModel):
@@ -118,7 +118,9 @@ class SpeculativeConfig(StrictModel):
     decoding_type: Literal["NGram", "DraftTarget"]
     max_draft_len: int = Field(4, ge=1, le=16, description="Draft tokens verified per step.")
     max_matching_ngram_size: int = Field(3, ge=1, le=16, description="NGram: the longest suffix matched.")
-    speculative_model_dir: str | None = Field(None, description="DraftTarget: the draft model (HF directory).")
+    speculative_model_dir: str | None = Field(
+        None, validation_alias=AliasChoices("speculative_model_dir", "speculative_model"),
+        description="DraftTarget: the draft model (HF directory); also spelled speculative_model (API.md).")
     max_concurrency: int | None = Field(
         None, ge=1, description="No drafts while more requests than this decode speculatively (steps then decode "
                                 "one token a request, in CUDA graphs). Drafts also stop while too few are accepted "

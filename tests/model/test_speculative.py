@@ -352,6 +352,12 @@ def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
         make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "NGram", "draft_len": 2})
     with pytest.raises(ValueError, match="speculative_config.decoding_type"):
         make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "Eagle3"})
+    spelled = make_llm_args(model=tiny_models["llama"], speculative_config={      # API.md's name for the draft
+        "decoding_type": "DraftTarget", "speculative_model": tiny_models["qwen2"]})
+    assert spelled.speculative_config.speculative_model_dir == tiny_models["qwen2"]
+    with pytest.raises(ValueError, match="speculative_config.speculative_model"):   # one name, not both
+        make_llm_args(model=tiny_models["llama"], speculative_config={
+            "decoding_type": "DraftTarget", "speculative_model": "a", "speculative_model_dir": "b"})
     with pytest.raises(ValueError, match="speculative_model_dir: the draft model did not load"):
         LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
             speculative_config=draft(str(tiny_models["llama"]) + "-missing"))
