@@ -38,6 +38,8 @@ class GrammarCompiler:
     def compile(self, params: GuidedDecodingParams) -> Any:
         """The CompiledGrammar of ``params``; ValueError naming the field if it does not compile."""
         kind = params.kind
+        if kind == "json":
+            _check_enforced(params.json, "")
         try:
             if kind == "json":
                 return self.compiler.compile_json_schema(json.dumps(params.json), any_whitespace=False)
@@ -52,6 +54,37 @@ class GrammarCompiler:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             first = _SOURCE_PREFIX.sub("", first)      # "[time] file.cc:94: message" -> "message"
             raise ValueError(f"guided_decoding.{kind} does not compile: {first[:300]}") from None
+
+
+# JSON-schema keywords the grammar engine does not enforce (an output it allows may break them):
+# refused by name rather than ignored. "uniqueItems": false constrains nothing and is let through.
+UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "allOf", "dependentRequired",
+                       "dependentSchemas")
+# where a schema holds subschemas: one, a list of them, or a mapping of names to them
+_ONE = ("additionalProperties", "items", "not", "contains", "if", "then", "else", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _check_enforced(schema: Any, at: str) -> None:
+    """ValueError naming the first keyword of ``UNENFORCED_KEYWORDS`` in ``schema`` and where it is."""
+    if not isinstance(schema, dict):
+        return
+    for key in UNENFORCED_KEYWORDS:
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            raise ValueError(f"guided_decoding.json: the keyword {key!r}{f' (at {at})' if at else ''} is not "
+                             "enforced by the grammar engine; refused rather than ignored")
+    for key in _ONE:
+        _check_enforced(schema.get(key), f"{at}/{key}")
+    for key in _MANY:
+        for i, sub in enumerate(schema.get(key) or () if isinstance(schema.get(key), list) else ()):
+            _check_enforced(sub, f"{at}/{key}/{i}")
+    for key in _NAMED:
+        named = schema.get(key)
+        if isinstance(named, dict):
+            for name, sub in named.items():
+                _check_enforced(sub, f"{at}/{key}/{name}")
 
 
 def choice_grammar(choices: list[str]) -> str:

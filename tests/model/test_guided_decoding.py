@@ -101,6 +101,26 @@ def test_min_tokens_holds_the_end_back_until_a_grammar_allows_nothing_else(llm):
     assert len(outs[3].outputs[0].token_ids) >= 3
 
 
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "minItems": 2}, "uniqueItems"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains"),
+    ({"type": "object", "properties": {"x": {"allOf": [{"type": "integer"}, {"minimum": 3}]}}}, "allOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+     "dependentRequired"),
+])
+def test_schema_keywords_the_grammar_cannot_enforce_are_refused_by_name(llm, schema, keyword):
+    """A keyword the grammar engine would ignore (its outputs broke it: repeated items, a missing
+    contained value) is refused naming it, before anything runs; a property that happens to be
+    called like one is a name, not a keyword."""
+    sp = SamplingParams(max_tokens=20, guided_decoding=GuidedDecodingParams(json=schema))
+    with pytest.raises(ValueError, match=f"guided_decoding.json: the keyword '{keyword}'"):
+        llm.generate("Answer:", sp, use_tqdm=False)
+    named = {"type": "object", "properties": {keyword: {"type": "integer"}}, "required": [keyword]}
+    out = llm.generate("Answer:", SamplingParams(max_tokens=20, guided_decoding=GuidedDecodingParams(json=named)),
+                       use_tqdm=False).outputs[0]
+    assert keyword in json.loads(out.text)
+
+
 def mixed_batch(llm):
     prompt = llm.apply_chat_template([{"role": "user", "content": QUESTION}])
     sps = [SamplingParams(max_tokens=120, guided_decoding=GuidedDecodingParams(json=SCHEMAS[i])) for i in range(4)]
