@@ -798,7 +798,15 @@ class OpenAIServer:
                                                                          body.top_logprobs or 0)}
                 if body.return_token_ids:
                     choice["token_ids"] = o.token_ids_diff
-                if delta or finishing or choice["logprobs"] or choice.get("token_ids"):
+                if finishing and calls:
+                    # the finish in a chunk of its own, as OpenAI's: clients close a call's arguments on
+                    # it (the openai client's arguments.done event)
+                    last = {"index": o.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                            "stop_reason": choice.pop("stop_reason")}
+                    choice["finish_reason"] = None
+                    yield _sse({**base, "choices": [choice], "weight_version": out.weight_version})
+                    yield _sse({**base, "choices": [last], "weight_version": out.weight_version})
+                elif delta or finishing or choice["logprobs"] or choice.get("token_ids"):
                     yield _sse({**base, "choices": [choice], "weight_version": out.weight_version})
         self._observe(fut)
         if body.stream_options and body.stream_options.include_usage:

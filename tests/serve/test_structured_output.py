@@ -104,6 +104,12 @@ def test_required_tool_choice_streams_complete_calls(client):
     calls = [tc for c in chunks for tc in (c.delta.tool_calls or [])]
     assert calls and all(json.loads(tc.function.arguments) is not None for tc in calls)
     assert chunks[-1].finish_reason == "tool_calls"
+    assert not chunks[-1].delta.tool_calls      # the finish comes alone, after the last call's delta
+    # so the openai client's stream helper closes every call's arguments (its .done event)
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=60, temperature=0) as events:
+        kinds = [e.type for e in events]
+    assert "tool_calls.function.arguments.done" in kinds, kinds
 
 
 @pytest.mark.parametrize("body,param", [
