@@ -74,6 +74,7 @@ class ChatPlan:
     parser: str | None                     # the tool-call parser of a free-running output
     guided: GuidedDecodingParams | None    # the output's grammar
     guided_field: str | None               # the request field it came from
+    shown: list[dict[str, Any]] | None = None   # the tools the prompt shows (also under tool_choice "none")
 
 
 class _ChoiceStream:
@@ -624,7 +625,7 @@ class OpenAIServer:
         self._check_model(body.model)
         tokenizer = self._tokenizer("chat needs one", "messages")
         plan = self._chat_plan(body, tokenizer.chat_template)
-        ids = await self._chat_ids(plan.messages, plan.tools, body.add_generation_prompt, body.chat_template_kwargs,
+        ids = await self._chat_ids(plan.messages, plan.shown, body.add_generation_prompt, body.chat_template_kwargs,
                                    self.llm.max_seq_len - 1)
         k = (body.top_logprobs or 0) if body.logprobs else None
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
@@ -682,10 +683,9 @@ class OpenAIServer:
         chat = isinstance(body, TokenizeChatRequest)
         tokenizer = self._tokenizer("/tokenize needs one", "messages" if chat else "prompt")
         if isinstance(body, TokenizeChatRequest):
-            tool_defs = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            active = tool_defs if tool_defs and body.tool_choice != "none" else None
-            messages = tools.template_messages(body.messages, active, self.chat_template or tokenizer.chat_template)
-            ids = await self._chat_ids(messages, active, body.add_generation_prompt, body.chat_template_kwargs, None)
+            shown = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            messages = tools.template_messages(body.messages, shown, self.chat_template or tokenizer.chat_template)
+            ids = await self._chat_ids(messages, shown, body.add_generation_prompt, body.chat_template_kwargs, None)
         else:
             ids = await self._text(tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.llm.max_seq_len, "tokens": ids,
@@ -725,8 +725,10 @@ class OpenAIServer:
         field = ("tool_choice" if forced is not None else
                  next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None))
         parser = tools.choose_parser(self.tool_call_parser, template, self.model_type) if active else None
-        return ChatPlan(tools.template_messages(body.messages, active, template), active,
-                        choice if forced is not None else None, parser, guided, field)
+        # the prompt shows the tools under tool_choice "none" too (as OpenAI and vLLM): the output
+        # is then read as content only
+        return ChatPlan(tools.template_messages(body.messages, tool_defs, template), active,
+                        choice if forced is not None else None, parser, guided, field, tool_defs)
 
     async def _check_grammar(self, sp: SamplingParams, field: str | None) -> None:
         """Compile the request's grammar in the text pool; one that does not compile is a 400."""

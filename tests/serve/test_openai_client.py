@@ -254,6 +254,10 @@ def test_tokenize_and_detokenize_give_the_ids_the_endpoints_run_on(server):
                                                              "return_token_ids": True}, headers=auth).json()
     tc = httpx.post(server + "/tokenize", json={"messages": messages}, headers=auth).json()
     assert tc["tokens"] == chat["prompt_token_ids"] and tc["token_strs"] is None
+    tool = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    shown = {c: httpx.post(server + "/tokenize", json={"messages": messages, "tools": tool, "tool_choice": c},
+                           headers=auth).json()["tokens"] for c in ("auto", "none")}
+    assert shown["auto"] == shown["none"] and len(shown["none"]) > tc["count"]   # "none" still shows the tools
     bare = httpx.post(server + "/tokenize", json={"messages": messages, "add_generation_prompt": False},
                       headers=auth).json()
     assert bare["count"] < tc["count"] and tc["tokens"][:bare["count"]] == bare["tokens"]
