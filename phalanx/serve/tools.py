@@ -210,12 +210,20 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
         return (content.strip() or None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
     calls = []
-    for part in body.split(";"):          # Llama 3.x: one JSON object per call, ";"-separated
-        call = _call_from(part.strip(), names, "parameters")
+    decoder, at = json.JSONDecoder(), 0
+    while at < len(body):                 # Llama 3.x: one JSON object per call, ";"-separated (a ";"
+        try:                              # inside an argument's string is the argument's)
+            obj, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _call_from(json.dumps(obj), names, "parameters")
         if call is None:
             return text, []
         calls.append(call)
-    return None, calls
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return (None, calls) if calls else (text, [])
 
 
 def _call_from(raw: str, names: set[str], key: str) -> ToolCall | None:

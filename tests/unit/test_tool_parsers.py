@@ -31,6 +31,12 @@ def test_llama3_json_calls():
                                       '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "llama3_json", TOOLS)
     assert content is None and [c.name for c in calls] == ["add", "get_weather"]
     assert parse_tool_calls("The answer is 3.", "llama3_json", TOOLS) == ("The answer is 3.", [])
+    content, calls = parse_tool_calls('{"name": "get_weather", "parameters": {"city": "a;b"}};{"name": "add", '
+                                      '"parameters": {"a": 1, "b": 2}}', "llama3_json", TOOLS)   # ";" in an argument
+    assert content is None and [c.name for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[0].arguments) == {"city": "a;b"}
+    half = '{"name": "add", "parameters": {"a": 1}}; {"name": "add"'
+    assert parse_tool_calls(half, "llama3_json", TOOLS) == (half, [])     # a cut call: all of it is content
 
 
 def test_forced_choices_become_grammars_and_read_back():
