@@ -100,7 +100,7 @@ class _ChoiceStream:
         if self.plan.forced is not None:
             forced = self._forced(text, final)
             if final and self.plan.forced == "required" and not self.called and self.forced_text:
-                delta["content"] = self.forced_text      # cut short: what it wrote, as text
+                delta["content"] = self.forced_text      # cut short before a whole call: what it wrote, as text
             return delta, forced
         if self.tool_stream is None:
             if text:
@@ -131,8 +131,8 @@ class _ChoiceStream:
             return []
         try:
             found = tools.forced_tool_calls(self.forced_text, forced)
-        except (ValueError, KeyError, TypeError):   # cut short (length): no complete call
-            found = []
+        except (ValueError, KeyError, TypeError):   # cut short (length, a stop string): its whole calls
+            found = tools.complete_forced_calls(self.forced_text)
         self.called = bool(found)
         return [c.to_openai(i) for i, c in enumerate(found)]
 

@@ -110,6 +110,24 @@ def forced_tool_calls(text: str, tool_choice: Any) -> list[ToolCall]:
     return [ToolCall(tool_choice["function"]["name"], text)]
 
 
+def complete_forced_calls(text: str) -> list[ToolCall]:
+    """The whole calls at the start of a "required" output that was cut short (max_tokens, a stop
+    string): of '[{"name": ..., "arguments": {...}}, {"na' the first call."""
+    decoder, calls = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    while at > 0:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and "arguments" in obj):
+            break
+        calls.append(ToolCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+    return calls
+
+
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return function.get("parameters") or {"type": "object", "properties": {}}
 

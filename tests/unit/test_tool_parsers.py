@@ -145,6 +145,13 @@ def test_a_whole_chat_output_reads_as_its_stream():
     whole, _ = OpenAIServer._chat_message(SimpleNamespace(reasoning_parser="none"), '[{"name": "add", "argu',
                                           ChatPlan([], TOOLS, "required", None, None, None))
     assert whole["content"] == '[{"name": "add", "argu' and "tool_calls" not in whole
+    # cut after a whole call: that call comes back as a call, not the grammar's JSON as text
+    cut = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "argu'
+    message, called = OpenAIServer._chat_message(SimpleNamespace(reasoning_parser="none"), cut,
+                                                 ChatPlan([], TOOLS, "required", None, None, None))
+    assert called and message["content"] is None, message
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("add", {"a": 1, "b": 2})]
 
 
 def test_messages_reach_the_template_with_the_roles_and_reasoning_it_knows():
