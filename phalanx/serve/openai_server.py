@@ -683,7 +683,7 @@ class OpenAIServer:
         chat = isinstance(body, TokenizeChatRequest)
         tokenizer = self._tokenizer("/tokenize needs one", "messages" if chat else "prompt")
         if isinstance(body, TokenizeChatRequest):
-            shown = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            shown = _tool_defs(body.tools)
             messages = tools.template_messages(body.messages, shown, self.chat_template or tokenizer.chat_template)
             ids = await self._chat_ids(messages, shown, body.add_generation_prompt, body.chat_template_kwargs, None)
         else:
@@ -711,7 +711,7 @@ class OpenAIServer:
     def _chat_plan(self, body: ChatCompletionRequest, tokenizer_template: str | None) -> ChatPlan:
         """What a chat request asks of the output: its grammar, and how to read the text back."""
         template = self.chat_template or tokenizer_template
-        tool_defs = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tool_defs = _tool_defs(body.tools)
         choice: Any = body.tool_choice
         if isinstance(choice, NamedToolChoice):
             choice = choice.model_dump()
@@ -834,6 +834,11 @@ class OpenAIServer:
 
 # the fields of SamplingParams (a submission's ValueError that begins with one names it)
 _PARAM_FIELDS = {f.name for f in dataclass_fields(SamplingParams) if f.init}
+
+
+def _tool_defs(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """A request's tools as the template and the grammar take them (None: no tools)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 def _weight_version(outs: list[RequestOutput]) -> str:
