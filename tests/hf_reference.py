@@ -111,3 +111,68 @@ def fp8_round_trip(hf):
                 q, scale = fp8.quantize_weight(p.reshape(E * N, K))
                 p.copy_(fp8.dequantize(q, scale, p.dtype).view(E, N, K))
     return model
+
+
+def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None):
+    """``src`` as an FP8 checkpoint: every decoder projection e4m3 with a scale per ``block`` tile
+    (``weight_scale_inv``, as DeepSeek and Qwen3 ship), or one per tensor (``weight_scale`` and an
+    ``input_scale``) when block is None. ``compressed``: as llm-compressor writes it instead
+    (quant_method compressed-tensors), with a ``weight_scale`` per "tensor", "channel" ([N, 1]) or
+    "block". Returns {name: the full-precision weight it stands for}."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from phalanx.kernels import fp8
+    shutil.copytree(src, dst)
+    tensors = load_file(f"{dst}/model.safetensors")
+    meant = {}
+    for name in list(tensors):
+        if name.rsplit(".", 2)[-2] not in PROJECTIONS:
+            continue
+        w = tensors[name].float()
+        base = name.removesuffix(".weight")
+        if compressed == "channel":
+            q, s = fp8.quantize_weight(w)
+            tensors[base + ".weight_scale"] = s[:, None]
+            meant[name] = fp8.dequantize(q, s, torch.float32)
+        elif block is None:
+            s = w.abs().max() / fp8.FP8_MAX
+            q = (w / s).to(fp8.FP8)
+            tensors[base + ".weight_scale"], tensors[base + ".input_scale"] = s.reshape(()), torch.tensor(0.5)
+            meant[name] = q.float() * s
+        else:
+            q, s = fp8.quantize_blocks(w, block)    # blocks at the edges partial where N or K ends inside one
+            tensors[base + (".weight_scale" if compressed else ".weight_scale_inv")] = s
+            meant[name] = fp8.dequantize_blocks(q, s, block, torch.float32)
+        tensors[name] = q
+    save_file(tensors, f"{dst}/model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  **({"weight_block_size": list(block)} if block else {})}
+    if compressed:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": compressed,
+                   **({"block_structure": list(block)} if compressed == "block" else {})}
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": compressed != "tensor",
+                "strategy": "tensor" if compressed == "tensor" else "token"}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                      "quantization_status": "compressed", "ignore": ["lm_head"],
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                    "input_activations": acts}}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return meant
+
+
+def write_plain_twin(src: str, dst, meant: dict) -> str:
+    """``src`` with the tensors of ``meant`` (what ``write_fp8_checkpoint`` returns) in full
+    precision: the model an FP8 checkpoint stands for, for transformers or a full-precision build."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = load_file(f"{dst}/model.safetensors")
+    tensors.update({name: w.contiguous() for name, w in meant.items()})
+    save_file(tensors, f"{dst}/model.safetensors")
+    return str(dst)

@@ -25,6 +25,12 @@ SHAPES: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645,
     },
 }
+# the same shapes as block-scaled FP8 checkpoints (e4m3, a scale per 128 x 128 block, as Qwen3's and
+# DeepSeek's FP8 checkpoints ship): random weights quantized a block at a time as they load
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                    "weight_block_size": [128, 128]}
+SHAPES["llama-3.1-8b-fp8-block"] = {**SHAPES["llama-3.1-8b"], "quantization_config": FP8_BLOCK_CONFIG}
+SHAPES["qwen3-30b-a3b-fp8"] = {**SHAPES["qwen3-30b-a3b"], "quantization_config": FP8_BLOCK_CONFIG}
 
 
 # a two-layer shape of the same family, to check a tool on a CPU

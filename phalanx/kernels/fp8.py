@@ -56,12 +56,79 @@ class Fp8Weight(NamedTuple):
         return dequantize(self.q, self.scale, dtype)
 
 
-def weight_rows(w: torch.Tensor | Fp8Weight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+Block = tuple[int, int]   # (rows, cols) of W that share one scale
+
+
+class Fp8BlockWeight(NamedTuple):
+    """A checkpoint's e4m3 weight with one scale per ``block`` = (rows, cols) tile, as DeepSeek's
+    and Qwen3's FP8 checkpoints ship (``weight_block_size``): W[n, k] = q[n, k] · scale[n // rows,
+    k // cols], q [N, K] e4m3, scale [⌈N / rows⌉, ⌈K / cols⌉] float32. A block-scaled FP8
+    projection or expert stores these bytes and scales as they are (``weight_blocks``)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: Block
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(self.q, self.scale, self.block, dtype)
+
+
+def weight_rows(w: torch.Tensor | Fp8Weight | Fp8BlockWeight,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale per row) of checkpoint rows on ``device``: an ``Fp8Weight``'s own, exactly, or a
-    full-precision tensor quantized (``quantize_weight``)."""
+    full-precision tensor quantized (``quantize_weight``; a block-scaled weight is dequantized
+    first, and so rounded a second time)."""
     if isinstance(w, Fp8Weight):
         return w.q.to(device), w.scale.to(device, torch.float32)
+    if isinstance(w, Fp8BlockWeight):
+        w = w.dequantize(torch.float32)
     return quantize_weight(w.to(device))
+
+
+def weight_blocks(w: torch.Tensor | Fp8Weight | Fp8BlockWeight, block: Block,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale per ``block``) of checkpoint rows on ``device``: an ``Fp8BlockWeight`` of the same
+    blocks as it is, exactly; anything else quantized a block at a time (``quantize_blocks``)."""
+    if isinstance(w, Fp8BlockWeight) and tuple(w.block) == tuple(block):
+        return w.q.to(device), w.scale.to(device, torch.float32)
+    if isinstance(w, (Fp8Weight, Fp8BlockWeight)):
+        w = w.dequantize(torch.float32)
+    return quantize_blocks(w.to(device), block)
+
+
+def quantize_blocks(w: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (q [N, K] e4m3, scale [⌈N / rows⌉, ⌈K / cols⌉] float32), one scale per block:
+    its amax / 448 (a partial block at the edge takes the amax of what it holds)."""
+    r, c = block
+    N, K = w.shape
+    Nb, Kb = -(-N // r), -(-K // c)
+    padded = F.pad(w.float(), (0, Kb * c - K, 0, Nb * r - N))
+    scale = (padded.abs().reshape(Nb, r, Kb, c).amax(dim=(1, 3)) / FP8_MAX).clamp(min=TINY)
+    q = (w.float() / expand_blocks(scale, block, N, K)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def expand_blocks(scale: torch.Tensor, block: Block, N: int, K: int) -> torch.Tensor:
+    """A block scale [⌈N / rows⌉, ⌈K / cols⌉] as one per element [N, K]."""
+    r, c = block
+    return scale.repeat_interleave(r, 0)[:N].repeat_interleave(c, 1)[:, :K]
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: Block, dtype: torch.dtype) -> torch.Tensor:
+    """q [N, K] e4m3, scale per block -> W [N, K] in ``dtype``."""
+    return (q.float() * expand_blocks(scale.float(), block, *q.shape)).to(dtype)
+
+
+def dequantize_any(q: torch.Tensor, scale: torch.Tensor, block: Block | None, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize`` (a scale per row: ``block`` None) or ``dequantize_blocks``."""
+    return dequantize(q, scale, dtype) if block is None else dequantize_blocks(q, scale, block, dtype)
+
+
+def blocks_fit(block: tuple[int, ...] | None) -> bool:
+    """Whether the kernels take a weight of these blocks as it is: powers of two, rows from 16
+    and columns from 32 (the one-row kernels fold 16 products before they scale them; a K step
+    of the many-row GEMM is one block's columns, and an FP8 tensor-core dot takes 32)."""
+    return (block is not None and len(block) == 2 and all(b & (b - 1) == 0 for b in block)
+            and block[0] >= 16 and block[1] >= 32)
 
 
 class Fp8Rows(NamedTuple):
@@ -106,12 +173,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale[:, None]).to(dtype)
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> x (q · scale)ᵀ (+ b): the projection of the dequantized weight."""
-    return F.linear(x, dequantize(q, scale, x.dtype) if q.is_cuda else _kept_dequantized(q, scale, x.dtype), bias)
+def reference(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
+              block: Block | None = None) -> torch.Tensor:
+    """x [M, K] -> x (q · scale)ᵀ (+ b): the projection of the dequantized weight (a scale per
+    row, or per ``block``)."""
+    w = dequantize_any(q, scale, block, x.dtype) if q.is_cuda else _kept_dequantized(q, scale, x.dtype, block)
+    return F.linear(x, w, bias)
 
 
-def _kept_dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _kept_dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      block: Block | None = None) -> torch.Tensor:
     """``dequantize`` of a CPU weight, kept on the weight until it or its scale is written (their
     version counters and addresses) or the dtype changes: a CPU runs FP8 through this reference,
     and converting e4m3 to float in every projection of every step took a third of an FP8
@@ -122,12 +193,12 @@ def _kept_dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     writes through the parameters (the experts' loader need not: their reference, ``experts_ref``,
     dequantizes each call)."""
     if q.is_inference() or scale.is_inference():   # no version counters to tell a write
-        return dequantize(q, scale, dtype)
-    key = (q.data_ptr(), q._version, scale.data_ptr(), scale._version, dtype)
+        return dequantize_any(q, scale, block, dtype)
+    key = (q.data_ptr(), q._version, scale.data_ptr(), scale._version, dtype, block)
     kept = getattr(q, "_phalanx_dequantized", None)
     if kept is None or kept[0] != key:
         with torch.inference_mode(False):   # a plain tensor, whatever mode the first call ran in
-            kept = (key, dequantize(q, scale, dtype))
+            kept = (key, dequantize_any(q, scale, block, dtype))
         q._phalanx_dequantized = kept   # type: ignore[attr-defined]
     return kept[1]
 
@@ -174,17 +245,23 @@ def rowwise_scaled_mm(device: torch.device) -> bool:
         return False
 
 
-def takes_fp8_rows(q: torch.Tensor, act_dtype: torch.dtype) -> bool:
-    """Whether cuBLASLt's FP8 GEMM takes the many-row products of this FP8 weight with activations
-    in ``act_dtype``: bf16 (row-wise scales give bf16 only), K and N multiples of 16, a GPU whose
-    row-wise FP8 GEMM ran (``check_device``). Then the kernel in front may quantize the rows."""
-    return (q.is_cuda and q.dtype == FP8 and act_dtype == torch.bfloat16 and q.shape[0] % 16 == 0
-            and q.shape[1] % 16 == 0 and rowwise_scaled_mm(q.device))
+def takes_fp8_rows(q: torch.Tensor, act_dtype: torch.dtype, block: Block | None = None) -> bool:
+    """Whether an FP8 GEMM takes the many-row products of this FP8 weight with activations in
+    ``act_dtype``: bf16 (row-wise scales give bf16 only) and, for cuBLASLt's (a scale per row), K
+    and N multiples of 16 on a GPU whose row-wise FP8 GEMM ran (``check_device``); a weight scaled
+    per ``block`` (``fp8_block_gemm``, Triton) on any GPU with Triton. Then the kernel in front
+    may quantize the rows."""
+    if not (q.is_cuda and q.dtype == FP8 and act_dtype == torch.bfloat16):
+        return False
+    if block is not None:
+        from phalanx.kernels import ops
+        return ops.triton_available()
+    return q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0 and rowwise_scaled_mm(q.device)
 
 
-def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether cuBLASLt's FP8 GEMM takes this product (``takes_fp8_rows`` for x's dtype)."""
-    return x.is_cuda and takes_fp8_rows(q, x.dtype)
+def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor, block: Block | None = None) -> bool:
+    """Whether an FP8 GEMM takes this product (``takes_fp8_rows`` for x's dtype)."""
+    return x.is_cuda and takes_fp8_rows(q, x.dtype, block)
 
 
 # A GEMM of FP8 rows: (rows q [M, K] e4m3, their scales [M, 1], weight q [N, K] e4m3, its scales [N])
@@ -199,29 +276,31 @@ def scaled_mm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, s
 
 
 def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
-           gemm: RowsGemm = scaled_mm) -> torch.Tensor:
+           gemm: RowsGemm = scaled_mm, block: Block | None = None) -> torch.Tensor:
     """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row (unless they
     come so, as ``Fp8Rows``) and ``gemm`` (cuBLASLt by default; a CUTLASS tile where the tuner chose
-    one) where cuBLASLt's conditions hold (``scaled_mm_fits``; the tuner offers CUTLASS only there),
-    else the reference (of the rows as they came)."""
+    one; for a weight scaled per ``block``, the block GEMM, ``fp8_block_gemm``) where its
+    conditions hold (``scaled_mm_fits``; the tuner offers CUTLASS only there), else the reference
+    (of the rows as they came)."""
     if isinstance(x, Fp8Rows):
-        if not (x.q.is_cuda and takes_fp8_rows(q, x.dtype)):
-            return reference(x.dequantize(), q, bias, scale)
+        if not (x.q.is_cuda and takes_fp8_rows(q, x.dtype, block)):
+            return reference(x.dequantize(), q, bias, scale, block)
         rows = x
-    elif scaled_mm_fits(x, q):
+    elif scaled_mm_fits(x, q, block):
         rows = quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
     else:
-        return reference(x, q, bias, scale)
+        return reference(x, q, bias, scale, block)
     y = gemm(rows.q, rows.scale, q, scale)
     return y if bias is None else y + bias
 
 
 def silu_linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
-                gemm: RowsGemm = scaled_mm) -> torch.Tensor:
+                gemm: RowsGemm = scaled_mm, block: Block | None = None) -> torch.Tensor:
     """x [M, 2I] (gate ‖ up) -> silu(gate) * up · Wᵀ (+ b): where the FP8 GEMM takes the product,
     silu(gate) * up is quantized per row by the same kernel (``triton_ops.silu_and_mul_fp8``)."""
     from phalanx.kernels import ops
-    if not (scaled_mm_fits(x, q) and ops.triton_available() and x.shape[1] // 2 <= _triton_ops().SILU_FP8_MAX_ROW):
-        return linear(ops.silu_and_mul(x), q, bias, scale, gemm)
+    if not (scaled_mm_fits(x, q, block) and ops.triton_available()
+            and x.shape[1] // 2 <= _triton_ops().SILU_FP8_MAX_ROW):
+        return linear(ops.silu_and_mul(x), q, bias, scale, gemm, block)
     rows, rows_scale = _triton_ops().silu_and_mul_fp8(x, FP8_MAX, TINY)
-    return linear(Fp8Rows(rows, rows_scale, x.dtype), q, bias, scale, gemm)
+    return linear(Fp8Rows(rows, rows_scale, x.dtype), q, bias, scale, gemm, block)

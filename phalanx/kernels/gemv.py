@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import pdl as _pdl
+from phalanx.kernels.fp8 import Block
 from phalanx.kernels.linear_plan import OneRowTile, QkvRopePlan, RowsTile, bucket
 from phalanx.kernels.pdl import prologue, release, wait
 from phalanx.kernels.triton_ops import silu_mul, value_block, value_offsets, value_to_pool
@@ -80,11 +81,16 @@ def _store_padded_rows(y_ptr, b_ptr, s_ptr, s_ym, n, nm, m, mm, acc, HAS_BIAS: t
 
 
 @triton.jit
-def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
-                 SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, sb_ptr, s_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FOLD: tl.constexpr, SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
+                 SBN: tl.constexpr, SBK: tl.constexpr):
     """x · W[n] for one row x ([1, K], or gate ‖ up [1, 2K] with SILU) over the weight rows n:
     float32 products, each K step's folded FOLD at a time into a [BLOCK_N, BLOCK_K // FOLD]
     accumulator (``OneRowTile.fold``), summed once at the end -> [BLOCK_N] float32.
+
+    SBK > 0: the weight is FP8 with a scale per SBN x SBK block (``fp8.Fp8BlockWeight``, the
+    scales at sb_ptr, s_sn apart by block row): each folded lane is multiplied by its block's
+    scale before it is added (FOLD divides SBK, so a lane never spans two blocks).
 
     PRE: the first weight tile is loaded before the PDL wait (a weight: nothing in the chain writes
     it), so that it streams while the kernel in front finishes. That pays where the kernel in
@@ -94,49 +100,58 @@ def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N: tl.constexpr, BLOCK_K: t
     release(PDL)
     k = tl.arange(0, BLOCK_K)
     km = k < K
+    sb_rows = sb_ptr + (n // SBN) * s_sn      # block-scaled weights (SBK > 0): the rows' block scales
     if PRE:
         w0 = _w_tile(w_ptr, s_wn, n, nm, k, km)
     wait(PDL)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
     if PRE:
-        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, FOLD, SILU)
+        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, nm, sb_rows, 0, BLOCK_K, FOLD, SILU, SBK)
     for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
-        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, FOLD, SILU)
+        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, nm, sb_rows, k0, BLOCK_K, FOLD,
+                         SILU, SBK)
     return tl.sum(acc1, 1)
 
 
 @triton.jit
-def _fma_tile(acc1, w, x_ptr, k, km, K, FOLD: tl.constexpr, SILU: tl.constexpr):
+def _fma_tile(acc1, w, x_ptr, k, km, K, nm, sb_rows, k0, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
+              SILU: tl.constexpr, SBK: tl.constexpr):
     """acc1 + a weight tile times the matching tile of x (silu(gate) * up of it with SILU), the
-    products summed FOLD neighbours at a time."""
+    products summed FOLD neighbours at a time (and with SBK > 0 each sum scaled by its block's
+    scale: ``sb_rows`` + the block column)."""
     x = tl.load(x_ptr + k, mask=km, other=0.0)
     if SILU:
         x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
     p = w.to(tl.float32) * x.to(tl.float32)[None, :]
     if FOLD > 1:
         p = tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // FOLD, FOLD]), 2)
+    if SBK > 0:
+        kf = k0 + tl.arange(0, BLOCK_K // FOLD) * FOLD
+        p *= tl.load(sb_rows[:, None] + (kf // SBK)[None, :], mask=nm[:, None] & (kf < K)[None, :], other=0.0)
     return acc1 + p
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn, s_sn,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD: tl.constexpr, SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                 FOLD: tl.constexpr, SILU: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
+                 SBN: tl.constexpr, SBK: tl.constexpr):
     """One row: y[n] = x · W[n] (+ b) for BLOCK_N rows n of W per program. SILU: x holds
-    gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly."""
+    gate ‖ up ([1, 2K]) and the kernel multiplies silu(gate) * up on the fly. HAS_SCALE: a scale
+    per row at s_ptr; SBK > 0: a scale per SBN x SBK block there instead."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, SILU, PRE, PDL)
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, s_ptr, s_sn, BLOCK_N, BLOCK_K, FOLD, SILU, PRE, PDL, SBN, SBK)
     _store_one_row(y_ptr, b_ptr, s_ptr, n, nm, y, HAS_BIAS, HAS_SCALE)
 
 
 @triton.jit
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh,
-                     s_cs, s_ch, H, Hkv, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
+                     s_cs, s_ch, H, Hkv, s_sn, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr,
-                     VB: tl.constexpr, PDL: tl.constexpr):
+                     VB: tl.constexpr, PDL: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
@@ -154,8 +169,8 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_p
     j = j0 + tl.arange(0, BLOCK_N // 2)
     cos = tl.load(cs_ptr + pos * D + j)
     sin = tl.load(cs_ptr + pos * D + D // 2 + j)
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL)
-    if HAS_SCALE:   # FP8 weights
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, sc_ptr, s_sn, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL, SBN, SBK)
+    if HAS_SCALE:   # FP8 weights, a scale per row
         y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
@@ -180,9 +195,10 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_p
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa: E741 (I: intermediate size)
+def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn, s_sn,  # noqa: E741 (I: intermediate size)
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr,
+                         SBN: tl.constexpr, SBK: tl.constexpr):
     """The gate ‖ up projection of one token with SiLU-and-mul as its epilogue: a program takes
     BLOCK_N // 2 pairs of rows (gate j and up j, interleaved) and writes silu(gate) * up for
     them, so the down projection reads I values instead of 2I and computes no SiLU. Outputs are
@@ -191,8 +207,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa
     j0 = tl.program_id(0) * (BLOCK_N // 2)
     n = j0 + r // 2 + (r % 2) * I
     nm = j0 + r // 2 < I
-    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL)
-    if HAS_SCALE:   # FP8 weights
+    y = _row_product(x_ptr, w_ptr, s_wn, n, nm, K, sc_ptr, s_sn, BLOCK_N, BLOCK_K, FOLD, False, PRE, PDL, SBN, SBK)
+    if HAS_SCALE:   # FP8 weights, a scale per row
         y *= tl.load(sc_ptr + n, mask=nm, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
@@ -203,10 +219,12 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, a_ptr, I, K, s_wn,  # noqa
 
 @triton.jit(do_not_specialize=["M"])   # one form for any row count: a step's sampled rows vary
 def _rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, s_xm, s_wn, s_ym,
-                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 s_sn, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PREC: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
     """Up to BLOCK_M rows, padded for tensor-core dots; program (n, s) multiplies K-slice s.
+    SBK > 0: a block-scaled FP8 weight (BLOCK_K divides SBK): each step's dot is scaled by the
+    scales of its block column before it is added.
     SPLIT: each slice's [M, BLOCK_N] partial goes to part[s], and the slice that finishes last
     (a counter per column tile, reset by it) sums the partials in slice order and stores the
     result — no reduce kernel, and the same sum whichever slice finishes last."""
@@ -228,7 +246,10 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K
         x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=xm, other=0.0)
         if SILU:
             x = silu_mul(x, tl.load(x_ptr + m[:, None] * s_xm + K + k[None, :], mask=xm, other=0.0))
-        if HAS_SCALE:   # FP8 weights: widened to the activations' dtype for the dot
+        if SBK > 0:
+            sb = tl.load(s_ptr + (n // SBN) * s_sn + k0 // SBK, mask=nm, other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PREC) * sb[None, :]
+        elif HAS_SCALE:   # FP8 weights: widened to the activations' dtype for the dot
             acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PREC)
         else:
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=PREC)
@@ -283,14 +304,24 @@ def auto_splits(N: int, K: int, tile: RowsTile, num_sms: int) -> int:
     return max(1, min(triton.cdiv(2 * num_sms, triton.cdiv(N, bn)), K // (4 * bk)))
 
 
+def _scales(scale: torch.Tensor | None, block: Block | None, weight: torch.Tensor) -> dict:
+    """The scale arguments of a launch: none, a scale per row (HAS_SCALE), or per ``block`` of an
+    FP8 weight (SBN x SBK, the scales' row stride)."""
+    if scale is None or block is None:
+        return {"HAS_SCALE": scale is not None, "SBN": 1, "SBK": 0, "s_sn": 0}
+    return {"HAS_SCALE": False, "SBN": block[0], "SBK": block[1], "s_sn": scale.stride(0)}
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile | RowsTile,
          silu: bool = False, pdl: bool = False, preload: bool = False,
-         scale: torch.Tensor | None = None) -> torch.Tensor:
+         scale: torch.Tensor | None = None, block: Block | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), weight [N, K] -> [M, N]. With ``silu``, x is [M, 2K] = gate ‖ up and the
     product is silu(gate) * up times Wᵀ. ``tile``: a OneRowTile for one row, a RowsTile for more.
     ``pdl``: launched with programmatic dependent launch where the GPU has it; ``preload``: one
     row loads its first weight tile before the PDL wait. ``scale`` [N] float32: the weight is FP8
-    (kernels/fp8.py) and row n of the product is multiplied by scale[n]."""
+    (kernels/fp8.py) and row n of the product is multiplied by scale[n]; with ``block`` = (rows,
+    cols), scale [⌈N / rows⌉, ⌈K / cols⌉] holds one per block (``fp8.Fp8BlockWeight``; the padded
+    rows' K steps are cut to one block's columns where the tile's are wider)."""
     M = x.shape[0]
     N, K = weight.shape
     if x.stride(-1) != 1:
@@ -298,14 +329,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
+    scales = _scales(scale, block, weight)
     if M == 1 and isinstance(tile, OneRowTile):
         _gemv_kernel[(triton.cdiv(N, tile.block_n),)](
             x, weight, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
-            HAS_SCALE=scale is not None, SILU=silu, PRE=preload, **_one_row_launch(tile, x, weight, silu),
-            **_pdl.launch(x, pdl))
+            SILU=silu, PRE=preload, **scales, **_one_row_launch(tile, x, weight, silu), **_pdl.launch(x, pdl))
         return y
     rows_tile = tile if isinstance(tile, RowsTile) else RowsTile(*tile[:4])
     bn, bk, warps, stages, splits = _padded_rows_launch(rows_tile)
+    if scales["SBK"]:
+        bk = min(bk, scales["SBK"])
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
     tiles = triton.cdiv(N, bn)
     k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
@@ -317,7 +350,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * x.element_size())
     _rows_kernel[(tiles, splits)](
         x, weight, bias_arg, scale_arg, y, part, counts if counts is not None else y, M, N, K, k_per,
-        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **scales,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", SILU=silu, SPLIT=splits > 1, num_warps=warps,
         num_stages=stages, **_pdl.launch(x, pdl))
@@ -327,10 +360,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              num_heads: int, num_kv_heads: int, head_dim: int, tile: OneRowTile, pdl: bool,
-             scale: torch.Tensor | None = None) -> torch.Tensor:
+             scale: torch.Tensor | None = None, block: Block | None = None) -> torch.Tensor:
     """One token behind its norm: the q/k/v projection, rotary and the K/V write in one kernel
     (``_qkv_rope_kernel``); returns the rotated q [1, H, D]. The tile must hold whole rotary pairs
-    of one head (``QkvRopePlan.fits``). ``scale``: the weight is FP8, a scale per row."""
+    of one head (``QkvRopePlan.fits``). ``scale``: the weight is FP8, a scale per row (per
+    ``block`` where given)."""
     D = head_dim
     if x.shape[0] != 1 or not QkvRopePlan.fits(tile, D):
         raise ValueError(f"qkv_rope takes one row and a tile within a head of {D}, got {x.shape[0]} rows, {tile}")
@@ -342,15 +376,16 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // tile.block_n,)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
         slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, D=D, PRE=True, VB=value_block(v_cache),
+        HAS_BIAS=bias is not None, **_scales(scale, block, weight), D=D, PRE=True, VB=value_block(v_cache),
         **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return q
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: OneRowTile,
-                 pdl: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
+                 pdl: bool, scale: torch.Tensor | None = None, block: Block | None = None) -> torch.Tensor:
     """One token behind its norm: silu(gate) * up [1, I] straight from the gate ‖ up projection
-    (``_gate_up_silu_kernel``). ``scale``: the weight is FP8, a scale per row."""
+    (``_gate_up_silu_kernel``). ``scale``: the weight is FP8, a scale per row (per ``block``
+    where given)."""
     if x.shape[0] != 1:
         raise ValueError(f"gate_up_silu takes one row, got {x.shape[0]}")
     if x.stride(-1) != 1:
@@ -359,6 +394,6 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, tile.block_n // 2),)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, act, I, x.shape[1],
-        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRE=True,
+        weight.stride(0), HAS_BIAS=bias is not None, **_scales(scale, block, weight), PRE=True,
         **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return act

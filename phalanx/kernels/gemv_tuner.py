@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from phalanx.kernels import cutlass_gemm, gemv, pdl, triton_ops
+from phalanx.kernels import cutlass_gemm, fp8_block_gemm, gemv, pdl, triton_ops
 from phalanx.kernels import fp8 as f8
 from phalanx.kernels.linear_plan import (
+    BLOCK_GEMM,
     CUBLAS,
     MANY_ROW_BUCKETS,
     ROW_BUCKETS,
@@ -90,12 +91,13 @@ def weight_copies(w: torch.Tensor, l2_bytes: int = L2_BYTES) -> list[torch.Tenso
 
 
 def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.Tensor,
-               ws: list[torch.Tensor],
-               scale: torch.Tensor | None = None) -> Iterator[tuple[Plan, Callable[[int], object]]]:
+               ws: list[torch.Tensor], scale: torch.Tensor | None = None,
+               block: f8.Block | None = None) -> Iterator[tuple[Plan, Callable[[int], object]]]:
     """Each Plan for a projection behind ``neighbour``, as fn(i) over the weight copies, the
     neighbour included. One row: every tile with and without PDL; more: every tile whole and
     split over K, with PDL where the GPU has it (fewer compiles at start-up). ``scale``: the
-    weights are FP8 (their launches take it)."""
+    weights are FP8 (their launches take it), scaled per ``block`` where given (whose GEMM, the
+    block GEMM's default tile, stands where cuBLAS does)."""
     if x.shape[0] == 1:
         launches = (False, True) if pdl.enabled(x) else (False,)
         tiles = gemv.ONE_ROW_TILES if scale is None else gemv.ONE_ROW_TILES_FP8
@@ -113,8 +115,9 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
     else:
         def front() -> torch.Tensor:
             return x
-    for plan in [CUBLAS, *plans]:
-        yield plan, functools.partial(_timed_call, launcher(plan, neighbour, scale is not None), front, ws, scale)
+    for plan in [CUBLAS if block is None else BLOCK_GEMM, *plans]:
+        yield plan, functools.partial(_timed_call, launcher(plan, neighbour, scale is not None, block), front, ws,
+                                      scale)
 
 
 def _timed_call(run: Callable[..., torch.Tensor], front: Callable[[], torch.Tensor], ws: list[torch.Tensor],
@@ -123,12 +126,13 @@ def _timed_call(run: Callable[..., torch.Tensor], front: Callable[[], torch.Tens
 
 
 def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L2_BYTES,
-             fp8: bool = False, act_dtype: torch.dtype | None = None) -> tuple[Plan, float]:
+             fp8: bool = False, act_dtype: torch.dtype | None = None,
+             block: f8.Block | None = None) -> tuple[Plan, float]:
     """The fastest Plan for one weight shape behind ``neighbour`` at ``rows`` rows, and its time.
-    ``fp8``: w is FP8 (scaled per output channel); ``act_dtype``: the activations' dtype (the
-    weight's by default)."""
+    ``fp8``: w is FP8 (scaled per output channel, or per ``block``); ``act_dtype``: the
+    activations' dtype (the weight's by default)."""
     act = act_dtype or w.dtype
-    key = (*w.shape, w.dtype, act, neighbour, rows, str(w.device))
+    key = (*w.shape, w.dtype, act, neighbour, rows, str(w.device), block)
     if key in _MEMO:
         return _MEMO[key]
     ws = weight_copies(w, l2_bytes)
@@ -136,9 +140,9 @@ def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L
     x = torch.randn(rows, 2 * K if neighbour is Neighbour.SILU else K, dtype=act, device=w.device)
     r = torch.randn(rows, K, dtype=act, device=w.device)
     g = torch.ones(K, dtype=act, device=w.device)
-    scale = torch.full((N,), 1e-3, device=w.device) if fp8 else None
-    best, best_ms = CUBLAS, float("inf")
-    for plan, fn in candidates(neighbour, x, r, g, ws, scale):
+    scale = _timing_scale(N, K, fp8, block, w.device)
+    best, best_ms = CUBLAS if block is None else BLOCK_GEMM, float("inf")
+    for plan, fn in candidates(neighbour, x, r, g, ws, scale, block):
         try:
             ms = time_graph(fn, len(ws))
         except Exception:  # a config the compiler rejects on this GPU
@@ -149,42 +153,60 @@ def tune_one(w: torch.Tensor, neighbour: Neighbour, rows: int, l2_bytes: int = L
     return best, best_ms
 
 
+def _timing_scale(N: int, K: int, fp8: bool, block: f8.Block | None, device: torch.device) -> torch.Tensor | None:
+    """Scales to time an FP8 weight's candidates with: one a row, or one a ``block``."""
+    if not fp8:
+        return None
+    shape = (N,) if block is None else (-(-N // block[0]), -(-K // block[1]))
+    return torch.full(shape, 1e-3, device=device)
+
+
 def tune_linear(w: torch.Tensor, neighbour: Neighbour, report: dict[str, float] | None = None,
-                fp8: bool = False, act_dtype: torch.dtype | None = None) -> LinearPlan:
+                fp8: bool = False, act_dtype: torch.dtype | None = None,
+                block: f8.Block | None = None) -> LinearPlan:
     """The plan of one projection: the fastest Plan at each row bucket, and for FP8 and bf16
     weights at each bucket of many rows (``tune_many``). ``report`` collects the bandwidth each skinny plan
     reaches (GB/s of weight) and the TFLOP/s of each many-row plan, for the log. ``fp8``: the
-    weight is FP8, the activations ``act_dtype``."""
+    weight is FP8 (scaled per ``block`` where given), the activations ``act_dtype``."""
     plans = []
     for rows in ROW_BUCKETS:
-        plan, ms = tune_one(w, neighbour, rows, fp8=fp8, act_dtype=act_dtype)
+        plan, ms = tune_one(w, neighbour, rows, fp8=fp8, act_dtype=act_dtype, block=block)
         plans.append(plan)
         if report is not None:
             report[f"{w.shape[0]}x{w.shape[1]}/{neighbour.value}/rows={rows}:{plan}"] = \
                 w.numel() * w.element_size() / ms / 1e6
-    return LinearPlan(neighbour, tuple(plans), fp8, tune_many(w, act_dtype or w.dtype, report, fp8=fp8))
+    many = tune_many(w, act_dtype or w.dtype, report, fp8=fp8, block=block)
+    return LinearPlan(neighbour, tuple(plans), fp8, many, block=block)
 
 
 def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] | None = None,
-              l2_bytes: int = L2_BYTES, fp8: bool = True) -> tuple[Plan, ...]:
+              l2_bytes: int = L2_BYTES, fp8: bool = True, block: f8.Block | None = None) -> tuple[Plan, ...]:
     """At each bucket of many rows (MANY_ROW_BUCKETS, at the rows ``many_bucket_samples`` gives):
     cuBLAS or the CUTLASS tile that multiplies the same rows faster. For an FP8 weight (``fp8``)
     that is cuBLASLt's FP8 GEMM against the FP8 tiles on the same quantized rows (the row
     quantization in front is the same for both, so only the GEMM is timed); for a bf16 weight
-    F.linear against the bf16 tiles. cuBLAS
+    F.linear against the bf16 tiles; for an FP8 weight scaled per ``block``, the block GEMM's
+    tiles (``fp8_block_gemm.TILES``). cuBLAS
     everywhere for other weights, where CUTLASS does not run here (kernels/cutlass_gemm.py
     ``why_unavailable``), or where its build failed (logged once)."""
     dtype = "fp8" if fp8 else "bf16"
-    usable = f8.takes_fp8_rows(w, act_dtype) if fp8 else (w.dtype == act_dtype == torch.bfloat16
-                                                           and cutlass_gemm.fits(*w.shape))
-    tiles = _cutlass_kernels(w.device, dtype) if usable else ()
-    if not tiles:
-        return (CUBLAS,) * len(MANY_ROW_BUCKETS)
     N, K = w.shape
-    gemms: list[tuple[Plan, Callable[..., torch.Tensor]]] = [(CUBLAS, f8.scaled_mm if fp8 else _linear)]
-    gemms += [(Plan("cutlass", k.tile), k) for k in tiles]
+    gemms: list[tuple[Plan, Callable[..., torch.Tensor]]]
+    if block is not None:
+        if not f8.takes_fp8_rows(w, act_dtype, block):
+            return (BLOCK_GEMM,) * len(MANY_ROW_BUCKETS)
+        dtype = f"fp8 {block[0]}x{block[1]}"
+        gemms = [(Plan("triton", t), fp8_block_gemm.rows_gemm(t, block)) for t in fp8_block_gemm.TILES]
+    else:
+        usable = f8.takes_fp8_rows(w, act_dtype) if fp8 else (w.dtype == act_dtype == torch.bfloat16
+                                                               and cutlass_gemm.fits(*w.shape))
+        tiles = _cutlass_kernels(w.device, dtype) if usable else ()
+        if not tiles:
+            return (CUBLAS,) * len(MANY_ROW_BUCKETS)
+        gemms = [(CUBLAS, f8.scaled_mm if fp8 else _linear)]
+        gemms += [(Plan("cutlass", k.tile), k) for k in tiles]
     ws: list[torch.Tensor] = []
-    scale = torch.full((N,), 1e-3, device=w.device) if fp8 else None
+    scale = _timing_scale(N, K, fp8, block, w.device)
     plans = []
     for i, bound in enumerate(MANY_ROW_BUCKETS):
         key = (N, K, dtype, bound, str(w.device))
@@ -195,12 +217,12 @@ def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] 
             for rows in points:
                 x = torch.randn(rows, K, dtype=act_dtype, device=w.device)
                 inputs.append(f8.quantize_rows(x)[:2] if fp8 else (x, None))
-            best, best_ms = CUBLAS, float("inf")
+            best, best_ms = gemms[0][0], float("inf")
             for plan, gemm in gemms:
                 try:
                     ms = sum(time_graph(functools.partial(_rows_gemm, gemm, a, a_scale, ws, scale), len(ws), reps=8)
                              for a, a_scale in inputs)
-                except RuntimeError:   # a tile CUTLASS cannot run for this shape
+                except Exception:   # a tile CUTLASS cannot run for this shape, or Triton cannot compile here
                     continue
                 if ms < best_ms:
                     best, best_ms = plan, ms
@@ -260,7 +282,7 @@ def qkv_rope_plan(qkv: LinearPlan, head_dim: int) -> QkvRopePlan | None:
     one = qkv.one_row()
     if one.kernel != "gemv" or not isinstance(one.tile, OneRowTile) or not QkvRopePlan.fits(one.tile, head_dim):
         return None
-    return QkvRopePlan(one.tile, one.pdl)
+    return QkvRopePlan(one.tile, one.pdl, qkv.block)
 
 
 def gate_up_silu_plan(gu: torch.Tensor, gu_plan: LinearPlan, down: torch.Tensor, down_plan: LinearPlan,
@@ -268,15 +290,19 @@ def gate_up_silu_plan(gu: torch.Tensor, gu_plan: LinearPlan, down: torch.Tensor,
                       scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
                       act_dtype: torch.dtype | None = None) -> GateUpSiluPlan | None:
     """For one token: the fused gate ‖ up + SiLU path where it measured faster than the two
-    projections apart (each as tuned), with the gate ‖ up tile that won; None otherwise.
-    ``scales``: both weights are FP8 (their scales per row), the activations ``act_dtype``."""
+    projections apart (each as tuned), with the gate ‖ up tile that won; None otherwise (and
+    where one weight is scaled per block and the other is not). ``scales``: both weights are
+    FP8 (their scales per row, or per their plans' block), the activations ``act_dtype``."""
     act = act_dtype or gu.dtype
-    key = (*gu.shape, *down.shape, gu.dtype, act, str(gu.device))
+    block = gu_plan.block
+    if block != down_plan.block:
+        return None
+    key = (*gu.shape, *down.shape, gu.dtype, act, str(gu.device), block)
     if key in _PAIR_MEMO:
         return _PAIR_MEMO[key]
     s_gu, s_down = scales
     fp8 = s_gu is not None and s_down is not None
-    down_ready, _ = tune_one(down, Neighbour.PLAIN, 1, l2_bytes, fp8=fp8, act_dtype=act)
+    down_ready, _ = tune_one(down, Neighbour.PLAIN, 1, l2_bytes, fp8=fp8, act_dtype=act, block=block)
     gus, downs = weight_copies(gu, l2_bytes), weight_copies(down, l2_bytes)
     n = max(len(gus), len(downs))
     K = gu.shape[1]
@@ -292,7 +318,7 @@ def gate_up_silu_plan(gu: torch.Tensor, gu_plan: LinearPlan, down: torch.Tensor,
     best, best_ms = None, time_graph(apart, n)
     for tile in [t for t in (gemv.ONE_ROW_TILES_FP8 if fp8 else gemv.ONE_ROW_TILES) if t.block_n % 2 == 0]:
         for use_pdl in (False, True) if pdl.enabled(x) else (False,):
-            plan = GateUpSiluPlan(tile, use_pdl, down_ready, fp8)
+            plan = GateUpSiluPlan(tile, use_pdl, down_ready, fp8, block)
 
             def fused(i: int, plan: GateUpSiluPlan = plan) -> None:
                 plan.down_proj(plan.gate_up_silu(norm(), gus[i % len(gus)], None, s_gu), downs[i % len(downs)],

@@ -29,7 +29,10 @@ expert) pairs, chosen the same way (kernels/triton_moe.py ``tune``).
 A plan with ``fp8`` runs a projection whose weight is FP8 with a scale per output channel
 (kernels/fp8.py): its launches take the scale, the skinny kernels apply it in their epilogue and
 "cublas" is cuBLASLt's FP8 GEMM (``fp8.linear``: activations quantized per row) instead of
-F.linear.
+F.linear. With ``block`` as well the weight has a scale per (rows, cols) block
+(``fp8.Fp8BlockWeight``): the skinny kernels scale each block's sums as they add them, and
+every other bucket runs the block GEMM (``Plan("triton", BlockGemmTile)``,
+kernels/fp8_block_gemm.py), which cuBLASLt has no form of.
 
 Where no tuner ran (on a CPU, or with the Triton kernels unavailable) every plan is the
 reference: cuBLAS/BLAS for every bucket (``fp8.linear`` for FP8 weights), the default MoE
@@ -101,11 +104,21 @@ class RowsTile(NamedTuple):
     splits: int = 1
 
 
+class BlockGemmTile(NamedTuple):
+    """Tile of the block-scaled FP8 GEMM (kernels/fp8_block_gemm.py): output rows and columns
+    per program (a K step is one block's columns), warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
 class Plan(NamedTuple):
     """One way to run a projection for one bucket of rows."""
 
-    kernel: str                              # "cublas", "gemv", "cutlass" (many rows) or "cpu"
-    tile: OneRowTile | RowsTile | CutlassTile | None = None
+    kernel: str            # "cublas", "gemv", "cutlass" (many rows), "triton" (block-scaled FP8) or "cpu"
+    tile: OneRowTile | RowsTile | CutlassTile | BlockGemmTile | None = None
     pdl: bool = False
 
     def __str__(self) -> str:
@@ -114,6 +127,8 @@ class Plan(NamedTuple):
 
 CUBLAS = Plan("cublas")
 CPU_BLAS = Plan("cpu")
+BLOCK_GEMM_TILE = BlockGemmTile(64, 128, 4, 3)
+BLOCK_GEMM = Plan("triton", BLOCK_GEMM_TILE)   # a block-scaled FP8 weight's untuned plan
 CPU_HALF_FROM_ROWS = 17    # a bf16/fp16 weight on a CPU without native bf16: the CPU plan from 17 rows
 Launch = Callable[..., torch.Tensor]   # (x, weight, bias) -> y; FP8 plans: (x, weight, bias, scale)
 
@@ -128,11 +143,17 @@ def bucket(rows: int) -> int:
     return ROW_BUCKETS[bucket_index(rows)]
 
 
-def run_fp8(neighbour: Neighbour, gemm: Callable[..., torch.Tensor] | None = None) -> Launch:
+def run_fp8(neighbour: Neighbour, gemm: Callable[..., torch.Tensor] | None = None,
+            block: tuple[int, int] | None = None) -> Launch:
     """``fp8.linear``, after silu(gate) * up behind SILU (quantized by the same kernel:
-    ``fp8.silu_linear``), multiplying with ``gemm`` (cuBLASLt's FP8 GEMM where None)."""
+    ``fp8.silu_linear``), multiplying with ``gemm`` (cuBLASLt's FP8 GEMM where None); ``block``:
+    the weight's scales are per block (``gemm`` is then the block GEMM)."""
     from phalanx.kernels import fp8 as f8
     run = f8.silu_linear if neighbour is Neighbour.SILU else f8.linear
+    if block is not None:
+        if gemm is None:
+            raise ValueError("a block-scaled FP8 weight multiplies many rows with the block GEMM only")
+        return functools.partial(run, gemm=gemm, block=block)
     return run if gemm is None else functools.partial(run, gemm=gemm)
 
 
@@ -140,6 +161,12 @@ def run_cublas(neighbour: Neighbour, fp8: bool = False) -> Launch:
     """F.linear (cuBLAS on a GPU), or for FP8 weights ``run_fp8`` on cuBLASLt, after
     silu(gate) * up behind SILU."""
     return run_fp8(neighbour) if fp8 else _behind(neighbour, F.linear)
+
+
+def run_block_gemm(neighbour: Neighbour, tile: BlockGemmTile, block: tuple[int, int]) -> Launch:
+    """``run_fp8`` of a block-scaled FP8 weight on the block GEMM with ``tile``."""
+    from phalanx.kernels import fp8_block_gemm
+    return run_fp8(neighbour, fp8_block_gemm.rows_gemm(tile, block), block)
 
 
 def _behind(neighbour: Neighbour, linear: Launch) -> Launch:
@@ -176,11 +203,16 @@ def _cpu_from(first: int) -> tuple[Plan, ...]:
     return (CUBLAS,) * first + (CPU_BLAS,) * (n - first)
 
 
-def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
+def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False, block: tuple[int, int] | None = None) -> Launch:
     """The call that runs ``plan`` for a projection behind ``neighbour`` (whose weight is FP8,
-    taking its scale as a fourth argument, with ``fp8``)."""
+    taking its scale as a fourth argument, with ``fp8``; scaled per ``block`` where given)."""
     if plan.kernel == "cpu":
         return _behind(neighbour, cpu_linear)
+    if isinstance(plan.tile, BlockGemmTile) or (block is not None and plan.kernel == "cublas"):
+        if block is None or not fp8:
+            raise ValueError("the block GEMM takes FP8 weights scaled per block only")
+        return run_block_gemm(neighbour, plan.tile if isinstance(plan.tile, BlockGemmTile) else BLOCK_GEMM_TILE,
+                              block)
     if plan.kernel == "cublas" or plan.tile is None:
         return run_cublas(neighbour, fp8)
     if isinstance(plan.tile, CutlassTile):
@@ -195,7 +227,7 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False) -> Launch:
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             scale: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv.gemv(x, w, b, tile, silu=silu, pdl=plan.pdl, preload=preload, scale=scale)
+        return gemv.gemv(x, w, b, tile, silu=silu, pdl=plan.pdl, preload=preload, scale=scale, block=block)
     return run
 
 
@@ -209,6 +241,7 @@ class LinearPlan:
     fp8: bool = False                   # the weight is FP8 with a scale per output channel
     many: tuple[Plan, ...] = (CUBLAS,) * len(MANY_ROW_BUCKETS)
     launches: tuple[Launch, ...] = field(default=(), repr=False, compare=False)
+    block: tuple[int, int] | None = None   # ... or with ``fp8``, per (rows, cols) block
 
     def __post_init__(self) -> None:
         if len(self.plans) != len(ROW_BUCKETS):
@@ -216,18 +249,33 @@ class LinearPlan:
         if len(self.many) != len(MANY_ROW_BUCKETS):
             raise ValueError(f"a LinearPlan needs one plan per bucket of many rows {MANY_ROW_BUCKETS}, "
                              f"got {len(self.many)}")
-        dtype = "fp8" if self.fp8 else "bf16"
-        if any(p.kernel not in ("cublas", "cutlass", "cpu")
-               or (p.kernel == "cutlass" and not (isinstance(p.tile, CutlassTile) and p.tile.dtype == dtype))
-               for p in self.many):
-            raise ValueError(f"many rows take cuBLAS, a CUTLASS tile of the weight's type ({dtype}), or the CPU's "
-                             f"BLAS: {self.many}")
+        if self.block is not None:
+            self._check_block()
+        else:
+            dtype = "fp8" if self.fp8 else "bf16"
+            if any(p.kernel not in ("cublas", "cutlass", "cpu")
+                   or (p.kernel == "cutlass" and not (isinstance(p.tile, CutlassTile) and p.tile.dtype == dtype))
+                   for p in self.many):
+                raise ValueError(f"many rows take cuBLAS, a CUTLASS tile of the weight's type ({dtype}), or the "
+                                 f"CPU's BLAS: {self.many}")
         buckets = self.plans + self.many
         if CPU_BLAS in buckets and (self.fp8 or buckets != _cpu_from(buckets.index(CPU_BLAS))):
             raise ValueError("the CPU plan takes a full-precision weight's buckets from one on (F.linear below it)")
         if not self.launches:   # bound once, in bucket order
-            launches = tuple(launcher(p, self.neighbour, self.fp8) for p in self.plans + self.many)
+            launches = tuple(launcher(p, self.neighbour, self.fp8, self.block) for p in self.plans + self.many)
             object.__setattr__(self, "launches", launches)
+
+    def _check_block(self) -> None:
+        """A block-scaled FP8 weight has no cuBLASLt or CUTLASS GEMM: its buckets take the skinny
+        kernels or the block GEMM, which is what "cublas" (the untuned default) becomes here."""
+        if not self.fp8:
+            raise ValueError("a LinearPlan with blocks is an FP8 weight's")
+        plans, many = (tuple(BLOCK_GEMM if p == CUBLAS else p for p in ps) for ps in (self.plans, self.many))
+        if any(not isinstance(p.tile, BlockGemmTile) for p in many) or any(
+                not (p.kernel == "gemv" or isinstance(p.tile, BlockGemmTile)) for p in plans):
+            raise ValueError(f"a block-scaled FP8 weight takes the skinny kernels or the block GEMM: {plans + many}")
+        object.__setattr__(self, "plans", plans)
+        object.__setattr__(self, "many", many)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -246,14 +294,15 @@ class LinearPlan:
 
     @property
     def is_reference(self) -> bool:
-        return all(p.kernel in ("cublas", "cpu") for p in self.plans + self.many)
+        return all(p.kernel in ("cublas", "cpu") or p == BLOCK_GEMM for p in self.plans + self.many)
 
     def one_row(self) -> Plan:
         return self.plans[0]
 
     def __str__(self) -> str:
         buckets = zip(ROW_BUCKETS + MANY_ROW_BUCKETS, self.plans + self.many, strict=True)
-        return f"{self.neighbour.value}{' fp8' if self.fp8 else ''}: " + ", ".join(f"≤{n} rows {p}" for n, p in buckets)
+        kind = (f" fp8 {self.block[0]}x{self.block[1]}" if self.block else " fp8") if self.fp8 else ""
+        return f"{self.neighbour.value}{kind}: " + ", ".join(f"≤{n} rows {p}" for n, p in buckets)
 
 
 @dataclass(frozen=True)
@@ -262,6 +311,7 @@ class QkvRopePlan:
 
     tile: OneRowTile
     pdl: bool
+    block: tuple[int, int] | None = None   # an FP8 weight's scales are per block
 
     def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -270,7 +320,7 @@ class QkvRopePlan:
         ``scale``: an FP8 weight's scales."""
         from phalanx.kernels import gemv
         return gemv.qkv_rope(h, weight, bias, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
-                             num_kv_heads, head_dim, self.tile, self.pdl, scale)
+                             num_kv_heads, head_dim, self.tile, self.pdl, scale, self.block)
 
     @staticmethod
     def fits(tile: OneRowTile, head_dim: int) -> bool:
@@ -288,15 +338,16 @@ class GateUpSiluPlan:
     pdl: bool
     down: Plan
     fp8: bool = False
+    block: tuple[int, int] | None = None   # both FP8 weights' scales are per block
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_down", launcher(self.down, Neighbour.PLAIN, self.fp8))
+        object.__setattr__(self, "_down", launcher(self.down, Neighbour.PLAIN, self.fp8, self.block))
 
     def gate_up_silu(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      scale: torch.Tensor | None = None) -> torch.Tensor:
         """h [1, K] (normed) -> silu(gate) * up [1, I]."""
         from phalanx.kernels import gemv
-        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl, scale)
+        return gemv.gate_up_silu(h, weight, bias, self.tile, self.pdl, scale, self.block)
 
     def down_proj(self, act: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         if scale is None:

@@ -101,13 +101,14 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int, plan: MoePlan, s13: torch.Tensor | None = None,
-              s2: torch.Tensor | None = None) -> torch.Tensor:
+              s2: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """Σ over this rank's (token, expert) pairs of weight · down(silu(gate) · up) -> [T, H]
-    (``plan``: the fused kernels' tiles, where they run; ``s13``/``s2``: FP8 experts' scales)."""
+    (``plan``: the fused kernels' tiles, where they run; ``s13``/``s2``: FP8 experts' scales,
+    per ``block`` where given)."""
     if use_triton(x):
         from phalanx.kernels import triton_moe
-        return triton_moe.fused_moe(x, ids, weights, w13, w2, first, plan, s13, s2)
-    return reference.experts_ref(x, ids, weights, w13, w2, first, s13, s2)
+        return triton_moe.fused_moe(x, ids, weights, w13, w2, first, plan, s13, s2, block=block)
+    return reference.experts_ref(x, ids, weights, w13, w2, first, s13, s2, block=block)
 
 
 def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:

@@ -45,17 +45,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 first: int, s13: torch.Tensor | None = None, s2: torch.Tensor | None = None,
-                a8: bool = False) -> torch.Tensor:
+                a8: bool = False, block: tuple[int, int] | None = None) -> torch.Tensor:
     """Reference grouped expert computation.
 
     x [T, H]; ids/weights [T, k] (global expert ids, routing weights); w13 [E_local, 2I, H]
     (gate ‖ up); w2 [E_local, H, I]; experts ``first .. first + E_local`` are local. Returns
     Σ over the local (token, expert) pairs of weight · down(silu(gate) * up): [T, H]. With
     ``s13`` [E, 2I] / ``s2`` [E, H] the experts are FP8, each used one dequantized here
-    (kernels/fp8.py); with ``a8`` as well, x and each pair's SiLU-and-mul output are rounded
-    through FP8 with a scale per row first (W8A8).
+    (kernels/fp8.py; scales per ``block`` where given); with ``a8`` as well, x and each pair's
+    SiLU-and-mul output are rounded through FP8 with a scale per row first (W8A8).
     """
-    from phalanx.kernels.fp8 import dequantize, quantize_rows_reference
+    from phalanx.kernels.fp8 import dequantize_any, quantize_rows_reference
 
     def rows_through_fp8(t: torch.Tensor) -> torch.Tensor:
         q, scale, _ = quantize_rows_reference(t)
@@ -68,8 +68,8 @@ def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
         if not 0 <= e < w13.shape[0]:
             continue
         tok, pos = torch.where(local == e)
-        w13_e = w13[e] if s13 is None else dequantize(w13[e], s13[e], x.dtype)
-        w2_e = w2[e] if s2 is None else dequantize(w2[e], s2[e], x.dtype)
+        w13_e = w13[e] if s13 is None else dequantize_any(w13[e], s13[e], block, x.dtype)
+        w2_e = w2[e] if s2 is None else dequantize_any(w2[e], s2[e], block, x.dtype)
         gate, up = F.linear(x[tok], w13_e).chunk(2, dim=-1)
         act = F.silu(gate) * up
         y = F.linear(rows_through_fp8(act) if a8 else act, w2_e)

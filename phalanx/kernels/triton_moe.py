@@ -128,11 +128,13 @@ def align(ids: torch.Tensor, first: int, num_local: int, block_m: int) -> tuple[
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_ptr, P, TOPK, H, I, E,  # noqa: E741 (I: intermediate size)
-                        s_xt, s_we, s_wn, s_ar,
+                        s_xt, s_we, s_wn, s_ar, s_se, s_sn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, A8: tl.constexpr):
+                        HAS_SCALE: tl.constexpr, A8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
     """HAS_SCALE: FP8 experts, gate and up rows scaled by sc[e, row]; widened for the dots, or
-    with A8 multiplied in FP8 by x quantized per token (its scale xs[token])."""
+    with A8 multiplied in FP8 by x quantized per token (its scale xs[token]). SBK > 0: FP8
+    experts with a scale per SBN x SBK block instead (sc[e, row // SBN, k // SBK], s_se and s_sn
+    apart; BLOCK_K divides SBK): each step's dots scaled by their block column's scales."""
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
@@ -146,6 +148,8 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_pt
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         wb = w_ptr + e.to(tl.int64) * s_we
+        sg_rows = sc_ptr + e * s_se + (n // SBN) * s_sn          # SBK > 0: the block rows of gate ...
+        su_rows = sc_ptr + e * s_se + ((I + n) // SBN) * s_sn    # ... and of up
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < H
@@ -153,11 +157,16 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_pt
             wg = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             wu = tl.load(wb + (I + n)[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             if A8:
-                acc_g += tl.dot(x, tl.trans(wg))
-                acc_u += tl.dot(x, tl.trans(wu))
+                dg = tl.dot(x, tl.trans(wg))
+                du = tl.dot(x, tl.trans(wu))
             else:
-                acc_g += tl.dot(x, tl.trans(wg.to(x.dtype)), input_precision=PREC)
-                acc_u += tl.dot(x, tl.trans(wu.to(x.dtype)), input_precision=PREC)
+                dg = tl.dot(x, tl.trans(wg.to(x.dtype)), input_precision=PREC)
+                du = tl.dot(x, tl.trans(wu.to(x.dtype)), input_precision=PREC)
+            if SBK > 0:
+                dg *= tl.load(sg_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
+                du *= tl.load(su_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
+            acc_g += dg
+            acc_u += du
         if HAS_SCALE:
             acc_g *= tl.load(sc_ptr + e * 2 * I + n, mask=nm, other=0.0)[None, :]
             acc_u *= tl.load(sc_ptr + e * 2 * I + I + n, mask=nm, other=0.0)[None, :]
@@ -172,10 +181,11 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_pt
 
 @triton.jit
 def _moe_down_kernel(act_ptr, as_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr, y_ptr, P, H, I, E,  # noqa: E741 (I: intermediate size)
-                     s_ar, s_we, s_wn, s_yp,
+                     s_ar, s_we, s_wn, s_yp, s_se, s_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, A8: tl.constexpr):
-    """A8: the activation rows are FP8 with a scale each (as[row]), multiplied in FP8."""
+                     HAS_SCALE: tl.constexpr, A8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
+    """A8: the activation rows are FP8 with a scale each (as[row]), multiplied in FP8. SBK > 0:
+    block-scaled FP8 experts, as in ``_moe_gate_up_kernel``."""
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b)
@@ -187,15 +197,19 @@ def _moe_down_kernel(act_ptr, as_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr,
         rm = pair < P
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         wb = w_ptr + e.to(tl.int64) * s_we
+        s_rows = sc_ptr + e * s_se + (n // SBN) * s_sn     # SBK > 0: the block rows of the weight
         for k0 in range(0, I, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < I
             a = tl.load(act_ptr + rows[:, None] * s_ar + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             w = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            if A8:
-                acc += tl.dot(a, tl.trans(w))
+            if A8:  # noqa: SIM108 (a constexpr branch, as in the gate ‖ up kernel)
+                d = tl.dot(a, tl.trans(w))
             else:
-                acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
+                d = tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
+            if SBK > 0:
+                d *= tl.load(s_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
+            acc += d
         if HAS_SCALE:
             acc *= tl.load(sc_ptr + e * H + n, mask=nm, other=0.0)[None, :]
         if A8:
@@ -206,12 +220,21 @@ def _moe_down_kernel(act_ptr, as_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr,
                  mask=rm[:, None] & nm[None, :])
 
 
+def _block_scales(scale: torch.Tensor | None, block: fp8.Block | None) -> dict:
+    """The scale arguments of an expert kernel: a scale per row (HAS_SCALE) or per ``block``."""
+    if scale is None or block is None:
+        return {"HAS_SCALE": scale is not None, "SBN": 1, "SBK": 0, "s_se": 0, "s_sn": 0}
+    return {"HAS_SCALE": False, "SBN": block[0], "SBK": block[1], "s_se": scale.stride(0), "s_sn": scale.stride(1)}
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int, plan: MoePlan = DEFAULT_PLAN, s13: torch.Tensor | None = None,
-              s2: torch.Tensor | None = None, a8: bool | None = None) -> torch.Tensor:
+              s2: torch.Tensor | None = None, a8: bool | None = None, block: fp8.Block | None = None) -> torch.Tensor:
     """x [T, H]; ids/weights [T, k]; w13 [E, 2I, H]; w2 [E, H, I] (local experts from ``first``);
     the tiles from ``plan`` by the step's number of (token, expert) pairs. ``s13`` [E, 2I] and
-    ``s2`` [E, H]: the experts are FP8 with a scale per output row (kernels/fp8.py). ``a8``: FP8
+    ``s2`` [E, H]: the experts are FP8 with a scale per output row (kernels/fp8.py); with
+    ``block`` = (rows, cols), s13 [E, ⌈2I / rows⌉, ⌈H / cols⌉] and s2 [E, ⌈H / rows⌉, ⌈I / cols⌉]
+    hold one per block (the tiles' K steps cut to a block's columns where wider). ``a8``: FP8
     experts multiply in FP8 — x and the SiLU-and-mul output quantized per row (W8A8) — instead of
     widening the weights (W8A16); by default where the step has more than ``A8_MIN_PAIRS`` pairs."""
     T, H = x.shape
@@ -222,6 +245,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     if P == 0:
         return x.new_zeros(T, H)
     bm, bn, bk, warps, stages = plan.tile(P)
+    if block is not None and s13 is not None:
+        bk = min(bk, block[1])
     sorted_pair, block_expert = align(ids, first, E, bm)
     R = sorted_pair.shape[0]
     x = x.contiguous()
@@ -235,30 +260,31 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
               "A8": a8}
     _moe_gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
         xq, xs, w13, s13 if s13 is not None else w13, sorted_pair, block_expert, act, P, k, H, I, E, xq.stride(0),
-        w13.stride(0), w13.stride(1), act.stride(0), HAS_SCALE=s13 is not None, **launch)
+        w13.stride(0), w13.stride(1), act.stride(0), **_block_scales(s13, block), **launch)
     aq, as_, _ = fp8.quantize_rows(act) if a8 else (act, act, None)
     y = torch.zeros(P, H, dtype=x.dtype, device=x.device)    # pairs of other ranks' experts stay 0
     _moe_down_kernel[(R // bm, triton.cdiv(H, bn))](
         aq, as_, w2, s2 if s2 is not None else w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(),
-        y, P, H, I, E, aq.stride(0), w2.stride(0), w2.stride(1), y.stride(0), HAS_SCALE=s2 is not None, **launch)
+        y, P, H, I, E, aq.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **_block_scales(s2, block), **launch)
     return y.view(T, k, H).sum(1)
 
 
 def _run_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int, plan: MoePlan, s13: torch.Tensor | None, s2: torch.Tensor | None,
-              _copy: int) -> torch.Tensor:
-    return fused_moe(x, ids, weights, w13, w2, first, plan, s13, s2)
+              block: fp8.Block | None, _copy: int) -> torch.Tensor:
+    return fused_moe(x, ids, weights, w13, w2, first, plan, s13, s2, block=block)
 
 
 def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, first: int,
          s13: torch.Tensor | None = None, s2: torch.Tensor | None = None,
-         act_dtype: torch.dtype | None = None) -> MoePlan:
+         act_dtype: torch.dtype | None = None, block: fp8.Block | None = None) -> MoePlan:
     """The fastest tile of each bucket of pairs for this layer's shapes, timed in a CUDA graph
     at the bucket's bound with uniformly random routing over all ``num_experts`` experts (this
-    rank holds ``first ..``); FP8 experts with their scales. Memoised per shape and device."""
+    rank holds ``first ..``); FP8 experts with their scales (per ``block`` where given).
+    Memoised per shape and device."""
     from phalanx.kernels.gemv_tuner import time_graph
     act = act_dtype or w13.dtype
-    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, act, top_k, num_experts, first, str(w13.device))
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, act, top_k, num_experts, first, str(w13.device), block)
     if key in _MEMO:
         return _MEMO[key]
     H = w13.shape[2]
@@ -273,7 +299,7 @@ def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, firs
         best, best_ms = DEFAULT_PLAN.tiles[i], float("inf")
         for tile in tries:
             plan = MoePlan(tuple(tile if j == i else DEFAULT_PLAN.tiles[j] for j in range(len(CANDIDATES))))
-            run = functools.partial(_run_once, x, ids, weights, w13, w2, first, plan, s13, s2)
+            run = functools.partial(_run_once, x, ids, weights, w13, w2, first, plan, s13, s2, block)
             try:
                 ms = time_graph(run, 1, reps=8)
             except Exception:  # a tile the compiler rejects on this GPU

@@ -41,17 +41,24 @@ def default_loader(param: torch.Tensor, w: torch.Tensor, shard_id: object = None
     _copy(param, w)
 
 
-_FP8_WEIGHTS = contextvars.ContextVar("phalanx_fp8_weights", default=False)
+_FP8_WEIGHTS: contextvars.ContextVar[tuple[bool, fp8.Block | None]] = contextvars.ContextVar(
+    "phalanx_fp8_weights", default=(False, None))
 
 
 @contextlib.contextmanager
-def fp8_weights(enabled: bool = True) -> Iterator[None]:
+def fp8_weights(enabled: bool = True, block: fp8.Block | None = None) -> Iterator[None]:
     """While a model is built inside: its projections (the output layer excepted) and MoE
     experts get FP8 weights from the start, and each load quantizes the rows it writes, so the
     model is never held in full precision on a GPU (``quantization: fp8``: a model whose bf16
     weights do not fit the GPU can still be served in FP8; a CPU, which runs the reference,
-    keeps each projection's dequantized copy from its first use: ``fp8.reference``)."""
-    token = _FP8_WEIGHTS.set(enabled)
+    keeps each projection's dequantized copy from its first use: ``fp8.reference``).
+
+    ``block`` = (rows, cols): a block-scaled FP8 checkpoint's blocks (``fp8.Fp8BlockWeight``).
+    Each projection and MoE layer whose rank's rows and columns fall on whole blocks of the
+    checkpoint keeps a scale per block (the checkpoint's bytes and scales as they are); one that
+    does not (a section or a split inside a block) keeps a scale per row, its weights
+    dequantized and quantized again as they load."""
+    token = _FP8_WEIGHTS.set((enabled, block if enabled else None))
     try:
         yield
     finally:
@@ -59,7 +66,33 @@ def fp8_weights(enabled: bool = True) -> Iterator[None]:
 
 
 def building_fp8() -> bool:
-    return _FP8_WEIGHTS.get()
+    return _FP8_WEIGHTS.get()[0]
+
+
+def building_fp8_block() -> fp8.Block | None:
+    """The blocks of the FP8 checkpoint being built for (``fp8_weights``), or None."""
+    return _FP8_WEIGHTS.get()[1]
+
+
+Section = tuple[int, int, "int | None"]   # (first row or column in the checkpoint, how many, the checkpoint's)
+
+
+def sections_fit(sections: list[Section], b: int) -> bool:
+    """Whether sections of a checkpoint tensor, placed one after another, keep its blocks of
+    ``b`` whole: each starts on a block and holds whole blocks, but the last may end where the
+    checkpoint's tensor ends (its last block partial there too)."""
+    for i, (start, size, full) in enumerate(sections):
+        ends = full is not None and start + size == full and i == len(sections) - 1
+        if start % b or not (size % b == 0 or ends):
+            return False
+    return True
+
+
+def block_slice(rows: slice, b: int) -> slice:
+    """The block rows (of ``b`` rows each) that hold the rows ``rows`` (a slice starting on a block)."""
+    if rows.start is None and rows.stop is None:
+        return rows
+    return slice((rows.start or 0) // b, None if rows.stop is None else -(-rows.stop // b))
 
 
 def fp8_param(shape: tuple[int, ...], loader: Callable) -> nn.Parameter:
@@ -72,7 +105,8 @@ def fp8_param(shape: tuple[int, ...], loader: Callable) -> nn.Parameter:
 
 
 def scale_param(shape: tuple[int, ...]) -> nn.Parameter:
-    """The float32 scales of an FP8 weight (one per output row), written by the weight's loader."""
+    """The float32 scales of an FP8 weight (one per output row, or per block), written by the
+    weight's loader."""
     p = nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
     p.written_by_loader = True  # type: ignore[attr-defined]
     return p
@@ -81,9 +115,12 @@ def scale_param(shape: tuple[int, ...]) -> nn.Parameter:
 class Projection(nn.Module):
     """A layer computing x Wᵀ (+ b) through its plan. ``behind``: the kernel in front of it.
     Built under ``fp8_weights`` the weight is FP8 with a scale per output channel
-    (``weight_scale``). A subclass says where a checkpoint tensor's rows go (``_place``); one
-    loader copies them, the FP8 one quantizes them first (each row with its own scale, so a
-    row's value does not depend on the order or grouping of the loads)."""
+    (``weight_scale``), or per block of a block-scaled checkpoint where this rank's rows and
+    columns fall on whole blocks (``fp8_block``, decided once here: ``sections_fit``). A subclass
+    says where a checkpoint tensor's rows go (``_place``) and which sections of the checkpoint's
+    rows and columns it holds (``_out_sections``, ``_in_sections``); one loader copies them, the
+    FP8 one quantizes them first (each row, or block, with its own scale, so a row's value does
+    not depend on the order or grouping of the loads)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
@@ -92,6 +129,7 @@ class Projection(nn.Module):
         super().__init__()
         self.plan = LinearPlan(behind)
         self.weight_scale: nn.Parameter | None = None
+        self.fp8_block: fp8.Block | None = None
 
     @property
     def behind(self) -> Neighbour:
@@ -108,24 +146,55 @@ class Projection(nn.Module):
         rows, src = self._place(w, shard_id)
         _copy(param.data[rows], src)
 
+    def _out_sections(self) -> list[Section]:
+        """The sections of the checkpoint's rows this rank's weight holds, in order."""
+        raise NotImplementedError
+
+    def _in_sections(self, K: int) -> list[Section]:
+        """The sections of the checkpoint's columns this rank's weight (K wide) holds: all of
+        them, unless split."""
+        return [(0, K, K)]
+
     def _weight_param(self, shape: tuple[int, int]) -> nn.Parameter:
         """The weight: full precision, or under ``fp8_weights`` FP8 (zero, scale 1 until loaded)
         with an FP8 plan (the reference until the tuner replaces it)."""
         if not building_fp8():
             return _param(shape, self._load)
-        self.weight_scale = scale_param(shape[:1])
-        self.plan = LinearPlan(self.behind, fp8=True)
+        block = building_fp8_block()
+        N, K = shape
+        if block is not None and sections_fit(self._out_sections(), block[0]) and sections_fit(
+                self._in_sections(K), block[1]):
+            self.fp8_block = block
+            self.weight_scale = scale_param((-(-N // block[0]), -(-K // block[1])))
+        else:
+            self.weight_scale = scale_param(shape[:1])
+        self.plan = LinearPlan(self.behind, fp8=True, block=self.fp8_block)
         return fp8_param(shape, self._load_fp8)
 
     def _place_scale(self, scale: torch.Tensor, shard_id: object) -> torch.Tensor:
         """The scales of the checkpoint rows ``_place`` sends here (one per row, [N])."""
         return self._place(scale[:, None], shard_id)[1][:, 0]
 
-    def _load_fp8(self, param: torch.Tensor, w: torch.Tensor | fp8.Fp8Weight, shard_id: object = None) -> None:
+    def _place_blocks(self, scale: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
+        """(the block rows of this rank's scales, the checkpoint's block scales that go there): the
+        scale's rows spread to one per weight row, placed as the weight's rows are, one kept a
+        block."""
+        assert self.fp8_block is not None
+        r = self.fp8_block[0]
+        rows, placed = self._place(scale.repeat_interleave(r, 0), shard_id)
+        return block_slice(rows, r), placed[::r]
+
+    def _load_fp8(self, param: torch.Tensor, w: torch.Tensor | fp8.Fp8Weight | fp8.Fp8BlockWeight,
+                  shard_id: object = None) -> None:
         """A checkpoint tensor into the FP8 weight, the rows it writes only (the rows of other
         loads keep theirs): full precision is quantized with a scale a row; an FP8 checkpoint's
-        rows with a scale each (``fp8.Fp8Weight``) are stored as they are."""
+        rows with a scale each (``fp8.Fp8Weight``) are stored as they are (a block-scaled one
+        is dequantized first). A weight scaled per block takes ``_load_fp8_blocks``."""
         assert self.weight_scale is not None
+        if self.fp8_block is not None:
+            return self._load_fp8_blocks(param, w, shard_id)
+        if isinstance(w, fp8.Fp8BlockWeight):
+            w = w.dequantize(torch.float32)
         if isinstance(w, fp8.Fp8Weight):
             rows, q_rows = self._place(w.q, shard_id)
             src: torch.Tensor | fp8.Fp8Weight = fp8.Fp8Weight(q_rows, self._place_scale(w.scale, shard_id))
@@ -140,6 +209,29 @@ class Projection(nn.Module):
             param[rows] = q                                    # (fp8.reference keeps a CPU copy by them)
             self.weight_scale[rows] = scale
 
+    def _load_fp8_blocks(self, param: torch.Tensor, w: torch.Tensor | fp8.Fp8Weight | fp8.Fp8BlockWeight,
+                         shard_id: object) -> None:
+        """``_load_fp8`` for a weight scaled per block: a block-scaled checkpoint tensor of the
+        same blocks keeps its bytes and scales; anything else is quantized a block at a time (its
+        rows and columns here fall on whole blocks: ``sections_fit``)."""
+        assert self.weight_scale is not None and self.fp8_block is not None
+        if isinstance(w, fp8.Fp8BlockWeight) and tuple(w.block) == self.fp8_block:
+            rows, q = self._place(w.q, shard_id)
+            block_rows, scale = self._place_blocks(w.scale, shard_id)
+        else:
+            if isinstance(w, (fp8.Fp8Weight, fp8.Fp8BlockWeight)):
+                w = w.dequantize(torch.float32)
+            rows, src = self._place(w, shard_id)
+            q, scale = fp8.quantize_blocks(src.to(param.device), self.fp8_block)
+            block_rows = block_slice(rows, self.fp8_block[0])
+        have = self.weight_scale.data[block_rows].shape
+        if q.shape != param.data[rows].shape or scale.shape != have:
+            raise ValueError(f"weight shape {tuple(q.shape)} (scales {tuple(scale.shape)}) does not fit parameter "
+                             f"{tuple(param.data[rows].shape)} (scales {tuple(have)})")
+        with torch.no_grad():
+            param[rows] = q.to(param.device)
+            self.weight_scale[block_rows] = scale.to(param.device, torch.float32)
+
 
 class ColumnParallelLinear(Projection):
     """y = x Wᵀ with W's output rows split across ranks (no communication)."""
@@ -148,12 +240,16 @@ class ColumnParallelLinear(Projection):
                  behind: Neighbour = Neighbour.PLAIN) -> None:
         super().__init__(behind)
         self.tp = tp
+        self.out_features = out_features
         self.start, self.end = split_range(out_features, tp.rank, tp.size)
         self.weight = self._weight_param((self.end - self.start, in_features))
         self.bias = _param((self.end - self.start,), self._load) if bias else None
 
     def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
         return slice(None), w[self.start:self.end]
+
+    def _out_sections(self) -> list[Section]:
+        return [(self.start, self.end - self.start, self.out_features)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
@@ -165,6 +261,7 @@ class MergedColumnParallelLinear(Projection):
     def __init__(self, in_features: int, out_features: list[int], bias: bool, tp: TPGroup,
                  behind: Neighbour = Neighbour.PLAIN) -> None:
         super().__init__(behind)
+        self.out_features = out_features
         self.ranges = [split_range(n, tp.rank, tp.size) for n in out_features]
         self.offsets = [0]
         for s, e in self.ranges:
@@ -176,6 +273,9 @@ class MergedColumnParallelLinear(Projection):
         i = int(shard_id)  # type: ignore[call-overload]
         s, e = self.ranges[i]
         return slice(self.offsets[i], self.offsets[i + 1]), w[s:e]
+
+    def _out_sections(self) -> list[Section]:
+        return [(s, e - s, n) for (s, e), n in zip(self.ranges, self.out_features, strict=True)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
@@ -203,6 +303,11 @@ class QKVParallelLinear(Projection):
             return slice(off, off + self.kv_size), w[h.kv_start * D:(h.kv_start + h.num_kv_heads) * D]
         raise ValueError(f"unknown qkv shard {shard_id!r}")
 
+    def _out_sections(self) -> list[Section]:
+        h, D = self.heads, self.head_dim
+        kv = (h.kv_start * D, self.kv_size, None)
+        return [(h.q_start * D, self.q_size, None), kv, kv]
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) of x [T, hidden]: [T, H·D], [T, Hkv·D], [T, Hkv·D]."""
         return self.project(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -217,6 +322,7 @@ class RowParallelLinear(Projection):
                  in_ranges: list[tuple[int, int]] | None = None, behind: Neighbour = Neighbour.PLAIN) -> None:
         super().__init__(behind)
         self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
         # in_ranges: the input columns of this rank as ranges of the full matrix (heads may
         # be split unevenly); default is an even split.
         self.in_ranges = in_ranges or [split_range(in_features, tp.rank, tp.size)]
@@ -235,6 +341,17 @@ class RowParallelLinear(Projection):
 
     def _place_scale(self, scale: torch.Tensor, shard_id: object) -> torch.Tensor:
         return scale   # every output row is here, its input columns split
+
+    def _place_blocks(self, scale: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
+        assert self.fp8_block is not None
+        c = self.fp8_block[1]
+        return slice(None), torch.cat([scale[:, s // c:-(-e // c)] for s, e in self.in_ranges], dim=1)
+
+    def _out_sections(self) -> list[Section]:
+        return [(0, self.out_features, self.out_features)]
+
+    def _in_sections(self, K: int) -> list[Section]:
+        return [(s, e - s, self.in_features) for s, e in self.in_ranges]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: this rank's input columns (gate ‖ up behind SILU) -> the full output on every rank

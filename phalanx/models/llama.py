@@ -149,14 +149,14 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, MLP):
             after.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
         for norm, proj in after:
-            if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype):
+            if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype, proj.fp8_block):
                 norm.fp8_rows_above = ROW_BUCKETS[-1]
                 zero = torch.zeros(1, proj.weight.shape[1], dtype=act_dtype, device=proj.weight.device)
                 ops.rms_norm_fp8(zero, None, norm.weight, norm.eps)
                 ops.rms_norm_fp8(zero, zero, norm.weight, norm.eps)
         later = [self.self_attn.o_proj] + ([self.mlp.down_proj] if isinstance(self.mlp, MLP) else [])
         for proj in later:
-            if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype):
+            if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype, proj.fp8_block):
                 width = proj.weight.shape[1] * (2 if proj.behind is Neighbour.SILU else 1)
                 proj.plan(torch.zeros(ROW_BUCKETS[-1] + 1, width, dtype=act_dtype, device=proj.weight.device),
                           proj.weight, None, proj.weight_scale)
@@ -255,7 +255,8 @@ class CausalLM(nn.Module):
         yield
 
     # -- weights -------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | fp8.Fp8Weight]], partial: bool = False) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | fp8.Fp8Weight | fp8.Fp8BlockWeight]],
+                     partial: bool = False) -> int:
         """Copy checkpoint tensors (Hugging Face names, full unsharded shapes) into this rank's
         parameters; returns how many were copied. Raises ValueError naming any parameter left
         unloaded, unless ``partial`` (a weight update may bring some tensors only)."""
@@ -271,7 +272,7 @@ class CausalLM(nn.Module):
             param = params.get(target)
             if param is None or getattr(param, "written_by_loader", False):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            if isinstance(w, fp8.Fp8Weight):   # an FP8 checkpoint's weight: kept as it is by an FP8 parameter
+            if isinstance(w, (fp8.Fp8Weight, fp8.Fp8BlockWeight)):   # an FP8 checkpoint's: kept by an FP8 parameter
                 w = w if param.dtype == fp8.FP8 else w.dequantize(param.dtype)
             else:   # an FP8 parameter quantizes full precision as it loads
                 w = w.to(getattr(param, "load_dtype", param.dtype))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.kernels.fp8 import FP8, Fp8Weight
+from phalanx.kernels.fp8 import FP8, Fp8BlockWeight, Fp8Weight, blocks_fit
 from phalanx.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from phalanx.models.parallel import TPGroup
 from phalanx.models.source import ModelSource, gguf_file
@@ -128,7 +128,8 @@ def _scale_layout(shape: list[int] | tuple[int, ...], N: int, K: int, block: tup
                      + (f" (blocks of {block[0]}x{block[1]})" if block else ""))
 
 
-def checkpoint_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+def checkpoint_weights(source: ModelSource,
+                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]]:
     """The checkpoint's tensors under Hugging Face names; an FP8 checkpoint's weights as
     ``fp8_checkpoint_weights`` gives them."""
     if source.kind == "gguf":
@@ -140,7 +141,7 @@ def checkpoint_weights(source: ModelSource, dtype: torch.dtype) -> Iterator[tupl
 
 
 def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, ...],
-                           dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+                           dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]]:
     """An FP8 checkpoint (``quantization_config.quant_method: fp8``, or compressed-tensors FP8)
     with each e4m3 ``X.weight`` paired with its ``X.weight_scale_inv`` or ``X.weight_scale``,
     whichever shard brings either first:
@@ -148,9 +149,11 @@ def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: t
       ones): the e4m3 bytes and a scale a row as they are (``fp8.Fp8Weight``), which the
       engine's FP8 projections store without rounding them again (a full-precision parameter
       dequantizes them);
-    - one scale per ``block`` = (rows, cols) tile (DeepSeek, Qwen3 FP8), or e5m2 weights:
-      dequantized to ``dtype``; the engine quantizes them again with a scale per output row,
-      so block-scaled weights are rounded a second time.
+    - one scale per ``block`` = (rows, cols) tile (DeepSeek, Qwen3 FP8): the e4m3 bytes and
+      the block scales as they are (``fp8.Fp8BlockWeight``), which the engine's FP8 projections
+      and experts store without rounding them again where their rows and columns fall on whole
+      blocks (``layers.fp8_weights``; elsewhere dequantized and quantized again per row);
+    - e5m2 weights: dequantized to ``dtype``, and quantized again by the engine.
     Static activation scales (``input_scale``) and KV or output scales are not used:
     activations get a scale per token at run time, and an FP8 KV pool has scale 1."""
     waiting_w: dict[str, torch.Tensor] = {}
@@ -183,12 +186,14 @@ def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: t
 
 
 def _fp8_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype,
-                name: str) -> torch.Tensor | Fp8Weight:
+                name: str) -> torch.Tensor | Fp8Weight | Fp8BlockWeight:
     s = scale.float()
     N, K = q.shape
     layout = _scale_layout(tuple(s.shape), N, K, block, name)
     if layout != "block" and q.dtype == FP8:
         return Fp8Weight(q, s.reshape(-1).expand(N).contiguous())
+    if q.dtype == FP8:
+        return Fp8BlockWeight(q, s.contiguous(), (block[0], block[1]))
     w = q.float()
     if layout != "block":
         return (w * s.reshape(-1, 1)).to(dtype)
@@ -239,13 +244,17 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                 **model_kwargs: Any) -> CausalLM:
     """Instantiate the model on ``device`` in ``dtype`` and fill its weights. ``fp8``: the
     projections and experts are FP8 from the start and quantized as they load (layers.fp8_weights:
-    the model is never held in ``dtype``); embeddings, the output layer, norms and routers stay in it."""
+    the model is never held in ``dtype``); embeddings, the output layer, norms and routers stay in it.
+    A block-scaled FP8 checkpoint whose blocks the kernels take (``fp8.blocks_fit``) is kept
+    scaled per block where a layer's split allows."""
     from phalanx.models.layers import fp8_weights
     cls = model_class(source.config)
-    with torch.device(device), _default_dtype(dtype), fp8_weights(fp8):
+    cfg = source.config
+    block = (cfg.fp8_block[0], cfg.fp8_block[1]) if fp8 and cfg.fp8_checkpoint and blocks_fit(cfg.fp8_block) else None
+    with torch.device(device), _default_dtype(dtype), fp8_weights(fp8, block):
         model = cls(source.config, tp, **model_kwargs)
     model.eval()
-    weights: Iterator[tuple[str, torch.Tensor | Fp8Weight]]
+    weights: Iterator[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]]
     if load_format == "dummy":
         weights = iter_dummy_weights(model, seed)
     elif load_format == "auto":

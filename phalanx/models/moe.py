@@ -27,7 +27,16 @@ from torch import nn
 from phalanx.kernels import fp8, ops
 from phalanx.kernels.linear_plan import MoePlan, Neighbour
 from phalanx.models.config import ModelConfig
-from phalanx.models.layers import _param, building_fp8, default_loader, fp8_param, scale_param
+from phalanx.models.layers import (
+    _param,
+    block_slice,
+    building_fp8,
+    building_fp8_block,
+    default_loader,
+    fp8_param,
+    scale_param,
+    sections_fit,
+)
 from phalanx.models.llama import MLP, CausalLM
 from phalanx.models.parallel import TPGroup, split_range
 
@@ -103,9 +112,20 @@ class SparseMoE(nn.Module):
         self.gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
         self.w13 = self._experts((self.num_local, 2 * i_local, H))
         self.w2 = self._experts((self.num_local, H, i_local))
-        # FP8 experts (built under layers.fp8_weights): a scale per (expert, output row)
-        self.w13_scale = self._scales((self.num_local, 2 * i_local))
-        self.w2_scale = self._scales((self.num_local, H))
+        # FP8 experts (built under layers.fp8_weights): a scale per (expert, output row), or per
+        # (expert, block) of a block-scaled checkpoint where this rank's slice of the
+        # intermediate dimension falls on whole blocks
+        block = building_fp8_block()
+        s, t = self.i_range
+        self.fp8_block = block if block is not None and sections_fit([(s, t - s, I), (s, t - s, I)], block[0]) \
+            and sections_fit([(s, t - s, I)], block[1]) else None
+        if self.fp8_block is None:
+            self.w13_scale = self._scales((self.num_local, 2 * i_local))
+            self.w2_scale = self._scales((self.num_local, H))
+        else:
+            r, c = self.fp8_block
+            self.w13_scale = self._scales((self.num_local, 2 * i_local // r, -(-H // c)))
+            self.w2_scale = self._scales((self.num_local, -(-H // r), -(-i_local // c)))
         self.moe_plan = MoePlan()    # the fused kernels' tiles: tuned on a GPU at build time
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
@@ -116,13 +136,18 @@ class SparseMoE(nn.Module):
     def _load_expert(self, param: torch.Tensor, w: torch.Tensor, shard: Any) -> None:
         """shard = (global expert id, "gate" | "up" | "down"); other ranks' experts are skipped.
         FP8 experts: the rows written are quantized here, each with its own scale, unless they
-        come as an FP8 checkpoint's rows and scales (``fp8.Fp8Weight``), stored as they are."""
+        come as an FP8 checkpoint's rows and scales (``fp8.Fp8Weight``), stored as they are.
+        Block-scaled experts take ``_load_expert_blocks``."""
         expert, kind = shard
         e = expert - self.first
         if not 0 <= e < self.num_local:
             return
         s, t = self.i_range
         n = t - s
+        if self.fp8_block is not None:
+            return self._load_expert_blocks(param, w, e, kind)
+        if isinstance(w, fp8.Fp8BlockWeight):   # experts split inside a block: a scale a row
+            w = w.dequantize(torch.float32)
         rows, scale = ((slice(None), self.w2_scale) if kind == "down" else
                        (slice(0, n) if kind == "gate" else slice(n, 2 * n), self.w13_scale))
         src: torch.Tensor | fp8.Fp8Weight
@@ -142,13 +167,42 @@ class SparseMoE(nn.Module):
         param.data[e, rows].copy_(q)
         scale.data[e, rows].copy_(row_scale)
 
+    def _load_expert_blocks(self, param: torch.Tensor, w: torch.Tensor | fp8.Fp8Weight | fp8.Fp8BlockWeight,
+                            e: int, kind: str) -> None:
+        """``_load_expert`` for experts scaled per block: a block-scaled checkpoint tensor of the
+        same blocks keeps its bytes and scales (its slice of the intermediate dimension, on whole
+        blocks); anything else is quantized a block at a time."""
+        assert self.fp8_block is not None and self.w13_scale is not None and self.w2_scale is not None
+        r, c = self.fp8_block
+        s, t = self.i_range
+        n = t - s
+        if kind == "down":   # [H, I]: this rank's columns
+            rows, brows, scale = slice(None), slice(None), self.w2_scale
+            cols, bcols = slice(s, t), slice(s // c, -(-t // c))
+        else:                # [I, H]: this rank's rows, gate then up
+            rows = slice(0, n) if kind == "gate" else slice(n, 2 * n)
+            brows, scale = block_slice(rows, r), self.w13_scale
+            cols, bcols = slice(s, t), slice(s // r, -(-t // r))
+        if isinstance(w, fp8.Fp8BlockWeight) and tuple(w.block) == self.fp8_block:
+            q = w.q[:, cols] if kind == "down" else w.q[cols]
+            blocks = w.scale[:, bcols] if kind == "down" else w.scale[bcols]
+        else:
+            full = w.dequantize(torch.float32) if isinstance(w, (fp8.Fp8Weight, fp8.Fp8BlockWeight)) else w
+            q, blocks = fp8.quantize_blocks((full[:, cols] if kind == "down" else full[cols]).to(param.device),
+                                            self.fp8_block)
+        if q.shape != param.data[e, rows].shape or blocks.shape != scale.data[e, brows].shape:
+            raise ValueError(f"expert weight shape {tuple(q.shape)} (scales {tuple(blocks.shape)}) does not fit "
+                             f"{tuple(param.data[e, rows].shape)} (scales {tuple(scale.data[e, brows].shape)})")
+        param.data[e, rows].copy_(q)
+        scale.data[e, brows].copy_(blocks)
+
     def _experts(self, shape: tuple[int, int, int]) -> nn.Parameter:
         """Experts' weights: full precision, or under ``fp8_weights`` FP8 (the loader quantizes
         the rows it writes)."""
         return fp8_param(shape, self._load_expert) if building_fp8() else _param(shape, self._load_expert)
 
     @staticmethod
-    def _scales(shape: tuple[int, int]) -> nn.Parameter | None:
+    def _scales(shape: tuple[int, ...]) -> nn.Parameter | None:
         return scale_param(shape) if building_fp8() else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +219,7 @@ class SparseMoE(nn.Module):
             tokens, counts = gather_tokens(x, self.ep)
         weights, ids = self.route(tokens)
         y = ops.fused_moe(tokens, ids, weights, self.w13, self.w2, self.first, self.moe_plan, self.w13_scale,
-                          self.w2_scale)
+                          self.w2_scale, self.fp8_block)
         if counts is not None:
             y = scatter_tokens(y, counts, self.ep)
         elif self.ep.size > 1 or self.tp.size > 1:   # outside attention DP the groups are one: all ranks
@@ -249,6 +303,7 @@ class MoECausalLM(CausalLM):
                            p + "shared_expert.down_proj.weight": (H, S), p + "shared_expert_gate.weight": (1, H)})
         return shapes
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | fp8.Fp8Weight]], partial: bool = False) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | fp8.Fp8Weight | fp8.Fp8BlockWeight]],
+                     partial: bool = False) -> int:
         # experts of other ranks are skipped by the loader, so every expert tensor counts as placed
         return super().load_weights(weights, partial)

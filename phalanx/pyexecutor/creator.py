@@ -256,7 +256,7 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
     for m in model.modules():
         if isinstance(m, Projection) and m.weight.is_cuda:
             m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report, fp8=m.weight_scale is not None,
-                                            act_dtype=act_dtype)
+                                            act_dtype=act_dtype, block=m.fp8_block)
         elif isinstance(m, DecoderLayer):
             m.prepare_fp8_rows(act_dtype)
     from phalanx.models.moe import SparseMoE
@@ -264,7 +264,7 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
         if isinstance(m, SparseMoE) and m.w13.is_cuda:   # a rank under attention DP sees every rank's tokens
             from phalanx.kernels import triton_moe
             m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first, m.w13_scale, m.w2_scale,
-                                         act_dtype)
+                                         act_dtype, m.fp8_block)
             report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))] = 0.0
         elif isinstance(m, Attention) and m.q_norm is None:
             m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)

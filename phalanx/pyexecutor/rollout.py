@@ -39,7 +39,7 @@ from phalanx.llmapi.weight_transfer import DEFAULT_BUCKET_BYTES, DTYPES, EngineG
 from phalanx.pyexecutor.speculative import NGramProposer
 
 if TYPE_CHECKING:
-    from phalanx.kernels.fp8 import Fp8Weight
+    from phalanx.kernels.fp8 import Fp8BlockWeight, Fp8Weight
     from phalanx.pyexecutor.py_executor import PyExecutor
 
 logger = logging.getLogger("phalanx")
@@ -217,7 +217,7 @@ class Rollout:
                 self._group.answer(str(e))
                 raise
             self._group.answer(None)
-            weights: Iterable[tuple[str, torch.Tensor | Fp8Weight]] = self._group.receive(
+            weights: Iterable[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]] = self._group.receive(
                 checked, bucket_bytes, self.ex.runner.device)
         elif source == "tensors":
             _check_version(weight_version)
@@ -270,7 +270,7 @@ class Rollout:
             shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
         return shapes
 
-    def _disk_weights(self, path: Any) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    def _disk_weights(self, path: Any) -> Iterator[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]]:
         """The checkpoint at ``path`` (a Hugging Face directory or a GGUF file), checked first:
         the same architecture and sizes, and (safetensors) every tensor's name and shape."""
         import dataclasses

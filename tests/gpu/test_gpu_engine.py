@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_reference import assert_same_greedy, fp8_round_trip, hf_greedy
+from hf_reference import assert_same_greedy, fp8_round_trip, hf_greedy, write_fp8_checkpoint, write_plain_twin
 from phalanx import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -305,3 +305,30 @@ def test_fp8_experts_greedy_equals_transformers_on_the_gpu(tiny_moe_models, hf_m
     for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
         want, gaps = hf_greedy(ref, p, 8)
         assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"qwen3_moe prompt {i}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_block_scaled_fp8_checkpoints_serve_what_they_store_on_the_gpu(kind, tiny_models, tiny_moe_models, tmp_path):
+    """A block-scaled FP8 checkpoint on the GPU (blocks of 16 x 32 kept as they are: the tuned
+    skinny kernels, the one-token q/k/v and gate ‖ up paths and the fused MoE kernels scaling by
+    block, in CUDA graphs, fp32 activations): the tokens of transformers holding the weights the
+    checkpoint stands for."""
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.models.layers import Projection
+    src = tiny_moe_models[kind] if kind == "qwen3_moe" else tiny_models[kind]
+    meant = write_fp8_checkpoint(src, tmp_path / "ckpt", (16, 32))
+    ref = AutoModelForCausalLM.from_pretrained(write_plain_twin(src, tmp_path / "plain", meant),
+                                               dtype=torch.float32).eval().to("cuda")
+    ps = prompts(ref.config.vocab_size, n=6, seed=7)
+    with LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+             cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}) as llm:
+        model = llm._executor.engine.runner.model
+        projections = [m for m in model.modules() if isinstance(m, Projection) and m.plan.fp8]
+        assert projections and all(m.plan.block == (16, 32) for m in projections)
+        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+        one = llm.generate(ps[:1], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
+        want, gaps = hf_greedy(ref, p, 10)
+        assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"{kind} prompt {i}")
+    assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids

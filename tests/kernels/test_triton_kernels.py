@@ -499,6 +499,66 @@ def test_gemv_fp8_weights_equal_the_dequantized_reference(M, N, K):
                                    rtol=0.1)
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 40, 160), (20, 40, 96), (150, 72, 160)]
+                         + ([(1, 4096, 4096), (16, 6144, 4096), (64, 4096, 14336), (37, 1000, 4096),
+                             (300, 6144, 4096), (2048, 28672, 4096)] if CUDA else []))
+def test_block_scaled_fp8_weights_equal_the_dequantized_reference(M, N, K):
+    """FP8 weights with a scale per block (a DeepSeek/Qwen3 FP8 checkpoint's layout, kept as it
+    is): the skinny kernels scale each block's folded sums as they add them (one row, padded rows,
+    split over K, SiLU in front), and the block GEMM of many rows scales each K step's FP8 dot —
+    each against the projection of the dequantized weight (on the rows as quantized, for the
+    GEMM). Rows of many sizes share blocks; N and K end inside a block."""
+    from phalanx.kernels import fp8, fp8_block_gemm, gemv
+    from phalanx.kernels.linear_plan import RowsTile
+    block = (128, 128) if CUDA else (16, 32)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    w = torch.randn(N, K, generator=g) / K ** 0.5 * torch.logspace(-2, 1, N)[:, None]
+    q, scale = (t.to(DEV) for t in fp8.quantize_blocks(w, block))
+    assert scale.shape == (-(-N // block[0]), -(-K // block[1]))
+    b = torch.randn(N, generator=g).to(DEV, dtype)
+    ref = fp8.reference(x.float(), q, b.float(), scale, block)
+    if M <= 64:
+        xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
+        ref_silu = fp8.reference(reference.silu_and_mul_ref(xx).float(), q, None, scale, block)
+        tiles = (gemv.ONE_ROW_TILES[:1] + gemv.ONE_ROW_TILES_FP8[:2] if M == 1   # products folded, and not
+                 else [RowsTile(*t[:4], k) for t in gemv.ROWS_TILES for k in (1, 3)])
+        for tile in tiles:
+            close(gemv.gemv(x, q, b, tile, scale=scale, block=block), ref, dtype)
+            close(gemv.gemv(xx, q, None, tile, silu=True, scale=scale, block=block), ref_silu, dtype)
+    rows = fp8.quantize_rows_reference(x)
+    ref_rows = fp8.reference(rows.dequantize().float(), q, None, scale, block)
+    tiles = fp8_block_gemm.TILES if CUDA else fp8_block_gemm.TILES[:1]
+    for tile in tiles:
+        y = fp8_block_gemm.gemm(rows.q, rows.scale, q, scale, block, tile, out_dtype=dtype)
+        close(y, ref_rows, dtype)
+    if CUDA:   # through fp8.linear, the rows quantized by the kernel: e4m3's own rounding of x
+        y = fp8.linear(x, q, b, scale, fp8_block_gemm.rows_gemm(tiles[0], block), block)
+        torch.testing.assert_close(y.float(), ref, atol=0.1 * ref.abs().max().item(), rtol=0.1)
+
+
+def test_block_scaled_weights_quantize_and_dequantize_by_block():
+    """``quantize_blocks``: one scale per block (its amax / 448; a partial block at the edge
+    takes what it holds), values within e4m3's precision of W; an ``Fp8BlockWeight`` of the
+    same blocks is kept as it is, of other blocks quantized again."""
+    from phalanx.kernels import fp8
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 70, generator=g) * torch.logspace(-3, 2, 40)[:, None]
+    q, scale = fp8.quantize_blocks(w, (16, 32))
+    assert scale.shape == (3, 3) and q.shape == w.shape and q.dtype == fp8.FP8
+    assert torch.equal(scale[2, 2], w[32:, 64:].abs().max() / fp8.FP8_MAX)
+    back = fp8.dequantize_blocks(q, scale, (16, 32), torch.float32)
+    assert ((back - w).abs() <= w.abs() / 16 + fp8.expand_blocks(scale, (16, 32), 40, 70) * 2 ** -9).all()
+    kept = fp8.Fp8BlockWeight(q, scale, (16, 32))
+    assert all(a is b for a, b in zip(fp8.weight_blocks(kept, (16, 32), torch.device("cpu")), (q, scale),
+                                      strict=True))
+    q2, s2 = fp8.weight_blocks(kept, (32, 32), torch.device("cpu"))
+    assert s2.shape == (2, 3)
+    assert fp8.blocks_fit((128, 128)) and fp8.blocks_fit((16, 32))
+    assert not any(fp8.blocks_fit(b) for b in [(16, 16), (8, 128), (128, 96), (1, 128), None])
+
+
 @pytest.mark.parametrize("M,K", [(1, 64), (5, 3000)] + ([(64, 14336)] if CUDA else []))
 def test_quantize_rows_fp8_kernel_equals_the_reference(M, K):
     from phalanx.kernels import fp8, triton_ops
@@ -619,39 +679,44 @@ def test_one_token_gate_up_with_silu_equals_the_kernels_apart(bias):
             close(plan.down_proj(act, down), torch.nn.functional.linear(act.float(), down.float()), dtype)
 
 
-@pytest.mark.parametrize("fold", [1, 16])
-def test_one_token_fused_paths_with_fp8_weights_equal_the_kernels_apart(fold):
-    """FP8 weights (a scale per row) through the one-token paths — q/k/v + rotary + K/V write
-    into an FP8 pool, gate ‖ up + SiLU, then down — give the bits of the FP8 skinny kernels
-    and the kernels after them run apart, with the products folded into a narrower
+@pytest.mark.parametrize("fold,block", [(1, None), (16, None), (16, (32, 32)), (1, (16, 32))])
+def test_one_token_fused_paths_with_fp8_weights_equal_the_kernels_apart(fold, block):
+    """FP8 weights (a scale per row, or per block) through the one-token paths — q/k/v + rotary
+    + K/V write into an FP8 pool, gate ‖ up + SiLU, then down — give the bits of the FP8 skinny
+    kernels and the kernels after them run apart, with the products folded into a narrower
     accumulator (``OneRowTile.fold``) or not."""
     from phalanx.kernels import fp8, gemv
     from phalanx.kernels.linear_plan import GateUpSiluPlan, OneRowTile, Plan, QkvRopePlan
     g = torch.Generator().manual_seed(13)
     dtype = torch.bfloat16 if CUDA else torch.float32
     H, Hkv, D, B, nb = 4, 2, 32, 16, 6
-    K, I = (64, 40) if not CUDA else (4096, 14336)  # noqa: E741 (I: intermediate size)
+    K, I = (64, 48) if not CUDA else (4096, 14336)  # noqa: E741 (I: intermediate size)
+
+    def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = fp8.quantize_weight(t) if block is None else fp8.quantize_blocks(t, block)
+        return q.to(DEV), scale.to(DEV)
     x = torch.randn(1, K, generator=g).to(DEV, dtype)
-    w, s = (t.to(DEV) for t in fp8.quantize_weight(torch.randn((H + 2 * Hkv) * D, K, generator=g)))
+    w, s = quantize(torch.randn((H + 2 * Hkv) * D, K, generator=g))
     cs = torch.randn(40, D, generator=g).to(DEV)
     pos, slot = torch.tensor([37], device=DEV), torch.tensor([3 * B + 5], device=DEV)
     tile = OneRowTile(16, 64 if not CUDA else 1024, 4, 2, fold)
     caches = [torch.zeros(nb, B, Hkv, D, dtype=torch.float8_e4m3fn, device=DEV) for _ in range(4)]
-    q = QkvRopePlan(tile, False)(x, w, None, pos, cs, caches[0], caches[1], slot, H, Hkv, D, s)
-    qkv = gemv.gemv(x, w, None, tile, scale=s)
+    q = QkvRopePlan(tile, False, block)(x, w, None, pos, cs, caches[0], caches[1], slot, H, Hkv, D, s)
+    qkv = gemv.gemv(x, w, None, tile, scale=s, block=block)
+    close(qkv, fp8.reference(x.float(), w, None, s, block), dtype)
     q_part, k_part, v_part = qkv[:, :H * D], qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
     q_ref = triton_ops.rope_and_write_kv(pos, q_part.view(1, H, D), k_part.view(1, Hkv, D), v_part.view(1, Hkv, D),
                                          cs, caches[2], caches[3], slot)
     assert torch.equal(q, q_ref)
     assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
-    gu, s_gu = (t.to(DEV) for t in fp8.quantize_weight(torch.randn(2 * I, K, generator=g) / K ** 0.5))
-    dn, s_dn = (t.to(DEV) for t in fp8.quantize_weight(torch.randn(K, I, generator=g) / I ** 0.5))
-    plan = GateUpSiluPlan(tile, False, Plan("gemv", tile), fp8=True)
+    gu, s_gu = quantize(torch.randn(2 * I, K, generator=g) / K ** 0.5)
+    dn, s_dn = quantize(torch.randn(K, I, generator=g) / I ** 0.5)
+    plan = GateUpSiluPlan(tile, False, Plan("gemv", tile), fp8=True, block=block)
     act = plan.gate_up_silu(x, gu, None, s_gu)
-    assert torch.equal(act, triton_ops.silu_and_mul(gemv.gemv(x, gu, None, tile, scale=s_gu)))
-    assert torch.equal(plan.down_proj(act, dn, s_dn), gemv.gemv(act, dn, None, tile, scale=s_dn))
-    close(plan.down_proj(act, dn, s_dn), fp8.reference(act.float(), dn, None, s_dn), dtype)
+    assert torch.equal(act, triton_ops.silu_and_mul(gemv.gemv(x, gu, None, tile, scale=s_gu, block=block)))
+    assert torch.equal(plan.down_proj(act, dn, s_dn), gemv.gemv(act, dn, None, tile, scale=s_dn, block=block))
+    close(plan.down_proj(act, dn, s_dn), fp8.reference(act.float(), dn, None, s_dn, block), dtype)
 
 
 @pytest.mark.skipif(not CUDA, reason="tuning times CUDA graphs")
@@ -910,6 +975,20 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
         mostly_close(triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=False), ref8, dtype, 1e-5)
         diff = (triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=True).float() - ref_a8.float()).abs()
         assert diff.norm() < 0.03 * ref_a8.float().norm(), tile
+    # FP8 experts with a scale per block (I and H end inside a block here on the CPU), both ways
+    block = (128, 128) if CUDA else (16, 32)
+    b13 = [fp8.quantize_blocks(w13[e].float(), block) for e in range(local)]
+    b2 = [fp8.quantize_blocks(w2[e].float(), block) for e in range(local)]
+    q13, s13 = (torch.stack(t) for t in zip(*b13, strict=True))
+    q2, s2 = (torch.stack(t) for t in zip(*b2, strict=True))
+    ref8 = experts_ref(x, ids, w, q13, q2, first, s13, s2, block=block)
+    ref_a8 = experts_ref(x, ids, w, q13, q2, first, s13, s2, a8=True, block=block)
+    for tile in fp8_tiles:
+        plan = MoePlan((tile,) * 4)
+        mostly_close(triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=False, block=block), ref8,
+                     dtype, 1e-5)
+        got = triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=True, block=block)
+        assert (got.float() - ref_a8.float()).norm() < 0.03 * ref_a8.float().norm(), tile
 
 
 @pytest.mark.parametrize("T,k,E,first,local,block_m", [(1, 2, 4, 0, 4, 16), (37, 3, 8, 4, 4, 16), (300, 2, 6, 0, 3, 32),

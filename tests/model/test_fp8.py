@@ -9,7 +9,14 @@ import copy
 import pytest
 import torch
 
-from hf_reference import PROJECTIONS, assert_same_greedy, fp8_round_trip, hf_greedy, tiny_model_dirs
+from hf_reference import (
+    assert_same_greedy,
+    fp8_round_trip,
+    hf_greedy,
+    tiny_model_dirs,
+    write_fp8_checkpoint,
+    write_plain_twin,
+)
 from phalanx import LLM, SamplingParams
 from phalanx.kernels import cutlass_gemm, fp8
 
@@ -67,6 +74,26 @@ def test_fp8_weight_updates_requantize(tiny_models, tmp_path):
              orchestrator_type="inprocess") as fresh:
         want = [o.outputs[0].token_ids for o in fresh.generate(ps, sp, use_tqdm=False)]
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", quantization="fp8",
+             orchestrator_type="inprocess") as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        llm.update_weights_from_disk(other)
+        after = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    assert after == want and before != want
+
+
+def test_block_scaled_fp8_weight_updates_quantize_by_block(tiny_models, tmp_path):
+    """A model served from a block-scaled FP8 checkpoint, updated with another model's
+    full-precision weights, quantizes them a block at a time: it then gives the tokens of an
+    engine started from that model's block-scaled checkpoint."""
+    other = tiny_model_dirs(lambda name: tmp_path / name, seed=99)["llama"]
+    write_fp8_checkpoint(other, tmp_path / "other8", (16, 32))
+    write_fp8_checkpoint(tiny_models["llama"], tmp_path / "mine8", (16, 32))
+    ps = prompts(256, n=4, seed=3)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(str(tmp_path / "other8"), skip_tokenizer_init=True, dtype="float32",
+             orchestrator_type="inprocess") as fresh:
+        want = [o.outputs[0].token_ids for o in fresh.generate(ps, sp, use_tqdm=False)]
+    with LLM(str(tmp_path / "mine8"), skip_tokenizer_init=True, dtype="float32",
              orchestrator_type="inprocess") as llm:
         before = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
         llm.update_weights_from_disk(other)
@@ -152,75 +179,20 @@ def test_a_cpu_weight_keeps_its_dequantized_copy_until_it_or_its_scale_is_writte
     assert torch.equal(fp8.reference(x32, q, None, scale), x32 @ fp8.dequantize(q, scale, torch.float32).T)
 
 
-def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None):
-    """``src`` as an FP8 checkpoint: every decoder projection e4m3 with a scale per ``block`` tile
-    (``weight_scale_inv``, as DeepSeek and Qwen3 ship), or one per tensor (``weight_scale`` and an
-    ``input_scale``) when block is None. ``compressed``: as llm-compressor writes it instead
-    (quant_method compressed-tensors), with a ``weight_scale`` per "tensor", "channel" ([N, 1]) or
-    "block". Returns {name: the full-precision weight it stands for}."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(src, dst)
-    tensors = load_file(f"{dst}/model.safetensors")
-    meant = {}
-    for name in list(tensors):
-        if name.rsplit(".", 2)[-2] not in PROJECTIONS:
-            continue
-        w = tensors[name].float()
-        base = name.removesuffix(".weight")
-        if compressed == "channel":
-            q, s = fp8.quantize_weight(w)
-            tensors[base + ".weight_scale"] = s[:, None]
-            meant[name] = fp8.dequantize(q, s, torch.float32)
-        elif block is None:
-            s = w.abs().max() / fp8.FP8_MAX
-            q = (w / s).to(fp8.FP8)
-            tensors[base + ".weight_scale"], tensors[base + ".input_scale"] = s.reshape(()), torch.tensor(0.5)
-            meant[name] = q.float() * s
-        else:
-            r, c = block
-            N, K = w.shape
-            tiles = w.reshape(N // r, r, K // c, c)
-            s = tiles.abs().amax(dim=(1, 3)) / fp8.FP8_MAX
-            q = (tiles / s[:, None, :, None]).to(fp8.FP8)
-            tensors[base + (".weight_scale" if compressed else ".weight_scale_inv")] = s
-            meant[name] = (q.float() * s[:, None, :, None]).reshape(N, K)
-            q = q.reshape(N, K)
-        tensors[name] = q
-    save_file(tensors, f"{dst}/model.safetensors")
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  **({"weight_block_size": list(block)} if block else {})}
-    if compressed:
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": compressed,
-                   **({"block_structure": list(block)} if compressed == "block" else {})}
-        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": compressed != "tensor",
-                "strategy": "tensor" if compressed == "tensor" else "token"}
-        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                                      "quantization_status": "compressed", "ignore": ["lm_head"],
-                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                                                    "input_activations": acts}}}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return meant
-
-
 @pytest.mark.parametrize("block,compressed", [((16, 32), None), (None, None), (None, "tensor"),
                                               (None, "channel"), ((16, 32), "block")])
 def test_an_fp8_checkpoint_serves_what_it_stores(block, compressed, tiny_models, hf_models, tmp_path, caplog):
     """FP8 checkpoints with a scale per tensor or per row (quant_method fp8, compressed-tensors
-    "tensor" and "channel") are served with their own bytes and scales; block-scaled ones
-    (quant_method fp8 with weight_block_size, compressed-tensors "block") load dequantized and
-    are quantized again with a scale per output channel. Either way: the tokens of transformers
-    holding the weights the engine holds; a weight update from the same checkpoint changes
-    nothing."""
+    "tensor" and "channel") or per block (quant_method fp8 with weight_block_size,
+    compressed-tensors "block") are served with their own bytes and scales: the tokens of
+    transformers holding the weights the checkpoint stands for; a weight update from the same
+    checkpoint changes nothing."""
     meant = write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", block, compressed)
     ref = copy.deepcopy(hf_models["llama"])
     with torch.no_grad():
         params = dict(ref.named_parameters())
         for name, w in meant.items():
-            params[name].copy_(w if block is None else fp8.dequantize(*fp8.quantize_weight(w), torch.float32))
+            params[name].copy_(w)
     ps = prompts(ref.config.vocab_size, n=4, seed=5)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     with LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32",
@@ -236,47 +208,85 @@ def test_an_fp8_checkpoint_serves_what_it_stores(block, compressed, tiny_models,
         assert o2.outputs[0].token_ids == o.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("compressed", [None, "channel"])   # a scale a tensor (quant_method fp8), a row
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_an_fp8_checkpoint_scaled_per_tensor_or_row_is_stored_as_it_is(kind, compressed, dtype, tiny_models,
-                                                                       tiny_moe_models, tmp_path):
-    """An FP8 checkpoint with a scale per tensor or per row keeps its e4m3 bytes and scales in
-    the engine's FP8 projections and experts, on every rank of a split: each row holds exactly
-    the weight the checkpoint stands for (quantizing the dequantized weight again, in the
-    model's dtype, would round it a second time)."""
-    import shutil
+def test_block_scaled_fp8_experts_serve_what_the_checkpoint_stores(tiny_moe_models, tmp_path):
+    """A block-scaled Qwen3-MoE FP8 checkpoint on one rank: the experts and projections keep
+    their blocks (the experts' 48 intermediate columns end inside a block of 32) and the tokens
+    are transformers' holding the weights the checkpoint stands for."""
+    from phalanx.models.layers import Projection
+    from phalanx.models.loader import build_model
+    from phalanx.models.moe import SparseMoE
+    from phalanx.models.source import resolve_model
+    meant = write_fp8_checkpoint(tiny_moe_models["qwen3_moe"], tmp_path / "ckpt", (16, 32))
+    model = build_model(resolve_model(str(tmp_path / "ckpt")), torch.float32, torch.device("cpu"), fp8=True)
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all(m.fp8_block == (16, 32) and m.w13_scale.shape == (8, 6, 2) for m in moes)
+    assert all(m.fp8_block == (16, 32) for m in model.modules() if isinstance(m, Projection) and m.plan.fp8)
+    from transformers import AutoModelForCausalLM
+    plain = write_plain_twin(tiny_moe_models["qwen3_moe"], tmp_path / "plain", meant)
+    ref = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    ps = prompts(ref.config.vocab_size, n=3, seed=9)
+    with LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32",
+             orchestrator_type="inprocess") as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
+        want, gaps = hf_greedy(ref, p, 8)
+        assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
 
-    from safetensors.torch import load_file, save_file
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compressed,block", [(None, None), ("channel", None), (None, (16, 32))])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_an_fp8_checkpoint_is_stored_as_it_is(kind, compressed, block, dtype, tiny_models, tiny_moe_models,
+                                              tmp_path):
+    """An FP8 checkpoint with a scale per tensor (quant_method fp8), per row (compressed-tensors
+    "channel") or per block (weight_block_size) keeps its e4m3 bytes and scales in the engine's
+    FP8 projections and experts, on every rank of a split: each row holds exactly the weight the
+    checkpoint stands for (quantizing the dequantized weight again, in the model's dtype, would
+    round it a second time). Block-scaled layers keep a scale per block where the rank's rows
+    and columns fall on whole blocks; the Qwen3-MoE experts split over two ranks (24 of 48
+    intermediate rows each, blocks of 16) do not, and keep a scale per row, rounded again."""
+
 
     from phalanx.models.loader import build_model
     from phalanx.models.parallel import TPGroup
     from phalanx.models.source import resolve_model
     src = tiny_moe_models[kind] if kind == "qwen3_moe" else tiny_models[kind]
-    meant = write_fp8_checkpoint(src, tmp_path / "fp8", None, compressed)
-    plain = tmp_path / "plain"    # the same weights in full precision: the reference's placement on each rank
-    shutil.copytree(src, plain)
-    tensors = load_file(f"{plain}/model.safetensors")
-    tensors.update({name: w.contiguous() for name, w in meant.items()})
-    save_file(tensors, f"{plain}/model.safetensors")
+    meant = write_fp8_checkpoint(src, tmp_path / "fp8", block, compressed)
+    plain = write_plain_twin(src, tmp_path / "plain", meant)   # the reference's placement on each rank
     cpu = torch.device("cpu")
     for rank in (0, 1):
         tp = TPGroup(rank=rank, size=2)
         ours = build_model(resolve_model(str(tmp_path / "fp8")), dtype, cpu, tp, fp8=True)
         full = build_model(resolve_model(str(plain)), torch.float32, cpu, tp)
         got, want = dict(ours.named_parameters()), dict(full.named_parameters())
-        checked = 0
+        modules = dict(ours.named_modules())
+        checked = kept_blocks = 0
         for name, w in want.items():
             if got[name].dtype != fp8.FP8:
                 assert torch.equal(got[name], w.to(dtype)), name
                 continue
             experts = name.endswith(("w13", "w2"))
+            owner = modules[name.rsplit(".", 1)[0]]
             scale = got[name + "_scale"] if experts else got[name.removesuffix("weight") + "weight_scale"]
             K = w.shape[-1]
-            back = fp8.dequantize(got[name].reshape(-1, K), scale.reshape(-1), torch.float32)
-            assert torch.equal(back, w.reshape(-1, K)), (rank, name)
+            if owner.fp8_block is not None:
+                assert owner.fp8_block == block and not experts, name
+                back = torch.cat([fp8.dequantize_blocks(q_, s_, block, torch.float32)
+                                  for q_, s_ in zip(got[name].reshape(-1, *w.shape[-2:]),
+                                                    scale.reshape(-1, *scale.shape[-2:]), strict=True)])
+                kept_blocks += 1
+            else:
+                back = fp8.dequantize(got[name].reshape(-1, K), scale.reshape(-1), torch.float32)
+            if block is not None and owner.fp8_block is None:   # split inside a block: a scale a row
+                assert experts, name
+                # within e4m3's rounding of each row: a step is 1/16 of a value, 2^-9 of the scale below 2^-6
+                torch.testing.assert_close(back, w.reshape(-1, K), atol=scale.max().item() * 2 ** -9, rtol=2 ** -4)
+            else:
+                assert torch.equal(back, w.reshape(-1, K).reshape(back.shape)), (rank, name)
             checked += 1
         assert checked == 4 * ours.config.num_layers   # q‖k‖v, o, and gate‖up and down (or the experts) a layer
+        if block is not None:
+            assert kept_blocks == checked - (2 * ours.config.num_layers if kind == "qwen3_moe" else 0)
 
 
 INT4_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
@@ -420,7 +430,7 @@ def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(
                        fp8.quantize_rows_reference(ops.rms_norm(x, alone.weight, alone.eps)).q.view(torch.uint8))
     # where the projections do take FP8 rows (a GPU with the row-wise FP8 GEMM), the engine sets
     # both norms to hand over above the skinny buckets and runs each such form once, shapes and all
-    monkeypatch.setattr(fp8, "takes_fp8_rows", lambda q, dtype: True)
+    monkeypatch.setattr(fp8, "takes_fp8_rows", lambda q, dtype, block=None: True)
     for other in model.model.decoder_layers:
         other.prepare_fp8_rows(torch.float32)
         assert other.input_layernorm.fp8_rows_above == 64 and other.post_attention_layernorm.fp8_rows_above == 64
