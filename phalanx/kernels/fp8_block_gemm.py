@@ -25,13 +25,17 @@ from phalanx.kernels.fp8 import Block
 from phalanx.kernels.linear_plan import BLOCK_GEMM_TILE, BlockGemmTile
 
 GROUP_M = 8
-# the tiles the tuner tries for each bucket of many rows (the untuned plan's first)
+# the tiles the tuner tries for each bucket of many rows (the untuned plan's first) ...
 TILES = (BLOCK_GEMM_TILE, BlockGemmTile(128, 128, 8, 3), BlockGemmTile(128, 64, 4, 4),
          BlockGemmTile(64, 64, 4, 4), BlockGemmTile(128, 256, 8, 3))
+# ... and for the buckets of up to 16 and 64 rows beside the skinny kernels: narrow column tiles, so
+# that a weight read once spreads over every SM
+FEW_ROW_TILES = (BlockGemmTile(16, 64, 4, 4), BlockGemmTile(32, 64, 4, 4), BlockGemmTile(64, 64, 4, 4),
+                 BlockGemmTile(64, 32, 4, 4))
 DEFAULT_TILE = BLOCK_GEMM_TILE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # one form for any row count: a step's rows vary
 def _block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_am, s_wn, s_sn, s_ym,
                        HAS_BIAS: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, GROUP: tl.constexpr):

@@ -90,7 +90,10 @@ def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, sb_ptr, s_sn, BLOCK_N: tl.constex
 
     SBK > 0: the weight is FP8 with a scale per SBN x SBK block (``fp8.Fp8BlockWeight``, the
     scales at sb_ptr, s_sn apart by block row): each folded lane is multiplied by its block's
-    scale before it is added (FOLD divides SBK, so a lane never spans two blocks).
+    scale before it is added (FOLD divides SBK, so a lane never spans two blocks). A program's
+    rows lie in at most two block rows (its first and last: rows of a tile no taller than a
+    block, gate and up rows, the two halves of a rotary pair), so each K step loads the scales
+    of those two for its lanes ([BLOCK_K // FOLD] each) and picks one a row.
 
     PRE: the first weight tile is loaded before the PDL wait (a weight: nothing in the chain writes
     it), so that it streams while the kernel in front finishes. That pays where the kernel in
@@ -100,27 +103,31 @@ def _row_product(x_ptr, w_ptr, s_wn, n, nm, K, sb_ptr, s_sn, BLOCK_N: tl.constex
     release(PDL)
     k = tl.arange(0, BLOCK_K)
     km = k < K
-    sb_rows = sb_ptr + (n // SBN) * s_sn      # block-scaled weights (SBK > 0): the rows' block scales
+    bn = tl.where(nm, n, tl.min(n)) // SBN     # block-scaled weights (SBK > 0): each row's block row,
+    lo = tl.min(bn)                            # the program's first and last
+    sb_lo = sb_ptr + lo * s_sn
+    sb_hi = sb_ptr + tl.max(bn) * s_sn
+    first = bn == lo
     if PRE:
         w0 = _w_tile(w_ptr, s_wn, n, nm, k, km)
     wait(PDL)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K // FOLD], tl.float32)
     if PRE:
-        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, nm, sb_rows, 0, BLOCK_K, FOLD, SILU, SBK)
+        acc1 = _fma_tile(acc1, w0, x_ptr, k, km, K, first, sb_lo, sb_hi, 0, BLOCK_K, FOLD, SILU, SBK)
     for k0 in range(BLOCK_K * PRE, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
-        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, nm, sb_rows, k0, BLOCK_K, FOLD,
-                         SILU, SBK)
+        acc1 = _fma_tile(acc1, _w_tile(w_ptr, s_wn, n, nm, k, km), x_ptr, k, km, K, first, sb_lo, sb_hi, k0, BLOCK_K,
+                         FOLD, SILU, SBK)
     return tl.sum(acc1, 1)
 
 
 @triton.jit
-def _fma_tile(acc1, w, x_ptr, k, km, K, nm, sb_rows, k0, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
+def _fma_tile(acc1, w, x_ptr, k, km, K, first, sb_lo, sb_hi, k0, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
               SILU: tl.constexpr, SBK: tl.constexpr):
     """acc1 + a weight tile times the matching tile of x (silu(gate) * up of it with SILU), the
     products summed FOLD neighbours at a time (and with SBK > 0 each sum scaled by its block's
-    scale: ``sb_rows`` + the block column)."""
+    scale: from the block row at ``sb_lo`` for the rows ``first``, else at ``sb_hi``)."""
     x = tl.load(x_ptr + k, mask=km, other=0.0)
     if SILU:
         x = silu_mul(x, tl.load(x_ptr + K + k, mask=km, other=0.0))
@@ -129,7 +136,10 @@ def _fma_tile(acc1, w, x_ptr, k, km, K, nm, sb_rows, k0, BLOCK_K: tl.constexpr, 
         p = tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // FOLD, FOLD]), 2)
     if SBK > 0:
         kf = k0 + tl.arange(0, BLOCK_K // FOLD) * FOLD
-        p *= tl.load(sb_rows[:, None] + (kf // SBK)[None, :], mask=nm[:, None] & (kf < K)[None, :], other=0.0)
+        kb = kf // SBK
+        s_lo = tl.load(sb_lo + kb, mask=kf < K, other=0.0)
+        s_hi = tl.load(sb_hi + kb, mask=kf < K, other=0.0)
+        p *= tl.where(first[:, None], s_lo[None, :], s_hi[None, :])
     return acc1 + p
 
 
@@ -304,11 +314,15 @@ def auto_splits(N: int, K: int, tile: RowsTile, num_sms: int) -> int:
     return max(1, min(triton.cdiv(2 * num_sms, triton.cdiv(N, bn)), K // (4 * bk)))
 
 
-def _scales(scale: torch.Tensor | None, block: Block | None, weight: torch.Tensor) -> dict:
+def _scales(scale: torch.Tensor | None, block: Block | None, run: int = 0) -> dict:
     """The scale arguments of a launch: none, a scale per row (HAS_SCALE), or per ``block`` of an
-    FP8 weight (SBN x SBK, the scales' row stride)."""
+    FP8 weight (SBN x SBK, the scales' row stride). ``run``: the longest run of consecutive rows
+    a program of the one-row kernels takes (aligned to its length); no longer than a block, so
+    that a program's rows lie in at most two block rows (``_row_product``)."""
     if scale is None or block is None:
         return {"HAS_SCALE": scale is not None, "SBN": 1, "SBK": 0, "s_sn": 0}
+    if run > block[0]:
+        raise ValueError(f"a program's run of {run} rows spans more than a block of {block[0]} rows")
     return {"HAS_SCALE": False, "SBN": block[0], "SBK": block[1], "s_sn": scale.stride(0)}
 
 
@@ -329,12 +343,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
-    scales = _scales(scale, block, weight)
     if M == 1 and isinstance(tile, OneRowTile):
+        scales = _scales(scale, block, tile.block_n // 2)   # a tile no taller than two blocks
         _gemv_kernel[(triton.cdiv(N, tile.block_n),)](
             x, weight, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
             SILU=silu, PRE=preload, **scales, **_one_row_launch(tile, x, weight, silu), **_pdl.launch(x, pdl))
         return y
+    scales = _scales(scale, block)
     rows_tile = tile if isinstance(tile, RowsTile) else RowsTile(*tile[:4])
     bn, bk, warps, stages, splits = _padded_rows_launch(rows_tile)
     if scales["SBK"]:
@@ -376,7 +391,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // tile.block_n,)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
         slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
-        HAS_BIAS=bias is not None, **_scales(scale, block, weight), D=D, PRE=True, VB=value_block(v_cache),
+        HAS_BIAS=bias is not None, **_scales(scale, block, tile.block_n // 2), D=D, PRE=True, VB=value_block(v_cache),
         **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return q
 
@@ -391,9 +406,11 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.stride(-1) != 1:
         x = x.contiguous()
     I = weight.shape[0] // 2  # noqa: E741 (the intermediate size, as everywhere in the MLP code)
+    if block is not None and I % (tile.block_n // 2):
+        raise ValueError(f"the up rows of a program must start on a run of {tile.block_n // 2}: I = {I}")
     act = torch.empty(1, I, dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(triton.cdiv(I, tile.block_n // 2),)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, act, I, x.shape[1],
-        weight.stride(0), HAS_BIAS=bias is not None, **_scales(scale, block, weight), PRE=True,
+        weight.stride(0), HAS_BIAS=bias is not None, **_scales(scale, block, tile.block_n // 2), PRE=True,
         **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return act

@@ -115,6 +115,8 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
     else:
         def front() -> torch.Tensor:
             return x
+    if block is not None and x.shape[0] > 1:   # the block GEMM's narrow tiles beside the padded rows
+        plans = [Plan("triton", t) for t in fp8_block_gemm.FEW_ROW_TILES] + plans
     for plan in [CUBLAS if block is None else BLOCK_GEMM, *plans]:
         yield plan, functools.partial(_timed_call, launcher(plan, neighbour, scale is not None, block), front, ws,
                                       scale)

@@ -49,8 +49,9 @@ def test_cuda_graph_and_eager_give_identical_tokens(dtype, tiny_models):
 
 
 @pytest.mark.parametrize("kv,weights,max_num_tokens,draft", [("auto", None, 64, None), ("fp8", None, 64, None),
-                                                              ("fp8", "fp8", 128, None), ("auto", None, 64, "qwen3")])
-def test_no_kernel_compiles_while_serving(kv, weights, max_num_tokens, draft, tiny_models):
+                                                              ("fp8", "fp8", 128, None), ("auto", None, 64, "qwen3"),
+                                                              ("auto", "fp8-block", 128, None)])
+def test_no_kernel_compiles_while_serving(kv, weights, max_num_tokens, draft, tiny_models, tmp_path):
     """Every kernel form a step can need exists once start-up is over: a compile (a second or so)
     in the middle of a step stalls every request in it. Chunked prompts beside decode rows (a
     mixed step's extend rows start at an odd row), prefix hits copying part of a block, and every
@@ -58,13 +59,18 @@ def test_no_kernel_compiles_while_serving(kv, weights, max_num_tokens, draft, ti
     in an MPI rank of its own: in this process, forms an earlier test compiled would hide a gap.
     With FP8 weights, steps of more than 64 rows take the norms and the SiLU-and-mul that quantize.
     With a draft model of another head size (32 against 16), the draft's prompt and decode steps
-    over its own pool take attention forms of their own."""
+    over its own pool take attention forms of their own. A block-scaled FP8 checkpoint's steps of
+    more than 64 rows take the block GEMM, on rows of any count."""
+    model = tiny_models["llama"]
+    if weights == "fp8-block":
+        write_fp8_checkpoint(model, tmp_path / "ckpt", (16, 32))
+        model, weights = str(tmp_path / "ckpt"), None
     ps = prompts(256, n=24, seed=7)
     shared = [ps[i % 4][:20] + p for i, p in enumerate(prompts(256, n=16, seed=8))]   # hits inside a block
     sp = [SamplingParams(max_tokens=3 + i % 11, ignore_eos=True) for i in range(len(ps))]
     spec = None if draft is None else {"decoding_type": "DraftTarget", "max_draft_len": 3, "adaptive": False,
                                        "speculative_model_dir": tiny_models[draft]}    # every step drafts
-    with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="bfloat16", quantization=weights,
+    with LLM(model, skip_tokenizer_init=True, dtype="bfloat16", quantization=weights,
              max_num_tokens=max_num_tokens, kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 16 << 20},
              cuda_graph_config={"batch_sizes": [1, 2, 4, 8]}, speculative_config=spec) as llm:
         llm.control("timing:on")

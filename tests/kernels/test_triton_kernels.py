@@ -529,10 +529,13 @@ def test_block_scaled_fp8_weights_equal_the_dequantized_reference(M, N, K):
             close(gemv.gemv(xx, q, None, tile, silu=True, scale=scale, block=block), ref_silu, dtype)
     rows = fp8.quantize_rows_reference(x)
     ref_rows = fp8.reference(rows.dequantize().float(), q, None, scale, block)
-    tiles = fp8_block_gemm.TILES if CUDA else fp8_block_gemm.TILES[:1]
+    tiles = fp8_block_gemm.TILES + fp8_block_gemm.FEW_ROW_TILES if CUDA else fp8_block_gemm.TILES[:1]
     for tile in tiles:
         y = fp8_block_gemm.gemm(rows.q, rows.scale, q, scale, block, tile, out_dtype=dtype)
-        close(y, ref_rows, dtype)
+        # (the tensor cores' FP8 dots sum a block's 128 products in a narrower format before the
+        # scale promotes them: on an H100 up to 1,356 of 58.7 million bf16 outputs land just past
+        # close's tolerance, all near zero; one in a thousand is allowed)
+        mostly_close(y, ref_rows, dtype, 1e-3)
     if CUDA:   # through fp8.linear, the rows quantized by the kernel: e4m3's own rounding of x
         y = fp8.linear(x, q, b, scale, fp8_block_gemm.rows_gemm(tiles[0], block), block)
         torch.testing.assert_close(y.float(), ref, atol=0.1 * ref.abs().max().item(), rtol=0.1)
@@ -976,6 +979,9 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
         diff = (triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=True).float() - ref_a8.float()).abs()
         assert diff.norm() < 0.03 * ref_a8.float().norm(), tile
     # FP8 experts with a scale per block (I and H end inside a block here on the CPU), both ways
+    from triton.runtime.errors import OutOfResources
+
+    from phalanx.kernels.triton_moe import DEFAULT_PLAN
     block = (128, 128) if CUDA else (16, 32)
     b13 = [fp8.quantize_blocks(w13[e].float(), block) for e in range(local)]
     b2 = [fp8.quantize_blocks(w2[e].float(), block) for e in range(local)]
@@ -983,12 +989,19 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
     q2, s2 = (torch.stack(t) for t in zip(*b2, strict=True))
     ref8 = experts_ref(x, ids, w, q13, q2, first, s13, s2, block=block)
     ref_a8 = experts_ref(x, ids, w, q13, q2, first, s13, s2, a8=True, block=block)
-    for tile in fp8_tiles:
+    ran = set()
+    for tile in fp8_tiles | set(DEFAULT_PLAN.tiles):
         plan = MoePlan((tile,) * 4)
-        mostly_close(triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=False, block=block), ref8,
-                     dtype, 1e-5)
+        try:
+            got = triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=False, block=block)
+        except OutOfResources:   # scaling each step's dots takes more shared memory: the tuner skips such a tile
+            assert CUDA and tile not in DEFAULT_PLAN.tiles, tile
+            continue
+        mostly_close(got, ref8, dtype, 1e-5)
         got = triton_moe.fused_moe(x, ids, w, q13, q2, first, plan, s13, s2, a8=True, block=block)
         assert (got.float() - ref_a8.float()).norm() < 0.03 * ref_a8.float().norm(), tile
+        ran.add(tile)
+    assert len(ran & fp8_tiles) >= len(fp8_tiles) // 2, ran
 
 
 @pytest.mark.parametrize("T,k,E,first,local,block_m", [(1, 2, 4, 0, 4, 16), (37, 3, 8, 4, 4, 16), (300, 2, 6, 0, 3, 32),
