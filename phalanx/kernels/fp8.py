@@ -16,6 +16,12 @@ output channel (row of W) gets a float32 scale = max |W[n]| / 448, and W is stor
   build time where ``takes_fp8_rows``), the down projection's SiLU-and-mul quantizes in the
   same kernel (``silu_linear``).
 
+A block-scaled FP8 checkpoint (``weight_block_size``, DeepSeek and Qwen3 FP8: ``Fp8BlockWeight``)
+keeps a scale per (rows, cols) block where a layer's split allows (``layers.fp8_weights``): the
+skinny kernels scale each block's folded sums as they add them, and many rows take the block
+GEMM (kernels/fp8_block_gemm.py, Triton: cuBLASLt's row-wise FP8 GEMM has no block form), on
+rows quantized per row as above.
+
 The reference (and the path on a CPU, or where a shape or dtype does not suit ``_scaled_mm``) is
 the bf16 projection of the dequantized weight, q · scale, so the whole engine runs and is
 tested on a CPU. MoE experts take the same per-row scales in the fused MoE kernels
@@ -63,7 +69,8 @@ class Fp8BlockWeight(NamedTuple):
     """A checkpoint's e4m3 weight with one scale per ``block`` = (rows, cols) tile, as DeepSeek's
     and Qwen3's FP8 checkpoints ship (``weight_block_size``): W[n, k] = q[n, k] · scale[n // rows,
     k // cols], q [N, K] e4m3, scale [⌈N / rows⌉, ⌈K / cols⌉] float32. A block-scaled FP8
-    projection or expert stores these bytes and scales as they are (``weight_blocks``)."""
+    projection or expert stores these bytes and scales as they are (``Projection._load_fp8_blocks``,
+    ``SparseMoE._load_expert_blocks``)."""
     q: torch.Tensor
     scale: torch.Tensor
     block: Block
@@ -82,17 +89,6 @@ def weight_rows(w: torch.Tensor | Fp8Weight | Fp8BlockWeight,
     if isinstance(w, Fp8BlockWeight):
         w = w.dequantize(torch.float32)
     return quantize_weight(w.to(device))
-
-
-def weight_blocks(w: torch.Tensor | Fp8Weight | Fp8BlockWeight, block: Block,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale per ``block``) of checkpoint rows on ``device``: an ``Fp8BlockWeight`` of the same
-    blocks as it is, exactly; anything else quantized a block at a time (``quantize_blocks``)."""
-    if isinstance(w, Fp8BlockWeight) and tuple(w.block) == tuple(block):
-        return w.q.to(device), w.scale.to(device, torch.float32)
-    if isinstance(w, (Fp8Weight, Fp8BlockWeight)):
-        w = w.dequantize(torch.float32)
-    return quantize_blocks(w.to(device), block)
 
 
 def quantize_blocks(w: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,10 +121,11 @@ def dequantize_any(q: torch.Tensor, scale: torch.Tensor, block: Block | None, dt
 
 def blocks_fit(block: tuple[int, ...] | None) -> bool:
     """Whether the kernels take a weight of these blocks as it is: powers of two, rows from 16
-    and columns from 32 (the one-row kernels fold 16 products before they scale them; a K step
-    of the many-row GEMM is one block's columns, and an FP8 tensor-core dot takes 32)."""
+    and columns from 32 to 128 (the one-row kernels fold 16 products before they scale them; a K
+    step of the many-row GEMM is one block's columns, and an FP8 tensor-core dot takes 32; wider
+    steps would not fit its tiles in shared memory)."""
     return (block is not None and len(block) == 2 and all(b & (b - 1) == 0 for b in block)
-            and block[0] >= 16 and block[1] >= 32)
+            and block[0] >= 16 and 32 <= block[1] <= 128)
 
 
 class Fp8Rows(NamedTuple):
@@ -254,9 +251,26 @@ def takes_fp8_rows(q: torch.Tensor, act_dtype: torch.dtype, block: Block | None 
     if not (q.is_cuda and q.dtype == FP8 and act_dtype == torch.bfloat16):
         return False
     if block is not None:
-        from phalanx.kernels import ops
-        return ops.triton_available()
+        return block_gemm_runs(q.device, (block[0], block[1]))
     return q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0 and rowwise_scaled_mm(q.device)
+
+
+@functools.cache
+def block_gemm_runs(device: torch.device, block: Block) -> bool:
+    """Whether the block GEMM (kernels/fp8_block_gemm.py) runs on this GPU for these blocks (tried
+    once, on its untuned tile, at start-up: where not, a block-scaled weight's many rows take the
+    reference)."""
+    from phalanx.kernels import ops
+    if not ops.triton_available():
+        return False
+    from phalanx.kernels import fp8_block_gemm
+    rows = torch.ones(16, 2 * block[1], device=device).to(FP8)
+    try:
+        fp8_block_gemm.gemm(rows, torch.ones(16, 1, device=device), rows, torch.ones(1, 2, device=device), block)
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - the compiler or the GPU refused it: the reference serves
+        return False
 
 
 def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor, block: Block | None = None) -> bool:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phalanx.kernels.fp8 import Block
+from phalanx.kernels.fp8 import Block, RowsGemm
 from phalanx.kernels.linear_plan import BLOCK_GEMM_TILE, BlockGemmTile
 
 GROUP_M = 8
@@ -86,7 +86,7 @@ def gemm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, scale:
     return y
 
 
-def rows_gemm(tile: BlockGemmTile, block: Block):
+def rows_gemm(tile: BlockGemmTile, block: Block) -> RowsGemm:
     """``gemm`` with its tile and blocks bound, in the form of ``fp8.RowsGemm``."""
     def run(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return gemm(rows_q, rows_scale, q, scale, block, tile)

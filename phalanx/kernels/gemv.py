@@ -319,6 +319,8 @@ def _scales(scale: torch.Tensor | None, block: Block | None, run: int = 0) -> di
     FP8 weight (SBN x SBK, the scales' row stride). ``run``: the longest run of consecutive rows
     a program of the one-row kernels takes (aligned to its length); no longer than a block, so
     that a program's rows lie in at most two block rows (``_row_product``)."""
+    if scale is not None and scale.dim() != (1 if block is None else 2):
+        raise ValueError(f"a {scale.dim()}-D scale with blocks {block}: one a row is 1-D, one a block 2-D")
     if scale is None or block is None:
         return {"HAS_SCALE": scale is not None, "SBN": 1, "SBK": 0, "s_sn": 0}
     if run > block[0]:
@@ -344,7 +346,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
     if M == 1 and isinstance(tile, OneRowTile):
-        scales = _scales(scale, block, tile.block_n // 2)   # a tile no taller than two blocks
+        # a program's block_n rows, aligned: in at most two block rows where no taller than two
+        # blocks, the condition ``_scales`` checks as a run of half of them
+        scales = _scales(scale, block, tile.block_n // 2)
         _gemv_kernel[(triton.cdiv(N, tile.block_n),)](
             x, weight, bias_arg, scale_arg, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
             SILU=silu, PRE=preload, **scales, **_one_row_launch(tile, x, weight, silu), **_pdl.launch(x, pdl))

@@ -222,6 +222,8 @@ def _moe_down_kernel(act_ptr, as_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr,
 
 def _block_scales(scale: torch.Tensor | None, block: fp8.Block | None) -> dict:
     """The scale arguments of an expert kernel: a scale per row (HAS_SCALE) or per ``block``."""
+    if scale is not None and scale.dim() != (2 if block is None else 3):
+        raise ValueError(f"experts' {scale.dim()}-D scales with blocks {block}: [E, rows] a row, [E, ...] a block")
     if scale is None or block is None:
         return {"HAS_SCALE": scale is not None, "SBN": 1, "SBK": 0, "s_se": 0, "s_sn": 0}
     return {"HAS_SCALE": False, "SBN": block[0], "SBK": block[1], "s_se": scale.stride(0), "s_sn": scale.stride(1)}
