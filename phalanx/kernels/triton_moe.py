@@ -156,17 +156,21 @@ def _moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, act_pt
             x = tl.load(x_ptr + tok[:, None] * s_xt + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             wg = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             wu = tl.load(wb + (I + n)[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            if A8:
-                dg = tl.dot(x, tl.trans(wg))
-                du = tl.dot(x, tl.trans(wu))
+            if SBK > 0:   # each step's dots scaled by their block column's scales before they add up
+                if A8:
+                    dg = tl.dot(x, tl.trans(wg))
+                    du = tl.dot(x, tl.trans(wu))
+                else:
+                    dg = tl.dot(x, tl.trans(wg.to(x.dtype)), input_precision=PREC)
+                    du = tl.dot(x, tl.trans(wu.to(x.dtype)), input_precision=PREC)
+                acc_g += dg * tl.load(sg_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
+                acc_u += du * tl.load(su_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
+            elif A8:   # (the sums go straight into the dots' accumulators: a form of its own)
+                acc_g += tl.dot(x, tl.trans(wg))
+                acc_u += tl.dot(x, tl.trans(wu))
             else:
-                dg = tl.dot(x, tl.trans(wg.to(x.dtype)), input_precision=PREC)
-                du = tl.dot(x, tl.trans(wu.to(x.dtype)), input_precision=PREC)
-            if SBK > 0:
-                dg *= tl.load(sg_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
-                du *= tl.load(su_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
-            acc_g += dg
-            acc_u += du
+                acc_g += tl.dot(x, tl.trans(wg.to(x.dtype)), input_precision=PREC)
+                acc_u += tl.dot(x, tl.trans(wu.to(x.dtype)), input_precision=PREC)
         if HAS_SCALE:
             acc_g *= tl.load(sc_ptr + e * 2 * I + n, mask=nm, other=0.0)[None, :]
             acc_u *= tl.load(sc_ptr + e * 2 * I + I + n, mask=nm, other=0.0)[None, :]
@@ -203,13 +207,16 @@ def _moe_down_kernel(act_ptr, as_ptr, w_ptr, sc_ptr, pair_ptr, bexp_ptr, rw_ptr,
             km = k < I
             a = tl.load(act_ptr + rows[:, None] * s_ar + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             w = tl.load(wb + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            if A8:  # noqa: SIM108 (a constexpr branch, as in the gate ‖ up kernel)
-                d = tl.dot(a, tl.trans(w))
-            else:
-                d = tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
             if SBK > 0:
-                d *= tl.load(s_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
-            acc += d
+                if A8:  # noqa: SIM108 (constexpr branches, as in the gate ‖ up kernel)
+                    d = tl.dot(a, tl.trans(w))
+                else:
+                    d = tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
+                acc += d * tl.load(s_rows + k0 // SBK, mask=nm, other=0.0)[None, :]
+            elif A8:
+                acc += tl.dot(a, tl.trans(w))
+            else:
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PREC)
         if HAS_SCALE:
             acc *= tl.load(sc_ptr + e * H + n, mask=nm, other=0.0)[None, :]
         if A8:
