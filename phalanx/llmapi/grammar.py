@@ -5,7 +5,8 @@ Used in the user process, to refuse a constraint that does not compile with a Va
 the field before anything is submitted, and on the ranks, which run it (pyexecutor/guided_decoder.py).
 JSON schemas compile strictly and without free whitespace (compact JSON: a small model cannot
 wander into endless blanks); ``json_object`` is the schema ``{"type": "object"}``; ``choice``
-is a grammar of its literal alternatives.
+is a grammar of its literal alternatives; a structural tag compiles as xgrammar reads it (the
+JSON schemas inside it checked as the ``json`` ones are).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class GrammarCompiler:
         kind = params.kind
         if kind == "json":
             _check_enforced(params.json, "")
+        elif kind == "structural_tag":
+            _check_tag_schemas(params.structural_tag, "")
         try:
             if kind == "json":
                 return self.compiler.compile_json_schema(json.dumps(params.json), any_whitespace=False)
@@ -49,8 +52,10 @@ class GrammarCompiler:
                 return self.compiler.compile_regex(params.regex or "")
             if kind == "grammar":
                 return self.compiler.compile_grammar(params.grammar or "")
+            if kind == "structural_tag":
+                return self.compiler.compile_structural_tag(json.dumps(params.structural_tag))
             return self.compiler.compile_grammar(choice_grammar(params.choice or []))
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError, _xgrammar_error()) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             first = _SOURCE_PREFIX.sub("", first)      # "[time] file.cc:94: message" -> "message"
             raise ValueError(f"guided_decoding.{kind} does not compile: {first[:300]}") from None
@@ -65,6 +70,27 @@ _ONE = ("additionalProperties", "items", "not", "contains", "if", "then", "else"
         "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
 _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _xgrammar_error() -> type[Exception]:
+    """xgrammar's error for a structural tag it cannot read (a ValueError in some versions)."""
+    import xgrammar as xgr
+    return getattr(xgr, "InvalidStructuralTagError", ValueError)
+
+
+def _check_tag_schemas(tag: Any, at: str) -> None:
+    """``_check_enforced`` on every JSON schema a structural tag holds (``"type": "json_schema"``)."""
+    if isinstance(tag, dict):
+        if tag.get("type") == "json_schema" and "json_schema" in tag:
+            try:
+                _check_enforced(tag["json_schema"], f"{at}/json_schema")
+            except ValueError as e:
+                raise ValueError(str(e).replace("guided_decoding.json:", "guided_decoding.structural_tag:")) from None
+        for key, sub in tag.items():
+            _check_tag_schemas(sub, f"{at}/{key}")
+    elif isinstance(tag, list):
+        for i, sub in enumerate(tag):
+            _check_tag_schemas(sub, f"{at}/{i}")
 
 
 def _check_enforced(schema: Any, at: str) -> None:

@@ -44,7 +44,11 @@ class GuidedDecodingParams:
 
     json: a JSON schema (a dict, or its JSON text) the output must validate against;
     json_object: any JSON object; regex: a regular expression the whole output matches;
-    grammar: an EBNF grammar (xgrammar's dialect, ``root ::= ...``); choice: one of these strings.
+    grammar: an EBNF grammar (xgrammar's dialect, ``root ::= ...``); choice: one of these strings;
+    structural_tag: xgrammar's structural tag (a dict, or its JSON text: ``{"type":
+    "structural_tag", "format": ...}``), e.g. text running free until a trigger such as
+    ``<tool_call>``, then a tag whose content follows a JSON schema (how the server holds
+    ``strict`` tools to their parameters under ``tool_choice: "auto"``).
 
     The ranks compile it with xgrammar (cached by its text) and, every step, mask the tokens that
     cannot continue it before sampling; generation ends when the grammar is complete."""
@@ -54,12 +58,14 @@ class GuidedDecodingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
-        set_ = [name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None]
+        set_ = [name for name in ("json", "regex", "grammar", "choice", "structural_tag")
+                if getattr(self, name) is not None]
         set_ += ["json_object"] if self.json_object is True else []
-        _check(len(set_) == 1, "guided_decoding", "must set exactly one of json, json_object, regex, grammar, choice",
-               set_)
+        _check(len(set_) == 1, "guided_decoding",
+               "must set exactly one of json, json_object, regex, grammar, choice, structural_tag", set_)
         _check(isinstance(self.json_object, bool), "guided_decoding.json_object", "must be true or false",
                self.json_object)
         if self.json is not None:
@@ -74,6 +80,21 @@ class GuidedDecodingParams:
                     raise ValueError(f"guided_decoding.json is not valid JSON: {e}") from None
             _check(isinstance(self.json, dict), "guided_decoding.json", "must be a JSON object (a schema)",
                    type(self.json).__name__)
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            _check(isinstance(tag, (dict, str)), "guided_decoding.structural_tag", "must be a structural tag",
+                   type(tag).__name__)
+            text = tag if isinstance(tag, str) else _dumps(tag)
+            _check(len(text) <= MAX_GRAMMAR_CHARS, "guided_decoding.structural_tag",
+                   f"must be at most {MAX_GRAMMAR_CHARS} characters of JSON", len(text))
+            if isinstance(tag, str):
+                try:
+                    self.structural_tag = tag = json.loads(tag)
+                except ValueError as e:
+                    raise ValueError(f"guided_decoding.structural_tag is not valid JSON: {e}") from None
+            _check(isinstance(tag, dict) and tag.get("type") == "structural_tag", "guided_decoding.structural_tag",
+                   'must be a JSON object of "type": "structural_tag"', tag if not isinstance(tag, dict) else
+                   tag.get("type"))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None:
@@ -88,9 +109,10 @@ class GuidedDecodingParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint this is: "json", "json_object", "regex", "grammar" or "choice"."""
+        """Which constraint this is: "json", "json_object", "regex", "grammar", "choice" or
+        "structural_tag"."""
         return "json_object" if self.json_object else next(
-            n for n in ("json", "regex", "grammar", "choice") if getattr(self, n) is not None)
+            n for n in ("json", "regex", "grammar", "choice", "structural_tag") if getattr(self, n) is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

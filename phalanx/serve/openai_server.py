@@ -716,19 +716,21 @@ class OpenAIServer:
         if isinstance(choice, NamedToolChoice):
             choice = choice.model_dump()
         active = tool_defs if tool_defs and choice != "none" else None
+        parser = tools.choose_parser(self.tool_call_parser, template, self.model_type) if active else None
+        auto = choice in (None, "auto")     # the output runs free (strict tools held by a structural tag)
         try:
-            forced = tools.forced_tool_grammar(active, choice, body.parallel_tool_calls) if active else None
-            guided = tools.guided_params(body, forced)
+            constraint = (tools.forced_tool_grammar(active, choice, body.parallel_tool_calls, parser)
+                          if active else None)
+            guided = tools.guided_params(body, constraint, "tools" if auto else "tool_choice")
         except ValueError as e:
             named = str(e).split(":", 1)[0].split(" ", 1)[0]
             raise ApiError(400, str(e), named if named in type(body).model_fields else "tool_choice") from None
-        field = ("tool_choice" if forced is not None else
+        field = (("tools" if auto else "tool_choice") if constraint is not None else
                  next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None))
-        parser = tools.choose_parser(self.tool_call_parser, template, self.model_type) if active else None
         # the prompt shows the tools under tool_choice "none" too (as OpenAI and vLLM): the output
         # is then read as content only
         return ChatPlan(tools.template_messages(body.messages, tool_defs, template), active,
-                        choice if forced is not None else None, parser, guided, field, tool_defs)
+                        choice if constraint is not None and not auto else None, parser, guided, field, tool_defs)
 
     async def _check_grammar(self, sp: SamplingParams, field: str | None) -> None:
         """Compile the request's grammar in the text pool; one that does not compile is a 400."""

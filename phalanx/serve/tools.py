@@ -48,8 +48,10 @@ class ToolCall:
 
 
 # -- requests -> one grammar -------------------------------------------------------------------------
-def guided_params(body: Any, tools_forced: GuidedDecodingParams | None) -> GuidedDecodingParams | None:
-    """The request's one constraint (ValueError naming the fields if it asks for more than one)."""
+def guided_params(body: Any, tools_forced: GuidedDecodingParams | None,
+                  tools_field: str = "tool_choice") -> GuidedDecodingParams | None:
+    """The request's one constraint (ValueError naming the fields if it asks for more than one);
+    ``tools_forced``: the tools' grammar, from the field ``tools_field``."""
     asked: dict[str, GuidedDecodingParams] = {}
     rf = getattr(body, "response_format", None)
     if rf is not None and rf.type == "json_object":
@@ -67,27 +69,27 @@ def guided_params(body: Any, tools_forced: GuidedDecodingParams | None) -> Guide
             except ValueError as e:
                 raise ValueError(f"{field}: {e}") from None
     if tools_forced is not None:
-        asked["tool_choice"] = tools_forced
+        asked[tools_field] = tools_forced
     if len(asked) > 1:
         raise ValueError(f"{sorted(asked)[0]}: only one output constraint per request, got {sorted(asked)}")
     return next(iter(asked.values()), None)
 
 
-def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any,
-                        parallel: bool = True) -> GuidedDecodingParams | None:
-    """The grammar of a forced tool choice (None for "auto" and "none"). Under "auto" the
-    output runs free, so what only a grammar can hold it to is refused rather than ignored:
-    ``parallel_tool_calls: false`` and a function's ``strict: true``."""
+def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True,
+                        parser: str | None = None) -> GuidedDecodingParams | None:
+    """The grammar of a forced tool choice; under "auto" (``tool_choice`` None or "auto"), the
+    grammar of ``strict`` tools (``strict_tools_tag``) or None where no tool is strict; None for
+    "none". Under "auto" the output runs free, so ``parallel_tool_calls: false``, which only a
+    grammar ending the output could hold, is refused rather than ignored."""
     if tool_choice in (None, "auto", "none"):
-        if tool_choice != "none":
-            if not parallel:
-                raise ValueError("parallel_tool_calls: false is enforced only with tool_choice 'required' or a "
-                                 "named function (under 'auto' the output is not constrained)")
-            strict = [t["function"]["name"] for t in tools if t["function"].get("strict")]
-            if strict:
-                raise ValueError(f"tools: strict function arguments ({', '.join(strict)}) are enforced only with "
-                                 "tool_choice 'required' or a named function")
-        return None
+        if tool_choice == "none":
+            return None
+        if not parallel:
+            raise ValueError("parallel_tool_calls: false is enforced only with tool_choice 'required' or a "
+                             "named function (under 'auto' the output is not constrained)")
+        if not any(t["function"].get("strict") for t in tools):
+            return None
+        return GuidedDecodingParams(structural_tag=strict_tools_tag(tools, parser or "hermes"))
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     if tool_choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(f)},
@@ -101,6 +103,29 @@ def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any,
     if name not in by_name:
         raise ValueError(f"tool_choice: the function {name!r} is not among the tools ({sorted(by_name)})")
     return GuidedDecodingParams(json=_parameters(by_name[name]))
+
+
+# how each parser's calls begin and end: (trigger, begin before the name, between name and arguments, end)
+_CALL_FORMS = {"hermes": ("<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
+               "llama3_json": ('{"name": "', '{"name": "', '", "parameters": ', "}")}
+
+
+def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
+    """Under tool_choice "auto" with ``strict`` tools: xgrammar's structural tag that lets the
+    output run free until a call begins (the parser's trigger: ``<tool_call>`` for hermes, the
+    start of a JSON call for llama3_json) and then holds the call to one of the tools, written
+    as the parser reads it, with arguments that follow the tool's ``parameters``. Every tool
+    takes part, strict or not: a call the parser reads must name one of them, and a tool that
+    is not strict is held to its parameters too (stricter than asked, never looser)."""
+    if parser not in _CALL_FORMS:
+        raise ValueError(f"tools: strict function arguments under tool_choice 'auto' need a tool-call parser of "
+                         f"{sorted(_CALL_FORMS)}, not {parser!r}")
+    trigger, begin, middle, end = _CALL_FORMS[parser]
+    tags = [{"type": "tag", "begin": begin + t["function"]["name"] + middle,
+             "content": {"type": "json_schema", "json_schema": _parameters(t["function"]),
+                         "max_whitespace_cnt": 1},   # blanks one at a time: no wandering into runs of them
+             "end": end} for t in tools]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
 
 
 def forced_tool_calls(text: str, tool_choice: Any) -> list[ToolCall]:

@@ -212,3 +212,51 @@ def test_a_padded_output_layer_never_yields_its_padding_ids(llm, temperature):
         out = Sampler(padded, torch.device("cpu")).sample(logits.clone(), reqs, bitmask=TokenMask(bits, [1], real))
         assert out.token_ids[1].item() in allowed
         assert out.token_ids[0].item() >= real    # the free row is not masked
+
+
+def test_a_structural_tag_runs_free_until_its_trigger_then_holds_its_tag(llm):
+    """A structural tag: the output runs as the model writes it until the trigger ("Paris", the
+    model's first word here), then the tag's begin, content (a JSON schema) and end are held; the
+    ranks enforce it."""
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the weather in Paris?"}])
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False).outputs[0].text
+    assert free.startswith("Paris,")     # the model's own first word: the trigger below
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["Paris"], "tags": [
+        {"type": "tag", "begin": "Paris: ", "end": ".",
+         "content": {"type": "json_schema", "max_whitespace_cnt": 1, "json_schema": {
+             "type": "object", "properties": {"sky": {"enum": ["sunny", "cloudy"]}}, "required": ["sky"],
+             "additionalProperties": False}}}]}}
+    out = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0,
+                                              guided_decoding=GuidedDecodingParams(structural_tag=tag)),
+                       use_tqdm=False).outputs[0].text
+    m = re.match(r"Paris: (\{[^}]*\})\.", out)
+    assert m and json.loads(m.group(1))["sky"] in ("sunny", "cloudy"), out
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm, parser):
+    """The structural tag of strict tools under tool_choice "auto", matched against the model's
+    vocabulary: free text, then calls of the tools with arguments that follow their parameters,
+    which the parser reads back; a call of another name, or with arguments that break the
+    schema, is refused at the token that breaks it."""
+    import xgrammar as xgr
+
+    from phalanx.llmapi.grammar import GrammarCompiler
+    from phalanx.serve.tools import parse_tool_calls, strict_tools_tag
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    compiler = GrammarCompiler(llm.tokenizer.hf, llm.vocab_size, llm.tokenizer.eos_token_ids)
+    grammar = compiler.compile(GuidedDecodingParams(structural_tag=strict_tools_tag(tools, parser)))
+
+    def call(name: str, args: str) -> str:
+        return (f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>' if parser == "hermes"
+                else f'{{"name": "{name}", "parameters": {args}}}')
+    good = call("get_weather", '{"city": "Paris"}')
+    text = ("Let me look. " if parser == "hermes" else "") + good
+    assert xgr.GrammarMatcher(grammar).accept_string(text)
+    assert [(c.name, json.loads(c.arguments)) for c in parse_tool_calls(text, parser, tools)[1]] == \
+        [("get_weather", {"city": "Paris"})]
+    for bad in (call("get_time", "{}"), call("get_weather", '{"city": 3}'),
+                call("get_weather", '{"city": "Paris", "day": 1}'), call("get_weather", '{"city": "Llanfairpwll"}')):
+        assert not xgr.GrammarMatcher(grammar).accept_string(bad), bad

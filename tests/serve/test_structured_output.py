@@ -77,6 +77,23 @@ def test_tool_round_trip(client):
     assert again.choices[0].message.content == answer.choices[0].message.content
 
 
+class Weather(BaseModel):
+    city: str = Field(max_length=30)
+
+
+def test_strict_tools_under_auto_through_the_openai_parse_helper(client):
+    """The openai client's ``parse`` with ``pydantic_function_tool`` (``strict: true``) under
+    tool_choice "auto": accepted (a structural tag holds any call to the tool's schema), and
+    whatever the model writes comes back as the helper reads it."""
+    r = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(Weather)],
+                                      max_tokens=300, temperature=0)   # (the helper refuses a "length" finish)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "tool_calls")
+    for call in choice.message.tool_calls or []:
+        assert isinstance(call.function.parsed_arguments, Weather)
+    assert choice.message.content or choice.message.tool_calls
+
+
 def test_named_tool_choice_streams_its_arguments(client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,

@@ -50,13 +50,30 @@ def test_forced_choices_become_grammars_and_read_back():
     assert forced_tool_calls('{"city": "Rome"}', named)[0].arguments == '{"city": "Rome"}'
 
 
-def test_what_only_a_grammar_enforces_is_refused_under_auto():
+def test_strict_tools_under_auto_are_held_by_a_structural_tag():
+    """Under tool_choice "auto" the output runs free; with a ``strict`` tool, a structural tag
+    holds every call (once the parser's trigger begins one) to a tool and its parameters, written
+    as the parser reads it. ``parallel_tool_calls: false`` stays refused there (only a grammar
+    that ends the output could hold it)."""
     import pytest
+
+    from phalanx.serve.tools import strict_tools_tag
     with pytest.raises(ValueError, match="^parallel_tool_calls"):
         forced_tool_grammar(TOOLS, "auto", parallel=False)
-    strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}]
+    strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}},
+              *TOOLS]
+    assert forced_tool_grammar(TOOLS, "auto", parser="hermes") is None      # no strict tool: free
+    tag = forced_tool_grammar(strict, "auto", parser="hermes").structural_tag
+    fmt = tag["format"]
+    assert tag["type"] == "structural_tag" and fmt["triggers"] == ["<tool_call>"]
+    assert [t["begin"] for t in fmt["tags"]] == [f'<tool_call>\n{{"name": "{t["function"]["name"]}", "arguments": '
+                                                 for t in strict]
+    assert fmt["tags"][1]["content"]["json_schema"] == TOOLS[0]["function"]["parameters"]
+    assert {t["end"] for t in fmt["tags"]} == {"}\n</tool_call>"}
+    llama = strict_tools_tag(strict, "llama3_json")["format"]
+    assert llama["triggers"] == ['{"name": "'] and llama["tags"][0]["begin"] == '{"name": "f", "parameters": '
     with pytest.raises(ValueError, match="^tools: strict"):
-        forced_tool_grammar(strict, "auto")
+        strict_tools_tag(strict, "pythonic")
     assert forced_tool_grammar(strict, "required", parallel=False).json["maxItems"] == 1   # held by the grammar
 
 
