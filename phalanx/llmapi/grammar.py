@@ -40,7 +40,7 @@ class GrammarCompiler:
         """The CompiledGrammar of ``params``; ValueError naming the field if it does not compile."""
         kind = params.kind
         if kind == "json":
-            _check_enforced(params.json, "")
+            check_enforced(params.json, "")
         elif kind == "structural_tag":
             _check_tag_schemas(params.structural_tag, "")
         try:
@@ -79,11 +79,11 @@ def _xgrammar_error() -> type[Exception]:
 
 
 def _check_tag_schemas(tag: Any, at: str) -> None:
-    """``_check_enforced`` on every JSON schema a structural tag holds (``"type": "json_schema"``)."""
+    """``check_enforced`` on every JSON schema a structural tag holds (``"type": "json_schema"``)."""
     if isinstance(tag, dict):
         if tag.get("type") == "json_schema" and "json_schema" in tag:
             try:
-                _check_enforced(tag["json_schema"], f"{at}/json_schema")
+                check_enforced(tag["json_schema"], f"{at}/json_schema")
             except ValueError as e:
                 raise ValueError(str(e).replace("guided_decoding.json:", "guided_decoding.structural_tag:")) from None
         for key, sub in tag.items():
@@ -93,7 +93,7 @@ def _check_tag_schemas(tag: Any, at: str) -> None:
             _check_tag_schemas(sub, f"{at}/{i}")
 
 
-def _check_enforced(schema: Any, at: str) -> None:
+def check_enforced(schema: Any, at: str) -> None:
     """ValueError naming the first keyword of ``UNENFORCED_KEYWORDS`` in ``schema`` and where it is."""
     if not isinstance(schema, dict):
         return
@@ -102,15 +102,15 @@ def _check_enforced(schema: Any, at: str) -> None:
             raise ValueError(f"guided_decoding.json: the keyword {key!r}{f' (at {at})' if at else ''} is not "
                              "enforced by the grammar engine; refused rather than ignored")
     for key in _ONE:
-        _check_enforced(schema.get(key), f"{at}/{key}")
+        check_enforced(schema.get(key), f"{at}/{key}")
     for key in _MANY:
         for i, sub in enumerate(schema.get(key) or () if isinstance(schema.get(key), list) else ()):
-            _check_enforced(sub, f"{at}/{key}/{i}")
+            check_enforced(sub, f"{at}/{key}/{i}")
     for key in _NAMED:
         named = schema.get(key)
         if isinstance(named, dict):
             for name, sub in named.items():
-                _check_enforced(sub, f"{at}/{key}/{name}")
+                check_enforced(sub, f"{at}/{key}/{name}")
 
 
 def choice_grammar(choices: list[str]) -> str:

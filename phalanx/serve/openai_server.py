@@ -724,7 +724,8 @@ class OpenAIServer:
             guided = tools.guided_params(body, constraint, "tools" if auto else "tool_choice")
         except ValueError as e:
             named = str(e).split(":", 1)[0].split(" ", 1)[0]
-            raise ApiError(400, str(e), named if named in type(body).model_fields else "tool_choice") from None
+            raise ApiError(400, str(e), named if named in type(body).model_fields else
+                           ("tools" if auto else "tool_choice")) from None
         field = (("tools" if auto else "tool_choice") if constraint is not None else
                  next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None))
         # the prompt shows the tools under tool_choice "none" too (as OpenAI and vLLM): the output

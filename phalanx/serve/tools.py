@@ -86,7 +86,7 @@ def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any, parallel:
             return None
         if not parallel:
             raise ValueError("parallel_tool_calls: false is enforced only with tool_choice 'required' or a "
-                             "named function (under 'auto' the output is not constrained)")
+                             "named function (under 'auto' the output runs free: nothing ends it after a call)")
         if not any(t["function"].get("strict") for t in tools):
             return None
         return GuidedDecodingParams(structural_tag=strict_tools_tag(tools, parser or "hermes"))
@@ -105,26 +105,36 @@ def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any, parallel:
     return GuidedDecodingParams(json=_parameters(by_name[name]))
 
 
-# how each parser's calls begin and end: (trigger, begin before the name, between name and arguments, end)
-_CALL_FORMS = {"hermes": ("<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
-               "llama3_json": ('{"name": "', '{"name": "', '", "parameters": ', "}")}
+# how each parser's calls begin and end, where a trigger marks them off from free text:
+# (trigger, begin before the name, between name and arguments, end). Llama 3's JSON calls have no
+# such mark (a JSON object in an answer starts the same way), so strict tools under "auto" are
+# held for Hermes-style calls only.
+_CALL_FORMS = {"hermes": ("<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>")}
 
 
 def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
     """Under tool_choice "auto" with ``strict`` tools: xgrammar's structural tag that lets the
-    output run free until a call begins (the parser's trigger: ``<tool_call>`` for hermes, the
-    start of a JSON call for llama3_json) and then holds the call to one of the tools, written
-    as the parser reads it, with arguments that follow the tool's ``parameters``. Every tool
-    takes part, strict or not: a call the parser reads must name one of them, and a tool that
-    is not strict is held to its parameters too (stricter than asked, never looser)."""
+    output run free until a call begins (the parser's trigger, ``<tool_call>``) and then holds
+    the call to one of the tools, written as the parser reads it: a strict tool's arguments
+    follow its ``parameters`` (checked for keywords the grammar does not enforce, naming the
+    tool), another tool's are any JSON object (as OpenAI leaves them)."""
+    from phalanx.llmapi.grammar import check_enforced
     if parser not in _CALL_FORMS:
-        raise ValueError(f"tools: strict function arguments under tool_choice 'auto' need a tool-call parser of "
-                         f"{sorted(_CALL_FORMS)}, not {parser!r}")
+        raise ValueError(f"tools: strict function arguments under tool_choice 'auto' need a tool-call parser that "
+                         f"marks calls off from text ({', '.join(sorted(_CALL_FORMS))}), not {parser!r}; force the "
+                         "call with tool_choice 'required' or a named function")
     trigger, begin, middle, end = _CALL_FORMS[parser]
-    tags = [{"type": "tag", "begin": begin + t["function"]["name"] + middle,
-             "content": {"type": "json_schema", "json_schema": _parameters(t["function"]),
-                         "max_whitespace_cnt": 1},   # blanks one at a time: no wandering into runs of them
-             "end": end} for t in tools]
+    tags = []
+    for i, t in enumerate(tools):
+        f = t["function"]
+        schema = _parameters(f) if f.get("strict") else {"type": "object"}
+        try:
+            check_enforced(schema, "")
+        except ValueError as e:
+            raise ValueError(f"tools: tools[{i}] ({f['name']!r}) parameters: {str(e).split(': ', 1)[-1]}") from None
+        tags.append({"type": "tag", "begin": begin + f["name"] + middle, "end": end,
+                     "content": {"type": "json_schema", "json_schema": schema,
+                                 "max_whitespace_cnt": 1}})   # blanks one at a time: no wandering into runs
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
 
 

@@ -63,17 +63,24 @@ def test_strict_tools_under_auto_are_held_by_a_structural_tag():
     strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}},
               *TOOLS]
     assert forced_tool_grammar(TOOLS, "auto", parser="hermes") is None      # no strict tool: free
+    strict[1] = {"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}
     tag = forced_tool_grammar(strict, "auto", parser="hermes").structural_tag
     fmt = tag["format"]
     assert tag["type"] == "structural_tag" and fmt["triggers"] == ["<tool_call>"]
     assert [t["begin"] for t in fmt["tags"]] == [f'<tool_call>\n{{"name": "{t["function"]["name"]}", "arguments": '
                                                  for t in strict]
-    assert fmt["tags"][1]["content"]["json_schema"] == TOOLS[0]["function"]["parameters"]
+    assert fmt["tags"][1]["content"]["json_schema"] == TOOLS[0]["function"]["parameters"]   # strict: its schema
+    assert fmt["tags"][2]["content"]["json_schema"] == {"type": "object"}     # not strict: any object, as OpenAI
     assert {t["end"] for t in fmt["tags"]} == {"}\n</tool_call>"}
-    llama = strict_tools_tag(strict, "llama3_json")["format"]
-    assert llama["triggers"] == ['{"name": "'] and llama["tags"][0]["begin"] == '{"name": "f", "parameters": '
+    # Llama 3's JSON calls are not marked off from an answer's JSON: strict there stays refused
     with pytest.raises(ValueError, match="^tools: strict"):
-        strict_tools_tag(strict, "pythonic")
+        strict_tools_tag(strict, "llama3_json")
+    unenforced = [{"type": "function", "function": {"name": "tag", "strict": True, "parameters": {
+        "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}}}]
+    with pytest.raises(ValueError, match=r"^tools: tools\[0\] \('tag'\) parameters: the keyword 'uniqueItems'"):
+        strict_tools_tag(unenforced, "hermes")
+    strict_tools_tag([{**unenforced[0], "function": {**unenforced[0]["function"], "strict": False}}, strict[0]],
+                     "hermes")   # a tool that is not strict is not held to its schema, so not checked
     assert forced_tool_grammar(strict, "required", parallel=False).json["maxItems"] == 1   # held by the grammar
 
 
