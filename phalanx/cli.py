@@ -13,8 +13,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="phalanx", description="phalanx LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from phalanx.serve.cli import add_serve_args
+    from phalanx.serve.cli import DefaultsHelp, add_serve_args
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=DefaultsHelp)
     add_serve_args(serve)
     launch = sub.add_parser("launch", help="under mpirun: run a command whose LLM uses this MPI job")
     launch.add_argument("cmd", nargs=argparse.REMAINDER)

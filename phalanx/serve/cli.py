@@ -18,30 +18,43 @@ from phalanx.argtypes import POSITIVE, at_least, port
 logger = logging.getLogger("phalanx")
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """``phalanx serve --help`` with each flag's default, where it has one and its help does not
+    already say it (an API key from the environment is never printed: its help names the variable)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="HF directory, .gguf file or HF id (default: bundled SmolLM2)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port, default=8000)
-    p.add_argument("--backend", default="pytorch", choices=["pytorch"])
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--tp_size", type=int, default=1)
-    p.add_argument("--ep_size", type=int, default=None)
-    p.add_argument("--max_batch_size", type=int, default=None)
-    p.add_argument("--max_num_tokens", type=int, default=None)
-    p.add_argument("--max_seq_len", type=int, default=None)
-    p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on")
+    p.add_argument("--backend", default="pytorch", choices=["pytorch"], help="the engine")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (under mpirun)")
+    p.add_argument("--ep_size", type=int, default=None, help="expert-parallel ranks of a MoE model")
+    p.add_argument("--max_batch_size", type=int, default=None, help="requests in one step (default: the engine's)")
+    p.add_argument("--max_num_tokens", type=int, default=None, help="tokens in one step (default: the engine's)")
+    p.add_argument("--max_seq_len", type=int, default=None, help="prompt + output tokens (default: the model's)")
+    p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None,
+                   help="share of the free GPU memory the KV cache takes (default: the engine's)")
     p.add_argument("--extra_llm_api_options", "--config", dest="config", default=None, help="YAML of LLM arguments")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("PHALANX_API_KEY"),
                    help="the key clients must send (default: $PHALANX_API_KEY; none: no key asked)")
-    p.add_argument("--trust_remote_code", action="store_true")
+    p.add_argument("--trust_remote_code", action="store_true", help="let the model's code run (tokenizers)")
     p.add_argument("--chat_template", default=None,
                    help="a Jinja chat template: a file, or the template itself (checked at start-up)")
-    p.add_argument("--served_model_name", default=None)
-    p.add_argument("--log_level", default="info", type=str.lower, choices=list(LOG_LEVELS))
+    p.add_argument("--served_model_name", default=None, help="the model's name in the API (default: the model's)")
+    p.add_argument("--log_level", default="info", type=str.lower, choices=list(LOG_LEVELS), help="log level")
     p.add_argument("--drain_timeout", type=at_least(0.0, float), default=30.0,
                    help="seconds in-flight requests get on SIGTERM")
-    p.add_argument("--max_request_body_bytes", type=POSITIVE, default=8 << 20)
+    p.add_argument("--max_request_body_bytes", type=POSITIVE, default=8 << 20,
+                   help="the largest request body taken (413 above)")
     p.add_argument("--tool_call_parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="how tool calls are read from free-running output (auto: by the chat template)")
     p.add_argument("--reasoning_parser", default="none", choices=["none", "qwen3", "deepseek_r1"],

@@ -139,6 +139,21 @@ def test_the_allowed_origins_flag_takes_lists_and_refuses_what_no_browser_sends(
         assert "--allowed-origins" in capsys.readouterr().err
 
 
+def test_serve_help_shows_the_defaults_and_never_the_api_key(capsys, monkeypatch):
+    """``phalanx serve --help`` gives each flag's default where it has one (as vLLM's does), and
+    an API key taken from the environment is named by its variable, never printed."""
+    from phalanx.cli import main
+    monkeypatch.setenv("PHALANX_API_KEY", "sk-do-not-print")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())    # the help's lines joined
+    assert e.value.code == 0
+    for shown in ("port to listen on (default: 8000)", "(default: 127.0.0.1)", "(default: 30.0)", "(default: info)",
+                  "(default: auto)", "(default: 8388608)", "(default: $PHALANX_API_KEY"):
+        assert shown in out, shown
+    assert "sk-do-not-print" not in out and "(default: None)" not in out and "(default: False)" not in out
+
+
 def test_serve_flags_refuse_values_out_of_range_by_name(capsys, tmp_path):
     """Ports outside 1-65535, a negative drain time or body limit and unknown log levels are
     usage errors naming the flag (exit 2), not tracebacks or a server that refuses every request;
