@@ -55,6 +55,9 @@ class ModelConfig:
     # fp8_block = (rows, cols) when block-scaled
     fp8_checkpoint: bool = False
     fp8_block: tuple[int, ...] = ()
+    # the modules an FP8 checkpoint keeps in full precision (modules_to_not_convert /
+    # ignored_layers, compressed-tensors' ignore): names, name suffixes or "re:" patterns
+    fp8_unquantized: tuple[str, ...] = ()
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -87,8 +90,9 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} is not supported; supported: "
                              f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
-        fp8_block = _fp8_checkpoint(getattr(hf, "quantization_config", None)   # older compressed-tensors
-                                    or getattr(hf, "compression_config", None))   # checkpoints: compression_config
+        qc = (getattr(hf, "quantization_config", None)     # older compressed-tensors checkpoints:
+              or getattr(hf, "compression_config", None))  # compression_config
+        fp8_block = _fp8_checkpoint(qc)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = getattr(hf, "eos_token_id", None)
@@ -128,6 +132,7 @@ class ModelConfig:
             mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
             fp8_checkpoint=fp8_block is not None,
             fp8_block=fp8_block or (),
+            fp8_unquantized=_fp8_unquantized(qc) if fp8_block is not None else (),
         )
 
 
@@ -155,6 +160,22 @@ def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:
                          "'compressed-tensors' with FP8 weights (or a bf16/fp16 checkpoint with quantization='fp8')")
     block = get("weight_block_size")
     return () if block is None else _block_shape(block, "quantization_config.weight_block_size")
+
+
+def _fp8_unquantized(qc: Any) -> tuple[str, ...]:
+    """The modules an FP8 checkpoint lists as kept in full precision: ``modules_to_not_convert``
+    or ``ignored_layers`` (quant_method fp8), ``ignore`` (compressed-tensors); the loader refuses
+    a listed module the engine would serve in FP8 (``loader.check_unquantized``)."""
+    get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
+    names: list[str] = []
+    for key in ("modules_to_not_convert", "ignored_layers", "ignore"):
+        value = get(key) or []
+        if isinstance(value, str):
+            value = [value]
+        if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"quantization_config.{key} must be a list of module names, got {value!r}")
+        names += value
+    return tuple(names)
 
 
 def _block_shape(block: Any, field_name: str) -> tuple[int, ...]:

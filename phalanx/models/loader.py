@@ -73,8 +73,9 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # -- Hugging Face directory ---------------------------------------------------------------------
-def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of a Hugging Face directory: those its index names (a repository may hold
+    other .safetensors files, as Mistral's consolidated one), else every .safetensors file."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -83,7 +84,12 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {path} (pickled .bin checkpoints are refused)")
-    for fname in files:
+    return files
+
+
+def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for fname in safetensors_files(path):
         with safe_open(os.path.join(path, fname), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield key, f.get_tensor(key)
@@ -109,8 +115,11 @@ def check_fp8_checkpoint(specs: list[dict], block: tuple[int, ...]) -> None:
     for base in sorted(set(weights) ^ set(scales)):
         raise ValueError(f"FP8 checkpoint: {base} has a {'weight' if base in weights else 'scale'} without its "
                          f"{'scale' if base in weights else 'FP8 weight'}")
-    for base, (N, K) in weights.items():
-        _scale_layout(scales[base], N, K, block, base)
+    for base, shape in weights.items():
+        if len(shape) != 2:
+            raise ValueError(f"FP8 checkpoint: {base}.weight has {len(shape)} dimensions; an FP8 weight is one "
+                             "matrix (experts one by one, as transformers writes them)")
+        _scale_layout(scales[base], shape[0], shape[1], block, base)
 
 
 def _scale_layout(shape: list[int] | tuple[int, ...], N: int, K: int, block: tuple[int, ...], name: str) -> str:
@@ -187,6 +196,12 @@ def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: t
 
 def _fp8_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype,
                 name: str) -> torch.Tensor | Fp8Weight | Fp8BlockWeight:
+    if q.dim() != 2:
+        raise ValueError(f"FP8 checkpoint: {name}.weight has {q.dim()} dimensions; an FP8 weight is one matrix "
+                         "(experts one by one, as transformers writes them)")
+    if not scale.dtype.is_floating_point or not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"FP8 checkpoint: {name}'s scale must be finite floats ({scale.dtype}"
+                         f"{'' if not scale.dtype.is_floating_point else ', not finite'})")
     s = scale.float()
     N, K = q.shape
     layout = _scale_layout(tuple(s.shape), N, K, block, name)
@@ -261,11 +276,48 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         weights = checkpoint_weights(source, dtype)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    if fp8 and cfg.fp8_unquantized:
+        check_unquantized(model, cfg.fp8_unquantized)
+    if block is not None:
+        _log_split_blocks(model, block)
     with torch.no_grad():
         model.load_weights(weights)
     if device.type == "cpu":
         _cpu_plans(model)
     return model
+
+
+def _log_split_blocks(model: CausalLM, block: tuple[int, int]) -> None:
+    """Say how many FP8 layers of a block-scaled checkpoint keep a scale per row (their split
+    cuts inside a block: their weights are rounded a second time)."""
+    from phalanx.models.layers import Projection
+    from phalanx.models.moe import SparseMoE
+    layers = [m for m in model.modules() if isinstance(m, (Projection, SparseMoE))
+              and getattr(m, "w13_scale", getattr(m, "weight_scale", None)) is not None]
+    split = [m for m in layers if m.fp8_block is None]
+    if split:
+        logger.warning("FP8 checkpoint in blocks of %dx%d: %d of %d FP8 layers are split inside a block on this "
+                       "rank and keep a scale per row (dequantized and quantized again)", block[0], block[1],
+                       len(split), len(layers))
+
+
+def check_unquantized(model: CausalLM, listed: tuple[str, ...]) -> None:
+    """Refuse, naming it, a module an FP8 checkpoint keeps in full precision (``listed``: names,
+    their last parts, or "re:" patterns, as vLLM and compressed-tensors match them) that this
+    engine would serve in FP8: its weight would be rounded where the checkpoint kept it exact.
+    Modules the engine keeps in full precision anyway (lm_head, norms, routers) pass."""
+    import re
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in model.checkpoint_shapes():
+        if not name.endswith(".weight"):
+            continue
+        module = name.removesuffix(".weight")
+        hit = next((e for e in listed if (re.fullmatch(e[3:], module) if e.startswith("re:") else
+                                          module == e or module.endswith("." + e) or f".{e}." in module)), None)
+        target = params.get(model.map_weight_name(name)[0])
+        if hit is not None and target is not None and target.dtype == FP8:
+            raise ValueError(f"quantization_config lists {hit!r}: the checkpoint keeps {module} in full precision, "
+                             "which this engine would serve in FP8 (rounding it); refused rather than rounded")
 
 
 def native_half_cpu() -> bool:

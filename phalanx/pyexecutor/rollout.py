@@ -48,7 +48,7 @@ PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("weights", "kv_cache")
 # ModelConfig fields a checkpoint on disk may differ in and still be the same model
 _FREE_CONFIG_FIELDS = {"torch_dtype", "bos_token_id", "eos_token_ids", "max_position_embeddings", "fp8_checkpoint",
-                       "fp8_block"}
+                       "fp8_block", "fp8_unquantized"}
 
 
 class Rollout:
@@ -331,14 +331,15 @@ class Rollout:
 
 def _safetensors_specs(path: str) -> list[dict[str, Any]]:
     """Name, dtype and shape of every tensor of a safetensors checkpoint, from the headers."""
-    import glob
     import os
 
     from safetensors import safe_open
+
+    from phalanx.models.loader import safetensors_files
     specs = []
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with safe_open(f, framework="pt") as sf:
+    for f in safetensors_files(path):   # the index's files, as the load reads them
+        with safe_open(os.path.join(path, f), framework="pt") as sf:
             for key in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if "rotary_emb" in key:
                     continue

@@ -237,7 +237,7 @@ def test_block_scaled_fp8_experts_serve_what_the_checkpoint_stores(tiny_moe_mode
 @pytest.mark.parametrize("compressed,block", [(None, None), ("channel", None), (None, (16, 32))])
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_an_fp8_checkpoint_is_stored_as_it_is(kind, compressed, block, dtype, tiny_models, tiny_moe_models,
-                                              tmp_path):
+                                              tmp_path, caplog):
     """An FP8 checkpoint with a scale per tensor (quant_method fp8), per row (compressed-tensors
     "channel") or per block (weight_block_size) keeps its e4m3 bytes and scales in the engine's
     FP8 projections and experts, on every rank of a split: each row holds exactly the weight the
@@ -287,6 +287,9 @@ def test_an_fp8_checkpoint_is_stored_as_it_is(kind, compressed, block, dtype, ti
         assert checked == 4 * ours.config.num_layers   # q‖k‖v, o, and gate‖up and down (or the experts) a layer
         if block is not None:
             assert kept_blocks == checked - (2 * ours.config.num_layers if kind == "qwen3_moe" else 0)
+            said = [r.getMessage() for r in caplog.records if "split inside a block" in r.getMessage()]
+            assert bool(said) == (kind == "qwen3_moe"), said      # the layers rounded again are said
+            caplog.clear()
 
 
 INT4_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
@@ -522,3 +525,57 @@ def test_cutlass_libraries_are_keyed_by_what_goes_into_them(tmp_path, monkeypatc
     assert a == cutlass_gemm.library_path(cutlass_gemm.TILES[0])
     monkeypatch.setattr(cutlass_gemm, "FLAGS", cutlass_gemm.FLAGS + ("-lineinfo",))
     assert cutlass_gemm.library_path(cutlass_gemm.TILES[0]) != a
+
+
+def test_modules_an_fp8_checkpoint_keeps_in_full_precision_are_refused_not_rounded(tiny_models, tmp_path):
+    """A module an FP8 checkpoint lists as kept in full precision (``modules_to_not_convert``,
+    ``ignored_layers``, compressed-tensors' ``ignore``, by name, last part or "re:" pattern)
+    that this engine would serve in FP8 is refused by name: quantizing it would round a weight
+    the checkpoint kept exact. Listed modules the engine keeps in full precision anyway
+    (lm_head) load."""
+    import json
+
+    from phalanx.models.loader import build_model
+    from phalanx.models.source import resolve_model
+    write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", (16, 32))
+    path = tmp_path / "ckpt" / "config.json"
+    cfg = json.loads(path.read_text())
+    cpu = torch.device("cpu")
+    for key, listed, refused in [("modules_to_not_convert", ["lm_head"], None),
+                                 ("ignored_layers", ["model.layers.1.self_attn.o_proj"], "o_proj"),
+                                 ("modules_to_not_convert", ["down_proj"], "down_proj"),
+                                 ("modules_to_not_convert", ["re:.*layers\\.0\\.mlp.*"], "layers.0.mlp")]:
+        path.write_text(json.dumps({**cfg, "quantization_config": {**cfg["quantization_config"], key: listed}}))
+        source = resolve_model(str(tmp_path / "ckpt"))
+        assert source.config.fp8_unquantized == tuple(listed)
+        if refused is None:
+            build_model(source, torch.float32, cpu, fp8=True)
+            continue
+        with pytest.raises(ValueError, match=f"quantization_config lists .* keeps .*{refused}.* refused"):
+            build_model(source, torch.float32, cpu, fp8=True)
+    path.write_text(json.dumps({**cfg, "quantization_config": {**cfg["quantization_config"],
+                                                                "modules_to_not_convert": "lm_head"}}))
+    assert resolve_model(str(tmp_path / "ckpt")).config.fp8_unquantized == ("lm_head",)
+    path.write_text(json.dumps({**cfg, "quantization_config": {**cfg["quantization_config"], "ignore": [3]}}))
+    with pytest.raises(ValueError, match="quantization_config.ignore must be a list of module names"):
+        resolve_model(str(tmp_path / "ckpt"))
+
+
+def test_fp8_checkpoint_scales_that_are_not_finite_and_weights_that_are_not_matrices_are_refused_by_name():
+    from phalanx.models.loader import fp8_checkpoint_weights
+    q = torch.zeros(32, 64).to(fp8.FP8)
+    for scale in (torch.full((2, 2), float("nan")), torch.tensor([float("inf")]), torch.ones(2, 2, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="FP8 checkpoint: model.layers.0.mlp.up_proj's scale must be finite"):
+            list(fp8_checkpoint_weights(iter([("model.layers.0.mlp.up_proj.weight", q),
+                                              ("model.layers.0.mlp.up_proj.weight_scale_inv", scale)]),
+                                        (16, 32), torch.float32))
+    from phalanx.models.loader import check_fp8_checkpoint
+    with pytest.raises(ValueError, match="experts.gate_up_proj.weight has 3 dimensions"):   # from the headers too
+        check_fp8_checkpoint([{"name": "model.layers.0.mlp.experts.gate_up_proj.weight", "dtype": "F8_E4M3",
+                               "shape": [1, 32, 64]},
+                              {"name": "model.layers.0.mlp.experts.gate_up_proj.weight_scale_inv", "dtype": "F32",
+                               "shape": [1, 2, 2]}], (16, 32))
+    with pytest.raises(ValueError, match="experts.gate_up_proj.weight has 3 dimensions"):
+        list(fp8_checkpoint_weights(iter([("model.layers.0.mlp.experts.gate_up_proj.weight", q[None]),
+                                          ("model.layers.0.mlp.experts.gate_up_proj.weight_scale_inv",
+                                           torch.ones(1, 2, 2))]), (16, 32), torch.float32))

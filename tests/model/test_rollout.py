@@ -41,6 +41,24 @@ def check_equals(out, hf, prompt=PROMPT, n=8, what=""):
     assert_same_greedy(out.outputs[0].token_ids, ref, gaps, what)
 
 
+def test_update_from_disk_reads_the_files_the_index_names(llm, checkpoints, tmp_path):
+    """A checkpoint directory holding another .safetensors file beside those its index names
+    (Mistral's repositories ship consolidated.safetensors): the update reads what the index
+    names, as a load does, and serves those weights."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    dirs, hf = checkpoints
+    shutil.copytree(dirs["b"], tmp_path / "b")
+    names = load_file(f"{tmp_path}/b/model.safetensors")
+    (tmp_path / "b" / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, f"{tmp_path}/b/consolidated.safetensors")
+    llm.update_weights_from_disk(str(tmp_path / "b"))
+    check_equals(greedy(llm), hf["b"], what="after an update from an indexed checkpoint")
+
+
 def test_update_from_disk_serves_the_new_weights_with_their_version(llm, checkpoints):
     dirs, hf = checkpoints
     first = greedy(llm)
