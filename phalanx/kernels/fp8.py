@@ -79,15 +79,12 @@ class Fp8BlockWeight(NamedTuple):
         return dequantize_blocks(self.q, self.scale, self.block, dtype)
 
 
-def weight_rows(w: torch.Tensor | Fp8Weight | Fp8BlockWeight,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_rows(w: torch.Tensor | Fp8Weight, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale per row) of checkpoint rows on ``device``: an ``Fp8Weight``'s own, exactly, or a
-    full-precision tensor quantized (``quantize_weight``; a block-scaled weight is dequantized
-    first, and so rounded a second time)."""
+    full-precision tensor quantized (``quantize_weight``; a block-scaled weight reaches a layer
+    scaled per row dequantized, before its rows are placed)."""
     if isinstance(w, Fp8Weight):
         return w.q.to(device), w.scale.to(device, torch.float32)
-    if isinstance(w, Fp8BlockWeight):
-        w = w.dequantize(torch.float32)
     return quantize_weight(w.to(device))
 
 
