@@ -283,7 +283,7 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K
 _COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The split-K counters of a device (zero between kernels: the last slice resets its own),
     made on first use — the tuner's warm-up, before any CUDA graph is captured. None when a
     weight has more column tiles than there are counters."""
@@ -362,7 +362,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     tiles = triton.cdiv(N, bn)
     k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     splits = triton.cdiv(K, k_per)
-    counts = _counts(x.device, tiles) if splits > 1 else None
+    counts = split_counts(x.device, tiles) if splits > 1 else None
     if counts is None:
         splits, k_per = 1, K
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y

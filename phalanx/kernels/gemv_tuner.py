@@ -97,7 +97,8 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
     neighbour included. One row: every tile with and without PDL; more: every tile whole and
     split over K, with PDL where the GPU has it (fewer compiles at start-up). ``scale``: the
     weights are FP8 (their launches take it), scaled per ``block`` where given (whose GEMM, the
-    block GEMM's default tile, stands where cuBLAS does)."""
+    block GEMM's default tile, stands where cuBLAS does); with more rows the Triton FP8 GEMM's
+    narrow tiles (kernels/fp8_block_gemm.py) are tried too."""
     if x.shape[0] == 1:
         launches = (False, True) if pdl.enabled(x) else (False,)
         tiles = gemv.ONE_ROW_TILES if scale is None else gemv.ONE_ROW_TILES_FP8
@@ -109,14 +110,15 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
                  for k in sorted({1, gemv.auto_splits(N, K, t, sms)})]
         if neighbour is Neighbour.SILU:
             plans = []   # with more rows every column tile recomputes SiLU over [rows, K]: far slower
+        if scale is not None:   # the FP8 GEMM's narrow tiles, whole and split over K
+            plans = [Plan("triton", t._replace(splits=k)) for t in fp8_block_gemm.FEW_ROW_TILES
+                     for k in sorted({1, fp8_block_gemm.auto_splits(x.shape[0], N, K, t, block, sms)})] + plans
     if neighbour is Neighbour.NORM:
         def front() -> torch.Tensor:
             return triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
     else:
         def front() -> torch.Tensor:
             return x
-    if block is not None and x.shape[0] > 1:   # the block GEMM's narrow tiles beside the padded rows
-        plans = [Plan("triton", t) for t in fp8_block_gemm.FEW_ROW_TILES] + plans
     for plan in [CUBLAS if block is None else BLOCK_GEMM, *plans]:
         yield plan, functools.partial(_timed_call, launcher(plan, neighbour, scale is not None, block), front, ws,
                                       scale)

@@ -29,7 +29,8 @@ expert) pairs, chosen the same way (kernels/triton_moe.py ``tune``).
 A plan with ``fp8`` runs a projection whose weight is FP8 with a scale per output channel
 (kernels/fp8.py): its launches take the scale, the skinny kernels apply it in their epilogue and
 "cublas" is cuBLASLt's FP8 GEMM (``fp8.linear``: activations quantized per row) instead of
-F.linear. With ``block`` as well the weight has a scale per (rows, cols) block
+F.linear; up to 64 rows may also take the Triton FP8 GEMM (``Plan("triton", BlockGemmTile)``,
+kernels/fp8_block_gemm.py), split over K. With ``block`` as well the weight has a scale per (rows, cols) block
 (``fp8.Fp8BlockWeight``): the skinny kernels scale each block's sums as they add them, and
 every other bucket runs the block GEMM (``Plan("triton", BlockGemmTile)``,
 kernels/fp8_block_gemm.py), which cuBLASLt has no form of.
@@ -105,19 +106,20 @@ class RowsTile(NamedTuple):
 
 
 class BlockGemmTile(NamedTuple):
-    """Tile of the block-scaled FP8 GEMM (kernels/fp8_block_gemm.py): output rows and columns
-    per program (a K step is one block's columns), warps, pipeline stages."""
+    """Tile of the FP8 GEMM of kernels/fp8_block_gemm.py: output rows and columns per program (a
+    K step is one block's columns), warps, pipeline stages, slices of K."""
 
     block_m: int
     block_n: int
     warps: int
     stages: int
+    splits: int = 1
 
 
 class Plan(NamedTuple):
     """One way to run a projection for one bucket of rows."""
 
-    kernel: str            # "cublas", "gemv", "cutlass" (many rows), "triton" (block-scaled FP8) or "cpu"
+    kernel: str            # "cublas", "gemv", "cutlass" (many rows), "triton" (the FP8 GEMM) or "cpu"
     tile: OneRowTile | RowsTile | CutlassTile | BlockGemmTile | None = None
     pdl: bool = False
 
@@ -163,8 +165,9 @@ def run_cublas(neighbour: Neighbour, fp8: bool = False) -> Launch:
     return run_fp8(neighbour) if fp8 else _behind(neighbour, F.linear)
 
 
-def run_block_gemm(neighbour: Neighbour, tile: BlockGemmTile, block: tuple[int, int]) -> Launch:
-    """``run_fp8`` of a block-scaled FP8 weight on the block GEMM with ``tile``."""
+def run_block_gemm(neighbour: Neighbour, tile: BlockGemmTile, block: tuple[int, int] | None) -> Launch:
+    """``run_fp8`` of an FP8 weight scaled per ``block`` (or per row, with None) on the Triton
+    FP8 GEMM with ``tile``."""
     from phalanx.kernels import fp8_block_gemm
     return run_fp8(neighbour, fp8_block_gemm.rows_gemm(tile, block), block)
 
@@ -209,8 +212,8 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False, block: tuple[i
     if plan.kernel == "cpu":
         return _behind(neighbour, cpu_linear)
     if isinstance(plan.tile, BlockGemmTile) or (block is not None and plan.kernel == "cublas"):
-        if block is None or not fp8:
-            raise ValueError("the block GEMM takes FP8 weights scaled per block only")
+        if not fp8:
+            raise ValueError("the FP8 GEMM (kernels/fp8_block_gemm.py) takes FP8 weights only")
         return run_block_gemm(neighbour, plan.tile if isinstance(plan.tile, BlockGemmTile) else BLOCK_GEMM_TILE,
                               block)
     if plan.kernel == "cublas" or plan.tile is None:

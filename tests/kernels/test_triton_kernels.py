@@ -549,6 +549,37 @@ def test_block_scaled_fp8_weights_equal_the_dequantized_reference(M, N, K):
         gemv.gemv(x[:1], q, b, gemv.ONE_ROW_TILES_FP8[0], scale=scale)
 
 
+@pytest.mark.parametrize("M,N,K", [(20, 40, 300)]
+                         + ([(16, 4096, 4096), (64, 4096, 14336), (5, 6144, 4096)] if CUDA else []))
+def test_the_fp8_gemm_of_few_rows_split_over_k_equals_the_reference(M, N, K):
+    """The Triton FP8 GEMM of few rows, whole and over slices of K (the slice that finishes last
+    sums the partials), with a weight scaled per block or per row (the plan up to 64 rows may
+    take for either), against the projection of the dequantized weight on the rows as
+    quantized; called twice, so the second call finds its counters reset by the first."""
+    from phalanx.kernels import fp8, fp8_block_gemm
+    block = (128, 128) if CUDA else (16, 32)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator().manual_seed(29)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    w = torch.randn(N, K, generator=g) / K ** 0.5 * torch.logspace(-2, 1, N)[:, None]
+    rows = fp8.quantize_rows_reference(x)
+    b = torch.randn(N, generator=g).to(DEV, dtype)
+    weights = [(block, *fp8.quantize_blocks(w, block)), (None, *fp8.quantize_weight(w))]
+    tiles = fp8_block_gemm.FEW_ROW_TILES if CUDA else fp8_block_gemm.FEW_ROW_TILES[:1]
+    for blocks, q, scale in weights:
+        q, scale = q.to(DEV), scale.to(DEV)
+        ref = fp8.reference(rows.dequantize().float(), q, b.float(), scale, blocks)
+        for tile in tiles:
+            splits = {1, 3, fp8_block_gemm.auto_splits(M, N, K, tile, blocks, 132)}
+            for k in sorted(splits):
+                for _ in range(2):
+                    y = fp8_block_gemm.gemm(rows.q, rows.scale, q, scale, blocks, tile._replace(splits=k), b,
+                                            out_dtype=dtype)
+                    mostly_close(y, ref, dtype, 1e-3)
+    with pytest.raises(ValueError, match="1-D scale"):   # a row's scale never reaches a block launch
+        fp8_block_gemm.gemm(rows.q, rows.scale, q, scale, block)
+
+
 def test_block_scaled_weights_quantize_and_dequantize_by_block():
     """``quantize_blocks``: one scale per block (its amax / 448; a partial block at the edge
     takes what it holds), values within e4m3's precision of W; an ``Fp8BlockWeight`` of the
