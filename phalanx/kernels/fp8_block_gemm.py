@@ -27,10 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from phalanx.kernels import pdl
 from phalanx.kernels.fp8 import Block, RowsGemm
 from phalanx.kernels.linear_plan import BLOCK_GEMM_TILE, BlockGemmTile
-from phalanx.kernels.pdl import prologue
 
 GROUP_M = 8
 ROW_K_STEP = 128   # a K step of a weight scaled per row (a block-scaled one steps one block's columns)
@@ -48,13 +46,11 @@ DEFAULT_TILE = BLOCK_GEMM_TILE
 def _block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                        s_am, s_wn, s_sn, s_ym, HAS_BIAS: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                       SPLIT: tl.constexpr, PDL: tl.constexpr):
+                       SPLIT: tl.constexpr):
     """Program (t, s) multiplies output tile t over K-slice s. SBK > 0: a scale per SBN x SBK
     block of W (BLOCK_K = SBK), each step's dot scaled by its block column's; SBK = 0: a scale per
     row of W, applied once at the end with the rows'. SPLIT: as the padded rows of kernels/gemv.py
-    (each slice's partial to part[s], the slice that finishes last sums them in slice order).
-    PDL: launched as the skinny kernels are (kernels/pdl.py), waiting before its first load."""
-    prologue(PDL)
+    (each slice's partial to part[s], the slice that finishes last sums them in slice order)."""
     pid = tl.program_id(0)
     sk = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -146,7 +142,7 @@ def gemm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, scale:
         M, N, K, k_per, rows_q.stride(0), q.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         SBN=block[0] if block is not None else 1, SBK=block[1] if block is not None else 0, BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=step, GROUP=GROUP_M, SPLIT=splits > 1, num_warps=tile.warps,
-        num_stages=tile.stages, **pdl.launch(rows_q))
+        num_stages=tile.stages)
     return y
 
 
