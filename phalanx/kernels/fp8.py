@@ -270,6 +270,52 @@ def block_gemm_runs(device: torch.device, block: Block) -> bool:
         return False
 
 
+CUBLAS_BLOCK = (128, 128)   # the weight blocks cuBLASLt's block-scaled FP8 GEMM takes
+
+
+def block_scaled_mm_fits(q: torch.Tensor, block: Block | None) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 GEMM (``block_scaled_mm``) takes this weight: scaled
+    per 128 x 128 block, N a multiple of 128 and K of 512 (its scale rows are read in fours), on a
+    GPU where the probe gave the reference's product (``blockwise_scaled_mm``)."""
+    return (block is not None and tuple(block) == CUBLAS_BLOCK and q.is_cuda and q.shape[0] % 128 == 0
+            and q.shape[1] % 512 == 0 and blockwise_scaled_mm(q.device))
+
+
+@functools.cache
+def blockwise_scaled_mm(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm``'s block-scaled form runs on this GPU and gives the product of
+    the dequantized operands (tried once, with a scale of its own for every block: cuBLASLt has it
+    from CUDA 12.9 on Hopper; other GPUs and builds refuse it)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = torch.randn(256, 1024, generator=g) * torch.logspace(-2, 1, 256)[:, None]
+    x = torch.randn(6, 1024, generator=g)
+    q, scale = (t.to(device) for t in quantize_blocks(w, CUBLAS_BLOCK))
+    rows = quantize_rows_reference(x.to(device))
+    try:
+        y = block_scaled_mm(rows.q, rows.scale, q, scale).float()
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - a build or GPU without the block-scaled form
+        return False
+    ref = reference(rows.dequantize().float(), q, None, scale, CUBLAS_BLOCK)
+    return bool(((y - ref).abs() <= 0.02 * ref.abs() + 1e-3 * ref.abs().max()).all())
+
+
+def block_scaled_mm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt's block-scaled FP8 GEMM (DeepSeek's recipe) of rows scaled per row against a weight
+    scaled per 128 x 128 block -> bf16 [M, N]. It takes the rows' scales per 128 columns, laid out
+    M-major over a multiple of 4 rows: each row's one scale is repeated over its column blocks, and
+    the rows are padded to a multiple of 4 where they are not."""
+    M, K = rows_q.shape
+    pad = -M % 4
+    if pad:
+        rows_q = torch.cat([rows_q.view(torch.uint8), rows_q.new_zeros(pad, K, dtype=torch.uint8)]).view(FP8)
+        rows_scale = torch.cat([rows_scale.reshape(-1), rows_scale.new_ones(pad)])
+    scale_a = rows_scale.reshape(1, M + pad).expand(scale.shape[1], M + pad).contiguous().t()
+    y = torch._scaled_mm(rows_q, q.t(), scale_a=scale_a, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    return y[:M] if pad else y
+
+
 def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor, block: Block | None = None) -> bool:
     """Whether an FP8 GEMM takes this product (``takes_fp8_rows`` for x's dtype)."""
     return x.is_cuda and takes_fp8_rows(q, x.dtype, block)

@@ -28,6 +28,7 @@ from phalanx.kernels import fp8 as f8
 from phalanx.kernels.linear_plan import (
     BLOCK_GEMM,
     CUBLAS,
+    CUBLAS_BLOCK,
     MANY_ROW_BUCKETS,
     ROW_BUCKETS,
     GateUpSiluPlan,
@@ -113,6 +114,8 @@ def candidates(neighbour: Neighbour, x: torch.Tensor, r: torch.Tensor, g: torch.
         if scale is not None:   # the FP8 GEMM's narrow tiles, whole and split over K
             plans = [Plan("triton", t._replace(splits=k)) for t in fp8_block_gemm.FEW_ROW_TILES
                      for k in sorted({1, fp8_block_gemm.auto_splits(x.shape[0], N, K, t, block, sms)})] + plans
+        if f8.block_scaled_mm_fits(ws[0], block):
+            plans.append(CUBLAS_BLOCK)
     if neighbour is Neighbour.NORM:
         def front() -> torch.Tensor:
             return triton_ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
@@ -190,7 +193,7 @@ def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] 
     that is cuBLASLt's FP8 GEMM against the FP8 tiles on the same quantized rows (the row
     quantization in front is the same for both, so only the GEMM is timed); for a bf16 weight
     F.linear against the bf16 tiles; for an FP8 weight scaled per ``block``, the block GEMM's
-    tiles (``fp8_block_gemm.TILES``). cuBLAS
+    tiles (``fp8_block_gemm.TILES``) and cuBLASLt's block-scaled GEMM where it takes the weight. cuBLAS
     everywhere for other weights, where CUTLASS does not run here (kernels/cutlass_gemm.py
     ``why_unavailable``), or where its build failed (logged once)."""
     dtype = "fp8" if fp8 else "bf16"
@@ -201,6 +204,8 @@ def tune_many(w: torch.Tensor, act_dtype: torch.dtype, report: dict[str, float] 
             return (BLOCK_GEMM,) * len(MANY_ROW_BUCKETS)
         dtype = f"fp8 {block[0]}x{block[1]}"
         gemms = [(Plan("triton", t), fp8_block_gemm.rows_gemm(t, block)) for t in fp8_block_gemm.TILES]
+        if f8.block_scaled_mm_fits(w, block):
+            gemms.append((CUBLAS_BLOCK, f8.block_scaled_mm))
     else:
         usable = f8.takes_fp8_rows(w, act_dtype) if fp8 else (w.dtype == act_dtype == torch.bfloat16
                                                                and cutlass_gemm.fits(*w.shape))

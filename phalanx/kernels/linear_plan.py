@@ -33,7 +33,8 @@ F.linear; up to 64 rows may also take the Triton FP8 GEMM (``Plan("triton", Bloc
 kernels/fp8_block_gemm.py), split over K. With ``block`` as well the weight has a scale per (rows, cols) block
 (``fp8.Fp8BlockWeight``): the skinny kernels scale each block's sums as they add them, and
 every other bucket runs the block GEMM (``Plan("triton", BlockGemmTile)``,
-kernels/fp8_block_gemm.py), which cuBLASLt has no form of.
+kernels/fp8_block_gemm.py) or, for 128 x 128 blocks where the GPU has it and it measured faster,
+cuBLASLt's block-scaled GEMM (``CUBLAS_BLOCK``, ``fp8.block_scaled_mm``).
 
 Where no tuner ran (on a CPU, or with the Triton kernels unavailable) every plan is the
 reference: cuBLAS/BLAS for every bucket (``fp8.linear`` for FP8 weights), the default MoE
@@ -119,7 +120,7 @@ class BlockGemmTile(NamedTuple):
 class Plan(NamedTuple):
     """One way to run a projection for one bucket of rows."""
 
-    kernel: str            # "cublas", "gemv", "cutlass" (many rows), "triton" (the FP8 GEMM) or "cpu"
+    kernel: str            # "cublas", "cublas-block", "gemv", "cutlass" (many rows), "triton" (the FP8 GEMM), "cpu"
     tile: OneRowTile | RowsTile | CutlassTile | BlockGemmTile | None = None
     pdl: bool = False
 
@@ -131,6 +132,7 @@ CUBLAS = Plan("cublas")
 CPU_BLAS = Plan("cpu")
 BLOCK_GEMM_TILE = BlockGemmTile(64, 128, 4, 3)
 BLOCK_GEMM = Plan("triton", BLOCK_GEMM_TILE)   # a block-scaled FP8 weight's untuned plan
+CUBLAS_BLOCK = Plan("cublas-block")   # cuBLASLt's block-scaled FP8 GEMM (128 x 128 blocks; fp8.block_scaled_mm)
 CPU_HALF_FROM_ROWS = 17    # a bf16/fp16 weight on a CPU without native bf16: the CPU plan from 17 rows
 Launch = Callable[..., torch.Tensor]   # (x, weight, bias) -> y; FP8 plans: (x, weight, bias, scale)
 
@@ -211,6 +213,11 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False, block: tuple[i
     taking its scale as a fourth argument, with ``fp8``; scaled per ``block`` where given)."""
     if plan.kernel == "cpu":
         return _behind(neighbour, cpu_linear)
+    if plan == CUBLAS_BLOCK:
+        if block is None or not fp8:
+            raise ValueError("cuBLASLt's block-scaled GEMM takes FP8 weights scaled per block only")
+        from phalanx.kernels import fp8 as f8
+        return run_fp8(neighbour, f8.block_scaled_mm, block)
     if isinstance(plan.tile, BlockGemmTile) or (block is not None and plan.kernel == "cublas"):
         if not fp8:
             raise ValueError("the FP8 GEMM (kernels/fp8_block_gemm.py) takes FP8 weights only")
@@ -269,14 +276,16 @@ class LinearPlan:
             object.__setattr__(self, "launches", launches)
 
     def _check_block(self) -> None:
-        """A block-scaled FP8 weight has no cuBLASLt or CUTLASS GEMM: its buckets take the skinny
-        kernels or the block GEMM, which is what "cublas" (the untuned default) becomes here."""
+        """A block-scaled FP8 weight has no row-scaled cuBLASLt or CUTLASS GEMM: its buckets take the
+        skinny kernels, the block GEMM (what "cublas", the untuned default, becomes here), or
+        cuBLASLt's block-scaled GEMM where the tuner found it faster."""
         if not self.fp8:
             raise ValueError("a LinearPlan with blocks is an FP8 weight's")
         plans, many = (tuple(BLOCK_GEMM if p == CUBLAS else p for p in ps) for ps in (self.plans, self.many))
-        if any(not isinstance(p.tile, BlockGemmTile) for p in many) or any(
-                not (p.kernel == "gemv" or isinstance(p.tile, BlockGemmTile)) for p in plans):
-            raise ValueError(f"a block-scaled FP8 weight takes the skinny kernels or the block GEMM: {plans + many}")
+        if any(not (isinstance(p.tile, BlockGemmTile) or p == CUBLAS_BLOCK) for p in many) or any(
+                not (p.kernel == "gemv" or isinstance(p.tile, BlockGemmTile) or p == CUBLAS_BLOCK) for p in plans):
+            raise ValueError(f"a block-scaled FP8 weight takes the skinny kernels, the block GEMM or cuBLASLt's "
+                             f"block-scaled GEMM: {plans + many}")
         object.__setattr__(self, "plans", plans)
         object.__setattr__(self, "many", many)
 

@@ -545,6 +545,15 @@ def test_block_scaled_fp8_weights_equal_the_dequantized_reference(M, N, K):
         ref_silu = fp8.reference(reference.silu_and_mul_ref(xx).float(), q, None, scale, block)
         y = fp8.silu_linear(xx, q, None, scale, gemm, block)
         torch.testing.assert_close(y.float(), ref_silu, atol=0.1 * ref_silu.abs().max().item(), rtol=0.1)
+        # cuBLASLt's block-scaled GEMM (Hopper, CUDA 12.9 on), rows padded to a multiple of 4 (M = 1)
+        if torch.cuda.get_device_capability() == (9, 0):
+            assert fp8.blockwise_scaled_mm(x.device)
+        if fp8.block_scaled_mm_fits(q, block):
+            y = fp8.block_scaled_mm(rows.q, rows.scale, q, scale)
+            assert y.shape == (M, N)
+            mostly_close(y, ref_rows, dtype, 1e-3)
+            y = fp8.linear(x, q, b, scale, fp8.block_scaled_mm, block)
+            torch.testing.assert_close(y.float(), ref, atol=0.1 * ref.abs().max().item(), rtol=0.1)
     with pytest.raises(ValueError, match="2-D scale"):   # a block scale never reaches a per-row launch
         gemv.gemv(x[:1], q, b, gemv.ONE_ROW_TILES_FP8[0], scale=scale)
 
@@ -578,6 +587,33 @@ def test_the_fp8_gemm_of_few_rows_split_over_k_equals_the_reference(M, N, K):
                     mostly_close(y, ref, dtype, 1e-3)
     with pytest.raises(ValueError, match="1-D scale"):   # a row's scale never reaches a block launch
         fp8_block_gemm.gemm(rows.q, rows.scale, q, scale, block)
+
+
+@pytest.mark.skipif(not CUDA, reason="cuBLASLt's block-scaled GEMM runs on a GPU")
+def test_a_plan_of_cublas_block_scaled_gemm_equals_the_reference_in_a_cuda_graph():
+    """A projection planned on cuBLASLt's block-scaled GEMM at every bucket, at row counts that
+    pad to a multiple of 4 and that do not, eagerly and replayed from a CUDA graph on new rows."""
+    from phalanx.kernels import fp8
+    from phalanx.kernels.linear_plan import CUBLAS_BLOCK, MANY_ROW_BUCKETS, ROW_BUCKETS, LinearPlan, Neighbour
+    block = (128, 128)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1024, 1536, generator=g) / 40 * torch.logspace(-2, 1, 1024)[:, None]
+    q, scale = (t.to(DEV) for t in fp8.quantize_blocks(w, block))
+    if not fp8.block_scaled_mm_fits(q, block):
+        pytest.skip("no block-scaled cuBLASLt GEMM on this GPU or build")
+    plan = LinearPlan(Neighbour.PLAIN, (CUBLAS_BLOCK,) * len(ROW_BUCKETS), True,
+                      (CUBLAS_BLOCK,) * len(MANY_ROW_BUCKETS), block=block)
+    for M in (1, 13, 64, 300):
+        x = torch.randn(M, 1536, generator=g).to(DEV, torch.bfloat16)
+        ref = fp8.reference(x.float(), q, None, scale, block)
+        torch.testing.assert_close(plan(x, q, None, scale).float(), ref, atol=0.1 * ref.abs().max().item(), rtol=0.1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = plan(x, q, None, scale)
+        x.copy_(torch.randn(M, 1536, generator=g).to(DEV, torch.bfloat16))
+        graph.replay()
+        ref = fp8.reference(x.float(), q, None, scale, block)
+        torch.testing.assert_close(y.float(), ref, atol=0.1 * ref.abs().max().item(), rtol=0.1)
 
 
 def test_block_scaled_weights_quantize_and_dequantize_by_block():

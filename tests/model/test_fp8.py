@@ -484,6 +484,32 @@ def test_many_row_plans_bucket_batches_and_take_cutlass_tiles_of_the_weights_typ
     assert len(got) == 1
 
 
+def test_cublas_block_scaled_plans_take_block_scaled_weights_only():
+    """cuBLASLt's block-scaled GEMM (``CUBLAS_BLOCK``) may be the plan of any bucket of a weight
+    scaled per block, and of no other weight's; on a CPU the projection runs the reference (on a
+    Hopper GPU cuBLASLt, eagerly and in a CUDA graph: tests/kernels)."""
+    from phalanx.kernels.linear_plan import (
+        CUBLAS_BLOCK,
+        MANY_ROW_BUCKETS,
+        ROW_BUCKETS,
+        LinearPlan,
+        Neighbour,
+        launcher,
+    )
+    plans, many = (CUBLAS_BLOCK,) * len(ROW_BUCKETS), (CUBLAS_BLOCK,) * len(MANY_ROW_BUCKETS)
+    plan = LinearPlan(Neighbour.SILU, plans, True, many, block=(16, 32))
+    assert "≤1 rows cublas-block" in str(plan) and not plan.is_reference
+    x, w = torch.randn(70, 2 * 64), torch.randn(48, 64)
+    q, scale = fp8.quantize_blocks(w, (16, 32))
+    act = torch.nn.functional.silu(x[:, :64]) * x[:, 64:]
+    for rows in (1, 70):
+        torch.testing.assert_close(plan(x[:rows], q, None, scale), fp8.reference(act[:rows], q, None, scale, (16, 32)))
+    with pytest.raises(ValueError, match="many rows take cuBLAS"):
+        LinearPlan(Neighbour.PLAIN, fp8=True, many=many)                    # a weight scaled per row
+    with pytest.raises(ValueError, match="scaled per block only"):
+        launcher(CUBLAS_BLOCK, Neighbour.PLAIN, fp8=False, block=(16, 32))   # a full-precision one
+
+
 def test_many_row_buckets_are_timed_across_their_rows():
     """Each many-row bucket is timed at rows inside it, ascending, multiples of 8, its bound last;
     the small ones at four points (cuBLAS's pick at one row count can be far off its neighbours')."""
