@@ -105,24 +105,29 @@ def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any, parallel:
     return GuidedDecodingParams(json=_parameters(by_name[name]))
 
 
-# how each parser's calls begin and end, where a trigger marks them off from free text:
-# (trigger, begin before the name, between name and arguments, end). Llama 3's JSON calls have no
-# such mark (a JSON object in an answer starts the same way), so strict tools under "auto" are
-# held for Hermes-style calls only.
-_CALL_FORMS = {"hermes": ("<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>")}
+# how each parser's calls begin and end: (the trigger that marks a call off from free text, or
+# None where nothing does; begin before the name; between name and arguments; end)
+_CALL_FORMS: dict[str, tuple[str | None, str, str, str]] = {
+    "hermes": ("<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
+    "llama3_json": (None, '{"name": "', '", "parameters": ', "}"),
+}
 
 
 def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
-    """Under tool_choice "auto" with ``strict`` tools: xgrammar's structural tag that lets the
-    output run free until a call begins (the parser's trigger, ``<tool_call>``) and then holds
-    the call to one of the tools, written as the parser reads it: a strict tool's arguments
-    follow its ``parameters`` (checked for keywords the grammar does not enforce, naming the
-    tool), another tool's are any JSON object (as OpenAI leaves them)."""
+    """Under tool_choice "auto" with ``strict`` tools: xgrammar's structural tag that holds each
+    call to one of the tools, written as the parser reads it: a strict tool's arguments follow its
+    ``parameters`` (checked for keywords the grammar does not enforce, naming the tool), another
+    tool's are any JSON object (as OpenAI leaves them); whitespace inside the JSON one blank at a
+    time. Hermes-style calls are marked off from text: the output runs free until ``<tool_call>``
+    begins one. Llama 3's JSON calls are not (an answer's JSON starts the same way), and its
+    parser reads an output as calls only when the whole of it is calls, ``;``-separated: so the
+    output either is such calls from its first character, or is text that does not begin with
+    ``{`` or a blank."""
     from phalanx.llmapi.grammar import check_enforced
     if parser not in _CALL_FORMS:
-        raise ValueError(f"tools: strict function arguments under tool_choice 'auto' need a tool-call parser that "
-                         f"marks calls off from text ({', '.join(sorted(_CALL_FORMS))}), not {parser!r}; force the "
-                         "call with tool_choice 'required' or a named function")
+        raise ValueError(f"tools: strict function arguments under tool_choice 'auto' need a tool-call parser "
+                         f"({', '.join(sorted(_CALL_FORMS))}), not {parser!r}; force the call with tool_choice "
+                         "'required' or a named function")
     trigger, begin, middle, end = _CALL_FORMS[parser]
     tags = []
     for i, t in enumerate(tools):
@@ -135,6 +140,10 @@ def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]
         tags.append({"type": "tag", "begin": begin + f["name"] + middle, "end": end,
                      "content": {"type": "json_schema", "json_schema": schema,
                                  "max_whitespace_cnt": 1}})   # blanks one at a time: no wandering into runs
+    if trigger is None:   # calls from the first character, or text
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True}
+        text = {"type": "regex", "pattern": r"([^{\s][\s\S]*)?"}
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [calls, text]}}
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
 
 

@@ -259,3 +259,14 @@ def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm):
     for bad in (call("get_time", "{}"), call("get_weather", '{"city": 3}'),
                 call("get_weather", '{"city": "Paris", "day": 1}'), call("get_weather", '{"city": "Llanfairpwll"}')):
         assert not xgr.GrammarMatcher(grammar).accept_string(bad), bad
+    # Llama 3's JSON calls: the whole output is calls, or text that does not begin one
+    grammar = compiler.compile(GuidedDecodingParams(structural_tag=strict_tools_tag(tools, "llama3_json")))
+    calls = '{"name": "get_weather", "parameters": {"city": "Paris"}}; ' \
+            '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    assert [(c.name, json.loads(c.arguments)) for c in parse_tool_calls(calls, "llama3_json", tools)[1]] == \
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    for good in (calls, "It is sunny {mostly} in Paris.", ""):
+        assert xgr.GrammarMatcher(grammar).accept_string(good), good
+    for bad in ('{"name": "get_weather", "parameters": {"city": 3}}', '{"name": "get_time", "parameters": {}}',
+                '{"answer": "Paris"}', ' {"name": "get_weather"', calls + " Done."):
+        assert not xgr.GrammarMatcher(grammar).accept_string(bad), bad

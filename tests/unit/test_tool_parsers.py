@@ -1,6 +1,7 @@
 """The tool-call and reasoning parsers on hand-written model outputs (pure Python)."""
 
 import json
+import re
 
 from phalanx.serve.tools import (
     ReasoningStream,
@@ -72,9 +73,18 @@ def test_strict_tools_under_auto_are_held_by_a_structural_tag():
     assert fmt["tags"][1]["content"]["json_schema"] == TOOLS[0]["function"]["parameters"]   # strict: its schema
     assert fmt["tags"][2]["content"]["json_schema"] == {"type": "object"}     # not strict: any object, as OpenAI
     assert {t["end"] for t in fmt["tags"]} == {"}\n</tool_call>"}
-    # Llama 3's JSON calls are not marked off from an answer's JSON: strict there stays refused
+    # Llama 3's JSON calls are not marked off from an answer's JSON: the whole output is calls, or
+    # text that cannot begin one
+    fmt = strict_tools_tag(strict, "llama3_json")["format"]
+    calls, text = fmt["elements"]
+    assert fmt["type"] == "or" and calls["type"] == "tags_with_separator" and calls["separator"] == "; "
+    assert [t["begin"] for t in calls["tags"]] == [f'{{"name": "{t["function"]["name"]}", "parameters": '
+                                                   for t in strict]
+    assert calls["tags"][1]["content"]["json_schema"] == TOOLS[0]["function"]["parameters"]
+    assert re.fullmatch(text["pattern"], "Sunny {today}.") and re.fullmatch(text["pattern"], "")
+    assert not re.fullmatch(text["pattern"], '{"name": "f"}') and not re.fullmatch(text["pattern"], " {")
     with pytest.raises(ValueError, match="^tools: strict"):
-        strict_tools_tag(strict, "llama3_json")
+        strict_tools_tag(strict, "mistral")
     unenforced = [{"type": "function", "function": {"name": "tag", "strict": True, "parameters": {
         "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}}}]
     with pytest.raises(ValueError, match=r"^tools: tools\[0\] \('tag'\) parameters: the keyword 'uniqueItems'"):
