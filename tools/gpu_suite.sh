@@ -4,7 +4,7 @@
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
-#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|gaps128|user_side|moe_fp8|itl|fp8_experts|
+#                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|fp8_block|gaps128|user_side|moe_fp8|itl|fp8_experts|
 #                              cutlass|sampling|itl80|handover|layer|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
@@ -53,6 +53,14 @@ for what in "${@:-all}"; do
       for c in bf16 fp8 fp8_kv; do cfg=""; [ $c != bf16 ] && cfg="--config tools/gpu_$c.yaml"
         timeout 110 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \
           --steps 64 --overlap on $cfg --output "$OUT/decode_$c.json" > "$OUT/decode_$c.txt" 2>&1; done ;;
+    fp8_block)   # FP8 weights scaled per row against 128 x 128 blocks: decode at batch 1, 16, 64, then 128/128
+      # offline at 512 in flight with an FP8 KV pool (the many-row GEMMs: cuBLASLt, or the block GEMMs)
+      for m in llama-3.1-8b llama-3.1-8b-fp8-block; do cfg=""; [ $m = llama-3.1-8b ] && cfg="--config tools/gpu_fp8.yaml"
+        timeout 100 python3 -m phalanx.cli bench decode --model shape:$m --batch 1 16 64 --prompt-len 128 --steps 64 \
+          --overlap on $cfg --output "$OUT/decode_$m.json" > "$OUT/decode_$m.txt" 2>&1
+        timeout 140 python3 -m phalanx.cli bench throughput --model shape:$m --max-batch-size 512 --isl 128 --osl 128 \
+          --concurrency 512 --num-requests 2048 --config tools/gpu_engine_512_fp8.yaml \
+          --output "$OUT/throughput128_$m.json" > "$OUT/throughput128_$m.txt" 2>&1; done ;;
     throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048)   # offline at 512 in flight: bf16, then FP8
       # weights + FP8 KV (one workload a section: a device call has 600 s)
       case $what in *_128) w="128 128 2048" ;; *_1000) w="1000 1000 512" ;; *) w="2048 128 512" ;; esac
