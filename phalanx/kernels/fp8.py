@@ -19,8 +19,9 @@ output channel (row of W) gets a float32 scale = max |W[n]| / 448, and W is stor
 A block-scaled FP8 checkpoint (``weight_block_size``, DeepSeek and Qwen3 FP8: ``Fp8BlockWeight``)
 keeps a scale per (rows, cols) block where a layer's split allows (``layers.fp8_weights``): the
 skinny kernels scale each block's folded sums as they add them, and many rows take the block
-GEMM (kernels/fp8_block_gemm.py, Triton: cuBLASLt's row-wise FP8 GEMM has no block form), on
-rows quantized per row as above.
+GEMM (kernels/fp8_block_gemm.py, Triton: cuBLASLt's row-wise FP8 GEMM has no block form) or,
+for 128 x 128 blocks where the GPU has it and the tuner found it faster, cuBLASLt's
+block-scaled GEMM (``block_scaled_mm``), on rows quantized per row as above.
 
 The reference (and the path on a CPU, or where a shape or dtype does not suit ``_scaled_mm``) is
 the bf16 projection of the dequantized weight, q · scale, so the whole engine runs and is
@@ -270,14 +271,14 @@ def block_gemm_runs(device: torch.device, block: Block) -> bool:
         return False
 
 
-CUBLAS_BLOCK = (128, 128)   # the weight blocks cuBLASLt's block-scaled FP8 GEMM takes
+CUBLAS_BLOCK_SHAPE = (128, 128)   # the weight blocks cuBLASLt's block-scaled FP8 GEMM takes
 
 
 def block_scaled_mm_fits(q: torch.Tensor, block: Block | None) -> bool:
     """Whether cuBLASLt's block-scaled FP8 GEMM (``block_scaled_mm``) takes this weight: scaled
     per 128 x 128 block, N a multiple of 128 and K of 512 (its scale rows are read in fours), on a
     GPU where the probe gave the reference's product (``blockwise_scaled_mm``)."""
-    return (block is not None and tuple(block) == CUBLAS_BLOCK and q.is_cuda and q.shape[0] % 128 == 0
+    return (block is not None and tuple(block) == CUBLAS_BLOCK_SHAPE and q.is_cuda and q.shape[0] % 128 == 0
             and q.shape[1] % 512 == 0 and blockwise_scaled_mm(q.device))
 
 
@@ -289,14 +290,14 @@ def blockwise_scaled_mm(device: torch.device) -> bool:
     g = torch.Generator(device="cpu").manual_seed(0)
     w = torch.randn(256, 1024, generator=g) * torch.logspace(-2, 1, 256)[:, None]
     x = torch.randn(6, 1024, generator=g)
-    q, scale = (t.to(device) for t in quantize_blocks(w, CUBLAS_BLOCK))
+    q, scale = (t.to(device) for t in quantize_blocks(w, CUBLAS_BLOCK_SHAPE))
     rows = quantize_rows_reference(x.to(device))
     try:
         y = block_scaled_mm(rows.q, rows.scale, q, scale).float()
         torch.cuda.synchronize(device)
     except Exception:  # noqa: BLE001 - a build or GPU without the block-scaled form
         return False
-    ref = reference(rows.dequantize().float(), q, None, scale, CUBLAS_BLOCK)
+    ref = reference(rows.dequantize().float(), q, None, scale, CUBLAS_BLOCK_SHAPE)
     return bool(((y - ref).abs() <= 0.02 * ref.abs() + 1e-3 * ref.abs().max()).all())
 
 

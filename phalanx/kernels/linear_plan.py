@@ -108,7 +108,8 @@ class RowsTile(NamedTuple):
 
 class BlockGemmTile(NamedTuple):
     """Tile of the FP8 GEMM of kernels/fp8_block_gemm.py: output rows and columns per program (a
-    K step is one block's columns), warps, pipeline stages, slices of K."""
+    K step is one block's columns, or 128 for a weight scaled per row), warps, pipeline stages,
+    slices of K (more than one for 2–64 rows only)."""
 
     block_m: int
     block_n: int
@@ -151,12 +152,13 @@ def run_fp8(neighbour: Neighbour, gemm: Callable[..., torch.Tensor] | None = Non
             block: tuple[int, int] | None = None) -> Launch:
     """``fp8.linear``, after silu(gate) * up behind SILU (quantized by the same kernel:
     ``fp8.silu_linear``), multiplying with ``gemm`` (cuBLASLt's FP8 GEMM where None); ``block``:
-    the weight's scales are per block (``gemm`` is then the block GEMM)."""
+    the weight's scales are per block (``gemm`` is then one that takes them: the Triton block GEMM
+    or cuBLASLt's block-scaled one)."""
     from phalanx.kernels import fp8 as f8
     run = f8.silu_linear if neighbour is Neighbour.SILU else f8.linear
     if block is not None:
         if gemm is None:
-            raise ValueError("a block-scaled FP8 weight multiplies many rows with the block GEMM only")
+            raise ValueError("a block-scaled FP8 weight multiplies many rows with a block-scaled GEMM only")
         return functools.partial(run, gemm=gemm, block=block)
     return run if gemm is None else functools.partial(run, gemm=gemm)
 
@@ -214,9 +216,10 @@ def launcher(plan: Plan, neighbour: Neighbour, fp8: bool = False, block: tuple[i
     if plan.kernel == "cpu":
         return _behind(neighbour, cpu_linear)
     if plan == CUBLAS_BLOCK:
-        if block is None or not fp8:
-            raise ValueError("cuBLASLt's block-scaled GEMM takes FP8 weights scaled per block only")
         from phalanx.kernels import fp8 as f8
+        if block is None or not fp8 or tuple(block) != f8.CUBLAS_BLOCK_SHAPE:
+            raise ValueError(f"cuBLASLt's block-scaled GEMM takes FP8 weights scaled per "
+                             f"{f8.CUBLAS_BLOCK_SHAPE[0]} x {f8.CUBLAS_BLOCK_SHAPE[1]} block only, not {block}")
         return run_fp8(neighbour, f8.block_scaled_mm, block)
     if isinstance(plan.tile, BlockGemmTile) or (block is not None and plan.kernel == "cublas"):
         if not fp8:
@@ -282,10 +285,11 @@ class LinearPlan:
         if not self.fp8:
             raise ValueError("a LinearPlan with blocks is an FP8 weight's")
         plans, many = (tuple(BLOCK_GEMM if p == CUBLAS else p for p in ps) for ps in (self.plans, self.many))
-        if any(not (isinstance(p.tile, BlockGemmTile) or p == CUBLAS_BLOCK) for p in many) or any(
+        whole = [isinstance(p.tile, BlockGemmTile) and p.tile.splits == 1 or p == CUBLAS_BLOCK for p in many]
+        if not all(whole) or any(
                 not (p.kernel == "gemv" or isinstance(p.tile, BlockGemmTile) or p == CUBLAS_BLOCK) for p in plans):
             raise ValueError(f"a block-scaled FP8 weight takes the skinny kernels, the block GEMM or cuBLASLt's "
-                             f"block-scaled GEMM: {plans + many}")
+                             f"block-scaled GEMM, split over K up to 64 rows only: {plans + many}")
         object.__setattr__(self, "plans", plans)
         object.__setattr__(self, "many", many)
 

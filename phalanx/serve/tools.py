@@ -105,6 +105,15 @@ def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any, parallel:
     return GuidedDecodingParams(json=_parameters(by_name[name]))
 
 
+# free text that the Llama 3 parser cannot read as calls: empty, or not beginning with "{", with a
+# character str.strip() removes (xgrammar's \s has fewer), or with "<|" (a special token, which
+# xgrammar matches as its text and skip_special_tokens removes)
+@functools.cache
+def _text_not_a_call() -> dict[str, str]:
+    blanks = "".join(f"\\u{ord(c):04x}" for c in map(chr, range(0x110000)) if c.isspace())
+    return {"type": "regex", "pattern": f"(([^{{<{blanks}]|<[^|])[\\s\\S]*|<)?"}
+
+
 # how each parser's calls begin and end: (the trigger that marks a call off from free text, or
 # None where nothing does; begin before the name; between name and arguments; end)
 _CALL_FORMS: dict[str, tuple[str | None, str, str, str]] = {
@@ -120,9 +129,10 @@ def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]
     tool's are any JSON object (as OpenAI leaves them); whitespace inside the JSON one blank at a
     time. Hermes-style calls are marked off from text: the output runs free until ``<tool_call>``
     begins one. Llama 3's JSON calls are not (an answer's JSON starts the same way), and its
-    parser reads an output as calls only when the whole of it is calls, ``;``-separated: so the
-    output either is such calls from its first character, or is text that does not begin with
-    ``{`` or a blank."""
+    parser reads an output as calls only when the whole of it is calls, ``;``-separated, once it
+    has stripped blanks and ``<|python_tag|>`` from its ends: so the output either is such calls
+    from its first character (or right after ``<|python_tag|>``), or is text that begins with
+    none of ``{``, a blank (any character ``str.strip`` takes) or a special token's ``<|``."""
     from phalanx.llmapi.grammar import check_enforced
     if parser not in _CALL_FORMS:
         raise ValueError(f"tools: strict function arguments under tool_choice 'auto' need a tool-call parser "
@@ -140,10 +150,10 @@ def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]
         tags.append({"type": "tag", "begin": begin + f["name"] + middle, "end": end,
                      "content": {"type": "json_schema", "json_schema": schema,
                                  "max_whitespace_cnt": 1}})   # blanks one at a time: no wandering into runs
-    if trigger is None:   # calls from the first character, or text
+    if trigger is None:   # calls from the first character (or after the python tag), or text
         calls = {"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True}
-        text = {"type": "regex", "pattern": r"([^{\s][\s\S]*)?"}
-        return {"type": "structural_tag", "format": {"type": "or", "elements": [calls, text]}}
+        tagged = {"type": "sequence", "elements": [{"type": "const_string", "value": "<|python_tag|>"}, calls]}
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [calls, tagged, _text_not_a_call()]}}
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
 
 

@@ -489,25 +489,32 @@ def test_cublas_block_scaled_plans_take_block_scaled_weights_only():
     scaled per block, and of no other weight's; on a CPU the projection runs the reference (on a
     Hopper GPU cuBLASLt, eagerly and in a CUDA graph: tests/kernels)."""
     from phalanx.kernels.linear_plan import (
+        BLOCK_GEMM_TILE,
         CUBLAS_BLOCK,
         MANY_ROW_BUCKETS,
         ROW_BUCKETS,
         LinearPlan,
         Neighbour,
+        Plan,
         launcher,
     )
     plans, many = (CUBLAS_BLOCK,) * len(ROW_BUCKETS), (CUBLAS_BLOCK,) * len(MANY_ROW_BUCKETS)
-    plan = LinearPlan(Neighbour.SILU, plans, True, many, block=(16, 32))
+    plan = LinearPlan(Neighbour.SILU, plans, True, many, block=(128, 128))
     assert "≤1 rows cublas-block" in str(plan) and not plan.is_reference
-    x, w = torch.randn(70, 2 * 64), torch.randn(48, 64)
-    q, scale = fp8.quantize_blocks(w, (16, 32))
-    act = torch.nn.functional.silu(x[:, :64]) * x[:, 64:]
+    x, w = torch.randn(70, 2 * 160), torch.randn(200, 160)
+    q, scale = fp8.quantize_blocks(w, (128, 128))
+    act = torch.nn.functional.silu(x[:, :160]) * x[:, 160:]
     for rows in (1, 70):
-        torch.testing.assert_close(plan(x[:rows], q, None, scale), fp8.reference(act[:rows], q, None, scale, (16, 32)))
+        torch.testing.assert_close(plan(x[:rows], q, None, scale),
+                                   fp8.reference(act[:rows], q, None, scale, (128, 128)))
     with pytest.raises(ValueError, match="many rows take cuBLAS"):
         LinearPlan(Neighbour.PLAIN, fp8=True, many=many)                    # a weight scaled per row
-    with pytest.raises(ValueError, match="scaled per block only"):
-        launcher(CUBLAS_BLOCK, Neighbour.PLAIN, fp8=False, block=(16, 32))   # a full-precision one
+    for fp8_weight, block in ((False, (128, 128)), (True, (16, 32))):    # a full-precision one; other blocks
+        with pytest.raises(ValueError, match="128 x 128 block only"):
+            launcher(CUBLAS_BLOCK, Neighbour.PLAIN, fp8=fp8_weight, block=block)
+    with pytest.raises(ValueError, match="block-scaled FP8 weight takes"):   # K split: up to 64 rows only
+        LinearPlan(Neighbour.PLAIN, plans, True, (Plan("triton", BLOCK_GEMM_TILE._replace(splits=2)),) + many[1:],
+                   block=(128, 128))
 
 
 def test_many_row_buckets_are_timed_across_their_rows():

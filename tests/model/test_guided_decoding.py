@@ -265,8 +265,14 @@ def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm):
             '{"name": "get_weather", "parameters": {"city": "Rome"}}'
     assert [(c.name, json.loads(c.arguments)) for c in parse_tool_calls(calls, "llama3_json", tools)[1]] == \
         [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
-    for good in (calls, "It is sunny {mostly} in Paris.", ""):
-        assert xgr.GrammarMatcher(grammar).accept_string(good), good
-    for bad in ('{"name": "get_weather", "parameters": {"city": 3}}', '{"name": "get_time", "parameters": {}}',
-                '{"answer": "Paris"}', ' {"name": "get_weather"', calls + " Done."):
+    eos = llm.tokenizer.eos_token_ids[0]
+    for good in (calls, "<|python_tag|>" + calls, "It is sunny {mostly} in Paris.", "<b>Sunny</b>", ""):
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string(good) and matcher.accept_token(eos), good   # whole, and may end there
+    # a wrong call, also after the python tag or after a blank the parser strips (xgrammar's \s has
+    # fewer than str.strip); an answer's JSON; a special token (its text) in front of a call; text after calls
+    bad_call = '{"name": "get_weather", "parameters": {"city": 3}}'
+    for bad in (bad_call, "<|python_tag|>" + bad_call, "\x85" + bad_call, "\u3000" + bad_call,
+                '{"name": "get_time", "parameters": {}}', '{"answer": "Paris"}', ' {"name": "get_weather"',
+                "<|im_start|>" + bad_call, calls + " Done."):
         assert not xgr.GrammarMatcher(grammar).accept_string(bad), bad
