@@ -87,6 +87,21 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
+def safetensors_specs(path: str) -> list[dict[str, Any]]:
+    """Name, dtype and shape of every tensor of a Hugging Face directory's weight files, from
+    their headers (nothing copied)."""
+    from safetensors import safe_open
+    specs = []
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    for fname in safetensors_files(path):
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                sl = f.get_slice(key)
+                specs.append({"name": key, "dtype": names.get(sl.get_dtype(), sl.get_dtype()),
+                              "shape": list(sl.get_shape())})
+    return specs
+
+
 def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     for fname in safetensors_files(path):
@@ -140,11 +155,14 @@ def _scale_layout(shape: list[int] | tuple[int, ...], N: int, K: int, block: tup
 def checkpoint_weights(source: ModelSource,
                        dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]]:
     """The checkpoint's tensors under Hugging Face names; an FP8 checkpoint's weights as
-    ``fp8_checkpoint_weights`` gives them."""
+    ``fp8_checkpoint_weights`` gives them, once its headers showed every weight paired with a
+    scale that fits it (``check_fp8_checkpoint``: a broken checkpoint is refused before a tensor
+    is read, as a weight update is)."""
     if source.kind == "gguf":
         return iter_gguf_weights(source)
     weights = iter_hf_weights(source.path)
     if source.config.fp8_checkpoint:
+        check_fp8_checkpoint(safetensors_specs(source.path), source.config.fp8_block)
         return fp8_checkpoint_weights(weights, source.config.fp8_block, dtype)
     return weights
 

@@ -275,7 +275,12 @@ class Rollout:
         the same architecture and sizes, and (safetensors) every tensor's name and shape."""
         import dataclasses
 
-        from phalanx.models.loader import FP8_SCALE_SUFFIXES, check_fp8_checkpoint, checkpoint_weights
+        from phalanx.models.loader import (
+            FP8_SCALE_SUFFIXES,
+            check_fp8_checkpoint,
+            checkpoint_weights,
+            safetensors_specs,
+        )
         from phalanx.models.source import resolve_model
         if not isinstance(path, str) or not path:
             raise ValueError("path: a checkpoint directory or .gguf file is needed")
@@ -292,7 +297,7 @@ class Rollout:
             # names and shapes, all before any copy; an FP8 checkpoint's scales pair with its
             # weights (checked as the full-precision tensors they stand for: checkpoint_weights
             # keeps the bytes of per-tensor or per-row scaled ones, dequantizes the others)
-            specs = _safetensors_specs(source.path)
+            specs = [s for s in safetensors_specs(source.path) if "rotary_emb" not in s["name"]]
             if source.config.fp8_checkpoint:
                 check_fp8_checkpoint(specs, source.config.fp8_block)
             weights = [{**s, "dtype": "float32"} if str(s["dtype"]).startswith("F8") else s
@@ -327,26 +332,6 @@ class Rollout:
     def _destroy_weights_update_group(self) -> str:
         self._group = None
         return "ok"
-
-
-def _safetensors_specs(path: str) -> list[dict[str, Any]]:
-    """Name, dtype and shape of every tensor of a safetensors checkpoint, from the headers."""
-    import os
-
-    from safetensors import safe_open
-
-    from phalanx.models.loader import safetensors_files
-    specs = []
-    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    for f in safetensors_files(path):   # the index's files, as the load reads them
-        with safe_open(os.path.join(path, f), framework="pt") as sf:
-            for key in sf.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if "rotary_emb" in key:
-                    continue
-                sl = sf.get_slice(key)
-                specs.append({"name": key, "dtype": names.get(sl.get_dtype(), sl.get_dtype()),
-                              "shape": list(sl.get_shape())})
-    return specs
 
 
 def _weight_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:

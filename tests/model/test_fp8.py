@@ -391,6 +391,21 @@ def test_a_broken_fp8_checkpoint_is_refused_before_any_weight_changes(tiny_model
             llm.update_weights_from_disk(str(tmp_path / "ckpt"))
         after = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
     assert after == before
+    # a first load is refused the same way, from the headers, before a tensor is read
+    from phalanx.models import loader
+    from phalanx.models.source import resolve_model
+    read = []
+    real = loader.iter_hf_weights
+
+    def reading(path):
+        for item in real(path):
+            read.append(item[0])
+            yield item
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "iter_hf_weights", reading)
+        with pytest.raises(ValueError, match="down_proj has a weight without its scale"):
+            list(loader.checkpoint_weights(resolve_model(str(tmp_path / "ckpt")), torch.float32))
+    assert read == []
 
 
 def test_a_norm_in_front_of_an_fp8_projection_hands_over_rows_quantized_per_row(tiny_models, monkeypatch):
