@@ -26,14 +26,28 @@ class GrammarCompiler:
     Its masks cover ``vocab_size`` = the smaller of the model's and the tokenizer's vocabularies:
     ids a model pads its output layer with have no text, so no grammar allows them, and the
     sampler masks them without the grammar engine (fed through it, 79k padding ids made each
-    step's fill 12 times slower than the 49k real ones alone)."""
+    step's fill 12 times slower than the 49k real ones alone).
+
+    The tokenizer's special tokens (``special_ids``) but the stop tokens are given no text, which
+    xgrammar reads as a token no grammar allows: otherwise it matches a special token as its
+    literal text (``<|eot_id|>`` inside a JSON string), which decoding then skips, and the output
+    the user gets breaks the grammar (a string shorter than its minLength, a tool call after a
+    special token the parser never sees)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], threads: int = 4) -> None:
         import xgrammar as xgr
-        ids = hf_tokenizer.get_vocab().values()
-        self.vocab_size = min(vocab_size, max(len(ids), max(ids, default=-1) + 1))
-        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=self.vocab_size,
-                                                       stop_token_ids=list(stop_token_ids) or None)
+        vocab = hf_tokenizer.get_vocab()
+        self.vocab_size = min(vocab_size, max(len(vocab), max(vocab.values(), default=-1) + 1))
+        stops = list(stop_token_ids) or None
+        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=stops)
+        unmatchable = special_ids(hf_tokenizer) - set(stop_token_ids)
+        if unmatchable:
+            encoded = [""] * self.vocab_size
+            for text, i in vocab.items():
+                if i < self.vocab_size and i not in unmatchable:
+                    encoded[i] = text
+            self.info = xgr.TokenizerInfo(encoded, self.info.vocab_type, vocab_size=self.vocab_size,
+                                          stop_token_ids=stops, add_prefix_space=self.info.add_prefix_space)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
 
     def compile(self, params: GuidedDecodingParams) -> Any:
@@ -59,6 +73,14 @@ class GrammarCompiler:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             first = _SOURCE_PREFIX.sub("", first)      # "[time] file.cc:94: message" -> "message"
             raise ValueError(f"guided_decoding.{kind} does not compile: {first[:300]}") from None
+
+
+def special_ids(hf_tokenizer: Any) -> set[int]:
+    """The ids of a Hugging Face tokenizer's special tokens: its named ones (bos, eos, pad, ...)
+    and every added token marked special (which decoding skips by default)."""
+    ids = set(getattr(hf_tokenizer, "all_special_ids", None) or [])
+    decoder = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
+    return ids | {i for i, tok in decoder.items() if getattr(tok, "special", False)}
 
 
 # JSON-schema keywords the grammar engine does not enforce (an output it allows may break them):

@@ -233,6 +233,32 @@ def test_a_structural_tag_runs_free_until_its_trigger_then_holds_its_tag(llm):
     assert m and json.loads(m.group(1))["sky"] in ("sunny", "cloudy"), out
 
 
+def test_no_grammar_admits_a_special_token_but_a_stop_token(llm):
+    """xgrammar would match a special token as its literal text, which decoding then skips: a
+    JSON string holding "<filename>" came back shorter than its minLength, and a call after one
+    slipped past a tools grammar. The special tokens but the stop tokens are unmatchable, at the
+    start and inside a string, and the grammar's other tokens stay allowed."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from phalanx.llmapi.grammar import GrammarCompiler, special_ids
+    tok = llm.tokenizer
+    specials = sorted(special_ids(tok.hf) - set(tok.eos_token_ids))
+    assert specials and tok.hf.convert_tokens_to_ids("<filename>") in specials
+    compiler = GrammarCompiler(tok.hf, llm.vocab_size, tok.eos_token_ids)
+    grammar = compiler.compile(GuidedDecodingParams(json={"type": "string", "minLength": 5}))
+    for prefix in ("", '"ab'):
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string(prefix)
+        mask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        allowed = xgr.testing._get_masked_tokens_from_bitmask(mask, compiler.vocab_size)
+        allowed = set(range(compiler.vocab_size)) - set(np.asarray(allowed).tolist())
+        assert not allowed & set(specials), prefix
+        assert tok.encode('"', add_special_tokens=False)[0] in allowed or prefix
+        assert not xgr.GrammarMatcher(grammar).accept_token(specials[0])
+
+
 def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm):
     """The structural tag of strict tools under tool_choice "auto", matched against the model's
     vocabulary: free text, then calls of the tools with arguments that follow their parameters,
