@@ -265,7 +265,9 @@ def choose_parser(name: str, template: str | None, model_type: str) -> str:
 
 def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
     """(content without the calls, the calls) found in a free-running output; calls naming a
-    function that is not among the tools are left in the content."""
+    function that is not among the tools are left in the content. Llama 3's calls are read from
+    the start of the output, up to the first piece that is not a whole call of a tool (an output
+    cut short inside a call keeps the calls before it; what follows is content)."""
     names = {t["function"]["name"] for t in tools}
     if parser == "hermes":
         calls, spans = [], []
@@ -286,16 +288,18 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
     while at < len(body):                 # Llama 3.x: one JSON object per call, ";"-separated (a ";"
         try:                              # inside an argument's string is the argument's)
             obj, end = decoder.raw_decode(body, at)
+            call = _call_from(json.dumps(obj), names, "parameters")
         except ValueError:
-            return text, []
-        call = _call_from(json.dumps(obj), names, "parameters")
-        if call is None:
-            return text, []
+            call = None
+        if call is None:   # the calls before it stand (an output cut inside its second call keeps the
+            break          # first, as Hermes blocks and "required" do); the rest is content
         calls.append(call)
         at = end
         while at < len(body) and body[at] in " \t\r\n;":
             at += 1
-    return (None, calls) if calls else (text, [])
+    if not calls:
+        return text, []
+    return (body[at:].strip() or None), calls
 
 
 def _call_from(raw: str, names: set[str], key: str) -> ToolCall | None:
@@ -355,12 +359,15 @@ class ToolCallStream:
         self.text = ""
 
     def feed(self, text: str) -> str:
-        """The content delta that is safe to stream now."""
+        """The content delta that is safe to stream now. Text held from a Hermes marker on stays
+        held; text held as a possible start of a Llama 3 call (a "<" that could begin
+        ``<|python_tag|>``) is released once it no longer can."""
         self.text += text
-        if self.held or self._starts_call(self.text[len(self.sent):]):
-            self.held = self.text[len(self.sent):]
-            return ""
         pending = self.text[len(self.sent):]
+        if self._starts_call(pending) or (self.held and self.parser != "llama3_json"):
+            self.held = pending
+            return ""
+        self.held = ""
         marker = "<tool_call>"
         at = pending.find(marker)
         if at >= 0:

@@ -35,8 +35,13 @@ def test_llama3_json_calls():
                                       '"parameters": {"a": 1, "b": 2}}', "llama3_json", TOOLS)   # ";" in an argument
     assert content is None and [c.name for c in calls] == ["get_weather", "add"]
     assert json.loads(calls[0].arguments) == {"city": "a;b"}
-    half = '{"name": "add", "parameters": {"a": 1}}; {"name": "add"'
-    assert parse_tool_calls(half, "llama3_json", TOOLS) == (half, [])     # a cut call: all of it is content
+    # cut inside its second call (max_tokens, a stop string): the first call stands, as a whole
+    # Hermes block and "required"'s whole calls do; the rest is content
+    content, calls = parse_tool_calls('{"name": "add", "parameters": {"a": 1}}; {"name": "add"', "llama3_json", TOOLS)
+    assert content == '{"name": "add"' and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1})]
+    half = '{"name": "add", "parameters": {"a"'
+    assert parse_tool_calls(half, "llama3_json", TOOLS) == (half, [])     # no whole call: all of it is content
+    assert parse_tool_calls('{"answer": 3}', "llama3_json", TOOLS) == ('{"answer": 3}', [])   # not a call
 
 
 def test_forced_choices_become_grammars_and_read_back():
@@ -140,6 +145,13 @@ def test_tool_call_stream_holds_back_a_call_and_streams_the_rest():
     plain = ToolCallStream("hermes", TOOLS)
     text = "".join(plain.feed(p) for p in ["No calls ", "<b>here</b>"])
     assert text + plain.finish()[0] == "No calls <b>here</b>"
+    # Llama 3: a "<" at the start is held while it could begin <|python_tag|>, then released
+    llama = ToolCallStream("llama3_json", TOOLS)
+    assert [llama.feed(p) for p in ["<", "b>bold", " text"]] == ["", "<b>bold", " text"]
+    assert llama.finish() == ("", [])
+    tagged = ToolCallStream("llama3_json", TOOLS)
+    assert [tagged.feed(p) for p in ["<|python", '_tag|>{"name": "add", "parameters": {"a": 1}}']] == ["", ""]
+    assert tagged.finish()[1][0].name == "add"
 
 
 def test_a_whole_chat_output_reads_as_its_stream():
