@@ -28,19 +28,21 @@ class GrammarCompiler:
     sampler masks them without the grammar engine (fed through it, 79k padding ids made each
     step's fill 12 times slower than the 49k real ones alone).
 
-    The tokenizer's special tokens (``special_ids``) but the stop tokens are given no text, which
-    xgrammar reads as a token no grammar allows: otherwise it matches a special token as its
-    literal text (``<|eot_id|>`` inside a JSON string), which decoding then skips, and the output
-    the user gets breaks the grammar (a string shorter than its minLength, a tool call after a
-    special token the parser never sees)."""
+    The tokenizer's special tokens (``special_ids``) but the stop tokens and the tool-call markers
+    (``MARKERS``: a tools grammar must let the model write the token it was trained to open a call
+    with) are given no text, which xgrammar reads as a token no grammar allows: otherwise it
+    matches a special token as its literal text (``<|eot_id|>`` inside a JSON string), which
+    decoding then skips, and the output the user gets breaks the grammar (a string shorter than
+    its minLength, a tool call after a special token the parser never sees)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], threads: int = 4) -> None:
         import xgrammar as xgr
         vocab = hf_tokenizer.get_vocab()
         self.vocab_size = min(vocab_size, max(len(vocab), max(vocab.values(), default=-1) + 1))
-        stops = list(stop_token_ids) or None
-        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=stops)
-        unmatchable = special_ids(hf_tokenizer) - set(stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=list(stop_token_ids) or None)
+        stops = list(self.info.stop_token_ids)     # as given, or as xgrammar found them by their text
+        unmatchable = special_ids(hf_tokenizer) - set(stops) - {vocab[m] for m in MARKERS if m in vocab}
         if unmatchable:
             encoded = [""] * self.vocab_size
             for text, i in vocab.items():
@@ -73,6 +75,9 @@ class GrammarCompiler:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             first = _SOURCE_PREFIX.sub("", first)      # "[time] file.cc:94: message" -> "message"
             raise ValueError(f"guided_decoding.{kind} does not compile: {first[:300]}") from None
+
+
+MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>")   # the tool-call parsers' (serve/tools.py)
 
 
 def special_ids(hf_tokenizer: Any) -> set[int]:

@@ -106,8 +106,8 @@ def forced_tool_grammar(tools: list[dict[str, Any]], tool_choice: Any, parallel:
 
 
 # free text that the Llama 3 parser cannot read as calls: empty, or not beginning with "{", with a
-# character str.strip() removes (xgrammar's \s has fewer), or with "<|" (a special token, which
-# xgrammar matches as its text and skip_special_tokens removes)
+# character str.strip() removes (xgrammar's \s has fewer), or with "<|" (<|python_tag|>, as its
+# token or spelled out, which the parser strips from the front)
 @functools.cache
 def _text_not_a_call() -> dict[str, str]:
     blanks = "".join(f"\\u{ord(c):04x}" for c in map(chr, range(0x110000)) if c.isspace())
@@ -129,7 +129,7 @@ def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]
     tool's are any JSON object (as OpenAI leaves them); whitespace inside the JSON one blank at a
     time. Hermes-style calls are marked off from text: the output runs free until ``<tool_call>``
     begins one. Llama 3's JSON calls are not (an answer's JSON starts the same way), and its
-    parser reads an output as calls only when the whole of it is calls, ``;``-separated, once it
+    parser reads an output as calls only when it begins with whole calls, ``;``-separated, once it
     has stripped blanks and ``<|python_tag|>`` from its ends: so the output either is such calls
     from its first character (or right after ``<|python_tag|>``), or is text that begins with
     none of ``{``, a blank (any character ``str.strip`` takes) or a special token's ``<|``."""
@@ -265,9 +265,10 @@ def choose_parser(name: str, template: str | None, model_type: str) -> str:
 
 def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
     """(content without the calls, the calls) found in a free-running output; calls naming a
-    function that is not among the tools are left in the content. Llama 3's calls are read from
-    the start of the output, up to the first piece that is not a whole call of a tool (an output
-    cut short inside a call keeps the calls before it; what follows is content)."""
+    function that is not among the tools are left in the content. Llama 3's output is calls when
+    all of it is whole calls of the tools, ``;``-separated, or whole calls and then the start of
+    another object (an output cut short inside a call keeps the calls before it; the cut one is
+    content); else all of it is content (a JSON object followed by prose is an answer)."""
     names = {t["function"]["name"] for t in tools}
     if parser == "hermes":
         calls, spans = [], []
@@ -291,15 +292,16 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
             call = _call_from(json.dumps(obj), names, "parameters")
         except ValueError:
             call = None
-        if call is None:   # the calls before it stand (an output cut inside its second call keeps the
-            break          # first, as Hermes blocks and "required" do); the rest is content
+        if call is None:
+            break
         calls.append(call)
         at = end
         while at < len(body) and body[at] in " \t\r\n;":
             at += 1
-    if not calls:
+    rest = body[at:].strip()
+    if not calls or (rest and not rest.startswith("{")):   # prose after a JSON object: an answer
         return text, []
-    return (body[at:].strip() or None), calls
+    return (rest or None), calls   # a cut inside a later call keeps the whole ones, as Hermes blocks do
 
 
 def _call_from(raw: str, names: set[str], key: str) -> ToolCall | None:
@@ -387,9 +389,9 @@ class ToolCallStream:
         return (content or "") if calls else rest, calls
 
     def _starts_call(self, pending: str) -> bool:
-        head = pending.lstrip()
+        head = pending.lstrip()   # (blanks alone are held too: a call may follow them)
         return self.parser == "llama3_json" and self.sent.strip() == "" and (
-            head.startswith(("{", "<|python_tag|>")) or (head != "" and "<|python_tag|>".startswith(head)))
+            head.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(head))
 
 
 def _partial_tag(text: str, tag: str) -> int:

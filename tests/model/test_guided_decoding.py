@@ -257,6 +257,20 @@ def test_no_grammar_admits_a_special_token_but_a_stop_token(llm):
         assert not allowed & set(specials), prefix
         assert tok.encode('"', add_special_tokens=False)[0] in allowed or prefix
         assert not xgr.GrammarMatcher(grammar).accept_token(specials[0])
+    # a tool-call marker stays a token a grammar may take (the one the model opens a call with)
+    import copy
+
+    from phalanx.serve.tools import strict_tools_tag
+    hf = copy.deepcopy(tok.hf)
+    hf.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "<|eot_id|>"]})
+    tag_id, eot_id = hf.convert_tokens_to_ids(["<|python_tag|>", "<|eot_id|>"])
+    assert {tag_id, eot_id} <= special_ids(hf)
+    compiler = GrammarCompiler(hf, len(hf), tok.eos_token_ids)
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}]
+    grammar = compiler.compile(GuidedDecodingParams(structural_tag=strict_tools_tag(tools, "llama3_json")))
+    matcher = xgr.GrammarMatcher(grammar)
+    assert matcher.accept_token(tag_id) and matcher.accept_string('{"name": "f", "parameters": {}}')
+    assert not xgr.GrammarMatcher(grammar).accept_token(eot_id)
 
 
 def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm):

@@ -42,6 +42,8 @@ def test_llama3_json_calls():
     half = '{"name": "add", "parameters": {"a"'
     assert parse_tool_calls(half, "llama3_json", TOOLS) == (half, [])     # no whole call: all of it is content
     assert parse_tool_calls('{"answer": 3}', "llama3_json", TOOLS) == ('{"answer": 3}', [])   # not a call
+    shown = '{"name": "add", "parameters": {"a": 1}}\n\nThis is how you would call it.'   # an answer
+    assert parse_tool_calls(shown, "llama3_json", TOOLS) == (shown, [])
 
 
 def test_forced_choices_become_grammars_and_read_back():
@@ -149,6 +151,9 @@ def test_tool_call_stream_holds_back_a_call_and_streams_the_rest():
     llama = ToolCallStream("llama3_json", TOOLS)
     assert [llama.feed(p) for p in ["<", "b>bold", " text"]] == ["", "<b>bold", " text"]
     assert llama.finish() == ("", [])
+    blank_first = ToolCallStream("llama3_json", TOOLS)   # a blank alone may come before a call
+    assert [blank_first.feed(p) for p in ["\n", '{"name": "add", "parameters": {}}']] == ["", ""]
+    assert blank_first.finish()[0] == ""
     tagged = ToolCallStream("llama3_json", TOOLS)
     assert [tagged.feed(p) for p in ["<|python", '_tag|>{"name": "add", "parameters": {"a": 1}}']] == ["", ""]
     assert tagged.finish()[1][0].name == "add"
