@@ -160,6 +160,15 @@ class _TextOffsets:
         return offset
 
 
+def decodes_call_markers(plan: ChatPlan, special_strings: list[str], fields_set: set[str]) -> bool:
+    """Whether a chat output is decoded with its special tokens: free-running tools whose parser
+    opens a call with a marker the tokenizer marks special (some Hermes models' ``<tool_call>``),
+    which decoding would otherwise drop, so that the parser never saw the call (vLLM decodes them
+    so too); not where the request set ``skip_special_tokens`` itself."""
+    return (plan.parser == "hermes" and plan.tools is not None and plan.forced is None
+            and "skip_special_tokens" not in fields_set and "<tool_call>" in special_strings)
+
+
 def _chat_finish(finish: str | None, called: bool, plan: ChatPlan) -> str | None:
     """A chat choice's finish_reason: "tool_calls" where the model chose to call (tool_choice auto
     or required) and stopped; a named function's forced call stops as "stop" (OpenAI, vLLM)."""
@@ -376,7 +385,8 @@ class OpenAIServer:
 
     # -- shared pieces ---------------------------------------------------------------------------------
     def _sampling(self, req: Any, max_tokens: int | None, logprobs: int | None,
-                  prompt_logprobs: int | None = None, guided: GuidedDecodingParams | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, guided: GuidedDecodingParams | None = None,
+                  skip_special_tokens: bool | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -386,7 +396,8 @@ class OpenAIServer:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, guided_decoding=guided, skip_special_tokens=req.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, guided_decoding=guided,
+                skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens)
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
@@ -628,8 +639,9 @@ class OpenAIServer:
         ids = await self._chat_ids(plan.messages, plan.shown, body.add_generation_prompt, body.chat_template_kwargs,
                                    self.llm.max_seq_len - 1)
         k = (body.top_logprobs or 0) if body.logprobs else None
+        keep = decodes_call_markers(plan, tokenizer.special_strings(), body.model_fields_set)
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
-                            k, guided=plan.guided)
+                            k, guided=plan.guided, skip_special_tokens=False if keep else None)
         await self._check_grammar(sp, plan.guided_field)
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"

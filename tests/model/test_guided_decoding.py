@@ -273,6 +273,31 @@ def test_no_grammar_admits_a_special_token_but_a_stop_token(llm):
     assert not xgr.GrammarMatcher(grammar).accept_token(eot_id)
 
 
+def test_a_hermes_call_marker_the_tokenizer_marks_special_is_decoded_for_the_parser(llm):
+    """Some Hermes models' tokenizers mark ``<tool_call>`` special: decoding as usual drops it and
+    the parser never sees the call. Free-running tools with such a tokenizer are decoded with
+    their special tokens (as vLLM does), unless the request set skip_special_tokens itself."""
+    import copy
+
+    from phalanx.llmapi.tokenizer import Tokenizer
+    from phalanx.serve.openai_server import ChatPlan, decodes_call_markers
+    from phalanx.serve.tools import parse_tool_calls
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    plain = Tokenizer(llm.tokenizer.hf)
+    hf = copy.deepcopy(llm.tokenizer.hf)
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    marked = Tokenizer(hf)
+    auto = ChatPlan([], tools, None, "hermes", None, None)
+    assert decodes_call_markers(auto, marked.special_strings(), set())
+    assert not decodes_call_markers(auto, plain.special_strings(), set())            # spelled out: no need
+    assert not decodes_call_markers(auto, marked.special_strings(), {"skip_special_tokens"})   # as asked
+    assert not decodes_call_markers(ChatPlan([], tools, "required", None, None, None), marked.special_strings(),
+                                    set())                                           # forced: read from the JSON
+    ids = hf.encode('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', add_special_tokens=False)
+    assert parse_tool_calls(marked.decode(ids, skip_special_tokens=False), "hermes", tools)[1][0].name == "add"
+    assert parse_tool_calls(marked.decode(ids, skip_special_tokens=True), "hermes", tools)[1] == []
+
+
 def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm):
     """The structural tag of strict tools under tool_choice "auto", matched against the model's
     vocabulary: free text, then calls of the tools with arguments that follow their parameters,
