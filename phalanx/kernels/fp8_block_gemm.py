@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels.fp8 import Block, RowsGemm
+from phalanx.kernels.gemv import slices_for, split_k
 from phalanx.kernels.linear_plan import BLOCK_GEMM_TILE, BlockGemmTile
 
 GROUP_M = 8
@@ -110,8 +111,7 @@ def _k_step(block: Block | None) -> int:
 
 def auto_splits(M: int, N: int, K: int, tile: BlockGemmTile, block: Block | None, num_sms: int) -> int:
     """K slices that give about two programs per SM for a tile (at least 4 K steps each)."""
-    tiles = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
-    return max(1, min(triton.cdiv(2 * num_sms, tiles), K // (4 * _k_step(block))))
+    return slices_for(triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n), K, _k_step(block), num_sms)
 
 
 def gemm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: Block | None,
@@ -120,7 +120,6 @@ def gemm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, scale:
     """rows (q [M, K] e4m3, scale [M, 1] float32) times an FP8 weight (q [N, K] e4m3) scaled per
     ``block`` (scale [⌈N / rows⌉, ⌈K / cols⌉] float32) or, with ``block`` None, per row (scale
     [N]) -> [M, N] in ``out_dtype`` (+ ``bias``), over ``tile.splits`` slices of K."""
-    from phalanx.kernels.gemv import split_counts
     M, K = rows_q.shape
     N = q.shape[0]
     if scale.dim() != (1 if block is None else 2):
@@ -131,12 +130,7 @@ def gemm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, scale:
     y = torch.empty(M, N, dtype=out_dtype, device=rows_q.device)
     step = _k_step(block)
     tiles = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
-    k_per = triton.cdiv(triton.cdiv(K, tile.splits), step) * step
-    splits = triton.cdiv(K, k_per)
-    counts = split_counts(rows_q.device, tiles) if splits > 1 else None
-    if counts is None:
-        splits, k_per = 1, K
-    part = torch.empty(splits, M, N, dtype=torch.float32, device=y.device) if splits > 1 else y
+    splits, k_per, counts, part = split_k(y, K, tile.splits, step, tiles)
     _block_gemm_kernel[(tiles, splits)](
         rows_q, rows_scale, q, scale, bias if bias is not None else y, y, part, counts if counts is not None else y,
         M, N, K, k_per, rows_q.stride(0), q.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,

@@ -308,10 +308,29 @@ def _padded_rows_launch(tile: RowsTile) -> tuple[int, int, int, int, int]:
     return max(bn, 16), bk, warps, stages, splits
 
 
+def slices_for(tiles: int, K: int, k_step: int, num_sms: int) -> int:
+    """K slices that give about two programs per SM for ``tiles`` output tiles (at least 4 K
+    steps of ``k_step`` each): the rule of both split-K products (this file's and fp8_block_gemm's)."""
+    return max(1, min(triton.cdiv(2 * num_sms, tiles), K // (4 * k_step)))
+
+
 def auto_splits(N: int, K: int, tile: RowsTile, num_sms: int) -> int:
-    """K slices that give about two programs per SM for a tile (at least 4 K steps each)."""
+    """K slices for a padded-rows tile (``slices_for``)."""
     bn, bk = _padded_rows_launch(tile)[:2]
-    return max(1, min(triton.cdiv(2 * num_sms, triton.cdiv(N, bn)), K // (4 * bk)))
+    return slices_for(triton.cdiv(N, bn), K, bk, num_sms)
+
+
+def split_k(y: torch.Tensor, K: int, splits: int, k_step: int,
+            tiles: int) -> tuple[int, int, torch.Tensor | None, torch.Tensor]:
+    """(slices, K per slice, counters, partials) of a product into y [M, N] over ``splits``
+    slices of K in whole steps of ``k_step``: one slice over all of K (counters None, partials y
+    itself) where one is asked or there are fewer counters than ``tiles``."""
+    k_per = triton.cdiv(triton.cdiv(K, splits), k_step) * k_step
+    splits = triton.cdiv(K, k_per)
+    counts = split_counts(y.device, tiles) if splits > 1 else None
+    if counts is None:
+        return 1, K, None, y
+    return splits, k_per, counts, torch.empty(splits, *y.shape, dtype=torch.float32, device=y.device)
 
 
 def _scales(scale: torch.Tensor | None, block: Block | None, run: int = 0) -> dict:
@@ -360,12 +379,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
         bk = min(bk, scales["SBK"])
     bm = max(16, bucket(M))                            # the rows the plan was tuned at: one compile each
     tiles = triton.cdiv(N, bn)
-    k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
-    splits = triton.cdiv(K, k_per)
-    counts = split_counts(x.device, tiles) if splits > 1 else None
-    if counts is None:
-        splits, k_per = 1, K
-    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
+    splits, k_per, counts, part = split_k(y, K, splits, bk, tiles)
     stages = _fit_stages(stages, (bn * bk + bm * bk * (2 if silu else 1)) * x.element_size())
     _rows_kernel[(tiles, splits)](
         x, weight, bias_arg, scale_arg, y, part, counts if counts is not None else y, M, N, K, k_per,

@@ -152,17 +152,18 @@ def _scale_layout(shape: list[int] | tuple[int, ...], N: int, K: int, block: tup
                      + (f" (blocks of {block[0]}x{block[1]})" if block else ""))
 
 
-def checkpoint_weights(source: ModelSource,
-                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]]:
+def checkpoint_weights(source: ModelSource, dtype: torch.dtype, headers_checked: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]]:
     """The checkpoint's tensors under Hugging Face names; an FP8 checkpoint's weights as
     ``fp8_checkpoint_weights`` gives them, once its headers showed every weight paired with a
     scale that fits it (``check_fp8_checkpoint``: a broken checkpoint is refused before a tensor
-    is read, as a weight update is)."""
+    is read; ``headers_checked``: the caller did so, as a weight update does)."""
     if source.kind == "gguf":
         return iter_gguf_weights(source)
     weights = iter_hf_weights(source.path)
     if source.config.fp8_checkpoint:
-        check_fp8_checkpoint(safetensors_specs(source.path), source.config.fp8_block)
+        if not headers_checked:
+            check_fp8_checkpoint(safetensors_specs(source.path), source.config.fp8_block)
         return fp8_checkpoint_weights(weights, source.config.fp8_block, dtype)
     return weights
 

@@ -310,7 +310,7 @@ class Rollout:
             if missing:
                 raise ValueError(f"path {path!r}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. "
                                  f"{', '.join(missing[:3])}")
-        return checkpoint_weights(source, self.ex.runner.model.activation_dtype)
+        return checkpoint_weights(source, self.ex.runner.model.activation_dtype, headers_checked=source.kind == "hf")
 
     def _init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                    backend: str | None = None, timeout: float = 600.0) -> str:
