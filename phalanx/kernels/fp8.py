@@ -21,9 +21,7 @@ keeps a scale per (rows, cols) block where a layer's split allows (``layers.fp8_
 skinny kernels scale each block's folded sums as they add them, and many rows take the block
 GEMM (kernels/fp8_block_gemm.py, Triton: cuBLASLt's row-wise FP8 GEMM has no block form) or,
 for 128 x 128 blocks where the GPU has it and the tuner found it faster, cuBLASLt's
-block-scaled GEMM (``block_scaled_mm``). Their rows are quantized as DeepSeek's recipe does, with
-a scale per row and block of columns (``quantize_groups``, by the same kernels in front), laid out
-as cuBLASLt takes them, so that no kernel between repeats or pads them.
+block-scaled GEMM (``block_scaled_mm``), on rows quantized per row as above.
 
 The reference (and the path on a CPU, or where a shape or dtype does not suit ``_scaled_mm``) is
 the bf16 projection of the dequantized weight, q · scale, so the whole engine runs and is
@@ -130,22 +128,18 @@ def blocks_fit(block: tuple[int, ...] | None) -> bool:
 
 class Fp8Rows(NamedTuple):
     """Activations quantized per row: x ≈ q · scale, q [M, K] e4m3, scale [M, 1] float32;
-    ``dtype``: what x was computed in, and what a product of the rows gives. With ``group``, a
-    scale per ``group`` columns of a row instead (``quantize_groups``, for a block-scaled weight):
-    scale [M, ⌈K / group⌉], x[m, k] ≈ q[m, k] · scale[m, k // group]."""
+    ``dtype``: what x was computed in, and what a product of the rows gives."""
 
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
-    group: int = 0
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
 
     def dequantize(self) -> torch.Tensor:
-        scale = self.scale.repeat_interleave(self.group, 1)[:, :self.q.shape[1]] if self.group else self.scale
-        return (self.q.float() * scale).to(self.dtype)
+        return (self.q.float() * self.scale).to(self.dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> Fp8Rows:
@@ -155,22 +149,6 @@ def quantize_rows(x: torch.Tensor) -> Fp8Rows:
         q, scale = _triton_ops().quantize_rows_fp8(x, FP8_MAX, TINY)
         return Fp8Rows(q, scale, x.dtype)
     return quantize_rows_reference(x)
-
-
-def quantize_groups(x: torch.Tensor, group: int) -> Fp8Rows:
-    """x [M, K] -> rows in e4m3 with a float32 scale per ``group`` columns of each row: the rows of
-    a weight scaled per (rows, ``group``) block, as DeepSeek's recipe quantizes them (a scale per
-    token and block of columns). On a GPU one Triton kernel, its scales laid out as cuBLASLt's
-    block-scaled GEMM takes them (``triton_ops.fp8_rows_out``)."""
-    if x.is_cuda:
-        q, scale = _triton_ops().quantize_rows_fp8(x, FP8_MAX, TINY, group=group)
-        return Fp8Rows(q, scale, x.dtype, group)
-    return quantize_groups_reference(x, group)
-
-
-def quantize_for(x: torch.Tensor, block: Block | None) -> Fp8Rows:
-    """The rows an FP8 GEMM of a weight scaled per row (``block`` None) or per ``block`` takes."""
-    return quantize_rows(x) if block is None else quantize_groups(x, block[1])
 
 
 @functools.cache
@@ -183,15 +161,6 @@ def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
     x32 = x.float()
     scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=TINY)
     return Fp8Rows((x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale, x.dtype)
-
-
-def quantize_groups_reference(x: torch.Tensor, group: int) -> Fp8Rows:
-    """``quantize_groups`` in torch: a scale per ``group`` columns (the last group may be short)."""
-    M, K = x.shape
-    x32 = F.pad(x.float(), (0, -K % group)).view(M, -1, group)
-    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp(min=TINY)
-    q = (x32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, -1)[:, :K]
-    return Fp8Rows(q, scale, x.dtype, group)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -295,7 +264,7 @@ def block_gemm_runs(device: torch.device, block: Block) -> bool:
     from phalanx.kernels import fp8_block_gemm
     rows = torch.ones(16, 2 * block[1], device=device).to(FP8)
     try:
-        fp8_block_gemm.gemm(rows, torch.ones(16, 2, device=device), rows, torch.ones(1, 2, device=device), block)
+        fp8_block_gemm.gemm(rows, torch.ones(16, 1, device=device), rows, torch.ones(1, 2, device=device), block)
         torch.cuda.synchronize(device)
         return True
     except Exception:  # noqa: BLE001 - the compiler or the GPU refused it: the reference serves
@@ -322,7 +291,7 @@ def blockwise_scaled_mm(device: torch.device) -> bool:
     w = torch.randn(256, 1024, generator=g) * torch.logspace(-2, 1, 256)[:, None]
     x = torch.randn(6, 1024, generator=g)
     q, scale = (t.to(device) for t in quantize_blocks(w, CUBLAS_BLOCK_SHAPE))
-    rows = quantize_groups_reference(x.to(device), CUBLAS_BLOCK_SHAPE[1])
+    rows = quantize_rows_reference(x.to(device))
     try:
         y = block_scaled_mm(rows.q, rows.scale, q, scale).float()
         torch.cuda.synchronize(device)
@@ -334,33 +303,18 @@ def blockwise_scaled_mm(device: torch.device) -> bool:
 
 def block_scaled_mm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor,
                     scale: torch.Tensor) -> torch.Tensor:
-    """cuBLASLt's block-scaled FP8 GEMM (DeepSeek's recipe) of rows scaled per 128 columns
-    (``quantize_groups``) against a weight scaled per 128 x 128 block -> bf16 [M, N]. It takes the
-    rows' scales M-major over a multiple of 4 rows, as the quantizing kernels lay them out
-    (``triton_ops.fp8_rows_out``, whose spare rows are used as they are); rows quantized otherwise
-    are padded and their scales laid out here first."""
+    """cuBLASLt's block-scaled FP8 GEMM (DeepSeek's recipe) of rows scaled per row against a weight
+    scaled per 128 x 128 block -> bf16 [M, N]. It takes the rows' scales per 128 columns, laid out
+    M-major over a multiple of 4 rows: each row's one scale is repeated over its column blocks, and
+    the rows are padded to a multiple of 4 where they are not."""
     M, K = rows_q.shape
-    if rows_scale.shape[1] != scale.shape[1]:
-        raise ValueError(f"block_scaled_mm: rows with {rows_scale.shape[1]} scales a row against a weight of "
-                         f"{scale.shape[1]} column blocks (the rows take a scale per 128 columns: quantize_groups)")
-    padded = M + -M % 4
-    if not _laid_out(rows_q, rows_scale, padded):
-        rows_q = torch.cat([rows_q.view(torch.uint8), rows_q.new_zeros(padded - M, K, dtype=torch.uint8)]).view(FP8)
-        rows_scale = torch.cat([rows_scale, rows_scale.new_ones(padded - M, rows_scale.shape[1])]).t().contiguous().t()
-    else:
-        rows_q = rows_q.as_strided((padded, K), rows_q.stride())
-        rows_scale = rows_scale.as_strided((padded, rows_scale.shape[1]), rows_scale.stride())
-    y = torch._scaled_mm(rows_q, q.t(), scale_a=rows_scale, scale_b=scale.t(), out_dtype=torch.bfloat16)
-    return y[:M] if padded != M else y
-
-
-def _laid_out(rows_q: torch.Tensor, rows_scale: torch.Tensor, padded: int) -> bool:
-    """Whether rows and their scales lie as ``triton_ops.fp8_rows_out`` leaves them: q's storage
-    holds ``padded`` rows from q's first, the scales M-major with ``padded`` between columns."""
-    def room(t: torch.Tensor, n: int) -> bool:
-        return t.untyped_storage().nbytes() >= (t.storage_offset() + n) * t.element_size()
-    return (rows_q.is_contiguous() and room(rows_q, padded * rows_q.shape[1]) and rows_scale.stride(0) == 1
-            and rows_scale.stride(1) == padded and room(rows_scale, padded * rows_scale.shape[1]))
+    pad = -M % 4
+    if pad:
+        rows_q = torch.cat([rows_q.view(torch.uint8), rows_q.new_zeros(pad, K, dtype=torch.uint8)]).view(FP8)
+        rows_scale = torch.cat([rows_scale.reshape(-1), rows_scale.new_ones(pad)])
+    scale_a = rows_scale.reshape(1, M + pad).expand(scale.shape[1], M + pad).contiguous().t()
+    y = torch._scaled_mm(rows_q, q.t(), scale_a=scale_a, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    return y[:M] if pad else y
 
 
 def scaled_mm_fits(x: torch.Tensor, q: torch.Tensor, block: Block | None = None) -> bool:
@@ -381,21 +335,17 @@ def scaled_mm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, s
 
 def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
            gemm: RowsGemm = scaled_mm, block: Block | None = None) -> torch.Tensor:
-    """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row, or for a
-    weight scaled per ``block`` per row and block of columns (``quantize_for``; unless they come
-    so, as ``Fp8Rows``) and ``gemm`` (cuBLASLt by default; a CUTLASS tile where the tuner chose
-    one; for a weight scaled per ``block``, the block GEMM, ``fp8_block_gemm``, or cuBLASLt's)
-    where its conditions hold (``scaled_mm_fits``; the tuner offers CUTLASS only there), else the
-    reference (of the rows as they came)."""
+    """x [M, K] -> x Wᵀ (+ b) for any number of rows: activations quantized per row (unless they
+    come so, as ``Fp8Rows``) and ``gemm`` (cuBLASLt by default; a CUTLASS tile where the tuner chose
+    one; for a weight scaled per ``block``, the block GEMM, ``fp8_block_gemm``) where its
+    conditions hold (``scaled_mm_fits``; the tuner offers CUTLASS only there), else the reference
+    (of the rows as they came)."""
     if isinstance(x, Fp8Rows):
-        if x.group != (block[1] if block is not None else 0):
-            raise ValueError(f"FP8 rows with a scale per {x.group or 'row'} columns for a weight scaled per "
-                             f"{block or 'row'}")
         if not (x.q.is_cuda and takes_fp8_rows(q, x.dtype, block)):
             return reference(x.dequantize(), q, bias, scale, block)
         rows = x
     elif scaled_mm_fits(x, q, block):
-        rows = quantize_for(x if x.stride(-1) == 1 else x.contiguous(), block)
+        rows = quantize_rows(x if x.stride(-1) == 1 else x.contiguous())
     else:
         return reference(x, q, bias, scale, block)
     y = gemm(rows.q, rows.scale, q, scale)
@@ -405,11 +355,10 @@ def linear(x: torch.Tensor | Fp8Rows, q: torch.Tensor, bias: torch.Tensor | None
 def silu_linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
                 gemm: RowsGemm = scaled_mm, block: Block | None = None) -> torch.Tensor:
     """x [M, 2I] (gate ‖ up) -> silu(gate) * up · Wᵀ (+ b): where the FP8 GEMM takes the product,
-    silu(gate) * up is quantized (as ``quantize_for``) by the same kernel (``triton_ops.silu_and_mul_fp8``)."""
+    silu(gate) * up is quantized per row by the same kernel (``triton_ops.silu_and_mul_fp8``)."""
     from phalanx.kernels import ops
     if not (scaled_mm_fits(x, q, block) and ops.triton_available()
             and x.shape[1] // 2 <= _triton_ops().SILU_FP8_MAX_ROW):
         return linear(ops.silu_and_mul(x), q, bias, scale, gemm, block)
-    group = block[1] if block is not None else 0
-    rows, rows_scale = _triton_ops().silu_and_mul_fp8(x, FP8_MAX, TINY, group=group or None)
-    return linear(Fp8Rows(rows, rows_scale, x.dtype, group), q, bias, scale, gemm, block)
+    rows, rows_scale = _triton_ops().silu_and_mul_fp8(x, FP8_MAX, TINY)
+    return linear(Fp8Rows(rows, rows_scale, x.dtype), q, bias, scale, gemm, block)

@@ -4,15 +4,14 @@ Qwen3's FP8 checkpoints ship), and 2–64 rows against either a block-scaled wei
 per row.
 
 cuBLASLt's row-wise FP8 GEMM takes one scale per row of W, so a block-scaled weight cannot go
-there as it is. This kernel multiplies the activation rows, quantized with a scale per row and
-block of columns (``fp8.quantize_groups``, from the kernel in front as for the row-scaled
-weights), by the weight's e4m3 tiles in FP8, one block of columns per K step, and scales each
-step's [BLOCK_M, BLOCK_N] dot by the rows' and the weight's scales of that block column before it
-adds it up:
+there as it is. This kernel multiplies the activation rows quantized per row (``fp8.Fp8Rows``,
+from the kernel in front as for the row-scaled weights) by the weight's e4m3 tiles in FP8, one
+block of columns per K step, and scales each step's [BLOCK_M, BLOCK_N] dot by the scales of its
+block column before it adds it up (the activation rows' scales once at the end):
 
-    y[m, n] = Σ_kb xs[m, kb] · ws[n // rows, kb] · Σ_{k in block kb} xq[m, k] · wq[n, k]
+    y[m, n] = xs[m] · Σ_kb ws[n // rows, kb] · Σ_{k in block kb} xq[m, k] · wq[n, k]
 
-A weight scaled per row takes rows scaled per row, both scales applied once at the end. Programs walk the output in
+A weight scaled per row takes its scale with the rows' at the end. Programs walk the output in
 groups of ``GROUP_M`` row tiles per column tile, so a column tile's weight is read from L2 by the
 row tiles that share it. With few rows a weight's column tiles alone give fewer programs than
 two per SM (a 4,096-row weight in tiles of 64 gives 64), and a weight read at a few bytes in
@@ -46,13 +45,12 @@ DEFAULT_TILE = BLOCK_GEMM_TILE
 
 @triton.jit(do_not_specialize=["M"])   # one form for any row count: a step's rows vary
 def _block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                       s_am, s_asm, s_ask, s_wn, s_sn, s_ym, HAS_BIAS: tl.constexpr, SBN: tl.constexpr,
-                       SBK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP: tl.constexpr, SPLIT: tl.constexpr):
+                       s_am, s_wn, s_sn, s_ym, HAS_BIAS: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                       SPLIT: tl.constexpr):
     """Program (t, s) multiplies output tile t over K-slice s. SBK > 0: a scale per SBN x SBK
-    block of W (BLOCK_K = SBK) and per row and SBK columns of the rows (``as`` [M, K / SBK],
-    strides s_asm, s_ask), each step's dot scaled by its block column's; SBK = 0: a scale per row
-    of W and of the rows, applied once at the end. SPLIT: as the padded rows of kernels/gemv.py
+    block of W (BLOCK_K = SBK), each step's dot scaled by its block column's; SBK = 0: a scale per
+    row of W, applied once at the end with the rows'. SPLIT: as the padded rows of kernels/gemv.py
     (each slice's partial to part[s], the slice that finishes last sums them in slice order)."""
     pid = tl.program_id(0)
     sk = tl.program_id(1)
@@ -77,8 +75,7 @@ def _block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cou
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         if SBK > 0:
             ws = tl.load(ws_ptr + (n // SBN) * s_sn + k0 // SBK, mask=nm, other=0.0)
-            xs = tl.load(as_ptr + m * s_asm + (k0 // SBK) * s_ask, mask=mm, other=0.0)
-            acc += tl.dot(a, tl.trans(w)) * (xs[:, None] * ws[None, :])
+            acc += tl.dot(a, tl.trans(w)) * ws[None, :]
         else:
             acc = tl.dot(a, tl.trans(w), acc)
     if SPLIT:
@@ -92,17 +89,16 @@ def _block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cou
             for j in range(0, tl.num_programs(1)):   # L2 only (".cg"): the partials of other SMs
                 acc += tl.load(part_ptr + j * M * N + tile, mask=both, other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + pid, 0)
-            _store(as_ptr, s_asm, ws_ptr, b_ptr, y_ptr, s_ym, m, mm, n, nm, acc, HAS_BIAS, SBK)
+            _store(as_ptr, ws_ptr, b_ptr, y_ptr, s_ym, m, mm, n, nm, acc, HAS_BIAS, SBK)
     else:
-        _store(as_ptr, s_asm, ws_ptr, b_ptr, y_ptr, s_ym, m, mm, n, nm, acc, HAS_BIAS, SBK)
+        _store(as_ptr, ws_ptr, b_ptr, y_ptr, s_ym, m, mm, n, nm, acc, HAS_BIAS, SBK)
 
 
 @triton.jit
-def _store(as_ptr, s_asm, ws_ptr, b_ptr, y_ptr, s_ym, m, mm, n, nm, acc, HAS_BIAS: tl.constexpr, SBK: tl.constexpr):
-    """With a scale per row of W, its and the rows' (a block-scaled product has them in); the
-    bias, the store."""
+def _store(as_ptr, ws_ptr, b_ptr, y_ptr, s_ym, m, mm, n, nm, acc, HAS_BIAS: tl.constexpr, SBK: tl.constexpr):
+    """The rows' scales (and with a scale per row of W, its), the bias, the store."""
+    acc *= tl.load(as_ptr + m, mask=mm, other=0.0)[:, None]
     if SBK == 0:
-        acc *= tl.load(as_ptr + m * s_asm, mask=mm, other=0.0)[:, None]
         acc *= tl.load(ws_ptr + n, mask=nm, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -121,28 +117,23 @@ def auto_splits(M: int, N: int, K: int, tile: BlockGemmTile, block: Block | None
 def gemm(rows_q: torch.Tensor, rows_scale: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: Block | None,
          tile: BlockGemmTile = DEFAULT_TILE, bias: torch.Tensor | None = None,
          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """rows (q [M, K] e4m3 and float32 scales: [M, ⌈K / cols⌉] for a weight scaled per ``block``,
-    ``fp8.quantize_groups``; [M, 1] for one scaled per row) times an FP8 weight (q [N, K] e4m3)
-    scaled per ``block`` (scale [⌈N / rows⌉, ⌈K / cols⌉] float32) or, with ``block`` None, per row
-    (scale [N]) -> [M, N] in ``out_dtype`` (+ ``bias``), over ``tile.splits`` slices of K."""
+    """rows (q [M, K] e4m3, scale [M, 1] float32) times an FP8 weight (q [N, K] e4m3) scaled per
+    ``block`` (scale [⌈N / rows⌉, ⌈K / cols⌉] float32) or, with ``block`` None, per row (scale
+    [N]) -> [M, N] in ``out_dtype`` (+ ``bias``), over ``tile.splits`` slices of K."""
     M, K = rows_q.shape
     N = q.shape[0]
     if scale.dim() != (1 if block is None else 2):
         raise ValueError(f"a {scale.dim()}-D scale with blocks {block}: one a row is 1-D, one a block 2-D")
-    groups = 1 if block is None else triton.cdiv(K, block[1])
-    if tuple(rows_scale.shape) != (M, groups):
-        raise ValueError(f"rows scaled as {tuple(rows_scale.shape)} for a weight scaled per {block or 'row'}: "
-                         f"the rows take [{M}, {groups}] scales (fp8.quantize_for)")
     if rows_q.stride(-1) != 1:
         rows_q = rows_q.contiguous()
+    rows_scale = rows_scale.reshape(-1).contiguous()
     y = torch.empty(M, N, dtype=out_dtype, device=rows_q.device)
     step = _k_step(block)
     tiles = triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
     splits, k_per, counts, part = split_k(y, K, tile.splits, step, tiles)
     _block_gemm_kernel[(tiles, splits)](
         rows_q, rows_scale, q, scale, bias if bias is not None else y, y, part, counts if counts is not None else y,
-        M, N, K, k_per, rows_q.stride(0), rows_scale.stride(0), rows_scale.stride(1), q.stride(0), scale.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None,
+        M, N, K, k_per, rows_q.stride(0), q.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         SBN=block[0] if block is not None else 1, SBK=block[1] if block is not None else 0, BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=step, GROUP=GROUP_M, SPLIT=splits > 1, num_warps=tile.warps,
         num_stages=tile.stages)

@@ -66,21 +66,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return reference.fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
-def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 group: int | None = None):
-    """RMSNorm of x (of x + residual) quantized per row (per ``group`` columns of a row where
-    given: ``fp8.quantize_groups``) for an FP8 product: (fp8.Fp8Rows, the new residual or None),
-    one kernel on the Triton path."""
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """RMSNorm of x (of x + residual) quantized per row for an FP8 product: (fp8.Fp8Rows, the new
+    residual or None), one kernel on the Triton path."""
     from phalanx.kernels import fp8
     if use_triton(x):
         from phalanx.kernels import triton_ops
-        q, scale, res = triton_ops.rms_norm_fp8(x, residual, weight, eps, fp8.FP8_MAX, fp8.TINY, group)
-        return fp8.Fp8Rows(q, scale, x.dtype, group or 0), res
+        q, scale, res = triton_ops.rms_norm_fp8(x, residual, weight, eps, fp8.FP8_MAX, fp8.TINY)
+        return fp8.Fp8Rows(q, scale, x.dtype), res
     if residual is None:
-        h, res = reference.rms_norm_ref(x, weight, eps), None
-    else:
-        h, res = reference.fused_add_rms_norm_ref(x, residual, weight, eps)
-    return (fp8.quantize_rows_reference(h) if not group else fp8.quantize_groups_reference(h, group)), res
+        return fp8.quantize_rows_reference(reference.rms_norm_ref(x, weight, eps)), None
+    h, res = reference.fused_add_rms_norm_ref(x, residual, weight, eps)
+    return fp8.quantize_rows_reference(h), res
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     from phalanx.kernels.fp8 import dequantize_any, quantize_rows_reference
 
     def rows_through_fp8(t: torch.Tensor) -> torch.Tensor:
-        q, scale = quantize_rows_reference(t)[:2]
+        q, scale, _ = quantize_rows_reference(t)
         return (q.float() * scale).to(t.dtype)
     if a8:
         x = rows_through_fp8(x)

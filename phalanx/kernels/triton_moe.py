@@ -262,7 +262,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     if a8 is None:
         a8 = P > A8_MIN_PAIRS
     a8 = a8 and s13 is not None and s2 is not None
-    xq, xs = fp8.quantize_rows(x)[:2] if a8 else (x, x)
+    xq, xs, _ = fp8.quantize_rows(x) if a8 else (x, x, None)
     act = torch.empty(R, I, dtype=x.dtype, device=x.device)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PREC": prec, "num_warps": warps, "num_stages": stages,
@@ -270,7 +270,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     _moe_gate_up_kernel[(R // bm, triton.cdiv(I, bn))](
         xq, xs, w13, s13 if s13 is not None else w13, sorted_pair, block_expert, act, P, k, H, I, E, xq.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), **_block_scales(s13, block), **launch)
-    aq, as_ = fp8.quantize_rows(act)[:2] if a8 else (act, act)
+    aq, as_, _ = fp8.quantize_rows(act) if a8 else (act, act, None)
     y = torch.zeros(P, H, dtype=x.dtype, device=x.device)    # pairs of other ranks' experts stay 0
     _moe_down_kernel[(R // bm, triton.cdiv(H, bn))](
         aq, as_, w2, s2 if s2 is not None else w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(),

@@ -24,10 +24,8 @@ def _pow2(n: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, stride_x, stride_r, stride_o,
                      H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                     FP8_OUT: tl.constexpr = False, FMAX: tl.constexpr = 448.0, TINY: tl.constexpr = 1e-12,
-                     GROUP: tl.constexpr = 0, stride_sg=0):
-    """One row. ``FP8_OUT``: the normed row leaves quantized (``quantize_row``), its scale at s_ptr
-    (or one per ``GROUP`` columns, ``stride_sg`` apart)."""
+                     FP8_OUT: tl.constexpr = False, FMAX: tl.constexpr = 448.0, TINY: tl.constexpr = 1e-12):
+    """One row. ``FP8_OUT``: the normed row leaves quantized (``quantize_row``), its scale in s_ptr."""
     release(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -42,48 +40,21 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, stride_
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     y = (xf * rstd).to(x.dtype) * w
     if FP8_OUT:
-        quantize_row(y, out_ptr + row * stride_o, cols, mask, s_ptr + row, stride_sg, FMAX, TINY, GROUP, BLOCK)
+        quantize_row(y, out_ptr + row * stride_o + cols, mask, s_ptr + row, FMAX, TINY)
     else:
         tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
 @triton.jit
-def quantize_row(y, q_row_ptr, cols, mask, s_ptr, stride_sg, FMAX: tl.constexpr, TINY: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """BLOCK columns of a row held by one program (y at ``cols``) -> e4m3 at ``q_row_ptr + cols``
-    with one scale max |y| / FMAX at ``s_ptr`` (GROUP 0), or one for each GROUP columns, group g's
-    at ``s_ptr + g * stride_sg``: what ``_quantize_rows_kernel`` computes from the row in memory, so
-    that a fused producer and the kernels apart give the same bytes."""
-    if GROUP == 0:
-        yf = y.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0) / FMAX, TINY)
-        tl.store(s_ptr, scale)
-        q = tl.minimum(tl.maximum(yf / scale, -FMAX), FMAX)
-        tl.store(q_row_ptr + cols, q.to(q_row_ptr.dtype.element_ty), mask=mask)
-    else:
-        yg = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))
-        mg = tl.reshape(mask, (BLOCK // GROUP, GROUP))
-        scales = tl.maximum(tl.max(tl.where(mg, tl.abs(yg), 0.0), 1) / FMAX, TINY)
-        g = tl.arange(0, BLOCK // GROUP)
-        tl.store(s_ptr + g * stride_sg, scales, mask=tl.max(mg.to(tl.int32), 1) > 0)   # groups with a column
-        q = tl.minimum(tl.maximum(yg / scales[:, None], -FMAX), FMAX)
-        tl.store(q_row_ptr + tl.reshape(cols, (BLOCK // GROUP, GROUP)), q.to(q_row_ptr.dtype.element_ty), mask=mg)
-
-
-def fp8_rows_out(M: int, K: int, group: int | None, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where a kernel writes M rows quantized to e4m3: (q [M, K], scale, the stride between one
-    row's group scales). A scale per row: scale [M, 1]. A scale per ``group`` columns (the rows of
-    a block-scaled weight's GEMM, ``fp8.quantize_groups``): scale [M, ⌈K / group⌉] laid out M-major
-    over a multiple of 4 rows, q over as many rows (views of the first M), as cuBLASLt's
-    block-scaled GEMM takes them (``fp8.block_scaled_mm``): the spare rows are never read back."""
-    if not group:
-        return (torch.empty(M, K, dtype=torch.float8_e4m3fn, device=device),
-                torch.empty(M, 1, dtype=torch.float32, device=device), 0)
-    padded = M + -M % 4
-    q = torch.empty(padded, K, dtype=torch.float8_e4m3fn, device=device)
-    scale = torch.empty(triton.cdiv(K, group), padded, dtype=torch.float32, device=device)
-    return q[:M], scale.t()[:M], padded
+def quantize_row(y, q_ptrs, mask, s_ptr, FMAX: tl.constexpr, TINY: tl.constexpr):
+    """A whole row held by one program -> e4m3 at ``q_ptrs`` with its scale max |y| / FMAX at
+    ``s_ptr``: what ``_quantize_rows_kernel`` computes from the row in memory, so that a fused
+    producer and the kernels apart give the same bytes."""
+    yf = y.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0) / FMAX, TINY)
+    tl.store(s_ptr, scale)
+    q = tl.minimum(tl.maximum(yf / scale, -FMAX), FMAX)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -114,21 +85,19 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fmax: float,
-                 tiny: float, group: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """RMSNorm of x [T, H] (of x + residual, also returned as the new residual), quantized in the
-    same kernel per row (or per ``group`` columns: ``fp8_rows_out``): (q [T, H] float8_e4m3fn,
-    scale float32, new residual or None)."""
+                 tiny: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of x [T, H] (of x + residual, also returned as the new residual), quantized per row
+    in the same kernel: (q [T, H] float8_e4m3fn, scale [T, 1] float32, new residual or None)."""
     x2 = _rows(x)
     T, H = x2.shape
-    q, scale, stride_sg = fp8_rows_out(T, H, group, x.device)
+    q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(T, 1, dtype=torch.float32, device=x.device)
     r2 = _rows(residual) if residual is not None else x2
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else q
     if T:
-        block = _pow2(max(H, group or 1))
         _rms_norm_kernel[(T,)](x2, r2, weight, q, res_out, scale, x2.stride(0), r2.stride(0), q.stride(0), H, eps,
-                               HAS_RES=residual is not None, BLOCK=block, FP8_OUT=True, FMAX=fmax, TINY=tiny,
-                               GROUP=group or 0, stride_sg=stride_sg, **pdl.launch(x2))
+                               HAS_RES=residual is not None, BLOCK=_pow2(H), FP8_OUT=True, FMAX=fmax, TINY=tiny,
+                               **pdl.launch(x2))
     return q, scale, res_out if residual is not None else None
 
 
@@ -279,54 +248,46 @@ SILU_FP8_MAX_ROW = 32768
 
 
 @triton.jit
-def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sg, N, FMAX: tl.constexpr,
-                         TINY: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, N, FMAX: tl.constexpr, TINY: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     prologue(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < N
     y = silu_mul(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0),
                  tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0))
-    quantize_row(y, q_ptr + row * stride_q, cols, m, s_ptr + row, stride_sg, FMAX, TINY, GROUP, BLOCK)
+    quantize_row(y, q_ptr + row * stride_q + cols, m, s_ptr + row, FMAX, TINY)
 
 
-def silu_and_mul_fp8(x: torch.Tensor, fmax: float, tiny: float, group: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, 2N] (gate ‖ up) -> silu(gate) * up quantized per row (or per ``group`` columns:
-    ``fp8_rows_out``), one kernel: (q [T, N] float8_e4m3fn, scale float32); N ≤ ``SILU_FP8_MAX_ROW``."""
+def silu_and_mul_fp8(x: torch.Tensor, fmax: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, 2N] (gate ‖ up) -> silu(gate) * up quantized per row, one kernel: (q [T, N]
+    float8_e4m3fn, scale [T, 1] float32); N ≤ ``SILU_FP8_MAX_ROW``."""
     T, N2 = x.shape
     N = N2 // 2
     if _pow2(N) > SILU_FP8_MAX_ROW:
         raise ValueError(f"silu_and_mul_fp8: rows of {N} elements, at most {SILU_FP8_MAX_ROW}")
-    q, scale, stride_sg = fp8_rows_out(T, N, group, x.device)
+    q = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(T, 1, dtype=torch.float32, device=x.device)
     if T:
-        BLOCK = _pow2(max(N, group or 1))
-        _silu_mul_fp8_kernel[(T,)](x, q, scale, x.stride(0), q.stride(0), stride_sg, N, FMAX=fmax, TINY=tiny,
-                                   BLOCK=BLOCK, GROUP=group or 0, num_warps=max(4, min(16, BLOCK // 1024)),
-                                   **pdl.launch(x))
+        BLOCK = _pow2(N)
+        _silu_mul_fp8_kernel[(T,)](x, q, scale, x.stride(0), q.stride(0), N, FMAX=fmax, TINY=tiny, BLOCK=BLOCK,
+                                   num_warps=max(4, min(16, BLOCK // 1024)), **pdl.launch(x))
     return q, scale
 
 
 # -- FP8 activations -----------------------------------------------------------------------------------
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sg, K, FMAX: tl.constexpr,
-                          TINY: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, HELD: tl.constexpr,
-                          PDL: tl.constexpr):
-    """One row: scale = max |x| / FMAX, q = x / scale in e4m3 (kernels/fp8.py quantize_rows), or a
-    scale per GROUP columns (``quantize_groups``: read once, BLOCK columns at a time). With ``HELD``
-    a row of one scale (at most BLOCK elements) is read once and held (``quantize_row``), else it
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, FMAX: tl.constexpr, TINY: tl.constexpr,
+                          BLOCK: tl.constexpr, HELD: tl.constexpr, PDL: tl.constexpr):
+    """One row: scale = max |x| / FMAX, q = x / scale in e4m3 (kernels/fp8.py quantize_rows). With
+    ``HELD`` the row (at most BLOCK elements) is read once and held (``quantize_row``), else it
     is read twice, BLOCK elements at a time."""
     prologue(PDL)
     row = tl.program_id(0)
-    if GROUP > 0:
-        for k0 in range(0, K, BLOCK):
-            k = k0 + tl.arange(0, BLOCK)
-            quantize_row(tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0), q_ptr + row * stride_q, k,
-                         k < K, s_ptr + row + (k0 // GROUP) * stride_sg, stride_sg, FMAX, TINY, GROUP, BLOCK)
-    elif HELD:
+    if HELD:
         k = tl.arange(0, BLOCK)
-        quantize_row(tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0), q_ptr + row * stride_q, k, k < K,
-                     s_ptr + row, 0, FMAX, TINY, 0, BLOCK)
+        quantize_row(tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0), q_ptr + row * stride_q + k, k < K,
+                     s_ptr + row, FMAX, TINY)
     else:
         amax = tl.zeros([BLOCK], tl.float32)
         for k0 in range(0, K, BLOCK):
@@ -346,17 +307,16 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sg, K,
 QUANTIZE_ROW_HELD = 16384
 
 
-def quantize_rows_fp8(x: torch.Tensor, fmax: float, tiny: float, held: int = QUANTIZE_ROW_HELD,
-                      group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] float8_e4m3fn, scale float32): one kernel, a program a row; a scale
-    per row ([M, 1]) or per ``group`` columns (``fp8_rows_out``)."""
+def quantize_rows_fp8(x: torch.Tensor, fmax: float, tiny: float, held: int = QUANTIZE_ROW_HELD
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] float32): one kernel, a program a row."""
     M, K = x.shape
-    q, scale, stride_sg = fp8_rows_out(M, K, group, x.device)
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
-        BLOCK = max(min(held, _pow2(K)), group or 1)
-        _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), q.stride(0), stride_sg, K, FMAX=fmax, TINY=tiny,
-                                    BLOCK=BLOCK, GROUP=group or 0, HELD=K <= BLOCK,
-                                    num_warps=max(4, min(16, BLOCK // 512)), **pdl.launch(x))
+        BLOCK = min(held, _pow2(K))
+        _quantize_rows_kernel[(M,)](x, q, scale, x.stride(0), q.stride(0), K, FMAX=fmax, TINY=tiny, BLOCK=BLOCK,
+                                    HELD=K <= BLOCK, num_warps=max(4, min(16, BLOCK // 512)), **pdl.launch(x))
     return q, scale
 
 

@@ -419,15 +419,13 @@ class RMSNorm(nn.Module):
     ``fp8_rows_above``: set at build time where the projection after this norm multiplies FP8
     rows (``fp8.takes_fp8_rows``; the engine's ``DecoderLayer.prepare_fp8_rows``). A batch of more rows
     than that (the cuBLASLt bucket of ``linear_plan``) then leaves the norm already quantized per
-    row, as ``fp8.Fp8Rows``, by the same kernel; per row and ``fp8_group`` columns where that is
-    set (the projection's weight is scaled per block of as many columns: ``fp8.quantize_for``)."""
+    row, as ``fp8.Fp8Rows``, by the same kernel."""
 
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param((hidden,), default_loader)
         self.fp8_rows_above: int | None = None
-        self.fp8_group: int | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: TPGroup | None = None):
         """``reduce``: x is this rank's partial sum over that group (a deferred row-parallel
@@ -444,10 +442,9 @@ class RMSNorm(nn.Module):
         if reduce is not None and residual is not None:
             if reduce.fuses_norm(x, residual, self.weight):   # the all-reduce kernel's norm, then the rows apart
                 h, residual = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-                rows = fp8.quantize_groups(h, self.fp8_group) if self.fp8_group else fp8.quantize_rows(h)
-                return rows, residual
+                return fp8.quantize_rows(h), residual
             x = reduce.all_reduce(x)
-        rows, res = ops.rms_norm_fp8(x, residual, self.weight, self.eps, self.fp8_group)
+        rows, res = ops.rms_norm_fp8(x, residual, self.weight, self.eps)
         return rows if residual is None else (rows, res)
 
 

@@ -151,10 +151,9 @@ class DecoderLayer(nn.Module):
         for norm, proj in after:
             if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype, proj.fp8_block):
                 norm.fp8_rows_above = ROW_BUCKETS[-1]
-                norm.fp8_group = proj.fp8_block[1] if proj.fp8_block is not None else None
                 zero = torch.zeros(1, proj.weight.shape[1], dtype=act_dtype, device=proj.weight.device)
-                ops.rms_norm_fp8(zero, None, norm.weight, norm.eps, norm.fp8_group)
-                ops.rms_norm_fp8(zero, zero, norm.weight, norm.eps, norm.fp8_group)
+                ops.rms_norm_fp8(zero, None, norm.weight, norm.eps)
+                ops.rms_norm_fp8(zero, zero, norm.weight, norm.eps)
         later = [self.self_attn.o_proj] + ([self.mlp.down_proj] if isinstance(self.mlp, MLP) else [])
         for proj in later:
             if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype, proj.fp8_block):

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from phalanx.kernels import fp8_block_gemm, gemv, triton_attention, triton_moe, triton_ops  # noqa: E402
+from phalanx.kernels import gemv, triton_attention, triton_moe, triton_ops  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import bench_handover  # noqa: E402  (tools/: the persistent chain a GPU run measures)
@@ -96,34 +96,22 @@ CASES = {
                                                                    "PREC": "tf32", "HAS_SCALE": True, "A8": False}),
     "per-row activation quantization, a row held": (
         triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 4096, "GROUP": 0, "HELD": True, "PDL": True}, {"num_warps": 8}),
+        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 4096, "HELD": True, "PDL": True}, {"num_warps": 8}),
     "per-row activation quantization, a row read twice": (
         triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 16384, "GROUP": 0, "HELD": False, "PDL": True}, {"num_warps": 16}),
-    "activation quantization per 128 columns (a block-scaled weight's rows)": (
-        triton_ops._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 16384, "GROUP": 128, "HELD": False, "PDL": True}, {"num_warps": 16}),
+        {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 16384, "HELD": False, "PDL": True}, {"num_warps": 16}),
     "RMSNorm (+ residual) writing FP8 rows": (triton_ops._rms_norm_kernel, {
         "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
         "s_ptr": "*fp32"}, {"HAS_RES": True, "BLOCK": 4096, "PDL": True, "FP8_OUT": True, "FMAX": 448.0,
-                            "TINY": 1e-12, "GROUP": 0}),
+                            "TINY": 1e-12}),
     "RMSNorm writing FP8 rows": (triton_ops._rms_norm_kernel, {
         "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*fp8e4nv",
         "s_ptr": "*fp32"}, {"HAS_RES": False, "BLOCK": 4096, "PDL": True, "FP8_OUT": True, "FMAX": 448.0,
-                            "TINY": 1e-12, "GROUP": 0}),
+                            "TINY": 1e-12}),
     "SiLU-and-mul writing FP8 rows": (triton_ops._silu_mul_fp8_kernel, {
         "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {"FMAX": 448.0, "TINY": 1e-12, "BLOCK": 16384,
-                                                                   "GROUP": 0, "PDL": True}, {"num_warps": 16}),
+                                                                   "PDL": True}, {"num_warps": 16}),
 }
-CASES["FP8 rows scaled per 128 columns times 128 x 128 blocks"] = (fp8_block_gemm._block_gemm_kernel, {
-    "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-    "part_ptr": "*fp32", "count_ptr": "*i32"}, {"HAS_BIAS": False, "SBN": 128, "SBK": 128, "BLOCK_M": 64,
-                                                "BLOCK_N": 128, "BLOCK_K": 128, "GROUP": 8, "SPLIT": True},
-    {"num_warps": 4, "num_stages": 3})
-CASES |= {   # the same, a scale per 128 columns (the rows of a block-scaled weight's GEMM)
-    f"{case} per 128 columns": (fn, pointers, {**constexprs, "GROUP": 128}, *options)
-    for case, (fn, pointers, constexprs, *options) in list(CASES.items())
-    if case in ("RMSNorm (+ residual) writing FP8 rows", "RMSNorm writing FP8 rows", "SiLU-and-mul writing FP8 rows")}
 
 
 def compile_case(case: str):

@@ -505,10 +505,9 @@ def test_gemv_fp8_weights_equal_the_dequantized_reference(M, N, K):
 def test_block_scaled_fp8_weights_equal_the_dequantized_reference(M, N, K):
     """FP8 weights with a scale per block (a DeepSeek/Qwen3 FP8 checkpoint's layout, kept as it
     is): the skinny kernels scale each block's folded sums as they add them (one row, padded rows,
-    split over K, SiLU in front), and the block GEMM of many rows scales each K step's FP8 dot by
-    the rows' scales of that block of columns and the weight's — each against the projection of
-    the dequantized weight (on the rows as quantized, for the GEMM). Rows of many sizes share
-    blocks; N and K end inside a block."""
+    split over K, SiLU in front), and the block GEMM of many rows scales each K step's FP8 dot —
+    each against the projection of the dequantized weight (on the rows as quantized, for the
+    GEMM). Rows of many sizes share blocks; N and K end inside a block."""
     from phalanx.kernels import fp8, fp8_block_gemm, gemv
     from phalanx.kernels.linear_plan import RowsTile
     block = (128, 128) if CUDA else (16, 32)
@@ -528,7 +527,7 @@ def test_block_scaled_fp8_weights_equal_the_dequantized_reference(M, N, K):
         for tile in tiles:
             close(gemv.gemv(x, q, b, tile, scale=scale, block=block), ref, dtype)
             close(gemv.gemv(xx, q, None, tile, silu=True, scale=scale, block=block), ref_silu, dtype)
-    rows = fp8.quantize_groups_reference(x, block[1])
+    rows = fp8.quantize_rows_reference(x)
     ref_rows = fp8.reference(rows.dequantize().float(), q, None, scale, block)
     tiles = fp8_block_gemm.TILES + fp8_block_gemm.FEW_ROW_TILES if CUDA else fp8_block_gemm.TILES[:1]
     for tile in tiles:
@@ -554,11 +553,6 @@ def test_block_scaled_fp8_weights_equal_the_dequantized_reference(M, N, K):
             y = fp8.block_scaled_mm(rows.q, rows.scale, q, scale)
             assert y.shape == (M, N)
             mostly_close(y, ref_rows, dtype, 1e-3)
-            # the rows as the kernel lays them out (spare rows to a multiple of 4, the scales M-major)
-            laid = fp8.quantize_groups(x, block[1])
-            assert laid.scale.stride(0) == 1 and laid.scale.stride(1) == M + -M % 4
-            mostly_close(fp8.block_scaled_mm(laid.q, laid.scale, q, scale),
-                         fp8.reference(laid.dequantize().float(), q, None, scale, block), dtype, 1e-3)
             y = fp8.linear(x, q, b, scale, fp8.block_scaled_mm, block)
             torch.testing.assert_close(y.float(), ref, atol=0.1 * ref.abs().max().item(), rtol=0.1)
     with pytest.raises(ValueError, match="2-D scale"):   # a block scale never reaches a per-row launch
@@ -578,12 +572,12 @@ def test_the_fp8_gemm_of_few_rows_split_over_k_equals_the_reference(M, N, K):
     g = torch.Generator().manual_seed(29)
     x = torch.randn(M, K, generator=g).to(DEV, dtype)
     w = torch.randn(N, K, generator=g) / K ** 0.5 * torch.logspace(-2, 1, N)[:, None]
+    rows = fp8.quantize_rows_reference(x)
     b = torch.randn(N, generator=g).to(DEV, dtype)
     weights = [(block, *fp8.quantize_blocks(w, block)), (None, *fp8.quantize_weight(w))]
     tiles = fp8_block_gemm.FEW_ROW_TILES if CUDA else fp8_block_gemm.FEW_ROW_TILES[:1]
     for blocks, q, scale in weights:
         q, scale = q.to(DEV), scale.to(DEV)
-        rows = fp8.quantize_groups_reference(x, block[1]) if blocks else fp8.quantize_rows_reference(x)
         ref = fp8.reference(rows.dequantize().float(), q, b.float(), scale, blocks)
         for tile in tiles:
             splits = {1, 3, fp8_block_gemm.auto_splits(M, N, K, tile, blocks, 132)}
@@ -593,9 +587,6 @@ def test_the_fp8_gemm_of_few_rows_split_over_k_equals_the_reference(M, N, K):
                                             out_dtype=dtype)
                     mostly_close(y, ref, dtype, 1e-3)
     with pytest.raises(ValueError, match="1-D scale"):   # a row's scale never reaches a block launch
-        fp8_block_gemm.gemm(rows.q, rows.scale, q, scale, block)
-    q, scale = weights[0][1].to(DEV), weights[0][2].to(DEV)   # nor rows scaled per row a block-scaled weight
-    with pytest.raises(ValueError, match="quantize_for"):
         fp8_block_gemm.gemm(rows.q, rows.scale, q, scale, block)
 
 
@@ -653,7 +644,7 @@ def test_quantize_rows_fp8_kernel_equals_the_reference(M, K):
     q, scale = triton_ops.quantize_rows_fp8(x, fp8.FP8_MAX, 1e-12)
     q2, scale2 = triton_ops.quantize_rows_fp8(x, fp8.FP8_MAX, 1e-12, held=32)   # rows read twice, in tiles
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scale, scale2)
-    rq, rscale = fp8.quantize_rows_reference(x)[:2]
+    rq, rscale, _ = fp8.quantize_rows_reference(x)
     torch.testing.assert_close(scale, rscale)
     back, rback = q.float() * scale, rq.float() * rscale
     near = (back - rback).abs() <= rback.abs() / 8 + rscale / 64      # the same e4m3 value or a neighbour
@@ -706,51 +697,6 @@ def test_silu_and_mul_quantized_per_row_equals_the_two_kernels_apart(T, N):
     assert torch.equal(q.view(torch.uint8), q_apart.view(torch.uint8))
     with pytest.raises(ValueError, match="at most 32768"):
         triton_ops.silu_and_mul_fp8(torch.zeros(1, 2 * 40000, device=DEV, dtype=dtype), fp8.FP8_MAX, fp8.TINY)
-
-
-@pytest.mark.parametrize("M,K,group", [(1, 64, 32), (5, 100, 32), (3, 300, 32)]
-                         + ([(1, 4096, 128), (70, 4096, 128), (513, 14336, 128)] if CUDA else []))
-def test_rows_quantized_per_block_of_columns_as_cublas_takes_them(M, K, group):
-    """The rows of a block-scaled weight's GEMM: a scale per ``group`` columns of each row (the
-    last group short where K ends inside one), from the quantization kernel (one pass, in tiles
-    or whole), the norm and the SiLU-and-mul alike (the same bytes), near the torch quantization;
-    laid out for cuBLASLt: the scales M-major over rows padded to a multiple of 4, q a view of
-    as many rows."""
-    from phalanx.kernels import fp8
-    g = torch.Generator().manual_seed(14)
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    x = (torch.randn(M, K, generator=g) * torch.logspace(-2, 2, K)[None, :]).to(DEV, dtype)
-    x[0, :group] = 0.0                                   # an all-zero group takes the tiny scale
-    q, scale = triton_ops.quantize_rows_fp8(x, fp8.FP8_MAX, fp8.TINY, group=group)
-    padded, groups = M + -M % 4, -(-K // group)
-    assert q.shape == (M, K) and scale.shape == (M, groups) and scale.stride() == (1, padded)
-    assert q.untyped_storage().nbytes() >= padded * K and scale[0, 0] == fp8.TINY
-    q2, scale2 = triton_ops.quantize_rows_fp8(x, fp8.FP8_MAX, fp8.TINY, held=2 * group, group=group)
-    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scale, scale2)
-    ref = fp8.quantize_groups_reference(x, group)
-    torch.testing.assert_close(scale, ref.scale, rtol=0, atol=0)
-    rows = fp8.Fp8Rows(q, scale, dtype, group)
-    back, rback = rows.dequantize().float(), ref.dequantize().float()
-    step = ref.scale.repeat_interleave(group, 1)[:, :K] / 64
-    if CUDA:   # the same e4m3 value or a neighbour
-        assert ((back - rback).abs() <= rback.abs() / 8 + step).all()
-    else:      # the interpreter's e4m3 cast drops the carry of a mantissa that rounds up to a power of two
-        assert (back == rback).float().mean() > 0.95
-    # each group within e4m3's rounding of x: its own scale, not the row's
-    assert ((rback - x.float()).abs() <= x.float().abs() / 16 + step).all()
-    w = torch.randn(K, generator=g).to(DEV, dtype)
-    r = torch.randn(M, K, generator=g).to(DEV, dtype)
-    for residual in (None, r):
-        qn, sn, _ = triton_ops.rms_norm_fp8(x, residual, w, 1e-6, fp8.FP8_MAX, fp8.TINY, group)
-        h = triton_ops.rms_norm(x, w, 1e-6) if residual is None else triton_ops.fused_add_rms_norm(x, r, w, 1e-6)[0]
-        qa, sa = triton_ops.quantize_rows_fp8(h, fp8.FP8_MAX, fp8.TINY, group=group)
-        assert sn.stride() == (1, padded) and torch.equal(sn, sa) and torch.equal(qn.view(torch.uint8),
-                                                                                 qa.view(torch.uint8))
-    xx = torch.randn(M, 2 * K, generator=g).to(DEV, dtype)
-    qs, ss = triton_ops.silu_and_mul_fp8(xx, fp8.FP8_MAX, fp8.TINY, group)
-    qa, sa = triton_ops.quantize_rows_fp8(triton_ops.silu_and_mul(xx), fp8.FP8_MAX, fp8.TINY, group=group)
-    assert ss.stride() == (1, padded) and torch.equal(ss, sa) and torch.equal(qs.view(torch.uint8),
-                                                                             qa.view(torch.uint8))
 
 
 @pytest.mark.parametrize("H,Hkv,D,bias",
