@@ -118,7 +118,10 @@ def compile_case(case: str):
     """Compile one case for sm_90 as the JIT would see a launch (pointers and strides divisible
     by 16, but for the arguments the kernel does not specialize on); the compiled kernel."""
     fn, pointers, constexprs, *options = CASES[case]     # options: the launch's warps and stages, where given
-    names = list(inspect.signature(fn.fn).parameters)
+    params = inspect.signature(fn.fn).parameters
+    names = list(params)
+    constexprs = {**{n: p.default for n, p in params.items()   # a launch leaves these at their defaults
+                     if p.default is not p.empty and "constexpr" in str(p.annotation)}, **constexprs}
     sig = {n: pointers.get(n, "fp32" if n in ("scale", "eps") else "i32") for n in names}
     assert not [n for n in names if n.endswith("_ptr") and n not in pointers], "a pointer without a dtype"
     for k in constexprs:
