@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -52,7 +53,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served_model_name", default=None, help="the model's name in the API (default: the model's)")
     p.add_argument("--log_level", default="info", type=str.lower, choices=list(LOG_LEVELS), help="log level")
     p.add_argument("--drain_timeout", type=at_least(0.0, float), default=30.0,
-                   help="seconds in-flight requests get on SIGTERM")
+                   help="seconds in-flight requests get on SIGTERM; those left are then aborted (finish reason abort)")
     p.add_argument("--max_request_body_bytes", type=POSITIVE, default=8 << 20,
                    help="the largest request body taken (413 above)")
     p.add_argument("--tool_call_parser", default="auto", choices=["auto", "hermes", "llama3_json"],
@@ -70,6 +71,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 # uvicorn's levels, and the level of phalanx's own logger at each
+# seconds the handlers of requests aborted when the drain time is over have to send their answer
+# before uvicorn cancels what is left (an abort reaches every rank and comes back within a step)
+ABORT_GRACE = 5.0
 LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
               "trace": "DEBUG"}
 
@@ -190,18 +194,30 @@ def serve(a: argparse.Namespace) -> int:
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
                           tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
                           allowed_origins=a.allowed_origins)
+    # uvicorn cancels the handlers still running when its graceful time is over, mid-response; the
+    # requests still running when the drain time is over are aborted first, and their handlers
+    # get ABORT_GRACE seconds more to answer (finish reason "abort") before uvicorn cancels any
     config = uvicorn.Config(server.app, host=a.host, port=a.port, log_level=a.log_level,
-                            timeout_graceful_shutdown=a.drain_timeout, access_log=False)
+                            timeout_graceful_shutdown=a.drain_timeout + ABORT_GRACE, access_log=False)
     userver = uvicorn.Server(config)
     original = userver.startup
+    original_shutdown = userver.shutdown
+
+    async def shutdown(*args: Any, **kw: Any) -> None:
+        drained = asyncio.get_running_loop().call_later(a.drain_timeout, server.abort_in_flight)
+        try:
+            await original_shutdown(*args, **kw)
+        finally:
+            drained.cancel()
 
     async def startup(*args: Any, **kw: Any) -> None:
         await original(*args, **kw)
         print(instructions(a.host, a.port, name, a.api_key), flush=True)
-        print(f"  pid {os.getpid()}: SIGTERM drains the requests in flight (up to {a.drain_timeout:g} s), then "
-              "stops\n", flush=True)
+        print(f"  pid {os.getpid()}: SIGTERM drains the requests in flight (up to {a.drain_timeout:g} s; then "
+              "those left are aborted), then stops\n", flush=True)
 
     userver.startup = startup  # type: ignore[method-assign]
+    userver.shutdown = shutdown  # type: ignore[method-assign]
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal into the handler that was
     # there before it: make that a no-op so a drained server shuts the engine down and exits 0.
     import signal

@@ -23,6 +23,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -244,6 +245,7 @@ class OpenAIServer:
         sum_ranks = bool(getattr(llm.args, "enable_attention_dp", False))
         self.metrics = ServerMetrics(model_name, llm.latest_stats, sum_ranks)
         self._text_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phalanx-tokenize")
+        self._in_flight: weakref.WeakSet[RequestOutput] = weakref.WeakSet()   # every submitted request
         self.app = FastAPI(title="phalanx", version=__version__)
         self._routes()
         self.app.openapi = self._openapi   # type: ignore[method-assign]
@@ -423,6 +425,7 @@ class OpenAIServer:
         try:
             for ids, sp in jobs:
                 futs.append(self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt))
+                self._in_flight.add(futs[-1])
         except ValueError as e:   # named by its field where it begins with one (stop_token_ids past the vocabulary)
             _abort(futs)
             named = str(e).split(" ", 1)[0].rstrip(":")
@@ -434,6 +437,18 @@ class OpenAIServer:
             _abort(futs)
             raise
         return futs
+
+    def abort_in_flight(self) -> int:
+        """Abort every request still running (the server stops and its drain time is over): each
+        ends as an aborted request does (finish reason "abort", the tokens so far), so that its
+        handler answers in full and a stream ends with its last chunk and ``[DONE]``, instead of
+        being cancelled mid-response. The number aborted."""
+        left = [f for f in self._in_flight if not f.done]
+        for f in left:
+            f.abort()
+        if left:
+            logger.warning("phalanx serve: the drain time is over; %d requests in flight aborted", len(left))
+        return len(left)
 
     async def _collect(self, futs: list[RequestOutput], request: Request) -> list[RequestOutput]:
         """Wait for every request; abort all of them if the client goes away."""

@@ -1,6 +1,8 @@
-"""Clients that vanish mid-stream are aborted on every rank; SIGTERM drains and exits 0."""
+"""Clients that vanish mid-stream are aborted on every rank; SIGTERM drains and exits 0; what is
+still running when the drain time is over is aborted and answered in full."""
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -69,3 +71,41 @@ def test_sigterm_with_requests_in_flight_exits_zero_and_leaves_nothing():
         time.sleep(0.2)
     assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     stop_server(proc)
+
+
+def test_requests_left_when_the_drain_time_is_over_are_aborted_and_answered_in_full():
+    """Past the drain time the requests still running are aborted, not their handlers cancelled:
+    a plain completion answers 200 with its tokens so far and finish reason "abort", a stream
+    ends with that finish reason and ``[DONE]``, the log names the aborts and holds no traceback,
+    and the server exits 0 (uvicorn cancelled the handlers mid-response: a 500 in plain text, a
+    stream cut short, an ASGI traceback each)."""
+    proc, url = start_server("--drain_timeout", "1")
+    body = {"model": MODEL, "prompt": "Write an essay.", "max_tokens": 400, "ignore_eos": True}
+
+    async def plain(c: httpx.AsyncClient) -> httpx.Response:
+        return await c.post(url + "/v1/completions", json=body, headers=H)
+
+    async def streamed(c: httpx.AsyncClient) -> list[str]:
+        async with c.stream("POST", url + "/v1/completions", json=dict(body, stream=True), headers=H) as r:
+            assert r.status_code == 200
+            return [line[6:] for line in [x async for x in r.aiter_lines()] if line.startswith("data: ")]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            tasks = [asyncio.ensure_future(plain(c)), asyncio.ensure_future(streamed(c))]
+            await asyncio.sleep(2.0)          # both have tokens and far to go (400 each)
+            import os
+            import signal
+            os.kill(proc.pid, signal.SIGTERM)
+            return await asyncio.gather(*tasks)
+
+    r, events = asyncio.run(main())
+    assert proc.wait(60) == 0
+    log = proc.stdout.read()
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < r.json()["usage"]["completion_tokens"] < 400 and choice["text"]
+    assert events[-1] == "[DONE]"
+    finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]]
+    assert finishes[-1] == "abort" and len(finishes) > 1
+    assert "2 requests in flight aborted" in log and "Traceback" not in log, log[-3000:]
