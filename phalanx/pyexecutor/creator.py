@@ -182,6 +182,11 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                       {"weights_s": t_weights, "profile_s": t_profile, **extra})
     logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks (%d tokens)", device, dtype, info.startup_seconds,
                 num_blocks, num_blocks * kvc.tokens_per_block)
+    if num_blocks * kvc.tokens_per_block < max_seq_len:
+        logger.warning("the KV pool holds %d tokens, fewer than max_seq_len (%d): a request whose prompt and "
+                       "max_tokens need more is refused (one without max_tokens may need max_seq_len); raise "
+                       "kv_cache_config.free_gpu_memory_fraction, max_tokens or max_gpu_total_bytes, or lower "
+                       "max_seq_len", num_blocks * kvc.tokens_per_block, max_seq_len)
     return executor, info
 
 

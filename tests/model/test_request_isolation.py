@@ -298,3 +298,22 @@ def test_a_cache_salt_keeps_a_prefix_to_the_requests_that_share_it(tiny_llm):
     hits = [run(salt).cached_tokens for salt in ("b", None, "a", "b", None)]
     assert first.cached_tokens == 0 and hits[:2] == [0, 0] and all(h > 0 for h in hits[2:]), hits
     assert all(run(salt).outputs[0].token_ids == first.outputs[0].token_ids for salt in ("a", "c", None))
+
+
+def test_a_pool_smaller_than_max_seq_len_is_named_at_start_up_and_its_requests_refused_alone(tiny_models,
+                                                                                              caplog):
+    """A KV pool of fewer tokens than max_seq_len starts (short requests fit it) with a warning
+    naming both numbers and the settings that size the pool; a request needing more than the pool
+    is refused by name, and one that fits runs beside it."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="phalanx"), \
+            LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", max_seq_len=256,
+                kv_cache_config={"max_tokens": 128, "tokens_per_block": 16}) as llm:
+        warned = [r.getMessage() for r in caplog.records if "fewer than max_seq_len" in r.getMessage()]
+        assert len(warned) == 1 and "holds 128 tokens, fewer than max_seq_len (256)" in warned[0]
+        assert "free_gpu_memory_fraction" in warned[0]
+        big = llm.generate_async([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        small = llm.generate_async([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+        with pytest.raises(RequestError, match="KV pool has 8"):
+            big.result(timeout=60)
+        assert len(small.result(timeout=60).outputs[0].token_ids) == 20
