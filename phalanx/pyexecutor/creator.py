@@ -122,6 +122,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                          max_slots=min(args.max_batch_size, 4096))
     if args.speculative_config is not None:
         runner.spec = _build_spec(args, cfg, draft, num_blocks + 1, max_seq_len, kv_dtype, tp, device)
+    # the most positions a request holds: speculative rows hold up to 2k past the length limit (Request.kv_limit)
+    span = max_seq_len + 2 * (runner.spec.k if runner.spec is not None else 0)
     runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source),
                                   max_rows=min(args.max_batch_size, 4096), pin_memory=device.type == "cuda")
     ref_attention = device.type == "cuda" and not ops.triton_attention_everywhere(model, kvc.tokens_per_block)
@@ -156,8 +158,6 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                                "eagerly", dropped, "attention DP" if adp else "a mixture-of-experts model"
                                if cfg.is_moe else f"above max_num_tokens {args.max_num_tokens}")
             piecewise = [] if adp or cfg.is_moe else _piecewise_sizes(gcfg.piecewise_num_tokens, args.max_num_tokens)
-            # speculative rows hold up to 2k positions past the length limit (Request.kv_limit)
-            span = max_seq_len + 2 * (runner.spec.k if runner.spec is not None else 0)
             runner.graphs = CudaGraphRunner(model, pool.tensor, sizes, -(-span // B), B, span,
                                             num_blocks, gcfg.enable_padding, device, extend_sizes=extend,
                                             extend_max_seqs=gcfg.extend_max_seqs,
@@ -182,11 +182,12 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                       {"weights_s": t_weights, "profile_s": t_profile, **extra})
     logger.info("engine ready on %s (%s) in %.1fs: %d KV blocks (%d tokens)", device, dtype, info.startup_seconds,
                 num_blocks, num_blocks * kvc.tokens_per_block)
-    if num_blocks * kvc.tokens_per_block < max_seq_len:
-        logger.warning("the KV pool holds %d tokens, fewer than max_seq_len (%d): a request whose prompt and "
-                       "max_tokens need more is refused (one without max_tokens may need max_seq_len); raise "
-                       "kv_cache_config.free_gpu_memory_fraction, max_tokens or max_gpu_total_bytes, or lower "
-                       "max_seq_len", num_blocks * kvc.tokens_per_block, max_seq_len)
+    if num_blocks * kvc.tokens_per_block < span:
+        logger.warning("the KV pool holds %d tokens, fewer than the %d a request of max_seq_len (%d) may hold: "
+                       "a request whose prompt and max_tokens need more is refused, and so is every request "
+                       "without max_tokens; raise kv_cache_config.free_gpu_memory_fraction, "
+                       "kv_cache_config.max_tokens or kv_cache_config.max_gpu_total_bytes, or lower max_seq_len",
+                       num_blocks * kvc.tokens_per_block, span, max_seq_len)
     return executor, info
 
 

@@ -53,7 +53,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served_model_name", default=None, help="the model's name in the API (default: the model's)")
     p.add_argument("--log_level", default="info", type=str.lower, choices=list(LOG_LEVELS), help="log level")
     p.add_argument("--drain_timeout", type=at_least(0.0, float), default=30.0,
-                   help="seconds in-flight requests get on SIGTERM; those left are then aborted (finish reason abort)")
+                   help="seconds in-flight requests get on SIGTERM; those left are then aborted (finish reason "
+                        "abort; their answers get 5 s more) and later ones refused (503)")
     p.add_argument("--max_request_body_bytes", type=POSITIVE, default=8 << 20,
                    help="the largest request body taken (413 above)")
     p.add_argument("--tool_call_parser", default="auto", choices=["auto", "hermes", "llama3_json"],
@@ -70,10 +71,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve /debug/check_integrity and /debug/stats (KV integrity and engine counters per rank)")
 
 
-# uvicorn's levels, and the level of phalanx's own logger at each
 # seconds the handlers of requests aborted when the drain time is over have to send their answer
 # before uvicorn cancels what is left (an abort reaches every rank and comes back within a step)
 ABORT_GRACE = 5.0
+# uvicorn's levels, and the level of phalanx's own logger at each
 LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO", "debug": "DEBUG",
               "trace": "DEBUG"}
 

@@ -246,6 +246,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(model_name, llm.latest_stats, sum_ranks)
         self._text_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="phalanx-tokenize")
         self._in_flight: weakref.WeakSet[RequestOutput] = weakref.WeakSet()   # every submitted request
+        self._stopping = False   # the drain time is over: nothing new is submitted
         self.app = FastAPI(title="phalanx", version=__version__)
         self._routes()
         self.app.openapi = self._openapi   # type: ignore[method-assign]
@@ -354,17 +355,25 @@ class OpenAIServer:
     async def health_generate(self):
         if not self.llm.is_alive:
             return _err(503, f"the engine is not running: {self.llm.dead_error}")
+        if self._stopping:
+            return _err(503, "the server is shutting down")
         timeout = 30.0
         try:
             eos = self.llm._eos_token_ids()
             fut = self.llm.generate_async([eos[0] if eos else 0],
                                           SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+            self._in_flight.add(fut)
             await asyncio.wait_for(fut.aresult(), timeout=timeout)
         except asyncio.TimeoutError:
             fut.abort()
             return _err(503, f"no token within {timeout:.0f}s")
+        except asyncio.CancelledError:
+            fut.abort()
+            raise
         except Exception as e:
             return _err(503, f"generation failed: {e}")
+        if fut.outputs[0].finish_reason == "abort":
+            return _err(503, "the server is shutting down")
         return Response(status_code=200)
 
     def _model_card(self) -> dict[str, Any]:
@@ -421,6 +430,8 @@ class OpenAIServer:
     def _submit_all(self, jobs: list[tuple[list[int], SamplingParams]], salt: str | None,
                     what: str) -> list[RequestOutput]:
         """Submit checked prompts; if one is refused, the ones already submitted are aborted."""
+        if self._stopping:
+            raise ApiError(503, "the server is shutting down")
         futs: list[RequestOutput] = []
         try:
             for ids, sp in jobs:
@@ -442,7 +453,9 @@ class OpenAIServer:
         """Abort every request still running (the server stops and its drain time is over): each
         ends as an aborted request does (finish reason "abort", the tokens so far), so that its
         handler answers in full and a stream ends with its last chunk and ``[DONE]``, instead of
-        being cancelled mid-response. The number aborted."""
+        being cancelled mid-response; a request not yet submitted (its body still arriving, its
+        prompt being tokenized) is refused (503) when it would be. The number aborted."""
+        self._stopping = True
         left = [f for f in self._in_flight if not f.done]
         for f in left:
             f.abort()

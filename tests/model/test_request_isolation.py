@@ -309,11 +309,13 @@ def test_a_pool_smaller_than_max_seq_len_is_named_at_start_up_and_its_requests_r
     with caplog.at_level(logging.WARNING, logger="phalanx"), \
             LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", max_seq_len=256,
                 kv_cache_config={"max_tokens": 128, "tokens_per_block": 16}) as llm:
-        warned = [r.getMessage() for r in caplog.records if "fewer than max_seq_len" in r.getMessage()]
-        assert len(warned) == 1 and "holds 128 tokens, fewer than max_seq_len (256)" in warned[0]
-        assert "free_gpu_memory_fraction" in warned[0]
+        warned = [r.getMessage() for r in caplog.records if "the KV pool holds" in r.getMessage()]
+        assert len(warned) == 1 and "holds 128 tokens, fewer than the 256 a request of max_seq_len (256)" in warned[0]
+        assert "kv_cache_config.free_gpu_memory_fraction" in warned[0] and "without max_tokens" in warned[0]
         big = llm.generate_async([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        unbounded = llm.generate_async([5, 6, 7], SamplingParams(max_tokens=None, ignore_eos=True))
         small = llm.generate_async([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
-        with pytest.raises(RequestError, match="KV pool has 8"):
-            big.result(timeout=60)
+        for refused in (big, unbounded):
+            with pytest.raises(RequestError, match="KV pool has 8"):
+                refused.result(timeout=60)
         assert len(small.result(timeout=60).outputs[0].token_ids) == 20

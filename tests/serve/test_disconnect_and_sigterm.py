@@ -76,30 +76,57 @@ def test_sigterm_with_requests_in_flight_exits_zero_and_leaves_nothing():
 def test_requests_left_when_the_drain_time_is_over_are_aborted_and_answered_in_full():
     """Past the drain time the requests still running are aborted, not their handlers cancelled:
     a plain completion answers 200 with its tokens so far and finish reason "abort", a stream
-    ends with that finish reason and ``[DONE]``, the log names the aborts and holds no traceback,
-    and the server exits 0 (uvicorn cancelled the handlers mid-response: a 500 in plain text, a
-    stream cut short, an ASGI traceback each)."""
+    ends with that finish reason and ``[DONE]``; a request whose body arrives after that is
+    refused (503) rather than started; the log names the aborts and holds no traceback, and the
+    server exits 0 (uvicorn cancelled the handlers mid-response: a 500 in plain text, a stream
+    cut short, an ASGI traceback each). The engine is paused (requests kept) once both have
+    tokens, so that neither can finish first however fast this machine is."""
     proc, url = start_server("--drain_timeout", "1")
     body = {"model": MODEL, "prompt": "Write an essay.", "max_tokens": 400, "ignore_eos": True}
+    started = asyncio.Event()
 
     async def plain(c: httpx.AsyncClient) -> httpx.Response:
         return await c.post(url + "/v1/completions", json=body, headers=H)
 
     async def streamed(c: httpx.AsyncClient) -> list[str]:
+        events = []
         async with c.stream("POST", url + "/v1/completions", json=dict(body, stream=True), headers=H) as r:
             assert r.status_code == 200
-            return [line[6:] for line in [x async for x in r.aiter_lines()] if line.startswith("data: ")]
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 5:
+                        started.set()
+        return events
+
+    late_body = json.dumps(body).encode()
+    arrived = asyncio.Event()
+
+    async def slowly():   # half the body before SIGTERM, the rest after the drain time
+        yield late_body[:10]
+        await arrived.wait()
+        yield late_body[10:]
+
+    async def late(c: httpx.AsyncClient) -> httpx.Response:
+        return await c.post(url + "/v1/completions", content=slowly(),
+                            headers={**H, "Content-Type": "application/json"})
 
     async def main():
+        import os
+        import signal
         async with httpx.AsyncClient(timeout=60) as c:
             tasks = [asyncio.ensure_future(plain(c)), asyncio.ensure_future(streamed(c))]
-            await asyncio.sleep(2.0)          # both have tokens and far to go (400 each)
-            import os
-            import signal
+            await asyncio.wait_for(started.wait(), 120)
+            paused = await c.post(url + "/pause_generation", json={"mode": "keep"}, headers=H)
+            assert paused.status_code == 200, paused.text
+            tasks.append(asyncio.ensure_future(late(c)))
+            await asyncio.sleep(0.5)
             os.kill(proc.pid, signal.SIGTERM)
+            await asyncio.sleep(2.5)          # past the drain time (1 s): the two are aborted by now
+            arrived.set()
             return await asyncio.gather(*tasks)
 
-    r, events = asyncio.run(main())
+    r, events, refused = asyncio.run(main())
     assert proc.wait(60) == 0
     log = proc.stdout.read()
     assert r.status_code == 200, r.text
@@ -107,5 +134,6 @@ def test_requests_left_when_the_drain_time_is_over_are_aborted_and_answered_in_f
     assert choice["finish_reason"] == "abort" and 0 < r.json()["usage"]["completion_tokens"] < 400 and choice["text"]
     assert events[-1] == "[DONE]"
     finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]]
-    assert finishes[-1] == "abort" and len(finishes) > 1
+    assert finishes[-1] == "abort" and len(finishes) >= 5
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"], refused.text
     assert "2 requests in flight aborted" in log and "Traceback" not in log, log[-3000:]
