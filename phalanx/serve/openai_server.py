@@ -355,23 +355,20 @@ class OpenAIServer:
     async def health_generate(self):
         if not self.llm.is_alive:
             return _err(503, f"the engine is not running: {self.llm.dead_error}")
-        if self._stopping:
-            return _err(503, "the server is shutting down")
+        eos = self.llm._eos_token_ids()
+        # submitted as the API's requests are (tracked, refused once the server stops: an ApiError)
+        [fut] = self._submit_all([([eos[0] if eos else 0],
+                                   SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))], None, "prompt")
         timeout = 30.0
         try:
-            eos = self.llm._eos_token_ids()
-            fut = self.llm.generate_async([eos[0] if eos else 0],
-                                          SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
-            self._in_flight.add(fut)
             await asyncio.wait_for(fut.aresult(), timeout=timeout)
         except asyncio.TimeoutError:
-            fut.abort()
             return _err(503, f"no token within {timeout:.0f}s")
-        except asyncio.CancelledError:
-            fut.abort()
-            raise
         except Exception as e:
             return _err(503, f"generation failed: {e}")
+        finally:   # timed out, or this handler cancelled: nobody waits for the probe
+            if not fut.done:
+                fut.abort()
         if fut.outputs[0].finish_reason == "abort":
             return _err(503, "the server is shutting down")
         return Response(status_code=200)
