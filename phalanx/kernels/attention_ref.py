@@ -19,10 +19,26 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+# A layer's (K scale, V scale) for an FP8 pool: the pool stores k / k_scale and v / v_scale, and
+# attention reads them back times the scales (a checkpoint's calibrated ``k_scale``/``v_scale``,
+# ``loader.kv_scale_name``; 1 without them). A pool of any other dtype stores K and V as they are.
+KvScale = tuple[float, float]
+UNIT_KV_SCALE: KvScale = (1.0, 1.0)
+
+
+def inverse_kv_scale(kv_scale: KvScale) -> tuple[float, float]:
+    """What the writing kernels multiply K and V by (float32 products, as ``write_kv_ref``)."""
+    return 1.0 / kv_scale[0], 1.0 / kv_scale[1]
+
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """An FP8 pool as bytes (torch's CPU index kernels take no float8), any other as it is."""
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def pool_kv_scale(cache: torch.Tensor, kv_scale: KvScale) -> KvScale:
+    """The scales a pool's K and V are read with: ``kv_scale`` for an FP8 pool, else 1."""
+    return kv_scale if cache.element_size() == 1 else UNIT_KV_SCALE
 
 
 def values_key_minor(cache: torch.Tensor) -> bool:
@@ -43,16 +59,18 @@ def _value_planes(v_cache: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scale: KvScale = UNIT_KV_SCALE) -> None:
     """k, v: [T, Hkv, D] written at slots [T] of the flattened pool (rounded to its dtype; FP8
-    with scale 1, saturating at ±448; a NaN value into a key-minor pool as 0)."""
+    divided by ``kv_scale`` — times its float32 inverse —, saturating at ±448; a NaN value into a
+    key-minor pool as 0)."""
     Hkv, D = k.shape[-2:]
-    if k_cache.element_size() == 1:     # (saturating whatever torch's own cast does; a NaN stays NaN)
-        k, v = k.float().clamp(-448.0, 448.0), v.float().clamp(-448.0, 448.0)
+    if k_cache.element_size() == 1:     # (saturating whatever torch's own cast does; a NaN key stays NaN)
+        k_inv, v_inv = (torch.tensor(x, dtype=torch.float32) for x in inverse_kv_scale(kv_scale))
+        k = (k.float() * k_inv).clamp(-448.0, 448.0)
+        v = (torch.where(v.isnan(), 0.0, v.float()) * v_inv).clamp(-448.0, 448.0)
     _raw(k_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(k.to(k_cache.dtype)))
     if values_key_minor(v_cache):
         B = v_cache.shape[1]
-        v = torch.where(v.isnan(), 0.0, v)
         _value_planes(v_cache)[slot_mapping // B, :, :, slot_mapping % B] = _raw(v.to(v_cache.dtype))
     else:
         _raw(v_cache).view(-1, Hkv, D).index_copy_(0, slot_mapping, _raw(v.to(v_cache.dtype)))
@@ -110,11 +128,13 @@ def build_ref_plan(query_start: torch.Tensor, seq_lens: torch.Tensor, block_tabl
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         plan: RefAttentionPlan, scale: float, window: int | None = None,
-                        kv_of_q: torch.Tensor | None = None) -> torch.Tensor:
+                        kv_of_q: torch.Tensor | None = None, kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     """q: [T, H, D] packed queries -> [T, H, D].
 
     ``kv_of_q`` [H] maps each query head to its KV head when groups are not uniform
-    (uneven tensor-parallel splits); otherwise heads are grouped GQA-style.
+    (uneven tensor-parallel splits); otherwise heads are grouped GQA-style. An FP8 pool's keys
+    and values are read times ``kv_scale``: the K scale joins the softmax scale, the V scale
+    multiplies the output (as the kernels apply them).
     """
     T, H, D = q.shape
     Hkv = k_cache.shape[-2]
@@ -129,7 +149,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k, v = k.index_select(2, kv_of_q), v.index_select(2, kv_of_q)
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=plan.mask(window), scale=scale, enable_gqa=k.shape[2] != H)
+        attn_mask=plan.mask(window), scale=scale * pool_kv_scale(k_cache, kv_scale)[0], enable_gqa=k.shape[2] != H)
+    if values_key_minor(v_cache) and kv_scale[1] != 1.0:
+        out = (out.float() * kv_scale[1]).to(q.dtype)
     out = out.transpose(1, 2)                                        # [S, Qmax, H, D]
     result = q.new_empty(T, H, D)
     result[plan.q_index[plan.q_valid]] = out[plan.q_valid]

@@ -24,10 +24,11 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import pdl as _pdl
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale, inverse_kv_scale
 from phalanx.kernels.fp8 import Block
 from phalanx.kernels.linear_plan import OneRowTile, QkvRopePlan, RowsTile, bucket
 from phalanx.kernels.pdl import prologue, release, wait
-from phalanx.kernels.triton_ops import silu_mul, value_block, value_offsets, value_to_pool
+from phalanx.kernels.triton_ops import key_to_pool, silu_mul, value_block, value_offsets, value_to_pool
 
 # the tiles the tuner tries: one row (BLOCK_N, BLOCK_K, warps, stages[, fold]) ...
 ONE_ROW_TILES = [OneRowTile(8, 512, 4, 4), OneRowTile(16, 512, 4, 3), OneRowTile(16, 1024, 8, 2),
@@ -159,9 +160,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, s_wn, s_sn,
 
 @triton.jit
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, K, s_wn, s_qh,
-                     s_cs, s_ch, H, Hkv, s_sn, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr, PRE: tl.constexpr,
-                     VB: tl.constexpr, PDL: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
+                     s_cs, s_ch, H, Hkv, k_inv, v_inv, s_sn, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
+                     PRE: tl.constexpr, VB: tl.constexpr, PDL: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
     """The q/k/v projection of one token with rotary and the K/V write as its epilogue. A
     program of the q or k heads takes BLOCK_N // 2 rotary pairs (rows j and j + D/2 of a head,
     interleaved), so it can rotate what it computed; a program of v takes BLOCK_N rows. Each
@@ -196,12 +197,12 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, sc_ptr, pos_ptr, cs_ptr, slot_ptr, q_p
             tl.store(q_ptr + head * s_qh + D // 2 + j, r2.to(q_ptr.dtype.element_ty))
         else:
             kd = kc_ptr + slot * s_cs + (head - H) * s_ch
-            tl.store(kd + j, r1.to(kc_ptr.dtype.element_ty))
-            tl.store(kd + D // 2 + j, r2.to(kc_ptr.dtype.element_ty))
+            tl.store(kd + j, key_to_pool(r1, kc_ptr.dtype.element_ty, VB, k_inv))
+            tl.store(kd + D // 2 + j, key_to_pool(r2, kc_ptr.dtype.element_ty, VB, k_inv))
     else:
         vh = head - H - Hkv
         tl.store(vc_ptr + value_offsets(slot, vh, s_cs, s_ch, col0 % D + r, VB),
-                 value_to_pool(y, vc_ptr.dtype.element_ty, VB))
+                 value_to_pool(y, vc_ptr.dtype.element_ty, VB, v_inv))
 
 
 @triton.jit
@@ -393,11 +394,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              num_heads: int, num_kv_heads: int, head_dim: int, tile: OneRowTile, pdl: bool,
-             scale: torch.Tensor | None = None, block: Block | None = None) -> torch.Tensor:
+             scale: torch.Tensor | None = None, block: Block | None = None,
+             kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     """One token behind its norm: the q/k/v projection, rotary and the K/V write in one kernel
     (``_qkv_rope_kernel``); returns the rotated q [1, H, D]. The tile must hold whole rotary pairs
     of one head (``QkvRopePlan.fits``). ``scale``: the weight is FP8, a scale per row (per
-    ``block`` where given)."""
+    ``block`` where given); ``kv_scale``: an FP8 pool's K and V scales, as ``rope_and_write_kv``."""
     D = head_dim
     if x.shape[0] != 1 or not QkvRopePlan.fits(tile, D):
         raise ValueError(f"qkv_rope takes one row and a tile within a head of {D}, got {x.shape[0]} rows, {tile}")
@@ -409,8 +411,8 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     _qkv_rope_kernel[((H + 2 * Hkv) * D // tile.block_n,)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, positions, cos_sin,
         slot_mapping, q, kc, vc, x.shape[1], weight.stride(0), q.stride(1), kc.stride(0), kc.stride(1), H, Hkv,
-        HAS_BIAS=bias is not None, **_scales(scale, block, tile.block_n // 2), D=D, PRE=True, VB=value_block(v_cache),
-        **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
+        *inverse_kv_scale(kv_scale), HAS_BIAS=bias is not None, **_scales(scale, block, tile.block_n // 2), D=D,
+        PRE=True, VB=value_block(v_cache), **_one_row_launch(tile, x, weight), **_pdl.launch(x, pdl))
     return q
 
 

@@ -331,12 +331,13 @@ class QkvRopePlan:
 
     def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 num_heads: int, num_kv_heads: int, head_dim: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+                 num_heads: int, num_kv_heads: int, head_dim: int, scale: torch.Tensor | None = None,
+                 kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """h [1, K] (normed) -> the rotated q [1, H, D]; k and v are written to their slot.
-        ``scale``: an FP8 weight's scales."""
+        ``scale``: an FP8 weight's scales; ``kv_scale``: an FP8 pool's K and V scales."""
         from phalanx.kernels import gemv
         return gemv.qkv_rope(h, weight, bias, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
-                             num_kv_heads, head_dim, self.tile, self.pdl, scale, self.block)
+                             num_kv_heads, head_dim, self.tile, self.pdl, scale, self.block, kv_scale)
 
     @staticmethod
     def fits(tile: OneRowTile, head_dim: int) -> bool:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.kernels import attention_ref, reference
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale
 from phalanx.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -89,13 +90,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
-    """Rotate q and k, write k and v into the paged pool; returns the rotated q."""
+                      meta: AttentionMetadata, kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
+    """Rotate q and k, write k and v into the paged pool (an FP8 pool's divided by ``kv_scale``);
+    returns the rotated q."""
     if use_triton(q):
         from phalanx.kernels import triton_ops
-        return triton_ops.rope_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        return triton_ops.rope_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                            kv_scale)
     q, k = reference.rotary_ref(positions, q, k, cos_sin)
-    attention_ref.write_kv_ref(k_cache, v_cache, k, v, meta.slot_mapping)
+    attention_ref.write_kv_ref(k_cache, v_cache, k, v, meta.slot_mapping, kv_scale)
     return q
 
 
@@ -125,17 +128,19 @@ def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_token
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    kv_of_q: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    kv_of_q: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     """q [T, H, D] over the paged cache -> [T, H, D] (causal, GQA, optional sliding window),
-    written into ``out`` when given."""
+    written into ``out`` when given; an FP8 pool's K and V read times ``kv_scale``."""
     if use_triton(q):
         from phalanx.kernels import triton_attention
         if triton_attention.supports(q, k_cache, kv_of_q):
-            return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window, kv_of_q, out=out)
+            return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window, kv_of_q, out=out,
+                                                    kv_scale=kv_scale)
     plan = meta.cache.get("ref")
     if plan is None:
         plan = meta.cache["ref"] = attention_ref.build_ref_plan(
             meta.query_start, meta.seq_lens, meta.block_tables, meta.tokens_per_block,
             meta.max_query_len, meta.max_seq_len)
-    o = attention_ref.paged_attention_ref(q, k_cache, v_cache, plan, scale, window, kv_of_q)
+    o = attention_ref.paged_attention_ref(q, k_cache, v_cache, plan, scale, window, kv_of_q, kv_scale)
     return o if out is None else out.copy_(o)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import pdl
-from phalanx.kernels.attention_ref import values_key_minor
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale, pool_kv_scale, values_key_minor
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.kernels.pdl import release, wait
 
@@ -155,6 +155,15 @@ def _query(q, KV_F16: tl.constexpr):
 
 
 @triton.jit
+def _v_scaled(out, v_scale, V_KEYS: tl.constexpr):
+    """An output over an FP8 pool (the only key-minor one, ``V_KEYS``) times its V scale (the
+    pool holds v / v_scale; ``attention_ref.KvScale``); the K scale is in the softmax scale."""
+    if V_KEYS:
+        out = out * v_scale
+    return out
+
+
+@triton.jit
 def _slice(L, window, SPLITS: tl.constexpr, B: tl.constexpr):
     """Where a sequence of L keys starts (sliding window) and its slice length: whole blocks,
     the context spread over SPLITS slices; the slices past the last key have none."""
@@ -165,7 +174,7 @@ def _slice(L, window, SPLITS: tl.constexpr, B: tl.constexpr):
 @triton.jit(do_not_specialize=["s_bt", "window"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
                          s_qs, s_qh, s_cb, s_ct, s_ch, s_bt, s_os, s_oh, s_osp, s_ls, s_lh,
-                         scale, window,
+                         scale, v_scale, window,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
                          PDL: tl.constexpr, KV_F16: tl.constexpr, V_KEYS: tl.constexpr):
@@ -195,7 +204,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, lse_pt
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
             qk = tl.where(km[None, :], qk, NEG)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        out = _v_scaled(acc / tl.maximum(l_i, 1e-30)[:, None], v_scale, V_KEYS)
         tl.store(out_ptr + s * s_os + h[:, None] * s_oh + split * s_osp + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
         if SPLITS > 1:
@@ -234,6 +243,12 @@ MAX_SPLITS = 64
 # blocks gave an engine of 320 positions), 410.2 with 8, 409.9 with 32; 1,024-1,152 tokens: 380.7
 # with 8 (the floor of 4 again), 404.6 with 32.
 MIN_SLICE_BLOCKS = 1
+
+
+def _scales(scale: float, k_cache: torch.Tensor, kv_scale: KvScale) -> tuple[float, float]:
+    """The kernels' (softmax scale, V scale): an FP8 pool's K scale joins the softmax scale."""
+    k_s, v_s = pool_kv_scale(k_cache, kv_scale)
+    return scale * k_s, v_s
 
 
 def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tokens_per_block: int, num_sms: int = 132) -> int:
@@ -330,9 +345,11 @@ def decode_configs(k_cache: torch.Tensor, splits: int) -> list[tuple[int, int, i
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, window: int | None, splits: int,
-                     config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None,
+                     kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     """q [S, H, D] (one query per sequence) -> [S, H, D] (into ``out`` when given). config: (keys
-    per step, warps, stages), ``decode_config`` of this grid by default."""
+    per step, warps, stages), ``decode_config`` of this grid by default. ``kv_scale``: an FP8
+    pool's K and V scales (``attention_ref.KvScale``)."""
     S, H, D = q.shape
     _, B, Hkv, _ = k_cache.shape
     G = H // Hkv
@@ -347,7 +364,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        scale, window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
+        *_scales(scale, k_cache, kv_scale), window or 0, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_N=max(block_n, 16), SPLITS=splits,
         PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache), V_KEYS=values_key_minor(v_cache), num_warps=warps,
         num_stages=stages, **pdl.launch(q))
@@ -365,7 +382,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit(do_not_specialize=["s_bt", "window"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
-                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, window,
+                    s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_ot, s_oh, scale, v_scale, window,
                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
                     KV_F16: tl.constexpr, V_KEYS: tl.constexpr):
@@ -416,7 +433,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
             qk = _masked(qk, kpos, km, q_pos, window)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC, True)
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        out = _v_scaled(acc / tl.maximum(l_i, 1e-30)[:, None], v_scale, V_KEYS)
         tl.store(out_ptr + (q0 + m)[:, None] * s_ot + h[:, None] * s_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
 
@@ -424,7 +441,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr,
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                       window: int | None, config: tuple[int, int, int, int] | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     """q [T, H, D] packed over S sequences -> [T, H, D] (into ``out`` when given), through
     ``_prefill_kernel``. config:
     (rows a program takes — query tokens × BLOCK_G heads —, keys per step, warps, stages),
@@ -440,7 +457,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _prefill_kernel[(Hkv, S, triton.cdiv(max_query_len, block_m))](
         q, k_cache, v_cache, block_tables, query_start, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale, window or 0,
+        out.stride(0), out.stride(1), *_scales(scale, k_cache, kv_scale), window or 0,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
         BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
         V_KEYS=values_key_minor(v_cache), num_warps=warps, num_stages=stages)
@@ -471,7 +488,8 @@ def prefill_block_m(rows: int, group: int, max_query_len: int) -> int:
 @triton.jit(do_not_specialize=["s_bt", "s_lt", "s_lh", "SPLITS", "window"],
             do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, part_ptr, lse_ptr,
-                         s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, window, SPLITS,
+                         s_qt, s_qh, s_cb, s_ct, s_ch, s_bt, s_pt, s_ph, s_psp, s_lt, s_lh, scale, v_scale, window,
+                         SPLITS,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          PREC: tl.constexpr, KV_F16: tl.constexpr, V_KEYS: tl.constexpr):
@@ -512,7 +530,7 @@ def _extend_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, len_ptr, par
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, v.to(q.dtype), PREC)
         # a row that saw no key here (masked scores only) carries no weight into the merge
         seen = m_i > NEG * 0.5
-        out = tl.where(seen[:, None], acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        out = tl.where(seen[:, None], _v_scaled(acc / tl.maximum(l_i, 1e-30)[:, None], v_scale, V_KEYS), 0.0)
         lse = tl.where(seen, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG)
         tl.store(part_ptr + (q0 + m)[:, None] * s_pt + h[:, None] * s_ph + split * s_psp + d[None, :], out,
                  mask=rm[:, None] & dm[None, :])
@@ -560,7 +578,8 @@ def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_head
 def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                            window: int | None, splits: int, config: tuple[int, int, int] | None = None,
-                           out: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, block_m: int | None = None,
+                           kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     """``prefill_attention`` with the keys cut into ``splits`` slices and the G query heads of a
     KV head in one program (few new tokens over a long context). ``block_m``: query tokens a
     program takes (``_split_rows`` by default); config: EXTEND_SPLIT_CONFIG by default."""
@@ -576,7 +595,8 @@ def extend_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _extend_split_kernel[(triton.cdiv(max_query_len, block_m), S, Hkv * splits)](
         q, k_cache, v_cache, block_tables, query_start, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, window or 0, splits,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        *_scales(scale, k_cache, kv_scale), window or 0, splits,
         G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), B=B, BLOCK_M=block_m,
         BLOCK_N=max(block_n, 16), PREC=_precision(q.dtype), KV_F16=_kv_f16(q, k_cache),
         V_KEYS=values_key_minor(v_cache), num_warps=warps, num_stages=stages)
@@ -620,15 +640,16 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, kv_of_q: torch.Tensor | Non
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, window: int | None = None, kv_of_q: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     if meta.is_decode_only:
         splits = meta.cache.get("splits")
         if splits is None:
             splits = meta.cache["splits"] = num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
                                                        k_cache.shape[1], _num_sms(q.device))
-        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, splits, out=out)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, splits, out=out,
+                                kv_scale=kv_scale)
     if meta.num_decode_rows:
-        return mixed_attention(q, k_cache, v_cache, meta, scale, window, out=out)
+        return mixed_attention(q, k_cache, v_cache, meta, scale, window, out=out, kv_scale=kv_scale)
     splits = meta.cache.get("extend_splits")
     if splits is None:   # decided once per step
         seqs = meta.plan_num_seqs or meta.num_seqs
@@ -636,13 +657,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                              _num_sms(q.device))
     if splits > 1:
         return extend_attention_split(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                                      meta.max_query_len, scale, window, splits, out=out)
+                                      meta.max_query_len, scale, window, splits, out=out, kv_scale=kv_scale)
     return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                             meta.max_query_len, scale, window, out=out)
+                             meta.max_query_len, scale, window, out=out, kv_scale=kv_scale)
 
 
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, out: torch.Tensor | None = None,
+                    kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     """A step whose first ``meta.num_decode_rows`` sequences have one query each (decode rows:
     the scheduler puts them first) and the others more: the decode rows through the decode
     kernels (a program per KV head and key slice, its G query heads together), the others
@@ -660,8 +682,8 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                    meta.block_tables[d:], meta.max_query_len, meta.max_seq_len, meta.tokens_per_block)
         parts = meta.cache["mixed"] = (decode, extend)
     out = torch.empty_like(q) if out is None else out
-    paged_attention(q[:d], k_cache, v_cache, parts[0], scale, window, out=out[:d])
-    paged_attention(q[d:], k_cache, v_cache, parts[1], scale, window, out=out[d:])
+    paged_attention(q[:d], k_cache, v_cache, parts[0], scale, window, out=out[:d], kv_scale=kv_scale)
+    paged_attention(q[d:], k_cache, v_cache, parts[1], scale, window, out=out[d:], kv_scale=kv_scale)
     return out
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import attention_ref, pdl
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale, inverse_kv_scale
 from phalanx.kernels.pdl import prologue, release, wait
 
 
@@ -120,11 +121,21 @@ def value_offsets(slot, vh, s_cs, s_ch, d, VB: tl.constexpr):
 
 
 @triton.jit
-def value_to_pool(x, dtype: tl.constexpr, VB: tl.constexpr):
-    """A value as the pool stores it: a key-minor pool (``VB`` > 0) takes a NaN as 0."""
+def value_to_pool(x, dtype: tl.constexpr, VB: tl.constexpr, v_inv):
+    """A value as the pool stores it: a key-minor pool (``VB`` > 0: an FP8 one) takes a NaN as 0
+    and stores the value times ``v_inv`` (1 / its layer's V scale, ``attention_ref.KvScale``)."""
     if VB > 0:
         x = x.to(tl.float32)     # (the interpreter compares bf16 as bits: a NaN would equal itself)
-        x = tl.where(x == x, x, 0.0)
+        x = tl.where(x == x, x, 0.0) * v_inv
+    return x.to(dtype)
+
+
+@triton.jit
+def key_to_pool(x, dtype: tl.constexpr, VB: tl.constexpr, k_inv):
+    """A rotated key (float32) as the pool stores it: an FP8 pool (``VB`` > 0) the key times
+    ``k_inv`` (1 / its layer's K scale)."""
+    if VB > 0:
+        x = x * k_inv
     return x.to(dtype)
 
 
@@ -135,7 +146,7 @@ def value_block(v_cache: torch.Tensor) -> int:
 
 @triton.jit
 def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr,
-                     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H,
+                     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H, k_inv, v_inv,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, QH: tl.constexpr, KVH: tl.constexpr,
                      VB: tl.constexpr, PDL: tl.constexpr):
     """One launch for a whole layer: program (t, g) of token t rotates ``QH`` query heads from
@@ -168,13 +179,13 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
         vb = v_ptr + t * s_vt + kvh * s_vh
         for half in tl.static_range(2):
             tl.store(vc_ptr + value_offsets(slot, kvh, s_cs, s_ch, half * HALF + i, VB),
-                     value_to_pool(tl.load(vb + half * HALF + i, mask=mk, other=0.0), vc_ptr.dtype.element_ty, VB),
-                     mask=mk)
+                     value_to_pool(tl.load(vb + half * HALF + i, mask=mk, other=0.0), vc_ptr.dtype.element_ty, VB,
+                                   v_inv), mask=mk)
         k1, k2 = _rotate(tl.load(kb + i, mask=mk, other=0.0).to(tl.float32),
                          tl.load(kb + HALF + i, mask=mk, other=0.0).to(tl.float32), cos, sin)
         kd = kc_ptr + slot * s_cs + kvh * s_ch
-        tl.store(kd + i, k1.to(kc_ptr.dtype.element_ty), mask=mk)
-        tl.store(kd + HALF + i, k2.to(kc_ptr.dtype.element_ty), mask=mk)
+        tl.store(kd + i, key_to_pool(k1, kc_ptr.dtype.element_ty, VB, k_inv), mask=mk)
+        tl.store(kd + HALF + i, key_to_pool(k2, kc_ptr.dtype.element_ty, VB, k_inv), mask=mk)
 
 
 ROPE_MAX_HEADS = 8     # heads a program of the rotary + K/V write kernel takes at most
@@ -193,11 +204,12 @@ def rope_heads(n: int) -> int:
 
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
+                      slot_mapping: torch.Tensor, kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
     """Rotate q (returned, contiguous) and k; write rotated k and v into the paged pool.
 
     q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [num_blocks, B, Hkv, D] (an FP8 pool's values
-    key-minor, ``attention_ref.values_key_minor``); slot_mapping [T]."""
+    key-minor, ``attention_ref.values_key_minor``, and K and V divided by ``kv_scale``);
+    slot_mapping [T]."""
     T, H, D = q.shape
     Hkv = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -207,7 +219,8 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         _rope_qkv_kernel[(T, H // qh + Hkv // kvh)](
             positions, cos_sin, slot_mapping, q, k, v, q_out, kc, vc, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), H,
-            HALF=D // 2, BLOCK=_pow2(D // 2), QH=qh, KVH=kvh, VB=value_block(v_cache), **pdl.launch(q))
+            *inverse_kv_scale(kv_scale), HALF=D // 2, BLOCK=_pow2(D // 2), QH=qh, KVH=kvh, VB=value_block(v_cache),
+            **pdl.launch(q))
     return q_out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -155,27 +156,57 @@ def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:
     method = get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors_fp8(get)
+    if method == "modelopt":
+        return _modelopt_fp8(get)
     if method != "fp8":
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8', "
-                         "'compressed-tensors' with FP8 weights (or a bf16/fp16 checkpoint with quantization='fp8')")
+                         "'compressed-tensors' or 'modelopt' with FP8 weights (or a bf16/fp16 checkpoint with "
+                         "quantization='fp8')")
     block = get("weight_block_size")
     return () if block is None else _block_shape(block, "quantization_config.weight_block_size")
 
 
 def _fp8_unquantized(qc: Any) -> tuple[str, ...]:
     """The modules an FP8 checkpoint lists as kept in full precision: ``modules_to_not_convert``
-    or ``ignored_layers`` (quant_method fp8), ``ignore`` (compressed-tensors); the loader refuses
-    a listed module the engine would serve in FP8 (``loader.check_unquantized``)."""
+    or ``ignored_layers`` (quant_method fp8), ``ignore`` (compressed-tensors, ModelOpt's newer
+    configs), ``exclude_modules`` (ModelOpt's, whose wildcards become "re:" patterns); the loader
+    refuses a listed module the engine would serve in FP8 (``loader.check_unquantized``)."""
     get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
+    nested = get("quantization")
     names: list[str] = []
-    for key in ("modules_to_not_convert", "ignored_layers", "ignore"):
-        value = get(key) or []
+    for key in ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules"):
+        value = get(key) or (nested.get(key) if isinstance(nested, dict) else None) or []
         if isinstance(value, str):
             value = [value]
         if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
             raise ValueError(f"quantization_config.{key} must be a list of module names, got {value!r}")
-        names += value
+        names += ["re:" + fnmatch.translate(v) if key == "exclude_modules" and any(c in v for c in "*?[") else v
+                  for v in value]
     return tuple(names)
+
+
+# ModelOpt's FP8 formats: a scale per tensor (weights and a static input scale, which is not used:
+# activations get a scale per token) or per output channel (activations per token)
+_MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+
+
+def _modelopt_fp8(get: Any) -> tuple[int, ...]:
+    """A ModelOpt checkpoint (``quant_method: modelopt``; its ``quant_algo`` at the top, as newer
+    exports write config.json, or under ``quantization``, as ``hf_quant_config.json`` holds it):
+    FP8 weights scaled per tensor or per channel, the tensors of an ``fp8`` checkpoint, and a KV
+    cache quantized to FP8 or not at all (its scales, ``self_attn.k_proj.k_scale``, are the
+    loader's). Any other algorithm is refused by name."""
+    top = "quantization_config"
+    nested = get("quantization")
+    q = nested if isinstance(nested, dict) else {}
+    algo = q.get("quant_algo", get("quant_algo"))
+    if str(algo).upper() not in _MODELOPT_FP8:
+        raise ValueError(f"{top}.quant_algo {algo!r} is not supported; supported (ModelOpt): "
+                         f"{', '.join(map(repr, _MODELOPT_FP8))}")
+    kv = q.get("kv_cache_quant_algo", get("kv_cache_quant_algo"))
+    if kv is not None and str(kv).upper() != "FP8":
+        raise ValueError(f"{top}.kv_cache_quant_algo {kv!r} is not supported; supported: 'FP8' or none")
+    return ()
 
 
 def _block_shape(block: Any, field_name: str) -> tuple[int, ...]:

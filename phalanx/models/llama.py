@@ -8,12 +8,15 @@ replaced by a mixture of experts (models/moe.py) through ``mlp_factory``.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from phalanx.kernels import fp8, ops
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale
 from phalanx.kernels.linear_plan import GateUpSiluPlan, Neighbour, QkvRopePlan
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.config import ModelConfig
@@ -28,10 +31,18 @@ from phalanx.models.layers import (
 )
 from phalanx.models.parallel import TPGroup, shard_heads
 
+logger = logging.getLogger("phalanx")
+
+# a layer's calibrated KV cache scales, as the loader names them (``loader.fp8_checkpoint_weights``)
+KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
+
 
 class Attention(nn.Module):
     """Self-attention over the paged KV pool. One token may take the fused q/k/v + rotary + K/V
-    write kernel (``one_token_qkv``, set by the tuner where its q/k/v plan allows)."""
+    write kernel (``one_token_qkv``, set by the tuner where its q/k/v plan allows). An FP8 pool
+    holds K and V divided by ``kv_scale``: the checkpoint's calibrated scales where it brings them
+    (``checkpoint_kv_scale``, set by ``load_weights``; the engine decides once, at build, whether
+    the pool uses them: ``use_kv_scales``), else 1."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -50,6 +61,8 @@ class Attention(nn.Module):
         self.kv_of_q: torch.Tensor | None
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
         self.one_token_qkv: QkvRopePlan | None = None
+        self.kv_scale: KvScale = UNIT_KV_SCALE
+        self.checkpoint_kv_scale: dict[str, float] = {}     # "k", "v" -> the checkpoint's scale
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -60,7 +73,7 @@ class Attention(nn.Module):
         if T == 1 and self.one_token_qkv is not None:
             q = self.one_token_qkv(h, self.qkv_proj.weight, self.qkv_proj.bias, positions, self.rotary[0].cos_sin,
                                    k_cache, v_cache, meta.slot_mapping, H, self.heads.num_kv_heads, D,
-                                   self.qkv_proj.weight_scale)
+                                   self.qkv_proj.weight_scale, self.kv_scale)
         else:
             q = self.qkv_rope(positions, h, meta, k_cache, v_cache)
         return self.o_proj(self.attend(q, meta, k_cache, v_cache).reshape(T, H * D))
@@ -68,7 +81,8 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """The rotated q [T, H, D] over the paged pool -> [T, H, D] (into ``out`` when given)."""
-        return ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q, out=out)
+        return ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.kv_of_q, out=out,
+                                   kv_scale=self.kv_scale)
 
     def qkv_rope(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -79,7 +93,7 @@ class Attention(nn.Module):
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return ops.rope_and_write_kv(positions, q, k, v, self.rotary[0].cos_sin, k_cache, v_cache, meta)
+        return ops.rope_and_write_kv(positions, q, k, v, self.rotary[0].cos_sin, k_cache, v_cache, meta, self.kv_scale)
 
 
 class MLP(nn.Module):
@@ -268,6 +282,9 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if name.endswith(KV_SCALE_SUFFIXES):
+                count += self._load_kv_scale(name, w, partial)
+                continue
             target, shard = self.map_weight_name(name)
             param = params.get(target)
             if param is None or getattr(param, "written_by_loader", False):
@@ -287,6 +304,44 @@ class CausalLM(nn.Module):
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
         return count
+
+    def _load_kv_scale(self, name: str, w: object, partial: bool) -> int:
+        """A layer's calibrated K or V scale (``model.layers.N.self_attn.k_scale``/``v_scale``, as
+        ``loader.fp8_checkpoint_weights`` names every layout of them): positive and finite, one
+        for the layer or one per KV head (compressed-tensors' ``attn_head``: the largest is taken,
+        which no head's K or V overflows; the pool keeps one scale a layer). A weight update keeps
+        the scales the engine started with: the pool's K and V were written with them."""
+        parts = name.split(".")
+        if not (isinstance(w, torch.Tensor) and len(parts) == 5 and parts[:2] == ["model", "layers"]
+                and parts[2].isdigit() and int(parts[2]) < len(self.model.decoder_layers)):
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        value = float(w.float().max()) if w.numel() else math.nan
+        attn = self.model.decoder_layers[int(parts[2])].self_attn
+        kind = parts[4][0]      # "k" or "v"
+        if partial:
+            kept = attn.checkpoint_kv_scale.get(kind, 1.0)
+            if kept != value:
+                logger.warning("weight update: %s = %g is not taken; the layer keeps %g (the pool's K/V were "
+                               "written with it)", name, value, kept)
+            return 0
+        if not (math.isfinite(value) and value > 0 and float(w.float().min()) > 0):
+            raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be positive and finite, got "
+                             f"{w.flatten()[:4].tolist()}")
+        attn.checkpoint_kv_scale[kind] = value
+        return 1
+
+    def use_kv_scales(self, fp8_pool: bool) -> int:
+        """Decided once, when the engine builds its pool: an FP8 pool stores each layer's K and V
+        divided by the checkpoint's scales (1 where it brought none); any other pool stores them as
+        they are, and the checkpoint's scales go unused (logged). Returns the layers scaled."""
+        layers = [layer.self_attn for layer in self.model.decoder_layers if layer.self_attn.checkpoint_kv_scale]
+        if layers and not fp8_pool:
+            logger.info("the checkpoint's KV cache scales (%d layers) are not used: the KV pool is not FP8 "
+                        "(kv_cache_config.dtype: fp8 uses them)", len(layers))
+        for attn in layers:
+            ck = attn.checkpoint_kv_scale
+            attn.kv_scale = (ck.get("k", 1.0), ck.get("v", 1.0)) if fp8_pool else UNIT_KV_SCALE
+        return len(layers) if fp8_pool else 0
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor names and full (unsharded) shapes of this architecture."""

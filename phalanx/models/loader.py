@@ -111,8 +111,26 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 _WEIGHT_SCALES = (".weight_scale_inv", ".weight_scale")
-_UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".output_scale")
+_UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".output_scale", ".q_scale", ".prob_scale")
 FP8_SCALE_SUFFIXES = _WEIGHT_SCALES + _UNUSED_SCALES
+
+# a layer's calibrated KV cache scales as checkpoints name them (after "self_attn."), and which of
+# the layer's two scales (K, V) each gives: llm-compressor's and vLLM's k_scale/v_scale, ModelOpt's
+# on the projections, the older kv_scale (both) and compressed-tensors' projection output scales
+_KV_SCALE_NAMES = {
+    "k_scale": "k", "v_scale": "v", "attn.k_scale": "k", "attn.v_scale": "v",
+    "k_proj.k_scale": "k", "v_proj.v_scale": "v", "kv_scale": "kv",
+    "k_proj.output_scale": "k", "v_proj.output_scale": "v",
+}
+
+
+def kv_scale_names(name: str) -> list[str]:
+    """The layer's KV cache scales a checkpoint tensor gives, under the names the model takes
+    (``model.layers.N.self_attn.k_scale``/``v_scale``, ``llama.KV_SCALE_SUFFIXES``); [] for any
+    other tensor."""
+    head, sep, tail = name.partition(".self_attn.")
+    kinds = _KV_SCALE_NAMES.get(tail) if sep else None
+    return [f"{head}.self_attn.{kind}_scale" for kind in kinds] if kinds else []
 
 
 def check_fp8_checkpoint(specs: list[dict], block: tuple[int, ...]) -> None:
@@ -181,13 +199,19 @@ def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: t
       the block scales as they are (``fp8.Fp8BlockWeight``), which the engine's FP8 projections
       and experts store without rounding them again where their rows and columns fall on whole
       blocks (``layers.fp8_weights``; elsewhere dequantized and quantized again per row);
-    - e5m2 weights: dequantized to ``dtype``, and quantized again by the engine.
-    Static activation scales (``input_scale``) and KV or output scales are not used:
-    activations get a scale per token at run time, and an FP8 KV pool has scale 1."""
+    - e5m2 weights: dequantized to ``dtype``, and quantized again by the engine;
+    - a layer's calibrated KV cache scales, whichever layout names them (``kv_scale_names``), as
+      ``model.layers.N.self_attn.k_scale``/``v_scale``: an FP8 KV pool stores K and V with them.
+    Static activation scales (``input_scale``) and other output scales are not used: activations
+    get a scale per token at run time."""
     waiting_w: dict[str, torch.Tensor] = {}
     waiting_s: dict[str, torch.Tensor] = {}
     unused: list[str] = []
     for name, t in weights:
+        kv = kv_scale_names(name)
+        if kv:
+            yield from ((n, t) for n in kv)
+            continue
         if name.endswith(_UNUSED_SCALES):
             unused.append(name)
             continue
@@ -209,8 +233,8 @@ def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: t
         alone = sorted(waiting_w)[:4] + sorted(waiting_s)[:4]
         raise ValueError(f"FP8 checkpoint: weights and scales that do not pair up: {', '.join(alone)}")
     if unused:
-        logger.warning("FP8 checkpoint: %d static activation/KV/output scales not used (activations are scaled "
-                       "per token, an FP8 KV pool has scale 1), e.g. %s", len(unused), unused[0])
+        logger.warning("FP8 checkpoint: %d static activation/output scales not used (activations are scaled "
+                       "per token), e.g. %s", len(unused), unused[0])
 
 
 def _fp8_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype,

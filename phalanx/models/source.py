@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,22 @@ def resolve_model(model: str | None, trust_remote_code: bool = False) -> ModelSo
         path = _download(model)
     from transformers import AutoConfig
     hf = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _modelopt_config(hf, path)
     return ModelSource("hf", path, ModelConfig.from_hf(hf), hf, name=model)
+
+
+def _modelopt_config(hf: Any, path: str) -> None:
+    """A ModelOpt export that describes its quantization in ``hf_quant_config.json`` only (its
+    config.json has no ``quantization_config``) gets it as one: ``quant_method: modelopt`` and
+    the file's ``quantization`` (quant_algo, kv_cache_quant_algo, exclude_modules)."""
+    file = os.path.join(path, "hf_quant_config.json")
+    if getattr(hf, "quantization_config", None) or not os.path.exists(file):
+        return
+    with open(file) as f:
+        described = json.load(f)
+    if not isinstance(described, dict) or not isinstance(described.get("quantization"), dict):
+        raise ValueError(f"{file}: a 'quantization' mapping is needed (ModelOpt's hf_quant_config.json)")
+    hf.quantization_config = {"quant_method": "modelopt", **described["quantization"]}
 
 
 def _download(model: str) -> str:

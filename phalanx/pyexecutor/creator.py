@@ -85,12 +85,16 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     kvc = args.kv_cache_config
     kv_dtype = (dtype if kvc.dtype == "auto" else torch.float8_e4m3fn if kvc.dtype == "fp8"
                 else resolve_dtype(kvc.dtype, source, device))
+    scaled = model.use_kv_scales(kv_dtype == torch.float8_e4m3fn)
+    if scaled:
+        logger.info("FP8 KV pool: %d layers store K and V with the checkpoint's scales", scaled)
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     pool_shape = (cfg.num_layers, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
     draft, profiled_draft = None, None
     if args.speculative_config is not None and args.speculative_config.decoding_type == "DraftTarget":
         draft = _build_draft(args, source, dtype, device, tp, max_seq_len)
+        draft.use_kv_scales(kv_dtype == torch.float8_e4m3fn)
         dcfg = draft.config
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
         profiled_draft = (draft, (dcfg.num_layers, kvc.tokens_per_block, dheads.num_kv_heads, dcfg.head_dim,

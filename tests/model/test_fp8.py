@@ -310,6 +310,9 @@ def ct(groups, **top):
          "b": {"weights": {**FP8_W, "strategy": "block", "block_structure": "128x128"}, "format": "naive-quantized"}},
         format="mixed-precision"), (128, 128)),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, (128, 128)),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, ()),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "fp8_per_channel_per_token",
+                                                   "kv_cache_quant_algo": "FP8"}}, ()),
 ])
 def test_fp8_checkpoint_configs_that_are_read(qc, block):
     """The quantization_config forms an FP8 checkpoint comes in: -> the block shape of its scales."""
@@ -343,6 +346,10 @@ def test_compressed_tensors_schemes_other_than_fp8_weights_are_refused_by_name(q
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}},
      "strategy 'group'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4'"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8_PB_WO"}}, "quant_algo 'FP8_PB_WO'"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
+     "kv_cache_quant_algo 'NVFP4'"),
 ])
 def test_other_quantized_checkpoints_are_refused_by_name(qc, match, tiny_models, tmp_path):
     import json
@@ -592,10 +599,11 @@ def test_modules_an_fp8_checkpoint_keeps_in_full_precision_are_refused_not_round
     for key, listed, refused in [("modules_to_not_convert", ["lm_head"], None),
                                  ("ignored_layers", ["model.layers.1.self_attn.o_proj"], "o_proj"),
                                  ("modules_to_not_convert", ["down_proj"], "down_proj"),
-                                 ("modules_to_not_convert", ["re:.*layers\\.0\\.mlp.*"], "layers.0.mlp")]:
+                                 ("modules_to_not_convert", ["re:.*layers\\.0\\.mlp.*"], "layers.0.mlp"),
+                                 ("exclude_modules", ["lm_head", "model.layers.1.mlp.*"], "layers.1.mlp")]:
         path.write_text(json.dumps({**cfg, "quantization_config": {**cfg["quantization_config"], key: listed}}))
         source = resolve_model(str(tmp_path / "ckpt"))
-        assert source.config.fp8_unquantized == tuple(listed)
+        assert len(source.config.fp8_unquantized) == len(listed)
         if refused is None:
             build_model(source, torch.float32, cpu, fp8=True)
             continue
@@ -627,3 +635,103 @@ def test_fp8_checkpoint_scales_that_are_not_finite_and_weights_that_are_not_matr
         list(fp8_checkpoint_weights(iter([("model.layers.0.mlp.experts.gate_up_proj.weight", q[None]),
                                           ("model.layers.0.mlp.experts.gate_up_proj.weight_scale_inv",
                                            torch.ones(1, 2, 2))]), (16, 32), torch.float32))
+
+
+_KV_LAYOUTS = {   # how checkpoints name a layer's KV cache scales (after model.layers.N.self_attn.)
+    "self": lambda s: {"k_scale": torch.tensor([s], dtype=torch.bfloat16), "v_scale": torch.tensor([s])},
+    "proj": lambda s: {"k_proj.k_scale": torch.tensor(s), "v_proj.v_scale": torch.tensor(s)},
+    "kv": lambda s: {"kv_scale": torch.tensor(s)},
+    "output": lambda s: {"k_proj.output_scale": torch.tensor([s]), "v_proj.output_scale": torch.tensor([s])},
+    "head": lambda s: {"k_scale": torch.tensor([s / 2, s]).view(2, 1, 1), "v_scale": torch.tensor([s, s / 4])},
+}
+
+
+def _kv_scaled_twin(src, dst, layouts, scale=1024.0):
+    """The FP8 checkpoint ``src`` as the same model with K and V ``scale`` times larger: k/v_proj's
+    weight scales times ``scale``, q_proj's and o_proj's divided by it (q·k and o(attention) are
+    unchanged; powers of two, so exactly), and layer i's KV cache scales ``scale`` in
+    ``layouts[i]`` (None: none)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    t = load_file(f"{dst}/model.safetensors")
+    for name in list(t):
+        if name.endswith(".weight_scale"):
+            proj = name.split(".")[-2]
+            t[name] = t[name] * scale if proj in ("k_proj", "v_proj") else (
+                t[name] / scale if proj in ("q_proj", "o_proj") else t[name])
+    for i, layout in enumerate(layouts):
+        if layout is not None:
+            t.update({f"model.layers.{i}.self_attn.{n}": v for n, v in _KV_LAYOUTS[layout](scale).items()})
+    save_file(t, f"{dst}/model.safetensors")
+    return str(dst)
+
+
+@pytest.mark.parametrize("layouts", [("self", "proj"), ("kv", "output"), ("head", "self")])
+def test_an_fp8_checkpoints_kv_cache_scales_are_what_an_fp8_pool_stores_k_and_v_with(layouts, tiny_models,
+                                                                                     tmp_path, caplog):
+    """A checkpoint whose K and V are 1,024 times those of another (the same model: its q and o
+    weights scaled back) and whose KV cache scales say so, in each layout checkpoints name them
+    (llm-compressor's, ModelOpt's, the older kv_scale and projection output scales, one per KV
+    head): an FP8 pool stores with the scales exactly what the other's pool stores without them,
+    and the greedy tokens are the same. Without the scales its K and V saturate e4m3 and the
+    tokens differ; a pool of the model's dtype leaves the scales unused, and says so."""
+    write_fp8_checkpoint(tiny_models["llama"], tmp_path / "base", None)
+    scaled = _kv_scaled_twin(tmp_path / "base", tmp_path / "scaled", layouts)
+    ps = prompts(256, n=6, seed=11)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def run(path, kv="fp8"):
+        with LLM(path, skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+                 kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 8 << 20}) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    want = run(str(tmp_path / "base"))
+    assert run(scaled) == want
+    if layouts[0] == "self":
+        unscaled = _kv_scaled_twin(tmp_path / "base", tmp_path / "unscaled", (None, None))
+        assert run(unscaled) != want
+        caplog.clear()
+        with caplog.at_level("INFO", logger="phalanx"):
+            assert run(scaled, "auto") == run(str(tmp_path / "base"), "auto")
+        assert any("KV cache scales (2 layers) are not used" in r.getMessage() for r in caplog.records)
+
+
+def test_kv_cache_scales_that_are_not_positive_are_refused_by_name(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+    write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", None)
+    t = load_file(f"{tmp_path}/ckpt/model.safetensors")
+    t["model.layers.1.self_attn.v_scale"] = torch.tensor(0.0)
+    save_file(t, f"{tmp_path}/ckpt/model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.v_scale'.*positive and finite"):
+        LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, orchestrator_type="inprocess")
+
+
+@pytest.mark.parametrize("where", ["config.json", "hf_quant_config.json"])
+def test_a_modelopt_fp8_checkpoint_serves_what_it_stores(where, tiny_models, tmp_path):
+    """A ModelOpt FP8 export (per-tensor weight scales, static input scales, KV cache scales on
+    k_proj/v_proj), described in config.json's quantization_config (newer exports) or only in
+    hf_quant_config.json (older ones): the tokens of the same tensors as an ``fp8`` checkpoint,
+    its KV cache scales taken by an FP8 pool."""
+    import json
+    write_fp8_checkpoint(tiny_models["llama"], tmp_path / "base", None)
+    fp8_twin = _kv_scaled_twin(tmp_path / "base", tmp_path / "fp8", ("proj", "proj"))
+    mo = _kv_scaled_twin(tmp_path / "base", tmp_path / "modelopt", ("proj", "proj"))
+    cfg_path = tmp_path / "modelopt" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    described = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    if where == "config.json":
+        cfg["quantization_config"] = {"quant_method": "modelopt", **described}
+    else:
+        del cfg["quantization_config"]
+        (tmp_path / "modelopt" / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt", "version": "0.40"}, "quantization": described}))
+    cfg_path.write_text(json.dumps(cfg))
+    ps = prompts(256, n=5, seed=12)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = []
+    for path in (fp8_twin, mo):
+        with LLM(path, skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+                 kv_cache_config={"dtype": "fp8", "max_gpu_total_bytes": 8 << 20}) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)])
+    assert outs[0] == outs[1]
