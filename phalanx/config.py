@@ -113,11 +113,16 @@ class SpeculativeConfig(StrictModel):
     DraftTarget  drafts from a smaller model with the target's vocabulary
                  (``speculative_model_dir``), run greedily ``max_draft_len`` steps over its own
                  KV cache, which shares the target's block tables.
+
+    vLLM's spelling is taken too (``_vllm_spelling``): ``method`` "ngram" or "draft_model" (or a
+    ``model`` alone), ``num_speculative_tokens``, ``prompt_lookup_max``/``prompt_lookup_min``
+    (each the other where one is given, both 5 where neither is, as vLLM sets them).
     """
 
     decoding_type: Literal["NGram", "DraftTarget"]
     max_draft_len: int = Field(4, ge=1, le=16, description="Draft tokens verified per step.")
     max_matching_ngram_size: int = Field(3, ge=1, le=16, description="NGram: the longest suffix matched.")
+    min_matching_ngram_size: int = Field(1, ge=1, le=16, description="NGram: the shortest suffix matched.")
     speculative_model_dir: str | None = Field(
         None, validation_alias=AliasChoices("speculative_model_dir", "speculative_model"),
         description="DraftTarget: the draft model (HF directory); also spelled speculative_model (API.md).")
@@ -129,8 +134,45 @@ class SpeculativeConfig(StrictModel):
         True, description="Verify drafts only while enough are accepted to pay at the batch size (SpecPolicy); "
                           "false: every step verifies max_draft_len drafts a request.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_spelling(cls, data: Any) -> Any:
+        """vLLM's keys as this config's; one setting named in both spellings is refused."""
+        ours = {"method": "decoding_type", "model": "speculative_model_dir", "num_speculative_tokens": "max_draft_len",
+                "prompt_lookup_max": "max_matching_ngram_size", "prompt_lookup_min": "min_matching_ngram_size"}
+        if not isinstance(data, dict) or not any(k in data for k in ours):
+            return data
+        d = dict(data)
+        for theirs, mine in ours.items():
+            if theirs in d and (mine in d or mine == "speculative_model_dir" and "speculative_model" in d):
+                raise ValueError(f"speculative_config: {theirs} (vLLM's spelling) and {mine} name one setting; "
+                                 "give one")
+        if "decoding_type" in d:
+            theirs = next(k for k in ours if k in d)
+            raise ValueError(f"speculative_config.{theirs} is vLLM's spelling; with decoding_type it is {ours[theirs]}")
+        method = d.pop("method", "draft_model" if "model" in d else None)
+        kinds = {"ngram": "NGram", "draft_model": "DraftTarget"}
+        if method not in kinds:
+            raise ValueError(f"speculative_config.method {method!r} is not supported; supported: "
+                             f"{', '.join(map(repr, kinds))} (or decoding_type NGram / DraftTarget)")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config.num_speculative_tokens is needed with method (vLLM's spelling; "
+                             "decoding_type's is max_draft_len)")
+        d["decoding_type"] = kinds[method]
+        if method == "ngram":     # as vLLM sets them: each the other where one is given, both 5 where neither is
+            lo, hi = d.pop("prompt_lookup_min", None), d.pop("prompt_lookup_max", None)
+            lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+            d["min_matching_ngram_size"], d["max_matching_ngram_size"] = lo, hi
+        for theirs in ("model", "num_speculative_tokens"):
+            if theirs in d:
+                d[ours[theirs]] = d.pop(theirs)
+        return d
+
     @model_validator(mode="after")
     def _proposer_fields(self) -> SpeculativeConfig:
+        if self.min_matching_ngram_size > self.max_matching_ngram_size:
+            raise ValueError(f"min_matching_ngram_size ({self.min_matching_ngram_size}) is above "
+                             f"max_matching_ngram_size ({self.max_matching_ngram_size})")
         if self.decoding_type == "DraftTarget" and not self.speculative_model_dir:
             raise ValueError("decoding_type DraftTarget needs speculative_model_dir (the draft model)")
         if self.decoding_type == "NGram" and self.speculative_model_dir:

@@ -225,7 +225,7 @@ def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, ma
     max_position = cfg.max_position_embeddings
     proposer: NGramProposer | DraftModelProposer
     if draft is None:
-        proposer = NGramProposer(k, sc.max_matching_ngram_size)
+        proposer = NGramProposer(k, sc.max_matching_ngram_size, sc.min_matching_ngram_size)
     else:
         dcfg = draft.config
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)

@@ -27,8 +27,9 @@ a rejected token.
 Proposers (``Proposer``) get the rows that sampled this step and return k drafts each:
 
 NGram        the latest earlier occurrence of the last n tokens (n = max_matching_ngram_size
-             .. 1) in the history; its continuation, extended periodically where it runs into
-             the present (a text that repeats keeps being predicted); no match: the last token.
+             .. min_matching_ngram_size) in the history; its continuation, extended
+             periodically where it runs into the present (a text that repeats keeps being
+             predicted); no match: the last token.
 DraftTarget  a draft model (the target's vocabulary) runs greedily k steps over its own KV pool,
              which uses the target's block ids; every target forward also runs the draft on the
              same inputs, so its KV follows the target's (prompts, prefix hits, verify steps).
@@ -288,8 +289,8 @@ class SpecDecoder:
 class NGramProposer:
     """Prompt lookup on the device (see the module docstring)."""
 
-    def __init__(self, k: int, max_ngram: int) -> None:
-        self.k, self.max_ngram = k, max_ngram
+    def __init__(self, k: int, max_ngram: int, min_ngram: int = 1) -> None:
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
 
     def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
                 block_tables: torch.Tensor, max_length: int) -> torch.Tensor:
@@ -298,7 +299,7 @@ class NGramProposer:
         R = hist.shape[0]
         dev = hist.device
         best = torch.full((R,), -1, dtype=torch.long, device=dev)      # first continuation position
-        for n in range(min(self.max_ngram, width - 1), 0, -1):
+        for n in range(min(self.max_ngram, width - 1), self.min_ngram - 1, -1):
             windows = hist.unfold(1, n, 1)                             # [R, W − n + 1, n]
             suffix = hist.gather(1, (length - n).clamp(min=0)[:, None] + torch.arange(n, device=dev))
             j = torch.arange(windows.shape[1], device=dev)

@@ -44,6 +44,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_seq_len", type=int, default=None, help="prompt + output tokens (default: the model's)")
     p.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=None,
                    help="share of the free GPU memory the KV cache takes (default: the engine's)")
+    p.add_argument("--kv_cache_dtype", "--kv-cache-dtype", dest="kv_cache_dtype", default=None,
+                   choices=["auto", "fp8", "fp8_e4m3", "bfloat16", "float16"],
+                   help="the KV pool's dtype (kv_cache_config.dtype; fp8_e4m3 is fp8)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: the projections quantized to FP8 at load (an FP8 checkpoint is served in FP8 anyway)")
+    p.add_argument("--speculative_config", "--speculative-config", dest="speculative_config", type=json_mapping,
+                   default=None, help="speculative decoding as JSON: decoding_type NGram/DraftTarget, or vLLM's "
+                                      "method ngram/draft_model with num_speculative_tokens")
     p.add_argument("--extra_llm_api_options", "--config", dest="config", default=None, help="YAML of LLM arguments")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("PHALANX_API_KEY"),
                    help="the key clients must send (default: $PHALANX_API_KEY; none: no key asked)")
@@ -133,15 +141,28 @@ def origins(value: str) -> list[str]:
     return items
 
 
+def json_mapping(value: str) -> dict[str, Any]:
+    """A flag's JSON object (``--speculative-config '{"method": "ngram", ...}'``, as vLLM takes it)."""
+    try:
+        d = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {value!r}")
+    return d
+
+
 def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     from phalanx.config import merge_yaml
     kw: dict[str, Any] = {"tokenizer": a.tokenizer, "tensor_parallel_size": a.tp_size,
                           "moe_expert_parallel_size": a.ep_size, "max_batch_size": a.max_batch_size,
                           "max_num_tokens": a.max_num_tokens, "max_seq_len": a.max_seq_len,
                           "trust_remote_code": a.trust_remote_code or None,
-                          "engine_iteration_timeout": a.engine_iteration_timeout}
-    if a.kv_cache_free_gpu_memory_fraction is not None:
-        kw["kv_cache_config"] = {"free_gpu_memory_fraction": a.kv_cache_free_gpu_memory_fraction}
+                          "engine_iteration_timeout": a.engine_iteration_timeout, "quantization": a.quantization,
+                          "speculative_config": a.speculative_config}
+    kv = {"free_gpu_memory_fraction": a.kv_cache_free_gpu_memory_fraction,
+          "dtype": "fp8" if a.kv_cache_dtype == "fp8_e4m3" else a.kv_cache_dtype}
+    kw["kv_cache_config"] = {k: v for k, v in kv.items() if v is not None} or None
     kw = {k: v for k, v in kw.items() if v is not None}
     if a.config:
         kw = merge_yaml(kw, a.config)

@@ -340,6 +340,11 @@ def test_ngram_proposer_drafts_the_continuation_periodically():
     drafts = prop.propose(dec, torch.tensor([0, 1, 2]), torch.tensor([len(r) for r in rows]), None, 16)
     # [1 2] seen at 0: continue 3 4 1 2 3; period-5 text: 8 9 10 11 7; no match: the last token
     assert drafts.tolist() == [[3, 4, 1, 2, 3], [8, 9, 10, 11, 7], [7, 7, 7, 7, 7]]
+    # the shortest suffix matched: [.. 9 2] ends in a 2 seen before, but [9 2] was not
+    dec.history[0, :4] = torch.tensor([1, 2, 9, 2], dtype=torch.int32)
+    one = [NGramProposer(k=3, max_ngram=3, min_ngram=m).propose(dec, torch.tensor([0]), torch.tensor([4]), None, 16)
+           for m in (1, 2)]
+    assert one[0].tolist() == [[9, 2, 9]] and one[1].tolist() == [[2, 2, 2]]
 
 
 def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
@@ -358,6 +363,30 @@ def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
     with pytest.raises(ValueError, match="speculative_config.speculative_model"):   # one name, not both
         make_llm_args(model=tiny_models["llama"], speculative_config={
             "decoding_type": "DraftTarget", "speculative_model": "a", "speculative_model_dir": "b"})
+    # vLLM's spelling
+    vllm = lambda **sc: make_llm_args(model=tiny_models["llama"], speculative_config=sc).speculative_config  # noqa: E731
+    sc = vllm(method="ngram", num_speculative_tokens=3)
+    assert (sc.decoding_type, sc.max_draft_len, sc.min_matching_ngram_size, sc.max_matching_ngram_size) == (
+        "NGram", 3, 5, 5)                                                  # vLLM's prompt lookup defaults
+    sc = vllm(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4)
+    assert (sc.min_matching_ngram_size, sc.max_matching_ngram_size) == (4, 4)
+    sc = vllm(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4, prompt_lookup_min=2)
+    assert (sc.min_matching_ngram_size, sc.max_matching_ngram_size) == (2, 4)
+    for sc in (vllm(model=tiny_models["qwen2"], num_speculative_tokens=5),
+               vllm(method="draft_model", model=tiny_models["qwen2"], num_speculative_tokens=5)):
+        assert (sc.decoding_type, sc.speculative_model_dir, sc.max_draft_len) == (
+            "DraftTarget", tiny_models["qwen2"], 5)
+    for bad, match in (({"method": "eagle3", "num_speculative_tokens": 3}, "speculative_config.method 'eagle3'"),
+                       ({"method": "ngram"}, "speculative_config.num_speculative_tokens is needed"),
+                       ({"method": "ngram", "num_speculative_tokens": 3, "max_draft_len": 3},
+                        "num_speculative_tokens .* and max_draft_len name one setting"),
+                       ({"decoding_type": "NGram", "num_speculative_tokens": 3},
+                        "num_speculative_tokens is vLLM's spelling; with decoding_type it is max_draft_len"),
+                       ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4,
+                         "prompt_lookup_max": 2}, "min_matching_ngram_size .4. is above"),
+                       ({"method": "ngram", "num_speculative_tokens": 17}, "speculative_config.max_draft_len")):
+        with pytest.raises(ValueError, match=match):
+            make_llm_args(model=tiny_models["llama"], speculative_config=bad)
     with pytest.raises(ValueError, match="speculative_model_dir: the draft model did not load"):
         LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
             speculative_config=draft(str(tiny_models["llama"]) + "-missing"))

@@ -194,6 +194,21 @@ def test_the_config_yaml_may_name_the_model_and_a_bad_template_stops_start_up(tm
     add_serve_args(p)
     kw = llm_kwargs(p.parse_args(["other", "--config", str(tmp_path / "c.yaml")]))
     assert kw["model"] == "/nowhere/model" and kw["max_batch_size"] == 4
+    assert "kv_cache_config" not in kw and "speculative_config" not in kw and "quantization" not in kw
+    # vLLM's flags for FP8 and speculation; the YAML's nested settings merge with them
+    (tmp_path / "kv.yaml").write_text("kv_cache_config:\n  tokens_per_block: 64\n")
+    kw = llm_kwargs(p.parse_args(["m", "--kv-cache-dtype", "fp8_e4m3", "-q", "fp8",
+                                  "--kv_cache_free_gpu_memory_fraction", "0.5", "--speculative-config",
+                                  '{"method": "ngram", "num_speculative_tokens": 3}',
+                                  "--config", str(tmp_path / "kv.yaml")]))
+    assert kw["kv_cache_config"] == {"dtype": "fp8", "free_gpu_memory_fraction": 0.5, "tokens_per_block": 64}
+    assert kw["quantization"] == "fp8"
+    assert kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    from phalanx.config import make_llm_args
+    assert make_llm_args(**kw).speculative_config.decoding_type == "NGram"
+    for bad in (["--speculative-config", "{nope"], ["--speculative-config", "[1]"], ["--kv-cache-dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["m", *bad])
     import socket
     with socket.socket() as s:      # a free port (the engine is started after the port is claimed)
         s.bind(("127.0.0.1", 0))
