@@ -29,8 +29,10 @@ class KvCacheConfig(StrictModel):
     max_gpu_total_bytes: int = Field(0, ge=0, description="Upper bound on the KV pool's bytes (0: none). "
                                                           "On the CPU it sets the pool size (default 1 GiB).")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
-        "auto", description="The KV pool's dtype; fp8: e4m3 with scale 1 (K and V rounded when written, "
-                            "saturating at ±448), half the bytes of bf16.")
+        "auto", description="The KV pool's dtype (auto: the model's, or fp8 where the checkpoint's KV cache is "
+                            "calibrated for it); fp8: e4m3 with a scale a layer for K and one for V, the checkpoint's "
+                            "or 1 (K and V divided by them and rounded when written, saturating at ±448), half the "
+                            "bytes of bf16.")
 
     @field_validator("copy_on_partial_reuse")
     @classmethod

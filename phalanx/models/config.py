@@ -59,6 +59,9 @@ class ModelConfig:
     # the modules an FP8 checkpoint keeps in full precision (modules_to_not_convert /
     # ignored_layers, compressed-tensors' ignore): names, name suffixes or "re:" patterns
     fp8_unquantized: tuple[str, ...] = ()
+    # the checkpoint's KV cache is calibrated for FP8 (ModelOpt's kv_cache_quant_algo FP8,
+    # compressed-tensors' or AutoFP8's kv_cache_scheme): kv_cache_config.dtype auto stores it so
+    fp8_kv_cache: bool = False
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -134,6 +137,7 @@ class ModelConfig:
             fp8_checkpoint=fp8_block is not None,
             fp8_block=fp8_block or (),
             fp8_unquantized=_fp8_unquantized(qc) if fp8_block is not None else (),
+            fp8_kv_cache=_fp8_kv_cache(qc) if fp8_block is not None else False,
         )
 
 
@@ -183,6 +187,26 @@ def _fp8_unquantized(qc: Any) -> tuple[str, ...]:
         names += ["re:" + fnmatch.translate(v) if key == "exclude_modules" and any(c in v for c in "*?[") else v
                   for v in value]
     return tuple(names)
+
+
+def _fp8_kv_cache(qc: Any) -> bool:
+    """Whether an FP8 checkpoint's KV cache is calibrated for FP8: ModelOpt's
+    ``kv_cache_quant_algo`` FP8 (at the top or under ``quantization``), a ``kv_cache_scheme`` of
+    8-bit floats (compressed-tensors, ModelOpt's newer configs) or AutoFP8's "static". Another
+    KV scheme (integers) is refused by name: served as it is, its calibration would be lost."""
+    get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
+    nested = get("quantization")
+    q = nested if isinstance(nested, dict) else {}
+    algo = q.get("kv_cache_quant_algo", get("kv_cache_quant_algo"))
+    scheme = get("kv_cache_scheme")
+    if scheme is None:
+        return algo is not None and str(algo).upper() == "FP8"
+    if isinstance(scheme, str) and scheme.lower() in ("static", "fp8"):
+        return True
+    if isinstance(scheme, dict) and scheme.get("num_bits") == 8 and str(scheme.get("type", "")).lower() == "float":
+        return True
+    raise ValueError(f"quantization_config.kv_cache_scheme {scheme!r} is not supported; supported: 8-bit floats "
+                     "(num_bits 8, type float)")
 
 
 # ModelOpt's FP8 formats: a scale per tensor (weights and a static input scale, which is not used:

@@ -70,8 +70,13 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     cfg = source.config
     max_seq_len = resolve_max_seq_len(args, source)
     adp = args.enable_attention_dp and dist is not None and dist.size > 1
-    if args.kv_cache_config.dtype == "fp8":
+    kv_fp8 = args.kv_cache_config.dtype == "fp8" or (args.kv_cache_config.dtype == "auto" and cfg.fp8_kv_cache
+                                                       and fp8.supported(device))
+    if kv_fp8:
         fp8.check_device(device, "kv_cache_config.dtype")
+    if args.kv_cache_config.dtype == "auto" and cfg.fp8_kv_cache:
+        logger.log(logging.INFO if kv_fp8 else logging.WARNING, "the checkpoint's KV cache is calibrated for FP8: "
+                   "kv_cache_config.dtype auto stores it in %s", "FP8" if kv_fp8 else f"{dtype} (this GPU has no FP8)")
     serves_fp8 = _serves_fp8(args, cfg, device)
     if serves_fp8:
         fp8.check_device(device, "quantization")
@@ -83,7 +88,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         torch.cuda.empty_cache()     # the loads' quantization temporaries go back before the KV pool is sized
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
-    kv_dtype = (dtype if kvc.dtype == "auto" else torch.float8_e4m3fn if kvc.dtype == "fp8"
+    kv_dtype = (torch.float8_e4m3fn if kv_fp8 else dtype if kvc.dtype == "auto"
                 else resolve_dtype(kvc.dtype, source, device))
     scaled = model.use_kv_scales(kv_dtype == torch.float8_e4m3fn)
     if scaled:

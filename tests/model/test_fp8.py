@@ -350,6 +350,8 @@ def test_compressed_tensors_schemes_other_than_fp8_weights_are_refused_by_name(q
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8_PB_WO"}}, "quant_algo 'FP8_PB_WO'"),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
      "kv_cache_quant_algo 'NVFP4'"),
+    (ct({"g": {"weights": FP8_W}}, kv_cache_scheme={"num_bits": 8, "type": "int", "symmetric": True}),
+     "kv_cache_scheme .* not supported"),
 ])
 def test_other_quantized_checkpoints_are_refused_by_name(qc, match, tiny_models, tmp_path):
     import json
@@ -712,7 +714,8 @@ def test_a_modelopt_fp8_checkpoint_serves_what_it_stores(where, tiny_models, tmp
     """A ModelOpt FP8 export (per-tensor weight scales, static input scales, KV cache scales on
     k_proj/v_proj), described in config.json's quantization_config (newer exports) or only in
     hf_quant_config.json (older ones): the tokens of the same tensors as an ``fp8`` checkpoint,
-    its KV cache scales taken by an FP8 pool."""
+    its KV cache scales taken by an FP8 pool; its KV cache calibrated for FP8, ``dtype: auto``
+    stores it in FP8 (as an explicit fp8 does: the same blocks and tokens)."""
     import json
     write_fp8_checkpoint(tiny_models["llama"], tmp_path / "base", None)
     fp8_twin = _kv_scaled_twin(tmp_path / "base", tmp_path / "fp8", ("proj", "proj"))
@@ -729,9 +732,11 @@ def test_a_modelopt_fp8_checkpoint_serves_what_it_stores(where, tiny_models, tmp
     cfg_path.write_text(json.dumps(cfg))
     ps = prompts(256, n=5, seed=12)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    outs = []
-    for path in (fp8_twin, mo):
+    outs, blocks = [], []
+    for path, kv in ((fp8_twin, "fp8"), (mo, "fp8"), (mo, "auto"), (fp8_twin, "auto")):
         with LLM(path, skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
-                 kv_cache_config={"dtype": "fp8", "max_gpu_total_bytes": 8 << 20}) as llm:
+                 kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 8 << 20}) as llm:
             outs.append([o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)])
-    assert outs[0] == outs[1]
+            blocks.append(llm.engine_info.num_kv_blocks)
+    assert outs[0] == outs[1] == outs[2] and blocks[0] == blocks[1] == blocks[2]
+    assert blocks[3] == blocks[0] // 4     # no KV scheme: auto is the model's dtype (float32 here)
