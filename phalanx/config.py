@@ -110,8 +110,8 @@ class SpeculativeConfig(StrictModel):
     tokens per step for every decoding request and the target verifies them in one forward.
 
     NGram        drafts from the request's own history (prompt lookup): the tokens that followed
-                 the latest earlier occurrence of its last ``max_matching_ngram_size`` .. 1
-                 tokens; no extra weights.
+                 the latest earlier occurrence of its last ``max_matching_ngram_size`` ..
+                 ``min_matching_ngram_size`` tokens; no extra weights.
     DraftTarget  drafts from a smaller model with the target's vocabulary
                  (``speculative_model_dir``), run greedily ``max_draft_len`` steps over its own
                  KV cache, which shares the target's block tables.
@@ -152,7 +152,9 @@ class SpeculativeConfig(StrictModel):
         if "decoding_type" in d:
             theirs = next(k for k in ours if k in d)
             raise ValueError(f"speculative_config.{theirs} is vLLM's spelling; with decoding_type it is {ours[theirs]}")
-        method = d.pop("method", "draft_model" if "model" in d else None)
+        method = d.pop("method", None)
+        if method is None and any(k in d for k in ("model", "speculative_model", "speculative_model_dir")):
+            method = "draft_model"
         kinds = {"ngram": "NGram", "draft_model": "DraftTarget"}
         if method not in kinds:
             raise ValueError(f"speculative_config.method {method!r} is not supported; supported: "
@@ -162,7 +164,8 @@ class SpeculativeConfig(StrictModel):
                              "decoding_type's is max_draft_len)")
         d["decoding_type"] = kinds[method]
         if method == "ngram":     # as vLLM sets them: each the other where one is given, both 5 where neither is
-            lo, hi = d.pop("prompt_lookup_min", None), d.pop("prompt_lookup_max", None)
+            lo = d.pop("prompt_lookup_min", d.get("min_matching_ngram_size"))    # (ours where vLLM's is not
+            hi = d.pop("prompt_lookup_max", d.get("max_matching_ngram_size"))    # given: a YAML may add them)
             lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
             d["min_matching_ngram_size"], d["max_matching_ngram_size"] = lo, hi
         for theirs in ("model", "num_speculative_tokens"):

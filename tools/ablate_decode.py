@@ -37,7 +37,7 @@ def skip(what: set[str]) -> None:
                 return lambda *args, **kwargs: None
         triton_attention._decode_merge_kernel = NoLaunch()
     if "attention" in what:
-        def no_attention(q, k_cache, v_cache, meta, scale, window=None, kv_of_q=None, out=None):
+        def no_attention(q, k_cache, v_cache, meta, scale, window=None, kv_of_q=None, out=None, kv_scale=None):
             return q if out is None else out
         ops.paged_attention = no_attention
     if "norms" in what:

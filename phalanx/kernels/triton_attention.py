@@ -113,7 +113,8 @@ def _kv_tile(kc_ptr, vc_ptr, bt_row, p0, lo, hi, kvh, s_cb, s_ct, s_ch, d, dm,
              MASKED: tl.constexpr = True):
     """The keys and values of positions p0 .. p0 + BLOCK_N (those in [lo, hi)) of one KV head:
     each position finds its block in the sequence's table, so a tile may span several blocks.
-    An FP8 pool's (scale 1) are widened here, exactly, to float16 (``KV_F16``) or bf16.
+    An FP8 pool's are widened here, exactly, to float16 (``KV_F16``) or bf16 (their scales are
+    applied apart: the K scale in the softmax scale, the V scale on the output, ``_v_scaled``).
 
     ``V_KEYS``: the pool's values are key-minor (``values_key_minor``, an FP8 pool), read as a
     [D, BLOCK_N] tile of 16-byte runs of keys and transposed. Those loads are not masked by key:

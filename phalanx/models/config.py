@@ -137,7 +137,7 @@ class ModelConfig:
             fp8_checkpoint=fp8_block is not None,
             fp8_block=fp8_block or (),
             fp8_unquantized=_fp8_unquantized(qc) if fp8_block is not None else (),
-            fp8_kv_cache=_fp8_kv_cache(qc) if fp8_block is not None else False,
+            fp8_kv_cache=bool(qc) and _fp8_kv_cache(qc),
         )
 
 
@@ -173,10 +173,12 @@ def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:
 def _fp8_unquantized(qc: Any) -> tuple[str, ...]:
     """The modules an FP8 checkpoint lists as kept in full precision: ``modules_to_not_convert``
     or ``ignored_layers`` (quant_method fp8), ``ignore`` (compressed-tensors, ModelOpt's newer
-    configs), ``exclude_modules`` (ModelOpt's, whose wildcards become "re:" patterns); the loader
+    configs), ``exclude_modules`` (ModelOpt's; its wildcards, in either key, become "re:"
+    patterns); the loader
     refuses a listed module the engine would serve in FP8 (``loader.check_unquantized``)."""
     get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
     nested = get("quantization")
+    globs = get("quant_method") == "modelopt"     # ModelOpt's lists hold wildcards, whichever key
     names: list[str] = []
     for key in ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules"):
         value = get(key) or (nested.get(key) if isinstance(nested, dict) else None) or []
@@ -184,8 +186,8 @@ def _fp8_unquantized(qc: Any) -> tuple[str, ...]:
             value = [value]
         if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
             raise ValueError(f"quantization_config.{key} must be a list of module names, got {value!r}")
-        names += ["re:" + fnmatch.translate(v) if key == "exclude_modules" and any(c in v for c in "*?[") else v
-                  for v in value]
+        names += ["re:" + fnmatch.translate(v) if (globs or key == "exclude_modules") and any(c in v for c in "*?[")
+                  else v for v in value]
     return tuple(names)
 
 
@@ -214,22 +216,25 @@ def _fp8_kv_cache(qc: Any) -> bool:
 _MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
 
 
-def _modelopt_fp8(get: Any) -> tuple[int, ...]:
+def _modelopt_fp8(get: Any) -> tuple[int, ...] | None:
     """A ModelOpt checkpoint (``quant_method: modelopt``; its ``quant_algo`` at the top, as newer
     exports write config.json, or under ``quantization``, as ``hf_quant_config.json`` holds it):
     FP8 weights scaled per tensor or per channel, the tensors of an ``fp8`` checkpoint, and a KV
     cache quantized to FP8 or not at all (its scales, ``self_attn.k_proj.k_scale``, are the
-    loader's). Any other algorithm is refused by name."""
+    loader's). No algorithm (``quant_algo`` null: the KV cache alone calibrated) is a plain
+    checkpoint. Any other algorithm is refused by name."""
     top = "quantization_config"
     nested = get("quantization")
     q = nested if isinstance(nested, dict) else {}
     algo = q.get("quant_algo", get("quant_algo"))
-    if str(algo).upper() not in _MODELOPT_FP8:
-        raise ValueError(f"{top}.quant_algo {algo!r} is not supported; supported (ModelOpt): "
-                         f"{', '.join(map(repr, _MODELOPT_FP8))}")
     kv = q.get("kv_cache_quant_algo", get("kv_cache_quant_algo"))
     if kv is not None and str(kv).upper() != "FP8":
         raise ValueError(f"{top}.kv_cache_quant_algo {kv!r} is not supported; supported: 'FP8' or none")
+    if algo is None:
+        return None
+    if str(algo).upper() not in _MODELOPT_FP8:
+        raise ValueError(f"{top}.quant_algo {algo!r} is not supported; supported (ModelOpt): "
+                         f"{', '.join(map(repr, _MODELOPT_FP8))}")
     return ()
 
 

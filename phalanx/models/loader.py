@@ -183,7 +183,15 @@ def checkpoint_weights(source: ModelSource, dtype: torch.dtype, headers_checked:
         if not headers_checked:
             check_fp8_checkpoint(safetensors_specs(source.path), source.config.fp8_block)
         return fp8_checkpoint_weights(weights, source.config.fp8_block, dtype)
-    return weights
+    return _kv_scales_named(weights)
+
+
+def _kv_scales_named(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A full-precision checkpoint's tensors, its KV cache scales (a checkpoint whose KV cache
+    alone was calibrated) under the names the model takes (``kv_scale_names``)."""
+    for name, t in weights:
+        kv = kv_scale_names(name)
+        yield from ((n, t) for n in kv) if kv else ((name, t),)
 
 
 def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: tuple[int, ...],

@@ -122,7 +122,7 @@ def compile_case(case: str):
     names = list(params)
     constexprs = {**{n: p.default for n, p in params.items()   # a launch leaves these at their defaults
                      if p.default is not p.empty and "constexpr" in str(p.annotation)}, **constexprs}
-    sig = {n: pointers.get(n, "fp32" if n in ("scale", "eps") else "i32") for n in names}
+    sig = {n: pointers.get(n, "fp32" if n in ("scale", "eps", "k_inv", "v_inv", "v_scale") else "i32") for n in names}
     assert not [n for n in names if n.endswith("_ptr") and n not in pointers], "a pointer without a dtype"
     for k in constexprs:
         sig[k] = "constexpr"

@@ -740,3 +740,58 @@ def test_a_modelopt_fp8_checkpoint_serves_what_it_stores(where, tiny_models, tmp
             blocks.append(llm.engine_info.num_kv_blocks)
     assert outs[0] == outs[1] == outs[2] and blocks[0] == blocks[1] == blocks[2]
     assert blocks[3] == blocks[0] // 4     # no KV scheme: auto is the model's dtype (float32 here)
+
+
+def test_modelopt_lists_of_full_precision_modules_take_wildcards_under_either_key():
+    import re
+
+    from phalanx.models.config import _fp8_unquantized
+    for key in ("ignore", "exclude_modules"):
+        listed = _fp8_unquantized({"quant_method": "modelopt", "quant_algo": "FP8", key: ["lm_head", "*.1.mlp*"]})
+        assert listed[0] == "lm_head" and listed[1].startswith("re:")
+        assert re.fullmatch(listed[1][3:], "model.layers.1.mlp.down_proj")
+        assert not re.fullmatch(listed[1][3:], "model.layers.0.mlp.down_proj")
+    assert _fp8_unquantized({"quant_method": "fp8", "ignored_layers": ["a*"]}) == ("a*",)   # names, as vLLM's fp8
+
+
+def test_a_checkpoint_whose_kv_cache_alone_is_calibrated_stores_it_in_fp8_with_its_scales(tiny_models, tmp_path):
+    """A full-precision ModelOpt export with only its KV cache quantized (``quant_algo`` null,
+    ``kv_cache_quant_algo`` FP8, hf_quant_config.json): a plain checkpoint whose ``dtype: auto``
+    pool is FP8 and takes its K/V scales. Its K and V are 1,024 times another's (q and o scaled
+    back): the other's FP8-pool tokens, which its pool without the scales would not give."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from phalanx.models.config import _fp8_checkpoint
+    assert _fp8_checkpoint({"quant_method": "modelopt", "quant_algo": None, "kv_cache_quant_algo": "FP8"}) is None
+    d = tmp_path / "kv_only"
+    shutil.copytree(tiny_models["llama"], d)
+    t = load_file(f"{d}/model.safetensors")
+    for name in list(t):
+        proj = name.split(".")[-2]
+        if proj in ("k_proj", "v_proj"):
+            t[name] = t[name] * 1024
+        elif proj in ("q_proj", "o_proj"):
+            t[name] = t[name] / 1024
+    for i in range(2):
+        t[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(1024.0)
+        t[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(1024.0)
+    save_file(t, f"{d}/model.safetensors")
+    (d / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}))
+    ps = prompts(256, n=6, seed=13)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def run(path, kv):
+        with LLM(str(path), skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+                 kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 8 << 20}) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)], llm.engine_info.num_kv_blocks
+    want, fp8_blocks = run(tiny_models["llama"], "fp8")
+    assert run(d, "auto") == (want, fp8_blocks)
+    (d / "hf_quant_config.json").unlink()
+    for i in range(2):
+        del t[f"model.layers.{i}.self_attn.k_proj.k_scale"], t[f"model.layers.{i}.self_attn.v_proj.v_scale"]
+    save_file(t, f"{d}/model.safetensors")
+    assert run(d, "fp8")[0] != want

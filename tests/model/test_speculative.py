@@ -372,6 +372,10 @@ def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
     assert (sc.min_matching_ngram_size, sc.max_matching_ngram_size) == (4, 4)
     sc = vllm(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4, prompt_lookup_min=2)
     assert (sc.min_matching_ngram_size, sc.max_matching_ngram_size) == (2, 4)
+    sc = vllm(method="ngram", num_speculative_tokens=2, max_matching_ngram_size=2)   # ours, as a YAML adds it
+    assert (sc.min_matching_ngram_size, sc.max_matching_ngram_size) == (2, 2)
+    assert vllm(method=None, model=tiny_models["qwen2"], num_speculative_tokens=2).decoding_type == "DraftTarget"
+    assert vllm(speculative_model=tiny_models["qwen2"], num_speculative_tokens=2).decoding_type == "DraftTarget"
     for sc in (vllm(model=tiny_models["qwen2"], num_speculative_tokens=5),
                vllm(method="draft_model", model=tiny_models["qwen2"], num_speculative_tokens=5)):
         assert (sc.decoding_type, sc.speculative_model_dir, sc.max_draft_len) == (
