@@ -9,6 +9,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from test_triton_kernels import _paged_case  # noqa: E402
+
 from phalanx.kernels import attention_ref, reference, triton_attention, triton_ops  # noqa: E402
 from phalanx.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -82,27 +84,9 @@ def test_the_one_token_qkv_kernel_writes_what_the_rotary_kv_write_writes_with_sc
 
 
 def _paged(seq_lens, q_lens, H, Hkv, D, B, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // B) for n in seq_lens]
-    nb = sum(blocks) + 2
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, i = [], 0
-    for n in blocks:
-        tables.append(perm[i:i + n] + [0] * (max(blocks) - n))
-        i += n
-    kc = torch.randn(nb, B, Hkv, D, generator=g).to(FP8)
-    vc = torch.randn(nb, B, Hkv, D, generator=g).to(FP8)
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], H, D, generator=g).to(DEV, DTYPE)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(starts[-1], dtype=torch.long, device=DEV),
-                             query_start=torch.tensor(starts, dtype=torch.int32, device=DEV),
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-                             block_tables=torch.tensor(tables, dtype=torch.int32, device=DEV),
-                             max_query_len=max(q_lens), max_seq_len=max(seq_lens), tokens_per_block=B,
-                             is_decode_only=all(n == 1 for n in q_lens))
-    return q, kc.to(DEV), vc.to(DEV), meta
+    """``test_triton_kernels``' paged case over an FP8 pool: (q, k_cache, v_cache, meta)."""
+    q, kc, vc, meta = _paged_case(seq_lens, q_lens, H, Hkv, D, B, torch.float32, seed)
+    return q.to(DTYPE), kc.to(FP8), vc.to(FP8), meta
 
 
 @pytest.mark.parametrize("seq_lens,q_lens", [([5, 40, 17], [1, 1, 1]), ([20, 7, 40], [3, 7, 40]),
