@@ -105,6 +105,9 @@ class AttentionDpConfig(StrictModel):
                                                        "instead of following the cache.")
 
 
+MAX_SPEC_LEN = 16    # the most drafts a step verifies, and the longest n-gram matched
+
+
 class SpeculativeConfig(StrictModel):
     """Speculative decoding (TensorRT-LLM's shape): a proposer guesses up to ``max_draft_len``
     tokens per step for every decoding request and the target verifies them in one forward.
@@ -122,9 +125,9 @@ class SpeculativeConfig(StrictModel):
     """
 
     decoding_type: Literal["NGram", "DraftTarget"]
-    max_draft_len: int = Field(4, ge=1, le=16, description="Draft tokens verified per step.")
-    max_matching_ngram_size: int = Field(3, ge=1, le=16, description="NGram: the longest suffix matched.")
-    min_matching_ngram_size: int = Field(1, ge=1, le=16, description="NGram: the shortest suffix matched.")
+    max_draft_len: int = Field(4, ge=1, le=MAX_SPEC_LEN, description="Draft tokens verified per step.")
+    max_matching_ngram_size: int = Field(3, ge=1, le=MAX_SPEC_LEN, description="NGram: the longest suffix matched.")
+    min_matching_ngram_size: int = Field(1, ge=1, le=MAX_SPEC_LEN, description="NGram: the shortest suffix matched.")
     speculative_model_dir: str | None = Field(
         None, validation_alias=AliasChoices("speculative_model_dir", "speculative_model"),
         description="DraftTarget: the draft model (HF directory); also spelled speculative_model (API.md).")
@@ -153,8 +156,18 @@ class SpeculativeConfig(StrictModel):
             theirs = next(k for k in ours if k in d)
             raise ValueError(f"speculative_config.{theirs} is vLLM's spelling; with decoding_type it is {ours[theirs]}")
         method = d.pop("method", None)
+        if d.get("model") in ("ngram", "[ngram]") and method in (None, "ngram"):   # vLLM's older spelling
+            d.pop("model")
+            method = "ngram"
         if method is None and any(k in d for k in ("model", "speculative_model", "speculative_model_dir")):
             method = "draft_model"
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):   # named as given
+            v = d.get(key)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SPEC_LEN):
+                raise ValueError(f"speculative_config.{key} must be an integer from 1 to {MAX_SPEC_LEN}, got {v!r}")
+        if (d.get("prompt_lookup_min") or 0) > (d.get("prompt_lookup_max") or MAX_SPEC_LEN):
+            raise ValueError(f"speculative_config.prompt_lookup_min ({d['prompt_lookup_min']}) is above "
+                             f"prompt_lookup_max ({d['prompt_lookup_max']})")
         kinds = {"ngram": "NGram", "draft_model": "DraftTarget"}
         if method not in kinds:
             raise ValueError(f"speculative_config.method {method!r} is not supported; supported: "
@@ -286,14 +299,15 @@ def format_validation_error(e: ValidationError) -> str:
 
 
 def merge_yaml(base: dict[str, Any], path: str) -> dict[str, Any]:
-    """Overlay a YAML file of LlmArgs fields on ``base``; the YAML wins, nested dicts merge."""
+    """Overlay a YAML file of LlmArgs fields on ``base``; the YAML wins, nested dicts merge (but
+    ``speculative_config``, one proposer in one spelling: the YAML's replaces a flag's whole)."""
     with open(path) as f:
         extra = yaml.safe_load(f) or {}
     if not isinstance(extra, dict):
         raise ValueError(f"{path}: expected a mapping of LLM arguments at the top level")
     out = dict(base)
     for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "speculative_config":
             out[k] = {**out[k], **v}
         else:
             out[k] = v

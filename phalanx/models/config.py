@@ -206,6 +206,9 @@ def _fp8_kv_cache(qc: Any) -> bool:
     if isinstance(scheme, str) and scheme.lower() in ("static", "fp8"):
         return True
     if isinstance(scheme, dict) and scheme.get("num_bits") == 8 and str(scheme.get("type", "")).lower() == "float":
+        if scheme.get("symmetric") is False:
+            raise ValueError("quantization_config.kv_cache_scheme.symmetric must be true (an asymmetric KV cache, "
+                             "with zero points, is not supported)")
         return True
     raise ValueError(f"quantization_config.kv_cache_scheme {scheme!r} is not supported; supported: 8-bit floats "
                      "(num_bits 8, type float)")
@@ -254,14 +257,16 @@ def _block_shape(block: Any, field_name: str) -> tuple[int, ...]:
 _CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
 
 
-def _compressed_tensors_fp8(get: Any) -> tuple[int, ...]:
+def _compressed_tensors_fp8(get: Any) -> tuple[int, ...] | None:
     """A compressed-tensors checkpoint (llm-compressor's format) whose every config group holds
     8-bit float weights, symmetric and static, stored compressed (``format`` float-quantized
     or naive-quantized, at the top or per group under ``mixed-precision``), scaled per tensor,
     per channel or per block (``weight_scale``, one block shape for all): the same tensors as
     an ``fp8`` checkpoint. Activation schemes are taken as dynamic per token (static
     ``input_scale`` tensors are logged as not used); anything else (integer or 4-bit weights,
-    zero points, dynamic weights, sparsity, an uncompressed status) is refused by name."""
+    zero points, dynamic weights, sparsity, an uncompressed status) is refused by name. No
+    weight groups beside a ``kv_cache_scheme`` (the KV cache alone calibrated) is a plain
+    checkpoint."""
     top = "quantization_config"
     status = get("quantization_status")
     if status not in (None, "compressed"):
@@ -269,6 +274,8 @@ def _compressed_tensors_fp8(get: Any) -> tuple[int, ...]:
     if get("sparsity_config"):
         raise ValueError(f"{top}.sparsity_config is not supported (compressed-tensors sparsity)")
     groups = get("config_groups")
+    if not groups and get("kv_cache_scheme"):
+        return None
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{top}.config_groups must name at least one group of FP8 weights")
     blocks = set()

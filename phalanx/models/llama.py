@@ -330,6 +330,10 @@ class CausalLM(nn.Module):
         attn.checkpoint_kv_scale[kind] = value
         return 1
 
+    def kv_scales_in_use(self) -> bool:
+        """Whether the pool stores K and V with a checkpoint's scales (``use_kv_scales``)."""
+        return any(layer.self_attn.kv_scale != UNIT_KV_SCALE for layer in self.model.decoder_layers)
+
     def use_kv_scales(self, fp8_pool: bool) -> int:
         """Decided once, when the engine builds its pool: an FP8 pool stores each layer's K and V
         divided by the checkpoint's scales (1 where it brought none); any other pool stores them as

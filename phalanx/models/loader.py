@@ -112,7 +112,11 @@ def iter_hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 _WEIGHT_SCALES = (".weight_scale_inv", ".weight_scale")
 _UNUSED_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".output_scale", ".q_scale", ".prob_scale")
-FP8_SCALE_SUFFIXES = _WEIGHT_SCALES + _UNUSED_SCALES
+# zero points of a KV cache quantization (llm-compressor writes them, zero, beside the scales)
+_KV_ZERO_POINTS = (".self_attn.k_zero_point", ".self_attn.v_zero_point", ".self_attn.q_zero_point")
+
+
+FP8_SCALE_SUFFIXES = _WEIGHT_SCALES + _UNUSED_SCALES + _KV_ZERO_POINTS
 
 # a layer's calibrated KV cache scales as checkpoints name them (after "self_attn."), and which of
 # the layer's two scales (K, V) each gives: llm-compressor's and vLLM's k_scale/v_scale, ModelOpt's
@@ -122,6 +126,17 @@ _KV_SCALE_NAMES = {
     "k_proj.k_scale": "k", "v_proj.v_scale": "v", "kv_scale": "kv",
     "k_proj.output_scale": "k", "v_proj.output_scale": "v",
 }
+
+
+def _kv_zero_point(name: str, t: torch.Tensor) -> bool:
+    """Whether a tensor is a KV cache zero point (dropped: the pool's quantization is symmetric);
+    one that is not zero is refused by name."""
+    if not name.endswith(_KV_ZERO_POINTS):
+        return False
+    if t.float().abs().max() > 0 if t.numel() else False:
+        raise ValueError(f"checkpoint tensor {name!r}: a KV cache zero point that is not 0 (an asymmetric KV "
+                         "cache) is not supported")
+    return True
 
 
 def kv_scale_names(name: str) -> list[str]:
@@ -137,7 +152,8 @@ def check_fp8_checkpoint(specs: list[dict], block: tuple[int, ...]) -> None:
     """From a checkpoint's tensor headers (name, safetensors dtype, shape), before any tensor is
     copied: every FP8 weight has exactly one scale tensor and every scale its FP8 weight, of a
     shape ``_fp8_weight`` takes. ValueError naming the first tensor that does not."""
-    weights = {s["name"].removesuffix(".weight"): s["shape"] for s in specs if str(s["dtype"]).startswith("F8")}
+    weights = {s["name"].removesuffix(".weight"): s["shape"] for s in specs
+               if str(s["dtype"]).startswith("F8") and not s["name"].endswith(_KV_ZERO_POINTS)}
     scales: dict[str, list] = {}
     for s in specs:
         if s["name"].endswith(_WEIGHT_SCALES):
@@ -191,6 +207,8 @@ def _kv_scales_named(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tu
     alone was calibrated) under the names the model takes (``kv_scale_names``)."""
     for name, t in weights:
         kv = kv_scale_names(name)
+        if not kv and _kv_zero_point(name, t):
+            continue
         yield from ((n, t) for n in kv) if kv else ((name, t),)
 
 
@@ -219,6 +237,8 @@ def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: t
         kv = kv_scale_names(name)
         if kv:
             yield from ((n, t) for n in kv)
+            continue
+        if _kv_zero_point(name, t):
             continue
         if name.endswith(_UNUSED_SCALES):
             unused.append(name)

@@ -96,7 +96,10 @@ def _modelopt_config(hf: Any, path: str) -> None:
     if getattr(hf, "quantization_config", None) or not os.path.exists(file):
         return
     with open(file) as f:
-        described = json.load(f)
+        try:
+            described = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{file}: not JSON ({e})") from None
     if not isinstance(described, dict) or not isinstance(described.get("quantization"), dict):
         raise ValueError(f"{file}: a 'quantization' mapping is needed (ModelOpt's hf_quant_config.json)")
     hf.quantization_config = {"quant_method": "modelopt", **described["quantization"]}

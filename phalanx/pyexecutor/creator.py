@@ -93,6 +93,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     scaled = model.use_kv_scales(kv_dtype == torch.float8_e4m3fn)
     if scaled:
         logger.info("FP8 KV pool: %d layers store K and V with the checkpoint's scales", scaled)
+    if kv_fp8 and cfg.fp8_kv_cache and scaled < cfg.num_layers:
+        logger.warning("the checkpoint's KV cache is calibrated for FP8 but brings scales for %d of its %d layers; "
+                       "the others store K and V with scale 1", scaled, cfg.num_layers)
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     pool_shape = (cfg.num_layers, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)

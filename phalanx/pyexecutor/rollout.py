@@ -279,6 +279,7 @@ class Rollout:
             FP8_SCALE_SUFFIXES,
             check_fp8_checkpoint,
             checkpoint_weights,
+            kv_scale_names,
             safetensors_specs,
         )
         from phalanx.models.source import resolve_model
@@ -310,6 +311,9 @@ class Rollout:
             if missing:
                 raise ValueError(f"path {path!r}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. "
                                  f"{', '.join(missing[:3])}")
+            if self.ex.runner.model.kv_scales_in_use() and not any(kv_scale_names(s["name"]) for s in specs):
+                logger.warning("weights update from %s: it brings no KV cache scales; the FP8 pool keeps the ones it "
+                               "was written with", path)
         return checkpoint_weights(source, self.ex.runner.model.activation_dtype, headers_checked=source.kind == "hf")
 
     def _init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

@@ -313,6 +313,7 @@ def ct(groups, **top):
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, ()),
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "fp8_per_channel_per_token",
                                                    "kv_cache_quant_algo": "FP8"}}, ()),
+    (ct({}, kv_cache_scheme={"num_bits": 8, "type": "float", "symmetric": True}), None),   # the KV cache alone
 ])
 def test_fp8_checkpoint_configs_that_are_read(qc, block):
     """The quantization_config forms an FP8 checkpoint comes in: -> the block shape of its scales."""
@@ -352,6 +353,8 @@ def test_compressed_tensors_schemes_other_than_fp8_weights_are_refused_by_name(q
      "kv_cache_quant_algo 'NVFP4'"),
     (ct({"g": {"weights": FP8_W}}, kv_cache_scheme={"num_bits": 8, "type": "int", "symmetric": True}),
      "kv_cache_scheme .* not supported"),
+    (ct({"g": {"weights": FP8_W}}, kv_cache_scheme={"num_bits": 8, "type": "float", "symmetric": False}),
+     "kv_cache_scheme.symmetric must be true"),
 ])
 def test_other_quantized_checkpoints_are_refused_by_name(qc, match, tiny_models, tmp_path):
     import json
@@ -640,7 +643,9 @@ def test_fp8_checkpoint_scales_that_are_not_finite_and_weights_that_are_not_matr
 
 
 _KV_LAYOUTS = {   # how checkpoints name a layer's KV cache scales (after model.layers.N.self_attn.)
-    "self": lambda s: {"k_scale": torch.tensor([s], dtype=torch.bfloat16), "v_scale": torch.tensor([s])},
+    "self": lambda s: {"k_scale": torch.tensor([s], dtype=torch.bfloat16), "v_scale": torch.tensor([s]),
+                       "k_zero_point": torch.zeros(1, dtype=torch.float8_e4m3fn),   # zero: dropped
+                       "v_zero_point": torch.zeros(1, dtype=torch.bfloat16)},
     "proj": lambda s: {"k_proj.k_scale": torch.tensor(s), "v_proj.v_scale": torch.tensor(s)},
     "kv": lambda s: {"kv_scale": torch.tensor(s)},
     "output": lambda s: {"k_proj.output_scale": torch.tensor([s]), "v_proj.output_scale": torch.tensor([s])},
@@ -697,6 +702,11 @@ def test_an_fp8_checkpoints_kv_cache_scales_are_what_an_fp8_pool_stores_k_and_v_
         with caplog.at_level("INFO", logger="phalanx"):
             assert run(scaled, "auto") == run(str(tmp_path / "base"), "auto")
         assert any("KV cache scales (2 layers) are not used" in r.getMessage() for r in caplog.records)
+        caplog.clear()     # an update from a checkpoint without scales keeps the pool's, and says so
+        with LLM(scaled, skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+                 kv_cache_config={"dtype": "fp8", "max_gpu_total_bytes": 8 << 20}) as llm:
+            llm.update_weights_from_disk(unscaled)
+        assert any("brings no KV cache scales" in r.getMessage() for r in caplog.records)
 
 
 def test_kv_cache_scales_that_are_not_positive_are_refused_by_name(tiny_models, tmp_path):
@@ -706,6 +716,11 @@ def test_kv_cache_scales_that_are_not_positive_are_refused_by_name(tiny_models, 
     t["model.layers.1.self_attn.v_scale"] = torch.tensor(0.0)
     save_file(t, f"{tmp_path}/ckpt/model.safetensors")
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.v_scale'.*positive and finite"):
+        LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, orchestrator_type="inprocess")
+    t["model.layers.1.self_attn.v_scale"] = torch.tensor(2.0)
+    t["model.layers.0.self_attn.k_zero_point"] = torch.tensor([3.0])
+    save_file(t, f"{tmp_path}/ckpt/model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_zero_point'.*not 0 .*not supported"):
         LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, orchestrator_type="inprocess")
 
 
@@ -730,6 +745,12 @@ def test_a_modelopt_fp8_checkpoint_serves_what_it_stores(where, tiny_models, tmp
         (tmp_path / "modelopt" / "hf_quant_config.json").write_text(json.dumps(
             {"producer": {"name": "modelopt", "version": "0.40"}, "quantization": described}))
     cfg_path.write_text(json.dumps(cfg))
+    if where == "hf_quant_config.json":
+        good = (tmp_path / "modelopt" / "hf_quant_config.json").read_text()
+        (tmp_path / "modelopt" / "hf_quant_config.json").write_text(good[:-3])
+        with pytest.raises(ValueError, match="hf_quant_config.json: not JSON"):
+            LLM(mo, skip_tokenizer_init=True, orchestrator_type="inprocess")
+        (tmp_path / "modelopt" / "hf_quant_config.json").write_text(good)
     ps = prompts(256, n=5, seed=12)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     outs, blocks = [], []

@@ -376,6 +376,8 @@ def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
     assert (sc.min_matching_ngram_size, sc.max_matching_ngram_size) == (2, 2)
     assert vllm(method=None, model=tiny_models["qwen2"], num_speculative_tokens=2).decoding_type == "DraftTarget"
     assert vllm(speculative_model=tiny_models["qwen2"], num_speculative_tokens=2).decoding_type == "DraftTarget"
+    for name in ("ngram", "[ngram]"):    # vLLM's older spelling of prompt lookup
+        assert vllm(model=name, num_speculative_tokens=2).decoding_type == "NGram"
     for sc in (vllm(model=tiny_models["qwen2"], num_speculative_tokens=5),
                vllm(method="draft_model", model=tiny_models["qwen2"], num_speculative_tokens=5)):
         assert (sc.decoding_type, sc.speculative_model_dir, sc.max_draft_len) == (
@@ -387,8 +389,13 @@ def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
                        ({"decoding_type": "NGram", "num_speculative_tokens": 3},
                         "num_speculative_tokens is vLLM's spelling; with decoding_type it is max_draft_len"),
                        ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4,
-                         "prompt_lookup_max": 2}, "min_matching_ngram_size .4. is above"),
-                       ({"method": "ngram", "num_speculative_tokens": 17}, "speculative_config.max_draft_len")):
+                         "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) is above prompt_lookup_max \(2\)"),
+                       ({"method": "ngram", "num_speculative_tokens": 17},       # named as the user wrote it
+                        "speculative_config.num_speculative_tokens must be an integer from 1 to 16, got 17"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 40},
+                        "speculative_config.prompt_lookup_max must be an integer from 1 to 16"),
+                       ({"decoding_type": "NGram", "max_draft_len": 1, "min_matching_ngram_size": 4,
+                         "max_matching_ngram_size": 2}, r"min_matching_ngram_size \(4\) is above")):
         with pytest.raises(ValueError, match=match):
             make_llm_args(model=tiny_models["llama"], speculative_config=bad)
     with pytest.raises(ValueError, match="speculative_model_dir: the draft model did not load"):

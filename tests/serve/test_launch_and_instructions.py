@@ -206,6 +206,11 @@ def test_the_config_yaml_may_name_the_model_and_a_bad_template_stops_start_up(tm
     assert kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
     from phalanx.config import make_llm_args
     assert make_llm_args(**kw).speculative_config.decoding_type == "NGram"
+    # a YAML's speculative_config replaces the flag's whole (one proposer, one spelling)
+    (tmp_path / "spec.yaml").write_text("speculative_config:\n  decoding_type: NGram\n  max_draft_len: 2\n")
+    kw = llm_kwargs(p.parse_args(["m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                  "--config", str(tmp_path / "spec.yaml")]))
+    assert kw["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": 2}
     for bad in (["--speculative-config", "{nope"], ["--speculative-config", "[1]"], ["--kv-cache-dtype", "int8"]):
         with pytest.raises(SystemExit):
             p.parse_args(["m", *bad])
