@@ -324,6 +324,9 @@ class CausalLM(nn.Module):
                 logger.warning("weight update: %s = %g is not taken; the layer keeps %g (the pool's K/V were "
                                "written with it)", name, value, kept)
             return 0
+        if w.numel() not in (1, self.config.num_kv_heads):
+            raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale is one number for the layer or one per KV "
+                             f"head ({self.config.num_kv_heads}), got shape {tuple(w.shape)}")
         if not (math.isfinite(value) and value > 0 and float(w.float().min()) > 0):
             raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be positive and finite, got "
                              f"{w.flatten()[:4].tolist()}")

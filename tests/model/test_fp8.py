@@ -709,13 +709,19 @@ def test_an_fp8_checkpoints_kv_cache_scales_are_what_an_fp8_pool_stores_k_and_v_
         assert any("brings no KV cache scales" in r.getMessage() for r in caplog.records)
 
 
-def test_kv_cache_scales_that_are_not_positive_are_refused_by_name(tiny_models, tmp_path):
+def test_kv_cache_scales_and_zero_points_that_do_not_fit_are_refused_by_name(tiny_models, tmp_path):
+    """A scale that is not positive, one of a count that is neither one nor one a KV head, and a
+    zero point that is not zero (an asymmetric KV cache): refused, naming the tensor."""
     from safetensors.torch import load_file, save_file
     write_fp8_checkpoint(tiny_models["llama"], tmp_path / "ckpt", None)
     t = load_file(f"{tmp_path}/ckpt/model.safetensors")
     t["model.layers.1.self_attn.v_scale"] = torch.tensor(0.0)
     save_file(t, f"{tmp_path}/ckpt/model.safetensors")
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.v_scale'.*positive and finite"):
+        LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, orchestrator_type="inprocess")
+    t["model.layers.1.self_attn.v_scale"] = torch.tensor([2.0, 2.0, 2.0])      # 2 KV heads
+    save_file(t, f"{tmp_path}/ckpt/model.safetensors")
+    with pytest.raises(ValueError, match=r"v_scale'.*one per KV head \(2\), got shape \(3,\)"):
         LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, orchestrator_type="inprocess")
     t["model.layers.1.self_attn.v_scale"] = torch.tensor(2.0)
     t["model.layers.0.self_attn.k_zero_point"] = torch.tensor([3.0])
