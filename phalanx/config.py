@@ -220,11 +220,12 @@ class LlmArgs(StrictModel):
     disable_overlap_scheduler: bool = False
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["fp8"] | None = Field(
+    quantization: Literal["fp8", "modelopt", "compressed-tensors"] | None = Field(
         None, description="fp8: the decoder layers' projections quantized to FP8 e4m3 at load, one scale per "
                           "output channel (W8A16 for decode batches, W8A8 with per-token scales for more rows), and "
                           "MoE experts per (expert, output row); embeddings, the output layer, norms and the "
-                          "router stay in dtype.")
+                          "router stay in dtype. modelopt, compressed-tensors: the checkpoint's own method, served "
+                          "as its quantization_config says (as vLLM takes them; refused where it says otherwise).")
     load_format: Literal["auto", "dummy"] = "auto"
     trust_remote_code: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -62,6 +62,8 @@ class ModelConfig:
     # the checkpoint's KV cache is calibrated for FP8 (ModelOpt's kv_cache_quant_algo FP8,
     # compressed-tensors' or AutoFP8's kv_cache_scheme): kv_cache_config.dtype auto stores it so
     fp8_kv_cache: bool = False
+    # the checkpoint's quantization_config.quant_method (fp8, compressed-tensors, modelopt), None: none
+    quant_method: str | None = None
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -138,6 +140,7 @@ class ModelConfig:
             fp8_block=fp8_block or (),
             fp8_unquantized=_fp8_unquantized(qc) if fp8_block is not None else (),
             fp8_kv_cache=bool(qc) and _fp8_kv_cache(qc),
+            quant_method=_quant_method(qc),
         )
 
 
@@ -189,6 +192,13 @@ def _fp8_unquantized(qc: Any) -> tuple[str, ...]:
         names += ["re:" + fnmatch.translate(v) if (globs or key == "exclude_modules") and any(c in v for c in "*?[")
                   else v for v in value]
     return tuple(names)
+
+
+def _quant_method(qc: Any) -> str | None:
+    if not qc:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return str(method) if method is not None else None
 
 
 def _fp8_kv_cache(qc: Any) -> bool:

@@ -77,6 +77,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     if args.kv_cache_config.dtype == "auto" and cfg.fp8_kv_cache:
         logger.log(logging.INFO if kv_fp8 else logging.WARNING, "the checkpoint's KV cache is calibrated for FP8: "
                    "kv_cache_config.dtype auto stores it in %s", "FP8" if kv_fp8 else f"{dtype} (this GPU has no FP8)")
+    if args.quantization in ("modelopt", "compressed-tensors") and cfg.quant_method != args.quantization:
+        raise ValueError(f"quantization {args.quantization!r} names the checkpoint's own method, but its "
+                         f"quantization_config.quant_method is {cfg.quant_method!r}")
     serves_fp8 = _serves_fp8(args, cfg, device)
     if serves_fp8:
         fp8.check_device(device, "quantization")

@@ -48,7 +48,7 @@ PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("weights", "kv_cache")
 # ModelConfig fields a checkpoint on disk may differ in and still be the same model
 _FREE_CONFIG_FIELDS = {"torch_dtype", "bos_token_id", "eos_token_ids", "max_position_embeddings", "fp8_checkpoint",
-                       "fp8_block", "fp8_unquantized", "fp8_kv_cache"}
+                       "fp8_block", "fp8_unquantized", "fp8_kv_cache", "quant_method"}
 
 
 class Rollout:

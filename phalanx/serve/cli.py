@@ -47,8 +47,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv_cache_dtype", "--kv-cache-dtype", dest="kv_cache_dtype", default=None,
                    choices=["auto", "fp8", "fp8_e4m3", "bfloat16", "float16"],
                    help="the KV pool's dtype (kv_cache_config.dtype; fp8_e4m3 is fp8)")
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
-                   help="fp8: the projections quantized to FP8 at load (an FP8 checkpoint is served in FP8 anyway)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "modelopt", "compressed-tensors"],
+                   help="fp8: the projections quantized to FP8 at load (an FP8 checkpoint is served in FP8 anyway); "
+                        "modelopt, compressed-tensors: the checkpoint's own method")
     p.add_argument("--speculative_config", "--speculative-config", dest="speculative_config", type=json_mapping,
                    default=None, help="speculative decoding as JSON: decoding_type NGram/DraftTarget, or vLLM's "
                                       "method ngram/draft_model with num_speculative_tokens")

@@ -761,12 +761,16 @@ def test_a_modelopt_fp8_checkpoint_serves_what_it_stores(where, tiny_models, tmp
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     outs, blocks = [], []
     for path, kv in ((fp8_twin, "fp8"), (mo, "fp8"), (mo, "auto"), (fp8_twin, "auto")):
+        named = {"quantization": "modelopt"} if path == mo and kv == "fp8" else {}    # as vLLM users pass it
         with LLM(path, skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
-                 kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 8 << 20}) as llm:
+                 kv_cache_config={"dtype": kv, "max_gpu_total_bytes": 8 << 20}, **named) as llm:
             outs.append([o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)])
             blocks.append(llm.engine_info.num_kv_blocks)
     assert outs[0] == outs[1] == outs[2] and blocks[0] == blocks[1] == blocks[2]
     assert blocks[3] == blocks[0] // 4     # no KV scheme: auto is the model's dtype (float32 here)
+    with pytest.raises(ValueError, match="quantization 'modelopt' names the checkpoint's own method, but its "
+                                         "quantization_config.quant_method is 'fp8'"):
+        LLM(fp8_twin, skip_tokenizer_init=True, orchestrator_type="inprocess", quantization="modelopt")
 
 
 def test_modelopt_lists_of_full_precision_modules_take_wildcards_under_either_key():
