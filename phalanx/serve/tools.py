@@ -201,6 +201,12 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 @functools.lru_cache(maxsize=16)
+def template_renders_tool_calls(template: str | None) -> bool:
+    """Whether a chat template prints an assistant message's ``tool_calls`` itself (Qwen2.5/3's,
+    Hermes', Llama 3's do); one that does not sees the calls in the message's content."""
+    return bool(template) and "tool_calls" in template   # type: ignore[operator]
+
+
 def template_names_developer(template: str | None) -> bool:
     """Whether a chat template tests for the role "developer" (a quoted 'developer'); OpenAI's
     developer messages are its newer models' system messages, and reach a template that does not
@@ -216,6 +222,7 @@ def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
     render them."""
     out = []
     developer = "developer" if template_names_developer(template) else "system"
+    calls_in_content = not template_renders_tool_calls(template)
     for m in messages:
         msg: dict[str, Any] = {"role": developer if m.role == "developer" else m.role, "content": m.text()}
         if m.name:
@@ -228,7 +235,7 @@ def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
             msg["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)}}
                                  for c in m.tool_calls]
-            if not msg["content"]:       # show the calls to templates that print only content
+            if not msg["content"] and calls_in_content:    # show the calls to templates that print only content
                 msg["content"] = "\n".join(
                     "<tool_call>\n" + json.dumps({"name": c.function.name,
                                                   "arguments": _as_object(c.function.arguments)},

@@ -220,3 +220,27 @@ def test_messages_reach_the_template_with_the_roles_and_reasoning_it_knows():
         out = template_messages(msgs, None, template)
         assert [m["role"] for m in out] == [role, "user", "assistant"]
         assert out[2]["reasoning_content"] == "greet back" and "reasoning_content" not in out[1]
+
+
+def test_an_assistants_tool_calls_reach_the_template_once():
+    """A template that prints ``message.tool_calls`` itself (Qwen2.5/3's, Hermes') gets the calls
+    there only; one that prints only content gets them written in it. Rendered through
+    transformers' chat-template renderer, the call appears once either way."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from phalanx.serve.protocol import ChatMessage
+    from phalanx.serve.tools import template_messages
+    msgs = [ChatMessage.model_validate(m) for m in (
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "22C"})]
+    qwen_like = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+                 "{% for c in m.tool_calls or [] %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}"
+                 "<|im_end|>\n{% endfor %}")
+    content_only = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    for template in (qwen_like, content_only):
+        out = template_messages(msgs, None, template)
+        text = render_jinja_template(conversations=[out], chat_template=template)[0][0]
+        assert text.count("<tool_call>") == 1 and text.count('"Paris"') == 1, text
+    assert not template_messages(msgs, None, qwen_like)[1]["content"]
