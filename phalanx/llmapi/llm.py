@@ -448,7 +448,8 @@ def _is_single(inputs: Any) -> bool:
 
 
 def _chat_messages(conv: Any) -> list[dict[str, Any]]:
-    """One conversation's messages as templates take them: OpenAI's text parts joined."""
+    """One conversation's messages as templates take them: OpenAI's text parts joined by newlines
+    (as vLLM joins them, and phalanx serve)."""
     if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
         raise ValueError(f"messages: a conversation is a list of message dicts, got {type(conv).__name__}")
     out = []
@@ -459,7 +460,7 @@ def _chat_messages(conv: Any) -> list[dict[str, Any]]:
                        for p in content):
                 raise ValueError(f"messages[{i}].content: only text parts are supported "
                                  "({'type': 'text', 'text': ...})")
-            m = dict(m, content="".join(p["text"] for p in content))
+            m = dict(m, content="\n".join(p["text"] for p in content))
         out.append(m)
     return out
 

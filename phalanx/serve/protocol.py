@@ -13,7 +13,9 @@ deeper than ``MAX_DEPTH``.
 
 from __future__ import annotations
 
+import functools
 import json
+import typing
 from typing import Any, Literal, TypeVar
 
 from pydantic import (
@@ -46,6 +48,26 @@ LABEL_FIELDS = ("user", "metadata", "store", "service_tier")
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A null for a field that has a default and does not take null (``n``, ``stream``, the
+        penalties, ``echo``, ...) is that default, as OpenAI's and vLLM's optional fields read it;
+        a field where null means something (``max_tokens``: fill the context) keeps it."""
+        if isinstance(data, dict):
+            defaulted = _defaulted_fields(cls)
+            if any(v is None and k in defaulted for k, v in data.items()):
+                return {k: v for k, v in data.items() if not (v is None and k in defaulted)}
+        return data
+
+
+@functools.cache
+def _defaulted_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``cls`` with a default that do not take None (decided once a class)."""
+    return frozenset(name for name, f in cls.model_fields.items()
+                     if not f.is_required() and type(None) not in typing.get_args(f.annotation)
+                     and f.annotation is not type(None) and f.default is not None)
 
 
 class StreamOptions(Strict):
@@ -290,15 +312,16 @@ class ChatMessage(Strict):
         return v
 
     def text(self) -> str:
+        """The message's text; parts of a list joined by newlines, as vLLM renders them."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p["text"] for p in self.content)
+        return "\n".join(p["text"] for p in self.content)
 
     def num_chars(self) -> int:
         if isinstance(self.content, list):
-            return sum(len(p["text"]) for p in self.content)
+            return sum(len(p["text"]) for p in self.content) + max(0, len(self.content) - 1)
         return len(self.content or "")
 
 

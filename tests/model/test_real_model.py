@@ -325,8 +325,10 @@ def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
     [one] = llm.chat(conv, sp)                                        # a list, as vLLM's
     assert one.prompt_token_ids == ids and one.prompt == text
     assert one.outputs[0].token_ids == llm.generate(text, sp).outputs[0].token_ids
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
-                                          {"type": "text", "text": "of France?"}]}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    two_parts = [{"role": "user", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Hi"}]}]
+    assert llm.chat(two_parts, sp)[0].prompt == llm.apply_chat_template(      # joined by a newline, as vLLM
+        [{"role": "user", "content": "Be brief.\nHi"}])
     two = llm.chat((tuple(parts), [{"role": "user", "content": "Name a color."}]), sp, use_tqdm=False)
     assert len(two) == 2 and two[0].outputs[0].token_ids == one.outputs[0].token_ids
     assert two[0].num_cached_tokens == two[0].cached_tokens > 0     # the first conversation's prefix again

@@ -53,3 +53,31 @@ def test_numbers_at_every_depth_near_the_limit_get_the_walks_answer(wrappers, mo
     monkeypatch.setattr(protocol, "_numbers_only", lambda items: False)
     assert fast == outcome()
     assert fast == ("depth" if wrappers >= MAX_DEPTH - 1 else "other")
+
+
+def test_null_is_the_default_of_a_field_that_has_one_and_a_meaning_where_it_has_one():
+    """OpenAI's and vLLM's optional fields sent as null (as clients that serialise every field
+    do): the default where the field does not take null; a null that means something
+    (completions' max_tokens: fill the context) kept; a null for a field phalanx does not have
+    still refused by name."""
+    from phalanx.serve.protocol import ChatCompletionRequest
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "n": None, "stream": None, "presence_penalty": None,
+         "frequency_penalty": None, "logprobs": None, "parallel_tool_calls": None, "skip_special_tokens": None,
+         "add_generation_prompt": None, "min_tokens": None, "stream_options": None, "max_tokens": None})
+    assert (chat.n, chat.stream, chat.presence_penalty, chat.logprobs, chat.parallel_tool_calls,
+            chat.skip_special_tokens, chat.add_generation_prompt, chat.min_tokens) == (1, False, 0.0, False, True,
+                                                                                     True, True, 0)
+    done = CompletionRequest.model_validate({"prompt": "x", "max_tokens": None, "echo": None, "n": None,
+                                             "stream": True, "stream_options": {"include_usage": None}})
+    assert done.max_tokens is None and done.echo is False and done.n == 1
+    assert done.stream_options is not None and done.stream_options.include_usage is False
+    with pytest.raises(ValueError, match="functions"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "functions": None})
+
+
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
+    from phalanx.serve.protocol import ChatMessage
+    m = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                                                {"type": "text", "text": "colors."}]})
+    assert m.text() == "Name three\ncolors." and m.num_chars() == len(m.text())
