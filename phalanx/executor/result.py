@@ -206,7 +206,9 @@ class GenerationResult:
         self.weight_version = ""            # of the latest token
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
-        self.token_times: list[float] = []
+        # when each sequence's chunks of tokens arrived (one entry a chunk: a verify step's
+        # accepted tokens come together), per sequence: inter-token latency is within a sequence
+        self.token_times: list[list[float]] = [[] for _ in range(self.n)]
 
     @property
     def is_done(self) -> bool:
@@ -269,7 +271,7 @@ class GenerationResult:
                 self.first_token_time = now
                 self._metrics = None
             self.last_token_time = now
-            self.token_times.append(now)
+            self.token_times[self._index[request_id]].append(now)
             if weight_version:
                 self.weight_version = weight_version
         elif weight_version and not self.weight_version:   # ended before a token: the weights serving then

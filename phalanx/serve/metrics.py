@@ -84,18 +84,20 @@ class ServerMetrics:
                                buckets=LATENCY_BUCKETS, registry=r)
         r.register(EngineCollector(stats, model, sum_ranks))
 
-    def observe(self, state: Any, num_prompt_tokens: int, finish_reasons: list[str | None]) -> None:
-        """Record one finished request from its GenerationResult."""
+    def observe(self, state: Any, num_prompt_tokens: int, num_generated: int, finish_reasons: list[str | None]) -> None:
+        """Record one finished request from its GenerationResult (``num_generated``: the output
+        tokens of all its sequences)."""
         m = self.model
         self.prompt_tokens.labels(m).inc(num_prompt_tokens)
-        self.generation_tokens.labels(m).inc(len(state.token_times))
+        self.generation_tokens.labels(m).inc(num_generated)
         for reason in finish_reasons:
             self.request_success.labels(m, reason or "abort").inc()
         if state.first_token_time is not None:
             self.ttft.labels(m).observe(state.first_token_time - state.arrival_time)
         itl = self.itl.labels(m)   # (a lookup under a lock: once, not once a token)
-        for a, b in pairwise(state.token_times):
-            itl.observe(b - a)
+        for times in state.token_times:     # between a sequence's chunks of tokens, as vLLM's per step
+            for a, b in pairwise(times):
+                itl.observe(b - a)
         if state.finish_time is not None:
             self.e2e.labels(m).observe(state.finish_time - state.arrival_time)
         if state.first_scheduled_time is not None:

@@ -485,7 +485,8 @@ class OpenAIServer:
             raise ApiError(503 if not self.llm.is_alive else 500, f"generation failed: {e}") from None
 
     def _observe(self, fut: RequestOutput) -> None:
-        self.metrics.observe(fut._state, len(fut.prompt_token_ids), [o.finish_reason for o in fut.outputs])
+        self.metrics.observe(fut._state, len(fut.prompt_token_ids), sum(len(o.token_ids) for o in fut.outputs),
+                             [o.finish_reason for o in fut.outputs])
 
     def _usage(self, futs: list[RequestOutput]) -> dict[str, Any]:
         prompt = sum(len(f.prompt_token_ids) for f in futs)

@@ -210,3 +210,27 @@ def test_a_stream_pulls_only_what_is_new_into_lists_that_grow_in_place(logprobs)
             assert o.logprobs_diff[0] is o.logprobs[-1]
     assert out.finished and out.outputs[0].finish_reason == "length"
     assert state.snapshot().seqs[0].new_token_ids == out.outputs[0].token_ids   # no count: everything
+
+
+def test_the_servers_metrics_count_every_token_and_time_each_sequence_apart():
+    """Two sequences (n = 2), chunks of several tokens (a verify step's accepted drafts): the
+    generation counter takes every token, and inter-token latency is observed between one
+    sequence's chunks only (never between two sequences' tokens of one step)."""
+    pytest.importorskip("prometheus_client")
+    from phalanx.serve.metrics import ServerMetrics
+    res = GenerationResult(7, [70, 71], None, [1, 2, 3], SamplingParams(max_tokens=8, n=2), None, lambda rid: None)
+    for step in range(3):
+        for rid in (70, 71):
+            res.handle_row(rid, [5, 6] if rid == 70 else [9], None,
+                           Finished(rid, "length", None) if step == 2 else None, None, "")
+    assert [len(t) for t in res.token_times] == [3, 3]
+    from types import SimpleNamespace
+
+    from phalanx.serve.openai_server import OpenAIServer
+    metrics = ServerMetrics("m", lambda: [])
+    done = RequestOutput(res, streaming=False).result(timeout=5)
+    assert [len(o.token_ids) for o in done.outputs] == [6, 3]
+    OpenAIServer._observe(SimpleNamespace(metrics=metrics), done)   # type: ignore[arg-type]
+    text = metrics.render().decode()
+    assert 'phalanx:generation_tokens_total{model_name="m"} 9.0' in text
+    assert 'phalanx:inter_token_latency_seconds_count{model_name="m"} 4.0' in text   # 2 a sequence, not 5
