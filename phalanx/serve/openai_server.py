@@ -608,6 +608,7 @@ class OpenAIServer:
         echo_due = [body.echo] * len(futs)
         offsets = [_TextOffsets() for _ in range(len(futs) * body.n)]
         sent_ids, sent_chars = [0] * (len(futs) * body.n), [0] * (len(futs) * body.n)   # per choice
+        ended = [False] * (len(futs) * body.n)     # a choice's finish sent (as it ends, not with the last)
         if body.echo and body.logprobs is None:
             for i, text in enumerate(texts):
                 for k in range(body.n):
@@ -629,8 +630,9 @@ class OpenAIServer:
             if echo_due[i]:
                 continue   # with n > 1 another sequence may have tokens already: they follow the echo
             for o in out.outputs:
-                finishing = out.finished and o.finish_reason is not None
                 index = i * body.n + o.index
+                finishing = o.finish_reason is not None and not ended[index]
+                ended[index] = ended[index] or finishing
                 # what this choice has not sent yet (counted, not the pull's diffs: a pull held back
                 # for the echo is not lost)
                 new_ids, text = o.token_ids[sent_ids[index]:], o.text[sent_chars[index]:]
@@ -821,12 +823,14 @@ class OpenAIServer:
             yield _sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
         streams = [_ChoiceStream(plan, self.reasoning_parser) for _ in range(body.n)]
+        ended = [False] * body.n        # a choice's finish sent (as it ends, not with the last choice)
         async for _, out in _merge([fut]):
             if isinstance(out, Exception):
                 yield self._error_event(out)
                 break
             for o in out.outputs:
-                finishing = out.finished and o.finish_reason is not None
+                finishing = o.finish_reason is not None and not ended[o.index]
+                ended[o.index] = ended[o.index] or finishing
                 if not o.text_diff and not o.token_ids_diff and not finishing:
                     continue
                 delta, calls = streams[o.index].feed(o.text_diff, finishing)

@@ -57,6 +57,22 @@ def test_chat_streaming_one_finish_per_choice_and_usage_last(client):
     assert text[0] == text[1] and text[0]      # greedy: both choices alike
 
 
+def test_a_streamed_choice_finishes_when_it_ends_not_with_the_last(client):
+    """Two prompts, one cut short by a stop string it meets early: its finish comes as it ends,
+    before the other's last text (OpenAI's and vLLM's streams), and nothing of it follows."""
+    prompts = ["The capital of France is", "Once upon a time"]
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0).choices
+    early = whole[0].text[2:6]
+    assert early and early not in whole[1].text
+    events = [(c.index, c.text, c.finish_reason) for ch in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=16, temperature=0, stop=[early], stream=True) for c in ch.choices]
+    end0 = next(k for k, (i, _, f) in enumerate(events) if i == 0 and f)
+    last1 = max(k for k, (i, t, _) in enumerate(events) if i == 1 and t)
+    assert end0 < last1, events
+    assert not any(i == 0 for i, _, _ in events[end0 + 1:])
+    assert sum(1 for _, _, f in events if f) == 2
+
+
 def test_completions_string_list_and_token_ids(client):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
     assert len(r.choices) == 1 and r.choices[0].text
