@@ -595,8 +595,8 @@ class OpenAIServer:
         for i, (tid, entry) in enumerate(zip(token_ids, entries, strict=False)):
             lp["tokens"].append(self._token_str(tid))
             lp["token_logprobs"].append(entry[tid].logprob if entry is not None else None)
-            lp["top_logprobs"].append({self._token_str(t): x.logprob for t, x in _alternatives(entry, k)}
-                                      if entry is not None else None)
+            lp["top_logprobs"].append(None if entry is None else
+                                      {self._token_str(t): x.logprob for t, x in _with_chosen(entry, tid, k)})
             lp["text_offset"].append(offsets.advance(pieces[i] if pieces is not None else self._token_piece(tid)))
 
     async def _stream_completions(self, rid: str, body: CompletionRequest, futs: list[RequestOutput],
@@ -978,6 +978,13 @@ def _alternatives(entry: dict[int, Any], k: int) -> list[tuple[int, Any]]:
     the entry with its rank in the vocabulary: outside the top k that rank is above k (every one
     of them is at least as likely), so it is left out here."""
     return sorted(((t, x) for t, x in entry.items() if x.rank is not None and x.rank <= k), key=lambda tx: tx[1].rank)
+
+
+def _with_chosen(entry: dict[int, Any], chosen: int, k: int) -> list[tuple[int, Any]]:
+    """The legacy completions' top logprobs: the ``k`` likeliest and the chosen token where it is
+    not among them (up to k + 1 entries, as OpenAI's and vLLM's)."""
+    top = _alternatives(entry, k)
+    return top if any(t == chosen for t, _ in top) else [*top, (chosen, entry[chosen])]
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -92,7 +92,12 @@ def test_completions_n2_logprobs_stop_echo(client):
     assert len(r.choices) == 2
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
-    assert all(len(t) == 3 for t in lp.top_logprobs)
+    # the 3 likeliest and the sampled token (OpenAI's legacy completions: up to k + 1 entries)
+    assert all(tok in t and 3 <= len(t) <= 4 and (len(t) == 3 or min(t.values()) == t[tok])
+               for tok, t in zip(lp.tokens, lp.top_logprobs, strict=True))
+    zero = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=1.0, seed=3,
+                                     logprobs=0).choices[0].logprobs
+    assert [list(t) for t in zero.top_logprobs] == [[tok] for tok in zero.tokens]
     full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
     stop = full[3:6]
     cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
