@@ -43,7 +43,7 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_DEPTH = 32
 INT32_MAX = 2**31 - 1
 
-LABEL_FIELDS = ("user", "metadata", "store", "service_tier")
+LABEL_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
 class Strict(BaseModel):
@@ -71,7 +71,7 @@ def _defaulted_fields(cls: type[BaseModel]) -> frozenset[str]:
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: bool = True      # stream_options given without it: a usage chunk, as vLLM's default
 
 
 class JsonSchemaFormat(Strict):
@@ -145,6 +145,8 @@ class SamplingFields(Strict):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: bool | None = None
     service_tier: str | None = Field(None, max_length=64)
+    safety_identifier: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=256)    # (the prefix cache needs no key)
     # extensions
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -365,7 +367,7 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _logprob_rules(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:     # (0 without logprobs asks for nothing, as vLLM takes it)
             raise ValueError("top_logprobs needs logprobs to be true")
         return self
 

@@ -71,9 +71,14 @@ def test_null_is_the_default_of_a_field_that_has_one_and_a_meaning_where_it_has_
     done = CompletionRequest.model_validate({"prompt": "x", "max_tokens": None, "echo": None, "n": None,
                                              "stream": True, "stream_options": {"include_usage": None}})
     assert done.max_tokens is None and done.echo is False and done.n == 1
-    assert done.stream_options is not None and done.stream_options.include_usage is False
+    assert done.stream_options is not None and done.stream_options.include_usage is True   # vLLM's default
     with pytest.raises(ValueError, match="functions"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "functions": None})
+    labels = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0,
+                                                   "safety_identifier": "u1", "prompt_cache_key": "k"})
+    assert labels.top_logprobs == 0 and not labels.logprobs      # 0 without logprobs asks for nothing (vLLM)
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
 
 
 def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
