@@ -198,7 +198,7 @@ def _quant_method(qc: Any) -> str | None:
     if not qc:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    return str(method) if method is not None else None
+    return str(getattr(method, "value", method)) if method is not None else None   # (an enum in a config object)
 
 
 def _fp8_kv_cache(qc: Any) -> bool:

@@ -5,10 +5,10 @@ boolean, a number is not a string. Every limit names its field when it is exceed
 handler turns the pydantic error into an OpenAI-shaped 400.
 
 Unknown fields are refused (400 naming the field): a field that would change what is generated
-is never silently ignored. Fields that only label a request (``user``, ``metadata``, ``store``,
-``service_tier``) are accepted. Strings that cannot be encoded as UTF-8 (lone surrogates such
-as ``"\\ud800"``, which JSON can spell) are refused wherever they appear, and so is nesting
-deeper than ``MAX_DEPTH``.
+is never silently ignored. Fields that only label a request (``LABEL_FIELDS``) are accepted. A
+null for an optional field is its default (``NullIsDefault``). Strings that cannot be encoded as
+UTF-8 (lone surrogates such as ``"\\ud800"``, which JSON can spell) are refused wherever they
+appear, and so is nesting deeper than ``MAX_DEPTH``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ LABEL_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier"
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
+
+class NullIsDefault(Strict):
+    """A request body's top level (and its stream options): nulls for fields with defaults."""
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
@@ -71,7 +75,8 @@ def _defaulted_fields(cls: type[BaseModel]) -> frozenset[str]:
 
 
 class StreamOptions(Strict):
-    include_usage: bool = True      # stream_options given without it: a usage chunk, as vLLM's default
+    # stream_options given without it: a usage chunk, as vLLM's default; null: none, as vLLM reads it
+    include_usage: bool | None = True
 
 
 class JsonSchemaFormat(Strict):
@@ -126,7 +131,7 @@ class MessageToolCall(Strict):
     function: CalledFunction
 
 
-class SamplingFields(Strict):
+class SamplingFields(NullIsDefault):
     """Fields shared by completions and chat (OpenAI plus the extension fields of API.md)."""
 
     model: str | None = None
@@ -381,7 +386,7 @@ class ChatCompletionRequest(SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
-class TokenizeCompletionRequest(Strict):
+class TokenizeCompletionRequest(NullIsDefault):
     """``/tokenize`` of a text: the ids a completion of this prompt would run on."""
 
     model: str | None = None
@@ -390,7 +395,7 @@ class TokenizeCompletionRequest(Strict):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(Strict):
+class TokenizeChatRequest(NullIsDefault):
     """``/tokenize`` of a conversation: the ids the chat endpoint would run on (its template,
     tools and ``chat_template_kwargs`` rendered the same way)."""
 
@@ -424,7 +429,7 @@ class TokenizeChatRequest(Strict):
         return v
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(NullIsDefault):
     model: str | None = None
     tokens: list[int] = Field(..., max_length=MAX_PROMPT_TOKEN_IDS)
 

@@ -200,13 +200,13 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
-@functools.lru_cache(maxsize=16)
 def template_renders_tool_calls(template: str | None) -> bool:
     """Whether a chat template prints an assistant message's ``tool_calls`` itself (Qwen2.5/3's,
     Hermes', Llama 3's do); one that does not sees the calls in the message's content."""
     return bool(template) and "tool_calls" in template   # type: ignore[operator]
 
 
+@functools.lru_cache(maxsize=16)
 def template_names_developer(template: str | None) -> bool:
     """Whether a chat template tests for the role "developer" (a quoted 'developer'); OpenAI's
     developer messages are its newer models' system messages, and reach a template that does not

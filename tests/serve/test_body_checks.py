@@ -71,7 +71,9 @@ def test_null_is_the_default_of_a_field_that_has_one_and_a_meaning_where_it_has_
     done = CompletionRequest.model_validate({"prompt": "x", "max_tokens": None, "echo": None, "n": None,
                                              "stream": True, "stream_options": {"include_usage": None}})
     assert done.max_tokens is None and done.echo is False and done.n == 1
-    assert done.stream_options is not None and done.stream_options.include_usage is True   # vLLM's default
+    assert done.stream_options is not None and not done.stream_options.include_usage   # null: none (vLLM)
+    given = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {}})
+    assert given.stream_options is not None and given.stream_options.include_usage   # vLLM's default
     with pytest.raises(ValueError, match="functions"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "functions": None})
     labels = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0,
