@@ -48,6 +48,15 @@ def _gguf_tokenizer(path: str) -> Any:
     return hf
 
 
+def _one_template(template: Any) -> str | None:
+    """A tokenizer's chat template as one string: of named templates (transformers holds a dict
+    where a tokenizer ships several, e.g. "default" and "tool_use"), the default one (else the
+    first). Tools reach a template that does not render them in a system message (serve/tools.py)."""
+    if isinstance(template, dict):
+        return template.get("default") or next(iter(template.values()), None)
+    return template
+
+
 class Tokenizer:
     """A thin wrapper over a transformers tokenizer with the few calls the engine makes."""
 
@@ -57,7 +66,7 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             ids.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(ids))
-        self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
+        self.chat_template = chat_template or _one_template(getattr(hf_tokenizer, "chat_template", None))
         self.vocab_size = len(hf_tokenizer)
         self._specials = set(getattr(hf_tokenizer, "all_special_ids", []) or [])
         self._token_texts: dict[int, str] = {}   # token_text's, as they are asked for

@@ -244,3 +244,25 @@ def test_an_assistants_tool_calls_reach_the_template_once():
         text = render_jinja_template(conversations=[out], chat_template=template)[0][0]
         assert text.count("<tool_call>") == 1 and text.count('"Paris"') == 1, text
     assert not template_messages(msgs, None, qwen_like)[1]["content"]
+
+
+def test_a_tokenizer_with_named_chat_templates_renders_with_its_default_one():
+    """transformers holds a dict where a tokenizer ships several named templates ("default",
+    "tool_use"): the engine takes the default one as its template (its checks and renders need
+    one string), and renders a chat with it."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from phalanx.llmapi.tokenizer import Tokenizer
+    from phalanx.serve.tools import template_names_developer, template_renders_tool_calls
+    rust = RustTokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "</s>", "hi", "user"])},
+                                          unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="<unk>", eos_token="</s>")
+    default = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"
+    hf.chat_template = {"tool_use": "{{ tools }}", "default": default}
+    tok = Tokenizer(hf)
+    assert tok.chat_template == default
+    assert not template_names_developer(tok.chat_template) and not template_renders_tool_calls(tok.chat_template)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "user hi "
