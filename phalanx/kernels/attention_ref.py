@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 # A layer's (K scale, V scale) for an FP8 pool: the pool stores k / k_scale and v / v_scale, and
 # attention reads them back times the scales (a checkpoint's calibrated ``k_scale``/``v_scale``,
-# ``loader.kv_scale_name``; 1 without them). A pool of any other dtype stores K and V as they are.
+# ``loader.kv_scale_names``; 1 without them). A pool of any other dtype stores K and V as they are.
 KvScale = tuple[float, float]
 UNIT_KV_SCALE: KvScale = (1.0, 1.0)
 
@@ -147,11 +147,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = _raw(v_cache).view(-1, Hkv, D)[plan.kv_slots].view(v_cache.dtype)
     if kv_of_q is not None:
         k, v = k.index_select(2, kv_of_q), v.index_select(2, kv_of_q)
+    k_s, v_s = pool_kv_scale(k_cache, kv_scale)
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=plan.mask(window), scale=scale * pool_kv_scale(k_cache, kv_scale)[0], enable_gqa=k.shape[2] != H)
-    if values_key_minor(v_cache) and kv_scale[1] != 1.0:
-        out = (out.float() * kv_scale[1]).to(q.dtype)
+        attn_mask=plan.mask(window), scale=scale * k_s, enable_gqa=k.shape[2] != H)
+    if v_s != 1.0:
+        out = (out.float() * v_s).to(q.dtype)
     out = out.transpose(1, 2)                                        # [S, Qmax, H, D]
     result = q.new_empty(T, H, D)
     result[plan.q_index[plan.q_valid]] = out[plan.q_valid]

@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.kernels import ops
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale
 from phalanx.kernels.cutlass_gemm import Tile as CutlassTile
 
 ROW_BUCKETS = (1, 16, 64)      # a plan is tuned for each, at its upper bound
@@ -332,7 +333,7 @@ class QkvRopePlan:
     def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int, scale: torch.Tensor | None = None,
-                 kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                 kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
         """h [1, K] (normed) -> the rotated q [1, H, D]; k and v are written to their slot.
         ``scale``: an FP8 weight's scales; ``kv_scale``: an FP8 pool's K and V scales."""
         from phalanx.kernels import gemv

@@ -152,6 +152,19 @@ def _tupled(v: Any) -> Any:
     return tuple(_tupled(x) for x in v) if isinstance(v, (tuple, list)) else v
 
 
+def _quant_getter(qc: Any) -> Any:
+    """``get(key, default)`` over a ``quantization_config``, a dict or a config object; a key the
+    top level lacks is looked up under ``quantization`` (ModelOpt's hf_quant_config.json form)."""
+    top = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
+    nested = top("quantization")
+    nested = nested if isinstance(nested, dict) else {}
+
+    def get(key: str, default: Any = None) -> Any:
+        value = top(key)
+        return value if value is not None else nested.get(key, default)
+    return get
+
+
 def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:
     """A checkpoint's ``quantization_config``: None for a plain one, () for FP8 weights with
     per-tensor or per-channel scales, (rows, cols) for block-scaled FP8 (``weight_block_size``);
@@ -159,7 +172,7 @@ def _fp8_checkpoint(qc: Any) -> tuple[int, ...] | None:
     model)."""
     if not qc:
         return None
-    get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
+    get = _quant_getter(qc)
     method = get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors_fp8(get)
@@ -177,14 +190,13 @@ def _fp8_unquantized(qc: Any) -> tuple[str, ...]:
     """The modules an FP8 checkpoint lists as kept in full precision: ``modules_to_not_convert``
     or ``ignored_layers`` (quant_method fp8), ``ignore`` (compressed-tensors, ModelOpt's newer
     configs), ``exclude_modules`` (ModelOpt's; its wildcards, in either key, become "re:"
-    patterns); the loader
-    refuses a listed module the engine would serve in FP8 (``loader.check_unquantized``)."""
-    get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
-    nested = get("quantization")
+    patterns); the loader refuses a listed module the engine would serve in FP8
+    (``loader.check_unquantized``)."""
+    get = _quant_getter(qc)
     globs = get("quant_method") == "modelopt"     # ModelOpt's lists hold wildcards, whichever key
     names: list[str] = []
     for key in ("modules_to_not_convert", "ignored_layers", "ignore", "exclude_modules"):
-        value = get(key) or (nested.get(key) if isinstance(nested, dict) else None) or []
+        value = get(key) or []
         if isinstance(value, str):
             value = [value]
         if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
@@ -197,7 +209,7 @@ def _fp8_unquantized(qc: Any) -> tuple[str, ...]:
 def _quant_method(qc: Any) -> str | None:
     if not qc:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = _quant_getter(qc)("quant_method")
     return str(getattr(method, "value", method)) if method is not None else None   # (an enum in a config object)
 
 
@@ -206,10 +218,8 @@ def _fp8_kv_cache(qc: Any) -> bool:
     ``kv_cache_quant_algo`` FP8 (at the top or under ``quantization``), a ``kv_cache_scheme`` of
     8-bit floats (compressed-tensors, ModelOpt's newer configs) or AutoFP8's "static". Another
     KV scheme (integers) is refused by name: served as it is, its calibration would be lost."""
-    get = qc.get if isinstance(qc, dict) else lambda k, d=None: getattr(qc, k, d)
-    nested = get("quantization")
-    q = nested if isinstance(nested, dict) else {}
-    algo = q.get("kv_cache_quant_algo", get("kv_cache_quant_algo"))
+    get = _quant_getter(qc)
+    algo = get("kv_cache_quant_algo")
     scheme = get("kv_cache_scheme")
     if scheme is None:
         return algo is not None and str(algo).upper() == "FP8"
@@ -237,10 +247,8 @@ def _modelopt_fp8(get: Any) -> tuple[int, ...] | None:
     loader's). No algorithm (``quant_algo`` null: the KV cache alone calibrated) is a plain
     checkpoint. Any other algorithm is refused by name."""
     top = "quantization_config"
-    nested = get("quantization")
-    q = nested if isinstance(nested, dict) else {}
-    algo = q.get("quant_algo", get("quant_algo"))
-    kv = q.get("kv_cache_quant_algo", get("kv_cache_quant_algo"))
+    algo = get("quant_algo")
+    kv = get("kv_cache_quant_algo")
     if kv is not None and str(kv).upper() != "FP8":
         raise ValueError(f"{top}.kv_cache_quant_algo {kv!r} is not supported; supported: 'FP8' or none")
     if algo is None:

@@ -194,17 +194,18 @@ def checkpoint_weights(source: ModelSource, dtype: torch.dtype, headers_checked:
     is read; ``headers_checked``: the caller did so, as a weight update does)."""
     if source.kind == "gguf":
         return iter_gguf_weights(source)
-    weights = iter_hf_weights(source.path)
+    weights = _kv_scales_named(iter_hf_weights(source.path))
     if source.config.fp8_checkpoint:
         if not headers_checked:
             check_fp8_checkpoint(safetensors_specs(source.path), source.config.fp8_block)
         return fp8_checkpoint_weights(weights, source.config.fp8_block, dtype)
-    return _kv_scales_named(weights)
+    return weights
 
 
 def _kv_scales_named(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A full-precision checkpoint's tensors, its KV cache scales (a checkpoint whose KV cache
-    alone was calibrated) under the names the model takes (``kv_scale_names``)."""
+    """A checkpoint's tensors, its KV cache scales (an FP8 checkpoint's, or those of one whose KV
+    cache alone was calibrated) under the names the model takes (``kv_scale_names``), its KV zero
+    points dropped (``_kv_zero_point``)."""
     for name, t in weights:
         kv = kv_scale_names(name)
         if not kv and _kv_zero_point(name, t):
@@ -226,19 +227,17 @@ def fp8_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], block: t
       and experts store without rounding them again where their rows and columns fall on whole
       blocks (``layers.fp8_weights``; elsewhere dequantized and quantized again per row);
     - e5m2 weights: dequantized to ``dtype``, and quantized again by the engine;
-    - a layer's calibrated KV cache scales, whichever layout names them (``kv_scale_names``), as
-      ``model.layers.N.self_attn.k_scale``/``v_scale``: an FP8 KV pool stores K and V with them.
+    - a layer's calibrated KV cache scales, as ``_kv_scales_named`` names them in front
+      (``model.layers.N.self_attn.k_scale``/``v_scale``), as they are: an FP8 KV pool stores K and V
+      with them.
     Static activation scales (``input_scale``) and other output scales are not used: activations
     get a scale per token at run time."""
     waiting_w: dict[str, torch.Tensor] = {}
     waiting_s: dict[str, torch.Tensor] = {}
     unused: list[str] = []
     for name, t in weights:
-        kv = kv_scale_names(name)
-        if kv:
-            yield from ((n, t) for n in kv)
-            continue
-        if _kv_zero_point(name, t):
+        if kv_scale_names(name):    # (named as the model takes them by _kv_scales_named)
+            yield name, t
             continue
         if name.endswith(_UNUSED_SCALES):
             unused.append(name)

@@ -93,7 +93,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     kvc = args.kv_cache_config
     kv_dtype = (torch.float8_e4m3fn if kv_fp8 else dtype if kvc.dtype == "auto"
                 else resolve_dtype(kvc.dtype, source, device))
-    scaled = model.use_kv_scales(kv_dtype == torch.float8_e4m3fn)
+    scaled = model.use_kv_scales(kv_fp8)
     if scaled:
         logger.info("FP8 KV pool: %d layers store K and V with the checkpoint's scales", scaled)
     if kv_fp8 and cfg.fp8_kv_cache and scaled < cfg.num_layers:
@@ -105,7 +105,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     draft, profiled_draft = None, None
     if args.speculative_config is not None and args.speculative_config.decoding_type == "DraftTarget":
         draft = _build_draft(args, source, dtype, device, tp, max_seq_len)
-        draft.use_kv_scales(kv_dtype == torch.float8_e4m3fn)
+        draft.use_kv_scales(kv_fp8)
         dcfg = draft.config
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
         profiled_draft = (draft, (dcfg.num_layers, kvc.tokens_per_block, dheads.num_kv_heads, dcfg.head_dim,
