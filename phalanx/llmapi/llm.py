@@ -122,22 +122,29 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
-             cache_salt: str | None = None) -> list[RequestOutput]:
+             cache_salt: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate for one conversation (a list of messages) or several (a list of them), each
         rendered by the chat template: a list of RequestOutputs, one a conversation (as vLLM's
-        ``LLM.chat``). A message's content is a string or OpenAI's text parts."""
+        ``LLM.chat``). A message's content is a string or OpenAI's text parts. With
+        ``continue_final_message`` (and ``add_generation_prompt=False``) the prompt ends inside
+        the final message, which the model goes on writing."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True)")
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages must be a list of messages or a list of conversations, "
                              f"got {type(messages).__name__}")
         reserved = sorted(set(chat_template_kwargs or {}) & {"add_generation_prompt", "chat_template", "tokenize",
-                                                             "max_tokens", "messages"})
+                                                             "max_tokens", "messages", "continue_final_message"})
         if reserved:
             raise ValueError(f"chat_template_kwargs: {reserved[0]} is an argument of chat itself")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true while add_generation_prompt is true (the "
+                             "default): pass add_generation_prompt=False to continue the final message")
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [_chat_messages(messages)] if single else [_chat_messages(c) for c in messages]
-        kwargs = chat_template_kwargs or {}
+        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         prompts = [dict(zip(("prompt", "prompt_token_ids"), self.tokenizer.render_chat(
             c, add_generation_prompt, chat_template, self.max_seq_len - 1, **kwargs), strict=True)) for c in convs]
         if not prompts:

@@ -609,11 +609,15 @@ class OpenAIServer:
         offsets = [_TextOffsets() for _ in range(len(futs) * body.n)]
         sent_ids, sent_chars = [0] * (len(futs) * body.n), [0] * (len(futs) * body.n)   # per choice
         ended = [False] * (len(futs) * body.n)     # a choice's finish sent (as it ends, not with the last)
+        running = body.stream_options is not None and body.stream_options.continuous
+
+        def usage(i: int, index: int) -> dict[str, Any]:   # vLLM's continuous usage: this choice's so far
+            return {"usage": _running_usage(len(futs[i].prompt_token_ids), sent_ids[index])} if running else {}
         if body.echo and body.logprobs is None:
             for i, text in enumerate(texts):
                 for k in range(body.n):
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": text or "", "logprobs": None,
-                                                     "finish_reason": None}]})
+                                                     "finish_reason": None}], **usage(i, i * body.n + k)})
                     offsets[i * body.n + k] = _TextOffsets(len(text or ""))
             echo_due = [False] * len(futs)
         async for i, out in _merge(futs):
@@ -626,7 +630,7 @@ class OpenAIServer:
                     lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
                     offsets[i * body.n + k] = self._add_echo_logprobs(lp, out, texts[i], body.logprobs or 0)
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
-                                                     "finish_reason": None}]})
+                                                     "finish_reason": None}], **usage(i, i * body.n + k)})
             if echo_due[i]:
                 continue   # with n > 1 another sequence may have tokens already: they follow the echo
             for o in out.outputs:
@@ -651,7 +655,7 @@ class OpenAIServer:
                     choice["stop_reason"] = o.stop_reason
                 if body.return_token_ids:
                     choice["token_ids"] = new_ids
-                yield _sse({**base, "choices": [choice], "weight_version": out.weight_version})
+                yield _sse({**base, "choices": [choice], "weight_version": out.weight_version, **usage(i, index)})
         for f in futs:
             self._observe(f)
         if body.stream_options and body.stream_options.include_usage:
@@ -664,8 +668,7 @@ class OpenAIServer:
         self._check_model(body.model)
         tokenizer = self._tokenizer("chat needs one", "messages")
         plan = self._chat_plan(body, tokenizer.chat_template)
-        ids = await self._chat_ids(plan.messages, plan.shown, body.add_generation_prompt, body.chat_template_kwargs,
-                                   self.llm.max_seq_len - 1)
+        ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1)
         k = (body.top_logprobs or 0) if body.logprobs else None
         keep = decodes_call_markers(plan, tokenizer.special_strings(), body.model_fields_set)
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
@@ -695,18 +698,20 @@ class OpenAIServer:
         return response
 
     async def _chat_ids(self, messages: list[dict[str, Any]], active_tools: list[dict[str, Any]] | None,
-                        add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
-                        limit: int | None) -> list[int]:
+                        body: ChatCompletionRequest | TokenizeChatRequest, limit: int | None) -> list[int]:
         """A conversation's token ids as the chat template renders it (with the tools where the
-        template renders them), in the text pool; at most ``limit`` (a 400 naming messages)."""
+        template renders them, ending inside the final message with ``continue_final_message``),
+        in the text pool; at most ``limit`` (a 400 naming messages)."""
         tokenizer = self.llm.tokenizer
         assert tokenizer is not None
-        kwargs = dict(template_kwargs or {})
+        kwargs = dict(body.chat_template_kwargs or {})
         if active_tools is not None and tools.template_renders_tools(self.chat_template or tokenizer.chat_template):
             kwargs["tools"] = active_tools
+        if body.continue_final_message:
+            kwargs["continue_final_message"] = True
         try:
             return await self._text(lambda: tokenizer.encode_chat(
-                messages, add_generation_prompt, self.chat_template, limit, **kwargs))
+                messages, body.add_generation_prompt, self.chat_template, limit, **kwargs))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # template errors (e.g. roles it does not accept)
@@ -725,7 +730,7 @@ class OpenAIServer:
         if isinstance(body, TokenizeChatRequest):
             shown = _tool_defs(body.tools)
             messages = tools.template_messages(body.messages, shown, self.chat_template or tokenizer.chat_template)
-            ids = await self._chat_ids(messages, shown, body.add_generation_prompt, body.chat_template_kwargs, None)
+            ids = await self._chat_ids(messages, shown, body, None)
         else:
             ids = await self._text(tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.llm.max_seq_len, "tokens": ids,
@@ -819,9 +824,14 @@ class OpenAIServer:
     async def _stream_chat(self, rid: str, body: ChatCompletionRequest, fut: RequestOutput,
                            plan: ChatPlan) -> AsyncIterator[str]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
+        running = body.stream_options is not None and body.stream_options.continuous
+        sent = [0] * body.n
+
+        def usage(k: int) -> dict[str, Any]:   # vLLM's continuous usage: this choice's tokens so far
+            return {"usage": _running_usage(len(fut.prompt_token_ids), sent[k])} if running else {}
         for k in range(body.n):
             yield _sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+                                             "logprobs": None, "finish_reason": None}], **usage(k)})
         streams = [_ChoiceStream(plan, self.reasoning_parser) for _ in range(body.n)]
         ended = [False] * body.n        # a choice's finish sent (as it ends, not with the last choice)
         async for _, out in _merge([fut]):
@@ -833,6 +843,7 @@ class OpenAIServer:
                 ended[o.index] = ended[o.index] or finishing
                 if not o.text_diff and not o.token_ids_diff and not finishing:
                     continue
+                sent[o.index] = len(o.token_ids)
                 delta, calls = streams[o.index].feed(o.text_diff, finishing)
                 finish = _chat_finish(o.finish_reason, streams[o.index].called, plan) if finishing else None
                 if calls:
@@ -851,10 +862,10 @@ class OpenAIServer:
                     last = {"index": o.index, "delta": {}, "logprobs": None, "finish_reason": finish,
                             "stop_reason": choice.pop("stop_reason")}
                     choice["finish_reason"] = None
-                    yield _sse({**base, "choices": [choice], "weight_version": out.weight_version})
-                    yield _sse({**base, "choices": [last], "weight_version": out.weight_version})
+                    yield _sse({**base, "choices": [choice], "weight_version": out.weight_version, **usage(o.index)})
+                    yield _sse({**base, "choices": [last], "weight_version": out.weight_version, **usage(o.index)})
                 elif delta or finishing or choice["logprobs"] or choice.get("token_ids"):
-                    yield _sse({**base, "choices": [choice], "weight_version": out.weight_version})
+                    yield _sse({**base, "choices": [choice], "weight_version": out.weight_version, **usage(o.index)})
         self._observe(fut)
         if body.stream_options and body.stream_options.include_usage:
             yield _sse({**base, "choices": [], "usage": self._usage([fut])})
@@ -985,6 +996,12 @@ def _with_chosen(entry: dict[int, Any], chosen: int, k: int) -> list[tuple[int, 
     not among them (up to k + 1 entries, as OpenAI's and vLLM's)."""
     top = _alternatives(entry, k)
     return top if any(t == chosen for t, _ in top) else [*top, (chosen, entry[chosen])]
+
+
+def _running_usage(prompt: int, completion: int) -> dict[str, int]:
+    """A streamed chunk's usage under ``continuous_usage_stats`` (vLLM's): its prompt, and its
+    choice's tokens so far."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -74,9 +74,15 @@ def _defaulted_fields(cls: type[BaseModel]) -> frozenset[str]:
                      and f.annotation is not type(None) and f.default is not None)
 
 
-class StreamOptions(Strict):
+class StreamOptions(NullIsDefault):
     # stream_options given without it: a usage chunk, as vLLM's default; null: none, as vLLM reads it
     include_usage: bool | None = True
+    # vLLM's: every chunk carries the usage so far (its choice's tokens), where include_usage is on
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        return bool(self.include_usage) and self.continuous_usage_stats
 
 
 class JsonSchemaFormat(Strict):
@@ -344,6 +350,30 @@ def _check_tools(tools: list[ToolDef] | None, tool_choice: Any) -> None:
                          f"tools ({sorted(t.function.name for t in tools)})")
 
 
+# what the chat template is called with besides the request's own kwargs: set by fields of the
+# request (or by the server), never through chat_template_kwargs
+RENDERING_ARGUMENTS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+                                 "messages", "conversation", "tools"})
+
+
+def _check_rendering(add_generation_prompt: bool, continue_final_message: bool,
+                     template_kwargs: dict[str, Any] | None) -> None:
+    """A conversation ends either with the assistant's turn opened (``add_generation_prompt``)
+    or inside its last message (``continue_final_message``, which the model then goes on
+    writing), not both (vLLM's and transformers' rule); the template's own arguments come from
+    the fields that name them."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message cannot be true while add_generation_prompt is true (the default): "
+                         "set add_generation_prompt to false to continue the final message")
+    taken = sorted(RENDERING_ARGUMENTS & set(template_kwargs or {}))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken[0]}"
+                         f"{' (set the field of that name)' if taken[0] in _RENDERING_FIELDS else ''}")
+
+
+_RENDERING_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "messages", "tools"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -351,6 +381,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -359,6 +390,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
         _check_tools(self.tools, self.tool_choice)
+        _check_rendering(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
         return self
 
     @field_validator("messages")
@@ -402,6 +434,7 @@ class TokenizeChatRequest(NullIsDefault):
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
     tools: list[ToolDef] | None = Field(None, max_length=128)
@@ -418,6 +451,7 @@ class TokenizeChatRequest(NullIsDefault):
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> TokenizeChatRequest:
         _check_tools(self.tools, self.tool_choice)
+        _check_rendering(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
         return self
 
     @field_validator("add_special_tokens")

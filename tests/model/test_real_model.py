@@ -344,6 +344,16 @@ def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
             llm.chat(bad)
     with pytest.raises(ValueError, match="chat_template_kwargs: add_generation_prompt"):
         llm.chat(conv, chat_template_kwargs={"add_generation_prompt": False})
+    # continue_final_message: the prompt ends inside the assistant's message, which goes on
+    started = [*conv, {"role": "assistant", "content": "The capital of France is"}]
+    [cont] = llm.chat(started, sp, add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt.endswith("The capital of France is") and cont.prompt.startswith(text)
+    assert cont.outputs[0].token_ids == llm.generate(cont.prompt_token_ids, sp).outputs[0].token_ids
+    for kwargs, needle in (({"continue_final_message": True}, "continue_final_message: cannot"),
+                           ({"chat_template_kwargs": {"continue_final_message": True}},
+                            "chat_template_kwargs: continue_final_message")):
+        with pytest.raises(ValueError, match=needle):
+            llm.chat(started, **kwargs)
 
 
 @pytest.mark.parametrize("call,needle", [

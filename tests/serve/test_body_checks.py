@@ -74,6 +74,13 @@ def test_null_is_the_default_of_a_field_that_has_one_and_a_meaning_where_it_has_
     assert done.stream_options is not None and not done.stream_options.include_usage   # null: none (vLLM)
     given = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {}})
     assert given.stream_options is not None and given.stream_options.include_usage   # vLLM's default
+    assert not given.stream_options.continuous     # usage in every chunk: only when asked
+    running = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {
+        "continuous_usage_stats": True}})
+    assert running.stream_options is not None and running.stream_options.continuous
+    for options in ({"continuous_usage_stats": None}, {"include_usage": None, "continuous_usage_stats": True}):
+        off = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": options})
+        assert off.stream_options is not None and not off.stream_options.continuous   # no usage, none running
     with pytest.raises(ValueError, match="functions"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "functions": None})
     labels = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0,

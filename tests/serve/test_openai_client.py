@@ -57,6 +57,68 @@ def test_chat_streaming_one_finish_per_choice_and_usage_last(client):
     assert text[0] == text[1] and text[0]      # greedy: both choices alike
 
 
+def test_continuous_usage_stats_give_each_chunk_its_choice_s_tokens_so_far(client):
+    """vLLM's ``continuous_usage_stats``: every chunk carries the prompt's tokens and its choice's
+    tokens so far (chat and completions, n = 2); the last usage chunk the totals. Without it,
+    only the last chunk has usage."""
+    def running(chunks):
+        """Each choice's last count and the prompt counts the chunks carried (checked as they go)."""
+        last: dict[int, int] = {}
+        with_choices = [ch for ch in chunks if ch.choices]
+        assert with_choices and all(ch.usage is not None for ch in with_choices)
+        for ch in with_choices:
+            [c] = ch.choices
+            assert ch.usage.completion_tokens >= last.get(c.index, 0)     # never goes back
+            assert ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens
+            last[c.index] = ch.usage.completion_tokens
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(last.values())
+        return last, {ch.usage.prompt_tokens for ch in with_choices}
+
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=7, temperature=0, n=2)
+    chat = list(client.chat.completions.create(
+        **ask, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    last, prompts = running(chat)
+    plain = client.chat.completions.create(**ask)
+    assert prompts == {plain.usage.prompt_tokens} and sum(last.values()) == plain.usage.completion_tokens
+    assert chat[0].usage.completion_tokens == 0                  # the role chunk: nothing generated yet
+    done = list(client.completions.create(model=MODEL, prompt="One, two,", max_tokens=5, temperature=0, n=2,
+                                          stream=True, stream_options={"continuous_usage_stats": True}))
+    last, prompts = running(done)
+    assert last == {0: 5, 1: 5} and len(prompts) == 1
+    quiet = list(client.completions.create(model=MODEL, prompt="One, two,", max_tokens=5, temperature=0, stream=True,
+                                           stream_options={"include_usage": True, "continuous_usage_stats": False}))
+    assert all(ch.usage is None for ch in quiet[:-1]) and quiet[-1].usage.completion_tokens == 5
+
+
+def test_continue_final_message_goes_on_writing_the_assistant_s_message(server, client):
+    """``continue_final_message`` (vLLM's, transformers' rendering): the prompt ends inside the
+    final assistant message, and the model continues it: the same tokens as a completion of
+    that prompt's ids. With add_generation_prompt left true it is a 400 naming the field, as a
+    template argument put in chat_template_kwargs is."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "user", "content": "Write a short poem about the sea."},
+                {"role": "assistant", "content": "The waves roll in, the"}]
+    ask = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    t = httpx.post(server + "/tokenize", json={**ask, "return_token_strs": True}, headers=auth).json()
+    opened = httpx.post(server + "/tokenize", json={"messages": messages}, headers=auth).json()
+    assert t["count"] < opened["count"] and "".join(t["token_strs"]).endswith("Ġthe")   # no end of turn
+    chat = httpx.post(server + "/v1/chat/completions", json={**ask, "max_tokens": 8, "temperature": 0,
+                                                             "return_token_ids": True}, headers=auth).json()
+    assert chat["prompt_token_ids"] == t["tokens"]
+    same = client.completions.create(model=MODEL, prompt=t["tokens"], max_tokens=8, temperature=0)
+    assert chat["choices"][0]["message"]["content"] == same.choices[0].text and same.choices[0].text
+    for path, body, field in [("/v1/chat/completions", {"messages": messages, "continue_final_message": True},
+                               "continue_final_message"),
+                              ("/tokenize", {"messages": messages, "continue_final_message": True},
+                               "continue_final_message"),
+                              ("/v1/chat/completions", {"messages": messages, "chat_template_kwargs": {
+                                  "add_generation_prompt": False}}, "chat_template_kwargs"),
+                              ("/tokenize", {"messages": messages, "chat_template_kwargs": {"tools": []}},
+                               "chat_template_kwargs")]:
+        r = httpx.post(server + path, json=body, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, body, r.text)
+
+
 def test_a_streamed_choice_finishes_when_it_ends_not_with_the_last(client):
     """n = 2 sampled choices of one prompt, one cut short by a stop string it meets early: its
     finish comes as it ends, before the other's last text (OpenAI's and vLLM's streams), and
@@ -288,7 +350,7 @@ def test_tokenize_and_detokenize_give_the_ids_the_endpoints_run_on(server):
     assert bare["count"] < tc["count"] and tc["tokens"][:bare["count"]] == bare["tokens"]
     for path, body, field in [("/tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
                               ("/tokenize", {"prompt": prompt, "continue_final_message": True},
-                               "continue_final_message"),
+                               "continue_final_message"),   # a prompt's form has no final message
                               ("/tokenize", {"prompt": 5}, "prompt"),
                               ("/tokenize", {"messages": messages, "tool_choice": "required"}, "tool_choice"),
                               ("/tokenize", {"messages": messages, "tools": [{"type": "function", "function": {
