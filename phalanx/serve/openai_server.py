@@ -26,7 +26,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
 from typing import Any, TypeVar
 
@@ -488,9 +488,10 @@ class OpenAIServer:
         self.metrics.observe(fut._state, len(fut.prompt_token_ids), sum(len(o.token_ids) for o in fut.outputs),
                              [o.finish_reason for o in fut.outputs])
 
-    def _usage(self, futs: list[RequestOutput]) -> dict[str, Any]:
+    def _usage(self, futs: list[RequestOutput], shown: bool = True) -> dict[str, Any]:
+        """Usage of these requests; none of their tokens when they are not ``shown`` (echo alone)."""
         prompt = sum(len(f.prompt_token_ids) for f in futs)
-        completion = sum(len(o.token_ids) for f in futs for o in f.outputs)
+        completion = sum(len(o.token_ids) for f in futs for o in f.outputs) if shown else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in futs)}}
 
@@ -521,7 +522,9 @@ class OpenAIServer:
             guided = tools.guided_params(body, None)
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(":", 1)[0]) from None
-        jobs = [(ids, self._sampling(body, self._output_limit(len(ids), body.max_tokens, "prompt"), body.logprobs,
+        # echo alone (max_tokens 0): the prompt's pass samples one token, which is not shown (vLLM's way)
+        asked = 1 if body.echo_only else body.max_tokens
+        jobs = [(ids, self._sampling(body, self._output_limit(len(ids), asked, "prompt"), body.logprobs,
                                      prompt_lp, guided)) for _, ids in prompts]
         if jobs:
             field = next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None)
@@ -535,7 +538,7 @@ class OpenAIServer:
         choices = []
         for i, (out, text) in enumerate(zip(outs, texts, strict=True)):
             self._observe(out)
-            for o in out.outputs:
+            for o in (_unsampled(out) if body.echo_only else out).outputs:
                 prefix = (text or "") if body.echo else ""
                 choice = {"index": i * body.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
                           "stop_reason": o.stop_reason, "logprobs": None}
@@ -544,7 +547,8 @@ class OpenAIServer:
                 _add_ids(choice, body, o, out.prompt_token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage(outs), "weight_version": _weight_version(outs)}
+                "choices": choices, "usage": self._usage(outs, not body.echo_only),
+                "weight_version": _weight_version(outs)}
 
     def _prompts(self, prompt: Any, with_text: bool) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of every prompt; all are checked before any is submitted. The text
@@ -624,6 +628,8 @@ class OpenAIServer:
             if isinstance(out, Exception):
                 yield self._error_event(out)
                 break
+            if body.echo_only:
+                out = _unsampled(out)
             if echo_due[i] and (out.finished or len(out.prompt_logprobs or ()) >= len(out.prompt_token_ids)):
                 echo_due[i] = False
                 for k in range(body.n):
@@ -659,7 +665,7 @@ class OpenAIServer:
         for f in futs:
             self._observe(f)
         if body.stream_options and body.stream_options.include_usage:
-            yield _sse({**base, "choices": [], "usage": self._usage(futs)})
+            yield _sse({**base, "choices": [], "usage": self._usage(futs, not body.echo_only)})
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions --------------------------------------------------------------------------
@@ -900,6 +906,17 @@ def _tool_defs(tools: list[Any] | None) -> list[dict[str, Any]] | None:
 def _weight_version(outs: list[RequestOutput]) -> str:
     """The weights of the latest tokens of these outputs."""
     return next((o.weight_version for o in reversed(outs) if o.weight_version), "")
+
+
+def _unsampled(out: RequestOutput) -> RequestOutput:
+    """A request of ``echo`` alone (``max_tokens: 0``) as the client sees it: its one sampled
+    token taken out of each choice (text, ids, logprobs), each ended by its length."""
+    shown = copy.copy(out)
+    shown.outputs = [replace(o, text="", token_ids=[], logprobs=[] if o.logprobs is not None else None,
+                             text_diff="", token_ids_diff=[], logprobs_diff=[],
+                             finish_reason="length" if o.finish_reason else None, stop_reason=None)
+                     for o in out.outputs]
+    return shown
 
 
 def _add_ids(choice: dict[str, Any], body: Any, o: Any, prompt_token_ids: list[int] | None) -> None:

@@ -222,11 +222,23 @@ class CompletionRequest(SamplingFields):
     # the form is checked once, by _prompt_shape; pydantic's own union check of a 2k-id list
     # (trying each member, one error per element for the list of strings) took ~0.7 ms a request
     prompt: SkipValidation[str | list[str] | list[int] | list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _nothing_generated_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is taken with echo: the prompt alone, with its "
+                             "logprobs, as OpenAI's and vLLM's scoring idiom)")
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) back, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @field_validator("prompt", mode="before")
     @classmethod

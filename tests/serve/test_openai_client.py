@@ -168,6 +168,33 @@ def test_completions_n2_logprobs_stop_echo(client):
     assert echo.choices[0].text.startswith("Hello")
 
 
+def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_alone(server, client):
+    """The scoring idiom of OpenAI's completions (evaluation harnesses' loglikelihood): ``echo``
+    with ``max_tokens: 0`` gives the prompt back with its logprobs and nothing generated (the
+    echoed part of a one-token completion's), streamed or not; 0 without echo is a 400."""
+    prompt = ["The capital of France is Paris", "One, two, three"]
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=2)
+    assert [c.text for c in alone.choices] == prompt
+    assert alone.usage.completion_tokens == 0 and alone.usage.prompt_tokens == one.usage.prompt_tokens
+    for a, b in zip(alone.choices, one.choices, strict=True):
+        n = len(a.logprobs.tokens)
+        assert a.finish_reason == "length" and n == len(b.logprobs.tokens) - 1 > 3
+        assert a.logprobs.token_logprobs[0] is None and a.logprobs.token_logprobs == b.logprobs.token_logprobs[:n]
+        assert a.logprobs.text_offset == b.logprobs.text_offset[:n] and a.logprobs.top_logprobs[1:] == \
+            b.logprobs.top_logprobs[1:n]
+    events = list(client.completions.create(model=MODEL, prompt=prompt[0], max_tokens=0, echo=True, logprobs=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.text for ch in events for c in ch.choices) == prompt[0]
+    assert [c.finish_reason for ch in events for c in ch.choices if c.finish_reason] == ["length"]
+    assert events[-1].usage.completion_tokens == 0
+    assert sum(len(c.logprobs.tokens) for ch in events for c in ch.choices if c.logprobs) == \
+        len(alone.choices[0].logprobs.tokens)
+    r = httpx.post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 0},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def test_completions_of_token_ids_echo_their_text_and_equal_the_text_prompt(client):
     """A prompt of token ids (checked on the event loop, its text decoded only for echo): the same
     completion as its text, streamed or not, and echo gives the text back."""
