@@ -29,6 +29,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 16384
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -137,7 +138,9 @@ class SamplingParams:
     the text unless include_stop_str_in_output). logprobs: return the log-probability of each
     generated token and this many top alternatives. prompt_logprobs: the same for every prompt
     token after the first (a request asking for them does not reuse cached prefixes: their
-    logits must be computed).
+    logits must be computed). allowed_token_ids: the only tokens that may be sampled (vLLM's;
+    the others are masked before the logit bias, and a min_tokens ban that would leave none
+    is lifted).
     """
 
     max_tokens: int | None = 32
@@ -156,6 +159,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided_decoding: GuidedDecodingParams | None = None
@@ -246,6 +250,13 @@ class SamplingParams:
         for t, v in (self.logit_bias or {}).items():
             _int(t, "logit_bias", 0, INT32_MAX, rule="keys must be token ids (integers >= 0)")
             _real(v, "logit_bias", -100.0, 100.0, rule="values must be numbers in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            _check(isinstance(allowed, (list, tuple)) and 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS,
+                   "allowed_token_ids", f"must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids",
+                   type(allowed).__name__ if not isinstance(allowed, (list, tuple)) else len(allowed))
+            for t in allowed:
+                _int(t, "allowed_token_ids", 0, INT32_MAX, rule="must be token ids (integers >= 0)")
         self.stop_strings = stop_strings   # only once every check has passed
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -254,6 +265,8 @@ class SamplingParams:
             _check(t < vocab_size, "stop_token_ids", f"must be < vocab size {vocab_size}", t)
         for t in (self.logit_bias or {}):
             _check(0 <= t < vocab_size, "logit_bias", f"token ids must be in [0, {vocab_size})", t)
+        for t in self.allowed_token_ids or []:
+            _check(t < vocab_size, "allowed_token_ids", f"must be < vocab size {vocab_size}", t)
         _check(self.end_id is None or self.end_id < vocab_size, "end_id", f"must be < vocab size {vocab_size}",
                self.end_id)
 

@@ -1,8 +1,9 @@
 """Sampler: logits of the sampling rows -> one token id per row (+ logprobs when asked).
 
-Order per row: a grammar's mask, logit_bias, min_tokens (EOS and stop ids masked, unless a
-grammar allows nothing else), repetition / presence /
-frequency penalties, then greedy argmax or temperature → top-k → top-p → min-p → a draw.
+Order per row: a grammar's mask, allowed_token_ids (every other token masked), logit_bias,
+min_tokens (EOS and stop ids masked, unless a grammar or the allowed ids leave nothing else),
+repetition / presence / frequency penalties, then greedy argmax or temperature → top-k → top-p →
+min-p → a draw.
 Logprobs are those of the raw model distribution (log-softmax of the unprocessed logits).
 
 Per-request work is done on the host first, one row at a time (``RowSettings.of``): every
@@ -92,6 +93,7 @@ class RowSettings:
     top_k: int = 0                    # 0: off (values above the vocabulary are off too)
     top_p: float = 1.0
     min_p: float = 0.0
+    allowed: tuple[int, ...] = ()     # the only tokens that may be drawn (empty: all)
     bias_ids: tuple[int, ...] = ()
     bias_values: tuple[float, ...] = ()
     banned: tuple[int, ...] = ()      # masked at this step (min_tokens not reached)
@@ -101,7 +103,7 @@ class RowSettings:
 
     @property
     def needs_processing(self) -> bool:
-        return bool(self.bias_ids or self.banned or self.penalties)
+        return bool(self.allowed or self.bias_ids or self.banned or self.penalties)
 
     @classmethod
     def of(cls, r: Request, vocab_size: int) -> RowSettings:
@@ -123,7 +125,10 @@ class RowSettings:
         if banning:
             banned = tuple(sorted({int(t) for t in sp.stop_token_ids or []}
                                   | (set() if sp.ignore_eos else {int(t) for t in r.eos_token_ids})))
-        for t in bias_ids + banned:
+        allowed = tuple(sorted({int(t) for t in sp.allowed_token_ids or ()}))
+        if allowed and set(allowed) <= set(banned):
+            banned = ()     # a ban that would leave no token to draw is lifted (as a grammar's)
+        for t in bias_ids + banned + allowed:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
         top_k = int(sp.top_k or 0)
@@ -131,8 +136,8 @@ class RowSettings:
             greedy=sp.is_greedy, temperature=float(sp.effective_temperature),
             top_k=top_k if 0 < top_k < vocab_size else 0,
             top_p=float(sp.top_p) if sp.top_p is not None else 1.0, min_p=float(sp.min_p or 0.0),
-            bias_ids=bias_ids, bias_values=tuple(float(v) for v in (sp.logit_bias or {}).values()),
-            banned=banned,
+            allowed=allowed, bias_ids=bias_ids,
+            bias_values=tuple(float(v) for v in (sp.logit_bias or {}).values()), banned=banned,
             penalties=((float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty))
                        if sp.needs_penalties else None),
             seed=None if sp.seed is None else int(sp.seed) & 0xFFFF_FFFF_FFFF,
@@ -222,6 +227,10 @@ class Sampler:
         grammar allows only its end (EOS), the ban is lifted and the grammar ends the output."""
         dev = logits.device
         for i, s in enumerate(settings):
+            if s.allowed:
+                allowed = device_ints(s.allowed, dev)
+                values = logits[i].index_select(0, allowed)
+                logits[i].fill_(float("-inf")).index_copy_(0, allowed, values)
             if s.bias_ids:
                 bias = device_floats(s.bias_values, dev).to(logits.dtype)
                 logits[i].index_add_(0, device_ints(s.bias_ids, dev), bias)
@@ -293,14 +302,14 @@ def joined_noise(like: torch.Tensor, shared: list[int], shared_noise: torch.Tens
 
 def costliest_rows(rows: int, vocab_size: int) -> list[Request]:
     """``rows`` requests whose sampling takes every path of the sampler at once: temperature,
-    top-k, top-p and min-p, a logit bias, min_tokens banning, the three penalties, a seed (its
+    top-k, top-p and min-p, allowed tokens, a logit bias, min_tokens banning, the three penalties, a seed (its
     keyed noise holds more than the shared generator's) and the most logprobs. Sampling them
     allocates the most that a step sampling that many rows can (its [rows, vocabulary]
     temporaries); the KV pool is sized after it (``pyexecutor/creator.py``)."""
     ids = [i % vocab_size for i in range(8)]
     return [Request(i, ids, SamplingParams(
         temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1,
-        presence_penalty=0.1, logit_bias={ids[1]: 1.0}, min_tokens=1, stop_token_ids=[ids[2]],
+        presence_penalty=0.1, logit_bias={ids[1]: 1.0}, allowed_token_ids=ids, min_tokens=1, stop_token_ids=[ids[2]],
         seed=i, logprobs=MAX_LOGPROBS), max_total_tokens=len(ids) + 1, eos_token_ids=(ids[3],))
         for i in range(rows)]
 

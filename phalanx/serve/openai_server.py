@@ -403,7 +403,8 @@ class OpenAIServer:
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias, logprobs=logprobs,
+                repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias,
+                allowed_token_ids=req.allowed_token_ids, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, guided_decoding=guided,
                 skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens)
         except ValueError as e:

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from phalanx.llmapi.sampling_params import MAX_CACHE_SALT, plain_token_ids
+from phalanx.llmapi.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_CACHE_SALT, plain_token_ids
 
 MAX_N = 16
 MAX_PROMPTS = 256
@@ -164,6 +164,7 @@ class SamplingFields(NullIsDefault):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -190,7 +191,7 @@ class SamplingFields(NullIsDefault):
             raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_LEN} characters")
         return stops
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
         if v is not None and any(not 0 <= t <= INT32_MAX for t in v):

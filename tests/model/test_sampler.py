@@ -43,6 +43,26 @@ def test_a_sampled_tokens_rank_counts_the_whole_vocabulary():
     assert set(ranks) == {2, 3, 4, 5, 6}      # rows sampled every token; the tied top two rank 2
 
 
+def test_allowed_token_ids_are_the_only_tokens_drawn_and_logprobs_stay_raw():
+    """vLLM's allowed_token_ids: greedy takes the likeliest allowed token, sampling draws only
+    allowed ones (a hot temperature over a flat distribution reaches every one of them), the
+    logprobs are the model's own; a min_tokens ban that would leave nothing is lifted; the
+    request does not decode speculatively (its verify step would not mask)."""
+    from phalanx.pyexecutor.speculative import speculates
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.0, 0.3]]).repeat(64, 1)
+    greedy = req(allowed_token_ids=[0, 2, 5], logprobs=1)
+    hot = [req(rid=i, allowed_token_ids=[2, 4], temperature=50.0, seed=i) for i in range(63)]
+    out = Sampler(6, CPU).sample(logits, [greedy, *hot])
+    assert out.token_ids[0].item() == 5 and set(out.token_ids[1:].tolist()) == {2, 4}
+    chosen, rank, top = out.host_logprobs()[0]
+    assert chosen == pytest.approx(logits[0].log_softmax(-1)[5].item()) and top[0][0] == 1   # raw: 1 is likeliest
+    only_eos = req(allowed_token_ids=[0], min_tokens=3)           # eos (0) banned for three tokens: lifted
+    assert Sampler(6, CPU).sample(logits[:1], [only_eos]).token_ids.tolist() == [0]
+    banned = req(allowed_token_ids=[0, 3], min_tokens=3)          # another token left: the ban holds
+    assert Sampler(6, CPU).sample(logits[:1], [banned]).token_ids.tolist() == [3]
+    assert speculates(SamplingParams()) and not speculates(SamplingParams(allowed_token_ids=[1]))
+
+
 def test_the_costliest_rows_take_every_path_of_the_sampler():
     """The KV pool is sized after sampling these rows (the profiling run): every setting a row
     can have is on, and every row is seeded (its keyed noise holds more than the shared

@@ -195,6 +195,28 @@ def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_alone(server, 
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def test_allowed_token_ids_bound_what_is_generated(server, client):
+    """vLLM's ``allowed_token_ids`` through the server and the engine's ranks: every generated
+    token is one of them (sampled, several choices), greedy takes the likeliest of them (the
+    first of the free run's tokens that is allowed stays the first), and an id past the
+    vocabulary is a 400 naming the field."""
+    free = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    first = free.choices[0].model_extra["token_ids"][0]
+    allowed = [first, 11, 29, 30, 216]
+    greedy = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       extra_body={"return_token_ids": True, "allowed_token_ids": allowed})
+    assert greedy.choices[0].model_extra["token_ids"][0] == first
+    hot = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.5, n=4,
+                                    seed=1, extra_body={"return_token_ids": True, "allowed_token_ids": allowed[1:]})
+    drawn = [t for c in hot.choices for t in c.model_extra["token_ids"]]
+    assert len(drawn) == 48 and set(drawn) <= set(allowed[1:]) and len(set(drawn)) > 1
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                          "allowed_token_ids": [1, 10 ** 6]},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
 def test_completions_of_token_ids_echo_their_text_and_equal_the_text_prompt(client):
     """A prompt of token ids (checked on the event loop, its text decoded only for echo): the same
     completion as its text, streamed or not, and echo gives the text back."""

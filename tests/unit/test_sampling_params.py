@@ -18,6 +18,9 @@ from phalanx.llmapi.sampling_params import SamplingParams
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"stop": [""]}, "stop"),
     ({"logit_bias": {1: 500.0}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids"),
 ])
 def test_out_of_range_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):
@@ -37,6 +40,11 @@ def test_vocab_check_names_the_field():
         SamplingParams(stop_token_ids=[100]).check_vocab(50)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={60: 1.0}).check_vocab(50)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[1, 50]).check_vocab(50)
+    SamplingParams(allowed_token_ids=[1, 49]).check_vocab(50)
+    wire = SamplingParams(allowed_token_ids=[7, 3]).to_dict()
+    assert SamplingParams.from_dict(wire).allowed_token_ids == [7, 3]
 
 
 def test_stop_string_forms():
