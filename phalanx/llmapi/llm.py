@@ -145,8 +145,11 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         if continue_final_message:
             kwargs["continue_final_message"] = True
+        each = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params]
+        truncated = any(sp is not None and getattr(sp, "truncate_prompt_tokens", None) for sp in each)
+        limit = None if truncated else self.max_seq_len - 1     # (a long chat to be truncated is rendered whole)
         prompts = [dict(zip(("prompt", "prompt_token_ids"), self.tokenizer.render_chat(
-            c, add_generation_prompt, chat_template, self.max_seq_len - 1, **kwargs), strict=True)) for c in convs]
+            c, add_generation_prompt, chat_template, limit, **kwargs), strict=True)) for c in convs]
         if not prompts:
             return []
         outs = self.generate(prompts, sampling_params, use_tqdm, cache_salt)
@@ -169,9 +172,23 @@ class LLM:
         params = SamplingParams() if sampling_params is None else copy.copy(sampling_params)
         params.validate()   # the fields may have been changed since it was built
         self.check_grammar(params)
-        prompt, ids = self._tokenize(inputs)
+        keep = self.kept_prompt_tokens(params.truncate_prompt_tokens)
+        prompt, ids = self._tokenize(inputs, keep is None)
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+            prompt = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
         self._check_prompt(ids, params)
         return PreparedPrompt(prompt, ids, params)
+
+    def kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """The most prompt tokens ``truncate_prompt_tokens`` keeps (the last ones; -1: max_seq_len),
+        None where prompts are not truncated. More than max_seq_len is refused, as vLLM does."""
+        if truncate_prompt_tokens is None:
+            return None
+        if truncate_prompt_tokens > self.max_seq_len:
+            raise ValueError(f"truncate_prompt_tokens {truncate_prompt_tokens} is more than max_seq_len "
+                             f"{self.max_seq_len}")
+        return self.max_seq_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
     def _submit_all(self, prepared: list[PreparedPrompt], cache_salt: str | None,
                     streaming: bool = False) -> list[RequestOutput]:
@@ -207,7 +224,9 @@ class LLM:
             return self.tokenizer.eos_token_ids
         return tuple(self.source.config.eos_token_ids)
 
-    def _tokenize(self, inputs: PromptInput) -> tuple[str | None, list[int]]:
+    def _tokenize(self, inputs: PromptInput, bounded: bool = True) -> tuple[str | None, list[int]]:
+        """A prompt's text (if it has one) and token ids; a text too long for max_seq_len is
+        refused before it is tokenized unless not ``bounded`` (it is to be truncated)."""
         if isinstance(inputs, dict):
             unknown = sorted(map(str, set(inputs) - {"prompt", "prompt_token_ids"}))
             if unknown:
@@ -224,7 +243,7 @@ class LLM:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer (skip_tokenizer_init=True): pass token ids")
-            return inputs, self.tokenizer.encode(inputs, max_tokens=self.max_seq_len - 1)
+            return inputs, self.tokenizer.encode(inputs, max_tokens=self.max_seq_len - 1 if bounded else None)
         if isinstance(inputs, (list, tuple)):   # token ids: check_prompt checks each
             return None, list(inputs)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(inputs).__name__}")

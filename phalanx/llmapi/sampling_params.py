@@ -140,7 +140,8 @@ class SamplingParams:
     token after the first (a request asking for them does not reuse cached prefixes: their
     logits must be computed). allowed_token_ids: the only tokens that may be sampled (vLLM's;
     the others are masked before the logit bias, and a min_tokens ban that would leave none
-    is lifted).
+    is lifted). truncate_prompt_tokens: a longer prompt keeps its last this many tokens (-1:
+    max_seq_len's worth), as vLLM's.
     """
 
     max_tokens: int | None = 32
@@ -160,6 +161,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided_decoding: GuidedDecodingParams | None = None
@@ -225,6 +227,10 @@ class SamplingParams:
         _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS, optional=True)
         _int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
         _int(self.end_id, "end_id", 0, INT32_MAX, optional=True)
+        _int(self.truncate_prompt_tokens, "truncate_prompt_tokens", -1, INT32_MAX, optional=True,
+             rule="must be -1 (max_seq_len) or at least 1")
+        _check(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens", "must be -1 (max_seq_len) or at least 1",
+               self.truncate_prompt_tokens)
         _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                "guided_decoding", "must be a GuidedDecodingParams", type(self.guided_decoding).__name__)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):

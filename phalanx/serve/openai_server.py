@@ -514,10 +514,11 @@ class OpenAIServer:
             raise ApiError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
             raise ApiError(400, "best_of must equal n (best-of selection is not supported)", "best_of")
+        keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
         if _has_text(body.prompt) or body.echo:     # tokenizer work: in the text pool
-            prompts = await self._text(self._prompts, body.prompt, body.echo)
+            prompts = await self._text(self._prompts, body.prompt, body.echo, keep)
         else:                                          # token ids only: checked here, no hop
-            prompts = self._prompts(body.prompt, body.echo)
+            prompts = self._prompts(body.prompt, body.echo, keep)
         prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
         try:
             guided = tools.guided_params(body, None)
@@ -551,9 +552,26 @@ class OpenAIServer:
                 "choices": choices, "usage": self._usage(outs, not body.echo_only),
                 "weight_version": _weight_version(outs)}
 
-    def _prompts(self, prompt: Any, with_text: bool) -> list[tuple[str | None, list[int]]]:
+    def _kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        try:
+            return self.llm.kept_prompt_tokens(truncate_prompt_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e), "truncate_prompt_tokens") from None
+
+    def _prompts(self, prompt: Any, with_text: bool, keep: int | None = None) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of every prompt; all are checked before any is submitted. The text
-        of a token-id prompt is decoded only ``with_text`` (echo): otherwise it is None."""
+        of a token-id prompt is decoded only ``with_text`` (echo): otherwise it is None. With
+        ``keep`` (truncate_prompt_tokens) a longer prompt keeps its last ``keep`` tokens, and
+        its text is theirs."""
+        out = self._whole_prompts(prompt, with_text, keep is not None)
+        if keep is None or all(len(ids) <= keep for _, ids in out):
+            return out
+        tok = self.llm.tokenizer
+        return [(text, ids) if len(ids) <= keep else
+                (tok.decode(ids[-keep:], skip_special_tokens=False) if tok and with_text else None, ids[-keep:])
+                for text, ids in out]
+
+    def _whole_prompts(self, prompt: Any, with_text: bool, unbounded: bool) -> list[tuple[str | None, list[int]]]:
         tok = self.llm.tokenizer
         if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
             prompt = [prompt]
@@ -566,7 +584,7 @@ class OpenAIServer:
                 if tok is None:
                     raise ApiError(400, "this server has no tokenizer: send token ids", "prompt")
                 try:
-                    out.append((p, tok.encode(p, max_tokens=self.llm.max_seq_len - 1)))
+                    out.append((p, tok.encode(p, max_tokens=None if unbounded else self.llm.max_seq_len - 1)))
                 except ValueError as e:
                     raise ApiError(400, f"{where}: {e}; this model's maximum context length is "
                                         f"{self.llm.max_seq_len} tokens", "prompt") from None
@@ -675,7 +693,9 @@ class OpenAIServer:
         self._check_model(body.model)
         tokenizer = self._tokenizer("chat needs one", "messages")
         plan = self._chat_plan(body, tokenizer.chat_template)
-        ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1)
+        keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
+        ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1 if keep is None else None)
+        ids = ids[-keep:] if keep is not None else ids
         k = (body.top_logprobs or 0) if body.logprobs else None
         keep = decodes_call_markers(plan, tokenizer.special_strings(), body.model_fields_set)
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),

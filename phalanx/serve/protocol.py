@@ -165,6 +165,7 @@ class SamplingFields(NullIsDefault):
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)   # keep the last k (-1: the context's)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -210,6 +211,13 @@ class SamplingFields(NullIsDefault):
                 raise ValueError(f"keys must be token ids written as decimal integers, got {k[:20]!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {b}")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be -1 (the model's context) or at least 1")
         return v
 
     @model_validator(mode="after")

@@ -356,6 +356,33 @@ def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
             llm.chat(started, **kwargs)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's ``truncate_prompt_tokens``: a longer prompt keeps its last k tokens (its text is
+    theirs) and generates what those tokens alone generate; a text longer than the context is
+    taken when it is to be truncated; -1 keeps max_seq_len's worth; more than max_seq_len, or
+    0, is refused by name. A chat is rendered whole, then truncated."""
+    text = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"
+    ids = llm.tokenizer.encode(text)
+    sp = SamplingParams(max_tokens=6, truncate_prompt_tokens=8)
+    [cut] = llm.generate([text], sp, use_tqdm=False)
+    [tail] = llm.generate([ids[-8:]], SamplingParams(max_tokens=6), use_tqdm=False)
+    assert len(ids) > 8 and cut.prompt_token_ids == ids[-8:] and cut.prompt == llm.tokenizer.decode(ids[-8:])
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    [short] = llm.generate([ids[:5]], SamplingParams(max_tokens=2, truncate_prompt_tokens=8), use_tqdm=False)
+    assert short.prompt_token_ids == ids[:5]                       # shorter: as it is
+    huge = "word " * (llm.max_seq_len * 2)
+    [kept] = llm.generate([huge], SamplingParams(max_tokens=1, truncate_prompt_tokens=16), use_tqdm=False)
+    assert len(kept.prompt_token_ids) == 16
+    with pytest.raises(ValueError, match="leave room for output"):    # -1: the whole context, no room left
+        llm.generate([huge], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)
+    for bad in (0, llm.max_seq_len + 1):
+        with pytest.raises(ValueError, match="^truncate_prompt_tokens"):
+            llm.generate([text], SamplingParams(truncate_prompt_tokens=bad), use_tqdm=False)
+    conv = [{"role": "user", "content": text}]
+    [chat] = llm.chat(conv, SamplingParams(max_tokens=2, truncate_prompt_tokens=8), use_tqdm=False)
+    assert chat.prompt_token_ids == llm.apply_chat_template(conv, tokenize=True)[-8:]
+
+
 @pytest.mark.parametrize("call,needle", [
     (lambda llm: llm.generate(None), "inputs must be a prompt"),
     (lambda llm: llm.generate(5), "inputs must be a prompt"),

@@ -217,6 +217,33 @@ def test_allowed_token_ids_bound_what_is_generated(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
+def test_truncate_prompt_tokens_keeps_each_prompt_s_last_tokens(server, client):
+    """vLLM's ``truncate_prompt_tokens`` through the server: a completion's prompt (text or ids)
+    and a chat's rendered prompt keep their last k tokens, generate what those alone generate,
+    and echo their text; 0 or more than the context is a 400 naming the field."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"
+    full = httpx.post(server + "/tokenize", json={"prompt": text}, headers=auth).json()["tokens"]
+    tail = client.completions.create(model=MODEL, prompt=full[-8:], max_tokens=5, temperature=0, echo=True)
+    for prompt in (text, full):
+        cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                        extra_body={"truncate_prompt_tokens": 8, "return_token_ids": True})
+        assert cut.choices[0].text == tail.choices[0].text and cut.usage.prompt_tokens == 8
+        assert cut.choices[0].model_extra["prompt_token_ids"] == full[-8:]
+    long = client.completions.create(model=MODEL, prompt="word " * 20000, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": 12})
+    assert long.usage.prompt_tokens == 12
+    messages = [{"role": "user", "content": text}]
+    whole = httpx.post(server + "/tokenize", json={"messages": messages}, headers=auth).json()["tokens"]
+    chat = httpx.post(server + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+                                                             "truncate_prompt_tokens": 10, "return_token_ids": True},
+                      headers=auth).json()
+    assert chat["prompt_token_ids"] == whole[-10:] and chat["usage"]["prompt_tokens"] == 10
+    for bad in (0, 10 ** 6):
+        r = httpx.post(server + "/v1/completions", json={"prompt": text, "truncate_prompt_tokens": bad}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 def test_completions_of_token_ids_echo_their_text_and_equal_the_text_prompt(client):
     """A prompt of token ids (checked on the event loop, its text decoded only for echo): the same
     completion as its text, streamed or not, and echo gives the text back."""
