@@ -537,7 +537,7 @@ class OpenAIServer:
         if body.stream:
             return self._sse(self._stream_completions(rid, body, futs, texts))
         outs = await self._collect(futs, request)
-        choices = []
+        choices, name = [], self._namer(body)
         for i, (out, text) in enumerate(zip(outs, texts, strict=True)):
             self._observe(out)
             for o in (_unsampled(out) if body.echo_only else out).outputs:
@@ -545,7 +545,7 @@ class OpenAIServer:
                 choice = {"index": i * body.n + o.index, "text": prefix + o.text, "finish_reason": o.finish_reason,
                           "stop_reason": o.stop_reason, "logprobs": None}
                 if body.logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(out, o, body.echo, text, body.logprobs)
+                    choice["logprobs"] = self._completion_logprobs(out, o, body.echo, text, body.logprobs, name)
                 _add_ids(choice, body, o, out.prompt_token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
@@ -597,29 +597,36 @@ class OpenAIServer:
                 out.append((tok.decode(p, skip_special_tokens=False) if tok and with_text else None, list(p)))
         return out
 
+    def _namer(self, body: Any) -> Callable[[int], str]:
+        """How a request's logprobs name tokens: their text, or ``token_id:<id>`` with vLLM's
+        ``return_tokens_as_token_ids`` (a token that is part of a character, or whose text
+        several tokens share, is then told apart)."""
+        return _token_id_name if body.return_tokens_as_token_ids else self._token_str
+
     def _completion_logprobs(self, out: RequestOutput, o: Any, echo: bool, text: str | None,
-                             k: int) -> dict[str, Any]:
+                             k: int, name: Callable[[int], str]) -> dict[str, Any]:
         """OpenAI's completion logprobs (``k`` alternatives a token): with ``echo`` the prompt's
         tokens come first (the very first one has no logprob), then the generated ones."""
         lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offsets = self._add_echo_logprobs(lp, out, text, k) if echo else _TextOffsets()
-        self._add_logprobs(lp, o.token_ids, o.logprobs or [], offsets, k)
+        offsets = self._add_echo_logprobs(lp, out, text, k, name) if echo else _TextOffsets()
+        self._add_logprobs(lp, o.token_ids, o.logprobs or [], offsets, k, name)
         return lp
 
-    def _add_echo_logprobs(self, lp: dict[str, list], out: RequestOutput, text: str | None, k: int) -> _TextOffsets:
+    def _add_echo_logprobs(self, lp: dict[str, list], out: RequestOutput, text: str | None, k: int,
+                           name: Callable[[int], str]) -> _TextOffsets:
         """The echoed prompt's logprobs, its offsets into ``text``; the offsets to go on from."""
         pieces = [self._token_piece(t) for t in out.prompt_token_ids]
         offsets = _TextOffsets.echoing(text or "", pieces)
-        self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets, k, pieces)
+        self._add_logprobs(lp, out.prompt_token_ids, out.prompt_logprobs or [], offsets, k, name, pieces)
         return offsets
 
     def _add_logprobs(self, lp: dict[str, list], token_ids: list[int], entries: list, offsets: _TextOffsets,
-                      k: int, pieces: list[bytes] | None = None) -> None:
+                      k: int, name: Callable[[int], str], pieces: list[bytes] | None = None) -> None:
         for i, (tid, entry) in enumerate(zip(token_ids, entries, strict=False)):
-            lp["tokens"].append(self._token_str(tid))
+            lp["tokens"].append(name(tid))
             lp["token_logprobs"].append(entry[tid].logprob if entry is not None else None)
             lp["top_logprobs"].append(None if entry is None else
-                                      {self._token_str(t): x.logprob for t, x in _with_chosen(entry, tid, k)})
+                                      {name(t): x.logprob for t, x in _with_chosen(entry, tid, k)})
             lp["text_offset"].append(offsets.advance(pieces[i] if pieces is not None else self._token_piece(tid)))
 
     async def _stream_completions(self, rid: str, body: CompletionRequest, futs: list[RequestOutput],
@@ -633,6 +640,7 @@ class OpenAIServer:
         sent_ids, sent_chars = [0] * (len(futs) * body.n), [0] * (len(futs) * body.n)   # per choice
         ended = [False] * (len(futs) * body.n)     # a choice's finish sent (as it ends, not with the last)
         running = body.stream_options is not None and body.stream_options.continuous
+        name = self._namer(body)
 
         def usage(i: int, index: int) -> dict[str, Any]:   # vLLM's continuous usage: this choice's so far
             return {"usage": _running_usage(len(futs[i].prompt_token_ids), sent_ids[index])} if running else {}
@@ -653,7 +661,7 @@ class OpenAIServer:
                 echo_due[i] = False
                 for k in range(body.n):
                     lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                    offsets[i * body.n + k] = self._add_echo_logprobs(lp, out, texts[i], body.logprobs or 0)
+                    offsets[i * body.n + k] = self._add_echo_logprobs(lp, out, texts[i], body.logprobs or 0, name)
                     yield _sse({**base, "choices": [{"index": i * body.n + k, "text": texts[i] or "", "logprobs": lp,
                                                      "finish_reason": None}], **usage(i, i * body.n + k)})
             if echo_due[i]:
@@ -672,7 +680,7 @@ class OpenAIServer:
                 if body.logprobs is not None:
                     lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
                     new_lps = (o.logprobs or [])[sent_ids[index]:sent_ids[index] + len(new_ids)]
-                    self._add_logprobs(lp, new_ids, new_lps, offsets[index], body.logprobs)
+                    self._add_logprobs(lp, new_ids, new_lps, offsets[index], body.logprobs, name)
                     choice["logprobs"] = lp
                 sent_ids[index] += len(new_ids)
                 sent_chars[index] += len(text)
@@ -715,7 +723,7 @@ class OpenAIServer:
                       "logprobs": None}
             if body.logprobs:
                 choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids, o.logprobs or [],
-                                                                     body.top_logprobs or 0)}
+                                                                     body.top_logprobs or 0, self._namer(body))}
             _add_ids(choice, body, o, None)
             choices.append(choice)
         response = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
@@ -839,12 +847,12 @@ class OpenAIServer:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
         return message, stream.called
 
-    def _chat_logprobs(self, token_ids: list[int], entries: list[dict], k: int) -> list[dict[str, Any]]:
+    def _chat_logprobs(self, token_ids: list[int], entries: list[dict], k: int,
+                       name: Callable[[int], str]) -> list[dict[str, Any]]:
         out = []
         for tid, entry in zip(token_ids, entries, strict=False):
-            s = self._token_str(tid)
-            out.append({"token": s, "logprob": entry[tid].logprob, "bytes": list(self._token_piece(tid)),
-                        "top_logprobs": [{"token": self._token_str(t), "logprob": lp.logprob,
+            out.append({"token": name(tid), "logprob": entry[tid].logprob, "bytes": list(self._token_piece(tid)),
+                        "top_logprobs": [{"token": name(t), "logprob": lp.logprob,
                                           "bytes": list(self._token_piece(t))} for t, lp in _alternatives(entry, k)]})
         return out
 
@@ -852,7 +860,7 @@ class OpenAIServer:
                            plan: ChatPlan) -> AsyncIterator[str]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
         running = body.stream_options is not None and body.stream_options.continuous
-        sent = [0] * body.n
+        sent, name = [0] * body.n, self._namer(body)
 
         def usage(k: int) -> dict[str, Any]:   # vLLM's continuous usage: this choice's tokens so far
             return {"usage": _running_usage(len(fut.prompt_token_ids), sent[k])} if running else {}
@@ -880,7 +888,7 @@ class OpenAIServer:
                     choice["stop_reason"] = o.stop_reason
                 if body.logprobs and o.token_ids_diff:
                     choice["logprobs"] = {"content": self._chat_logprobs(o.token_ids_diff, o.logprobs_diff,
-                                                                         body.top_logprobs or 0)}
+                                                                         body.top_logprobs or 0, name)}
                 if body.return_token_ids:
                     choice["token_ids"] = o.token_ids_diff
                 if finishing and calls:
@@ -1020,6 +1028,10 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
 # one encoder for every event: ``json.dumps`` with a non-default argument builds a new one a call
 # (~18 µs an event against ~10 on a CPU, every streamed token of every request)
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _alternatives(entry: dict[int, Any], k: int) -> list[tuple[int, Any]]:

@@ -171,6 +171,7 @@ class SamplingFields(NullIsDefault):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)
     return_token_ids: bool = False        # choices carry their token ids (and the prompt's, when not streamed)
+    return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (vLLM's)
     # structured output: response_format, or one extension field (vLLM's guided_*, SGLang's regex / ebnf)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
