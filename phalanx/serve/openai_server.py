@@ -519,7 +519,9 @@ class OpenAIServer:
             prompts = await self._text(self._prompts, body.prompt, body.echo, keep)
         else:                                          # token ids only: checked here, no hop
             prompts = self._prompts(body.prompt, body.echo, keep)
-        prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        # the prompt's logprobs: echoed ones and vLLM's prompt_logprobs (the widest ask of the two)
+        prompt_lp = max((k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None),
+                        default=None)
         try:
             guided = tools.guided_params(body, None)
         except ValueError as e:
@@ -546,6 +548,8 @@ class OpenAIServer:
                           "stop_reason": o.stop_reason, "logprobs": None}
                 if body.logprobs is not None:
                     choice["logprobs"] = self._completion_logprobs(out, o, body.echo, text, body.logprobs, name)
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(out, body.prompt_logprobs, name)
                 _add_ids(choice, body, o, out.prompt_token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
@@ -602,6 +606,13 @@ class OpenAIServer:
         ``return_tokens_as_token_ids`` (a token that is part of a character, or whose text
         several tokens share, is then told apart)."""
         return _token_id_name if body.return_tokens_as_token_ids else self._token_str
+
+    def _prompt_logprobs(self, out: RequestOutput, k: int, name: Callable[[int], str]) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first), the ``k`` likeliest
+        tokens and the prompt's own, keyed by id: {logprob, rank in the vocabulary, decoded_token}."""
+        return [None if entry is None else {str(t): {"logprob": x.logprob, "rank": x.rank, "decoded_token": name(t)}
+                                            for t, x in _with_chosen(entry, tid, k)}
+                for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False)]
 
     def _completion_logprobs(self, out: RequestOutput, o: Any, echo: bool, text: str | None,
                              k: int, name: Callable[[int], str]) -> dict[str, Any]:
@@ -707,7 +718,7 @@ class OpenAIServer:
         k = (body.top_logprobs or 0) if body.logprobs else None
         keep = decodes_call_markers(plan, tokenizer.special_strings(), body.model_fields_set)
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
-                            k, guided=plan.guided, skip_special_tokens=False if keep else None)
+                            k, body.prompt_logprobs, guided=plan.guided, skip_special_tokens=False if keep else None)
         await self._check_grammar(sp, plan.guided_field)
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -730,6 +741,8 @@ class OpenAIServer:
                     "choices": choices, "usage": self._usage([out]), "weight_version": _weight_version([out])}
         if body.return_token_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self._prompt_logprobs(out, body.prompt_logprobs, self._namer(body))
         return response
 
     async def _chat_ids(self, messages: list[dict[str, Any]], active_tools: list[dict[str, Any]] | None,

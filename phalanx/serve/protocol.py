@@ -172,6 +172,7 @@ class SamplingFields(NullIsDefault):
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)
     return_token_ids: bool = False        # choices carry their token ids (and the prompt's, when not streamed)
     return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (vLLM's)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)   # every prompt token's (vLLM's; not streamed)
     # structured output: response_format, or one extension field (vLLM's guided_*, SGLang's regex / ebnf)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -225,6 +226,8 @@ class SamplingFields(NullIsDefault):
     def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as vLLM's)")
         return self
 
 

@@ -269,6 +269,34 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
     assert streamed == [e.token for e in whole.logprobs.content]
 
 
+def test_prompt_logprobs_give_every_prompt_token_s_logprob(server, client):
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first), its own logprob and the
+    k likeliest, keyed by id with their ranks and texts; the values an echo's logprobs give
+    (completions, per choice) and the chat's rendered prompt's (the response's); with a stream
+    a 400 naming the field."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, n=2, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 3, "return_token_ids": True})
+    c = r.choices[0]
+    plp, ids = c.model_extra["prompt_logprobs"], c.model_extra["prompt_token_ids"]
+    assert r.choices[1].model_extra["prompt_logprobs"] == plp and len(plp) == len(ids) == r.usage.prompt_tokens
+    assert plp[0] is None
+    for tid, entry, echoed in zip(ids[1:], plp[1:], c.logprobs.token_logprobs[1:len(ids)], strict=True):
+        assert str(tid) in entry and entry[str(tid)]["logprob"] == pytest.approx(echoed, abs=1e-4)
+        ranked = sorted(e["rank"] for e in entry.values())
+        assert ranked[:3] == [1, 2, 3] and len(entry) in (3, 4)
+        assert all(e["decoded_token"] for e in entry.values())
+    chat = httpx.post(server + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0,
+        "return_tokens_as_token_ids": True}, headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["decoded_token"] == f"token_id:{next(iter(e))}"
+               for e in chat["prompt_logprobs"][1:])
+    bad = httpx.post(server + "/v1/completions", json={"prompt": prompt, "prompt_logprobs": 1, "stream": True},
+                     headers={"Authorization": f"Bearer {KEY}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs", bad.text
+
+
 def test_completions_of_token_ids_echo_their_text_and_equal_the_text_prompt(client):
     """A prompt of token ids (checked on the event loop, its text decoded only for echo): the same
     completion as its text, streamed or not, and echo gives the text back."""
