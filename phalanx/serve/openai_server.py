@@ -81,10 +81,11 @@ class ChatPlan:
 class _ChoiceStream:
     """One streamed choice: its text split into reasoning, content and tool-call deltas."""
 
-    def __init__(self, plan: ChatPlan, reasoning_parser: str) -> None:
+    def __init__(self, plan: ChatPlan, reasoning_parser: str, include_reasoning: bool = True) -> None:
         self.plan = plan
         self.reasoning = (tools.ReasoningStream(reasoning_parser == "deepseek_r1")
                           if reasoning_parser != "none" else None)
+        self.include_reasoning = include_reasoning     # False: the reasoning is read off and left out
         self.tool_stream = (tools.ToolCallStream(plan.parser, plan.tools)
                             if plan.tools is not None and plan.parser is not None and plan.forced is None else None)
         self.forced_text = ""
@@ -96,7 +97,7 @@ class _ChoiceStream:
         delta: dict[str, Any] = {}
         if self.reasoning is not None:
             thought, text = self.reasoning.feed(text, final)
-            if thought:
+            if thought and self.include_reasoning:
                 delta["reasoning_content"] = thought
         if self.plan.forced is not None:
             forced = self._forced(text, final)
@@ -516,7 +517,7 @@ class OpenAIServer:
             raise ApiError(400, "best_of must equal n (best-of selection is not supported)", "best_of")
         keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
         if _has_text(body.prompt) or body.echo:     # tokenizer work: in the text pool
-            prompts = await self._text(self._prompts, body.prompt, body.echo, keep)
+            prompts = await self._text(self._prompts, body.prompt, body.echo, keep, body.add_special_tokens)
         else:                                          # token ids only: checked here, no hop
             prompts = self._prompts(body.prompt, body.echo, keep)
         # the prompt's logprobs: echoed ones and vLLM's prompt_logprobs (the widest ask of the two)
@@ -535,7 +536,7 @@ class OpenAIServer:
             await self._check_grammar(jobs[0][1], field)
         futs = self._submit_all(jobs, body.cache_salt, "prompt")
         texts = [text for text, _ in prompts]
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         if body.stream:
             return self._sse(self._stream_completions(rid, body, futs, texts))
         outs = await self._collect(futs, request)
@@ -562,12 +563,13 @@ class OpenAIServer:
         except ValueError as e:
             raise ApiError(400, str(e), "truncate_prompt_tokens") from None
 
-    def _prompts(self, prompt: Any, with_text: bool, keep: int | None = None) -> list[tuple[str | None, list[int]]]:
+    def _prompts(self, prompt: Any, with_text: bool, keep: int | None = None,
+                 add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of every prompt; all are checked before any is submitted. The text
         of a token-id prompt is decoded only ``with_text`` (echo): otherwise it is None. With
         ``keep`` (truncate_prompt_tokens) a longer prompt keeps its last ``keep`` tokens, and
         its text is theirs."""
-        out = self._whole_prompts(prompt, with_text, keep is not None)
+        out = self._whole_prompts(prompt, with_text, keep is not None, add_special_tokens)
         if keep is None or all(len(ids) <= keep for _, ids in out):
             return out
         tok = self.llm.tokenizer
@@ -575,7 +577,8 @@ class OpenAIServer:
                 (tok.decode(ids[-keep:], skip_special_tokens=False) if tok and with_text else None, ids[-keep:])
                 for text, ids in out]
 
-    def _whole_prompts(self, prompt: Any, with_text: bool, unbounded: bool) -> list[tuple[str | None, list[int]]]:
+    def _whole_prompts(self, prompt: Any, with_text: bool, unbounded: bool,
+                       add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
         tok = self.llm.tokenizer
         if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
             prompt = [prompt]
@@ -588,7 +591,8 @@ class OpenAIServer:
                 if tok is None:
                     raise ApiError(400, "this server has no tokenizer: send token ids", "prompt")
                 try:
-                    out.append((p, tok.encode(p, max_tokens=None if unbounded else self.llm.max_seq_len - 1)))
+                    out.append((p, tok.encode(p, add_special_tokens,
+                                              max_tokens=None if unbounded else self.llm.max_seq_len - 1)))
                 except ValueError as e:
                     raise ApiError(400, f"{where}: {e}; this model's maximum context length is "
                                         f"{self.llm.max_seq_len} tokens", "prompt") from None
@@ -721,14 +725,14 @@ class OpenAIServer:
                             k, body.prompt_logprobs, guided=plan.guided, skip_special_tokens=False if keep else None)
         await self._check_grammar(sp, plan.guided_field)
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         if body.stream:
             return self._sse(self._stream_chat(rid, body, fut, plan))
         [out] = await self._collect([fut], request)
         self._observe(out)
         choices = []
         for o in out.outputs:
-            (message, called), finish = self._chat_message(o.text, plan), o.finish_reason
+            (message, called), finish = self._chat_message(o.text, plan, body.include_reasoning), o.finish_reason
             finish = _chat_finish(finish, called, plan)
             choice = {"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
                       "logprobs": None}
@@ -835,11 +839,11 @@ class OpenAIServer:
         except ValueError as e:
             raise ApiError(400, f"{field}: {e}" if field else str(e), field or "guided_decoding") from None
 
-    def _chat_message(self, text: str, plan: ChatPlan) -> tuple[dict[str, Any], bool]:
+    def _chat_message(self, text: str, plan: ChatPlan, include_reasoning: bool = True) -> tuple[dict[str, Any], bool]:
         """The assistant message of a whole output, read by the same ``_ChoiceStream`` that
         streamed outputs go through (so both read the same reasoning, content and calls), and
         whether it made tool calls."""
-        stream = _ChoiceStream(plan, self.reasoning_parser)
+        stream = _ChoiceStream(plan, self.reasoning_parser, include_reasoning)
         delta, deltas = stream.feed(text, True)
         calls: dict[int, dict[str, Any]] = {}
         for d in deltas:        # a named function streams its header, then its arguments
@@ -880,7 +884,7 @@ class OpenAIServer:
         for k in range(body.n):
             yield _sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}], **usage(k)})
-        streams = [_ChoiceStream(plan, self.reasoning_parser) for _ in range(body.n)]
+        streams = [_ChoiceStream(plan, self.reasoning_parser, body.include_reasoning) for _ in range(body.n)]
         ended = [False] * body.n        # a choice's finish sent (as it ends, not with the last choice)
         async for _, out in _merge([fut]):
             if isinstance(out, Exception):

@@ -172,6 +172,7 @@ class SamplingFields(NullIsDefault):
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)
     return_token_ids: bool = False        # choices carry their token ids (and the prompt's, when not streamed)
     return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (vLLM's)
+    request_id: str | None = Field(None, min_length=1, max_length=256)   # the response's id is built on it (vLLM's)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)   # every prompt token's (vLLM's; not streamed)
     # structured output: response_format, or one extension field (vLLM's guided_*, SGLang's regex / ebnf)
     response_format: ResponseFormat | None = None
@@ -237,6 +238,7 @@ class CompletionRequest(SamplingFields):
     prompt: SkipValidation[str | list[str] | list[int] | list[list[int]]]
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT)
     echo: bool = False
+    add_special_tokens: bool = True     # a text prompt's BOS and the like (vLLM's)
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
@@ -407,6 +409,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    include_reasoning: bool = True     # False: the reasoning parser's reasoning is left out (vLLM's)
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -95,3 +95,28 @@ def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
     m = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Name three"},
                                                                 {"type": "text", "text": "colors."}]})
     assert m.text() == "Name three\ncolors." and m.num_chars() == len(m.text())
+
+
+def test_a_completion_s_add_special_tokens_reaches_its_text_prompts():
+    """vLLM's ``add_special_tokens`` (true by default): a text prompt gets the tokenizer's BOS
+    or not; token-id prompts are taken as they are either way. (The bundled tokenizer made to
+    add its BOS, as Llama's do.)"""
+    import copy
+    from types import SimpleNamespace
+
+    from phalanx.llmapi.tokenizer import Tokenizer, _gguf_tokenizer
+    from phalanx.models.source import bundled_model_path
+    from phalanx.serve.openai_server import OpenAIServer
+    hf = copy.deepcopy(_gguf_tokenizer(bundled_model_path()))
+    hf.add_bos_token = True
+    tok = Tokenizer(hf)
+    server = SimpleNamespace(llm=SimpleNamespace(tokenizer=tok, max_seq_len=512, vocab_size=tok.vocab_size))
+    server._whole_prompts = OpenAIServer._whole_prompts.__get__(server)
+    bare = tok.encode("Hi there", add_special_tokens=False)
+    for add, want in ((True, [hf.bos_token_id, *bare]), (False, bare)):
+        body = parse_body(json.dumps({"prompt": ["Hi there", "Hi there"], "add_special_tokens": add}).encode(),
+                          CompletionRequest)
+        assert OpenAIServer._prompts(server, body.prompt, False, None, body.add_special_tokens) == [
+            ("Hi there", want)] * 2
+    assert OpenAIServer._prompts(server, bare, False, None, True) == [(None, bare)]
+    assert parse_body(b'{"prompt": "x"}', CompletionRequest).add_special_tokens      # vLLM's default

@@ -15,6 +15,17 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
+def test_a_request_id_names_the_response(client):
+    """vLLM's ``request_id``: the response's id is built on it (streamed chunks too); without
+    it each response gets an id of its own."""
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "job-7"})
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                       stream=True, extra_body={"request_id": "job-8"})
+    assert r.id == "cmpl-job-7" and {ch.id for ch in c} == {"chatcmpl-job-8"}
+    a, b = (client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).id for _ in range(2))
+    assert a != b and a.startswith("cmpl-")
+
+
 def test_models_list(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

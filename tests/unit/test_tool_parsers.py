@@ -137,6 +137,26 @@ def whole_message(text: str, reasoning_parser: str = "qwen3") -> tuple[str | Non
     return message["reasoning_content"], message["content"]
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out():
+    """vLLM's ``include_reasoning: false``: the reasoning is still read off the output (the
+    content is the answer alone), and left out of the message and of every streamed delta."""
+    from types import SimpleNamespace
+
+    from phalanx.serve.openai_server import ChatPlan, OpenAIServer, _ChoiceStream
+    plan = ChatPlan([], None, None, None, None, None)
+    text = "<think>\nsome thought</think>\n\nThe answer"
+    server = SimpleNamespace(reasoning_parser="qwen3")
+    shown, _ = OpenAIServer._chat_message(server, text, plan)
+    hidden, _ = OpenAIServer._chat_message(server, text, plan, False)
+    assert shown["reasoning_content"] == "some thought" and hidden["reasoning_content"] is None
+    assert hidden["content"] == shown["content"] == "The answer"
+    stream = _ChoiceStream(plan, "qwen3", include_reasoning=False)
+    deltas = [stream.feed(p, final=i == 3)[0] for i, p in enumerate(["<think>\nsome", " thought</th", "ink>\n\nThe",
+                                                                     " answer"])]
+    assert all("reasoning_content" not in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas).strip() == "The answer"
+
+
 def test_tool_call_stream_holds_back_a_call_and_streams_the_rest():
     stream = ToolCallStream("hermes", TOOLS)
     out = [stream.feed(p) for p in ["Sure", ", one <tool", '_call>{"name": "add", "arguments": {"a": 1, "b": 1}}',
