@@ -734,6 +734,8 @@ class OpenAIServer:
         for o in out.outputs:
             (message, called), finish = self._chat_message(o.text, plan, body.include_reasoning), o.finish_reason
             finish = _chat_finish(finish, called, plan)
+            if _echoed(body):
+                message["content"] = _echoed(body) + (message["content"] or "")
             choice = {"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
                       "logprobs": None}
             if body.logprobs:
@@ -884,6 +886,10 @@ class OpenAIServer:
         for k in range(body.n):
             yield _sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}], **usage(k)})
+        if _echoed(body):
+            for k in range(body.n):
+                yield _sse({**base, "choices": [{"index": k, "delta": {"content": _echoed(body)}, "logprobs": None,
+                                                 "finish_reason": None}], **usage(k)})
         streams = [_ChoiceStream(plan, self.reasoning_parser, body.include_reasoning) for _ in range(body.n)]
         ended = [False] * body.n        # a choice's finish sent (as it ends, not with the last choice)
         async for _, out in _merge([fut]):
@@ -1045,6 +1051,13 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
 # one encoder for every event: ``json.dumps`` with a non-default argument builds a new one a call
 # (~18 µs an event against ~10 on a CPU, every streamed token of every request)
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """What a chat answer starts with under vLLM's ``echo``: the final message's text when it is
+    the assistant's (the answer's own role), else nothing."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
 
 
 def _token_id_name(token_id: int) -> str:

@@ -173,6 +173,7 @@ class SamplingFields(NullIsDefault):
     return_token_ids: bool = False        # choices carry their token ids (and the prompt's, when not streamed)
     return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (vLLM's)
     request_id: str | None = Field(None, min_length=1, max_length=256)   # the response's id is built on it (vLLM's)
+    priority: int = 0     # vLLM's; only 0: requests are scheduled first come, first served
     prompt_logprobs: int | None = Field(None, ge=0, le=20)   # every prompt token's (vLLM's; not streamed)
     # structured output: response_format, or one extension field (vLLM's guided_*, SGLang's regex / ebnf)
     response_format: ResponseFormat | None = None
@@ -214,6 +215,14 @@ class SamplingFields(NullIsDefault):
                 raise ValueError(f"keys must be token ids written as decimal integers, got {k[:20]!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {b}")
+        return v
+
+    @field_validator("priority")
+    @classmethod
+    def _first_come(cls, v: int) -> int:
+        if v != 0:
+            raise ValueError("only 0 is supported: requests are scheduled first come, first served (vLLM's "
+                             "default policy, under which it refuses other priorities too)")
         return v
 
     @field_validator("truncate_prompt_tokens")
@@ -409,6 +418,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False      # the final message, when the assistant's, goes first in the answer (vLLM's)
     include_reasoning: bool = True     # False: the reasoning parser's reasoning is left out (vLLM's)
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
     tools: list[ToolDef] | None = Field(None, max_length=128)

@@ -118,7 +118,23 @@ def test_continue_final_message_goes_on_writing_the_assistant_s_message(server, 
     assert chat["prompt_token_ids"] == t["tokens"]
     same = client.completions.create(model=MODEL, prompt=t["tokens"], max_tokens=8, temperature=0)
     assert chat["choices"][0]["message"]["content"] == same.choices[0].text and same.choices[0].text
-    for path, body, field in [("/v1/chat/completions", {"messages": messages, "continue_final_message": True},
+    # vLLM's echo: the answer starts with the assistant's final message (streamed in a chunk of its own)
+    echoed = httpx.post(server + "/v1/chat/completions", json={**ask, "max_tokens": 8, "temperature": 0,
+                                                               "echo": True}, headers=auth, timeout=120).json()
+    assert echoed["choices"][0]["message"]["content"] == messages[-1]["content"] + same.choices[0].text
+    streamed = "".join(c.delta.content or "" for ch in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True, "priority": 0})
+        for c in ch.choices)
+    assert streamed == echoed["choices"][0]["message"]["content"]
+    asked = [{"role": "user", "content": "Hi"}]        # the final message is not the assistant's: nothing echoed
+    plain, with_echo = (httpx.post(server + "/v1/chat/completions", json={
+        "messages": asked, "max_tokens": 4, "temperature": 0, **extra}, headers=auth, timeout=120).json()[
+            "choices"][0]["message"]
+        for extra in ({}, {"echo": True}))
+    assert plain == with_echo
+    for path, body, field in [("/v1/chat/completions", {"messages": messages, "priority": 1}, "priority"),
+                              ("/v1/chat/completions", {"messages": messages, "continue_final_message": True},
                                "continue_final_message"),
                               ("/tokenize", {"messages": messages, "continue_final_message": True},
                                "continue_final_message"),
