@@ -93,15 +93,52 @@ class JsonSchemaFormat(Strict):
     strict: bool | None = None
 
 
+class TagStructure(Strict):
+    """One structure of vLLM's first form of a structural tag: text from ``begin`` to ``end``
+    whose middle follows ``schema``."""
+
+    begin: str = Field(..., min_length=1, max_length=1024)
+    schema_: dict[str, Any] = Field(..., alias="schema")
+    end: str = Field(..., max_length=1024)
+
+
 class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type structural_tag (vLLM's two forms): xgrammar's ``format``, or ``structures`` and ``triggers``
+    format: dict[str, Any] | None = None
+    structures: list[TagStructure] | None = Field(None, min_length=1, max_length=128)
+    triggers: list[str] | None = Field(None, min_length=1, max_length=128)
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("json_schema: required when type is json_schema")
+        tag_fields = [f for f in ("format", "structures", "triggers") if getattr(self, f) is not None]
+        if self.type != "structural_tag" and tag_fields:
+            raise ValueError(f"{tag_fields[0]}: only with type structural_tag")
+        if self.type == "structural_tag" and tag_fields not in (["format"], ["structures", "triggers"]):
+            raise ValueError("type structural_tag takes either format (xgrammar's structural tag) or structures "
+                             f"and triggers, got {tag_fields or 'neither'}")
+        if self.structures is not None and self.triggers is not None:
+            loose = next((s.begin for s in self.structures if not any(s.begin.startswith(t) for t in self.triggers)),
+                         None)
+            if loose is not None:
+                raise ValueError(f"structures: the begin {loose[:40]!r} starts with none of the triggers")
+            if any(not t for t in self.triggers):
+                raise ValueError("triggers: each must be a non-empty string")
         return self
+
+    def structural_tag(self) -> dict[str, Any]:
+        """xgrammar's structural tag for type structural_tag: the ``format`` given, or the
+        structures as tags that free text may open at their triggers, any number of times."""
+        if self.format is not None:
+            return {"type": "structural_tag", "format": self.format}
+        assert self.structures is not None and self.triggers is not None
+        tags = [{"begin": s.begin, "content": {"type": "json_schema", "json_schema": s.schema_}, "end": s.end}
+                for s in self.structures]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": self.triggers,
+                                                     "tags": tags}}
 
 
 class FunctionDef(Strict):

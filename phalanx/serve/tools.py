@@ -60,6 +60,11 @@ def guided_params(body: Any, tools_forced: GuidedDecodingParams | None,
         assert rf.json_schema is not None
         schema = rf.json_schema.schema_ or {"type": "object"}
         asked["response_format"] = GuidedDecodingParams(json=schema)
+    elif rf is not None and rf.type == "structural_tag":
+        try:
+            asked["response_format"] = GuidedDecodingParams(structural_tag=rf.structural_tag())
+        except ValueError as e:
+            raise ValueError(f"response_format: {e}") from None
     for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("regex", "regex"),
                         ("guided_choice", "choice"), ("guided_grammar", "grammar"), ("ebnf", "grammar")):
         value = getattr(body, field, None)

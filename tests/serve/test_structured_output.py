@@ -129,7 +129,41 @@ def test_required_tool_choice_streams_complete_calls(client):
     assert "tool_calls.function.arguments.done" in kinds, kinds
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+def test_structural_tag_response_formats(client):
+    """vLLM's ``response_format`` of type structural_tag, both forms: xgrammar's ``format`` (here
+    the whole answer one tag: <answer>, a JSON object of the schema, </answer>), and
+    ``structures`` with ``triggers`` (text runs free until a trigger, then a structure must
+    follow: the bundled model starts its answer with "The", which the grammar makes "The
+    answer: " and an object of the schema)."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    tag = {"type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": CITY},
+           "end": "</answer>"}
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0,
+                                       response_format={"type": "structural_tag", "format": tag})
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and text.startswith("<answer>") and text.endswith("</answer>"), text
+    assert set(json.loads(text[len("<answer>"):-len("</answer>")])) == {"city"}
+    free = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0)
+    assert free.choices[0].message.content.startswith("The")
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0, response_format={
+        "type": "structural_tag", "triggers": ["The"],
+        "structures": [{"begin": "The answer: ", "schema": CITY, "end": "."}]})
+    text = r.choices[0].message.content
+    assert text.startswith("The answer: "), text
+    obj, end = json.JSONDecoder().raw_decode(text, len("The answer: "))
+    assert set(obj) == {"city"} and text[end] == "."
+    assert all(text.startswith("The answer: ", i) for i in range(len(text)) if text.startswith("The", i)), text
+
+
 @pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"], "structures": [
+        {"begin": "<g>", "schema": CITY, "end": "</g>"}]}}, "response_format"),
+    ({"response_format": {"type": "json_object", "format": {}}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, "guided_json"),
