@@ -172,6 +172,11 @@ class LLM:
         params = SamplingParams() if sampling_params is None else copy.copy(sampling_params)
         params.validate()   # the fields may have been changed since it was built
         self.check_grammar(params)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init=True): pass bad_words_token_ids")
+            tokenizer = self.tokenizer
+            params.add_bad_word_ids(lambda text: tokenizer.encode(text, add_special_tokens=False))
         keep = self.kept_prompt_tokens(params.truncate_prompt_tokens)
         prompt, ids = self._tokenize(inputs, keep is None)
         if keep is not None and len(ids) > keep:

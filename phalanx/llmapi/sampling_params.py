@@ -19,7 +19,7 @@ import math
 import re
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,8 @@ MAX_STOP_STRING_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 16384
+MAX_BAD_WORDS = 128          # bad_words, and the token sequences they or bad_words_token_ids give
+MAX_BAD_WORD_TOKENS = 64     # tokens in one bad word's sequence
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -141,7 +143,10 @@ class SamplingParams:
     logits must be computed). allowed_token_ids: the only tokens that may be sampled (vLLM's;
     the others are masked before the logit bias, and a min_tokens ban that would leave none
     is lifted). truncate_prompt_tokens: a longer prompt keeps its last this many tokens (-1:
-    max_seq_len's worth), as vLLM's.
+    max_seq_len's worth), as vLLM's. bad_words: words the output may not contain (vLLM's): each
+    is tokenized as it stands and after a space, and the last token of such a sequence is
+    banned wherever the output ends with the rest of it; bad_words_token_ids: such sequences as
+    token ids (the ``LLM`` adds bad_words' to them; without a tokenizer they are the only form).
     """
 
     max_tokens: int | None = 32
@@ -162,6 +167,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided_decoding: GuidedDecodingParams | None = None
@@ -193,6 +200,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.effective_temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads earlier output tokens' values (penalties, a bad word of several
+        tokens): a row whose previous token is still in flight waits for it."""
+        return self.needs_penalties or any(len(w) > 1 for w in self.bad_words_token_ids or ())
 
     @property
     def needs_penalties(self) -> bool:
@@ -227,6 +240,21 @@ class SamplingParams:
         _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS, optional=True)
         _int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
         _int(self.end_id, "end_id", 0, INT32_MAX, optional=True)
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, (list, tuple)) and len(self.bad_words) <= MAX_BAD_WORDS, "bad_words",
+                   f"must be a list of at most {MAX_BAD_WORDS} strings", self.bad_words)
+            for w in self.bad_words:
+                _check(isinstance(w, str) and len(w.strip()) > 0 and len(w) <= MAX_STOP_STRING_LEN, "bad_words",
+                       f"each must be a string of 1 to {MAX_STOP_STRING_LEN} characters, not only blanks", w)
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            _check(isinstance(seqs, (list, tuple)) and len(seqs) <= MAX_BAD_WORDS, "bad_words_token_ids",
+                   f"must be a list of at most {MAX_BAD_WORDS} token-id lists", seqs)
+            for seq in seqs:
+                _check(isinstance(seq, (list, tuple)) and 0 < len(seq) <= MAX_BAD_WORD_TOKENS, "bad_words_token_ids",
+                       f"each must be a list of 1 to {MAX_BAD_WORD_TOKENS} token ids", seq)
+                for t in seq:
+                    _int(t, "bad_words_token_ids", 0, INT32_MAX, rule="must hold token ids (integers >= 0)")
         _int(self.truncate_prompt_tokens, "truncate_prompt_tokens", -1, INT32_MAX, optional=True,
              rule="must be -1 (max_seq_len) or at least 1")
         _check(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens", "must be -1 (max_seq_len) or at least 1",
@@ -273,8 +301,28 @@ class SamplingParams:
             _check(0 <= t < vocab_size, "logit_bias", f"token ids must be in [0, {vocab_size})", t)
         for t in self.allowed_token_ids or []:
             _check(t < vocab_size, "allowed_token_ids", f"must be < vocab size {vocab_size}", t)
+        for seq in self.bad_words_token_ids or []:
+            _check(max(seq) < vocab_size, "bad_words_token_ids", f"must hold ids < vocab size {vocab_size}", seq)
         _check(self.end_id is None or self.end_id < vocab_size, "end_id", f"must be < vocab size {vocab_size}",
                self.end_id)
+
+    def add_bad_word_ids(self, encode: Callable[[str], list[int]]) -> None:
+        """Add ``bad_words``' token sequences to ``bad_words_token_ids`` (as vLLM reads them): each
+        word as it stands (leading blanks dropped), and after a space where that tokenizes to as
+        many tokens and starts with another one (a word met inside a text)."""
+        if not self.bad_words:
+            return
+        seqs = [list(s) for s in self.bad_words_token_ids or []]
+        for word in self.bad_words:
+            bare = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            for seq in (bare, spaced) if (len(spaced) == len(bare) and spaced[:1] != bare[:1]) else (bare,):
+                if seq and seq not in seqs:
+                    seqs.append(seq)
+        _check(len(seqs) <= MAX_BAD_WORDS, "bad_words", f"give at most {MAX_BAD_WORDS} token sequences", len(seqs))
+        _check(all(len(seq) <= MAX_BAD_WORD_TOKENS for seq in seqs), "bad_words",
+               f"must each be at most {MAX_BAD_WORD_TOKENS} tokens", max(map(len, seqs)))
+        self.bad_words_token_ids = seqs
 
     # -- wire form -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

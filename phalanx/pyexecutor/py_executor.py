@@ -590,6 +590,6 @@ def prompt_len(msg: GenerationRequest) -> int:
 
 
 def _needs_known_history(batch: ScheduledBatch) -> bool:
-    """Penalties read the values of earlier tokens; a row whose previous token is still in
-    flight cannot be sampled before that token is read."""
-    return any(r.sampling.needs_penalties and r.num_inflight_tokens > 1 for r in batch.requests)
+    """Penalties and bad words of several tokens read the values of earlier tokens; a row whose
+    previous token is still in flight cannot be sampled before that token is read."""
+    return any(r.sampling.needs_history and r.num_inflight_tokens > 1 for r in batch.requests)

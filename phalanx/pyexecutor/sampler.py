@@ -2,8 +2,8 @@
 
 Order per row: a grammar's mask, allowed_token_ids (every other token masked), logit_bias,
 min_tokens (EOS and stop ids masked, unless a grammar or the allowed ids leave nothing else),
-repetition / presence / frequency penalties, then greedy argmax or temperature → top-k → top-p →
-min-p → a draw.
+bad words (the token that would complete one masked), repetition / presence / frequency
+penalties, then greedy argmax or temperature → top-k → top-p → min-p → a draw.
 Logprobs are those of the raw model distribution (log-softmax of the unprocessed logits).
 
 Per-request work is done on the host first, one row at a time (``RowSettings.of``): every
@@ -97,13 +97,14 @@ class RowSettings:
     bias_ids: tuple[int, ...] = ()
     bias_values: tuple[float, ...] = ()
     banned: tuple[int, ...] = ()      # masked at this step (min_tokens not reached)
+    bad_words: tuple[tuple[int, ...], ...] = ()   # token sequences whose last token may not complete them
     penalties: tuple[float, float, float] | None = None   # (repetition, frequency, presence)
     seed: int | None = None
     logprobs: int | None = None
 
     @property
     def needs_processing(self) -> bool:
-        return bool(self.allowed or self.bias_ids or self.banned or self.penalties)
+        return bool(self.allowed or self.bias_ids or self.banned or self.bad_words or self.penalties)
 
     @classmethod
     def of(cls, r: Request, vocab_size: int) -> RowSettings:
@@ -128,7 +129,8 @@ class RowSettings:
         allowed = tuple(sorted({int(t) for t in sp.allowed_token_ids or ()}))
         if allowed and set(allowed) <= set(banned):
             banned = ()     # a ban that would leave no token to draw is lifted (as a grammar's)
-        for t in bias_ids + banned + allowed:
+        bad_words = tuple(tuple(int(t) for t in seq) for seq in sp.bad_words_token_ids or ())
+        for t in bias_ids + banned + allowed + tuple(t for seq in bad_words for t in seq):
             if not 0 <= t < vocab_size:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
         top_k = int(sp.top_k or 0)
@@ -137,7 +139,7 @@ class RowSettings:
             top_k=top_k if 0 < top_k < vocab_size else 0,
             top_p=float(sp.top_p) if sp.top_p is not None else 1.0, min_p=float(sp.min_p or 0.0),
             allowed=allowed, bias_ids=bias_ids,
-            bias_values=tuple(float(v) for v in (sp.logit_bias or {}).values()), banned=banned,
+            bias_values=tuple(float(v) for v in (sp.logit_bias or {}).values()), banned=banned, bad_words=bad_words,
             penalties=((float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty))
                        if sp.needs_penalties else None),
             seed=None if sp.seed is None else int(sp.seed) & 0xFFFF_FFFF_FFFF,
@@ -241,6 +243,10 @@ class Sampler:
                 if kept is not None:   # on the device, no wait: every token masked -> the banned ones back
                     logits[i].index_copy_(0, ids, torch.where(torch.isneginf(logits[i].amax()), kept,
                                                               torch.full_like(kept, float("-inf"))))
+            if s.bad_words:
+                completing = _completing(s.bad_words, requests[i].output_token_ids)
+                if completing:
+                    logits[i].index_fill_(0, device_ints(completing, dev), float("-inf"))
         rows = [i for i, s in enumerate(settings) if s.penalties is not None]
         if len(rows) == len(settings):
             _apply_penalties(logits, requests, [s.penalties for s in settings], self.vocab_size)
@@ -302,14 +308,16 @@ def joined_noise(like: torch.Tensor, shared: list[int], shared_noise: torch.Tens
 
 def costliest_rows(rows: int, vocab_size: int) -> list[Request]:
     """``rows`` requests whose sampling takes every path of the sampler at once: temperature,
-    top-k, top-p and min-p, allowed tokens, a logit bias, min_tokens banning, the three penalties, a seed (its
-    keyed noise holds more than the shared generator's) and the most logprobs. Sampling them
+    top-k, top-p and min-p, allowed tokens, a logit bias, min_tokens banning, bad words, the
+    three penalties, a seed (its keyed noise holds more than the shared generator's) and the
+    most logprobs. Sampling them
     allocates the most that a step sampling that many rows can (its [rows, vocabulary]
     temporaries); the KV pool is sized after it (``pyexecutor/creator.py``)."""
     ids = [i % vocab_size for i in range(8)]
     return [Request(i, ids, SamplingParams(
         temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1,
         presence_penalty=0.1, logit_bias={ids[1]: 1.0}, allowed_token_ids=ids, min_tokens=1, stop_token_ids=[ids[2]],
+        bad_words_token_ids=[[ids[4]], [ids[5], ids[6]]],
         seed=i, logprobs=MAX_LOGPROBS), max_total_tokens=len(ids) + 1, eos_token_ids=(ids[3],))
         for i in range(rows)]
 
@@ -364,6 +372,14 @@ def device_floats(values: Sequence[float], device: torch.device) -> torch.Tensor
 def _num_before(r: Request) -> int:
     """Output tokens that precede the one being sampled now (some may still be in flight)."""
     return r.num_output_tokens + max(0, r.num_inflight_tokens - 1)
+
+
+def _completing(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: a sequence's last token where the output
+    ends with the rest of it (a one-token word's always). The output is known up to the token
+    being sampled (rows with several-token words wait for in-flight ones: ``needs_history``)."""
+    return sorted({seq[-1] for seq in bad_words
+                   if len(seq) == 1 or (len(seq) - 1 <= len(output) and tuple(output[1 - len(seq):]) == seq[:-1])})
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request], penalties: list, vocab: int) -> None:

@@ -58,11 +58,12 @@ if TYPE_CHECKING:
 
 def speculates(params) -> bool:
     """Whether a request with these SamplingParams decodes speculatively. Settings the verify
-    step does not apply to k + 1 positions at once (penalties, logit bias, allowed tokens,
-    min_tokens, logprobs, grammars) keep the request on plain one-token steps: honoured, not
+    step does not apply to k + 1 positions at once (penalties, logit bias, allowed tokens, bad
+    words, min_tokens, logprobs, grammars) keep the request on plain one-token steps: honoured, not
     sped up."""
     return (not params.needs_penalties and not params.logit_bias and not params.min_tokens
-            and params.logprobs is None and params.guided_decoding is None and not params.allowed_token_ids)
+            and params.logprobs is None and params.guided_decoding is None and not params.allowed_token_ids
+            and not params.bad_words_token_ids)
 
 
 @dataclass

@@ -405,7 +405,7 @@ class OpenAIServer:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias,
-                allowed_token_ids=req.allowed_token_ids, logprobs=logprobs,
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, guided_decoding=guided,
                 skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens)
         except ValueError as e:

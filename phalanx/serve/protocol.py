@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from phalanx.llmapi.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_CACHE_SALT, plain_token_ids
+from phalanx.llmapi.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_CACHE_SALT, plain_token_ids
 
 MAX_N = 16
 MAX_PROMPTS = 256
@@ -203,6 +203,7 @@ class SamplingFields(NullIsDefault):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)   # keep the last k (-1: the context's)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)   # words the output may not contain (vLLM's)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

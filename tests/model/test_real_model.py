@@ -356,6 +356,27 @@ def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
             llm.chat(started, **kwargs)
 
 
+def test_bad_words_never_appear_and_the_text_before_them_is_unchanged(llm):
+    """vLLM's ``bad_words`` through the engine (the overlap scheduler: a word of several tokens
+    makes its rows wait for their in-flight token): the greedy output holds none of them, and
+    is the free output's up to the token where a word would have begun to be completed."""
+    prompt = "The capital of France is"
+    free = llm.generate([prompt], SamplingParams(max_tokens=24), use_tqdm=False)[0].outputs[0]
+    tok = llm.tokenizer
+    words = [w.strip(".,") for w in free.text.split()]
+    long_word = next(w for w in words if len(w) > 3 and len(tok.encode(" " + w, add_special_tokens=False)) > 1)
+    for bad in (["Paris"], [long_word]):
+        assert bad[0] in free.text
+        out = llm.generate([prompt], SamplingParams(max_tokens=24, bad_words=bad), use_tqdm=False)[0].outputs[0]
+        assert bad[0] not in out.text, (bad, out.text)
+        cut = free.text.index(bad[0])
+        same = next(i for i, (a, b) in enumerate(zip(out.token_ids, free.token_ids, strict=False)) if a != b)
+        assert tok.decode(free.token_ids[:same]) == free.text[:len(tok.decode(free.token_ids[:same]))]
+        assert len(tok.decode(free.token_ids[:same + 1])) >= cut   # they part only at the bad word
+    with pytest.raises(ValueError, match="^bad_words_token_ids"):
+        llm.generate([prompt], SamplingParams(bad_words_token_ids=[[llm.vocab_size]]), use_tqdm=False)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     """vLLM's ``truncate_prompt_tokens``: a longer prompt keeps its last k tokens (its text is
     theirs) and generates what those tokens alone generate; a text longer than the context is

@@ -63,6 +63,23 @@ def test_allowed_token_ids_are_the_only_tokens_drawn_and_logprobs_stay_raw():
     assert speculates(SamplingParams()) and not speculates(SamplingParams(allowed_token_ids=[1]))
 
 
+def test_a_bad_word_s_last_token_is_masked_where_the_output_ends_with_the_rest():
+    """Bad words as vLLM applies them: a one-token word is never drawn; a longer word's last
+    token is masked only where the output already ends with the rest of it."""
+    from phalanx.pyexecutor.sampler import _completing
+    words = ((4,), (1, 2), (3, 1, 5))
+    assert _completing(words, []) == [4]
+    assert _completing(words, [7, 1]) == [2, 4]
+    assert _completing(words, [3, 1]) == [2, 4, 5]
+    assert _completing(words, [1, 3]) == [4]
+    logits = torch.tensor([[0.0, 1.0, 5.0, 0.5, 9.0, 4.0]])
+    for output, want in (((), 2), ((1,), 5), ((3, 1), 1)):
+        r = req(output=output, bad_words_token_ids=[list(w) for w in words])
+        assert Sampler(6, CPU).sample(logits, [r]).token_ids.tolist() == [want], output
+    assert not SamplingParams(bad_words_token_ids=[[4]]).needs_history      # one token: no history read
+    assert SamplingParams(bad_words_token_ids=[[4], [1, 2]]).needs_history
+
+
 def test_the_costliest_rows_take_every_path_of_the_sampler():
     """The KV pool is sized after sampling these rows (the profiling run): every setting a row
     can have is on, and every row is seeded (its keyed noise holds more than the shared

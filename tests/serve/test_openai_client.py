@@ -246,6 +246,20 @@ def test_allowed_token_ids_bound_what_is_generated(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
+def test_bad_words_through_the_server(client):
+    """vLLM's ``bad_words``: the greedy answer that named Paris names it no more, in chat and in
+    completions."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    free = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=16, temperature=0)
+    assert "Paris" in free.choices[0].message.content
+    barred = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=16, temperature=0,
+                                            extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in barred.choices[0].message.content
+    done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                     extra_body={"bad_words": ["Paris", "paris"]})
+    assert "aris" not in done.choices[0].text
+
+
 def test_truncate_prompt_tokens_keeps_each_prompt_s_last_tokens(server, client):
     """vLLM's ``truncate_prompt_tokens`` through the server: a completion's prompt (text or ids)
     and a chat's rendered prompt keep their last k tokens, generate what those alone generate,

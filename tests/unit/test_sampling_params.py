@@ -21,6 +21,10 @@ from phalanx.llmapi.sampling_params import SamplingParams
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
     ({"allowed_token_ids": 5}, "allowed_token_ids"),
+    ({"bad_words": ["  "]}, "bad_words"),
+    ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
+    ({"bad_words_token_ids": [[1, -2]]}, "bad_words_token_ids"),
 ])
 def test_out_of_range_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):
@@ -43,6 +47,8 @@ def test_vocab_check_names_the_field():
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[1, 50]).check_vocab(50)
     SamplingParams(allowed_token_ids=[1, 49]).check_vocab(50)
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[1, 50]]).check_vocab(50)
     wire = SamplingParams(allowed_token_ids=[7, 3]).to_dict()
     assert SamplingParams.from_dict(wire).allowed_token_ids == [7, 3]
 
@@ -123,3 +129,16 @@ def test_the_wire_form_carries_only_what_differs_from_the_defaults_and_round_tri
     assert cases[4].to_dict()["logit_bias"] == [[5, 1.0]] and cases[4].to_dict()["logprobs"] == 0
     with pytest.raises(TypeError, match="best_of"):     # a field phalanx does not have is refused on the rank
         SamplingParams.from_dict({"max_tokens": 4, "best_of": 2})
+
+
+def test_bad_words_become_token_sequences_as_vllm_reads_them():
+    """Each bad word as it stands and, where that gives another first token and as many tokens,
+    after a space (a word inside a text); sequences already given are kept, none twice."""
+    from phalanx.llmapi.tokenizer import Tokenizer, _gguf_tokenizer
+    from phalanx.models.source import bundled_model_path
+    tok = Tokenizer(_gguf_tokenizer(bundled_model_path()))
+    enc = lambda t: tok.encode(t, add_special_tokens=False)   # noqa: E731
+    sp = SamplingParams(bad_words=["Paris", " Paris"], bad_words_token_ids=[[5]])
+    sp.add_bad_word_ids(enc)
+    assert sp.bad_words_token_ids == [[5], enc("Paris"), enc(" Paris")] and enc("Paris") != enc(" Paris")
+    assert SamplingParams.from_dict(sp.to_dict()).bad_words_token_ids == sp.bad_words_token_ids
