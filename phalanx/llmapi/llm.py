@@ -122,12 +122,15 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
-             cache_salt: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             cache_salt: str | None = None, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate for one conversation (a list of messages) or several (a list of them), each
         rendered by the chat template: a list of RequestOutputs, one a conversation (as vLLM's
         ``LLM.chat``). A message's content is a string or OpenAI's text parts. With
         ``continue_final_message`` (and ``add_generation_prompt=False``) the prompt ends inside
-        the final message, which the model goes on writing."""
+        the final message, which the model goes on writing. ``tools`` (OpenAI's function
+        definitions) go to the template as its ``tools``, as vLLM's; reading calls back from
+        the output is the server's (``phalanx serve``)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True)")
         if not isinstance(messages, (list, tuple)):
@@ -143,6 +146,12 @@ class LLM:
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [_chat_messages(messages)] if single else [_chat_messages(c) for c in messages]
         kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            if not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+                raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
+            if "tools" in kwargs:
+                raise ValueError("tools: given twice (as an argument and in chat_template_kwargs)")
+            kwargs["tools"] = list(tools)
         if continue_final_message:
             kwargs["continue_final_message"] = True
         each = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params]

@@ -344,6 +344,14 @@ def test_vllm_entry_points_chat_get_tokenizer_and_num_cached_tokens(llm):
             llm.chat(bad)
     with pytest.raises(ValueError, match="chat_template_kwargs: add_generation_prompt"):
         llm.chat(conv, chat_template_kwargs={"add_generation_prompt": False})
+    # tools reach the template as its ``tools`` (vLLM's LLM.chat argument)
+    shown = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+             "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    [with_tools] = llm.chat(conv, sp, chat_template=shown, tools=[tool])
+    assert with_tools.prompt == "[weather]" + conv[0]["content"]
+    with pytest.raises(ValueError, match="tools: given twice"):
+        llm.chat(conv, sp, tools=[tool], chat_template_kwargs={"tools": [tool]})
     # continue_final_message: the prompt ends inside the assistant's message, which goes on
     started = [*conv, {"role": "assistant", "content": "The capital of France is"}]
     [cont] = llm.chat(started, sp, add_generation_prompt=False, continue_final_message=True)
