@@ -1,5 +1,7 @@
 """The official openai client against a real `phalanx serve` on loopback (bundled SmolLM2)."""
 
+import functools
+
 import httpx
 import openai
 import pytest
@@ -8,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import KEY
 
 MODEL = "SmolLM2-135M-Instruct"
+_post = functools.partial(httpx.post, timeout=120)     # (under make test's load a step can take seconds)
 
 
 @pytest.fixture(scope="module")
@@ -110,17 +113,17 @@ def test_continue_final_message_goes_on_writing_the_assistant_s_message(server, 
     messages = [{"role": "user", "content": "Write a short poem about the sea."},
                 {"role": "assistant", "content": "The waves roll in, the"}]
     ask = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
-    t = httpx.post(server + "/tokenize", json={**ask, "return_token_strs": True}, headers=auth).json()
-    opened = httpx.post(server + "/tokenize", json={"messages": messages}, headers=auth).json()
+    t = _post(server + "/tokenize", json={**ask, "return_token_strs": True}, headers=auth).json()
+    opened = _post(server + "/tokenize", json={"messages": messages}, headers=auth).json()
     assert t["count"] < opened["count"] and "".join(t["token_strs"]).endswith("Ġthe")   # no end of turn
-    chat = httpx.post(server + "/v1/chat/completions", json={**ask, "max_tokens": 8, "temperature": 0,
+    chat = _post(server + "/v1/chat/completions", json={**ask, "max_tokens": 8, "temperature": 0,
                                                              "return_token_ids": True}, headers=auth).json()
     assert chat["prompt_token_ids"] == t["tokens"]
     same = client.completions.create(model=MODEL, prompt=t["tokens"], max_tokens=8, temperature=0)
     assert chat["choices"][0]["message"]["content"] == same.choices[0].text and same.choices[0].text
     # vLLM's echo: the answer starts with the assistant's final message (streamed in a chunk of its own)
-    echoed = httpx.post(server + "/v1/chat/completions", json={**ask, "max_tokens": 8, "temperature": 0,
-                                                               "echo": True}, headers=auth, timeout=120).json()
+    echoed = _post(server + "/v1/chat/completions", json={**ask, "max_tokens": 8, "temperature": 0,
+                                                               "echo": True}, headers=auth).json()
     assert echoed["choices"][0]["message"]["content"] == messages[-1]["content"] + same.choices[0].text
     streamed = "".join(c.delta.content or "" for ch in client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
@@ -128,8 +131,8 @@ def test_continue_final_message_goes_on_writing_the_assistant_s_message(server, 
         for c in ch.choices)
     assert streamed == echoed["choices"][0]["message"]["content"]
     asked = [{"role": "user", "content": "Hi"}]        # the final message is not the assistant's: nothing echoed
-    plain, with_echo = (httpx.post(server + "/v1/chat/completions", json={
-        "messages": asked, "max_tokens": 4, "temperature": 0, **extra}, headers=auth, timeout=120).json()[
+    plain, with_echo = (_post(server + "/v1/chat/completions", json={
+        "messages": asked, "max_tokens": 4, "temperature": 0, **extra}, headers=auth).json()[
             "choices"][0]["message"]
         for extra in ({}, {"echo": True}))
     assert plain == with_echo
@@ -142,7 +145,7 @@ def test_continue_final_message_goes_on_writing_the_assistant_s_message(server, 
                                   "add_generation_prompt": False}}, "chat_template_kwargs"),
                               ("/tokenize", {"messages": messages, "chat_template_kwargs": {"tools": []}},
                                "chat_template_kwargs")]:
-        r = httpx.post(server + path, json=body, headers=auth)
+        r = _post(server + path, json=body, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, body, r.text)
 
 
@@ -219,7 +222,7 @@ def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_alone(server, 
     assert events[-1].usage.completion_tokens == 0
     assert sum(len(c.logprobs.tokens) for ch in events for c in ch.choices if c.logprobs) == \
         len(alone.choices[0].logprobs.tokens)
-    r = httpx.post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 0},
+    r = _post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 0},
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
@@ -240,7 +243,7 @@ def test_allowed_token_ids_bound_what_is_generated(server, client):
                                     seed=1, extra_body={"return_token_ids": True, "allowed_token_ids": allowed[1:]})
     drawn = [t for c in hot.choices for t in c.model_extra["token_ids"]]
     assert len(drawn) == 48 and set(drawn) <= set(allowed[1:]) and len(set(drawn)) > 1
-    r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+    r = _post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                           "allowed_token_ids": [1, 10 ** 6]},
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
@@ -266,7 +269,7 @@ def test_truncate_prompt_tokens_keeps_each_prompt_s_last_tokens(server, client):
     and echo their text; 0 or more than the context is a 400 naming the field."""
     auth = {"Authorization": f"Bearer {KEY}"}
     text = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"
-    full = httpx.post(server + "/tokenize", json={"prompt": text}, headers=auth).json()["tokens"]
+    full = _post(server + "/tokenize", json={"prompt": text}, headers=auth).json()["tokens"]
     tail = client.completions.create(model=MODEL, prompt=full[-8:], max_tokens=5, temperature=0, echo=True)
     for prompt in (text, full):
         cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True,
@@ -277,13 +280,13 @@ def test_truncate_prompt_tokens_keeps_each_prompt_s_last_tokens(server, client):
                                      extra_body={"truncate_prompt_tokens": 12})
     assert long.usage.prompt_tokens == 12
     messages = [{"role": "user", "content": text}]
-    whole = httpx.post(server + "/tokenize", json={"messages": messages}, headers=auth).json()["tokens"]
-    chat = httpx.post(server + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+    whole = _post(server + "/tokenize", json={"messages": messages}, headers=auth).json()["tokens"]
+    chat = _post(server + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
                                                              "truncate_prompt_tokens": 10, "return_token_ids": True},
                       headers=auth).json()
     assert chat["prompt_token_ids"] == whole[-10:] and chat["usage"]["prompt_tokens"] == 10
     for bad in (0, 10 ** 6):
-        r = httpx.post(server + "/v1/completions", json={"prompt": text, "truncate_prompt_tokens": bad}, headers=auth)
+        r = _post(server + "/v1/completions", json={"prompt": text, "truncate_prompt_tokens": bad}, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
@@ -327,13 +330,13 @@ def test_prompt_logprobs_give_every_prompt_token_s_logprob(server, client):
         ranked = sorted(e["rank"] for e in entry.values())
         assert ranked[:3] == [1, 2, 3] and len(entry) in (3, 4)
         assert all(e["decoded_token"] for e in entry.values())
-    chat = httpx.post(server + "/v1/chat/completions", json={
+    chat = _post(server + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0,
         "return_tokens_as_token_ids": True}, headers={"Authorization": f"Bearer {KEY}"}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
     assert all(len(e) == 1 and next(iter(e.values()))["decoded_token"] == f"token_id:{next(iter(e))}"
                for e in chat["prompt_logprobs"][1:])
-    bad = httpx.post(server + "/v1/completions", json={"prompt": prompt, "prompt_logprobs": 1, "stream": True},
+    bad = _post(server + "/v1/completions", json={"prompt": prompt, "prompt_logprobs": 1, "stream": True},
                      headers={"Authorization": f"Bearer {KEY}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs", bad.text
 
