@@ -42,7 +42,7 @@ from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
 from phalanx.llmapi.tokenizer import Tokenizer
-from phalanx.serve import rollout_routes, tools
+from phalanx.serve import native_routes, rollout_routes, tools
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
     BodyError,
@@ -301,6 +301,7 @@ class OpenAIServer:
         app.post("/tokenize", openapi_extra=_body_doc(TokenizeCompletionRequest, TokenizeChatRequest))(self.tokenize)
         app.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))(self.detokenize)
         rollout_routes.add_routes(self)   # the RL hand-off: pause, sleep, weight updates
+        native_routes.add_routes(self)    # SGLang's /generate and /abort_request (RL trainers' rollouts)
         if self.debug_endpoints:   # inspection for tests and operators; off by default
             app.get("/debug/check_integrity")(self.debug_integrity)
             app.get("/debug/stats")(self.debug_stats)

@@ -624,8 +624,9 @@ def describe(e: ValidationError, model: type[BaseModel] | None = None) -> tuple[
     if first.get("type") == "extra_forbidden":
         return f"{param}: this field is not supported by phalanx", param
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if param is None and model is not None and msg.split(" ", 1)[0] in model.model_fields:
-        return msg, msg.split(" ", 1)[0]
+    first_word = msg.split(" ", 1)[0].rstrip(":")
+    if param is None and model is not None and first_word in model.model_fields:
+        return msg, first_word
     return (f"{param}: {msg}" if param else msg), param
 
 

@@ -150,3 +150,116 @@ def test_cuda_ipc_specs_are_strict():
         with pytest.raises(BodyError) as e:
             parse(bad)
         assert field in (e.value.param or "") + e.value.message
+
+
+# -- SGLang's /generate and /abort_request (RL trainers' rollouts: slime, AReaL, verl's HTTP adapter) --
+
+def generate(url, **body):
+    r = httpx.post(url + "/generate", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_generate_answers_as_sglang_does(server):
+    """One prompt: the text and token ids a greedy completion gives, SGLang's meta_info (finish
+    reason dict, counts, weight version), logprobs as [logprob, id, text or null] with the same
+    values as the completion's, the prompt's from logprob_start_len (the first one null), a stop
+    string matched (trimmed unless no_stop_trim) and EOS matched as its id."""
+    done = complete(server, logprobs=2, return_token_ids=True)["choices"][0]
+    out = generate(server, text="The capital of France is", return_logprob=True, top_logprobs_num=2,
+                   logprob_start_len=0, sampling_params={"temperature": 0, "max_new_tokens": 6})
+    meta = out["meta_info"]
+    assert out["text"] == done["text"] and out["output_ids"] == done["token_ids"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6} and meta["completion_tokens"] == 6
+    assert meta["prompt_tokens"] == len(done["prompt_token_ids"]) and meta["weight_version"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == done["token_ids"]
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(done["logprobs"]["token_logprobs"],
+                                                                               abs=1e-4)
+    assert all(text is None for _, _, text in meta["output_token_logprobs"])
+    assert all(len(top) == 2 and top[0][0] >= top[1][0] for top in meta["output_top_logprobs"])
+    first, *rest = meta["input_token_logprobs"]
+    assert first[0] is None and [t for _, t, _ in [first, *rest]] == done["prompt_token_ids"]
+    assert all(lp < 0 for lp, _, _ in rest) and meta["input_top_logprobs"][0] is None
+    named = generate(server, input_ids=done["prompt_token_ids"], return_logprob=True, return_text_in_logprobs=True,
+                     logprob_start_len=3, sampling_params={"temperature": 0, "max_new_tokens": 2})["meta_info"]
+    assert named["output_token_logprobs"][0][2] == " Paris" and len(named["input_token_logprobs"]) == 2
+    stop = done["text"][3:6]
+    for trim, text in ((False, done["text"][:done["text"].find(stop)]), (True, done["text"][:done["text"].find(stop)]
+                                                                         + stop)):
+        cut = generate(server, text="The capital of France is", sampling_params={
+            "temperature": 0, "max_new_tokens": 6, "stop": [stop], "no_stop_trim": trim})
+        assert cut["text"] == text and cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    ends = generate(server, text="Say hi.", sampling_params={"temperature": 0, "max_new_tokens": 200})
+    assert ends["meta_info"]["finish_reason"] == {"type": "stop", "matched": ends["output_ids"][-1]}
+
+
+def test_generate_batches_samples_and_streams(server):
+    """A batch (token ids, per-prompt sampling params, n samples) answers a list prompt by
+    prompt, each prompt's samples in order; a stream sends each item's whole output so far,
+    with its index, and ends as the plain answer does."""
+    prompts = [[504, 3575, 282, 4649, 314], [504, 3575]]
+    out = generate(server, input_ids=prompts, rid="job", sampling_params=[
+        {"temperature": 0, "max_new_tokens": 3, "n": 2}, {"temperature": 0, "max_new_tokens": 5, "n": 2}])
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [3, 3, 5, 5]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [5, 5, 2, 2]
+    assert out[0]["output_ids"] == out[1]["output_ids"] and len({o["meta_info"]["id"] for o in out}) == 4
+    one = generate(server, input_ids=prompts[1], sampling_params={"temperature": 0, "max_new_tokens": 5})
+    assert one["output_ids"] == out[2]["output_ids"]                      # a single prompt: one answer, not a list
+    events = []
+    with httpx.stream("POST", server + "/generate", headers=AUTH, timeout=120, json={
+            "input_ids": prompts, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    import json
+    by_index: dict[int, list] = {}
+    for e in map(json.loads, events[:-1]):
+        by_index.setdefault(e["index"], []).append(e)
+    for i, seq in by_index.items():
+        ids = [e["output_ids"] for e in seq]
+        assert all(a == b[:len(a)] for a, b in zip(ids, ids[1:], strict=False))     # each event: all so far
+        assert seq[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        assert all(e["meta_info"]["finish_reason"] is None for e in seq[:-1])
+        assert ids[-1] == generate(server, input_ids=prompts[i], sampling_params={
+            "temperature": 0, "max_new_tokens": 4})["output_ids"]
+
+
+def test_abort_request_ends_a_generation_with_its_tokens_so_far(server):
+    """slime's partial rollouts: /abort_request (by rid, or all) ends a running /generate, which
+    answers 200 with the tokens so far and finish reason type abort."""
+    for body in ({"rid": "long-1"}, {"abort_all": True}):
+        answer: dict = {}
+
+        def run(answer=answer):
+            answer["out"] = generate(server, text="Tell me a long story.", rid="long-1",
+                                     sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(2.0)
+        r = httpx.post(server + "/abort_request", json=body, headers=AUTH, timeout=30)
+        t.join(120)
+        assert r.status_code == 200 and r.json()["aborted"] == 1, r.text
+        out = answer["out"]
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(out["output_ids"]) < 400 and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+    r = httpx.post(server + "/abort_request", json={"rid": "nobody"}, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["aborted"] == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"text": "Hi", "input_ids": [1, 2]}, None),
+    ({"input_ids": [1, -2]}, "input_ids"),
+    ({"text": "Hi", "sampling_params": {"custom_params": {"x": 1}}}, "sampling_params.custom_params"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ({"text": "Hi", "sampling_params": {"json_schema": "{}", "regex": "a"}}, "sampling_params"),
+    ({"text": "Hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"text": "Hi", "sampling_params": {"regex": "[a-"}}, "sampling_params"),
+    ({"input_ids": [10 ** 7]}, "input_ids"),
+    ({"text": "Hi", "image_data": "x.png"}, "image_data"),
+])
+def test_generate_refuses_what_it_cannot_do_by_name(server, body, param):
+    r = httpx.post(server + "/generate", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    got = r.json()["error"]["param"]
+    assert got == param or param is None and got in ("text", "input_ids", None), r.text
