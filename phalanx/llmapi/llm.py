@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from phalanx.config import LlmArgs, make_llm_args
 from phalanx.executor.messages import ControlResult
 from phalanx.llmapi.outputs import RequestOutput
-from phalanx.llmapi.sampling_params import MAX_CACHE_SALT, SamplingParams, check_prompt
+from phalanx.llmapi.sampling_params import MAX_CACHE_SALT, SamplingParams, bad_word_sequences, check_prompt
 from phalanx.llmapi.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ class LLM:
                 self._executor.shutdown()
             raise
         self._grammars: GrammarCompiler | None = None
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}   # bad_word_ids', by the words
         self._closed = False
         _live.add(self)
 
@@ -182,10 +183,7 @@ class LLM:
         params.validate()   # the fields may have been changed since it was built
         self.check_grammar(params)
         if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init=True): pass bad_words_token_ids")
-            tokenizer = self.tokenizer
-            params.add_bad_word_ids(lambda text: tokenizer.encode(text, add_special_tokens=False))
+            params.add_bad_word_ids(self.bad_word_ids(tuple(params.bad_words)))
         keep = self.kept_prompt_tokens(params.truncate_prompt_tokens)
         prompt, ids = self._tokenize(inputs, keep is None)
         if keep is not None and len(ids) > keep:
@@ -193,6 +191,20 @@ class LLM:
             prompt = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
         self._check_prompt(ids, params)
         return PreparedPrompt(prompt, ids, params)
+
+    def bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """``bad_words``' token sequences (``sampling_params.bad_word_sequences``), tokenized once
+        for each set of words (a batch's prompts share theirs)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init=True): pass bad_words_token_ids")
+        seqs = self._bad_words.get(words)
+        if seqs is None:
+            tokenizer = self.tokenizer
+            seqs = bad_word_sequences(words, lambda text: tokenizer.encode(text, add_special_tokens=False))
+            if len(self._bad_words) >= 256:
+                self._bad_words.clear()
+            self._bad_words[words] = seqs
+        return seqs
 
     def kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
         """The most prompt tokens ``truncate_prompt_tokens`` keeps (the last ones; -1: max_seq_len),

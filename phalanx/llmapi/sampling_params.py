@@ -30,7 +30,8 @@ MAX_STOP_STRING_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 16384
-MAX_BAD_WORDS = 128          # bad_words, and the token sequences they or bad_words_token_ids give
+MAX_BAD_WORDS = 128          # bad_words
+MAX_BAD_WORD_SEQUENCES = 2 * MAX_BAD_WORDS    # token sequences (a word gives one or two; bad_words_token_ids)
 MAX_BAD_WORD_TOKENS = 64     # tokens in one bad word's sequence
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -248,13 +249,16 @@ class SamplingParams:
                        f"each must be a string of 1 to {MAX_STOP_STRING_LEN} characters, not only blanks", w)
         if self.bad_words_token_ids is not None:
             seqs = self.bad_words_token_ids
-            _check(isinstance(seqs, (list, tuple)) and len(seqs) <= MAX_BAD_WORDS, "bad_words_token_ids",
-                   f"must be a list of at most {MAX_BAD_WORDS} token-id lists", seqs)
+            _check(isinstance(seqs, (list, tuple)) and len(seqs) <= MAX_BAD_WORD_SEQUENCES, "bad_words_token_ids",
+                   f"must be a list of at most {MAX_BAD_WORD_SEQUENCES} token-id lists", seqs)
             for seq in seqs:
                 _check(isinstance(seq, (list, tuple)) and 0 < len(seq) <= MAX_BAD_WORD_TOKENS, "bad_words_token_ids",
                        f"each must be a list of 1 to {MAX_BAD_WORD_TOKENS} token ids", seq)
                 for t in seq:
                     _int(t, "bad_words_token_ids", 0, INT32_MAX, rule="must hold token ids (integers >= 0)")
+        _check(self.allowed_token_ids is None or self.guided_decoding is None, "allowed_token_ids",
+               "cannot be combined with guided_decoding (the grammar may allow none of them)", self.allowed_token_ids)
+        self._check_something_allowed()
         _int(self.truncate_prompt_tokens, "truncate_prompt_tokens", -1, INT32_MAX, optional=True,
              rule="must be -1 (max_seq_len) or at least 1")
         _check(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens", "must be -1 (max_seq_len) or at least 1",
@@ -306,23 +310,26 @@ class SamplingParams:
         _check(self.end_id is None or self.end_id < vocab_size, "end_id", f"must be < vocab size {vocab_size}",
                self.end_id)
 
-    def add_bad_word_ids(self, encode: Callable[[str], list[int]]) -> None:
-        """Add ``bad_words``' token sequences to ``bad_words_token_ids`` (as vLLM reads them): each
-        word as it stands (leading blanks dropped), and after a space where that tokenizes to as
-        many tokens and starts with another one (a word met inside a text)."""
-        if not self.bad_words:
-            return
+    def add_bad_word_ids(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Add ``bad_words``' token sequences (``bad_word_sequences``) to ``bad_words_token_ids``,
+        none twice, and check what they leave to draw."""
         seqs = [list(s) for s in self.bad_words_token_ids or []]
-        for word in self.bad_words:
-            bare = encode(word.lstrip())
-            spaced = encode(" " + word.lstrip())
-            for seq in (bare, spaced) if (len(spaced) == len(bare) and spaced[:1] != bare[:1]) else (bare,):
-                if seq and seq not in seqs:
-                    seqs.append(seq)
-        _check(len(seqs) <= MAX_BAD_WORDS, "bad_words", f"give at most {MAX_BAD_WORDS} token sequences", len(seqs))
-        _check(all(len(seq) <= MAX_BAD_WORD_TOKENS for seq in seqs), "bad_words",
-               f"must each be at most {MAX_BAD_WORD_TOKENS} tokens", max(map(len, seqs)))
+        seen = set(map(tuple, seqs))
+        for seq in sequences:
+            if tuple(seq) not in seen:
+                seen.add(tuple(seq))
+                seqs.append(list(seq))
+        _check(len(seqs) <= MAX_BAD_WORD_SEQUENCES, "bad_words",
+               f"give at most {MAX_BAD_WORD_SEQUENCES} token sequences with bad_words_token_ids", len(seqs))
         self.bad_words_token_ids = seqs
+        self._check_something_allowed()
+
+    def _check_something_allowed(self) -> None:
+        """allowed_token_ids that one-token bad words ban altogether leave no token to draw."""
+        if self.allowed_token_ids and self.bad_words_token_ids:
+            singles = {seq[0] for seq in self.bad_words_token_ids if len(seq) == 1}
+            _check(not set(self.allowed_token_ids) <= singles, "allowed_token_ids",
+                   "are all bad words (a one-token bad word is never drawn): no token is left", self.allowed_token_ids)
 
     # -- wire form -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -354,6 +361,22 @@ class SamplingParams:
 
 
 _WIRE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
+
+
+def bad_word_sequences(words: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """``bad_words``' token sequences, as vLLM reads them: each word as it stands (leading
+    blanks dropped), and after a space where that tokenizes to as many tokens and starts with
+    another one (the word met inside a text). Raises ValueError for a word too long."""
+    seqs: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        for seq in (bare, spaced) if (len(spaced) == len(bare) and spaced[:1] != bare[:1]) else (bare,):
+            _check(len(seq) <= MAX_BAD_WORD_TOKENS, "bad_words", f"must each be at most {MAX_BAD_WORD_TOKENS} tokens",
+                   word)
+            if seq and seq not in seqs:
+                seqs.append(seq)
+    return seqs
 
 
 def plain_token_ids(ids: Sequence[int], limit: int | None = None) -> bool:

@@ -592,4 +592,4 @@ def prompt_len(msg: GenerationRequest) -> int:
 def _needs_known_history(batch: ScheduledBatch) -> bool:
     """Penalties and bad words of several tokens read the values of earlier tokens; a row whose
     previous token is still in flight cannot be sampled before that token is read."""
-    return any(r.sampling.needs_history and r.num_inflight_tokens > 1 for r in batch.requests)
+    return any(r.num_inflight_tokens > 1 and r.sampling.needs_history for r in batch.requests)

@@ -84,6 +84,7 @@ class Request:
     spec_history: int = 0            # positions of its tokens written into the device history (NGram)
     # its sampler settings, built once (opaque here): [once min_tokens is reached, while it bans tokens]
     row_settings: list[Any] = field(default_factory=lambda: [None, None], repr=False)
+    allowed_index: Any = field(default=None, repr=False)   # its allowed_token_ids on the sampler's device, once
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -98,6 +98,7 @@ class RowSettings:
     bias_values: tuple[float, ...] = ()
     banned: tuple[int, ...] = ()      # masked at this step (min_tokens not reached)
     bad_words: tuple[tuple[int, ...], ...] = ()   # token sequences whose last token may not complete them
+    bad_tail: int = 0                 # output tokens the bad words look back at (the longest's, less one)
     penalties: tuple[float, float, float] | None = None   # (repetition, frequency, presence)
     seed: int | None = None
     logprobs: int | None = None
@@ -140,6 +141,7 @@ class RowSettings:
             top_p=float(sp.top_p) if sp.top_p is not None else 1.0, min_p=float(sp.min_p or 0.0),
             allowed=allowed, bias_ids=bias_ids,
             bias_values=tuple(float(v) for v in (sp.logit_bias or {}).values()), banned=banned, bad_words=bad_words,
+            bad_tail=max(map(len, bad_words), default=1) - 1,
             penalties=((float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty))
                        if sp.needs_penalties else None),
             seed=None if sp.seed is None else int(sp.seed) & 0xFFFF_FFFF_FFFF,
@@ -225,28 +227,35 @@ class Sampler:
                  grammar_rows: frozenset[int] = frozenset()) -> torch.Tensor:
         """Logit bias, banned tokens and penalties, in place. Host lists reach the device through
         device_ints/device_floats and fills take Python scalars: nothing here waits for the stream.
-        A grammar row's ban (min_tokens) holds while its grammar allows another token: where the
-        grammar allows only its end (EOS), the ban is lifted and the grammar ends the output."""
+        A grammar row's ban (min_tokens, bad words) holds while its grammar allows another token:
+        where the grammar allows only what is banned (its end, EOS), the ban is lifted and the
+        grammar goes on; a bad-word ban that would leave no allowed token is lifted too."""
         dev = logits.device
         for i, s in enumerate(settings):
             if s.allowed:
-                allowed = device_ints(s.allowed, dev)
-                values = logits[i].index_select(0, allowed)
-                logits[i].fill_(float("-inf")).index_copy_(0, allowed, values)
+                r = requests[i]
+                if r.allowed_index is None or r.allowed_index.device != dev:   # once a request
+                    r.allowed_index = device_ints(s.allowed, dev)
+                values = logits[i].index_select(0, r.allowed_index)
+                logits[i].fill_(float("-inf")).index_copy_(0, r.allowed_index, values)
             if s.bias_ids:
                 bias = device_floats(s.bias_values, dev).to(logits.dtype)
                 logits[i].index_add_(0, device_ints(s.bias_ids, dev), bias)
-            if s.banned:
-                ids = device_ints(s.banned, dev)
+            banned = s.banned
+            if s.bad_words:
+                r = requests[i]
+                tail = r.token_ids[max(len(r.prompt_token_ids), len(r.token_ids) - s.bad_tail):]
+                completing = _completing(s.bad_words, tail)
+                # a ban that would leave no allowed token is lifted (as min_tokens' is)
+                if completing and not (s.allowed and set(s.allowed) <= set(completing) | set(s.banned)):
+                    banned = tuple(sorted(set(banned).union(completing)))
+            if banned:
+                ids = device_ints(banned, dev)
                 kept = logits[i].index_select(0, ids) if i in grammar_rows else None
                 logits[i].index_fill_(0, ids, float("-inf"))
                 if kept is not None:   # on the device, no wait: every token masked -> the banned ones back
                     logits[i].index_copy_(0, ids, torch.where(torch.isneginf(logits[i].amax()), kept,
                                                               torch.full_like(kept, float("-inf"))))
-            if s.bad_words:
-                completing = _completing(s.bad_words, requests[i].output_token_ids)
-                if completing:
-                    logits[i].index_fill_(0, device_ints(completing, dev), float("-inf"))
         rows = [i for i, s in enumerate(settings) if s.penalties is not None]
         if len(rows) == len(settings):
             _apply_penalties(logits, requests, [s.penalties for s in settings], self.vocab_size)
@@ -376,8 +385,9 @@ def _num_before(r: Request) -> int:
 
 def _completing(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
     """The tokens that would complete a bad word now: a sequence's last token where the output
-    ends with the rest of it (a one-token word's always). The output is known up to the token
-    being sampled (rows with several-token words wait for in-flight ones: ``needs_history``)."""
+    (its last ``bad_tail`` tokens here) ends with the rest of it (a one-token word's always). The
+    output is known up to the token being sampled (rows with several-token words wait for
+    in-flight ones: ``needs_history``)."""
     return sorted({seq[-1] for seq in bad_words
                    if len(seq) == 1 or (len(seq) - 1 <= len(output) and tuple(output[1 - len(seq):]) == seq[:-1])})
 

@@ -535,6 +535,7 @@ class OpenAIServer:
         if jobs:
             field = next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None)
             await self._check_grammar(jobs[0][1], field)
+        await self._tokenize_bad_words(body.bad_words)
         futs = self._submit_all(jobs, body.cache_salt, "prompt")
         texts = [text for text, _ in prompts]
         rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
@@ -551,7 +552,7 @@ class OpenAIServer:
                 if body.logprobs is not None:
                     choice["logprobs"] = self._completion_logprobs(out, o, body.echo, text, body.logprobs, name)
                 if body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self._prompt_logprobs(out, body.prompt_logprobs, name)
+                    choice["prompt_logprobs"] = self._prompt_logprobs(out, body.prompt_logprobs)
                 _add_ids(choice, body, o, out.prompt_token_ids)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
@@ -612,10 +613,12 @@ class OpenAIServer:
         several tokens share, is then told apart)."""
         return _token_id_name if body.return_tokens_as_token_ids else self._token_str
 
-    def _prompt_logprobs(self, out: RequestOutput, k: int, name: Callable[[int], str]) -> list[dict | None]:
+    def _prompt_logprobs(self, out: RequestOutput, k: int) -> list[dict | None]:
         """vLLM's ``prompt_logprobs``: per prompt token (None for the first), the ``k`` likeliest
-        tokens and the prompt's own, keyed by id: {logprob, rank in the vocabulary, decoded_token}."""
-        return [None if entry is None else {str(t): {"logprob": x.logprob, "rank": x.rank, "decoded_token": name(t)}
+        tokens and the prompt's own, keyed by id: {logprob, rank in the vocabulary, decoded_token
+        (its text, also under return_tokens_as_token_ids, as vLLM's)}."""
+        return [None if entry is None else {str(t): {"logprob": x.logprob, "rank": x.rank,
+                                                     "decoded_token": self._token_str(t)}
                                             for t, x in _with_chosen(entry, tid, k)}
                 for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False)]
 
@@ -725,6 +728,7 @@ class OpenAIServer:
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
                             k, body.prompt_logprobs, guided=plan.guided, skip_special_tokens=False if keep else None)
         await self._check_grammar(sp, plan.guided_field)
+        await self._tokenize_bad_words(body.bad_words)
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
         rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         if body.stream:
@@ -749,7 +753,7 @@ class OpenAIServer:
         if body.return_token_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
         if body.prompt_logprobs is not None:
-            response["prompt_logprobs"] = self._prompt_logprobs(out, body.prompt_logprobs, self._namer(body))
+            response["prompt_logprobs"] = self._prompt_logprobs(out, body.prompt_logprobs)
         return response
 
     async def _chat_ids(self, messages: list[dict[str, Any]], active_tools: list[dict[str, Any]] | None,
@@ -832,6 +836,15 @@ class OpenAIServer:
         # is then read as content only
         return ChatPlan(tools.template_messages(body.messages, tool_defs, template), active,
                         choice if constraint is not None and not auto else None, parser, guided, field, tool_defs)
+
+    async def _tokenize_bad_words(self, words: list[str] | None) -> None:
+        """Tokenize a request's bad words in the text pool, once (the LLM keeps them: its prompts'
+        submissions, on the event loop, only look them up)."""
+        if words:
+            try:
+                await self._text(self.llm.bad_word_ids, tuple(words))
+            except ValueError as e:
+                raise ApiError(400, str(e), "bad_words") from None
 
     async def _check_grammar(self, sp: SamplingParams, field: str | None) -> None:
         """Compile the request's grammar in the text pool; one that does not compile is a 400."""
@@ -963,11 +976,13 @@ def _weight_version(outs: list[RequestOutput]) -> str:
 
 def _unsampled(out: RequestOutput) -> RequestOutput:
     """A request of ``echo`` alone (``max_tokens: 0``) as the client sees it: its one sampled
-    token taken out of each choice (text, ids, logprobs), each ended by its length."""
+    token taken out of each choice (text, ids, logprobs), each ended by its length (an abort or
+    a failure stays what it was)."""
     shown = copy.copy(out)
     shown.outputs = [replace(o, text="", token_ids=[], logprobs=[] if o.logprobs is not None else None,
                              text_diff="", token_ids_diff=[], logprobs_diff=[],
-                             finish_reason="length" if o.finish_reason else None, stop_reason=None)
+                             finish_reason="length" if o.finish_reason in ("length", "stop") else o.finish_reason,
+                             stop_reason=None)
                      for o in out.outputs]
     return shown
 
@@ -1055,10 +1070,11 @@ _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def _echoed(body: ChatCompletionRequest) -> str:
-    """What a chat answer starts with under vLLM's ``echo``: the final message's text when it is
-    the assistant's (the answer's own role), else nothing."""
+    """What a chat answer starts with under vLLM's ``echo``: the final message's text where it
+    has the answer's role (the assistant's; without a generation prompt, whatever the final
+    message's role is, as vLLM reads it), else nothing."""
     last = body.messages[-1]
-    return last.text() if body.echo and last.role == "assistant" else ""
+    return last.text() if body.echo and (last.role == "assistant" or not body.add_generation_prompt) else ""
 
 
 def _token_id_name(token_id: int) -> str:

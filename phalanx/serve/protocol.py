@@ -295,6 +295,8 @@ class CompletionRequest(SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 is taken with echo: the prompt alone, with its "
                              "logprobs, as OpenAI's and vLLM's scoring idiom)")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise ValueError("min_tokens must be 0 with max_tokens 0 (echo alone generates nothing)")
         return self
 
     @property

@@ -56,10 +56,15 @@ def test_allowed_token_ids_are_the_only_tokens_drawn_and_logprobs_stay_raw():
     assert out.token_ids[0].item() == 5 and set(out.token_ids[1:].tolist()) == {2, 4}
     chosen, rank, top = out.host_logprobs()[0]
     assert chosen == pytest.approx(logits[0].log_softmax(-1)[5].item()) and top[0][0] == 1   # raw: 1 is likeliest
-    only_eos = req(allowed_token_ids=[0], min_tokens=3)           # eos (0) banned for three tokens: lifted
-    assert Sampler(6, CPU).sample(logits[:1], [only_eos]).token_ids.tolist() == [0]
-    banned = req(allowed_token_ids=[0, 3], min_tokens=3)          # another token left: the ban holds
+    only_eos = req(allowed_token_ids=[4], min_tokens=3, eos=(4,))   # eos (4) banned for three tokens: lifted
+    assert Sampler(6, CPU).sample(logits[:1], [only_eos]).token_ids.tolist() == [4]
+    banned = req(allowed_token_ids=[4, 3], min_tokens=3, eos=(4,))  # another token left: the ban holds
     assert Sampler(6, CPU).sample(logits[:1], [banned]).token_ids.tolist() == [3]
+    sampler = Sampler(6, CPU)                                     # the allowed ids reach the device once
+    sampler.sample(logits[:1], [greedy])
+    index = greedy.allowed_index
+    sampler.sample(logits[:1], [greedy])
+    assert index is not None and greedy.allowed_index is index
     assert speculates(SamplingParams()) and not speculates(SamplingParams(allowed_token_ids=[1]))
 
 
@@ -76,6 +81,13 @@ def test_a_bad_word_s_last_token_is_masked_where_the_output_ends_with_the_rest()
     for output, want in (((), 2), ((1,), 5), ((3, 1), 1)):
         r = req(output=output, bad_words_token_ids=[list(w) for w in words])
         assert Sampler(6, CPU).sample(logits, [r]).token_ids.tolist() == [want], output
+    # a bad-word ban that would leave no allowed token is lifted: after 1, only 2 is allowed and
+    # (1, 2) bans it; with 3 allowed too, the ban holds
+    for allowed, want in (([2], 2), ([2, 3], 3)):
+        r = req(output=(1,), bad_words_token_ids=[[1, 2]], allowed_token_ids=allowed)
+        assert Sampler(6, CPU).sample(logits, [r]).token_ids.tolist() == [want]
+    long_output = req(output=(9,) * 50 + (1,), bad_words_token_ids=[[1, 2]])    # only the tail is read
+    assert Sampler(10, CPU).sample(torch.tensor([[0.0, 1.0, 5.0] + [0.0] * 7]), [long_output]).token_ids.tolist() == [1]
     assert not SamplingParams(bad_words_token_ids=[[4]]).needs_history      # one token: no history read
     assert SamplingParams(bad_words_token_ids=[[4], [1, 2]]).needs_history
 

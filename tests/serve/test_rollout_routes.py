@@ -227,22 +227,30 @@ def test_generate_batches_samples_and_streams(server):
 
 def test_abort_request_ends_a_generation_with_its_tokens_so_far(server):
     """slime's partial rollouts: /abort_request (by rid, or all) ends a running /generate, which
-    answers 200 with the tokens so far and finish reason type abort."""
+    ends with the tokens so far and finish reason type abort (a stream here, so that the abort
+    comes once tokens have; a plain request answers 200 the same way)."""
+    import json
     for body in ({"rid": "long-1"}, {"abort_all": True}):
-        answer: dict = {}
+        events: list = []
+        started = threading.Event()
 
-        def run(answer=answer):
-            answer["out"] = generate(server, text="Tell me a long story.", rid="long-1",
-                                     sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+        def run(events=events, started=started):
+            with httpx.stream("POST", server + "/generate", headers=AUTH, timeout=120, json={
+                    "text": "Tell me a long story.", "rid": "long-1", "stream": True,
+                    "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        started.set()
         t = threading.Thread(target=run)
         t.start()
-        time.sleep(2.0)
+        assert started.wait(120)
         r = httpx.post(server + "/abort_request", json=body, headers=AUTH, timeout=30)
         t.join(120)
         assert r.status_code == 200 and r.json()["aborted"] == 1, r.text
-        out = answer["out"]
-        assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert 0 < len(out["output_ids"]) < 400 and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+        last = events[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(last["output_ids"]) < 400 and last["meta_info"]["completion_tokens"] == len(last["output_ids"])
     r = httpx.post(server + "/abort_request", json={"rid": "nobody"}, headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["aborted"] == 0
 

@@ -134,11 +134,29 @@ def test_the_wire_form_carries_only_what_differs_from_the_defaults_and_round_tri
 def test_bad_words_become_token_sequences_as_vllm_reads_them():
     """Each bad word as it stands and, where that gives another first token and as many tokens,
     after a space (a word inside a text); sequences already given are kept, none twice."""
+    from phalanx.llmapi.sampling_params import bad_word_sequences
     from phalanx.llmapi.tokenizer import Tokenizer, _gguf_tokenizer
     from phalanx.models.source import bundled_model_path
     tok = Tokenizer(_gguf_tokenizer(bundled_model_path()))
     enc = lambda t: tok.encode(t, add_special_tokens=False)   # noqa: E731
     sp = SamplingParams(bad_words=["Paris", " Paris"], bad_words_token_ids=[[5]])
-    sp.add_bad_word_ids(enc)
+    sp.add_bad_word_ids(bad_word_sequences(sp.bad_words, enc))
     assert sp.bad_words_token_ids == [[5], enc("Paris"), enc(" Paris")] and enc("Paris") != enc(" Paris")
     assert SamplingParams.from_dict(sp.to_dict()).bad_words_token_ids == sp.bad_words_token_ids
+
+
+def test_masks_that_leave_nothing_to_draw_are_refused():
+    """allowed_token_ids that one-token bad words all ban (given, or added from bad_words), or
+    beside a grammar (which may allow none of them), leave no token: refused by name."""
+    from phalanx.llmapi.sampling_params import GuidedDecodingParams
+    with pytest.raises(ValueError, match="^allowed_token_ids are all bad words"):
+        SamplingParams(allowed_token_ids=[3, 4], bad_words_token_ids=[[3], [4], [1, 4]])
+    SamplingParams(allowed_token_ids=[3, 4], bad_words_token_ids=[[3], [1, 4]])       # 4 is left
+    sp = SamplingParams(allowed_token_ids=[3], bad_words=["x"])
+    with pytest.raises(ValueError, match="^allowed_token_ids are all bad words"):
+        sp.add_bad_word_ids([[3]])
+    with pytest.raises(ValueError, match="^allowed_token_ids cannot be combined with guided_decoding"):
+        SamplingParams(allowed_token_ids=[3], guided_decoding=GuidedDecodingParams(regex="a+"))
+    assert SamplingParams(bad_words_token_ids=[[1]] * 256).bad_words_token_ids is not None   # two a word
+    with pytest.raises(ValueError, match="^bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[1]] * 257)
