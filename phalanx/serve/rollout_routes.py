@@ -12,7 +12,7 @@
     POST /init_weights_update_group      {"master_address", "master_port", "rank_offset", "world_size", "backend"?}
     POST /update_weights_from_distributed {"names", "dtypes", "shapes", "weight_version"?, "bucket_bytes"?}
     POST /destroy_weights_update_group   {}
-    POST /reset_prefix_cache             {}
+    POST /reset_prefix_cache             {}   (also SGLang's GET or POST /flush_cache)
 
 Tensor specs are those of ``weight_transfer.share_tensors`` with their bytes fields (CUDA IPC
 handles) in base64. A refused call (bad name, shape, dtype, mode) is a 400 naming the field and
@@ -216,6 +216,10 @@ def add_routes(server: Any) -> None:
         await body(request, EmptyBody)
         await call(llm.reset_prefix_cache)
         return {"success": True}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request):   # SGLang's name (slime calls it after a weight update)
+        return await reset_prefix_cache(request)
 
 
 def _named_field(message: str, fields: Iterable[str]) -> str | None:

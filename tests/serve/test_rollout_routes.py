@@ -16,7 +16,7 @@ ROUTES = [("post", "/pause_generation"), ("post", "/continue_generation"), ("pos
           ("get", "/is_sleeping"), ("get", "/weight_version"), ("post", "/update_weights_from_disk"),
           ("post", "/update_weights_from_tensor"), ("post", "/init_weights_update_group"),
           ("post", "/update_weights_from_distributed"), ("post", "/destroy_weights_update_group"),
-          ("post", "/reset_prefix_cache")]
+          ("post", "/reset_prefix_cache"), ("get", "/flush_cache"), ("post", "/generate"), ("post", "/abort_request")]
 
 
 def complete(url, **extra):
@@ -104,6 +104,18 @@ def test_update_from_disk_sets_the_version_every_response_carries(server):
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "return_token_ids": True})
     assert r.json()["weight_version"] == "policy-2" and r.json()["prompt_token_ids"]
     assert httpx.post(server + "/reset_prefix_cache", headers=AUTH, timeout=60).json() == {"success": True}
+
+
+def test_flush_cache_empties_the_prefix_cache(server):
+    """SGLang's /flush_cache (slime calls it after a weight update) is reset_prefix_cache."""
+    prompt = "A long enough prompt to fill whole blocks of the cache: " * 8
+    complete(server, prompt=prompt)
+    assert complete(server, prompt=prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    for method in ("get", "post"):
+        r = getattr(httpx, method)(server + "/flush_cache", headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json() == {"success": True}
+        assert complete(server, prompt=prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        complete(server, prompt=prompt)
 
 
 def test_pause_keep_holds_a_request_until_continue(server):
