@@ -108,6 +108,9 @@ class _Sequence:
             # several tokens at once (a speculative step): the tokens after a stop string's are dropped
             for i, tok in enumerate(token_ids):
                 self.token_ids.append(tok)
+                if self.logprobs is not None and logprobs:
+                    self.logprobs.append(_logprob_entry(tok, logprobs[i], self.named))
+                    self.cumulative_logprob += float(logprobs[i][0])
                 before = len(self.text)
                 if i < len(text_ids):
                     self.text += self.detok.add([tok])

@@ -144,7 +144,9 @@ class SamplingParams:
     logits must be computed). allowed_token_ids: the only tokens that may be sampled (vLLM's;
     the others are masked before the logit bias, and a min_tokens ban that would leave none
     is lifted). truncate_prompt_tokens: a longer prompt keeps its last this many tokens (-1:
-    max_seq_len's worth), as vLLM's. bad_words: words the output may not contain (vLLM's): each
+    max_seq_len's worth), as vLLM's. scaled_logprobs: logprobs of the logits divided by the
+    temperature (SGLang's), not of the model's own distribution (greedy: temperature 1).
+    bad_words: words the output may not contain (vLLM's): each
     is tokenized as it stands and after a space, and the last token of such a sequence is
     banned wherever the output ends with the rest of it; bad_words_token_ids: such sequences as
     token ids (the ``LLM`` adds bad_words' to them; without a tokenizer they are the only form).
@@ -172,6 +174,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    scaled_logprobs: bool = False
     guided_decoding: GuidedDecodingParams | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -265,7 +268,8 @@ class SamplingParams:
                self.truncate_prompt_tokens)
         _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                "guided_decoding", "must be a GuidedDecodingParams", type(self.guided_decoding).__name__)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "scaled_logprobs"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false", getattr(self, name))
         _check(len(stop_strings) <= MAX_STOP_STRINGS, "stop",
                f"at most {MAX_STOP_STRINGS} strings", len(stop_strings))

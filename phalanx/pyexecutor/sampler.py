@@ -102,6 +102,7 @@ class RowSettings:
     penalties: tuple[float, float, float] | None = None   # (repetition, frequency, presence)
     seed: int | None = None
     logprobs: int | None = None
+    logprob_temperature: float = 1.0  # the logprobs' distribution is of logits / this (scaled_logprobs)
 
     @property
     def needs_processing(self) -> bool:
@@ -145,7 +146,8 @@ class RowSettings:
             penalties=((float(sp.repetition_penalty), float(sp.frequency_penalty), float(sp.presence_penalty))
                        if sp.needs_penalties else None),
             seed=None if sp.seed is None else int(sp.seed) & 0xFFFF_FFFF_FFFF,
-            logprobs=None if sp.logprobs is None else int(sp.logprobs))
+            logprobs=None if sp.logprobs is None else int(sp.logprobs),
+            logprob_temperature=float(sp.effective_temperature) if sp.scaled_logprobs and not sp.is_greedy else 1.0)
         if not settings.greedy and not settings.temperature > 0.0:
             raise ValueError(f"temperature {settings.temperature} cannot scale logits")
         return settings
@@ -326,7 +328,7 @@ def costliest_rows(rows: int, vocab_size: int) -> list[Request]:
     return [Request(i, ids, SamplingParams(
         temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1,
         presence_penalty=0.1, logit_bias={ids[1]: 1.0}, allowed_token_ids=ids, min_tokens=1, stop_token_ids=[ids[2]],
-        bad_words_token_ids=[[ids[4]], [ids[5], ids[6]]],
+        bad_words_token_ids=[[ids[4]], [ids[5], ids[6]]], scaled_logprobs=True,
         seed=i, logprobs=MAX_LOGPROBS), max_total_tokens=len(ids) + 1, eos_token_ids=(ids[3],))
         for i in range(rows)]
 
@@ -456,9 +458,14 @@ def logprob_ranks(lp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 
 def _logprobs(out: SampleOutput, raw: torch.Tensor, settings: list[RowSettings], width: int | None) -> None:
     """Raw-distribution logprobs of the sampled token, its rank (``logprob_ranks``) and the top
-    ``width`` (the rows' widest ask when None), left on the device."""
+    ``width`` (the rows' widest ask when None), left on the device; a row with
+    ``logprob_temperature`` (scaled_logprobs) has those of its logits divided by it."""
     rows = [i for i, s in enumerate(settings) if s.logprobs is not None]
-    lp = (raw if len(rows) == len(settings) else raw[rows]).log_softmax(dim=-1)
+    lp = raw if len(rows) == len(settings) else raw[rows]
+    scales = [settings[i].logprob_temperature for i in rows]
+    if any(t != 1.0 for t in scales):
+        lp = lp / device_floats(scales, lp.device).to(lp.dtype)[:, None]
+    lp = lp.log_softmax(dim=-1)
     out.logprob_rows = rows
     out.top_k = [settings[i].logprobs or 0 for i in rows]
     out.chosen_logprobs = lp.gather(1, out.token_ids[rows][:, None]).squeeze(1)

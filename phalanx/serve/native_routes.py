@@ -40,13 +40,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field, SkipValidation, field_validator, model_validator
 
 from phalanx.llmapi.outputs import RequestOutput
-from phalanx.llmapi.sampling_params import MAX_LOGPROBS, GuidedDecodingParams, SamplingParams
+from phalanx.llmapi.sampling_params import MAX_LOGPROBS, GuidedDecodingParams, SamplingParams, plain_token_ids
 from phalanx.serve.protocol import BodyError, NullIsDefault, Strict, parse_body
 
 if TYPE_CHECKING:
     from phalanx.serve.openai_server import OpenAIServer
 
 MAX_BATCH = 1024        # prompts in one /generate (each a request of the engine)
+MAX_SEQUENCES = 4096    # prompts times samples in one /generate
 MAX_NEW_TOKENS_DEFAULT = 128   # SGLang's
 
 
@@ -57,7 +58,7 @@ class NativeSampling(NullIsDefault):
     min_new_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1)   # -1: every token (0 is refused, as SGLang's)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
@@ -77,7 +78,8 @@ class NativeSampling(NullIsDefault):
     logit_bias: dict[str, float] | None = None
 
     def params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """phalanx's SamplingParams of these (ValueError naming the field)."""
+        """phalanx's SamplingParams of these (ValueError naming the field). The logprobs are
+        SGLang's: of the logits divided by the temperature (``scaled_logprobs``)."""
         given = (("json", self.json_schema), ("regex", self.regex), ("grammar", self.ebnf),
                  ("structural_tag", self.structural_tag))
         constraints: dict[str, Any] = {k: v for k, v in given if v is not None}
@@ -95,8 +97,8 @@ class NativeSampling(NullIsDefault):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.no_stop_trim, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, guided_decoding=guided,
-            skip_special_tokens=self.skip_special_tokens)
+            logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, scaled_logprobs=True,
+            guided_decoding=guided, skip_special_tokens=self.skip_special_tokens)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> NativeSampling:
@@ -105,6 +107,8 @@ class NativeSampling(NullIsDefault):
             raise ValueError(f"{given[1]}: only one of json_schema, regex, ebnf and structural_tag, got {given}")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (every token) or at least 1")
         return self
 
 
@@ -131,8 +135,9 @@ class GenerateBody(NullIsDefault):
     @field_validator("input_ids", mode="before")
     @classmethod
     def _ids(cls, v: Any) -> Any:
-        def ids(x: Any) -> bool:
-            return isinstance(x, list) and bool(x) and all(type(t) is int and t >= 0 for t in x)
+        def ids(x: Any) -> bool:   # (the vocabulary's bound is checked with the prompts)
+            return isinstance(x, list) and (plain_token_ids(x) or bool(x) and all(type(t) is int and t >= 0
+                                                                                for t in x))
         if v is None or ids(v) or isinstance(v, list) and v and len(v) <= MAX_BATCH and all(ids(x) for x in v):
             return v
         raise ValueError(f"must be a non-empty list of token ids, or a list of 1 to {MAX_BATCH} of them")
@@ -146,6 +151,11 @@ class GenerateBody(NullIsDefault):
             raise ValueError(f"sampling_params: a list needs one per prompt ({n}), got {len(self.sampling_params)}")
         if isinstance(self.rid, list) and len(self.rid) != n:
             raise ValueError(f"rid: a list needs one per prompt ({n}), got {len(self.rid)}")
+        if isinstance(self.rid, list) and len(set(self.rid)) != n:
+            raise ValueError("rid: the ids of a batch must differ")
+        samples = sum(self.sampling(i).n for i in range(n))
+        if samples > MAX_SEQUENCES:
+            raise ValueError(f"sampling_params: at most {MAX_SEQUENCES} prompts times samples, got {samples}")
         return self
 
     @property
@@ -171,15 +181,11 @@ class GenerateBody(NullIsDefault):
         return [base] if n == 1 else [f"{base}_{i}" for i in range(n)]
 
 
-class AbortBody(Strict):
-    rid: str | None = None
-    abort_all: bool = False
+class AbortBody(NullIsDefault):
+    """SGLang's: ``rid`` ("" for none) or ``abort_all`` (which wins); neither aborts nothing."""
 
-    @model_validator(mode="after")
-    def _what(self) -> AbortBody:
-        if (self.rid is None) == (not self.abort_all):
-            raise ValueError("rid or abort_all: give a rid, or abort_all true")
-        return self
+    rid: str = ""
+    abort_all: bool = False
 
 
 def add_routes(server: OpenAIServer) -> None:
@@ -206,12 +212,13 @@ def add_routes(server: OpenAIServer) -> None:
         except ApiError as e:     # (named as a completion's prompt: here the field is text or input_ids)
             raise ApiError(e.status, e.message.replace("prompt", what, 1), what) from None
         logprobs = b.top_logprobs_num if b.return_logprob else None
-        prompt_lp = b.top_logprobs_num if b.return_logprob and b.logprob_start_len >= 0 else None
         jobs = []
         for i, (_, ids) in enumerate(prompts):
             s = b.sampling(i)
             limit = server._output_limit(len(ids), s.max_new_tokens if s.max_new_tokens != 0 else 1, what,
                                          "sampling_params.max_new_tokens")
+            # the prompt's logprobs only where some are asked for (a request with them reuses no cached prefix)
+            prompt_lp = b.top_logprobs_num if b.return_logprob and 0 <= b.logprob_start_len < len(ids) else None
             try:
                 sp = s.params(limit, logprobs, prompt_lp)
             except ValueError as e:
@@ -226,6 +233,9 @@ def add_routes(server: OpenAIServer) -> None:
         for rid, fut in zip(rids, futs, strict=True):
             running[rid] = [fut]
         items = [(i, k) for i, (_, sp) in enumerate(jobs) for k in range(sp.n)]   # prompt by prompt, then samples
+        first = [0]
+        for _, sp in jobs:
+            first.append(first[-1] + sp.n)     # each prompt's first item
 
         def answer(i: int, k: int, out: RequestOutput) -> dict[str, Any]:
             nothing = b.sampling(i).max_new_tokens == 0     # SGLang's prompt-only request (a cache fill)
@@ -242,8 +252,8 @@ def add_routes(server: OpenAIServer) -> None:
                         for o in out.outputs:
                             if o.text_diff or o.token_ids_diff or o.finish_reason is not None:
                                 event = answer(i, o.index, out)
-                                if len(items) > 1:
-                                    event["index"] = items.index((i, o.index))
+                                if b.batched or len(items) > 1:
+                                    event["index"] = first[i] + o.index
                                 yield _sse(event)
                     for f in futs:
                         server._observe(f)
@@ -266,7 +276,7 @@ def add_routes(server: OpenAIServer) -> None:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         b: AbortBody = await body(request, AbortBody)
-        futs = list(server._in_flight) if b.abort_all else running.get(b.rid or "", [])
+        futs = list(server._in_flight) if b.abort_all else running.get(b.rid, []) if b.rid else []
         left = [f for f in futs if not f.done]
         _abort(left)
         aborted = len(left)
@@ -278,8 +288,11 @@ def _answer(server: OpenAIServer, b: GenerateBody, rid: str, out: RequestOutput,
     """One prompt's (one sample's) answer as SGLang gives it: all of its output so far."""
     o = out.outputs[k]
     ids, text = ([], "") if nothing else (o.token_ids, o.text)
+    finish = None if not o.finish_reason else (
+        {"type": "length", "length": 0} if nothing and o.finish_reason in ("length", "stop") else
+        _finish(o.finish_reason, o.stop_reason, ids))
     meta: dict[str, Any] = {
-        "id": rid, "finish_reason": _finish(o.finish_reason, o.stop_reason, ids) if o.finish_reason else None,
+        "id": rid, "finish_reason": finish,
         "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(ids),
         "cached_tokens": out.cached_tokens, "weight_version": out.weight_version}
     if o.finish_reason:
@@ -287,16 +300,14 @@ def _answer(server: OpenAIServer, b: GenerateBody, rid: str, out: RequestOutput,
     if b.return_logprob:
         name = server._token_str if b.return_text_in_logprobs else None
         entries = [] if nothing else (o.logprobs or [])[:len(ids)]
-        meta["output_token_logprobs"] = [_triple(e[t].logprob, t, name) for t, e in zip(ids, entries, strict=False)]
+        meta["output_token_logprobs"] = [_triple(e[t].logprob, t, name) for t, e in zip(ids, entries, strict=True)]
+        meta["output_token_logprobs_length"] = len(entries)
+        start = b.logprob_start_len if b.logprob_start_len >= 0 else len(out.prompt_token_ids)
+        prompt = list(zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False))[start:]
+        meta["input_token_logprobs"] = [_triple(None if e is None else e[t].logprob, t, name) for t, e in prompt]
         if b.top_logprobs_num:
             meta["output_top_logprobs"] = [_top(e, b.top_logprobs_num, name) for e in entries]
-        if b.logprob_start_len >= 0:
-            start = min(b.logprob_start_len, len(out.prompt_token_ids))
-            prompt = list(zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False))[start:]
-            meta["input_token_logprobs"] = [_triple(None if e is None else e[t].logprob, t, name) for t, e in prompt]
-            if b.top_logprobs_num:
-                meta["input_top_logprobs"] = [None if e is None else _top(e, b.top_logprobs_num, name)
-                                              for _, e in prompt]
+            meta["input_top_logprobs"] = [None if e is None else _top(e, b.top_logprobs_num, name) for _, e in prompt]
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 

@@ -484,7 +484,8 @@ class OpenAIServer:
             raise ApiError(499, "client disconnected")
         try:
             return done.result()
-        except RequestError as e:
+        except RequestError as e:   # one failed: the others of the request stop too
+            _abort(futs)
             raise ApiError(503 if not self.llm.is_alive else 500, f"generation failed: {e}") from None
 
     def _observe(self, fut: RequestOutput) -> None:

@@ -92,6 +92,21 @@ def test_a_bad_word_s_last_token_is_masked_where_the_output_ends_with_the_rest()
     assert SamplingParams(bad_words_token_ids=[[4], [1, 2]]).needs_history
 
 
+def test_scaled_logprobs_are_of_the_logits_over_the_temperature():
+    """scaled_logprobs (SGLang's logprobs): log-softmax of the logits / temperature for sampled
+    rows, the raw ones for greedy rows and for rows that do not ask."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.0]]).repeat(3, 1)
+    rows = [req(rid=1, logprobs=2, temperature=0.5, seed=1, scaled_logprobs=True),
+            req(rid=2, logprobs=2, temperature=0.0, scaled_logprobs=True),
+            req(rid=3, logprobs=2, temperature=0.5, seed=1)]
+    out = Sampler(5, CPU).sample(logits, rows)
+    got = out.host_logprobs()
+    for (chosen, _, top), tok, t in zip(got, out.token_ids.tolist(), (0.5, 1.0, 1.0), strict=True):
+        want = (logits[0] / t).log_softmax(-1)
+        assert chosen == pytest.approx(want[tok].item(), abs=1e-5)
+        assert [lp for _, lp in top] == pytest.approx(want.topk(2).values.tolist(), abs=1e-5)
+
+
 def test_the_costliest_rows_take_every_path_of_the_sampler():
     """The KV pool is sized after sampling these rows (the profiling run): every setting a row
     can have is on, and every row is seeded (its keyed noise holds more than the shared

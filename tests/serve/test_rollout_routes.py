@@ -202,7 +202,37 @@ def test_generate_answers_as_sglang_does(server):
             "temperature": 0, "max_new_tokens": 6, "stop": [stop], "no_stop_trim": trim})
         assert cut["text"] == text and cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     ends = generate(server, text="Say hi.", sampling_params={"temperature": 0, "max_new_tokens": 200})
-    assert ends["meta_info"]["finish_reason"] == {"type": "stop", "matched": ends["output_ids"][-1]}
+    from phalanx.llmapi.tokenizer import load_tokenizer
+    from phalanx.models.source import resolve_model
+    eos = load_tokenizer(resolve_model(bundled_model_path())).eos_token_ids
+    assert ends["meta_info"]["finish_reason"]["type"] == "stop" and ends["meta_info"]["finish_reason"]["matched"] in eos
+    assert ends["output_ids"][-1] in eos
+    # SGLang's prompt-only request (a cache fill): nothing generated, the prompt's logprobs given
+    fill = generate(server, text="The capital of France is", return_logprob=True, logprob_start_len=0,
+                    sampling_params={"max_new_tokens": 0})
+    assert (fill["text"], fill["output_ids"], fill["meta_info"]["output_token_logprobs"]) == ("", [], [])
+    assert fill["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert len(fill["meta_info"]["input_token_logprobs"]) == fill["meta_info"]["prompt_tokens"]
+    # no prompt logprobs asked (the start past the prompt): the cached prefix is reused
+    long = "The capital of France is a city with a long history, " * 6
+    for _ in range(2):
+        past = generate(server, text=long, return_logprob=True, logprob_start_len=10 ** 6,
+                        sampling_params={"max_new_tokens": 1})["meta_info"]
+    assert past["input_token_logprobs"] == [] and past["cached_tokens"] > 0
+
+
+def test_generate_logprobs_are_of_the_tempered_distribution(server):
+    """SGLang's logprobs are those of the logits divided by the temperature: the gap between the
+    first position's two likeliest tokens is the model's own gap (a completion's, raw) over T."""
+    raw = complete(server, max_tokens=1, logprobs=2)["choices"][0]["logprobs"]["top_logprobs"][0]
+    (a, b) = sorted(raw.values(), reverse=True)[:2]
+    hot = generate(server, text="The capital of France is", return_logprob=True, top_logprobs_num=2,
+                   sampling_params={"temperature": 0.5, "max_new_tokens": 1, "sampling_seed": 1})["meta_info"]
+    (ta, _, _), (tb, _, _) = hot["output_top_logprobs"][0]
+    assert ta - tb == pytest.approx((a - b) / 0.5, rel=1e-3) and abs((a - b) / 0.5 - (a - b)) > 0.1
+    greedy = generate(server, text="The capital of France is", return_logprob=True, top_logprobs_num=2,
+                      sampling_params={"temperature": 0, "max_new_tokens": 1})["meta_info"]
+    assert [x[0] for x in greedy["output_top_logprobs"][0]] == pytest.approx([a, b], abs=1e-4)   # greedy: T = 1
 
 
 def test_generate_batches_samples_and_streams(server):
@@ -225,6 +255,10 @@ def test_generate_batches_samples_and_streams(server):
                 events.append(line[6:])
     assert events[-1] == "[DONE]"
     import json
+    with httpx.stream("POST", server + "/generate", headers=AUTH, timeout=120, json={
+            "input_ids": prompts[:1], "stream": True, "sampling_params": {"max_new_tokens": 2}}) as r:
+        one_batch = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert one_batch and all(e["index"] == 0 for e in one_batch)       # a batch of one still says which
     by_index: dict[int, list] = {}
     for e in map(json.loads, events[:-1]):
         by_index.setdefault(e["index"], []).append(e)
@@ -242,7 +276,7 @@ def test_abort_request_ends_a_generation_with_its_tokens_so_far(server):
     ends with the tokens so far and finish reason type abort (a stream here, so that the abort
     comes once tokens have; a plain request answers 200 the same way)."""
     import json
-    for body in ({"rid": "long-1"}, {"abort_all": True}):
+    for body in ({"rid": "long-1"}, {"rid": "", "abort_all": True}):     # (the second: verl's form)
         events: list = []
         started = threading.Event()
 
@@ -263,8 +297,9 @@ def test_abort_request_ends_a_generation_with_its_tokens_so_far(server):
         last = events[-1]
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < len(last["output_ids"]) < 400 and last["meta_info"]["completion_tokens"] == len(last["output_ids"])
-    r = httpx.post(server + "/abort_request", json={"rid": "nobody"}, headers=AUTH, timeout=30)
-    assert r.status_code == 200 and r.json()["aborted"] == 0
+    for nothing in ({"rid": "nobody"}, {}, {"rid": "", "abort_all": False}):
+        r = httpx.post(server + "/abort_request", json=nothing, headers=AUTH, timeout=30)
+        assert r.status_code == 200 and r.json()["aborted"] == 0
 
 
 @pytest.mark.parametrize("body, param", [
@@ -277,6 +312,9 @@ def test_abort_request_ends_a_generation_with_its_tokens_so_far(server):
     ({"text": "Hi", "sampling_params": {"regex": "[a-"}}, "sampling_params"),
     ({"input_ids": [10 ** 7]}, "input_ids"),
     ({"text": "Hi", "image_data": "x.png"}, "image_data"),
+    ({"text": ["a", "b"], "rid": ["same", "same"]}, "rid"),
+    ({"text": "Hi", "sampling_params": {"top_k": 0}}, "sampling_params"),
+    ({"text": ["a"] * 40, "sampling_params": {"n": 128}}, "sampling_params"),
 ])
 def test_generate_refuses_what_it_cannot_do_by_name(server, body, param):
     r = httpx.post(server + "/generate", json=body, headers=AUTH, timeout=60)

@@ -234,3 +234,19 @@ def test_the_servers_metrics_count_every_token_and_time_each_sequence_apart():
     text = metrics.render().decode()
     assert 'phalanx:generation_tokens_total{model_name="m"} 9.0' in text
     assert 'phalanx:inter_token_latency_seconds_count{model_name="m"} 4.0' in text   # 2 a sequence, not 5
+
+
+def test_a_step_of_several_tokens_keeps_a_logprob_for_each_under_stop_strings():
+    """A step that brings several tokens (a verify step's) to a sequence with stop strings is
+    applied token by token; each keeps its logprob, so logprobs and tokens stay as many."""
+    from phalanx.executor.result import _Sequence
+    from phalanx.llmapi.tokenizer import Tokenizer, _gguf_tokenizer
+    from phalanx.models.source import bundled_model_path
+    tok = Tokenizer(_gguf_tokenizer(bundled_model_path()))
+    seq = _Sequence(0, SamplingParams(max_tokens=8, stop=["zzz"], logprobs=1), tok, [1, 2, 3])
+    ids = tok.encode(" Paris is", add_special_tokens=False)
+    seq.add(ids, [[-0.5, 1, [[t, -0.5]]] for t in ids], None, None, "v1")
+    seq.add(ids[:1], [[-0.25, 1, [[ids[0], -0.25]]]], None, None, "v1")
+    assert len(ids) > 1 and seq.token_ids == ids + ids[:1]
+    assert seq.logprobs is not None and [e[t].logprob for t, e in zip(seq.token_ids, seq.logprobs, strict=True)] \
+        == [-0.5] * len(ids) + [-0.25]
