@@ -259,9 +259,6 @@ class SamplingParams:
                        f"each must be a list of 1 to {MAX_BAD_WORD_TOKENS} token ids", seq)
                 for t in seq:
                     _int(t, "bad_words_token_ids", 0, INT32_MAX, rule="must hold token ids (integers >= 0)")
-        _check(self.allowed_token_ids is None or self.guided_decoding is None, "allowed_token_ids",
-               "cannot be combined with guided_decoding (the grammar may allow none of them)", self.allowed_token_ids)
-        self._check_something_allowed()
         _int(self.truncate_prompt_tokens, "truncate_prompt_tokens", -1, INT32_MAX, optional=True,
              rule="must be -1 (max_seq_len) or at least 1")
         _check(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens", "must be -1 (max_seq_len) or at least 1",
@@ -299,6 +296,9 @@ class SamplingParams:
                    type(allowed).__name__ if not isinstance(allowed, (list, tuple)) else len(allowed))
             for t in allowed:
                 _int(t, "allowed_token_ids", 0, INT32_MAX, rule="must be token ids (integers >= 0)")
+            _check(self.guided_decoding is None, "allowed_token_ids",
+                   "cannot be combined with guided_decoding (the grammar may allow none of them)", allowed)
+            self._check_something_allowed()      # (both lists checked by now)
         self.stop_strings = stop_strings   # only once every check has passed
 
     def check_vocab(self, vocab_size: int) -> None:

@@ -248,9 +248,8 @@ class Sampler:
                 r = requests[i]
                 tail = r.token_ids[max(len(r.prompt_token_ids), len(r.token_ids) - s.bad_tail):]
                 completing = _completing(s.bad_words, tail)
-                # a ban that would leave no allowed token is lifted (as min_tokens' is)
-                if completing and not (s.allowed and set(s.allowed) <= set(completing) | set(s.banned)):
-                    banned = tuple(sorted(set(banned).union(completing)))
+                if completing:
+                    banned = _bans(s.allowed, s.banned, completing)
             if banned:
                 ids = device_ints(banned, dev)
                 kept = logits[i].index_select(0, ids) if i in grammar_rows else None
@@ -383,6 +382,18 @@ def device_floats(values: Sequence[float], device: torch.device) -> torch.Tensor
 def _num_before(r: Request) -> int:
     """Output tokens that precede the one being sampled now (some may still be in flight)."""
     return r.num_output_tokens + max(0, r.num_inflight_tokens - 1)
+
+
+def _bans(allowed: tuple[int, ...], banned: tuple[int, ...], completing: list[int]) -> tuple[int, ...]:
+    """A row's bans at this step: min_tokens' and the bad words' about to complete. Where they
+    would leave none of its allowed tokens, min_tokens' is lifted (a bad word is never drawn);
+    where the bad words alone leave none, theirs is (the sizes first: a large allowed list is
+    never walked while the bans are fewer)."""
+    both = set(completing).union(banned)
+    if allowed and len(allowed) <= len(both) and both.issuperset(allowed):
+        alone = set(completing)
+        return banned if len(allowed) <= len(alone) and alone.issuperset(allowed) else tuple(sorted(alone))
+    return tuple(sorted(both))
 
 
 def _completing(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:

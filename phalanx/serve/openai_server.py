@@ -536,7 +536,7 @@ class OpenAIServer:
         if jobs:
             field = next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None)
             await self._check_grammar(jobs[0][1], field)
-        await self._tokenize_bad_words(body.bad_words)
+        await self._tokenize_bad_words(body.bad_words, [sp for _, sp in jobs])
         futs = self._submit_all(jobs, body.cache_salt, "prompt")
         texts = [text for text, _ in prompts]
         rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
@@ -729,7 +729,7 @@ class OpenAIServer:
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
                             k, body.prompt_logprobs, guided=plan.guided, skip_special_tokens=False if keep else None)
         await self._check_grammar(sp, plan.guided_field)
-        await self._tokenize_bad_words(body.bad_words)
+        await self._tokenize_bad_words(body.bad_words, [sp])
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
         rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         if body.stream:
@@ -838,14 +838,18 @@ class OpenAIServer:
         return ChatPlan(tools.template_messages(body.messages, tool_defs, template), active,
                         choice if constraint is not None and not auto else None, parser, guided, field, tool_defs)
 
-    async def _tokenize_bad_words(self, words: list[str] | None) -> None:
-        """Tokenize a request's bad words in the text pool, once (the LLM keeps them: its prompts'
-        submissions, on the event loop, only look them up)."""
+    async def _tokenize_bad_words(self, words: list[str] | None, params: list[SamplingParams]) -> None:
+        """Tokenize a request's bad words in the text pool, once, and give the sequences to its
+        prompts' params (their submissions, on the event loop, then tokenize nothing)."""
         if words:
             try:
-                await self._text(self.llm.bad_word_ids, tuple(words))
+                seqs = await self._text(self.llm.bad_word_ids, tuple(words))
+                for sp in params:
+                    sp.bad_words = None
+                    sp.add_bad_word_ids(seqs)
             except ValueError as e:
-                raise ApiError(400, str(e), "bad_words") from None
+                named = str(e).split(" ", 1)[0]
+                raise ApiError(400, str(e), named if named in _PARAM_FIELDS else "bad_words") from None
 
     async def _check_grammar(self, sp: SamplingParams, field: str | None) -> None:
         """Compile the request's grammar in the text pool; one that does not compile is a 400."""
@@ -1072,10 +1076,11 @@ _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
 
 def _echoed(body: ChatCompletionRequest) -> str:
     """What a chat answer starts with under vLLM's ``echo``: the final message's text where it
-    has the answer's role (the assistant's; without a generation prompt, whatever the final
-    message's role is, as vLLM reads it), else nothing."""
+    has the answer's role, the assistant's, else nothing. (vLLM gives an answer without a
+    generation prompt the final message's role, and echoes that message; phalanx's answers are
+    the assistant's.)"""
     last = body.messages[-1]
-    return last.text() if body.echo and (last.role == "assistant" or not body.add_generation_prompt) else ""
+    return last.text() if body.echo and last.role == "assistant" else ""
 
 
 def _token_id_name(token_id: int) -> str:

@@ -60,11 +60,11 @@ def test_allowed_token_ids_are_the_only_tokens_drawn_and_logprobs_stay_raw():
     assert Sampler(6, CPU).sample(logits[:1], [only_eos]).token_ids.tolist() == [4]
     banned = req(allowed_token_ids=[4, 3], min_tokens=3, eos=(4,))  # another token left: the ban holds
     assert Sampler(6, CPU).sample(logits[:1], [banned]).token_ids.tolist() == [3]
-    sampler = Sampler(6, CPU)                                     # the allowed ids reach the device once
-    sampler.sample(logits[:1], [greedy])
-    index = greedy.allowed_index
-    sampler.sample(logits[:1], [greedy])
-    assert index is not None and greedy.allowed_index is index
+    sampler = Sampler(6, CPU)                                     # the allowed ids reach the device once:
+    sampler.sample(logits[:1], [greedy])                          # later steps use the request's index
+    assert greedy.allowed_index is not None and greedy.allowed_index.tolist() == [0, 2, 5]
+    greedy.allowed_index = torch.tensor([1])       # (a stand-in: what a later step masks with shows which)
+    assert sampler.sample(logits[:1], [greedy]).token_ids.tolist() == [1]
     assert speculates(SamplingParams()) and not speculates(SamplingParams(allowed_token_ids=[1]))
 
 
@@ -88,6 +88,11 @@ def test_a_bad_word_s_last_token_is_masked_where_the_output_ends_with_the_rest()
         assert Sampler(6, CPU).sample(logits, [r]).token_ids.tolist() == [want]
     long_output = req(output=(9,) * 50 + (1,), bad_words_token_ids=[[1, 2]])    # only the tail is read
     assert Sampler(10, CPU).sample(torch.tensor([[0.0, 1.0, 5.0] + [0.0] * 7]), [long_output]).token_ids.tolist() == [1]
+    at_edge = req(output=(9,) * 50 + (7, 8), bad_words_token_ids=[[7, 8, 2], [5]])   # the tail: exactly 7, 8
+    assert Sampler(10, CPU).sample(torch.tensor([[0.0, 1.0, 5.0] + [0.0] * 7]), [at_edge]).token_ids.tolist() == [1]
+    # min_tokens' ban and a bad word together would leave no allowed token: min_tokens' is lifted
+    both = req(allowed_token_ids=[3, 4], bad_words_token_ids=[[3]], min_tokens=3, eos=(4,))
+    assert Sampler(6, CPU).sample(logits, [both]).token_ids.tolist() == [4]
     assert not SamplingParams(bad_words_token_ids=[[4]]).needs_history      # one token: no history read
     assert SamplingParams(bad_words_token_ids=[[4], [1, 2]]).needs_history
 

@@ -157,6 +157,9 @@ def test_masks_that_leave_nothing_to_draw_are_refused():
         sp.add_bad_word_ids([[3]])
     with pytest.raises(ValueError, match="^allowed_token_ids cannot be combined with guided_decoding"):
         SamplingParams(allowed_token_ids=[3], guided_decoding=GuidedDecodingParams(regex="a+"))
+    for bad in ([[1]], 5):     # malformed allowed ids beside bad words: named, not a TypeError
+        with pytest.raises(ValueError, match="^allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad, bad_words_token_ids=[[1]])
     assert SamplingParams(bad_words_token_ids=[[1]] * 256).bad_words_token_ids is not None   # two a word
     with pytest.raises(ValueError, match="^bad_words_token_ids"):
         SamplingParams(bad_words_token_ids=[[1]] * 257)
