@@ -5,6 +5,8 @@
     POST /continue_generation            {}
     POST /sleep                          {"level": 1 | 2}
     POST /wake_up                        {"tags": ["weights", "kv_cache"]}
+    POST /release_memory_occupation      {"tags"?}   SGLang's sleep: everything at once (level 1)
+    POST /resume_memory_occupation       {"tags"?}   SGLang's wake_up ("cuda_graph" comes with "kv_cache")
     GET  /is_sleeping                    -> {"is_sleeping": bool}
     GET  /weight_version                 -> {"weight_version": str}
     POST /update_weights_from_disk       {"model_path", "weight_version"?}
@@ -56,6 +58,12 @@ class SleepBody(Strict):
 
 class WakeUpBody(Strict):
     tags: list[Literal["weights", "kv_cache"]] | None = Field(None, min_length=1, max_length=2)
+
+
+class MemoryTagsBody(Strict):
+    """SGLang's memory tags; phalanx's CUDA graphs are freed and recaptured with its KV cache."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = Field(None, min_length=1, max_length=3)
 
 
 class DiskBody(Strict):
@@ -167,6 +175,24 @@ def add_routes(server: Any) -> None:
     async def wake_up(request: Request):
         b = await body(request, WakeUpBody)
         await call(llm.wake_up, list(b.tags) if b.tags is not None else None, body=b)
+        return {"success": True}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory(request: Request):
+        b = await body(request, MemoryTagsBody)
+        if b.tags is not None and not {"weights", "kv_cache"} <= set(b.tags):
+            raise ApiError(400, "tags: phalanx releases its weights (to host memory), KV cache and CUDA graphs "
+                                f"together; give all of them or none, got {b.tags}", "tags")
+        await call(llm.sleep, 1, body=b)
+        return {"success": True}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: Request):
+        b = await body(request, MemoryTagsBody)
+        tags = None if b.tags is None else sorted(set(b.tags) - {"cuda_graph"})
+        if tags == []:
+            raise ApiError(400, "tags: CUDA graphs come back with the KV cache (tag kv_cache)", "tags")
+        await call(llm.wake_up, tags, body=b)
         return {"success": True}
 
     @app.get("/is_sleeping")

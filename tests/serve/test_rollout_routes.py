@@ -16,7 +16,8 @@ ROUTES = [("post", "/pause_generation"), ("post", "/continue_generation"), ("pos
           ("get", "/is_sleeping"), ("get", "/weight_version"), ("post", "/update_weights_from_disk"),
           ("post", "/update_weights_from_tensor"), ("post", "/init_weights_update_group"),
           ("post", "/update_weights_from_distributed"), ("post", "/destroy_weights_update_group"),
-          ("post", "/reset_prefix_cache"), ("get", "/flush_cache"), ("post", "/generate"), ("post", "/abort_request")]
+          ("post", "/reset_prefix_cache"), ("get", "/flush_cache"), ("post", "/generate"), ("post", "/abort_request"),
+          ("post", "/release_memory_occupation"), ("post", "/resume_memory_occupation")]
 
 
 def complete(url, **extra):
@@ -137,6 +138,31 @@ def test_sleep_and_wake_up(server):
     assert httpx.get(server + "/health", timeout=10).status_code == 200
     assert httpx.post(server + "/wake_up", json={}, headers=AUTH, timeout=120).json() == {"success": True}
     assert httpx.get(server + "/is_sleeping", headers=AUTH, timeout=60).json() == {"is_sleeping": False}
+    assert complete(server)["choices"][0]["text"] == before["choices"][0]["text"]
+
+
+def test_sglang_release_and_resume_memory_occupation(server):
+    """SGLang's names for sleep and wake-up, as verl's SGLang adapter calls them: release
+    everything, then resume the weights and then the KV cache (with its CUDA graphs); a partial
+    release, or CUDA graphs alone, is a 400 naming tags."""
+    before = complete(server)
+    for tags in (["kv_cache"], ["weights", "cuda_graph"]):
+        r = httpx.post(server + "/release_memory_occupation", json={"tags": tags}, headers=AUTH, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tags", r.text
+    assert httpx.get(server + "/is_sleeping", headers=AUTH, timeout=60).json() == {"is_sleeping": False}
+    r = httpx.post(server + "/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}, headers=AUTH,
+                   timeout=120)
+    assert r.json() == {"success": True}
+    assert httpx.get(server + "/is_sleeping", headers=AUTH, timeout=60).json() == {"is_sleeping": True}
+    r = httpx.post(server + "/resume_memory_occupation", json={"tags": ["cuda_graph"]}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tags", r.text
+    for tags in (["weights"], ["kv_cache", "cuda_graph"]):
+        r = httpx.post(server + "/resume_memory_occupation", json={"tags": tags}, headers=AUTH, timeout=120)
+        assert r.json() == {"success": True}, r.text
+    assert httpx.get(server + "/is_sleeping", headers=AUTH, timeout=60).json() == {"is_sleeping": False}
+    assert complete(server)["choices"][0]["text"] == before["choices"][0]["text"]
+    assert httpx.post(server + "/release_memory_occupation", json={}, headers=AUTH, timeout=120).status_code == 200
+    assert httpx.post(server + "/resume_memory_occupation", json={}, headers=AUTH, timeout=120).status_code == 200
     assert complete(server)["choices"][0]["text"] == before["choices"][0]["text"]
 
 
