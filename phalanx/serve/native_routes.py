@@ -326,7 +326,7 @@ def _triple(logprob: float | None, token_id: int, name: Any) -> list[Any]:
 
 
 def _top(entry: dict[int, Any], k: int, name: Any) -> list[list[Any]]:
-    """A position's k likeliest tokens, likeliest first, as SGLang lists them."""
-    ranked = sorted(((t, x) for t, x in entry.items() if x.rank is not None and x.rank <= k), key=lambda tx: tx[1].rank)
-    return [_triple(x.logprob, t, name) for t, x in ranked]
-
+    """A position's k likeliest tokens, likeliest first (the chat logprobs' ``_alternatives``),
+    as SGLang lists them."""
+    from phalanx.serve.openai_server import _alternatives
+    return [_triple(x.logprob, t, name) for t, x in _alternatives(entry, k)]
