@@ -68,6 +68,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the largest request body taken (413 above)")
     p.add_argument("--tool_call_parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="how tool calls are read from free-running output (auto: by the chat template)")
+    p.add_argument("--responses_store_size", type=at_least(0, int), default=1024,
+                   help="responses kept in memory for previous_response_id and GET /v1/responses/{id}, the newest "
+                        "first (also bounded by their text); 0: none are kept")
     p.add_argument("--reasoning_parser", default="none", choices=["none", "qwen3", "deepseek_r1"],
                    help="split <think> blocks into reasoning_content")
     p.add_argument("--engine_iteration_timeout", type=float, default=None,
@@ -216,7 +219,7 @@ def serve(a: argparse.Namespace) -> int:
     name = a.served_model_name or (llm.source.name if model else "SmolLM2-135M-Instruct")
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
                           tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
-                          allowed_origins=a.allowed_origins)
+                          allowed_origins=a.allowed_origins, responses_store_size=a.responses_store_size)
     # uvicorn cancels the handlers still running when its graceful time is over, mid-response; the
     # requests still running when the drain time is over are aborted first, and their handlers
     # get ABORT_GRACE seconds more to answer (finish reason "abort") before uvicorn cancels any

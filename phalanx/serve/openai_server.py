@@ -42,7 +42,7 @@ from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
 from phalanx.llmapi.tokenizer import Tokenizer
-from phalanx.serve import native_routes, rollout_routes, tools
+from phalanx.serve import native_routes, responses_routes, rollout_routes, tools
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
     BodyError,
@@ -57,6 +57,7 @@ from phalanx.serve.protocol import (
     parse_body,
     parse_tokenize,
 )
+from phalanx.serve.responses import ResponseStore
 
 logger = logging.getLogger("phalanx")
 
@@ -236,8 +237,9 @@ class OpenAIServer:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, chat_template: str | None = None,
                  max_body_bytes: int = 8 << 20, debug_endpoints: bool = False, tokenizer_threads: int = 4,
                  tool_call_parser: str = "auto", reasoning_parser: str = "none",
-                 allowed_origins: list[str] | None = None) -> None:
+                 allowed_origins: list[str] | None = None, responses_store_size: int = 1024) -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        self.responses = ResponseStore(responses_store_size)   # for previous_response_id and GET /v1/responses/{id}
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.model_type = llm.source.config.model_type
         self.debug_endpoints = debug_endpoints
@@ -253,8 +255,8 @@ class OpenAIServer:
         self.app.openapi = self._openapi   # type: ignore[method-assign]
         self.app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
         if allowed_origins:   # outside the guard: a browser's preflight carries no key
-            self.app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
-                                    allow_headers=["*"])
+            self.app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
+                                    allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _routes(self) -> None:
@@ -302,6 +304,7 @@ class OpenAIServer:
         app.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))(self.detokenize)
         rollout_routes.add_routes(self)   # the RL hand-off: pause, sleep, weight updates
         native_routes.add_routes(self)    # SGLang's /generate and /abort_request (RL trainers' rollouts)
+        responses_routes.add_routes(self)  # OpenAI's Responses API, run as chat requests
         if self.debug_endpoints:   # inspection for tests and operators; off by default
             app.get("/debug/check_integrity")(self.debug_integrity)
             app.get("/debug/stats")(self.debug_stats)
@@ -719,18 +722,7 @@ class OpenAIServer:
     async def chat(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        tokenizer = self._tokenizer("chat needs one", "messages")
-        plan = self._chat_plan(body, tokenizer.chat_template)
-        keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
-        ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1 if keep is None else None)
-        ids = ids[-keep:] if keep is not None else ids
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        keep = decodes_call_markers(plan, tokenizer.special_strings(), body.model_fields_set)
-        sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, "messages", body.output_limit_field),
-                            k, body.prompt_logprobs, guided=plan.guided, skip_special_tokens=False if keep else None)
-        await self._check_grammar(sp, plan.guided_field)
-        await self._tokenize_bad_words(body.bad_words, [sp])
-        [fut] = self._submit_all([(ids, sp)], body.cache_salt, "messages")
+        fut, plan = await self._submit_chat(body, "messages", body.output_limit_field)
         rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         if body.stream:
             return self._sse(self._stream_chat(rid, body, fut, plan))
@@ -756,6 +748,24 @@ class OpenAIServer:
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = self._prompt_logprobs(out, body.prompt_logprobs)
         return response
+
+    async def _submit_chat(self, body: ChatCompletionRequest, what: str,
+                           limit_field: str) -> tuple[RequestOutput, ChatPlan]:
+        """Render, tokenize, check and submit a chat request (also what a Responses request runs
+        as: ``what`` and ``limit_field`` are the fields a context-length error names)."""
+        tokenizer = self._tokenizer("chat needs one", what)
+        plan = self._chat_plan(body, tokenizer.chat_template)
+        keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
+        ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1 if keep is None else None)
+        ids = ids[-keep:] if keep is not None else ids
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        keep = decodes_call_markers(plan, tokenizer.special_strings(), body.model_fields_set)
+        sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, what, limit_field),
+                            k, body.prompt_logprobs, guided=plan.guided, skip_special_tokens=False if keep else None)
+        await self._check_grammar(sp, plan.guided_field)
+        await self._tokenize_bad_words(body.bad_words, [sp])
+        [fut] = self._submit_all([(ids, sp)], body.cache_salt, what)
+        return fut, plan
 
     async def _chat_ids(self, messages: list[dict[str, Any]], active_tools: list[dict[str, Any]] | None,
                         body: ChatCompletionRequest | TokenizeChatRequest, limit: int | None) -> list[int]:
@@ -958,7 +968,7 @@ class OpenAIServer:
         try:
             async for chunk in gen:
                 yield chunk
-                finished = chunk == "data: [DONE]\n\n"
+            finished = True
         finally:
             if not finished:
                 self.metrics.client_aborts.labels(self.model_name).inc()
