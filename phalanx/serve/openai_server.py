@@ -57,7 +57,7 @@ from phalanx.serve.protocol import (
     parse_body,
     parse_tokenize,
 )
-from phalanx.serve.responses import ResponseStore
+from phalanx.serve.responses import ResponsesRequest, ResponseStore
 
 logger = logging.getLogger("phalanx")
 
@@ -317,7 +317,7 @@ class OpenAIServer:
         doc = get_openapi(title="phalanx", version=__version__, routes=self.app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-                      DetokenizeRequest, ErrorResponse):
+                      DetokenizeRequest, ResponsesRequest, ErrorResponse):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(defs.pop("$defs", {}))
             schemas[model.__name__] = defs

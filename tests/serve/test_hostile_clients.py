@@ -121,11 +121,13 @@ def test_every_error_is_openai_shaped(server):
 
 def test_openapi_lists_the_status_codes_the_server_returns(server):
     doc = httpx.get(server + "/openapi.json", headers=H).json()
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         responses = doc["paths"][path]["post"]["responses"]
         assert "422" not in responses and {"200", "400", "401", "413"} <= set(responses)
         assert "requestBody" in doc["paths"][path]["post"]
     assert "prompt" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert "previous_response_id" in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert "404" in doc["paths"]["/v1/responses/{response_id}"]["get"]["responses"]
 
 
 def test_body_limits_hold_for_chunked_uploads_and_content_parts(server):

@@ -15,6 +15,7 @@ PURE_MODULES = [
     "phalanx.llmapi.sampling_params",
     "phalanx.attention_dp.router",
     "phalanx.config",
+    "phalanx.serve.responses",     # the Responses API's conversions: plain data
 ]
 
 
