@@ -58,6 +58,40 @@ CHAT_FIELDS = dict(
     FIELDS, logprobs=(st.booleans(), st.integers(0, 1)), top_logprobs=(st.integers(0, 5), wide_ints),
     messages=(st.lists(_message[0], min_size=1, max_size=3),
               st.lists(st.one_of(_message[0], _message[1]), max_size=3)))
+_valid_item = st.fixed_dictionaries({"role": st.sampled_from(["user", "developer"]),
+                                     "content": st.text(min_size=1, max_size=30)})
+_item = st.one_of(
+    _valid_item,
+    st.fixed_dictionaries({"type": st.just("message"), "role": st.sampled_from(["user", "assistant", "tool", 1]),
+                           "content": st.one_of(texts, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                "text": st.one_of(texts, st.integers())}), max_size=2))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning",
+                                                    "item_reference", "x"]),
+                           "call_id": st.one_of(st.text(max_size=8), st.integers()), "name": st.just("get_weather"),
+                           "arguments": st.one_of(st.just('{"city": "Paris"}'), st.integers()),
+                           "output": st.one_of(texts, st.integers())}),
+    texts, st.integers())
+_tool = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}
+RESPONSES_FIELDS = {
+    "input": (st.one_of(st.text(min_size=1, max_size=40), st.lists(_valid_item, min_size=1, max_size=3)),
+              st.one_of(texts, st.lists(_item, max_size=3), st.integers())),
+    "max_output_tokens": (st.integers(1, 6), wide_ints),
+    "instructions": (st.text(max_size=30), st.one_of(st.just("a\ud800"), st.integers())),
+    "temperature": FIELDS["temperature"], "top_p": FIELDS["top_p"], "top_k": FIELDS["top_k"], "seed": FIELDS["seed"],
+    "stop": FIELDS["stop"], "stream": FIELDS["stream"], "user": FIELDS["user"],
+    "tools": (st.just([_tool]), st.one_of(st.just([{"type": "web_search"}]), st.lists(st.integers(), max_size=2),
+                                          st.just([_tool, _tool]))),
+    "tool_choice": (st.sampled_from(["auto", "none"]), st.one_of(st.sampled_from(["required", "any"]),
+                                                                 st.just({"type": "function", "name": "nope"}))),
+    "text": (st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+             st.one_of(st.just({"format": {"type": "json_schema"}}), st.just({"verbosity": "low"}), st.integers())),
+    "include": (st.just(["message.output_text.logprobs"]), st.lists(st.text(max_size=10), min_size=1, max_size=2)),
+    "truncation": (st.sampled_from(["disabled", "auto"]), st.one_of(st.text(max_size=4), st.booleans())),
+    "store": (st.booleans(), st.integers(0, 1)),
+    "previous_response_id": (st.none(), st.text(min_size=1, max_size=10)),
+}
 UNKNOWN = {"frobnicate": st.integers(), "response_format": st.just({"type": "json_object"}), "tools": st.just([])}
 
 
@@ -71,12 +105,16 @@ def bodies(fields, required, hostile=True):
             valid, bad = fields[name]
             return draw(bad if hostile and draw(st.integers(0, 4)) == 4 else valid)
 
-        names = draw(st.lists(st.sampled_from(sorted(k for k in fields if k not in required)), max_size=5))
-        body = {"model": MODEL, **{k: value(k) for k in required}, "max_tokens": value("max_tokens")}
+        names = draw(st.lists(st.sampled_from(sorted(k for k in fields if k not in (*required, "max_output_tokens"))),
+                              max_size=5))
+        limit = "max_output_tokens" if "max_output_tokens" in fields else "max_tokens"
+        body = {"model": MODEL, **{k: value(k) for k in required}, "max_tokens": value(limit)}
         body.update({k: value(k) for k in sorted(set(names))})
         if hostile and draw(st.integers(0, 5)) == 5:
             name = draw(st.sampled_from(sorted(UNKNOWN)))
             body[name] = draw(UNKNOWN[name])
+        if "max_output_tokens" in fields:   # a Responses body: its own limit's name, not chat's
+            body["max_output_tokens"] = body.pop("max_tokens")
         if not hostile:                  # rules across fields, as OpenAI's
             if "top_logprobs" in body:
                 body["logprobs"] = True
@@ -112,14 +150,16 @@ def check(server, path, body, reference, expect=None):
     assert status in (200, 400, 404), (status, answer)
     assert expect is None or status == expect, (status, answer)
     event(f"HTTP {status} {answer['error']['param'] if status != 200 else ''}")
-    if status == 200 and body.get("stream") is True:
+    if status == 200 and body.get("stream") is True and path == "/v1/responses":   # typed events, no [DONE]
+        assert json.loads(answer[-1][6:])["type"] in ("response.completed", "response.incomplete"), answer
+    elif status == 200 and body.get("stream") is True:
         assert answer[-1] == "data: [DONE]" and not any('"error"' in line for line in answer), answer
     elif status == 200:
-        assert answer["choices"] and answer["usage"]["completion_tokens"] >= 0
+        assert answer.get("choices") or answer.get("output"), answer
     else:
         err = answer["error"]
         assert err["code"] == status and err["param"], err
-        assert status == 400 or err["param"] == "model"
+        assert status == 400 or err["param"] in ("model", "previous_response_id")
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +172,7 @@ def reference(server):
     return _text(s1, a1), _text(s2, a2)
 
 
-FUZZ = settings(max_examples=28, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=24, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
 
@@ -147,6 +187,12 @@ def test_fuzzed_completions(server, reference, body):
 @given(body=bodies(CHAT_FIELDS, ["messages"]))
 def test_fuzzed_chat(server, reference, body):
     check(server, "/v1/chat/completions", body, reference)
+
+
+@settings(FUZZ, max_examples=16)
+@given(body=bodies(RESPONSES_FIELDS, ["input"]))
+def test_fuzzed_responses(server, reference, body):
+    check(server, "/v1/responses", body, reference)
 
 
 @settings(FUZZ, max_examples=10)
