@@ -17,7 +17,8 @@ ROUTES = [("post", "/pause_generation"), ("post", "/continue_generation"), ("pos
           ("post", "/update_weights_from_tensor"), ("post", "/init_weights_update_group"),
           ("post", "/update_weights_from_distributed"), ("post", "/destroy_weights_update_group"),
           ("post", "/reset_prefix_cache"), ("get", "/flush_cache"), ("post", "/generate"), ("post", "/abort_request"),
-          ("post", "/release_memory_occupation"), ("post", "/resume_memory_occupation")]
+          ("post", "/release_memory_occupation"), ("post", "/resume_memory_occupation"), ("get", "/v1/loads"),
+          ("get", "/get_load")]
 
 
 def complete(url, **extra):
@@ -326,6 +327,42 @@ def test_abort_request_ends_a_generation_with_its_tokens_so_far(server):
     for nothing in ({"rid": "nobody"}, {}, {"rid": "", "abort_all": False}):
         r = httpx.post(server + "/abort_request", json=nothing, headers=AUTH, timeout=30)
         assert r.status_code == 200 and r.json()["aborted"] == 0
+
+
+def test_loads_count_a_running_request_until_abort_all_ends_it(server):
+    """slime's drain: /abort_request with abort_all, then /v1/loads?include=core polled until no
+    request is left; /get_load is the older form routers read."""
+    def load(**params):
+        r = httpx.get(server + "/v1/loads", params=params, headers=AUTH, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_for(pred, what):
+        deadline = time.monotonic() + 60
+        while not pred(report := load(include="core")):
+            assert time.monotonic() < deadline, (what, report)
+            time.sleep(0.1)
+        return report
+
+    idle = wait_for(lambda r: r["aggregate"]["total_reqs"] == 0, "idle")
+    [rank] = idle["loads"]
+    assert rank["dp_rank"] == 0 and rank["max_total_num_tokens"] > 0 and rank["num_used_tokens"] >= 0
+    t = threading.Thread(target=lambda: httpx.post(server + "/generate", headers=AUTH, timeout=120, json={
+        "text": "Tell me a long story.", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+    t.start()
+    busy = wait_for(lambda r: r["loads"][0]["num_running_reqs"] == 1, "the request running")
+    assert busy["loads"][0]["num_used_tokens"] > 0 and 0 < busy["loads"][0]["token_usage"] <= 1
+    [old] = httpx.get(server + "/get_load", headers=AUTH, timeout=30).json()
+    assert old["num_reqs"] >= 1 and old["dp_rank"] == 0 and old["num_tokens"] > 0
+    assert httpx.post(server + "/abort_request", json={"abort_all": True}, headers=AUTH, timeout=30).json()["aborted"]
+    wait_for(lambda r: r["aggregate"]["total_reqs"] == 0, "drained after abort_all")
+    t.join(120)
+    every = load()
+    assert set(every["loads"][0]) >= {"num_running_reqs", "queues"} and load(dp_rank=0)["dp_rank_count"] == 1
+    for params, param in (({"include": "core,lora"}, "include"), ({"dp_rank": 3}, "dp_rank"),
+                          ({"format": "prometheus"}, "format")):
+        r = httpx.get(server + "/v1/loads", params=params, headers=AUTH, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize("body, param", [
