@@ -871,29 +871,7 @@ class OpenAIServer:
             raise ApiError(400, f"{field}: {e}" if field else str(e), field or "guided_decoding") from None
 
     def _chat_message(self, text: str, plan: ChatPlan, include_reasoning: bool = True) -> tuple[dict[str, Any], bool]:
-        """The assistant message of a whole output, read by the same ``_ChoiceStream`` that
-        streamed outputs go through (so both read the same reasoning, content and calls), and
-        whether it made tool calls."""
-        stream = _ChoiceStream(plan, self.reasoning_parser, include_reasoning)
-        delta, deltas = stream.feed(text, True)
-        calls: dict[int, dict[str, Any]] = {}
-        for d in deltas:        # a named function streams its header, then its arguments
-            i = d["index"]
-            if i not in calls:
-                calls[i] = {k: (dict(v) if k == "function" else v) for k, v in d.items() if k != "index"}
-            else:
-                calls[i]["function"]["arguments"] += d["function"]["arguments"]
-        content: str | None = delta.get("content", "")
-        if calls and not (content or "").strip():
-            content = None
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if self.reasoning_parser != "none":
-            message["reasoning_content"] = delta.get("reasoning_content", "").strip() or None
-            if content:
-                message["content"] = content.lstrip()
-        if calls:
-            message["tool_calls"] = [calls[i] for i in sorted(calls)]
-        return message, stream.called
+        return chat_message(text, plan, self.reasoning_parser, include_reasoning)
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict], k: int,
                        name: Callable[[int], str]) -> list[dict[str, Any]]:
@@ -973,6 +951,33 @@ class OpenAIServer:
             if not finished:
                 self.metrics.client_aborts.labels(self.model_name).inc()
                 await gen.aclose()   # type: ignore[attr-defined]
+
+
+def chat_message(text: str, plan: ChatPlan, reasoning_parser: str,
+             include_reasoning: bool = True) -> tuple[dict[str, Any], bool]:
+    """The assistant message of a whole output, read by the same ``_ChoiceStream`` that
+    streamed outputs go through (so both read the same reasoning, content and calls), and
+    whether it made tool calls."""
+    stream = _ChoiceStream(plan, reasoning_parser, include_reasoning)
+    delta, deltas = stream.feed(text, True)
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:        # a named function streams its header, then its arguments
+        i = d["index"]
+        if i not in calls:
+            calls[i] = {k: (dict(v) if k == "function" else v) for k, v in d.items() if k != "index"}
+        else:
+            calls[i]["function"]["arguments"] += d["function"]["arguments"]
+    content: str | None = delta.get("content", "")
+    if calls and not (content or "").strip():
+        content = None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning_parser != "none":
+        message["reasoning_content"] = delta.get("reasoning_content", "").strip() or None
+        if content:
+            message["content"] = content.lstrip()
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message, stream.called
 
 
 # the fields of SamplingParams (a submission's ValueError that begins with one names it)

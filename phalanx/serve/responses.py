@@ -21,7 +21,7 @@ import json
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -96,7 +96,7 @@ class ReasoningConfig(NullIsDefault):
 
 class ResponsesRequest(NullIsDefault):
     model: str | None = None
-    input: str | list[dict[str, Any]] = Field(..., max_length=MAX_MESSAGES)
+    input: str | Annotated[list[Any], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = Field(None, max_length=MAX_TEXT_CHARS)
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     max_output_tokens: int | None = Field(None, ge=1)
@@ -110,7 +110,7 @@ class ResponsesRequest(NullIsDefault):
     store: bool = True
     stream: bool = False
     background: bool = False
-    request_id: str | None = Field(None, min_length=1, max_length=256)
+    request_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,200}$")   # the id is resp_<request_id>
     # passed to the chat request as they are (bounds checked there)
     temperature: Any = None
     top_p: Any = None
@@ -160,7 +160,7 @@ class ResponsesRequest(NullIsDefault):
 
     @field_validator("input")
     @classmethod
-    def _input_present(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    def _input_present(cls, v: str | list[Any]) -> str | list[Any]:
         if isinstance(v, str) and len(v) > MAX_TEXT_CHARS:
             raise ValueError(f"at most {MAX_TEXT_CHARS} characters")
         if not v:
@@ -224,10 +224,11 @@ class ResponsesRequest(NullIsDefault):
 
 
 _ROLES = ("user", "system", "developer", "assistant")
+MAX_CALLS = 128     # calls in one assistant turn (a chat message's bound)
 _MESSAGE_KEYS = {"type", "role", "content", "id", "status"}
 
 
-def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(items: list[Any]) -> list[dict[str, Any]]:
     """Responses input items -> chat messages. A ``function_call`` joins the assistant message
     just before it (a new one if there is none); a ``reasoning`` item opens an assistant message
     that the next assistant message or call completes; ``function_call_output`` is a tool message."""
@@ -253,7 +254,9 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if open_assistant is None:
                 open_assistant = {"role": "assistant", "content": None}
                 out.append(open_assistant)
-            open_assistant.setdefault("tool_calls", []).append(call)
+            if len(open_assistant.setdefault("tool_calls", [])) == MAX_CALLS:
+                raise BodyError(f"{where}: at most {MAX_CALLS} function calls in a row (one assistant turn)", where)
+            open_assistant["tool_calls"].append(call)
         elif kind == "function_call_output":
             _keys(item, where, {"type", "call_id", "output", "id", "status"})
             out.append({"role": "tool", "tool_call_id": _text(item, "call_id", where, 256),
@@ -314,7 +317,8 @@ def _output_text(output: Any, where: str) -> str:
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
     """A reasoning item's text: its reasoning_text parts, else its summary's text."""
     for field, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
-        parts = item.get(field) or []
+        parts = item.get(field)
+        parts = [] if parts is None else parts
         if not isinstance(parts, list) or any(not isinstance(p, dict) or p.get("type") != kind
                                               or not isinstance(p.get("text"), str) for p in parts):
             raise BodyError(f"{where}.{field}: must be a list of {kind} parts", f"{where}.{field}")
@@ -382,13 +386,18 @@ def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]
 def output_items(message: dict[str, Any], ids: OutputIds, status: str,
                  logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """A chat answer's assistant message as Responses output items, in the order they were
-    written: its reasoning, its text (also when empty, if nothing else came), its calls."""
+    written: its reasoning, its text (also when empty, if no call came), its calls. The item
+    being written when the output ended takes ``status`` (``incomplete`` where the output limit
+    cut it); the items before it, and every call (only whole calls are read), are completed."""
+    calls = message.get("tool_calls") or []
+    last = "message" if message.get("content") or not calls else None
     items = []
     if message.get("reasoning_content"):
-        items.append(reasoning_item(ids.reasoning, message["reasoning_content"], status))
-    calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
-        items.append(message_item(ids.message, message.get("content") or "", status, logprobs))
+        items.append(reasoning_item(ids.reasoning, message["reasoning_content"],
+                                    status if last is None and not calls else "completed"))
+    if last is not None:
+        items.append(message_item(ids.message, message.get("content") or "", "completed" if calls else status,
+                                  logprobs))
     items += [call_item(ids.call(i), c, "completed") for i, c in enumerate(calls)]
     return items
 
@@ -436,17 +445,26 @@ def reasoning_tokens(pieces: list[bytes], starts_in_reasoning: bool) -> int:
 
 
 class ResponseEvents:
-    """The typed events of one streamed output: items open as their first delta comes and close
-    when another kind of delta begins (or at the end)."""
+    """The typed events of one streamed output, read as ``output_items`` reads the whole output:
+    items open as their first delta comes and close when another kind begins (or at the end).
+    With a reasoning parser (``strip``) the reasoning is sent without the blanks around it and
+    the answer without the blanks it starts with; blank answer text is held until text comes (a
+    call after it drops it); an output with neither an answer nor a call ends with an empty
+    message. So the streamed items are the whole answer's, and so is what a later turn goes on
+    from."""
 
-    def __init__(self, ids: OutputIds, logprobs: bool) -> None:
-        self.ids, self.with_logprobs = ids, logprobs
+    def __init__(self, ids: OutputIds, logprobs: bool, strip: bool) -> None:
+        self.ids, self.with_logprobs, self.strip = ids, logprobs, strip
         self.seq = 0
         self.items: list[dict[str, Any]] = []        # closed items, in output order
         self.open: dict[str, Any] | None = None      # the item being written
         self.text = ""                               # the open item's text (or arguments)
-        self.logprobs: list[dict[str, Any]] = []     # the open message's logprobs so far
+        self.logprobs: list[dict[str, Any]] = []     # the message's logprobs so far
         self.pending_lps: list[dict[str, Any]] = []  # logprobs of tokens no text delta has carried yet
+        self.reasoned = False                        # reasoning sent
+        self.reasoning_tail = ""                     # blanks at the reasoning's end so far (held)
+        self.answer_held = ""                        # blank answer text before the message opens
+        self.answered = False                        # the message opened
         self.calls = 0
 
     def sse(self, kind: str, **fields: Any) -> str:
@@ -461,13 +479,27 @@ class ResponseEvents:
     def feed(self, delta: dict[str, Any], calls: list[dict[str, Any]], lps: list[dict[str, Any]]) -> list[str]:
         out: list[str] = []
         self.pending_lps += lps
-        if delta.get("reasoning_content"):
-            out += self._text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            out += self._text("message", delta["content"])
+        thought = delta.get("reasoning_content", "")
+        if thought:
+            thought = self.reasoning_tail + (thought if self.reasoned else thought.lstrip())
+            body = thought.rstrip()
+            self.reasoning_tail = thought[len(body):]
+            if body:
+                self.reasoned = True
+                out += self._text("reasoning", body)
+        answer = delta.get("content", "")
+        if answer and not self.answered:
+            answer = self.answer_held + answer
+            if self.strip:
+                answer = answer.lstrip()
+            self.answer_held, answer = (answer, "") if not answer.strip() else ("", answer)
+        if answer:
+            self.answered = True
+            out += self._text("message", answer)
         for call in calls:
             if "id" in call:      # a new call: its header (and what arguments there are yet)
-                out += self.close("completed")
+                out += self._close("completed")
+                self.answer_held = ""
                 self.open = {"id": self.ids.call(self.calls), "type": "function_call", "call_id": call["id"],
                              "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
                 self.calls += 1
@@ -478,10 +510,19 @@ class ResponseEvents:
                 out.append(self.sse("response.function_call_arguments.delta", **self._where(), delta=args))
         return out
 
-    def _text(self, kind: str, text: str) -> list[str]:
+    def finish(self, status: str) -> list[str]:
+        """The end of the output: an answer that never came is an empty message (where no call
+        came either); the open item closes with ``status``."""
+        out: list[str] = []
+        if not self.answered and not self.calls:
+            self.answered = True
+            out += self._text("message", self.answer_held, opening=True)
+        return out + self._close(status if self.open is None or self.open["type"] != "function_call" else "completed")
+
+    def _text(self, kind: str, text: str, opening: bool = False) -> list[str]:
         out: list[str] = []
         if self.open is None or self.open["type"] != kind:
-            out += self.close("completed")
+            out += self._close("completed")
             if kind == "reasoning":
                 self.open = {"id": self.ids.reasoning, "type": "reasoning", "summary": [], "content": [],
                              "status": "in_progress"}
@@ -504,17 +545,13 @@ class ResponseEvents:
                                 logprobs=lps))
         return out
 
-    def close(self, status: str, empty_message: bool = False) -> list[str]:
-        """The open item's closing events (none if no item is open). ``empty_message``: the
-        output's end, where an output with no item yet gets an empty message (as a whole answer
-        has)."""
-        out: list[str] = []
-        if empty_message and self.open is None and not self.items:
-            out += self._text("message", "")
+    def _close(self, status: str) -> list[str]:
+        """The open item's closing events (none if no item is open)."""
         item, self.open = self.open, None
         if item is None:
-            return out
+            return []
         where = {"item_id": item["id"], "output_index": len(self.items)}
+        out = []
         if item["type"] == "reasoning":
             done = reasoning_item(item["id"], self.text, status)
             out.append(self.sse("response.reasoning_text.done", **where, content_index=0, text=self.text))
@@ -533,7 +570,7 @@ class ResponseEvents:
                                 arguments=self.text))
         out.append(self.sse("response.output_item.done", **where, item=done))
         self.items.append(done)
-        self.text, self.logprobs = "", []
+        self.text = ""
         return out
 
 
@@ -548,11 +585,11 @@ class Stored:
 
 class ResponseStore:
     """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``, in memory: the
-    newest ``capacity`` responses whose conversations hold at most ``max_chars`` characters in
-    all; the oldest go first. (A stored conversation holds all of its turns, so a long chain of
+    newest ``capacity`` responses that hold at most ``max_chars`` characters in all (their JSON and
+    their conversations); the oldest go first. (A stored conversation holds all of its turns, so a long chain of
     turns counts each earlier turn again: the character bound is what holds the memory.)"""
 
-    def __init__(self, capacity: int, max_chars: int = 64 * MAX_TEXT_CHARS) -> None:
+    def __init__(self, capacity: int, max_chars: int = 16 * MAX_TEXT_CHARS) -> None:
         self.capacity, self.max_chars = capacity, max_chars
         self._items: OrderedDict[str, Stored] = OrderedDict()
         self.chars = 0
@@ -563,7 +600,8 @@ class ResponseStore:
     def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         if self.capacity == 0:
             return
-        chars = sum(_chars(m) for m in conversation)
+        # all that is kept: the answer as sent (instructions, tools, logprobs...) and the conversation
+        chars = len(_ENCODE(response)) + sum(_chars(m) for m in conversation)
         self.delete(response_id)
         self._items[response_id] = Stored(response, conversation, chars)
         self.chars += chars

@@ -35,15 +35,17 @@ def add_routes(server: OpenAIServer) -> None:
     app, store = server.app, server.responses
 
     def renamed(e: ApiError | BodyError, status: int = 400) -> ApiError:
-        """A chat error as the Responses field it comes from (messages -> input, ...)."""
+        """A chat error as the Responses field it comes from (messages -> input, ...). A chat
+        message's index is not an input item's (the instructions, the stored turns and calls
+        joined into one message shift it), so a message's error names ``input`` alone."""
         param = e.param or ""
         head, _, rest = param.partition(".")
         new = rs.CHAT_TO_RESPONSES.get(head)
         if new is None:
             return ApiError(getattr(e, "status", status), e.message, e.param)
-        message = e.message.replace(param, new + ("." + rest if rest else ""), 1) if e.message.startswith(param) \
-            else e.message
-        return ApiError(getattr(e, "status", status), message, new + ("." + rest if rest else ""))
+        named = new if head == "messages" else new + ("." + rest if rest else "")
+        message = named + e.message[len(param):] if param and e.message.startswith(param) else e.message
+        return ApiError(getattr(e, "status", status), message, named)
 
     def stored(response_id: str, field: str = "response_id") -> rs.Stored:
         found = store.get(response_id)
@@ -57,6 +59,9 @@ def add_routes(server: OpenAIServer) -> None:
         if body.store and "store" in body.model_fields_set and store.capacity == 0:
             raise ApiError(400, "store: this server keeps no responses (--responses_store_size 0); send store: false",
                            "store")
+        response_id = rs.new_id("resp") if body.request_id is None else f"resp_{body.request_id}"
+        if body.store and store.get(response_id) is not None:
+            raise ApiError(400, f"request_id: a stored response already has the id {response_id!r}", "request_id")
         history = stored(body.previous_response_id, "previous_response_id").conversation \
             if body.previous_response_id else []
         try:
@@ -67,7 +72,7 @@ def add_routes(server: OpenAIServer) -> None:
             fut, plan = await server._submit_chat(chat, "input", "max_output_tokens")
         except ApiError as e:
             raise renamed(e) from None
-        head = _head(server, body, rs.new_id("resp") if body.request_id is None else f"resp_{body.request_id}")
+        head = _head(server, body, response_id)
         turn = chat.model_dump(exclude_none=True)["messages"][1 if body.instructions is not None else 0:]
         responder = _Responder(server, body, plan, head, turn)
         if body.stream:
@@ -125,6 +130,9 @@ class _Responder:
                     "weight_version": out.weight_version}
         if status == "completed":
             response["completed_at"] = int(time.time())
+        elif status == "cancelled":
+            response["error"] = {"code": "cancelled", "message": "the response was aborted (an abort, or the server "
+                                                                 "stopping) before it ended"}
         self._store(response, items)
         return response
 
@@ -144,7 +152,7 @@ class _Responder:
 
     async def events(self, fut: RequestOutput) -> AsyncIterator[str]:
         from phalanx.serve.openai_server import _ChoiceStream, _merge
-        ev = rs.ResponseEvents(self.ids, self.body.logprobs)
+        ev = rs.ResponseEvents(self.ids, self.body.logprobs, strip=self.server.reasoning_parser != "none")
         start = {**self.head, "status": "in_progress", "output": [], "usage": None}
         yield ev.sse("response.created", response=start)
         yield ev.sse("response.in_progress", response=start)
@@ -152,7 +160,7 @@ class _Responder:
         last: RequestOutput | None = None
         async for _, out in _merge([fut]):
             if isinstance(out, Exception):
-                for chunk in ev.close("incomplete"):
+                for chunk in ev.finish("incomplete"):
                     yield chunk
                 failed = {**self.head, "status": "failed", "output": ev.items, "usage": None,
                           "error": {"code": "server_error", "message": f"generation failed: {out}"}}
@@ -170,13 +178,10 @@ class _Responder:
         self.server._observe(fut)
         assert last is not None
         status, _ = rs.status_of(last.outputs[0].finish_reason)
-        for chunk in ev.close(_item_status(status), empty_message=True):
+        for chunk in ev.finish(_item_status(status)):
             yield chunk
         response = self._response(last, ev.items)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
-        if status == "cancelled":
-            response["error"] = {"code": "cancelled", "message": "the response was aborted (an abort, or the server "
-                                                                 "stopping) before it ended"}
         yield ev.sse(kind, response=response)
 
 

@@ -39,6 +39,9 @@ def test_a_response_is_the_chat_answer_of_its_conversation(client):
     assert r.output_text == c.choices[0].message.content and r.output_text
     assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
     assert r.status == ("completed" if c.choices[0].finish_reason == "stop" else "incomplete")
+    with pytest.raises(openai.BadRequestError) as e:      # a stored id is never taken over
+        client.responses.create(input="Hi", max_output_tokens=1, extra_body={"request_id": "job-1"}, **GREEDY)
+    assert e.value.body["param"] == "request_id"
 
 
 def test_previous_response_id_goes_on_from_the_stored_conversation_without_its_instructions(client):
@@ -155,7 +158,7 @@ def test_logprobs_come_with_the_output_text(client):
 
 @pytest.mark.parametrize("body, status, param, needle", [
     ({"input": "hi", "max_output_tokens": 600}, 400, "max_output_tokens", "512"),
-    ({"input": "word " * 600}, 400, "input", "512"),
+    ({"input": "word " * 1000}, 400, "input", "512"),     # (over 4,096 characters: bound by tokens, not items)
     ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id", "resp_unknown"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools", "function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, 400,
@@ -169,3 +172,46 @@ def test_what_does_not_fit_is_refused_by_name_and_the_server_keeps_serving(serve
     err = r.json()["error"]
     assert (r.status_code, err["param"]) == (status, param) and needle in err["message"], err
     assert client.responses.create(input="ok?", max_output_tokens=2, **GREEDY).output
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+OUTPUTS = [   # (reasoning parser, tools' parser or a forced call, output texts, each also cut short)
+    ("qwen3", None, ["<think>\nhmm, let me see\n</think>\n\n Hi there!", "<think>\n \n</think>\n\n  ", "Hi  "]),
+    ("deepseek_r1", None, ["so 2 + 2 is 4 \n</think>\n\nIt is 4.", "  still thinking  "]),
+    ("none", "hermes", [" \n" + HERMES_CALL, "Sure. " + HERMES_CALL + HERMES_CALL, "Hello", "   "]),
+    ("qwen3", "hermes", ["<think>\nweather\n</think>\n\n" + HERMES_CALL]),
+    ("none", "named", ['{"city": "Rome"}']),
+]
+
+
+@pytest.mark.parametrize("reasoning, calls, texts", OUTPUTS)
+def test_streamed_items_are_the_whole_answer_s_however_the_text_comes(reasoning, calls, texts):
+    """The items a stream builds equal the items of the same output read whole — reasoning and
+    answer stripped as the chat message is, blank text before a call dropped, the status on the
+    item that was cut — for every cut of the text and any split of it into deltas (a token's
+    text may hold a tag, a tag may span tokens)."""
+    import random
+
+    from phalanx.serve import responses as rs
+    from phalanx.serve.openai_server import ChatPlan, _ChoiceStream, chat_message
+    tools = [CHAT_TOOL] if calls else None
+    forced = CHAT_TOOL if calls == "named" else None
+    plan = ChatPlan([], tools, forced, "hermes" if calls == "hermes" else None, None, None)
+    rng = random.Random(0)
+    for text in texts:
+        for cut in sorted({len(text), *rng.sample(range(len(text)), min(6, len(text)))}):
+            out, status = text[:cut], "completed" if cut == len(text) else "incomplete"
+            ids = rs.OutputIds.new()
+            message, _ = chat_message(out, plan, reasoning)
+            whole = rs.output_items(message, ids, status, None)
+            for split in range(4):
+                k = max(0, min(len(out) - 1, rng.randint(0, 8))) if split else 0
+                bounds = sorted(rng.sample(range(1, len(out)), k))
+                pieces = [out[a:b] for a, b in zip([0, *bounds], [*bounds, len(out)], strict=True)] or [""]
+                stream = _ChoiceStream(plan, reasoning)
+                ev = rs.ResponseEvents(ids, logprobs=False, strip=reasoning != "none")
+                for i, piece in enumerate(pieces):
+                    ev.feed(*stream.feed(piece, i == len(pieces) - 1), [])
+                ev.finish(status)
+                strip_call_id = lambda items: [{k: v for k, v in it.items() if k != "call_id"} for it in items]  # noqa: E731
+                assert strip_call_id(ev.items) == strip_call_id(whole), (out, pieces)

@@ -60,6 +60,9 @@ def test_input_items_become_the_chat_messages_a_template_renders():
     ([{"type": "reasoning", "summary": [], "encrypted_content": "abc"}], "input.0.encrypted_content", "encrypt"),
     ([{"role": "user", "content": "x", "name": "bob"}], "input.0.name", "not supported"),
     ([{"type": "function_call_output", "call_id": "c", "output": 3}], "input.0.output", "string"),
+    ([1], "input.0", "object"),
+    ([{"type": "reasoning", "summary": [], "content": 0}], "input.0.content", "reasoning_text"),
+    ([{"role": "user", "content": "x"}, *[CALL] * 129], "input.129", "at most 128"),
 ])
 def test_an_item_that_does_not_fit_is_refused_naming_its_field(items, param, needle):
     with pytest.raises(BodyError) as e:
@@ -103,6 +106,7 @@ def test_the_chat_request_a_response_runs_as():
     ({"tool_choice": "required"}, "tool_choice"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"input": []}, "input"),
+    ({"request_id": "a/b"}, "request_id"),
 ])
 def test_what_phalanx_does_not_do_is_refused_by_name(fields, param):
     with pytest.raises(BodyError) as e:
@@ -110,15 +114,22 @@ def test_what_phalanx_does_not_do_is_refused_by_name(fields, param):
     assert e.value.param == param, e.value.message
 
 
+def test_a_long_text_input_is_one_message_of_any_length():
+    long = "word " * 2000      # (the item count's bound is not a bound on a string's characters)
+    assert _request(input=long).input_messages() == [{"role": "user", "content": long}]
+
+
 def test_the_store_keeps_the_newest_within_its_count_and_its_characters():
     store = ResponseStore(capacity=3, max_chars=100)
-    for i in range(5):
+    for i in range(5):     # each 12 characters of JSON ({"id": "rN"}) and 10 of conversation
         store.put(f"r{i}", {"id": f"r{i}"}, [{"role": "user", "content": "x" * 10}])
     assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
-    store.put("big", {}, [{"role": "user", "content": "y" * 90}])     # 90 + 10 + 10 > 100: two go
-    assert len(store) == 2 and store.get("r4") is not None and store.chars == 100
-    assert store.delete("big") and not store.delete("big") and store.chars == 10
-    assert len(ResponseStore(0)) == 0
+    store.put("big", {}, [{"role": "user", "content": "y" * 70}])     # 2 + 70 + 3 * 22 > 100: two go
+    assert len(store) == 2 and store.get("r4") is not None and store.chars == 94
+    assert store.delete("big") and not store.delete("big") and store.chars == 22
+    # what a response holds besides its conversation counts too (instructions, logprobs, ...)
+    store.put("wide", {"instructions": "z" * 200}, [])
+    assert len(store) == 1 and store.get("wide") is not None
     none = ResponseStore(0)
     none.put("r", {}, [])
     assert none.get("r") is None
@@ -147,7 +158,7 @@ def _lp(token):
 
 def test_the_event_stream_rebuilds_into_the_response_in_the_openai_client():
     ids = OutputIds.new()
-    ev = ResponseEvents(ids, logprobs=True)
+    ev = ResponseEvents(ids, logprobs=True, strip=True)
     head = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m", "tools": [],
             "tool_choice": "auto", "parallel_tool_calls": True}
     chunks = [ev.sse("response.created", response={**head, "status": "in_progress", "output": []})]
@@ -157,7 +168,7 @@ def test_the_event_stream_rebuilds_into_the_response_in_the_openai_client():
     chunks += ev.feed({"reasoning_content": "ing.", "content": "Hel"}, [], [_lp("ing."), _lp("Hel")])
     chunks += ev.feed({}, [], [_lp("l")])                      # a token whose text is held back
     chunks += ev.feed({"content": "lo"}, calls, [_lp("lo")])
-    chunks += ev.close("completed", empty_message=True)
+    chunks += ev.finish("completed")
     message = {"role": "assistant", "content": "Hello", "reasoning_content": "Thinking.",
                "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]}
     whole = output_items(message, ids, "completed", [_lp(t) for t in ("<think>", "Think", "ing.", "Hel", "l", "lo")])
@@ -178,8 +189,8 @@ def test_the_event_stream_rebuilds_into_the_response_in_the_openai_client():
 
 
 def test_an_output_with_nothing_in_it_streams_an_empty_message():
-    ev = ResponseEvents(OutputIds.new(), logprobs=False)
-    chunks = ev.close("incomplete", empty_message=True)
+    ev = ResponseEvents(OutputIds.new(), logprobs=False, strip=False)
+    chunks = ev.finish("incomplete")
     assert [json.loads(c.split("data: ", 1)[1])["type"] for c in chunks] == [
         "response.output_item.added", "response.content_part.added", "response.output_text.done",
         "response.content_part.done", "response.output_item.done"]
