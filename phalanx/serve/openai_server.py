@@ -45,6 +45,7 @@ from phalanx.llmapi.tokenizer import Tokenizer
 from phalanx.serve import native_routes, responses_routes, rollout_routes, tools
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
+    TEMPLATE_FIELDS,
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -775,8 +776,15 @@ class OpenAIServer:
         tokenizer = self.llm.tokenizer
         assert tokenizer is not None
         kwargs = dict(body.chat_template_kwargs or {})
-        if active_tools is not None and tools.template_renders_tools(self.chat_template or tokenizer.chat_template):
+        template = self.chat_template or tokenizer.chat_template
+        if active_tools is not None and tools.template_renders_tools(template):
             kwargs["tools"] = active_tools
+        for field in TEMPLATE_FIELDS:     # documents, reasoning_effort: only to a template that reads them
+            value = getattr(body, field)
+            if value is not None:
+                if not template or field not in template:
+                    raise ApiError(400, f"{field}: this model's chat template does not read {field}", field)
+                kwargs[field] = value
         if body.continue_final_message:
             kwargs["continue_final_message"] = True
         try:

@@ -448,6 +448,19 @@ def _check_rendering(add_generation_prompt: bool, continue_final_message: bool,
 
 
 _RENDERING_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "messages", "tools"})
+# request fields handed to the chat template under their own names (where the template reads them)
+TEMPLATE_FIELDS = ("documents", "reasoning_effort")
+MAX_DOCUMENTS = 128
+
+
+def _check_template_fields(body: Any, template_kwargs: dict[str, Any] | None) -> None:
+    """A template field is given once: as the field or in ``chat_template_kwargs``, not both."""
+    twice = next((f for f in TEMPLATE_FIELDS if getattr(body, f) is not None and f in (template_kwargs or {})), None)
+    if twice:
+        raise ValueError(f"{twice}: given twice, as the field and in chat_template_kwargs")
+    if body.documents is not None and sum(len(k) + len(v) for d in body.documents for k, v in d.items()) \
+            > MAX_TEXT_CHARS:
+        raise ValueError(f"documents: at most {MAX_TEXT_CHARS} characters in all")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -464,11 +477,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # given to the chat template, where it reads them (refused where it does not): vLLM's
+    documents: list[dict[str, str]] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS)
+    reasoning_effort: str | None = Field(None, pattern=r"^[a-z]{1,16}$")
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
         _check_tools(self.tools, self.tool_choice)
         _check_rendering(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        _check_template_fields(self, self.chat_template_kwargs)
         return self
 
     @field_validator("messages")
@@ -517,6 +534,8 @@ class TokenizeChatRequest(NullIsDefault):
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    documents: list[dict[str, str]] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS)
+    reasoning_effort: str | None = Field(None, pattern=r"^[a-z]{1,16}$")
     return_token_strs: bool = False
 
     @field_validator("messages")
@@ -530,6 +549,7 @@ class TokenizeChatRequest(NullIsDefault):
     def _tool_choice_needs_tools(self) -> TokenizeChatRequest:
         _check_tools(self.tools, self.tool_choice)
         _check_rendering(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        _check_template_fields(self, self.chat_template_kwargs)
         return self
 
     @field_validator("add_special_tokens")

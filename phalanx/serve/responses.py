@@ -35,7 +35,8 @@ PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "pre
                   "user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
 # a chat field an error names -> the Responses field the client sent
 CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
-                     "truncate_prompt_tokens": "truncation", "logprobs": "include"}
+                     "truncate_prompt_tokens": "truncation", "logprobs": "include",
+                     "reasoning_effort": "reasoning.effort"}
 
 
 class FunctionTool(Strict):
@@ -81,16 +82,16 @@ class TextConfig(NullIsDefault):
 
 
 class ReasoningConfig(NullIsDefault):
-    effort: None = None
+    effort: str | None = None         # the chat's reasoning_effort: to a template that reads it
     summary: None = None
     generate_summary: None = None
 
-    @field_validator("effort", "summary", "generate_summary", mode="before")
+    @field_validator("summary", "generate_summary", mode="before")
     @classmethod
     def _none_only(cls, v: Any) -> None:
         if v is not None:
-            raise ValueError("only null is supported (phalanx neither sets a reasoning effort nor summarizes "
-                             "reasoning; a reasoning model's reasoning comes as a reasoning item)")
+            raise ValueError("only null is supported (phalanx does not summarize reasoning; a reasoning model's "
+                             "reasoning comes as a reasoning item)")
         return None
 
 
@@ -212,6 +213,8 @@ class ResponsesRequest(NullIsDefault):
         if self.logprobs:
             body["logprobs"] = True
             body["top_logprobs"] = self.top_logprobs or 0
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         if self.truncation == "auto":   # the input's last tokens that leave room for output (vLLM's reading)
             body["truncate_prompt_tokens"] = -1
         return body

@@ -106,7 +106,8 @@ def _head(server: OpenAIServer, body: rs.ResponsesRequest, response_id: str) -> 
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text is not None and body.text.format is not None else {"type": "text"}},
-            "reasoning": None, "truncation": body.truncation, "metadata": body.metadata or {},
+            "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
+            "truncation": body.truncation, "metadata": body.metadata or {},
             "user": body.user, "background": False, "top_logprobs": body.top_logprobs,
             "error": None, "incomplete_details": None}
 

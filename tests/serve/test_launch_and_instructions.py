@@ -97,23 +97,62 @@ def test_connections_to_the_listening_socket_send_without_nagle_delay():
     assert asyncio.run(accept_one()) != 0
 
 
-def test_browser_pages_reach_the_server_only_from_the_allowed_origins():
+# a template that reads vLLM's documents and reasoning_effort (the bundled model's reads neither)
+READING_TEMPLATE = (
+    "{% if reasoning_effort %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
+    "{% if documents %}<|im_start|>system\n{% for d in documents %}[{{ d.title }}] {{ d.text }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def custom_server(tmp_path_factory):
+    """A server with --allowed-origins and a --chat_template of its own."""
+    from serve_helpers import KEY
+    template = tmp_path_factory.mktemp("template") / "reading.jinja"
+    template.write_text(READING_TEMPLATE)
+    proc, url = start_server("--allowed-origins", "http://app.example", "--chat_template", str(template), key=KEY)
+    yield url
+    assert stop_server(proc) == 0
+
+
+def test_documents_and_reasoning_effort_reach_a_template_that_reads_them(custom_server):
+    """vLLM's ``documents`` and ``reasoning_effort`` are rendered by a template that reads them
+    (the bundled model's template reads neither, and refuses them: test_openai_client)."""
+    from serve_helpers import KEY
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ask = {"messages": [{"role": "user", "content": "What colour is the sky?"}],
+           "documents": [{"title": "Doc1", "text": "The sky is green."}], "reasoning_effort": "high"}
+    ids = httpx.post(custom_server + "/tokenize", json=ask, headers=auth, timeout=120).json()["tokens"]
+    text = httpx.post(custom_server + "/detokenize", json={"tokens": ids}, headers=auth, timeout=120).json()["prompt"]
+    assert "Reasoning: high" in text and "[Doc1] The sky is green." in text, text
+    r = httpx.post(custom_server + "/v1/chat/completions", json={**ask, "max_tokens": 2}, headers=auth, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+    r = httpx.post(custom_server + "/v1/responses", headers=auth, timeout=120, json={
+        "input": "What colour is the sky?", "reasoning": {"effort": "high"}, "max_output_tokens": 2})
+    assert r.status_code == 200 and r.json()["reasoning"]["effort"] == "high", r.text
+    twice = httpx.post(custom_server + "/v1/chat/completions", headers=auth, timeout=120, json={
+        **ask, "chat_template_kwargs": {"reasoning_effort": "low"}})
+    assert twice.status_code == 400 and twice.json()["error"]["param"] == "reasoning_effort", twice.text
+
+
+def test_browser_pages_reach_the_server_only_from_the_allowed_origins(custom_server):
     """CORS is off unless --allowed-origins names origins: a listed origin's preflight is answered
     without the key (browsers send none there) and its calls carry the allow header; any other
     origin gets neither. The shared server (no flag) answers no preflight."""
     from serve_helpers import KEY
-    proc, url = start_server("--allowed-origins", "http://app.example", key=KEY)
-    try:
-        pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
-        ok = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://app.example", **pre})
-        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
-        other = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://evil.example", **pre})
-        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
-        call = httpx.get(url + "/v1/models", headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"})
-        assert call.status_code == 200 and call.headers["access-control-allow-origin"] == "http://app.example"
-        assert httpx.get(url + "/v1/models", headers={"Origin": "http://app.example"}).status_code == 401
-    finally:
-        assert stop_server(proc) == 0
+    url = custom_server
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://app.example", **pre})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://evil.example", **pre})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    call = httpx.get(url + "/v1/models", headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"})
+    assert call.status_code == 200 and call.headers["access-control-allow-origin"] == "http://app.example"
+    assert httpx.get(url + "/v1/models", headers={"Origin": "http://app.example"}).status_code == 401
+    delete = httpx.options(url + "/v1/responses/resp_1", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "DELETE"})
+    assert delete.status_code == 200 and "DELETE" in delete.headers["access-control-allow-methods"]
     proc, url = start_server(key=None)
     try:
         r = httpx.options(url + "/v1/chat/completions", headers={"Origin": "http://app.example", **pre})

@@ -409,6 +409,11 @@ def _error(server, path, body, key=KEY):
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 1000}, 400, "n"),
     ({"model": "other-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "other-model"),
+    # the bundled model's template reads neither (one that does: test_launch_and_instructions)
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "documents": [{"text": "x"}]}, 400,
+     "documents"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}, 400,
+     "reasoning_effort"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, needle):
     code, payload = _error(server, "/v1/chat/completions", body)

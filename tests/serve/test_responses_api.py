@@ -164,6 +164,7 @@ def test_logprobs_come_with_the_output_text(client):
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, 400,
      "input.0.content.0.type", "text only"),
     ({"input": "hi", "background": True}, 400, "background", "foreground"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning.effort", "does not read"),
     ({"input": "hi", "model": "other"}, 404, "model", "other"),
 ])
 def test_what_does_not_fit_is_refused_by_name_and_the_server_keeps_serving(server, client, body, status, param,

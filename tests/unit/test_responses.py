@@ -74,7 +74,7 @@ def test_the_chat_request_a_response_runs_as():
     tool = {"type": "function", "name": "add", "description": "Add", "parameters": {"type": "object"}}
     body = _request(instructions="Be terse.", tools=[tool], tool_choice={"type": "function", "name": "add"},
                     max_output_tokens=7, temperature=0.5, top_k=3, include=["message.output_text.logprobs"],
-                    top_logprobs=2, truncation="auto", metadata={"k": "v"},
+                    top_logprobs=2, truncation="auto", metadata={"k": "v"}, reasoning={"effort": "low"},
                     text={"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}})
     history = [{"role": "user", "content": "before"}, {"role": "assistant", "content": "then"}]
     chat = body.chat_body(history)
@@ -85,7 +85,7 @@ def test_the_chat_request_a_response_runs_as():
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "out",
                                                                               "schema": {"type": "object"}}}
     assert (chat["max_tokens"], chat["temperature"], chat["top_k"], chat["logprobs"], chat["top_logprobs"],
-            chat["truncate_prompt_tokens"]) == (7, 0.5, 3, True, 2, -1)
+            chat["truncate_prompt_tokens"], chat["reasoning_effort"]) == (7, 0.5, 3, True, 2, -1, "low")
     req = _validate(chat, ChatCompletionRequest)     # the chat checks take it whole
     assert req.output_limit == 7 and len(req.messages) == 4
     # the chat's bounds apply to what passes through, named as the client sent it
@@ -100,7 +100,7 @@ def test_the_chat_request_a_response_runs_as():
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "p"}}, "prompt"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"tool_choice": "required"}, "tool_choice"),
