@@ -3,7 +3,7 @@ engine through them (slime, AReaL, verl's HTTP adapter):
 
     POST /generate        {"text" | "input_ids", "sampling_params", "return_logprob", "stream", "rid", ...}
     POST /abort_request   {"rid": str} | {"abort_all": true}
-    GET  /v1/loads        ?include=core,spec,queues,disagg,all &dp_rank=N   (each rank's requests and KV use)
+    GET  /v1/loads        ?include=core,memory,spec,lora,disagg,queues,all &dp_rank=N   (each rank's requests, KV use)
     GET  /get_load        (the older form: [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}])
 
 A request is one prompt (a string, or a list of token ids) or a batch (a list of either; its
@@ -290,8 +290,14 @@ def add_routes(server: OpenAIServer) -> None:
         args = server.llm.args
         if not server.llm.is_alive:
             raise ApiError(503, f"the engine is not running: {server.llm.dead_error}")
-        return loads(server.llm.latest_stats(), args.enable_attention_dp, args.kv_cache_config.tokens_per_block,
-                     args.max_batch_size, include)
+        stats = server.llm.latest_stats()
+        if not stats:
+            raise ApiError(503, "the engine has not reported its load yet")
+        counted = sum(s.get("num_running", 0) + s.get("num_waiting", 0)
+                      for s in (stats if args.enable_attention_dp else stats[:1]))
+        held = sum(1 for f in list(server._in_flight) if not f.done)
+        return loads(stats, args.enable_attention_dp, args.kv_cache_config.tokens_per_block, args.max_batch_size,
+                     include, max(0, held - counted))
 
     @app.get("/v1/loads")
     async def v1_loads(include: str = "all", dp_rank: int | None = None, format: str = "json"):
@@ -299,8 +305,8 @@ def add_routes(server: OpenAIServer) -> None:
         asked = {p.strip() for p in include.split(",") if p.strip()}
         bad = sorted(asked - {*LOAD_SECTIONS, "all"})
         if bad:
-            raise ApiError(400, f"include: phalanx reports {', '.join(LOAD_SECTIONS)} or all, got {bad[0]!r} "
-                                f"(no LoRA adapters; the memory split is in the start-up log)", "include")
+            raise ApiError(400, f"include: one or more of {', '.join(LOAD_SECTIONS)} or all, got {bad[0]!r}",
+                           "include")
         if format != "json":
             raise ApiError(400, "format: only json is served (the same counters are on /metrics for Prometheus)",
                            "format")
@@ -310,15 +316,15 @@ def add_routes(server: OpenAIServer) -> None:
                 raise ApiError(400, f"dp_rank: {dp_rank} is not a rank of this server (0 to {len(entries) - 1})",
                                "dp_rank")
             entries = entries[dp_rank:dp_rank + 1]
-        report: dict[str, Any] = {"timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__,
-                                  "dp_rank_count": len(entries), "loads": entries}
-        if entries and "num_running_reqs" in entries[0]:
-            running = sum(e["num_running_reqs"] for e in entries)
-            waiting = sum(e["num_waiting_reqs"] for e in entries)
-            report["aggregate"] = {"total_running_reqs": running, "total_waiting_reqs": waiting,
-                                   "total_reqs": running + waiting,
-                                   "avg_token_usage": sum(e["token_usage"] for e in entries) / len(entries)}
-        return report
+        running = sum(e["num_running_reqs"] for e in entries)
+        waiting = sum(e["num_waiting_reqs"] for e in entries)
+        return {"timestamp": datetime.now(timezone.utc).isoformat(), "version": __version__,
+                "dp_rank_count": len(entries), "loads": entries,
+                "aggregate": {"total_running_reqs": running, "total_waiting_reqs": waiting,
+                              "total_reqs": running + waiting,
+                              "total_used_tokens": sum(e["num_used_tokens"] for e in entries),
+                              "total_tokens": sum(e["max_total_num_tokens"] for e in entries),
+                              "avg_token_usage": sum(e["token_usage"] for e in entries) / len(entries)}}
 
     @app.get("/get_load")
     async def get_load():
@@ -327,30 +333,37 @@ def add_routes(server: OpenAIServer) -> None:
                  "num_tokens": e["num_used_tokens"]} for e in rank_loads({"core"})]
 
 
-LOAD_SECTIONS = ("core", "spec", "queues", "disagg")
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues")
 
 
 def loads(stats: list[dict[str, Any]], attention_dp: bool, tokens_per_block: int, max_batch_size: int,
-          include: set[str]) -> list[dict[str, Any]]:
+          include: set[str], unseen: int = 0) -> list[dict[str, Any]]:
     """SGLang's ``/v1/loads`` entries from the ranks' heartbeat stats: one a data-parallel rank
     (with attention DP every rank holds requests of its own; otherwise rank 0's batch is every
-    rank's). ``disagg`` adds nothing: phalanx does not split prefill from decode."""
+    rank's), the core counts always and the sections ``include`` names. ``unseen``: requests
+    the server holds that no heartbeat counts yet (submitted since the last one, or waiting for
+    attention DP to place them), counted as waiting on rank 0. ``disagg`` adds nothing (phalanx
+    does not split prefill from decode); ``lora`` says no adapter is loaded; ``memory`` gives
+    the KV pool's token capacity."""
     out = []
     for rank, st in enumerate(stats if attention_dp else stats[:1]):
-        entry: dict[str, Any] = {"dp_rank": rank}
-        running, waiting = st.get("num_running", 0), st.get("num_waiting", 0)
-        if "core" in include:
-            used = (st.get("num_blocks", 0) - st.get("num_available_blocks", 0)) * tokens_per_block
-            queried = st.get("prefix_queried_tokens", 0)
-            entry.update({
-                "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting,
-                "num_used_tokens": used, "max_total_num_tokens": st.get("num_blocks", 0) * tokens_per_block,
-                "token_usage": st.get("kv_usage", 0.0), "max_running_requests": max_batch_size,
-                "cache_hit_rate": st.get("prefix_hit_tokens", 0) / queried if queried else 0.0})
+        running, waiting = st.get("num_running", 0), st.get("num_waiting", 0) + (unseen if rank == 0 else 0)
+        used = (st.get("num_blocks", 0) - st.get("num_available_blocks", 0)) * tokens_per_block
+        queried = st.get("prefix_queried_tokens", 0)
+        entry: dict[str, Any] = {
+            "dp_rank": rank, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting, "num_used_tokens": used,
+            "max_total_num_tokens": st.get("num_blocks", 0) * tokens_per_block,
+            "token_usage": st.get("kv_usage", 0.0), "max_running_requests": max_batch_size,
+            "cache_hit_rate": st.get("prefix_hit_tokens", 0) / queried if queried else 0.0}
+        if "memory" in include:
+            entry["memory"] = {"token_capacity": entry["max_total_num_tokens"]}
         if "spec" in include and st.get("spec_verify_rows"):
             accepted = st.get("spec_accepted_drafts", 0)
             entry["speculative"] = {"accept_length": 1 + accepted / st["spec_verify_rows"],
                                     "accept_rate": accepted / max(1, st.get("spec_draft_tokens", 0))}
+        if "lora" in include:
+            entry["lora"] = {"slots_used": 0, "slots_total": 0, "utilization": 0.0}
         if "queues" in include:
             entry["queues"] = {"waiting": waiting}
         out.append(entry)

@@ -125,6 +125,8 @@ class _ChoiceStream:
         """A named function's arguments stream as they come; "required" is read at the end."""
         forced = self.plan.forced
         if forced != "required":
+            if self.named is None and not text and not final:
+                return []            # nothing of the call yet (a reasoning parser took the text so far)
             if self.named is None:   # the call's first delta: its id, name and what arguments there are yet
                 self.named = tools.ToolCall(forced["function"]["name"], "")
                 self.called = True

@@ -21,7 +21,7 @@ import json
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -97,7 +97,7 @@ class ReasoningConfig(NullIsDefault):
 
 class ResponsesRequest(NullIsDefault):
     model: str | None = None
-    input: str | Annotated[list[Any], Field(max_length=MAX_MESSAGES)]
+    input: str | list[Any]     # (the bounds: _input_present; a union's second error would be lost)
     instructions: str | None = Field(None, max_length=MAX_TEXT_CHARS)
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     max_output_tokens: int | None = Field(None, ge=1)
@@ -164,6 +164,8 @@ class ResponsesRequest(NullIsDefault):
     def _input_present(cls, v: str | list[Any]) -> str | list[Any]:
         if isinstance(v, str) and len(v) > MAX_TEXT_CHARS:
             raise ValueError(f"at most {MAX_TEXT_CHARS} characters")
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} items")
         if not v:
             raise ValueError("must be a non-empty string or a non-empty list of items")
         return v
@@ -387,21 +389,20 @@ def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]
 
 
 def output_items(message: dict[str, Any], ids: OutputIds, status: str,
-                 logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+                 logprobs: list[dict[str, Any]] | None, named: bool = False) -> list[dict[str, Any]]:
     """A chat answer's assistant message as Responses output items, in the order they were
     written: its reasoning, its text (also when empty, if no call came), its calls. The item
     being written when the output ended takes ``status`` (``incomplete`` where the output limit
-    cut it); the items before it, and every call (only whole calls are read), are completed."""
+    cut it): the message, or with a ``named`` function (tool_choice naming one: its arguments
+    are the output, cut or not) the call; other calls are whole ones (only those are read)."""
     calls = message.get("tool_calls") or []
-    last = "message" if message.get("content") or not calls else None
     items = []
     if message.get("reasoning_content"):
-        items.append(reasoning_item(ids.reasoning, message["reasoning_content"],
-                                    status if last is None and not calls else "completed"))
-    if last is not None:
+        items.append(reasoning_item(ids.reasoning, message["reasoning_content"], "completed"))
+    if message.get("content") or not calls:
         items.append(message_item(ids.message, message.get("content") or "", "completed" if calls else status,
                                   logprobs))
-    items += [call_item(ids.call(i), c, "completed") for i, c in enumerate(calls)]
+    items += [call_item(ids.call(i), c, status if named else "completed") for i, c in enumerate(calls)]
     return items
 
 
@@ -456,8 +457,8 @@ class ResponseEvents:
     message. So the streamed items are the whole answer's, and so is what a later turn goes on
     from."""
 
-    def __init__(self, ids: OutputIds, logprobs: bool, strip: bool) -> None:
-        self.ids, self.with_logprobs, self.strip = ids, logprobs, strip
+    def __init__(self, ids: OutputIds, logprobs: bool, strip: bool, named: bool = False) -> None:
+        self.ids, self.with_logprobs, self.strip, self.named = ids, logprobs, strip, named
         self.seq = 0
         self.items: list[dict[str, Any]] = []        # closed items, in output order
         self.open: dict[str, Any] | None = None      # the item being written
@@ -508,7 +509,7 @@ class ResponseEvents:
                 self.calls += 1
                 out.append(self.sse("response.output_item.added", output_index=len(self.items), item=self.open))
             args = call["function"].get("arguments", "")
-            if args and self.open is not None:
+            if args and self.open is not None and self.open["type"] == "function_call":
                 self.text += args
                 out.append(self.sse("response.function_call_arguments.delta", **self._where(), delta=args))
         return out
@@ -519,10 +520,11 @@ class ResponseEvents:
         out: list[str] = []
         if not self.answered and not self.calls:
             self.answered = True
-            out += self._text("message", self.answer_held, opening=True)
-        return out + self._close(status if self.open is None or self.open["type"] != "function_call" else "completed")
+            out += self._text("message", self.answer_held)
+        calling = self.open is not None and self.open["type"] == "function_call"
+        return out + self._close(status if not calling or self.named else "completed")
 
-    def _text(self, kind: str, text: str, opening: bool = False) -> list[str]:
+    def _text(self, kind: str, text: str) -> list[str]:
         out: list[str] = []
         if self.open is None or self.open["type"] != kind:
             out += self._close("completed")
@@ -568,7 +570,7 @@ class ResponseEvents:
                                 logprobs=part.get("logprobs", [])))
             out.append(self.sse("response.content_part.done", **where, content_index=0, part=part))
         else:
-            done = {**item, "arguments": self.text, "status": "completed"}
+            done = {**item, "arguments": self.text, "status": status}
             out.append(self.sse("response.function_call_arguments.done", **where, name=item["name"],
                                 arguments=self.text))
         out.append(self.sse("response.output_item.done", **where, item=done))

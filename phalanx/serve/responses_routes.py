@@ -33,6 +33,7 @@ def add_routes(server: OpenAIServer) -> None:
     from phalanx.serve.openai_server import ApiError, _body_doc
 
     app, store = server.app, server.responses
+    answering: set[str] = set()      # the ids of responses being answered (taken by no other request)
 
     def renamed(e: ApiError | BodyError, status: int = 400) -> ApiError:
         """A chat error as the Responses field it comes from (messages -> input, ...). A chat
@@ -60,26 +61,32 @@ def add_routes(server: OpenAIServer) -> None:
             raise ApiError(400, "store: this server keeps no responses (--responses_store_size 0); send store: false",
                            "store")
         response_id = rs.new_id("resp") if body.request_id is None else f"resp_{body.request_id}"
-        if body.store and store.get(response_id) is not None:
-            raise ApiError(400, f"request_id: a stored response already has the id {response_id!r}", "request_id")
-        history = stored(body.previous_response_id, "previous_response_id").conversation \
-            if body.previous_response_id else []
+        if store.get(response_id) is not None or response_id in answering:
+            raise ApiError(400, f"request_id: another response has the id {response_id!r}", "request_id")
+        answering.add(response_id)
+        streaming = False
         try:
-            chat = _validate(body.chat_body(history), ChatCompletionRequest)
-        except BodyError as e:
-            raise renamed(e) from None
-        try:
-            fut, plan = await server._submit_chat(chat, "input", "max_output_tokens")
-        except ApiError as e:
-            raise renamed(e) from None
-        head = _head(server, body, response_id)
-        turn = chat.model_dump(exclude_none=True)["messages"][1 if body.instructions is not None else 0:]
-        responder = _Responder(server, body, plan, head, turn)
-        if body.stream:
-            return server._sse(responder.events(fut))
-        [out] = await server._collect([fut], request)
-        server._observe(out)
-        return responder.finish(out)
+            history = stored(body.previous_response_id, "previous_response_id").conversation \
+                if body.previous_response_id else []
+            try:
+                chat = _validate(body.chat_body(history), ChatCompletionRequest)
+            except BodyError as e:
+                raise renamed(e) from None
+            try:
+                fut, plan = await server._submit_chat(chat, "input", "max_output_tokens")
+            except ApiError as e:
+                raise renamed(e) from None
+            turn = chat.model_dump(exclude_none=True)["messages"][1 if body.instructions is not None else 0:]
+            responder = _Responder(server, body, plan, _head(server, body, response_id), turn)
+            if body.stream:
+                streaming = True
+                return server._sse(_released(responder.events(fut), answering, response_id))
+            [out] = await server._collect([fut], request)
+            server._observe(out)
+            return responder.finish(out)
+        finally:
+            if not streaming:
+                answering.discard(response_id)
 
     async def retrieve(response_id: str):
         return stored(response_id).response
@@ -92,6 +99,16 @@ def add_routes(server: OpenAIServer) -> None:
     app.post("/v1/responses", openapi_extra=_body_doc(rs.ResponsesRequest))(create)
     app.get("/v1/responses/{response_id}")(retrieve)
     app.delete("/v1/responses/{response_id}")(delete)
+
+
+async def _released(events: AsyncIterator[str], answering: set[str], response_id: str) -> AsyncIterator[str]:
+    """A response's stream; its id is free again once the stream ends (or its client leaves)."""
+    try:
+        async for chunk in events:
+            yield chunk
+    finally:
+        answering.discard(response_id)
+        await events.aclose()   # type: ignore[attr-defined]
 
 
 def _head(server: OpenAIServer, body: rs.ResponsesRequest, response_id: str) -> dict[str, Any]:
@@ -149,11 +166,13 @@ class _Responder:
         message, _ = self.server._chat_message(o.text, self.plan)
         status, _ = rs.status_of(o.finish_reason)
         lps = self._logprobs(o.token_ids, o.logprobs or []) if self.body.logprobs else None
-        return self._response(out, rs.output_items(message, self.ids, _item_status(status), lps))
+        return self._response(out, rs.output_items(message, self.ids, _item_status(status), lps,
+                                                   named=isinstance(self.plan.forced, dict)))
 
     async def events(self, fut: RequestOutput) -> AsyncIterator[str]:
         from phalanx.serve.openai_server import _ChoiceStream, _merge
-        ev = rs.ResponseEvents(self.ids, self.body.logprobs, strip=self.server.reasoning_parser != "none")
+        ev = rs.ResponseEvents(self.ids, self.body.logprobs, strip=self.server.reasoning_parser != "none",
+                               named=isinstance(self.plan.forced, dict))
         start = {**self.head, "status": "in_progress", "output": [], "usage": None}
         yield ev.sse("response.created", response=start)
         yield ev.sse("response.in_progress", response=start)

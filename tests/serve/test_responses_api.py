@@ -182,6 +182,8 @@ OUTPUTS = [   # (reasoning parser, tools' parser or a forced call, output texts,
     ("none", "hermes", [" \n" + HERMES_CALL, "Sure. " + HERMES_CALL + HERMES_CALL, "Hello", "   "]),
     ("qwen3", "hermes", ["<think>\nweather\n</think>\n\n" + HERMES_CALL]),
     ("none", "named", ['{"city": "Rome"}']),
+    ("qwen3", "named", ['{"city": "Rome"}']),
+    ("deepseek_r1", "named", ['{"city": "Rome"}', 'Rome, then.\n</think>\n\n{"city": "Rome"}']),
 ]
 
 
@@ -204,13 +206,13 @@ def test_streamed_items_are_the_whole_answer_s_however_the_text_comes(reasoning,
             out, status = text[:cut], "completed" if cut == len(text) else "incomplete"
             ids = rs.OutputIds.new()
             message, _ = chat_message(out, plan, reasoning)
-            whole = rs.output_items(message, ids, status, None)
+            whole = rs.output_items(message, ids, status, None, named=forced is not None)
             for split in range(4):
                 k = max(0, min(len(out) - 1, rng.randint(0, 8))) if split else 0
                 bounds = sorted(rng.sample(range(1, len(out)), k))
                 pieces = [out[a:b] for a, b in zip([0, *bounds], [*bounds, len(out)], strict=True)] or [""]
                 stream = _ChoiceStream(plan, reasoning)
-                ev = rs.ResponseEvents(ids, logprobs=False, strip=reasoning != "none")
+                ev = rs.ResponseEvents(ids, logprobs=False, strip=reasoning != "none", named=forced is not None)
                 for i, piece in enumerate(pieces):
                     ev.feed(*stream.feed(piece, i == len(pieces) - 1), [])
                 ev.finish(status)
