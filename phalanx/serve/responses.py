@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from phalanx.serve.item_stream import ANSWER, CALL, REASONING, ItemStream
 from phalanx.serve.protocol import MAX_MESSAGES, MAX_TEXT_CHARS, BodyError, NullIsDefault, Strict
 
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
@@ -448,28 +449,18 @@ def reasoning_tokens(pieces: list[bytes], starts_in_reasoning: bool) -> int:
     return len(pieces) if starts_in_reasoning or seen.lstrip().startswith(b"<think>") else 0
 
 
-class ResponseEvents:
-    """The typed events of one streamed output, read as ``output_items`` reads the whole output:
-    items open as their first delta comes and close when another kind begins (or at the end).
-    With a reasoning parser (``strip``) the reasoning is sent without the blanks around it and
-    the answer without the blanks it starts with; blank answer text is held until text comes (a
-    call after it drops it); an output with neither an answer nor a call ends with an empty
-    message. So the streamed items are the whole answer's, and so is what a later turn goes on
-    from."""
+class ResponseEvents(ItemStream):
+    """The Responses API's typed events of one streamed output (``item_stream.ItemStream`` reads
+    it as ``output_items`` reads the whole output, so the streamed items are the whole answer's,
+    and so is what a later turn goes on from)."""
 
     def __init__(self, ids: OutputIds, logprobs: bool, strip: bool, named: bool = False) -> None:
-        self.ids, self.with_logprobs, self.strip, self.named = ids, logprobs, strip, named
+        super().__init__(strip, named)
+        self.ids, self.with_logprobs = ids, logprobs
         self.seq = 0
         self.items: list[dict[str, Any]] = []        # closed items, in output order
         self.open: dict[str, Any] | None = None      # the item being written
-        self.text = ""                               # the open item's text (or arguments)
         self.logprobs: list[dict[str, Any]] = []     # the message's logprobs so far
-        self.pending_lps: list[dict[str, Any]] = []  # logprobs of tokens no text delta has carried yet
-        self.reasoned = False                        # reasoning sent
-        self.reasoning_tail = ""                     # blanks at the reasoning's end so far (held)
-        self.answer_held = ""                        # blank answer text before the message opens
-        self.answered = False                        # the message opened
-        self.calls = 0
 
     def sse(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -478,104 +469,57 @@ class ResponseEvents:
 
     def _where(self) -> dict[str, Any]:
         assert self.open is not None
-        return {"item_id": self.open["id"], "output_index": len(self.items)}
+        return {"item_id": self.open["id"], "output_index": self.closed}
 
-    def feed(self, delta: dict[str, Any], calls: list[dict[str, Any]], lps: list[dict[str, Any]]) -> list[str]:
-        out: list[str] = []
-        self.pending_lps += lps
-        thought = delta.get("reasoning_content", "")
-        if thought:
-            thought = self.reasoning_tail + (thought if self.reasoned else thought.lstrip())
-            body = thought.rstrip()
-            self.reasoning_tail = thought[len(body):]
-            if body:
-                self.reasoned = True
-                out += self._text("reasoning", body)
-        answer = delta.get("content", "")
-        if answer and not self.answered:
-            answer = self.answer_held + answer
-            if self.strip:
-                answer = answer.lstrip()
-            self.answer_held, answer = (answer, "") if not answer.strip() else ("", answer)
-        if answer:
-            self.answered = True
-            out += self._text("message", answer)
-        for call in calls:
-            if "id" in call:      # a new call: its header (and what arguments there are yet)
-                out += self._close("completed")
-                self.answer_held = ""
-                self.open = {"id": self.ids.call(self.calls), "type": "function_call", "call_id": call["id"],
-                             "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
-                self.calls += 1
-                out.append(self.sse("response.output_item.added", output_index=len(self.items), item=self.open))
-            args = call["function"].get("arguments", "")
-            if args and self.open is not None and self.open["type"] == "function_call":
-                self.text += args
-                out.append(self.sse("response.function_call_arguments.delta", **self._where(), delta=args))
-        return out
-
-    def finish(self, status: str) -> list[str]:
-        """The end of the output: an answer that never came is an empty message (where no call
-        came either); the open item closes with ``status``."""
-        out: list[str] = []
-        if not self.answered and not self.calls:
-            self.answered = True
-            out += self._text("message", self.answer_held)
-        calling = self.open is not None and self.open["type"] == "function_call"
-        return out + self._close(status if not calling or self.named else "completed")
-
-    def _text(self, kind: str, text: str) -> list[str]:
-        out: list[str] = []
-        if self.open is None or self.open["type"] != kind:
-            out += self._close("completed")
-            if kind == "reasoning":
-                self.open = {"id": self.ids.reasoning, "type": "reasoning", "summary": [], "content": [],
-                             "status": "in_progress"}
-                part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-            else:
-                self.open = {"id": self.ids.message, "type": "message", "role": "assistant", "status": "in_progress",
-                             "content": []}
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out.append(self.sse("response.output_item.added", output_index=len(self.items), item=self.open))
-            out.append(self.sse("response.content_part.added", **self._where(), content_index=0, part=part))
-        self.text += text
-        if not text:
-            return out
-        if kind == "reasoning":
-            out.append(self.sse("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
+    def _opened(self, kind: str, call: dict[str, Any] | None) -> list[str]:
+        part: dict[str, Any] | None = None
+        if kind == CALL:
+            assert call is not None
+            self.open = {"id": self.ids.call(self.calls - 1), "type": "function_call", "call_id": call["id"],
+                         "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+        elif kind == REASONING:
+            self.open = {"id": self.ids.reasoning, "type": "reasoning", "summary": [], "content": [],
+                         "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
         else:
-            lps, self.pending_lps = self.pending_lps, []
-            self.logprobs += lps
-            out.append(self.sse("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                logprobs=lps))
+            self.open = {"id": self.ids.message, "type": "message", "role": "assistant", "status": "in_progress",
+                         "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        out = [self.sse("response.output_item.added", output_index=self.closed, item=self.open)]
+        if part is not None:
+            out.append(self.sse("response.content_part.added", **self._where(), content_index=0, part=part))
         return out
 
-    def _close(self, status: str) -> list[str]:
-        """The open item's closing events (none if no item is open)."""
-        item, self.open = self.open, None
-        if item is None:
-            return []
-        where = {"item_id": item["id"], "output_index": len(self.items)}
+    def _added(self, kind: str, text: str, lps: list[dict[str, Any]]) -> list[str]:
+        if kind == CALL:
+            return [self.sse("response.function_call_arguments.delta", **self._where(), delta=text)]
+        if kind == REASONING:
+            return [self.sse("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)]
+        self.logprobs += lps
+        return [self.sse("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=lps)]
+
+    def _closed(self, kind: str, text: str, status: str) -> list[str]:
+        item, where = self.open, self._where()
+        assert item is not None
         out = []
-        if item["type"] == "reasoning":
-            done = reasoning_item(item["id"], self.text, status)
-            out.append(self.sse("response.reasoning_text.done", **where, content_index=0, text=self.text))
+        if kind == REASONING:
+            done = reasoning_item(item["id"], text, status)
+            out.append(self.sse("response.reasoning_text.done", **where, content_index=0, text=text))
             out.append(self.sse("response.content_part.done", **where, content_index=0, part=done["content"][0]))
-        elif item["type"] == "message":
+        elif kind == ANSWER:
             self.logprobs += self.pending_lps     # tokens after the last text delta (a stop, a held tail)
             self.pending_lps = []
-            done = message_item(item["id"], self.text, status, self.logprobs if self.with_logprobs else None)
+            done = message_item(item["id"], text, status, self.logprobs if self.with_logprobs else None)
             part = done["content"][0]
-            out.append(self.sse("response.output_text.done", **where, content_index=0, text=self.text,
+            out.append(self.sse("response.output_text.done", **where, content_index=0, text=text,
                                 logprobs=part.get("logprobs", [])))
             out.append(self.sse("response.content_part.done", **where, content_index=0, part=part))
         else:
-            done = {**item, "arguments": self.text, "status": status}
-            out.append(self.sse("response.function_call_arguments.done", **where, name=item["name"],
-                                arguments=self.text))
+            done = {**item, "arguments": text, "status": status}
+            out.append(self.sse("response.function_call_arguments.done", **where, name=item["name"], arguments=text))
         out.append(self.sse("response.output_item.done", **where, item=done))
         self.items.append(done)
-        self.text = ""
+        self.open = None
         return out
 
 

@@ -16,6 +16,7 @@ PURE_MODULES = [
     "phalanx.attention_dp.router",
     "phalanx.config",
     "phalanx.serve.responses",     # the Responses API's conversions: plain data
+    "phalanx.serve.item_stream",
 ]
 
 
