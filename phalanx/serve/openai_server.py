@@ -42,7 +42,9 @@ from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
 from phalanx.llmapi.tokenizer import Tokenizer
-from phalanx.serve import native_routes, responses_routes, rollout_routes, tools
+from phalanx.serve import messages_routes, native_routes, responses_routes, rollout_routes, tools
+from phalanx.serve.messages import Conversation, MessagesRequest
+from phalanx.serve.messages import error_body as anthropic_error
 from phalanx.serve.metrics import ServerMetrics
 from phalanx.serve.protocol import (
     TEMPLATE_FIELDS,
@@ -193,7 +195,11 @@ class BodyTooLarge(Exception):
     """The client sent more body bytes than the server accepts."""
 
 
-def _err(status: int, message: str, param: str | None = None) -> JSONResponse:
+def _err(status: int, message: str, param: str | None = None, path: str = "") -> JSONResponse:
+    """An error in the shape of the API the route belongs to: Anthropic's on its Messages
+    routes, OpenAI's everywhere else."""
+    if path.startswith(messages_routes.PATH):
+        return JSONResponse(anthropic_error(status, message), status_code=status)
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
@@ -212,16 +218,18 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if self.api_key and path not in OPEN_PATHS:
             given = headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
+            # (Anthropic's clients send the key as x-api-key)
+            token = given[7:] if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                return await _err(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')")(
-                    scope, receive, send)
+                return await _err(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or "
+                                       "'x-api-key: <key>')", path=path)(scope, receive, send)
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return await _err(413, f"the request body of {length} bytes exceeds the limit of "
-                                   f"{self.max_body_bytes}")(scope, receive, send)
+                                   f"{self.max_body_bytes}", path=path)(scope, receive, send)
         received = 0
 
         async def limited_receive() -> dict:
@@ -267,33 +275,34 @@ class OpenAIServer:
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException):
+            path = request.url.path
             if exc.status_code == 404:
-                return _err(404, f"there is no route {request.method} {request.url.path}")
+                return _err(404, f"there is no route {request.method} {path}", path=path)
             if exc.status_code == 405:
-                return _err(405, f"method {request.method} is not allowed on {request.url.path}")
-            return _err(exc.status_code, str(exc.detail))
+                return _err(405, f"method {request.method} is not allowed on {path}", path=path)
+            return _err(exc.status_code, str(exc.detail), path=path)
 
         @app.exception_handler(RequestValidationError)
-        async def invalid(_: Request, exc: RequestValidationError):
+        async def invalid(request: Request, exc: RequestValidationError):
             errors = exc.errors()
             first = errors[0] if errors else {}
             loc = [str(x) for x in first.get("loc", []) if x not in ("body", "path", "query")]
             param = ".".join(loc) or None
             msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-            return _err(400, f"{param}: {msg}" if param else msg, param)
+            return _err(400, f"{param}: {msg}" if param else msg, param, request.url.path)
 
         @app.exception_handler(ApiError)
-        async def api_error(_: Request, exc: ApiError):
-            return _err(exc.status, exc.message, exc.param)
+        async def api_error(request: Request, exc: ApiError):
+            return _err(exc.status, exc.message, exc.param, request.url.path)
 
         @app.exception_handler(BodyTooLarge)
-        async def too_large(_: Request, exc: BodyTooLarge):
-            return _err(413, str(exc))
+        async def too_large(request: Request, exc: BodyTooLarge):
+            return _err(413, str(exc), path=request.url.path)
 
         @app.exception_handler(Exception)
-        async def internal(_: Request, exc: Exception):
+        async def internal(request: Request, exc: Exception):
             logger.exception("internal error")
-            return _err(500, f"internal error: {type(exc).__name__}")
+            return _err(500, f"internal error: {type(exc).__name__}", path=request.url.path)
 
         app.get("/health")(self.health)
         app.get("/health_generate")(self.health_generate)
@@ -308,6 +317,7 @@ class OpenAIServer:
         rollout_routes.add_routes(self)   # the RL hand-off: pause, sleep, weight updates
         native_routes.add_routes(self)    # SGLang's /generate and /abort_request (RL trainers' rollouts)
         responses_routes.add_routes(self)  # OpenAI's Responses API, run as chat requests
+        messages_routes.add_routes(self)   # Anthropic's Messages API, run as chat requests
         if self.debug_endpoints:   # inspection for tests and operators; off by default
             app.get("/debug/check_integrity")(self.debug_integrity)
             app.get("/debug/stats")(self.debug_stats)
@@ -320,7 +330,7 @@ class OpenAIServer:
         doc = get_openapi(title="phalanx", version=__version__, routes=self.app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-                      DetokenizeRequest, ResponsesRequest, ErrorResponse):
+                      DetokenizeRequest, ResponsesRequest, MessagesRequest, Conversation, ErrorResponse):
             defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(defs.pop("$defs", {}))
             schemas[model.__name__] = defs
