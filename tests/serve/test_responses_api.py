@@ -192,9 +192,11 @@ def test_streamed_items_are_the_whole_answer_s_however_the_text_comes(reasoning,
     """The items a stream builds equal the items of the same output read whole — reasoning and
     answer stripped as the chat message is, blank text before a call dropped, the status on the
     item that was cut — for every cut of the text and any split of it into deltas (a token's
-    text may hold a tag, a tag may span tokens)."""
+    text may hold a tag, a tag may span tokens); so do the content blocks of Anthropic's
+    Messages API."""
     import random
 
+    from phalanx.serve import messages as ms
     from phalanx.serve import responses as rs
     from phalanx.serve.openai_server import ChatPlan, _ChoiceStream, chat_message
     tools = [CHAT_TOOL] if calls else None
@@ -218,3 +220,11 @@ def test_streamed_items_are_the_whole_answer_s_however_the_text_comes(reasoning,
                 ev.finish(status)
                 strip_call_id = lambda items: [{k: v for k, v in it.items() if k != "call_id"} for it in items]  # noqa: E731
                 assert strip_call_id(ev.items) == strip_call_id(whole), (out, pieces)
+                # Anthropic's Messages API reads the same items as content blocks
+                stream = _ChoiceStream(plan, reasoning)
+                blocks = ms.MessageEvents(strip=reasoning != "none", named=forced is not None)
+                for i, piece in enumerate(pieces):
+                    blocks.feed(*stream.feed(piece, i == len(pieces) - 1), [])
+                blocks.finish(status)
+                strip_id = lambda bs: [{k: v for k, v in b.items() if k != "id"} for b in bs]  # noqa: E731
+                assert strip_id(blocks.blocks) == strip_id(ms.content_blocks(message)), (out, pieces)

@@ -17,6 +17,7 @@ PURE_MODULES = [
     "phalanx.config",
     "phalanx.serve.responses",     # the Responses API's conversions: plain data
     "phalanx.serve.item_stream",
+    "phalanx.serve.messages",
 ]
 
 
