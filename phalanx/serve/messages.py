@@ -25,6 +25,7 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import from_json
 
 from phalanx.serve.item_stream import CALL, REASONING, ItemStream
 from phalanx.serve.protocol import (
@@ -44,7 +45,7 @@ CHAT_TO_MESSAGES = {"stop": "stop_sequences", "response_format": "output_config.
                     "max_completion_tokens": "max_tokens"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
+               429: "rate_limit_error", 499: "invalid_request_error"}
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -120,19 +121,32 @@ class Conversation(NullIsDefault):
             raise ValueError(f"at most {MAX_MESSAGES} messages")
         return v
 
-    @field_validator("tools")
+    @field_validator("system")
     @classmethod
-    def _custom_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        for i, t in enumerate(v or []):
-            kind = t.get("type") if isinstance(t, dict) else None
-            if kind not in (None, "custom"):
-                raise ValueError(f"tool {i}: only custom tools (name, input_schema) are supported by phalanx (it "
-                                 f"runs no server tools), got type {kind!r}")
+    def _system_blocks(cls, v: str | list[Any] | None) -> str | list[Any] | None:
+        if isinstance(v, list) and not v:
+            raise ValueError("must be a string or a non-empty list of text blocks")
         return v
+
+    @model_validator(mode="after")
+    def _choice_fits(self) -> Conversation:
+        choice = self.tool_choice
+        if choice is not None and choice.type in ("any", "tool") and not self.tools:
+            raise ValueError(f"tool_choice: type {choice.type} needs tools")
+        if choice is not None and choice.type == "tool" and choice.name not in {
+                t.get("name") for t in self.tools or [] if isinstance(t, dict)}:
+            raise ValueError(f"tool_choice: names the tool {choice.name!r}, which is not among the tools")
+        if choice is not None and choice.type == "auto" and choice.disable_parallel_tool_use:
+            raise ValueError("tool_choice: disable_parallel_tool_use is enforced only where a call is forced (type "
+                             "any; type tool makes one call): under auto the model may still write several")
+        return self
 
     def chat_body(self, max_tokens: int | None = None) -> dict[str, Any]:
         """The chat request this conversation runs as (a dict for ``ChatCompletionRequest``)."""
-        body: dict[str, Any] = {"messages": self.chat_messages()}
+        messages = self.chat_messages()
+        body: dict[str, Any] = {"messages": messages}
+        if messages[-1]["role"] == "assistant":   # a prefill: the answer goes on from it (Anthropic's reading)
+            body.update(add_generation_prompt=False, continue_final_message=True)
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         tools = self.tool_defs()
@@ -144,7 +158,7 @@ class Conversation(NullIsDefault):
         if choice is not None:
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
                 "type": "function", "function": {"name": choice.name}}
-            if choice.disable_parallel_tool_use:
+            if choice.disable_parallel_tool_use and choice.type == "any":
                 body["parallel_tool_calls"] = False
         elif tools:
             body["tool_choice"] = "auto"
@@ -159,6 +173,10 @@ class Conversation(NullIsDefault):
     def tool_defs(self) -> list[CustomTool]:
         out = []
         for i, t in enumerate(self.tools or []):
+            kind = t.get("type") if isinstance(t, dict) else None
+            if kind not in (None, "custom"):
+                raise BodyError(f"tools.{i}.type: only custom tools (name, input_schema) are supported by phalanx "
+                                f"(it runs no server tools), got {kind!r}", f"tools.{i}.type")
             try:
                 out.append(CustomTool.model_validate(t))
             except ValidationError as e:   # named by the tool's field
@@ -221,16 +239,19 @@ def _user_blocks(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     """A user's blocks: text joins into user messages, each tool_result is a tool message, in
     their order."""
     out: list[dict[str, Any]] = []
+    texts: list[str] = []      # the run of text blocks not yet a message (joined once: linear in the blocks)
+
+    def flush() -> None:
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+            texts.clear()
     for j, b in enumerate(blocks):
         at = f"{where}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
-            text = _text_block(b, at)
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += "\n" + text
-            else:
-                out.append({"role": "user", "content": text})
+            texts.append(_text_block(b, at))
         elif kind == "tool_result":
+            flush()
             _keys(b, at, {"type", "tool_use_id", "content", "is_error", "cache_control"})
             result = b.get("content", "")
             if isinstance(result, list):
@@ -244,6 +265,7 @@ def _user_blocks(blocks: list[Any], where: str) -> list[dict[str, Any]]:
         else:
             raise BodyError(f"{at}.type: a user message takes text and tool_result blocks (phalanx reads text "
                             f"only), got {kind!r}", f"{at}.type")
+    flush()
     return out
 
 
@@ -264,7 +286,11 @@ def _assistant_blocks(blocks: list[Any], where: str) -> dict[str, Any]:
                 "function": {"name": _string(b, "name", at, 64), "arguments": json.dumps(b["input"])}})
         elif kind == "thinking":
             _keys(b, at, {"type", "thinking", "signature", "cache_control"})
-            message["reasoning_content"] = _string(b, "thinking", at, MAX_TEXT_CHARS, empty=True)
+            if not isinstance(b.get("signature", ""), str):
+                raise BodyError(f"{at}.signature: must be a string", f"{at}.signature")
+            thought = _string(b, "thinking", at, MAX_TEXT_CHARS, empty=True)
+            message["reasoning_content"] = (message["reasoning_content"] + "\n" + thought
+                                            if "reasoning_content" in message else thought)
         else:
             raise BodyError(f"{at}.type: an assistant message takes text, tool_use and thinking blocks, got "
                             f"{kind!r}", f"{at}.type")
@@ -289,9 +315,12 @@ def _keys(b: dict[str, Any], at: str, allowed: set[str]) -> None:
     if extra:
         raise BodyError(f"{at}.{extra[0]}: this field is not supported by phalanx", f"{at}.{extra[0]}")
     cache = b.get("cache_control")
-    if cache is not None and not (isinstance(cache, dict) and cache.get("type") == "ephemeral"
-                                  and set(cache) <= {"type", "ttl"}):
-        raise BodyError(f"{at}.cache_control: must be {{\"type\": \"ephemeral\"}}", f"{at}.cache_control")
+    if cache is not None:
+        try:
+            CacheControl.model_validate(cache)
+        except ValidationError:
+            raise BodyError(f"{at}.cache_control: must be {{\"type\": \"ephemeral\"}} with an optional ttl of "
+                            f"\"5m\" or \"1h\"", f"{at}.cache_control") from None
 
 
 def _string(b: dict[str, Any], key: str, at: str, limit: int, empty: bool = False) -> str:
@@ -308,10 +337,11 @@ def new_id() -> str:
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as tool_use input: the JSON object, or {} where the output was cut
-    inside it (stop_reason max_tokens says so)."""
+    """A call's arguments as tool_use input: the JSON object; where the output was cut inside
+    it (stop_reason max_tokens), what of it is whole, as Anthropic's client reads a streamed
+    input's pieces (pydantic's partial JSON: a value cut short is left out)."""
     try:
-        value = json.loads(arguments)
+        value = from_json(arguments, allow_partial=True)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

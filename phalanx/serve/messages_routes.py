@@ -36,6 +36,9 @@ def add_routes(server: OpenAIServer) -> None:
         """A chat error as the Messages field it comes from (a chat message's index is not a
         message's: the system message and tool results shift it)."""
         param = e.param or ""
+        if param.startswith("response_format.json_schema.schema"):    # (the schema sits one level up here)
+            param = param.replace("response_format.json_schema.schema", "output_config.format.schema", 1)
+            return ApiError(getattr(e, "status", 400), e.message.replace(e.param or "", param, 1), param)
         head, _, rest = param.partition(".")
         new = "messages" if head == "messages" else ms.CHAT_TO_MESSAGES.get(head)
         status = getattr(e, "status", 400)
@@ -79,8 +82,8 @@ def add_routes(server: OpenAIServer) -> None:
     async def count_tokens(request: Request):
         _, chat = await conversation(request, ms.Conversation)
         tokenizer = server._tokenizer("counting needs one", "messages")
-        plan = server._chat_plan(chat, tokenizer.chat_template)
         try:
+            plan = server._chat_plan(chat, tokenizer.chat_template)
             ids = await server._chat_ids(plan.messages, plan.shown, chat, None)
         except ApiError as e:
             raise renamed(e) from None
@@ -102,8 +105,8 @@ async def _events(server: OpenAIServer, body: ms.MessagesRequest, plan: ChatPlan
     last: RequestOutput | None = None
     async for _, out in _merge([fut]):
         if isinstance(out, Exception):
-            yield ev.sse("error", error={"type": "api_error" if server.llm.is_alive else "overloaded_error",
-                                         "message": f"generation failed: {out}"})
+            server._observe(fut)
+            yield ev.sse("error", error={"type": "api_error", "message": f"generation failed: {out}"})
             return
         last = out
         o = out.outputs[0]

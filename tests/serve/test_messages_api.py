@@ -94,6 +94,18 @@ def test_tool_use_and_tool_results_round_trip(client, chat):
     assert len(pieces) > 1 and json.loads("".join(pieces)) == streamed.input and "city" in streamed.input
 
 
+def test_a_final_assistant_message_is_a_prefill_the_answer_goes_on_from(server, client):
+    """Anthropic's prefill: the answer continues the final assistant message, as chat's
+    continue_final_message does (not a new turn after it)."""
+    turns = [{"role": "user", "content": "Count from 1 to 10."}, {"role": "assistant", "content": "1, 2, 3, 4,"}]
+    m = client.messages.create(messages=turns, max_tokens=8, **GREEDY)
+    r = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120, json={
+        "model": MODEL, "messages": turns, "max_tokens": 8, "temperature": 0, "add_generation_prompt": False,
+        "continue_final_message": True}).json()
+    assert m.content[0].text == r["choices"][0]["message"]["content"]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == r["usage"]["prompt_tokens"]
+
+
 def test_a_stop_sequence_ends_the_message_and_is_named(client):
     words = client.messages.create(messages=ASK, max_tokens=40, **GREEDY).content[0].text.split()
     stop = words[2]
@@ -119,6 +131,9 @@ def test_an_output_schema_holds_the_text(client):
     ({"max_tokens": 600, "messages": ASK}, 400, "512"),
     ({"max_tokens": 5, "messages": ASK, "stop_sequences": [""]}, 400, "stop_sequences"),
     ({"max_tokens": 5, "messages": ASK, "mcp_servers": []}, 400, "mcp_servers"),
+    ({"max_tokens": 5, "messages": ASK, "tools": [TOOL], "tool_choice": {"type": "auto",
+                                                                          "disable_parallel_tool_use": True}}, 400,
+     "disable_parallel_tool_use"),
     ({"max_tokens": 5, "messages": ASK, "model": "claude-x"}, 404, "claude-x"),
 ])
 def test_what_does_not_fit_is_refused_by_name_in_anthropic_s_shape(server, client, body, status, needle):

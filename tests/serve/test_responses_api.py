@@ -220,11 +220,35 @@ def test_streamed_items_are_the_whole_answer_s_however_the_text_comes(reasoning,
                 ev.finish(status)
                 strip_call_id = lambda items: [{k: v for k, v in it.items() if k != "call_id"} for it in items]  # noqa: E731
                 assert strip_call_id(ev.items) == strip_call_id(whole), (out, pieces)
-                # Anthropic's Messages API reads the same items as content blocks
+                # Anthropic's Messages API reads the same items as content blocks; its own client
+                # puts the events together into them
                 stream = _ChoiceStream(plan, reasoning)
                 blocks = ms.MessageEvents(strip=reasoning != "none", named=forced is not None)
+                events = [blocks.sse("message_start", message={
+                    "id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": [],
+                    "stop_reason": None, "stop_sequence": None, "usage": ms.usage(1, 0, 0)})]
                 for i, piece in enumerate(pieces):
-                    blocks.feed(*stream.feed(piece, i == len(pieces) - 1), [])
-                blocks.finish(status)
+                    events += blocks.feed(*stream.feed(piece, i == len(pieces) - 1), [])
+                events += blocks.finish(status)
+                events += [blocks.sse("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None},
+                                      usage=ms.usage(1, 0, 1)), blocks.sse("message_stop")]
                 strip_id = lambda bs: [{k: v for k, v in b.items() if k != "id"} for b in bs]  # noqa: E731
                 assert strip_id(blocks.blocks) == strip_id(ms.content_blocks(message)), (out, pieces)
+                read = [b.model_dump(exclude_none=True) for b in _anthropic_read(events).content]
+                assert strip_id([{k: v for k, v in b.items() if k != "parsed_output"} for b in read]) == strip_id(
+                    ms.content_blocks(message)), (out, pieces)
+
+
+def _anthropic_read(events):
+    """The message Anthropic's client builds from these stream events (an in-process transport)."""
+    import anthropic
+    try:
+        import httpx2 as hx  # (newer Anthropic clients' fork of httpx)
+    except ImportError:
+        hx = httpx
+    body = "".join(events).encode()
+    client = anthropic.Anthropic(api_key="k", base_url="http://test", max_retries=0, http_client=hx.Client(
+        transport=hx.MockTransport(lambda r: hx.Response(200, content=body,
+                                                         headers={"content-type": "text/event-stream"}))))
+    with client.messages.stream(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}]) as s:
+        return s.get_final_message()

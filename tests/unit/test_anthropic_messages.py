@@ -43,8 +43,11 @@ def test_the_chat_request_a_message_runs_as():
     assert chat["tools"] == [{"type": "function", "function": {"name": "add", "description": "Add",
                                                                "parameters": {"type": "object"}}}]
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "add"}}
-    assert (chat["parallel_tool_calls"], chat["stop"], chat["temperature"], chat["top_k"], chat["user"],
-            chat["reasoning_effort"], chat["max_tokens"]) == (False, ["END"], 0.5, 4, "u1", "low", 8)
+    assert (chat["stop"], chat["temperature"], chat["top_k"], chat["user"], chat["reasoning_effort"],
+            chat["max_tokens"]) == (["END"], 0.5, 4, "u1", "low", 8)
+    assert "parallel_tool_calls" not in chat      # (a named tool makes one call)
+    one = _request(tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True}).generation_body()
+    assert (one["tool_choice"], one["parallel_tool_calls"]) == ("required", False)
     assert chat["response_format"]["json_schema"]["schema"] == {"type": "object"}
     assert _validate(chat, ChatCompletionRequest).output_limit == 8
     assert _request(tools=[tool]).generation_body()["tool_choice"] == "auto"
@@ -87,3 +90,60 @@ def test_the_answer_s_blocks_stop_reason_and_usage():
     assert stop_of("abort", None, False, None) == (None, None)
     assert usage(30, 20, 5) == {"input_tokens": 10, "cache_read_input_tokens": 20, "cache_creation_input_tokens": 0,
                                 "output_tokens": 5}
+
+
+def test_a_final_assistant_message_is_a_prefill_the_answer_goes_on_from():
+    body = _request(messages=[{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1, 2,"}])
+    chat = body.generation_body()
+    assert (chat["add_generation_prompt"], chat["continue_final_message"]) == (False, True)
+    assert _validate(chat, ChatCompletionRequest).continue_final_message
+    assert "continue_final_message" not in _request().generation_body()
+
+
+def test_thinking_blocks_join_and_text_blocks_join_in_linear_time():
+    import time
+    body = _request(messages=[{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "A", "signature": "s"}, {"type": "text", "text": "x"},
+        {"type": "thinking", "thinking": "B", "signature": ""}]}])
+    assert body.chat_messages()[0]["reasoning_content"] == "A\nB"
+    many = _request(messages=[{"role": "user", "content": [{"type": "text", "text": "0123456789"}] * 200_000}])
+    started = time.perf_counter()
+    [message] = many.chat_messages()
+    assert len(message["content"]) == 200_000 * 11 - 1 and time.perf_counter() - started < 5   # (quadratic: ~11 s)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": [{"name": "add", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "sub"}}, "tool_choice"),
+    ({"tools": [{"name": "add", "input_schema": {}}], "tool_choice": {"type": "auto",
+                                                                      "disable_parallel_tool_use": True}},
+     "tool_choice"),
+    ({"system": []}, "system"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+])
+def test_what_does_not_fit_the_request_is_refused_by_name(fields, param):
+    with pytest.raises(BodyError) as e:
+        _request(**fields)
+    assert e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type"),
+    ({"tools": [{"name": "add"}]}, "tools.0.input_schema"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "x", "signature": 5}]}]},
+     "messages.0.content.0.signature"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x",
+                                                 "cache_control": {"type": "ephemeral", "ttl": 5}}]}]},
+     "messages.0.content.0.cache_control"),
+])
+def test_what_does_not_fit_a_block_or_tool_is_refused_by_name(fields, param):
+    with pytest.raises(BodyError) as e:
+        _request(**fields).generation_body()
+    assert e.value.param == param, e.value.message
+
+
+def test_a_call_cut_short_keeps_its_whole_values_as_the_client_reads_its_pieces():
+    from phalanx.serve.messages import tool_input
+    assert tool_input('{"city": "Rome", "days": 3}') == {"city": "Rome", "days": 3}
+    assert tool_input('{"city": "Rome", "days": ') == {"city": "Rome"}
+    assert tool_input('{"city": "Ro') == {} and tool_input("") == {} and tool_input("[1, 2]") == {}
