@@ -95,33 +95,24 @@ def add_routes(server: OpenAIServer) -> None:
 
 async def _events(server: OpenAIServer, body: ms.MessagesRequest, plan: ChatPlan, fut: RequestOutput,
                   message_id: str) -> AsyncIterator[str]:
-    from phalanx.serve.openai_server import _ChoiceStream, _merge
+    from phalanx.serve.openai_server import _ChoiceStream, item_events
     ev = ms.MessageEvents(strip=server.reasoning_parser != "none", named=isinstance(plan.forced, dict))
     start: dict[str, Any] = {
         "id": message_id, "type": "message", "role": "assistant", "model": server.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": ms.usage(len(fut.prompt_token_ids), 0, 0)}
     yield ev.sse("message_start", message=start)
     stream = _ChoiceStream(plan, server.reasoning_parser)
-    last: RequestOutput | None = None
-    async for _, out in _merge([fut]):
-        if isinstance(out, Exception):
+    async for chunk in item_events(fut, stream, ev):
+        if isinstance(chunk, Exception):
             server._observe(fut)
-            yield ev.sse("error", error={"type": "api_error", "message": f"generation failed: {out}"})
+            yield ev.sse("error", error={"type": "api_error", "message": f"generation failed: {chunk}"})
             return
-        last = out
-        o = out.outputs[0]
-        final = o.finish_reason is not None
-        if not o.text_diff and not o.token_ids_diff and not final:
-            continue
-        delta, calls = stream.feed(o.text_diff, final)
-        for chunk in ev.feed(delta, calls, []):
-            yield chunk
+        yield chunk
     server._observe(fut)
-    assert last is not None
-    o = last.outputs[0]
+    o = fut.outputs[0]
     for chunk in ev.finish("completed"):
         yield chunk
     stop, sequence = ms.stop_of(o.finish_reason, o.stop_reason, stream.called, body.stop_sequences)
     yield ev.sse("message_delta", delta={"stop_reason": stop, "stop_sequence": sequence},
-                 usage=ms.usage(len(last.prompt_token_ids), last.cached_tokens, len(o.token_ids)))
+                 usage=ms.usage(len(fut.prompt_token_ids), fut.cached_tokens, len(o.token_ids)))
     yield ev.sse("message_stop")

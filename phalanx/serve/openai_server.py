@@ -1104,6 +1104,25 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
         _abort(futs)
 
 
+async def item_events(fut: RequestOutput, stream: _ChoiceStream, items: Any,
+                      logprobs: Callable[[Any], list[dict[str, Any]]] | None = None) -> AsyncIterator[str | Exception]:
+    """A streamed chat output's events as items (``item_stream.ItemStream``, the Responses and
+    Messages APIs' streams): each pull's text through the choice's stream, then the items; a
+    failure is yielded, last. The future holds the final output afterwards."""
+    async for _, out in _merge([fut]):
+        if isinstance(out, Exception):
+            yield out
+            return
+        o = out.outputs[0]
+        final = o.finish_reason is not None
+        if not o.text_diff and not o.token_ids_diff and not final:
+            continue
+        lps = logprobs(o) if logprobs is not None and o.token_ids_diff else []
+        delta, calls = stream.feed(o.text_diff, final)
+        for chunk in items.feed(delta, calls, lps):
+            yield chunk
+
+
 # one encoder for every event: ``json.dumps`` with a non-default argument builds a new one a call
 # (~18 µs an event against ~10 on a CPU, every streamed token of every request)
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode

@@ -170,37 +170,27 @@ class _Responder:
                                                    named=isinstance(self.plan.forced, dict)))
 
     async def events(self, fut: RequestOutput) -> AsyncIterator[str]:
-        from phalanx.serve.openai_server import _ChoiceStream, _merge
+        from phalanx.serve.openai_server import _ChoiceStream, item_events
         ev = rs.ResponseEvents(self.ids, self.body.logprobs, strip=self.server.reasoning_parser != "none",
                                named=isinstance(self.plan.forced, dict))
         start = {**self.head, "status": "in_progress", "output": [], "usage": None}
         yield ev.sse("response.created", response=start)
         yield ev.sse("response.in_progress", response=start)
-        stream = _ChoiceStream(self.plan, self.server.reasoning_parser)
-        last: RequestOutput | None = None
-        async for _, out in _merge([fut]):
-            if isinstance(out, Exception):
-                for chunk in ev.finish("incomplete"):
-                    yield chunk
+        lps = (lambda o: self._logprobs(o.token_ids_diff, o.logprobs_diff)) if self.body.logprobs else None
+        async for chunk in item_events(fut, _ChoiceStream(self.plan, self.server.reasoning_parser), ev, lps):
+            if isinstance(chunk, Exception):
+                for event in ev.finish("incomplete"):
+                    yield event
                 failed = {**self.head, "status": "failed", "output": ev.items, "usage": None,
-                          "error": {"code": "server_error", "message": f"generation failed: {out}"}}
+                          "error": {"code": "server_error", "message": f"generation failed: {chunk}"}}
                 yield ev.sse("response.failed", response=failed)
                 return
-            last = out
-            o = out.outputs[0]
-            final = o.finish_reason is not None
-            if not o.text_diff and not o.token_ids_diff and not final:
-                continue
-            lps = self._logprobs(o.token_ids_diff, o.logprobs_diff) if self.body.logprobs and o.token_ids_diff else []
-            delta, calls = stream.feed(o.text_diff, final)
-            for chunk in ev.feed(delta, calls, lps):
-                yield chunk
+            yield chunk
         self.server._observe(fut)
-        assert last is not None
-        status, _ = rs.status_of(last.outputs[0].finish_reason)
+        status, _ = rs.status_of(fut.outputs[0].finish_reason)
         for chunk in ev.finish(_item_status(status)):
             yield chunk
-        response = self._response(last, ev.items)
+        response = self._response(fut, ev.items)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
         yield ev.sse(kind, response=response)
 
