@@ -1,13 +1,15 @@
 """Anthropic's Messages API (``/v1/messages``) as a chat request: the body, its content blocks
 read as chat messages, the answer's content blocks, and the stream's events.
 
-A Messages request runs as the chat request it amounts to (``MessagesRequest.chat_body``):
+A Messages request runs as the chat request it amounts to (``MessagesRequest.generation_body``):
 ``system`` becomes a system message, ``text`` blocks a message's text, an assistant's
 ``tool_use`` blocks its tool calls, a user's ``tool_result`` blocks tool messages (in their
 place among the user's text), an assistant's ``thinking`` its reasoning; custom tools
 (``input_schema``) become function tools, ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``)
 the chat's, ``stop_sequences`` the stop strings, ``output_config.format`` (a JSON schema) the
-response format, ``output_config.effort`` the chat's ``reasoning_effort``. ``cache_control``
+response format, ``output_config.effort`` the chat's ``reasoning_effort``; a final assistant
+message is a prefill (chat's ``continue_final_message``: the answer goes on from it, read as
+written, with no thinking opened). ``cache_control``
 marks are taken: phalanx caches every prompt's blocks of 32 tokens, marked or not.
 
 Refused by name, never ignored: image and document blocks, server tools (bash, web search,
@@ -146,6 +148,10 @@ class Conversation(NullIsDefault):
         messages = self.chat_messages()
         body: dict[str, Any] = {"messages": messages}
         if messages[-1]["role"] == "assistant":   # a prefill: the answer goes on from it (Anthropic's reading)
+            if "tool_calls" in messages[-1]:
+                where = f"messages.{len(self.messages) - 1}.content"
+                raise BodyError(f"{where}: a final assistant message is a prefill the answer goes on writing; it "
+                                "cannot hold tool_use blocks", where)
             body.update(add_generation_prompt=False, continue_final_message=True)
         if max_tokens is not None:
             body["max_tokens"] = max_tokens

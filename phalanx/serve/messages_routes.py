@@ -14,6 +14,7 @@ each with its ``event:`` line: ``message_start``, per block ``content_block_star
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -96,18 +97,20 @@ def add_routes(server: OpenAIServer) -> None:
 async def _events(server: OpenAIServer, body: ms.MessagesRequest, plan: ChatPlan, fut: RequestOutput,
                   message_id: str) -> AsyncIterator[str]:
     from phalanx.serve.openai_server import _ChoiceStream, item_events
-    ev = ms.MessageEvents(strip=server.reasoning_parser != "none", named=isinstance(plan.forced, dict))
+    ev = ms.MessageEvents(strip=server.reasoning_parser != "none" and not plan.continued,
+                          named=isinstance(plan.forced, dict))
     start: dict[str, Any] = {
         "id": message_id, "type": "message", "role": "assistant", "model": server.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": ms.usage(len(fut.prompt_token_ids), 0, 0)}
     yield ev.sse("message_start", message=start)
     stream = _ChoiceStream(plan, server.reasoning_parser)
-    async for chunk in item_events(fut, stream, ev):
-        if isinstance(chunk, Exception):
-            server._observe(fut)
-            yield ev.sse("error", error={"type": "api_error", "message": f"generation failed: {chunk}"})
-            return
-        yield chunk
+    async with contextlib.aclosing(item_events(fut, stream, ev)) as chunks:
+        async for chunk in chunks:
+            if isinstance(chunk, Exception):
+                server._observe(fut)
+                yield ev.sse("error", error={"type": "api_error", "message": f"generation failed: {chunk}"})
+                return
+            yield chunk
     server._observe(fut)
     o = fut.outputs[0]
     for chunk in ev.finish("completed"):

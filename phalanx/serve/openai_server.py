@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import copy
 import hmac
 import json
@@ -24,7 +25,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
@@ -43,6 +44,7 @@ from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
 from phalanx.llmapi.tokenizer import Tokenizer
 from phalanx.serve import messages_routes, native_routes, responses_routes, rollout_routes, tools
+from phalanx.serve.item_stream import ItemStream
 from phalanx.serve.messages import Conversation, MessagesRequest
 from phalanx.serve.messages import error_body as anthropic_error
 from phalanx.serve.metrics import ServerMetrics
@@ -80,6 +82,7 @@ class ChatPlan:
     guided: GuidedDecodingParams | None    # the output's grammar
     guided_field: str | None               # the request field it came from
     shown: list[dict[str, Any]] | None = None   # the tools the prompt shows (also under tool_choice "none")
+    continued: bool = False                # the output goes on writing the final message (continue_final_message)
 
 
 class _ChoiceStream:
@@ -87,7 +90,8 @@ class _ChoiceStream:
 
     def __init__(self, plan: ChatPlan, reasoning_parser: str, include_reasoning: bool = True) -> None:
         self.plan = plan
-        self.reasoning = (tools.ReasoningStream(reasoning_parser == "deepseek_r1")
+        # a continued message did not open a <think> block the template would have (no generation prompt)
+        self.reasoning = (tools.ReasoningStream(reasoning_parser == "deepseek_r1" and not plan.continued)
                           if reasoning_parser != "none" else None)
         self.include_reasoning = include_reasoning     # False: the reasoning is read off and left out
         self.tool_stream = (tools.ToolCallStream(plan.parser, plan.tools)
@@ -803,6 +807,9 @@ class OpenAIServer:
             return await self._text(lambda: tokenizer.encode_chat(
                 messages, body.add_generation_prompt, self.chat_template, limit, **kwargs))
         except ValueError as e:
+            if body.continue_final_message and "continue_final_message" in str(e):   # (its text holds the prompt)
+                raise ApiError(400, "the chat template cannot continue the final message: it does not end the "
+                                    "prompt with that message's text", "messages") from None
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # template errors (e.g. roles it does not accept)
             raise ApiError(400, f"the chat template failed: {e}", "messages") from None
@@ -866,7 +873,8 @@ class OpenAIServer:
         # the prompt shows the tools under tool_choice "none" too (as OpenAI and vLLM): the output
         # is then read as content only
         return ChatPlan(tools.template_messages(body.messages, tool_defs, template), active,
-                        choice if constraint is not None and not auto else None, parser, guided, field, tool_defs)
+                        choice if constraint is not None and not auto else None, parser, guided, field, tool_defs,
+                        body.continue_final_message)
 
     async def _tokenize_bad_words(self, words: list[str] | None, params: list[SamplingParams]) -> None:
         """Tokenize a request's bad words in the text pool, once, and give the sequences to its
@@ -993,7 +1001,7 @@ def chat_message(text: str, plan: ChatPlan, reasoning_parser: str,
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning_parser != "none":
         message["reasoning_content"] = delta.get("reasoning_content", "").strip() or None
-        if content:
+        if content and not plan.continued:    # (a continued message's text goes on as written)
             message["content"] = content.lstrip()
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
@@ -1057,7 +1065,7 @@ def _has_text(prompt: Any) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and str in set(map(type, prompt)))
 
 
-async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
+async def _merge(futs: list[RequestOutput]) -> AsyncGenerator[tuple[int, RequestOutput | Exception], None]:
     """Stream several requests as one: (index, snapshot) in arrival order. If the consumer
     stops early (client gone, server stopping), every unfinished request is aborted.
 
@@ -1104,23 +1112,26 @@ async def _merge(futs: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestO
         _abort(futs)
 
 
-async def item_events(fut: RequestOutput, stream: _ChoiceStream, items: Any,
-                      logprobs: Callable[[Any], list[dict[str, Any]]] | None = None) -> AsyncIterator[str | Exception]:
+async def item_events(fut: RequestOutput, stream: _ChoiceStream, items: ItemStream,
+                      logprobs: Callable[[Any], list[dict[str, Any]]] | None = None,
+                      ) -> AsyncGenerator[str | Exception, None]:
     """A streamed chat output's events as items (``item_stream.ItemStream``, the Responses and
     Messages APIs' streams): each pull's text through the choice's stream, then the items; a
-    failure is yielded, last. The future holds the final output afterwards."""
-    async for _, out in _merge([fut]):
-        if isinstance(out, Exception):
-            yield out
-            return
-        o = out.outputs[0]
-        final = o.finish_reason is not None
-        if not o.text_diff and not o.token_ids_diff and not final:
-            continue
-        lps = logprobs(o) if logprobs is not None and o.token_ids_diff else []
-        delta, calls = stream.feed(o.text_diff, final)
-        for chunk in items.feed(delta, calls, lps):
-            yield chunk
+    failure is yielded, last. The future holds the final output afterwards. Closed early (the
+    client gone), it closes the request's stream at once, which aborts the request."""
+    async with contextlib.aclosing(_merge([fut])) as pulls:
+        async for _, out in pulls:
+            if isinstance(out, Exception):
+                yield out
+                return
+            o = out.outputs[0]
+            final = o.finish_reason is not None
+            if not o.text_diff and not o.token_ids_diff and not final:
+                continue
+            lps = logprobs(o) if logprobs is not None and o.token_ids_diff else []
+            delta, calls = stream.feed(o.text_diff, final)
+            for chunk in items.feed(delta, calls, lps):
+                yield chunk
 
 
 # one encoder for every event: ``json.dumps`` with a non-default argument builds a new one a call

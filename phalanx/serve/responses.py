@@ -10,7 +10,7 @@ and a 400 names the Responses field (``input``, ``max_output_tokens``, ``text.fo
 
 What phalanx does not do is refused by name, never ignored: tools other than functions (web
 search, file search, MCP, ...), ``background``, ``conversation``, ``prompt``, encrypted
-reasoning, image and file inputs, other ``include`` values, a reasoning effort or summary.
+reasoning, image and file inputs, other ``include`` values, a reasoning summary.
 
 Nothing here imports torch or the server: the conversions are plain data.
 """

@@ -15,6 +15,7 @@ streamed items and the final response carry the same ones.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -171,21 +172,25 @@ class _Responder:
 
     async def events(self, fut: RequestOutput) -> AsyncIterator[str]:
         from phalanx.serve.openai_server import _ChoiceStream, item_events
-        ev = rs.ResponseEvents(self.ids, self.body.logprobs, strip=self.server.reasoning_parser != "none",
+        ev = rs.ResponseEvents(self.ids, self.body.logprobs,
+                               strip=self.server.reasoning_parser != "none" and not self.plan.continued,
                                named=isinstance(self.plan.forced, dict))
         start = {**self.head, "status": "in_progress", "output": [], "usage": None}
         yield ev.sse("response.created", response=start)
         yield ev.sse("response.in_progress", response=start)
         lps = (lambda o: self._logprobs(o.token_ids_diff, o.logprobs_diff)) if self.body.logprobs else None
-        async for chunk in item_events(fut, _ChoiceStream(self.plan, self.server.reasoning_parser), ev, lps):
-            if isinstance(chunk, Exception):
-                for event in ev.finish("incomplete"):
-                    yield event
-                failed = {**self.head, "status": "failed", "output": ev.items, "usage": None,
-                          "error": {"code": "server_error", "message": f"generation failed: {chunk}"}}
-                yield ev.sse("response.failed", response=failed)
-                return
-            yield chunk
+        async with contextlib.aclosing(item_events(fut, _ChoiceStream(self.plan, self.server.reasoning_parser), ev,
+                                                   lps)) as chunks:
+            async for chunk in chunks:
+                if isinstance(chunk, Exception):
+                    self.server._observe(fut)
+                    for event in ev.finish("incomplete"):
+                        yield event
+                    failed = {**self.head, "status": "failed", "output": ev.items, "usage": None,
+                              "error": {"code": "server_error", "message": f"generation failed: {chunk}"}}
+                    yield ev.sse("response.failed", response=failed)
+                    return
+                yield chunk
         self.server._observe(fut)
         status, _ = rs.status_of(fut.outputs[0].finish_reason)
         for chunk in ev.finish(_item_status(status)):

@@ -345,8 +345,8 @@ class ReasoningStream:
             head = self.buf.lstrip()
             if head.startswith("<think>"):
                 self.state, self.buf = "reasoning", head[len("<think>"):].lstrip("\n")
-            elif "<think>".startswith(head) and head and not final:
-                return "", ""                         # maybe the tag is still coming
+            elif "<think>".startswith(head) and not final:
+                return "", ""                         # maybe the tag is still coming (blanks first, too)
             else:
                 self.state = "answer"
         if self.state == "reasoning":

@@ -184,6 +184,9 @@ OUTPUTS = [   # (reasoning parser, tools' parser or a forced call, output texts,
     ("none", "named", ['{"city": "Rome"}']),
     ("qwen3", "named", ['{"city": "Rome"}']),
     ("deepseek_r1", "named", ['{"city": "Rome"}', 'Rome, then.\n</think>\n\n{"city": "Rome"}']),
+    # a continued message (a prefill): no <think> was opened for it, and its text goes on as written
+    ("deepseek_r1", "continued", [" 42, as said.", "  <think>\nhmm\n</think> 42"]),
+    ("qwen3", "continued", [" 42.", "   "]),
 ]
 
 
@@ -199,22 +202,26 @@ def test_streamed_items_are_the_whole_answer_s_however_the_text_comes(reasoning,
     from phalanx.serve import messages as ms
     from phalanx.serve import responses as rs
     from phalanx.serve.openai_server import ChatPlan, _ChoiceStream, chat_message
-    tools = [CHAT_TOOL] if calls else None
+    tools = [CHAT_TOOL] if calls in ("hermes", "named") else None
     forced = CHAT_TOOL if calls == "named" else None
-    plan = ChatPlan([], tools, forced, "hermes" if calls == "hermes" else None, None, None)
+    plan = ChatPlan([], tools, forced, "hermes" if calls == "hermes" else None, None, None,
+                    continued=calls == "continued")
+    strip = reasoning != "none" and not plan.continued
     rng = random.Random(0)
     for text in texts:
         for cut in sorted({len(text), *rng.sample(range(len(text)), min(6, len(text)))}):
             out, status = text[:cut], "completed" if cut == len(text) else "incomplete"
             ids = rs.OutputIds.new()
             message, _ = chat_message(out, plan, reasoning)
+            if plan.continued and "<think>" not in out:     # what a prefill's continuation is: its text, as written
+                assert message["content"] == out and not message.get("reasoning_content"), message
             whole = rs.output_items(message, ids, status, None, named=forced is not None)
             for split in range(4):
                 k = max(0, min(len(out) - 1, rng.randint(0, 8))) if split else 0
                 bounds = sorted(rng.sample(range(1, len(out)), k))
                 pieces = [out[a:b] for a, b in zip([0, *bounds], [*bounds, len(out)], strict=True)] or [""]
                 stream = _ChoiceStream(plan, reasoning)
-                ev = rs.ResponseEvents(ids, logprobs=False, strip=reasoning != "none", named=forced is not None)
+                ev = rs.ResponseEvents(ids, logprobs=False, strip=strip, named=forced is not None)
                 for i, piece in enumerate(pieces):
                     ev.feed(*stream.feed(piece, i == len(pieces) - 1), [])
                 ev.finish(status)
@@ -223,7 +230,7 @@ def test_streamed_items_are_the_whole_answer_s_however_the_text_comes(reasoning,
                 # Anthropic's Messages API reads the same items as content blocks; its own client
                 # puts the events together into them
                 stream = _ChoiceStream(plan, reasoning)
-                blocks = ms.MessageEvents(strip=reasoning != "none", named=forced is not None)
+                blocks = ms.MessageEvents(strip=strip, named=forced is not None)
                 events = [blocks.sse("message_start", message={
                     "id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": [],
                     "stop_reason": None, "stop_sequence": None, "usage": ms.usage(1, 0, 0)})]

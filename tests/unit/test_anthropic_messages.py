@@ -98,6 +98,10 @@ def test_a_final_assistant_message_is_a_prefill_the_answer_goes_on_from():
     assert (chat["add_generation_prompt"], chat["continue_final_message"]) == (False, True)
     assert _validate(chat, ChatCompletionRequest).continue_final_message
     assert "continue_final_message" not in _request().generation_body()
+    called = _request(messages=[{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [USE]}])
+    with pytest.raises(BodyError) as e:         # a prefill is text the answer goes on writing, not a call
+        called.generation_body()
+    assert e.value.param == "messages.1.content"
 
 
 def test_thinking_blocks_join_and_text_blocks_join_in_linear_time():

@@ -286,3 +286,10 @@ def test_a_tokenizer_with_named_chat_templates_renders_with_its_default_one():
     assert tok.chat_template == default
     assert not template_names_developer(tok.chat_template) and not template_renders_tool_calls(tok.chat_template)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "user hi "
+
+
+def test_a_think_tag_after_blanks_is_reasoning_however_the_blanks_arrive():
+    for pieces in (["  <think>hm</think>Hi"], ["  ", "<think>hm</think>Hi"], [" ", " <th", "ink>hm</think>Hi"]):
+        stream = ReasoningStream()
+        parts = [stream.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        assert ("".join(r for r, _ in parts), "".join(a for _, a in parts)) == ("hm", "Hi"), pieces
