@@ -78,11 +78,11 @@ def test_tool_use_and_tool_results_round_trip(client, chat):
                                                       "input": use.input}]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"},
                                           {"type": "text", "text": "Thanks. Anything else?"}]}]
-    after = client.messages.create(messages=turns, tools=[TOOL], max_tokens=16, **GREEDY)
+    after = client.messages.create(messages=turns, tools=[TOOL], max_tokens=1, **GREEDY)   # (prompts compared)
     c = _chat(chat, [*ask, {"role": "assistant", "content": None, "tool_calls": [
         {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
         {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 21 C"},
-        {"role": "user", "content": "Thanks. Anything else?"}], 16, tools=[CHAT_TOOL])
+        {"role": "user", "content": "Thanks. Anything else?"}], 1, tools=[CHAT_TOOL])
     assert after.usage.input_tokens + after.usage.cache_read_input_tokens == c.usage.prompt_tokens
     assert client.messages.count_tokens(model=MODEL, messages=turns, tools=[TOOL]).input_tokens == c.usage.prompt_tokens
     # a named tool streams its input as JSON pieces, which the client puts together
