@@ -172,7 +172,7 @@ def reference(server):
     return _text(s1, a1), _text(s2, a2)
 
 
-FUZZ = settings(max_examples=20, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=24, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
 
@@ -189,13 +189,13 @@ def test_fuzzed_chat(server, reference, body):
     check(server, "/v1/chat/completions", body, reference)
 
 
-@settings(FUZZ, max_examples=10)
+@settings(FUZZ, max_examples=16)
 @given(body=bodies(RESPONSES_FIELDS, ["input"]))
 def test_fuzzed_responses(server, reference, body):
     check(server, "/v1/responses", body, reference)
 
 
-@settings(FUZZ, max_examples=8)
+@settings(FUZZ, max_examples=10)
 @given(body=bodies(COMPLETION_FIELDS, ["prompt"], hostile=False), chat=bodies(CHAT_FIELDS, ["messages"], False))
 def test_valid_bodies_always_complete(server, reference, body, chat):
     """Any combination of valid values is served (200), next to the innocent requests."""
