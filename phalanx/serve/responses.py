@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from phalanx.serve.item_stream import ANSWER, CALL, REASONING, ItemStream
-from phalanx.serve.protocol import MAX_MESSAGES, MAX_TEXT_CHARS, BodyError, NullIsDefault, Strict
+from phalanx.serve.protocol import MAX_MESSAGES, MAX_TEXT_CHARS, BodyError, FunctionDef, NullIsDefault, Strict
 
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -40,12 +40,10 @@ CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens", "re
                      "reasoning_effort": "reasoning.effort"}
 
 
-class FunctionTool(Strict):
+class FunctionTool(FunctionDef):
+    """A Responses function tool: chat's function definition, flat, with its type."""
+
     type: Literal["function"]
-    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = Field(None, max_length=8192)
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionChoice(Strict):
