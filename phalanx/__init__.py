@@ -13,6 +13,7 @@ _LAZY = {
     "LLM": "phalanx.llmapi.llm",
     "SamplingParams": "phalanx.llmapi.sampling_params",
     "GuidedDecodingParams": "phalanx.llmapi.sampling_params",
+    "LoRARequest": "phalanx.llmapi.lora_request",
     "RequestOutput": "phalanx.llmapi.outputs",
     "CompletionOutput": "phalanx.llmapi.outputs",
     "KvCacheConfig": "phalanx.config",
@@ -20,6 +21,7 @@ _LAZY = {
     "CudaGraphConfig": "phalanx.config",
     "AttentionDpConfig": "phalanx.config",
     "LlmArgs": "phalanx.config",
+    "LoraConfig": "phalanx.config",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

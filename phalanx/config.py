@@ -198,6 +198,30 @@ class SpeculativeConfig(StrictModel):
         return self
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(StrictModel):
+    """LoRA adapters served beside the base weights (TensorRT-LLM's ``lora_config``; vLLM's
+    ``enable_lora`` with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``). Every rank holds
+    ``max_loras`` adapter slots of rank ``max_lora_rank`` for each target projection, in the
+    activation dtype; a step runs requests of at most ``max_loras`` adapters (others wait), and
+    the adapters read from disk stay in host memory while requests use them, up to
+    ``max_cpu_loras`` more."""
+
+    max_loras: int = Field(4, ge=1, le=64, description="Adapters a step may run (GPU slots).")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="The largest adapter rank served.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, le=1024, description="Adapters kept in host memory when no request uses them (default: max_loras).")
+    lora_target_modules: list[Literal[LORA_TARGETS]] | None = Field(  # type: ignore[valid-type]
+        None, description=f"The projections that hold adapter slots (default all: {', '.join(LORA_TARGETS)}); "
+                          "an adapter for another is refused.")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(self.lora_target_modules) if self.lora_target_modules else LORA_TARGETS
+
+
 class LlmArgs(StrictModel):
     """Everything ``LLM(...)`` accepts."""
 
@@ -249,6 +273,9 @@ class LlmArgs(StrictModel):
                            "sleep works without it.")
     speculative_config: SpeculativeConfig | None = Field(
         None, description="Speculative decoding: {decoding_type: NGram | DraftTarget, max_draft_len, ...}.")
+    lora_config: LoraConfig | None = Field(
+        None, description="LoRA adapters, chosen per request (lora_request): {max_loras, max_lora_rank, ...}.")
+    enable_lora: bool = Field(False, description="vLLM's switch: lora_config with its defaults where none is given.")
     mpi_private_network: bool = Field(
         True, description="Start the MPI job in a network namespace of its own (loopback only: nothing it opens "
                           "is reachable from outside). False: the host's network, which ranks need to join a "
@@ -263,7 +290,16 @@ class LlmArgs(StrictModel):
             raise ValueError("enable_attention_dp needs tensor_parallel_size >= 2 (one rank per attention replica)")
         if self.speculative_config is not None and self.enable_attention_dp:
             raise ValueError("speculative_config: not supported with enable_attention_dp")
+        if self.lora is not None and self.speculative_config is not None:
+            raise ValueError("lora_config: not supported with speculative_config")
+        if self.lora is not None and self.enable_attention_dp:
+            raise ValueError("lora_config: not supported with enable_attention_dp")
         return self
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The LoRA settings in effect: ``lora_config``, or its defaults under ``enable_lora``."""
+        return self.lora_config or (LoraConfig() if self.enable_lora else None)
 
     @property
     def world_size(self) -> int:

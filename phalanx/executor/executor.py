@@ -62,8 +62,10 @@ class GenerationExecutor(ABC):
     # -- API ------------------------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
                prompt: str | None = None, eos_token_ids: tuple[int, ...] = (), cache_salt: str | None = None,
-               max_total_tokens: int = 0, priority: int = DEFAULT_PRIORITY) -> GenerationResult:
-        """Send a request (n sequences = n rank requests) and return its result handle."""
+               max_total_tokens: int = 0, priority: int = DEFAULT_PRIORITY,
+               lora: list | None = None) -> GenerationResult:
+        """Send a request (n sequences = n rank requests) and return its result handle. ``lora``:
+        its adapter as [lora_name, lora_int_id, lora_path]."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         with self._lock:
@@ -80,7 +82,7 @@ class GenerationExecutor(ABC):
             if i > 0:
                 child.pop("prompt_logprobs", None)   # one sequence reports the shared prompt's
             msgs.append(GenerationRequest(cid, list(prompt_token_ids), child, list(eos_token_ids),
-                                          max_total_tokens, cache_salt, priority, result.arrival_time))
+                                          max_total_tokens, cache_salt, priority, result.arrival_time, lora))
         with self._lock:
             for cid in child_ids:
                 self._results[cid] = result

@@ -31,6 +31,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     priority: int = DEFAULT_PRIORITY
     arrival_time: float = 0.0
+    lora: list[Any] | None = None             # its LoRA adapter: [lora_name, lora_int_id, lora_path]
 
 
 @dataclass

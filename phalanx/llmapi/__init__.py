@@ -8,6 +8,7 @@ _LAZY = {
     "LLM": "phalanx.llmapi.llm",
     "SamplingParams": "phalanx.llmapi.sampling_params",
     "GuidedDecodingParams": "phalanx.llmapi.sampling_params",
+    "LoRARequest": "phalanx.llmapi.lora_request",
     "RequestOutput": "phalanx.llmapi.outputs",
     "CompletionOutput": "phalanx.llmapi.outputs",
     "RequestError": "phalanx.llmapi.outputs",

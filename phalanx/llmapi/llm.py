@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx.config import LlmArgs, make_llm_args
 from phalanx.executor.messages import ControlResult
+from phalanx.llmapi.lora_request import LoRARequest
+from phalanx.llmapi.lora_request import per_prompt as lora_per_prompt
 from phalanx.llmapi.outputs import RequestOutput
 from phalanx.llmapi.sampling_params import MAX_CACHE_SALT, SamplingParams, bad_word_sequences, check_prompt
 from phalanx.llmapi.tokenizer import Tokenizer, load_tokenizer
@@ -87,9 +89,12 @@ class LLM:
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, inputs: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, cache_salt: str | None = None) -> RequestOutput | list[RequestOutput]:
+                 use_tqdm: bool = True, cache_salt: str | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt or a batch; returns one RequestOutput per prompt (a single
-        one for a single prompt). ``sampling_params`` is one for all or a list with one per prompt.
+        one for a single prompt). ``sampling_params`` is one for all or a list with one per prompt;
+        ``lora_request`` (an engine with ``lora_config``) likewise.
 
         Every prompt is tokenized and checked before any is submitted; if one fails later (or
         the caller is interrupted), the others are aborted."""
@@ -99,8 +104,9 @@ class LLM:
         single = _is_single(inputs)
         prompts: list[Any] = [inputs] if single else list(inputs)  # type: ignore[arg-type, unused-ignore]
         params = _per_prompt(sampling_params, len(prompts))
+        loras = self._loras(lora_request, len(prompts))
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        futures = self._submit_all(prepared, cache_salt)
+        futures = self._submit_all(prepared, cache_salt, loras=loras)
         try:
             outs = [f.result() for f in _progress(futures, use_tqdm and len(futures) > 1)]
         except BaseException:
@@ -110,21 +116,24 @@ class LLM:
         return outs[0] if single else outs
 
     def generate_async(self, inputs: PromptInput, sampling_params: SamplingParams | None = None,
-                       streaming: bool = False, cache_salt: str | None = None) -> RequestOutput:
+                       streaming: bool = False, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None) -> RequestOutput:
         """Submit one prompt; returns a RequestOutput future (``.result()``, ``await .aresult()``;
         ``async for`` / ``for`` yields each update when streaming, else once, the finished output;
         cancelling the task that consumes the stream aborts the request)."""
         if isinstance(inputs, (list, tuple)) and any(isinstance(t, (str, dict, list, tuple)) for t in inputs):
             raise ValueError("inputs: generate_async takes one prompt (a string, token ids or a dict); "
                              "got a list of prompts: use generate for a batch")
-        return self._submit_all([self._prepare(inputs, sampling_params)], cache_salt, streaming)[0]
+        loras = self._loras(lora_request, 1)
+        return self._submit_all([self._prepare(inputs, sampling_params)], cache_salt, streaming, loras)[0]
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
              cache_salt: str | None = None, continue_final_message: bool = False,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for one conversation (a list of messages) or several (a list of them), each
         rendered by the chat template: a list of RequestOutputs, one a conversation (as vLLM's
         ``LLM.chat``). A message's content is a string or OpenAI's text parts. With
@@ -162,7 +171,7 @@ class LLM:
             c, add_generation_prompt, chat_template, limit, **kwargs), strict=True)) for c in convs]
         if not prompts:
             return []
-        outs = self.generate(prompts, sampling_params, use_tqdm, cache_salt)
+        outs = self.generate(prompts, sampling_params, use_tqdm, cache_salt, lora_request)
         return outs if isinstance(outs, list) else [outs]
 
     def get_tokenizer(self) -> Any:
@@ -216,17 +225,29 @@ class LLM:
                              f"{self.max_seq_len}")
         return self.max_seq_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
+    def _loras(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+               n: int) -> list[LoRARequest | None] | None:
+        """The adapter of each of ``n`` prompts (None: none asked)."""
+        if lora_request is None:
+            return None
+        if self.args.lora is None:
+            raise ValueError("lora_request: this LLM serves no LoRA adapters (start it with lora_config or "
+                             "enable_lora=True)")
+        return lora_per_prompt(lora_request, n)
+
     def _submit_all(self, prepared: list[PreparedPrompt], cache_salt: str | None,
-                    streaming: bool = False) -> list[RequestOutput]:
+                    streaming: bool = False, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Submit checked prompts; if one submit fails, the ones already sent are aborted."""
         if cache_salt is not None and not (isinstance(cache_salt, str) and len(cache_salt) <= MAX_CACHE_SALT):
             raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters, got "
                              + (f"{len(cache_salt)}" if isinstance(cache_salt, str) else type(cache_salt).__name__))
         futures: list[RequestOutput] = []
         try:
-            for p in prepared:
+            for i, p in enumerate(prepared):
                 eos = (p.params.end_id,) if p.params.end_id is not None else self._eos_token_ids()
-                state = self._executor.submit(p.token_ids, p.params, self.tokenizer, p.prompt, eos, cache_salt)
+                lora = loras[i] if loras is not None else None
+                state = self._executor.submit(p.token_ids, p.params, self.tokenizer, p.prompt, eos, cache_salt,
+                                              lora=lora.to_wire() if lora is not None else None)
                 futures.append(RequestOutput(state, streaming))
         except BaseException:
             for f in futures:

@@ -130,13 +130,15 @@ class Projection(nn.Module):
         self.plan = LinearPlan(behind)
         self.weight_scale: nn.Parameter | None = None
         self.fp8_block: fp8.Block | None = None
+        self.lora: nn.Module | None = None    # its LoRA adapter slots (models/lora.py), set at build
 
     @property
     def behind(self) -> Neighbour:
         return self.plan.neighbour
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        return self.plan(x, self.weight, self.bias, self.weight_scale)
+        y = self.plan(x, self.weight, self.bias, self.weight_scale)
+        return y if self.lora is None else y + self.lora(x)
 
     def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
         """(the rows of this rank's parameter, the checkpoint rows that go there)."""
@@ -356,7 +358,11 @@ class RowParallelLinear(Projection):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: this rank's input columns (gate ‖ up behind SILU) -> the full output on every rank
         (this rank's partial sum when ``deferred``)."""
-        return self.output(self.plan(x, self.weight, None, self.weight_scale))
+        if self.lora is None:
+            return self.output(self.plan(x, self.weight, None, self.weight_scale))
+        if self.lora.silu_in_front:   # its plan is then a plain one (models/lora.install)
+            x = ops.silu_and_mul(x)
+        return self.output(self.plan(x, self.weight, None, self.weight_scale) + self.lora(x))
 
     def output(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial product as the layer's output: kept partial when deferred, else

@@ -29,6 +29,7 @@ from phalanx.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from phalanx.models.lora import LoraState
 from phalanx.models.parallel import TPGroup, shard_heads
 
 logger = logging.getLogger("phalanx")
@@ -249,6 +250,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, self.tp, mlp_factory)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp, tied=tied)
+        self.lora: LoraState | None = None   # LoRA adapters' step state (models/lora.install)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pool: torch.Tensor) -> torch.Tensor:

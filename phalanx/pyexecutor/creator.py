@@ -89,6 +89,13 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                         **({"ep": ep} if cfg.is_moe and ep is not None else {}))
     if serves_fp8 and device.type == "cuda":
         torch.cuda.empty_cache()     # the loads' quantization temporaries go back before the KV pool is sized
+    lora_state, lora_cfg = None, args.lora
+    if lora_cfg is not None:    # adapter slots before the tuner and the profile (both see their paths)
+        from phalanx.models import lora
+        lora_state = lora.install(model, lora_cfg, max(args.max_num_tokens, args.max_batch_size))
+        if not lora_state.served:
+            raise ValueError(f"lora_config.lora_target_modules: {', '.join(lora_cfg.targets)} — no layer of this "
+                             "model has them (a mixture of experts' gate, up and down take no adapter)")
     t_weights = time.monotonic() - t0
     kvc = args.kv_cache_config
     kv_dtype = (torch.float8_e4m3fn if kv_fp8 else dtype if kvc.dtype == "auto"
@@ -129,12 +136,16 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse)
     limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
                              args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill,
-                             args.scheduler_config.max_prefill_tokens_while_decoding)
+                             args.scheduler_config.max_prefill_tokens_while_decoding,
+                             args.lora.max_loras if args.lora is not None else 0)
     sc = args.speculative_config
     scheduler = Scheduler(limits, kv, SpecPolicy(sc.max_draft_len, sc.max_concurrency, sc.adaptive)
                           if sc is not None else None)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, device, args.seed), device, tp,
                          max_slots=min(args.max_batch_size, 4096))
+    if lora_state is not None and lora_cfg is not None:
+        from phalanx.pyexecutor.lora import LoraManager
+        runner.lora = LoraManager(lora_state, lora_cfg, cfg)
     if args.speculative_config is not None:
         runner.spec = _build_spec(args, cfg, draft, num_blocks + 1, max_seq_len, kv_dtype, tp, device)
     # the most positions a request holds: speculative rows hold up to 2k past the length limit (Request.kv_limit)
@@ -274,11 +285,12 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
     from phalanx.models.llama import MLP, Attention, DecoderLayer
     act_dtype = model.activation_dtype
     report: dict[str, float] = {}
+    fused = model.lora is None   # LoRA adds to each projection: no paths that fuse one into its neighbours
     for m in model.modules():
         if isinstance(m, Projection) and m.weight.is_cuda:
             m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report, fp8=m.weight_scale is not None,
                                             act_dtype=act_dtype, block=m.fp8_block)
-        elif isinstance(m, DecoderLayer):
+        elif isinstance(m, DecoderLayer) and fused:
             m.prepare_fp8_rows(act_dtype)
     from phalanx.models.moe import SparseMoE
     for m in model.modules():
@@ -287,9 +299,10 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
             m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first, m.w13_scale, m.w2_scale,
                                          act_dtype, m.fp8_block)
             report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))] = 0.0
-        elif isinstance(m, Attention) and m.q_norm is None:
+        elif isinstance(m, Attention) and m.q_norm is None and fused:
             m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)
-        elif isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda:
+        elif (isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda
+              and fused):
             m.one_token = gemv_tuner.gate_up_silu_plan(m.gate_up_proj.weight, m.gate_up_proj.plan,
                                                        m.down_proj.weight, m.down_proj.plan, report,
                                                        scales=(m.gate_up_proj.weight_scale, m.down_proj.weight_scale),

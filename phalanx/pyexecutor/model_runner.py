@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from phalanx.models.llama import CausalLM
     from phalanx.pyexecutor.cuda_graph import CudaGraphRunner
     from phalanx.pyexecutor.guided_decoder import GuidedDecoder
+    from phalanx.pyexecutor.lora import LoraManager
     from phalanx.pyexecutor.request import Request
     from phalanx.pyexecutor.speculative import SpecDecoder, SpecStep
 
@@ -77,6 +78,7 @@ class StepInputs:
     prompt_logprobs: PromptLogprobRows | None = None
     spec: SpecStep | None = None              # speculative rows (verify, first tokens, prompts)
     extend_graph: int | None = None           # the extend graph whose buffers hold these inputs
+    lora_slots: torch.Tensor | None = None    # [T] each token's LoRA adapter slot (-1: none), when set this step
 
 
 @dataclass
@@ -169,6 +171,8 @@ class ModelRunner:
         self._zero_rows = torch.zeros(0, dtype=torch.long, device=device)
         self.guided: GuidedDecoder | None = None      # grammar state (guided decoding)
         self.spec: SpecDecoder | None = None          # speculative decoding (device state, proposer)
+        self.lora: LoraManager | None = None          # LoRA adapters (their slots in the model)
+        self._lora_mask_clear = True                  # no token of the last step had an adapter
         self.num_graph_steps = 0                     # steps that replayed a graph
         self.num_extend_graph_steps = 0              # prefill / extend / mixed steps that replayed one
         self.num_piecewise_steps = 0                 # larger steps: piecewise graphs, attention eager
@@ -191,12 +195,14 @@ class ModelRunner:
         return slot
 
     def release(self, request_id: int) -> None:
-        """A request ended: free its slot and its grammar."""
+        """A request ended: free its slot, its grammar and its hold on its LoRA adapter."""
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
         if self.guided is not None:
             self.guided.release(request_id)
+        if self.lora is not None:
+            self.lora.release(request_id)
 
     def _grow_slots(self) -> None:
         old = self.token_buffer.shape[0]
@@ -315,6 +321,9 @@ class ModelRunner:
             arrays = arrays[len(staged):]
         if gather_dst:
             arrays += [np.asarray(gather_dst, np.int64), np.asarray(gather_slot, np.int64)]
+        lora_slots = self._lora_slots(batch, counts)
+        if lora_slots is not None:
+            arrays.append(lora_slots)
         if arrays:
             staged += self.stage(arrays)
         self.clock.mark("stage")
@@ -333,6 +342,8 @@ class ModelRunner:
                             extend_graph=extend_graph)
         if gather_dst:
             inputs.gather_dst, inputs.gather_slot = staged[8], staged[9]
+        if lora_slots is not None:
+            inputs.lora_slots = staged[-1]
         if prompt_spans:
             inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
         if spec is not None and (spec.verify or spec.first or spec.prompt or spec.cached):
@@ -340,6 +351,18 @@ class ModelRunner:
             inputs.spec = spec.build(self.spec, sample_rows, int(ends.max()), meta.block_tables, batch.propose,
                                      self.stage)
         return inputs
+
+    def _lora_slots(self, batch: ScheduledBatch, counts: np.ndarray) -> np.ndarray | None:
+        """Each token's adapter slot (-1: none), the step's adapters written into slots; None
+        where neither this step nor the last has a token with an adapter (the mask stays zero)."""
+        if self.lora is None:
+            return None
+        ids = [r.lora_id for r in batch.requests]
+        clear = not any(ids)
+        if clear and self._lora_mask_clear:
+            return None
+        self._lora_mask_clear = clear
+        return np.repeat(np.asarray(self.lora.slots(ids), np.int64), counts)
 
     def _prompt_rows(self, batch: ScheduledBatch, spans: list[tuple[int, int, int, int]],
                      query_start: np.ndarray) -> PromptLogprobRows:
@@ -385,6 +408,8 @@ class ModelRunner:
         size) or run eagerly (0); by default decided here."""
         if inputs.gather_dst is not None:
             inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
+        if inputs.lora_slots is not None and self.model.lora is not None:
+            self.model.lora.set_tokens(inputs.lora_slots)
         if inputs.spec is not None and self.spec is not None:
             self.spec.place(inputs.spec, inputs.input_ids, inputs.positions, inputs.meta)
         self.kv_pool.copy_blocks(batch.copy_ops)

@@ -327,6 +327,8 @@ class PyExecutor:
             error = str(e)
         if error is None:
             return req
+        if self.runner.lora is not None:
+            self.runner.lora.release(msg.request_id)
         self._send([Response(msg.request_id, finish_reason="error", error=error, num_prompt_tokens=prompt_len(msg))])
         return None
 
@@ -349,10 +351,17 @@ class PyExecutor:
         if msg.cache_salt is not None and not isinstance(msg.cache_salt, str):
             raise TypeError(f"cache_salt must be a string, got {type(msg.cache_salt).__name__}")
         salt = (msg.cache_salt or "").encode()
+        lora_id = 0
+        if msg.lora is not None:    # read last: nothing after it refuses the request
+            if self.runner.lora is None:
+                raise ValueError("lora_request: this engine serves no LoRA adapters (start it with lora_config "
+                                 "or enable_lora)")
+            lora_id = self.runner.lora.register(msg.request_id, msg.lora)
+            salt = b"\xff%d\xff" % lora_id + salt   # its KV is the adapter's (0xff: never in a UTF-8 salt)
         spec = self.runner.spec
         return Request(msg.request_id, ids.tolist() if isinstance(ids, array) else list(ids), params,
                        tuple(msg.eos_token_ids), limit,
-                       extra_key=salt, priority=msg.priority, grammar=grammar,
+                       extra_key=salt, priority=msg.priority, grammar=grammar, lora_id=lora_id,
                        spec_len=spec.k if spec is not None and speculates(params) else 0)
 
     def _beat(self) -> None:

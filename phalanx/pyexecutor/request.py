@@ -65,6 +65,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_total_tokens: int = 0        # finish by length at this many tokens (prompt + output)
     extra_key: bytes = b""           # cache_salt / LoRA id: isolates prefix reuse
+    lora_id: int = 0                 # its LoRA adapter (lora_int_id; 0: none)
     priority: int = DEFAULT_PRIORITY  # KV retention priority of its blocks
     grammar: Any = None              # its compiled grammar (guided decoding), opaque here
     arrival_time: float = field(default_factory=time.monotonic)

@@ -6,7 +6,9 @@ Each step gives every scheduled request a number of positions to compute
 branches: a request computes until ``num_computed_tokens`` catches up with ``num_tokens`` and
 then samples one token per step. Order within a step: decoding requests, then running prefills
 (chunked), then waiting requests, first come first served (the first that does not fit stops
-admission: no head-of-line skipping).
+admission: no head-of-line skipping). With LoRA adapters, the running requests use at most
+``max_loras`` of them, so every step fits the model's adapter slots: a waiting request whose
+adapter would be one more waits, as one that does not fit.
 
 Capacity policies:
   GUARANTEED_NO_EVICT  admit only if every running request can still reach its last token
@@ -120,6 +122,7 @@ class SchedulerLimits:
     policy: str = GUARANTEED_NO_EVICT
     enable_chunked_prefill: bool = True
     max_prefill_tokens_while_decoding: int | None = None   # None: max_num_tokens
+    max_loras: int = 0         # LoRA adapters a step may run (0: no adapters served)
 
     def prefill_budget(self, budget: int, decode_rows: int) -> int:
         """The positions prompts may take of what is left of a step's ``budget`` once its
@@ -378,8 +381,15 @@ class Scheduler:
         if not self.waiting or budget <= 0 or len(batch) >= self.limits.max_batch_size:
             return   # (before the reservation count: a pass over every running request)
         reserved = self._reserved_blocks() if self.limits.policy == GUARANTEED_NO_EVICT else 0
+        adapters: set[int] | None = None
         while self.waiting and budget > 0 and len(batch) < self.limits.max_batch_size:
             req = self.waiting[0]
+            if req.lora_id:   # a step runs the adapters of at most max_loras (the running requests' first)
+                if adapters is None:
+                    adapters = {r.lora_id for r in self.running if r.lora_id}
+                if req.lora_id not in adapters and len(adapters) >= self.limits.max_loras:
+                    break
+                adapters.add(req.lora_id)
             match = self.kv.match(req.token_ids, req.extra_key, req.reuses_prefix)
             fit = self._fit(req, match, budget, reserved)
             if fit is None and match.tree_match.partial_node is not None:

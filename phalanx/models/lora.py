@@ -1,0 +1,293 @@
+"""LoRA adapters on the projections: y = x Wᵀ + s · (x Aᵀ) Bᵀ, each token with its request's
+adapter (or none).
+
+Every target projection holds ``max_loras`` adapter slots side by side, for each of its P parts
+(q ‖ k ‖ v: 3, gate ‖ up: 2, o and down: 1): ``A`` [P·S·r, K] (K: this rank's input columns) and
+``B`` [N, P·S·r] (N: this rank's output rows, laid out as the weight's; the scale s folded in; part
+p's rows hold values only in part p's columns). A step computes
+
+    ((x Aᵀ) ⊙ M) Bᵀ        M [T, P·S·r]: 1 where a column belongs to the slot of the token's adapter
+
+so one pair of dense products serves a batch of mixed adapters and tokens without one, with the
+same shapes at every step (CUDA graphs capture it; ``LoraState`` fills M before each step). The
+cost is T·P·S·r·(K + N) multiply-adds a projection beside its T·K·N: at 4 slots of rank 16 on a
+Llama-3.1-8B layer ~2 % of its weights' bytes and FLOPs. An adapter of a lower rank fills the
+first of its slot's r columns (the rest stay zero).
+
+Under tensor parallelism the placement follows the weight's: a column-parallel part's B takes
+this rank's rows (``Projection._place``), its A is whole; a row-parallel projection's A takes this
+rank's input columns and its B is whole, so each rank's partial (x_r A_rᵀ) Bᵀ sums, with the
+weight's partial products, in the layer's one all-reduce.
+
+Adapters are read from a PEFT directory (``adapter_config.json`` and
+``adapter_model.safetensors``; pickled ``.bin`` files are never loaded): LoRA only, no DoRA, no
+bias, no ``modules_to_save``, no per-module rank or alpha patterns — each refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from phalanx.config import LORA_TARGETS, LoraConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.default)?\.weight$")
+# PEFT's LoRA settings that change what the weights mean: refused unless at these values
+_UNSUPPORTED = {"use_dora": (False, None), "bias": ("none", None), "modules_to_save": (None, []),
+                "fan_in_fan_out": (False, None), "layers_to_transform": (None, []), "rank_pattern": ({}, None),
+                "alpha_pattern": ({}, None), "layer_replication": (None, []), "lora_bias": (False, None),
+                "use_qalora": (False, None), "trainable_token_indices": (None, {}, [])}
+
+
+@dataclass
+class Adapter:
+    """One adapter read from disk: (layer, module) -> (A [r, in], s·B [out, r]) in float32, on the host."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def module_shapes(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int,
+                  intermediate: int) -> dict[str, tuple[int, int]]:
+    """module -> (in features, out features) of a Llama-family layer's projections."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
+
+
+def read_adapter(name: str, path: str, *, num_layers: int, shapes: dict[str, tuple[int, int]],
+                 max_rank: int, targets: tuple[str, ...]) -> Adapter:
+    """A PEFT LoRA directory -> ``Adapter``; a ValueError naming the file, the setting or the
+    tensor (and the limit) where it cannot be served as it means."""
+    what = f"lora_request {name!r}"
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{what}: lora_path must be a directory")
+    where = os.path.realpath(path)
+    cfg_file = os.path.join(where, ADAPTER_CONFIG)
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"{what}: {ADAPTER_CONFIG} not found in lora_path")
+    try:
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{what}: {ADAPTER_CONFIG} is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{what}: {ADAPTER_CONFIG} must hold an object")
+    kind = cfg.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise ValueError(f"{what}: peft_type {kind!r} is not supported (LORA only)")
+    for key, allowed in _UNSUPPORTED.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise ValueError(f"{what}: {key}={cfg[key]!r} in {ADAPTER_CONFIG} is not supported")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank:
+        raise ValueError(f"{what}: rank r={r!r} must be an integer from 1 to max_lora_rank ({max_rank})")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{what}: lora_alpha={alpha!r} must be a finite number")
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    weights_file = os.path.join(where, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights_file):
+        pickled = os.path.isfile(os.path.join(where, "adapter_model.bin"))
+        raise ValueError(f"{what}: {ADAPTER_WEIGHTS} not found in lora_path"
+                         + (" (adapter_model.bin is a pickle and is not loaded)" if pickled else ""))
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        tensors = load_file(weights_file)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{what}: {ADAPTER_WEIGHTS} is not readable ({e})") from None
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"{what}: tensor {key!r} is not a LoRA weight of a served projection "
+                             f"({', '.join(LORA_TARGETS)})")
+        layer, module, ab = int(m[1]), m[2], m[3]
+        if module not in targets:
+            raise ValueError(f"{what}: tensor {key!r}: {module} takes no adapter on this engine "
+                             f"(lora_target_modules: {', '.join(targets)})")
+        if layer >= num_layers:
+            raise ValueError(f"{what}: tensor {key!r}: the model has {num_layers} layers")
+        pairs.setdefault((layer, module), {})[ab] = t
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{what}: layer {layer} {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        fan_in, fan_out = shapes[module]
+        a, b = ab["A"], ab["B"]
+        if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
+            raise ValueError(f"{what}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                             f"do not fit the model (expected ({r}, {fan_in}) and ({fan_out}, {r}))")
+        a32, b32 = a.float(), b.float() * scale
+        if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
+            raise ValueError(f"{what}: layer {layer} {module} holds a value that is not finite")
+        weights[(layer, module)] = (a32, b32)
+    if not weights:
+        raise ValueError(f"{what}: {ADAPTER_WEIGHTS} holds no LoRA weights")
+    return Adapter(name, where, r, weights)
+
+
+class LoraState:
+    """The step's token-to-slot mask M (module docstring), one buffer per part count P (M tiled
+    P times), filled before each step by ``set_tokens``; the projections read its first T rows."""
+
+    def __init__(self, slots: int, rank: int, rows: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.slots, self.rank, self.device, self.dtype = slots, rank, device, dtype
+        self.slot_of_col = torch.arange(slots * rank, device=device) // rank
+        self.masks: dict[int, torch.Tensor] = {}
+        self._grow(rows)
+        self._rows_set = 0
+        self.served: tuple[str, ...] = ()                   # the modules that take adapters (``install``)
+        self.layers: list[tuple[int, list[nn.Module]]] = []   # (layer, its adapted projections)
+
+    def _grow(self, rows: int) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"LoRA mask: {rows} rows asked while a CUDA graph is captured")
+        self.masks = {p: torch.zeros(rows, p * self.slots * self.rank, device=self.device, dtype=self.dtype)
+                      for p in (1, 2, 3)}
+
+    def set_tokens(self, token_slots: torch.Tensor) -> None:
+        """token_slots [T] (int, on the device): each token's adapter slot, -1 for none."""
+        T = token_slots.shape[0]
+        if self.masks[1].shape[0] < T:
+            self._grow(T)
+            self._rows_set = 0
+        m = (token_slots[:, None] == self.slot_of_col[None, :]).to(self.dtype)
+        for p, buf in self.masks.items():
+            buf[:T] = m if p == 1 else m.repeat(1, p)
+            if self._rows_set > T:   # rows of a larger step before (a graph's padding reads them)
+                buf[T:self._rows_set].zero_()
+        self._rows_set = T
+
+    def mask(self, parts: int, rows: int) -> torch.Tensor:
+        if rows > self.masks[parts].shape[0]:
+            self._grow(rows)
+        return self.masks[parts][:rows]
+
+
+class LoraWeights(nn.Module):
+    """A projection's adapter slots (module docstring). ``parts``: (module, the shard id the
+    weight's loader places it by) of each part; ``row_parallel``: A takes this rank's input
+    columns (B whole), else B takes this rank's rows of its part (A whole); ``silu_in_front``:
+    the projection's input is gate ‖ up and the adapter's is silu(gate) · up."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+
+    def __init__(self, proj: nn.Module, parts: list[tuple[str, object]], state: LoraState, row_parallel: bool,
+                 silu_in_front: bool = False) -> None:
+        super().__init__()
+        self.parts, self.row_parallel, self.silu_in_front = parts, row_parallel, silu_in_front
+        self.slots, self.rank = state.slots, state.rank
+        self.state = [state]      # shared: a list keeps it out of this module's state
+        self.proj = [proj]
+        weight: torch.Tensor = proj.weight   # type: ignore[assignment]
+        N, K = weight.shape[0], weight.shape[1]
+        width = len(parts) * self.slots * self.rank
+        self.register_buffer("A", torch.zeros(width, K, device=weight.device, dtype=state.dtype), persistent=False)
+        self.register_buffer("B", torch.zeros(N, width, device=weight.device, dtype=state.dtype), persistent=False)
+
+    @property
+    def modules_served(self) -> tuple[str, ...]:
+        return tuple(p[0] for p in self.parts)
+
+    def _cols(self, part: int, slot: int) -> slice:
+        c = (part * self.slots + slot) * self.rank
+        return slice(c, c + self.rank)
+
+    @torch.no_grad()
+    def write(self, slot: int, adapter: Adapter, layer: int) -> None:
+        """Slot ``slot`` takes ``adapter``'s weights of this projection in ``layer`` (zeros for a
+        part it does not adapt)."""
+        proj = self.proj[0]
+        for p, (module, shard_id) in enumerate(self.parts):
+            cols = self._cols(p, slot)
+            self.A[cols] = 0
+            self.B[:, cols] = 0
+            pair = adapter.weights.get((layer, module))
+            if pair is None:
+                continue
+            a, b = pair
+            r = a.shape[0]
+            c = slice(cols.start, cols.start + r)
+            if self.row_parallel:
+                a = proj._place(a, None)[1]     # type: ignore[operator]  # this rank's input columns
+                self.B[:, c] = b.to(self.B.device, self.B.dtype)
+            else:
+                rows, b = proj._place(b, shard_id)   # type: ignore[operator]  # this rank's rows of the part
+                self.B[rows, c] = b.to(self.B.device, self.B.dtype)
+            self.A[c] = a.to(self.A.device, self.A.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> the adapters' sum for each token [T, N]."""
+        s = torch.matmul(x, self.A.t())
+        s = s * self.state[0].mask(len(self.parts), x.shape[0])
+        return torch.matmul(s, self.B.t())
+
+
+def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
+    """Give the target projections of a Llama-family model (``models/llama.py``) their adapter
+    slots, and the model its ``LoraState`` (``model.lora``). A mixture of experts' layers take
+    none (an adapter for their gate, up or down projections is refused when read). Where down
+    has slots, its plan runs on silu(gate) · up made in front (the adapter needs it too)."""
+    import dataclasses
+
+    from phalanx.kernels.linear_plan import Neighbour
+    from phalanx.models.llama import MLP, DecoderLayer
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    ref: torch.Tensor = model.lm_head.weight   # type: ignore[union-attr, assignment]
+    state = LoraState(cfg.max_loras, cfg.max_lora_rank, rows, ref.device, ref.dtype)
+    targets = cfg.targets
+    served: set[str] = set()
+    for layer in layers:
+        attn = layer.self_attn
+        qkv = attn.qkv_proj
+        parts: list[tuple[str, object]] = [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]
+        if any(p[0] in targets for p in parts):
+            qkv.lora = LoraWeights(qkv, parts, state, row_parallel=False)
+            served.update(p[0] for p in parts if p[0] in targets)
+        if "o_proj" in targets:
+            attn.o_proj.lora = LoraWeights(attn.o_proj, [("o_proj", None)], state, row_parallel=True)
+            served.add("o_proj")
+        mlp = layer.mlp
+        if not isinstance(mlp, MLP):
+            continue
+        gu = mlp.gate_up_proj
+        if "gate_proj" in targets or "up_proj" in targets:
+            gu.lora = LoraWeights(gu, [("gate_proj", 0), ("up_proj", 1)], state, row_parallel=False)
+            served.update(m for m in ("gate_proj", "up_proj") if m in targets)
+        if "down_proj" in targets:
+            down = mlp.down_proj
+            down.plan = dataclasses.replace(down.plan, neighbour=Neighbour.PLAIN, launches=())
+            down.lora = LoraWeights(down, [("down_proj", None)], state,
+                                    row_parallel=True, silu_in_front=True)
+            served.add("down_proj")
+    model.lora = state   # type: ignore[assignment]
+    state.served = tuple(m for m in LORA_TARGETS if m in served)
+    state.layers = [(i, [p for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                     *((layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                                       if isinstance(layer.mlp, MLP) else ()))
+                         if getattr(p, "lora", None) is not None]) for i, layer in enumerate(layers)]
+    return state
+
+
+def write_slot(state: LoraState, slot: int, adapter: Adapter) -> None:
+    """Every adapted projection's slot ``slot`` takes ``adapter`` (``install``'s model)."""
+    for i, projections in state.layers:
+        for p in projections:
+            p.lora.write(slot, adapter, i)   # type: ignore[union-attr, operator]

@@ -1,0 +1,105 @@
+"""A rank's LoRA adapters: read from disk when a request first names one, kept in host memory
+while requests use them (and up to ``max_cpu_loras`` more, least recently used first out), and
+written into the model's ``max_loras`` slots as steps need them (models/lora.py).
+
+The scheduler lets a step run requests of at most ``max_loras`` adapters, so ``slots`` always
+finds room. Every rank sees the same requests in the same order and the same steps, so every rank
+puts the same adapter in the same slot. A slot is written on the step's stream, after the steps
+queued before it: a slot taken from an adapter the previous (still running) step reads is written
+once that step is done with it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+from phalanx.config import LoraConfig
+from phalanx.models.config import ModelConfig
+from phalanx.models.lora import Adapter, LoraState, module_shapes, read_adapter, write_slot
+
+
+def check_lora_request(lora: object) -> tuple[str, int, str]:
+    """A request's ``lora`` as it crossed the wire: [name, int id, path]."""
+    if not (isinstance(lora, (list, tuple)) and len(lora) == 3):
+        raise TypeError("lora_request must be [lora_name, lora_int_id, lora_path]")
+    name, lid, path = lora
+    if not isinstance(name, str) or not name:
+        raise ValueError("lora_request.lora_name must be a non-empty string")
+    if not isinstance(lid, int) or isinstance(lid, bool) or not 1 <= lid < 2**63:
+        raise ValueError(f"lora_request.lora_int_id must be an integer from 1 to 2**63 - 1, got {lid!r}")
+    if not isinstance(path, str) or not path:
+        raise ValueError("lora_request.lora_path must be a non-empty string")
+    return name, lid, path
+
+
+class LoraManager:
+    def __init__(self, state: LoraState, cfg: LoraConfig, model_cfg: ModelConfig) -> None:
+        self.state, self.cfg = state, cfg
+        self.max_cpu = cfg.max_cpu_loras or cfg.max_loras
+        self.num_layers = model_cfg.num_layers
+        self.shapes = module_shapes(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                    model_cfg.hidden_size, model_cfg.intermediate_size)
+        self.adapters: OrderedDict[int, Adapter] = OrderedDict()   # lora id -> adapter, least recent first
+        self.users: dict[int, int] = {}          # lora id -> live requests naming it
+        self.of_request: dict[int, int] = {}     # request id -> its lora id
+        self.slot_of: OrderedDict[int, int] = OrderedDict()   # lora id -> slot, least recent first
+        self.free_slots = list(range(cfg.max_loras - 1, -1, -1))
+        self.num_loads = 0                       # adapters read from disk
+        self.num_slot_writes = 0                 # adapters written into a slot
+
+    def register(self, request_id: int, lora: object) -> int:
+        """A new request names ``lora``: read it unless held; its lora id. A ValueError or
+        TypeError naming the field where it cannot be served (the request fails alone)."""
+        name, lid, path = check_lora_request(lora)
+        held = self.adapters.get(lid)
+        if held is None:
+            held = read_adapter(name, path, num_layers=self.num_layers, shapes=self.shapes,
+                                max_rank=self.cfg.max_lora_rank, targets=self.state.served or self.cfg.targets)
+            self.adapters[lid] = held
+            self.num_loads += 1
+        elif held.name != name or held.path != os.path.realpath(path):
+            raise ValueError(f"lora_request.lora_int_id {lid} names adapter {held.name!r} already; another adapter "
+                             "needs another id")
+        self.adapters.move_to_end(lid)
+        self.users[lid] = self.users.get(lid, 0) + 1
+        self.of_request[request_id] = lid
+        self._trim()
+        return lid
+
+    def release(self, request_id: int) -> None:
+        """A request ended (or was refused after ``register``)."""
+        lid = self.of_request.pop(request_id, None)
+        if lid is None:
+            return
+        self.users[lid] -= 1
+        if not self.users[lid]:
+            del self.users[lid]
+        self._trim()
+
+    def _trim(self) -> None:
+        idle = [lid for lid in self.adapters if lid not in self.users]
+        for lid in idle[:max(0, len(idle) - self.max_cpu)]:
+            del self.adapters[lid]
+            slot = self.slot_of.pop(lid, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+
+    def slots(self, lora_ids: list[int]) -> list[int]:
+        """Each row's slot (-1: no adapter), every adapter of the step written into one."""
+        need = {lid for lid in lora_ids if lid}
+        if len(need) > self.cfg.max_loras:
+            raise RuntimeError(f"a step with {len(need)} adapters; max_loras is {self.cfg.max_loras}")
+        for lid in need:
+            if lid in self.slot_of:
+                self.slot_of.move_to_end(lid)
+        for lid in sorted(need - self.slot_of.keys()):
+            if self.free_slots:
+                slot = self.free_slots.pop()
+            else:   # the least recently used slot the step does not need
+                victim = next(v for v in self.slot_of if v not in need)
+                slot = self.slot_of.pop(victim)
+            write_slot(self.state, slot, self.adapters[lid])
+            self.num_slot_writes += 1
+            self.slot_of[lid] = slot
+        return [self.slot_of[lid] if lid else -1 for lid in lora_ids]
