@@ -13,6 +13,7 @@ PURE_MODULES = [
     "phalanx.pyexecutor.request",
     "phalanx.executor.messages",
     "phalanx.llmapi.sampling_params",
+    "phalanx.llmapi.lora_request",
     "phalanx.attention_dp.router",
     "phalanx.config",
     "phalanx.serve.responses",     # the Responses API's conversions: plain data
