@@ -39,9 +39,9 @@ def adapters(hf_models, tmp_path_factory):
     hf = hf_models["llama"]
     root = tmp_path_factory.mktemp("lora")
     out = {None: (None, hf)}
-    for name, r, targets, seed, rs in (("all8", 8, ALL, 1, False), ("qv4", 4, ["q_proj", "v_proj", "down_proj"], 2,
-                                                                       True), ("mlp2", 2, ["gate_proj", "up_proj"], 3,
-                                                                               False)):
+    made = (("all8", 8, ALL, 1, False), ("qv4", 4, ["q_proj", "v_proj", "down_proj"], 2, True),
+            ("mlp2", 2, ["gate_proj", "up_proj"], 3, False))
+    for name, r, targets, seed, rs in made:
         out[name] = (str(root / name), save_adapter(hf, root / name, r, targets, seed, rs))
     return out
 
@@ -49,8 +49,8 @@ def adapters(hf_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(tiny_models):
     llm = LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
-              lora_config={"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 3}, kv_cache_config={"tokens_per_block": 8},
-              max_num_tokens=64)
+              lora_config={"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 3},
+              kv_cache_config={"tokens_per_block": 8}, max_num_tokens=64)
     yield llm
     llm.shutdown()
 
