@@ -53,6 +53,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative_config", "--speculative-config", dest="speculative_config", type=json_mapping,
                    default=None, help="speculative decoding as JSON: decoding_type NGram/DraftTarget, or vLLM's "
                                       "method ngram/draft_model with num_speculative_tokens")
+    p.add_argument("--enable_lora", "--enable-lora", dest="enable_lora", action="store_true",
+                   help="serve LoRA adapters (lora_config's defaults unless --max_loras/--max_lora_rank or the YAML "
+                        "set them); implied by --lora_modules")
+    p.add_argument("--lora_modules", "--lora-modules", dest="lora_modules", nargs="+", type=lora_module, default=None,
+                   help="adapters served as models of their own: NAME=PATH (a PEFT directory) or vLLM's JSON "
+                        '{"name": ..., "path": ...}; a request names one as its model')
+    p.add_argument("--max_loras", "--max-loras", dest="max_loras", type=POSITIVE, default=None,
+                   help="adapters one step may run (lora_config.max_loras)")
+    p.add_argument("--max_lora_rank", "--max-lora-rank", dest="max_lora_rank", type=POSITIVE, default=None,
+                   help="the largest adapter rank served (lora_config.max_lora_rank)")
     p.add_argument("--extra_llm_api_options", "--config", dest="config", default=None, help="YAML of LLM arguments")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("PHALANX_API_KEY"),
                    help="the key clients must send (default: $PHALANX_API_KEY; none: no key asked)")
@@ -156,6 +166,40 @@ def json_mapping(value: str) -> dict[str, Any]:
     return d
 
 
+def lora_module(value: str) -> tuple[str, str]:
+    """``--lora_modules``: NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...}."""
+    if value.lstrip().startswith("{"):
+        try:
+            d = json.loads(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        extra = sorted(set(d) - {"name", "path"}) if isinstance(d, dict) else []
+        if not isinstance(d, dict) or extra or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
+            raise argparse.ArgumentTypeError("expected {\"name\": ..., \"path\": ...}"
+                                             + (f" ({extra[0]} is not supported)" if extra else ""))
+        name, path = d["name"], d["path"]
+    else:
+        name, sep, path = value.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: the name and the path must not be empty")
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a directory (a PEFT adapter's)")
+    return name, path
+
+
+def lora_requests(modules: list[tuple[str, str]] | None) -> dict[str, Any]:
+    """``--lora_modules`` as the server's adapters, ids 1, 2, ... in the order given."""
+    from phalanx.llmapi.lora_request import LoRARequest
+    out: dict[str, Any] = {}
+    for i, (name, path) in enumerate(modules or (), start=1):
+        if name in out:
+            raise ValueError(f"--lora_modules: {name!r} is given twice")
+        out[name] = LoRARequest(name, i, path)
+    return out
+
+
 def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     from phalanx.config import merge_yaml
     kw: dict[str, Any] = {"tokenizer": a.tokenizer, "tensor_parallel_size": a.tp_size,
@@ -167,6 +211,9 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     kv = {"free_gpu_memory_fraction": a.kv_cache_free_gpu_memory_fraction,
           "dtype": "fp8" if a.kv_cache_dtype == "fp8_e4m3" else a.kv_cache_dtype}
     kw["kv_cache_config"] = {k: v for k, v in kv.items() if v is not None} or None
+    lora = {"max_loras": a.max_loras, "max_lora_rank": a.max_lora_rank}
+    kw["lora_config"] = {k: v for k, v in lora.items() if v is not None} or None
+    kw["enable_lora"] = a.enable_lora or bool(a.lora_modules) or None
     kw = {k: v for k, v in kw.items() if v is not None}
     if a.config:
         kw = merge_yaml(kw, a.config)
@@ -197,6 +244,7 @@ def serve(a: argparse.Namespace) -> int:
     try:
         template = chat_template(a.chat_template) if a.chat_template else None
         kwargs = llm_kwargs(a)
+        adapters = lora_requests(a.lora_modules)
     except Exception as e:   # a missing or malformed file, a YAML that does not parse
         print(f"phalanx serve: {e}", file=sys.stderr)
         return 1
@@ -219,7 +267,8 @@ def serve(a: argparse.Namespace) -> int:
     name = a.served_model_name or (llm.source.name if model else "SmolLM2-135M-Instruct")
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
                           tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
-                          allowed_origins=a.allowed_origins, responses_store_size=a.responses_store_size)
+                          allowed_origins=a.allowed_origins, responses_store_size=a.responses_store_size,
+                          lora_modules=adapters)
     # uvicorn cancels the handlers still running when its graceful time is over, mid-response; the
     # requests still running when the drain time is over are aborted first, and their handlers
     # get ABORT_GRACE seconds more to answer (finish reason "abort") before uvicorn cancels any

@@ -76,7 +76,7 @@ def add_routes(server: OpenAIServer) -> None:
         o = out.outputs[0]
         message, called = server._chat_message(o.text, plan)
         stop, sequence = ms.stop_of(o.finish_reason, o.stop_reason, called, body.stop_sequences)
-        return {"id": message_id, "type": "message", "role": "assistant", "model": server.model_name,
+        return {"id": message_id, "type": "message", "role": "assistant", "model": server.answering_model,
                 "content": ms.content_blocks(message), "stop_reason": stop, "stop_sequence": sequence,
                 "usage": ms.usage(len(out.prompt_token_ids), out.cached_tokens, len(o.token_ids))}
 
@@ -100,7 +100,7 @@ async def _events(server: OpenAIServer, body: ms.MessagesRequest, plan: ChatPlan
     ev = ms.MessageEvents(strip=server.reasoning_parser != "none" and not plan.continued,
                           named=isinstance(plan.forced, dict))
     start: dict[str, Any] = {
-        "id": message_id, "type": "message", "role": "assistant", "model": server.model_name, "content": [],
+        "id": message_id, "type": "message", "role": "assistant", "model": server.answering_model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": ms.usage(len(fut.prompt_token_ids), 0, 0)}
     yield ev.sse("message_start", message=start)
     stream = _ChoiceStream(plan, server.reasoning_parser)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import contextvars
 import copy
 import hmac
 import json
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phalanx import __version__
 from phalanx.llmapi.llm import LLM
+from phalanx.llmapi.lora_request import LoRARequest
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
 from phalanx.llmapi.tokenizer import Tokenizer
@@ -248,12 +250,24 @@ class Guard:
         await self.app(scope, limited_receive, send)
 
 
+# the LoRA adapter the request being answered named as its model (``_check_model``): a request is
+# answered in one task (a stream's in a task started from it), whose context holds it
+_ADAPTER: contextvars.ContextVar[LoRARequest | None] = contextvars.ContextVar("adapter", default=None)
+
+
 class OpenAIServer:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, chat_template: str | None = None,
                  max_body_bytes: int = 8 << 20, debug_endpoints: bool = False, tokenizer_threads: int = 4,
                  tool_call_parser: str = "auto", reasoning_parser: str = "none",
-                 allowed_origins: list[str] | None = None, responses_store_size: int = 1024) -> None:
+                 allowed_origins: list[str] | None = None, responses_store_size: int = 1024,
+                 lora_modules: dict[str, LoRARequest] | None = None) -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        # adapters served as models of their own (vLLM's --lora-modules): a request names one as its model
+        self.lora_modules = dict(lora_modules or {})
+        if self.lora_modules and llm.args.lora is None:
+            raise ValueError("lora_modules: the engine serves no LoRA adapters (enable_lora or lora_config)")
+        if model_name in self.lora_modules:
+            raise ValueError(f"lora_modules: {model_name!r} is the base model's name")
         self.responses = ResponseStore(responses_store_size)   # for previous_response_id and GET /v1/responses/{id}
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.model_type = llm.source.config.model_type
@@ -365,8 +379,22 @@ class OpenAIServer:
             raise ApiError(400, e.message, e.param) from None
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'", "model")
+        """The request's model: the base model, or a LoRA adapter it serves (which the request then
+        runs with: ``_submit_all``, and which its answer names); a 404 naming the field otherwise."""
+        if model is None or model == self.model_name:
+            _ADAPTER.set(None)
+            return
+        adapter = self.lora_modules.get(model)
+        if adapter is None:
+            served = ", ".join(repr(m) for m in (self.model_name, *self.lora_modules))
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves {served}", "model")
+        _ADAPTER.set(adapter)
+
+    @property
+    def answering_model(self) -> str:
+        """The model a response names: the adapter the request asked for, or the base model."""
+        adapter = _ADAPTER.get()
+        return self.model_name if adapter is None else adapter.lora_name
 
     # -- simple routes -------------------------------------------------------------------------------
     async def health(self):
@@ -395,16 +423,19 @@ class OpenAIServer:
             return _err(503, "the server is shutting down")
         return Response(status_code=200)
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "phalanx",
+    def _model_card(self, adapter: LoRARequest | None = None) -> dict[str, Any]:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "phalanx",
                 "root": self.model_name, "max_model_len": self.llm.max_seq_len}
+        if adapter is not None:   # vLLM's card of an adapter: its parent is the base model
+            card.update(id=adapter.lora_name, root=adapter.lora_name, parent=self.model_name)
+        return card
 
     async def models(self):
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(), *map(self._model_card, self.lora_modules.values())]}
 
     async def model_card_route(self, model_id: str):
         self._check_model(model_id)
-        return self._model_card()
+        return self._model_card(_ADAPTER.get())
 
     async def debug_integrity(self):
         res = await asyncio.to_thread(self.llm.control, "check_integrity")
@@ -454,8 +485,9 @@ class OpenAIServer:
             raise ApiError(503, "the server is shutting down")
         futs: list[RequestOutput] = []
         try:
+            adapter = _ADAPTER.get()
             for ids, sp in jobs:
-                futs.append(self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt))
+                futs.append(self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt, lora_request=adapter))
                 self._in_flight.add(futs[-1])
         except ValueError as e:   # named by its field where it begins with one (stop_token_ids past the vocabulary)
             _abort(futs)
@@ -576,7 +608,7 @@ class OpenAIServer:
                     choice["prompt_logprobs"] = self._prompt_logprobs(out, body.prompt_logprobs)
                 _add_ids(choice, body, o, out.prompt_token_ids)
                 choices.append(choice)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.answering_model,
                 "choices": choices, "usage": self._usage(outs, not body.echo_only),
                 "weight_version": _weight_version(outs)}
 
@@ -672,7 +704,7 @@ class OpenAIServer:
     async def _stream_completions(self, rid: str, body: CompletionRequest, futs: list[RequestOutput],
                                   texts: list[str | None]) -> AsyncIterator[str]:
         created = int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": self.answering_model}
         # echo: the prompt goes first; with logprobs it waits for all of the prompt's logprobs (they
         # come a prefill chunk at a time, all of them before the first token) and carries them
         echo_due = [body.echo] * len(futs)
@@ -758,7 +790,7 @@ class OpenAIServer:
                                                                      body.top_logprobs or 0, self._namer(body))}
             _add_ids(choice, body, o, None)
             choices.append(choice)
-        response = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+        response = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.answering_model,
                     "choices": choices, "usage": self._usage([out]), "weight_version": _weight_version([out])}
         if body.return_token_ids:
             response["prompt_token_ids"] = out.prompt_token_ids
@@ -912,7 +944,8 @@ class OpenAIServer:
 
     async def _stream_chat(self, rid: str, body: ChatCompletionRequest, fut: RequestOutput,
                            plan: ChatPlan) -> AsyncIterator[str]:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
+        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.answering_model}
         running = body.stream_options is not None and body.stream_options.continuous
         sent, name = [0] * body.n, self._namer(body)
 

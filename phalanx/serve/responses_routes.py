@@ -114,7 +114,7 @@ async def _released(events: AsyncIterator[str], answering: set[str], response_id
 
 def _head(server: OpenAIServer, body: rs.ResponsesRequest, response_id: str) -> dict[str, Any]:
     """A response's fields other than its output, status and usage: what the request asked."""
-    return {"id": response_id, "object": "response", "created_at": int(time.time()), "model": server.model_name,
+    return {"id": response_id, "object": "response", "created_at": int(time.time()), "model": server.answering_model,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "previous_response_id": body.previous_response_id, "store": body.store and server.responses.capacity > 0,
             "temperature": body.temperature, "top_p": body.top_p,

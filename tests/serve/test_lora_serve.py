@@ -1,0 +1,96 @@
+"""``phalanx serve --lora_modules``: an adapter is a model of its own (vLLM's way). A request
+naming it runs with it and gets the LLM class's tokens for that adapter; its answer names it;
+/v1/models lists it under the base model; a name the server does not serve is a 404."""
+
+import json
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from serve_helpers import KEY, start_server, stop_server
+
+H = {"Authorization": f"Bearer {KEY}"}
+BASE = "SmolLM2-135M-Instruct"
+PROMPT = "The three primary colours are"
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A random rank-4 adapter of the bundled model's q, v, o and down projections, large enough
+    to change its greedy text."""
+    from phalanx.models.lora import module_shapes
+    from phalanx.models.source import bundled_model_path, resolve_model
+    cfg = resolve_model(bundled_model_path()).config
+    shapes = module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+    g = torch.Generator().manual_seed(11)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module, block in (("q_proj", "self_attn"), ("v_proj", "self_attn"), ("o_proj", "self_attn"),
+                              ("down_proj", "mlp")):
+            fan_in, fan_out = shapes[module]
+            key = f"base_model.model.model.layers.{layer}.{block}.{module}.lora_"
+            tensors[key + "A.weight"] = torch.randn(4, fan_in, generator=g) / fan_in ** 0.5
+            tensors[key + "B.weight"] = torch.randn(fan_out, 4, generator=g) * 0.05
+    path = tmp_path_factory.mktemp("tuned")
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"],
+        "bias": "none"}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(adapter):
+    """The LLM class's greedy texts of PROMPT: (base, with the adapter)."""
+    from phalanx import LLM, LoRARequest, SamplingParams
+    llm = LLM(None, orchestrator_type="inprocess", enable_lora=True, max_seq_len=512)
+    try:
+        sp = SamplingParams(max_tokens=12, temperature=0)
+        return (llm.generate(PROMPT, sp).outputs[0].text,
+                llm.generate(PROMPT, sp, lora_request=LoRARequest("tuned", 1, adapter)).outputs[0].text)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(adapter):
+    proc, url = start_server("--lora_modules", f"tuned={adapter}", "--max_lora_rank", "8")
+    yield url
+    stop_server(proc)
+
+
+def test_an_adapter_served_as_a_model_gives_the_llm_class_tokens(server, reference):
+    base, tuned = reference
+    assert base != tuned, "an adapter that changes nothing proves nothing"
+    answers = {}
+    for model in (BASE, "tuned"):
+        r = httpx.post(server + "/v1/completions", headers=H, timeout=120,
+                       json={"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model
+        answers[model] = r.json()["choices"][0]["text"]
+    assert (answers[BASE], answers["tuned"]) == (base, tuned)
+    # a stream of the adapter's chat names it in every chunk and says what the whole answer says
+    chat = {"model": "tuned", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 10,
+            "temperature": 0}
+    whole = httpx.post(server + "/v1/chat/completions", headers=H, json=chat, timeout=120).json()
+    with httpx.stream("POST", server + "/v1/chat/completions", headers=H, json={**chat, "stream": True},
+                      timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert {c["model"] for c in chunks} == {"tuned"} and whole["model"] == "tuned"
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert streamed == whole["choices"][0]["message"]["content"]
+
+
+def test_models_lists_the_adapter_and_an_unknown_model_is_a_404(server):
+    data = httpx.get(server + "/v1/models", headers=H, timeout=30).json()["data"]
+    assert [m["id"] for m in data] == [BASE, "tuned"]
+    assert data[1]["parent"] == BASE and "parent" not in data[0]
+    card = httpx.get(server + "/v1/models/tuned", headers=H, timeout=30).json()
+    assert card["id"] == "tuned" and card["parent"] == BASE
+    r = httpx.post(server + "/v1/completions", headers=H, timeout=30,
+                   json={"model": "tuned2", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert "'tuned'" in r.json()["error"]["message"]
