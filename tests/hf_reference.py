@@ -176,3 +176,25 @@ def write_plain_twin(src: str, dst, meant: dict) -> str:
     tensors.update({name: w.contiguous() for name, w in meant.items()})
     save_file(tensors, f"{dst}/model.safetensors")
     return str(dst)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_lora_adapter(hf, path, r, targets, seed, rslora=False, scale_b=20.0):
+    """A PEFT LoRA of ``hf`` with random A and B (B scaled up so that it changes the greedy
+    tokens), saved by PEFT to ``path``; returns PEFT's model of it (the reference)."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
+                     use_rslora=rslora)
+    model = get_peft_model(copy.deepcopy(hf), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(scale_b)
+    model.save_pretrained(str(path))
+    return model.eval()

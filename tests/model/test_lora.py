@@ -3,34 +3,16 @@ adapter made and saved by PEFT): greedy tokens equal, with requests of several a
 none in one batch, more adapters than slots, each adapter's prefix cache its own, and adapters
 that cannot be served refused alone."""
 
-import copy
 import json
 
 import pytest
 import torch
 
-from hf_reference import assert_same_greedy, hf_greedy
+from hf_reference import LORA_TARGETS, assert_same_greedy, hf_greedy, save_lora_adapter
 from phalanx import LLM, LoRARequest, SamplingParams
 from phalanx.llmapi.outputs import RequestError
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NEW = 8
-
-
-def save_adapter(hf, path, r, targets, seed, rslora=False, scale_b=20.0):
-    """A PEFT LoRA of ``hf`` with random A and B (B scaled up so that it changes the greedy
-    tokens), saved to ``path``; returns PEFT's model of it."""
-    from peft import LoraConfig, get_peft_model
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
-                     use_rslora=rslora)
-    model = get_peft_model(copy.deepcopy(hf), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(scale_b)
-    model.save_pretrained(str(path))
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +21,10 @@ def adapters(hf_models, tmp_path_factory):
     hf = hf_models["llama"]
     root = tmp_path_factory.mktemp("lora")
     out = {None: (None, hf)}
-    made = (("all8", 8, ALL, 1, False), ("qv4", 4, ["q_proj", "v_proj", "down_proj"], 2, True),
+    made = (("all8", 8, LORA_TARGETS, 1, False), ("qv4", 4, ["q_proj", "v_proj", "down_proj"], 2, True),
             ("mlp2", 2, ["gate_proj", "up_proj"], 3, False))
     for name, r, targets, seed, rs in made:
-        out[name] = (str(root / name), save_adapter(hf, root / name, r, targets, seed, rs))
+        out[name] = (str(root / name), save_lora_adapter(hf, root / name, r, targets, seed, rs))
     return out
 
 
@@ -109,8 +91,8 @@ def test_an_adapter_that_cannot_be_served_fails_alone(llm, adapters, hf_models, 
     """Refused on the ranks with the field and the limit named; a good request sent with them
     completes as it does alone."""
     hf = hf_models["llama"]
-    save_adapter(hf, tmp_path / "r16", 16, ["q_proj"], 4)
-    save_adapter(hf, tmp_path / "dora", 2, ["q_proj"], 5)
+    save_lora_adapter(hf, tmp_path / "r16", 16, ["q_proj"], 4)
+    save_lora_adapter(hf, tmp_path / "dora", 2, ["q_proj"], 5)
     cfg = json.loads((tmp_path / "dora" / "adapter_config.json").read_text())
     (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps(dict(cfg, use_dora=True)))
     p = prompts((7,))[0]
