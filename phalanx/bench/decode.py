@@ -12,6 +12,11 @@ same run and, at batch 1, the fraction of the weights-read roofline reached.
 random weights), reported beside the free runs of the same engine with the grammar's host cost
 per step. Random weights pick tokens blindly, so a request may close its JSON early; the window
 is where all b still decode, and the tokens each request produced are reported.
+
+``--lora-rank R``: the engine serves LoRA adapters (``lora_config``, rank R), and every batch runs
+twice on it, its requests without an adapter and with one (random weights, rank R, on every
+projection; ``--loras N`` adapters spread over the batch's requests); run the same command
+without the flag for the engine without LoRA.
 """
 
 from __future__ import annotations
@@ -60,32 +65,61 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-async def _decode(llm: Any, prompts: list[list[int]], steps: int,
-                  schema: dict | None = None) -> list[tuple[list[float], list[int]]]:
+def write_random_adapter(path: str, cfg: Any, rank: int, seed: int) -> None:
+    """A PEFT directory of a LoRA of rank ``rank`` on every projection of a Llama-shaped model
+    ``cfg`` (its ModelConfig), with random weights small enough to keep its outputs finite."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    from phalanx.config import LORA_TARGETS
+    from phalanx.models.lora import module_shapes
+    shapes = module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module in LORA_TARGETS:
+            block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{block}.{module}.lora_"
+            fan_in, fan_out = shapes[module]
+            tensors[key + "A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5).bfloat16()
+            tensors[key + "B.weight"] = (torch.randn(fan_out, rank, generator=g) * 1e-3).bfloat16()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(LORA_TARGETS),
+                   "bias": "none"}, f)
+
+
+async def _decode(llm: Any, prompts: list[list[int]], steps: int, schema: dict | None = None,
+                  loras: list[Any] | None = None) -> list[tuple[list[float], list[int]]]:
     from phalanx import GuidedDecodingParams, SamplingParams
     guided = GuidedDecodingParams(json=schema) if schema is not None else None
     sp = SamplingParams(max_tokens=steps, ignore_eos=guided is None, detokenize=False, guided_decoding=guided)
 
-    async def one(p):
+    async def one(i, p):
         times, tokens = [], []
-        async for out in llm.generate_async(p, sp, streaming=True):
+        lora = loras[i % len(loras)] if loras else None
+        async for out in llm.generate_async(p, sp, streaming=True, lora_request=lora):
             now = time.perf_counter()
             times += [now] * len(out.outputs[0].token_ids_diff)
             tokens += out.outputs[0].token_ids_diff
         return times, tokens
 
-    return await asyncio.gather(*(one(p) for p in prompts))
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
-def run_batch(llm: Any, batch: int, prompt_len: int, steps: int, schema: dict | None = None) -> dict[str, Any]:
+def run_batch(llm: Any, batch: int, prompt_len: int, steps: int, schema: dict | None = None,
+              loras: list[Any] | None = None) -> dict[str, Any]:
     prompts = make_prompts(batch, prompt_len, llm.vocab_size, seed=batch)
     # warm-up on other prompts of the same length: the timed prompts' prefill is then cold as
     # the warm-up's was (a cached prefix would run the extend kernels first inside the window)
     warm = make_prompts(max(1, batch // 4), prompt_len, llm.vocab_size, seed=batch + 100_000)
-    asyncio.run(_decode(llm, warm, 4, schema))
+    asyncio.run(_decode(llm, warm, 4, schema, loras))
     before = _grammar_stats(llm)
     llm.control("timing:on")
-    runs = asyncio.run(_decode(llm, prompts, steps, schema))
+    runs = asyncio.run(_decode(llm, prompts, steps, schema, loras))
     timing = json.loads(llm.control("timing").per_rank[0])
     llm.control("timing:off")
     after = _grammar_stats(llm)
@@ -96,7 +130,7 @@ def run_batch(llm: Any, batch: int, prompt_len: int, steps: int, schema: dict | 
     gaps = [b - a for t in times for a, b in pairwise(t) if a >= start]
     res = {"batch": batch, "itl_ms": summarize(gaps, 1e3),
            "decode_tok_s": tokens / (end - start) if end > start else None,
-           "window_tokens": tokens, "gpu": timing, "guided": schema is not None}
+           "window_tokens": tokens, "gpu": timing, "guided": schema is not None, "adapters": len(loras or [])}
     if schema is not None:
         fills = after["fills"] - before["fills"]
         for what in ("fill", "accept"):   # host time per step: filling, advancing the matchers
@@ -146,6 +180,9 @@ def main(argv: list[str]) -> int:
                     help="every request under a JSON-schema grammar (on), or free then under it (both)")
     ap.add_argument("--schema", default=None, help="JSON schema file for --guided (default: SCHEMA)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (--guided with a shape:NAME model)")
+    ap.add_argument("--lora-rank", type=POSITIVE, default=None,
+                    help="serve LoRA adapters of this rank; each batch runs without and with them")
+    ap.add_argument("--loras", type=POSITIVE, default=1, help="with --lora-rank: adapters spread over a batch")
     ap.add_argument("--output", default=None)
     a = ap.parse_args(argv)
     schema: dict | None = None
@@ -171,14 +208,27 @@ def main(argv: list[str]) -> int:
             "disable_overlap_scheduler": not overlap,
             "max_batch_size": max(a.batch), "orchestrator_type": a.orchestrator, "tensor_parallel_size": a.tp,
             "max_seq_len": a.prompt_len + a.steps + 64, "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))}}
+        if a.lora_rank:
+            kwargs["lora_config"] = {"max_loras": a.loras, "max_lora_rank": a.lora_rank}
         if a.config:
             kwargs = merge_yaml(kwargs, a.config)
         t0 = time.perf_counter()
         llm = LLM(model, **kwargs)
         startup = time.perf_counter() - t0
+        adapter_sets: list[list[Any] | None] = [None]
+        if a.lora_rank:
+            import tempfile
+
+            from phalanx import LoRARequest
+            root = tempfile.mkdtemp(prefix="phalanx-bench-lora-")
+            adapters = []
+            for i in range(a.loras):
+                write_random_adapter(f"{root}/{i}", llm.source.config, a.lora_rank, seed=i)
+                adapters.append(LoRARequest(f"bench{i}", i + 1, f"{root}/{i}"))
+            adapter_sets.append(adapters)
         try:
-            for b, sch in itertools.product(a.batch, schemas):
-                res = run_batch(llm, b, a.prompt_len, a.steps, sch)
+            for b, sch, loras in itertools.product(a.batch, schemas, adapter_sets):
+                res = run_batch(llm, b, a.prompt_len, a.steps, sch, loras)
                 res.update({"overlap": overlap, "startup_s": startup, "engine_startup": llm.engine_info.startup})
                 wb = weight_bytes(llm)
                 if b == 1 and wb and report["bandwidth"] and res["decode_tok_s"]:
@@ -193,7 +243,8 @@ def main(argv: list[str]) -> int:
                 grammar = (f"  grammar: fill {res['grammar_fill_us_per_step'] or 0:.0f} us/step, "
                            f"accept {res['grammar_accept_us_per_step'] or 0:.0f} us/step, "
                            f"{res['complete_json']}/{b} complete JSON" if sch is not None else "")
-                print(f"overlap={'on ' if overlap else 'off'} batch {b:4d}: ITL p50 {res['itl_ms']['median']:7.3f} ms  "
+                print(f"overlap={'on ' if overlap else 'off'} adapters {len(loras or [])} batch {b:4d}: "
+                      f"ITL p50 {res['itl_ms']['median']:7.3f} ms  "
                       f"{res['decode_tok_s'] or 0:9.1f} tok/s  GPU idle {g.get('idle_fraction', float('nan')):.3%}"
                       + grammar + "\n    host ms/step: "
                       + " ".join(f"{k} {v:.3f}" for k, v in (g.get("host_ms_per_step") or {}).items()), flush=True)
