@@ -59,6 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora_modules", "--lora-modules", dest="lora_modules", nargs="+", type=lora_module, default=None,
                    help="adapters served as models of their own: NAME=PATH (a PEFT directory) or vLLM's JSON "
                         '{"name": ..., "path": ...}; a request names one as its model')
+    p.add_argument("--allow_runtime_lora_updating", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (the server then reads adapter "
+                        "directories its clients name); implies --enable_lora")
     p.add_argument("--max_loras", "--max-loras", dest="max_loras", type=POSITIVE, default=None,
                    help="adapters one step may run (lora_config.max_loras)")
     p.add_argument("--max_lora_rank", "--max-lora-rank", dest="max_lora_rank", type=POSITIVE, default=None,
@@ -213,7 +216,7 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     kw["kv_cache_config"] = {k: v for k, v in kv.items() if v is not None} or None
     lora = {"max_loras": a.max_loras, "max_lora_rank": a.max_lora_rank}
     kw["lora_config"] = {k: v for k, v in lora.items() if v is not None} or None
-    kw["enable_lora"] = a.enable_lora or bool(a.lora_modules) or None
+    kw["enable_lora"] = a.enable_lora or bool(a.lora_modules) or a.allow_runtime_lora_updating or None
     kw = {k: v for k, v in kw.items() if v is not None}
     if a.config:
         kw = merge_yaml(kw, a.config)
@@ -268,7 +271,7 @@ def serve(a: argparse.Namespace) -> int:
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
                           tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
                           allowed_origins=a.allowed_origins, responses_store_size=a.responses_store_size,
-                          lora_modules=adapters)
+                          lora_modules=adapters, runtime_lora_updating=a.allow_runtime_lora_updating)
     # uvicorn cancels the handlers still running when its graceful time is over, mid-response; the
     # requests still running when the drain time is over are aborted first, and their handlers
     # get ABORT_GRACE seconds more to answer (finish reason "abort") before uvicorn cancels any

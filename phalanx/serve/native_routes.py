@@ -1,7 +1,7 @@
 """SGLang's native generation routes on ``phalanx serve``, for RL trainers that drive a rollout
 engine through them (slime, AReaL, verl's HTTP adapter):
 
-    POST /generate        {"text" | "input_ids", "sampling_params", "return_logprob", "stream", "rid", ...}
+    POST /generate        {"text" | "input_ids", "sampling_params", "return_logprob", "stream", "rid", "lora_path", ...}
     POST /abort_request   {"rid": str} | {"abort_all": true}
     GET  /v1/loads        ?include=core,memory,spec,lora,disagg,queues,all &dp_rank=N   (each rank's requests, KV use)
     GET  /get_load        (the older form: [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}])
@@ -126,6 +126,7 @@ class GenerateBody(NullIsDefault):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     return_text_in_logprobs: bool = False
     stream: bool = False
+    lora_path: str | None = None      # SGLang's: the name of a LoRA adapter the server serves
 
     @field_validator("text", mode="before")
     @classmethod
@@ -207,6 +208,10 @@ def add_routes(server: OpenAIServer) -> None:
     async def generate(request: Request):
         b: GenerateBody = await body(request, GenerateBody)
         started = time.monotonic()
+        try:
+            server._check_model(b.lora_path)
+        except ApiError as e:
+            raise ApiError(400, e.message.replace("The model", "lora_path: the adapter", 1), "lora_path") from None
         what = "text" if b.text is not None else "input_ids"
         try:
             if b.text is not None:

@@ -45,7 +45,7 @@ from phalanx.llmapi.lora_request import LoRARequest
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
 from phalanx.llmapi.tokenizer import Tokenizer
-from phalanx.serve import messages_routes, native_routes, responses_routes, rollout_routes, tools
+from phalanx.serve import lora_routes, messages_routes, native_routes, responses_routes, rollout_routes, tools
 from phalanx.serve.item_stream import ItemStream
 from phalanx.serve.messages import Conversation, MessagesRequest
 from phalanx.serve.messages import error_body as anthropic_error
@@ -260,11 +260,12 @@ class OpenAIServer:
                  max_body_bytes: int = 8 << 20, debug_endpoints: bool = False, tokenizer_threads: int = 4,
                  tool_call_parser: str = "auto", reasoning_parser: str = "none",
                  allowed_origins: list[str] | None = None, responses_store_size: int = 1024,
-                 lora_modules: dict[str, LoRARequest] | None = None) -> None:
+                 lora_modules: dict[str, LoRARequest] | None = None, runtime_lora_updating: bool = False) -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         # adapters served as models of their own (vLLM's --lora-modules): a request names one as its model
         self.lora_modules = dict(lora_modules or {})
-        if self.lora_modules and llm.args.lora is None:
+        self.runtime_lora_updating = runtime_lora_updating   # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        if (self.lora_modules or runtime_lora_updating) and llm.args.lora is None:
             raise ValueError("lora_modules: the engine serves no LoRA adapters (enable_lora or lora_config)")
         if model_name in self.lora_modules:
             raise ValueError(f"lora_modules: {model_name!r} is the base model's name")
@@ -334,6 +335,8 @@ class OpenAIServer:
         app.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))(self.detokenize)
         rollout_routes.add_routes(self)   # the RL hand-off: pause, sleep, weight updates
         native_routes.add_routes(self)    # SGLang's /generate and /abort_request (RL trainers' rollouts)
+        if self.runtime_lora_updating:
+            lora_routes.add_routes(self)  # adapters loaded and unloaded while serving
         responses_routes.add_routes(self)  # OpenAI's Responses API, run as chat requests
         messages_routes.add_routes(self)   # Anthropic's Messages API, run as chat requests
         if self.debug_endpoints:   # inspection for tests and operators; off by default

@@ -1,6 +1,8 @@
 """``phalanx serve --lora_modules``: an adapter is a model of its own (vLLM's way). A request
 naming it runs with it and gets the LLM class's tokens for that adapter; its answer names it;
-/v1/models lists it under the base model; a name the server does not serve is a 404."""
+/v1/models lists it under the base model; a name the server does not serve is a 404. With
+``--allow_runtime_lora_updating`` adapters are loaded and unloaded while serving; SGLang's
+``/generate`` names one as ``lora_path``."""
 
 import json
 
@@ -56,7 +58,8 @@ def reference(adapter):
 
 @pytest.fixture(scope="module")
 def server(adapter):
-    proc, url = start_server("--lora_modules", f"tuned={adapter}", "--max_lora_rank", "8")
+    proc, url = start_server("--lora_modules", f"tuned={adapter}", "--max_lora_rank", "8",
+                             "--allow_runtime_lora_updating")
     yield url
     stop_server(proc)
 
@@ -94,3 +97,31 @@ def test_models_lists_the_adapter_and_an_unknown_model_is_a_404(server):
                    json={"model": "tuned2", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert "'tuned'" in r.json()["error"]["message"]
+
+
+def test_adapters_loaded_and_unloaded_while_serving(server, reference, adapter, tmp_path):
+    _, tuned = reference
+
+    def post(path, body):
+        return httpx.post(server + path, headers=H, json=body, timeout=120)
+
+    assert post("/v1/load_lora_adapter", {"lora_name": "again", "lora_path": adapter}).status_code == 200
+    assert [m["id"] for m in httpx.get(server + "/v1/models", headers=H).json()["data"]] == [BASE, "tuned", "again"]
+    r = post("/v1/completions", {"model": "again", "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == tuned and r.json()["model"] == "again"
+    taken = post("/load_lora_adapter", {"lora_name": "again", "lora_path": adapter})
+    assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_name"
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 64, "lora_alpha": 8}))
+    big = post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": str(tmp_path)})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "lora_path"
+    assert "max_lora_rank (8)" in big.json()["error"]["message"]
+    # SGLang's /generate names an adapter as lora_path
+    g = post("/generate", {"text": PROMPT, "lora_path": "again",
+                           "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    assert g.status_code == 200 and g.json()["text"] == tuned, g.text
+    unknown = post("/generate", {"text": PROMPT, "lora_path": "nope", "sampling_params": {"max_new_tokens": 2}})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora_path"
+    assert post("/v1/unload_lora_adapter", {"lora_name": "again"}).status_code == 200
+    gone = post("/v1/completions", {"model": "again", "prompt": PROMPT, "max_tokens": 2})
+    assert gone.status_code == 404
+    assert post("/unload_lora_adapter", {"lora_name": "again"}).status_code == 404

@@ -1,0 +1,83 @@
+"""LoRA adapters loaded and unloaded while serving (vLLM's routes under
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; SGLang's names without ``/v1``), on a server started with
+``--allow_runtime_lora_updating``:
+
+    POST /v1/load_lora_adapter    {"lora_name", "lora_path"}   (also /load_lora_adapter)
+    POST /v1/unload_lora_adapter  {"lora_name"}                (also /unload_lora_adapter)
+
+A loaded adapter is read and checked here first (a 400 names what cannot be served), then served
+as a model of its own, as ``--lora_modules``' are, under a new id: a name unloaded and loaded
+again from another directory never meets the old one's cache. An unloaded adapter's requests
+already running finish with it. The path is read by the server, so the routes are off unless the
+flag is given (and take the API key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from pydantic import Field
+
+from phalanx.llmapi.lora_request import LoRARequest
+from phalanx.serve.protocol import BodyError, Strict, parse_body
+
+if TYPE_CHECKING:
+    from phalanx.serve.openai_server import OpenAIServer
+
+
+class LoadBody(Strict):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadBody(Strict):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None   # vLLM's body may carry it; the name decides
+
+
+def add_routes(server: OpenAIServer) -> None:
+    from phalanx.serve.openai_server import ApiError
+    app, llm = server.app, server.llm
+    ids = itertools.count(max((a.lora_int_id for a in server.lora_modules.values()), default=0) + 1)
+    lock = asyncio.Lock()
+
+    async def body(request: Request, model: type[Strict]) -> Any:
+        try:
+            return parse_body(await request.body(), model)
+        except BodyError as e:
+            raise ApiError(400, e.message, e.param) from None
+
+    def check(b: LoadBody) -> None:
+        """Read the adapter as the ranks will (shapes, rank, settings), in a worker thread."""
+        from phalanx.models.lora import module_shapes, read_adapter
+        cfg, lora = llm.source.config, llm.args.lora
+        assert lora is not None
+        shapes = module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+        read_adapter(b.lora_name, b.lora_path, num_layers=cfg.num_layers, shapes=shapes,
+                     max_rank=lora.max_lora_rank, targets=lora.targets)
+
+    async def load(request: Request):
+        b: LoadBody = await body(request, LoadBody)
+        async with lock:
+            if b.lora_name == server.model_name or b.lora_name in server.lora_modules:
+                raise ApiError(400, f"lora_name: the adapter {b.lora_name!r} is already served", "lora_name")
+            try:
+                await asyncio.to_thread(check, b)
+            except ValueError as e:
+                raise ApiError(400, str(e).replace("lora_request", "lora_path", 1), "lora_path") from None
+            server.lora_modules[b.lora_name] = LoRARequest(b.lora_name, next(ids), b.lora_path)
+        return {"success": True, "message": f"LoRA adapter {b.lora_name!r} added"}
+
+    async def unload(request: Request):
+        b: UnloadBody = await body(request, UnloadBody)
+        async with lock:
+            if server.lora_modules.pop(b.lora_name, None) is None:
+                raise ApiError(404, f"lora_name: no adapter {b.lora_name!r} is served", "lora_name")
+        return {"success": True, "message": f"LoRA adapter {b.lora_name!r} removed"}
+
+    for prefix in ("/v1", ""):
+        app.post(prefix + "/load_lora_adapter")(load)
+        app.post(prefix + "/unload_lora_adapter")(unload)
