@@ -122,3 +122,21 @@ def test_lora_request_is_refused_where_the_engine_serves_no_adapters(tiny_models
         llm.shutdown()
     with pytest.raises(ValueError, match="lora_int_id must be an integer from 1"):
         LoRARequest("x", 0, "/a")
+
+
+def test_a_mixture_of_experts_takes_adapters_on_attention(tiny_moe_models, hf_moe_models, adapters, tmp_path):
+    """Qwen3-MoE: an adapter of q/k/v/o equals PEFT's model; one of the MLP projections is
+    refused by name (the experts take none)."""
+    hf = hf_moe_models["qwen3_moe"]
+    ref = save_lora_adapter(hf, tmp_path / "attn", 4, ["q_proj", "k_proj", "v_proj", "o_proj"], 5)
+    ps = prompts((6, 30))
+    with LLM(tiny_moe_models["qwen3_moe"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             enable_lora=True) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=NEW, ignore_eos=True), use_tqdm=False,
+                            lora_request=LoRARequest("attn", 1, str(tmp_path / "attn")))
+        for p, out in zip(ps, outs, strict=True):
+            want, gaps = hf_greedy(ref, p, NEW)
+            assert want != hf_greedy(hf, p, NEW)[0]
+            assert_same_greedy(out.outputs[0].token_ids, want, gaps, f"MoE adapter, prompt of {len(p)}")
+        with pytest.raises(RequestError, match="down_proj takes no adapter on this engine"):
+            llm.generate(ps[0], SamplingParams(max_tokens=2), lora_request=lora(adapters, "all8", 2))
