@@ -85,6 +85,11 @@ class LoraManager:
             if slot is not None:
                 self.free_slots.append(slot)
 
+    def stats(self) -> dict[str, int]:
+        """For the heartbeat (SGLang's load report): adapter slots holding an adapter, of all."""
+        return {"lora_slots_used": len(self.slot_of), "lora_slots_total": self.cfg.max_loras,
+                "lora_adapters_held": len(self.adapters), "lora_loads": self.num_loads}
+
     def slots(self, lora_ids: list[int]) -> list[int]:
         """Each row's slot (-1: no adapter), every adapter of the step written into one."""
         need = {lid for lid in lora_ids if lid}

@@ -482,6 +482,7 @@ class PyExecutor:
                 "weight_version": self.rollout.weight_version,
                 "paused": self.rollout.pause_mode, "asleep": sorted(self.rollout.asleep),
                 **(self.runner.guided.stats() if self.runner.guided is not None else {}),
+                **(self.runner.lora.stats() if self.runner.lora is not None else {}),
                 "weight_bytes_per_step": self._weight_bytes()}
 
     def _weight_bytes(self) -> int:

@@ -348,7 +348,8 @@ def loads(stats: list[dict[str, Any]], attention_dp: bool, tokens_per_block: int
     rank's), the core counts always and the sections ``include`` names. ``unseen``: requests
     the server holds that no heartbeat counts yet (submitted since the last one, or waiting for
     attention DP to place them), counted as waiting on rank 0. ``disagg`` adds nothing (phalanx
-    does not split prefill from decode); ``lora`` says no adapter is loaded; ``memory`` gives
+    does not split prefill from decode); ``lora`` the adapter slots holding one (0 of 0 without
+    LoRA); ``memory`` gives
     the KV pool's token capacity."""
     out = []
     for rank, st in enumerate(stats if attention_dp else stats[:1]):
@@ -368,7 +369,8 @@ def loads(stats: list[dict[str, Any]], attention_dp: bool, tokens_per_block: int
             entry["speculative"] = {"accept_length": 1 + accepted / st["spec_verify_rows"],
                                     "accept_rate": accepted / max(1, st.get("spec_draft_tokens", 0))}
         if "lora" in include:
-            entry["lora"] = {"slots_used": 0, "slots_total": 0, "utilization": 0.0}
+            used, total = st.get("lora_slots_used", 0), st.get("lora_slots_total", 0)
+            entry["lora"] = {"slots_used": used, "slots_total": total, "utilization": used / total if total else 0.0}
         if "queues" in include:
             entry["queues"] = {"waiting": waiting}
         out.append(entry)

@@ -69,6 +69,8 @@ def test_requests_of_several_adapters_and_none_in_one_batch_equal_peft(llm, adap
             assert out.cached_tokens == (len(p) - 1 if round_ else 0), (n, len(p), out.cached_tokens)
     assert manager.num_loads - loads == 3          # each adapter read from disk once (max_cpu_loras keeps 3)
     assert manager.num_slot_writes >= 3            # three adapters through two slots
+    stats = llm._executor.engine.stats()
+    assert stats["lora_slots_used"] == stats["lora_slots_total"] == 2 and stats["lora_adapters_held"] == 3
     llm._executor.engine.scheduler.kv.check_integrity()
 
 

@@ -26,3 +26,5 @@ def test_sections_come_where_include_names_them():
     assert e["lora"]["slots_total"] == 0 and "disaggregation" not in e
     [bare] = loads([spec], False, 32, 64, {"core"})
     assert not {"speculative", "queues", "memory", "lora"} & set(bare)
+    [lora] = loads([{**RANK, "lora_slots_used": 3, "lora_slots_total": 4}], False, 32, 64, {"lora"})
+    assert lora["lora"] == {"slots_used": 3, "slots_total": 4, "utilization": 0.75}
