@@ -150,26 +150,30 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_norm(x, residual, x_partial)
         return self.mlp_block(self.self_attn(positions, h, meta, k_cache, v_cache), residual)
 
-    def prepare_fp8_rows(self, act_dtype: torch.dtype) -> None:
+    def prepare_fp8_rows(self, act_dtype: torch.dtype, norms: bool = True) -> None:
         """Where the projection after a norm multiplies FP8 rows (``fp8.takes_fp8_rows``), the norm
         quantizes the batches that projection runs on cuBLASLt (more rows than the skinny kernels'
         buckets) in its own kernel (``RMSNorm.fp8_rows_above``). Set once, by the engine on a GPU,
         which then runs every kernel form of such rows once on one zero row — the norms', the
         SiLU-and-mul's and the o projection's row quantization — so that none compiles while
-        serving (a draft model, say, has no start-up forward of its own)."""
+        serving (a draft model, say, has no start-up forward of its own). Without ``norms`` (LoRA:
+        each adapter takes the normed rows in the activation dtype) the norms quantize nothing,
+        and every projection's own row quantization is run instead."""
         from phalanx.kernels import fp8
         from phalanx.kernels.linear_plan import ROW_BUCKETS
         from phalanx.models.layers import Projection
         after: list[tuple[RMSNorm, Projection]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
         if isinstance(self.mlp, MLP):
             after.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
-        for norm, proj in after:
+        for norm, proj in after if norms else ():
             if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype, proj.fp8_block):
                 norm.fp8_rows_above = ROW_BUCKETS[-1]
                 zero = torch.zeros(1, proj.weight.shape[1], dtype=act_dtype, device=proj.weight.device)
                 ops.rms_norm_fp8(zero, None, norm.weight, norm.eps)
                 ops.rms_norm_fp8(zero, zero, norm.weight, norm.eps)
-        later = [self.self_attn.o_proj] + ([self.mlp.down_proj] if isinstance(self.mlp, MLP) else [])
+        later: list[Projection] = [self.self_attn.o_proj, *([self.mlp.down_proj] if isinstance(self.mlp, MLP) else [])]
+        if not norms:
+            later += [proj for _, proj in after]
         for proj in later:
             if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype, proj.fp8_block):
                 width = proj.weight.shape[1] * (2 if proj.behind is Neighbour.SILU else 1)

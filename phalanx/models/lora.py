@@ -50,7 +50,8 @@ _UNSUPPORTED = {"use_dora": (False, None), "bias": ("none", None), "modules_to_s
 
 @dataclass
 class Adapter:
-    """One adapter read from disk: (layer, module) -> (A [r, in], s·B [out, r]) in float32, on the host."""
+    """One adapter read from disk: (layer, module) -> (A [r, in], s·B [out, r]) on the host (float32
+    as read; ``pyexecutor/lora.LoraManager`` keeps them in the model's dtype)."""
 
     name: str
     path: str
@@ -94,7 +95,7 @@ def read_adapter(name: str, path: str, *, num_layers: int, shapes: dict[str, tup
     for key, allowed in _UNSUPPORTED.items():
         if key in cfg and cfg[key] not in allowed:
             raise ValueError(f"{what}: {key}={cfg[key]!r} in {ADAPTER_CONFIG} is not supported")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)   # (PEFT's default alpha)
     if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank:
         raise ValueError(f"{what}: rank r={r!r} must be an integer from 1 to max_lora_rank ({max_rank})")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
@@ -222,16 +223,17 @@ class LoraWeights(nn.Module):
             pair = adapter.weights.get((layer, module))
             if pair is None:
                 continue
-            a, b = pair
+            # whole tensors to the device (from pinned host memory: no wait), then this rank's part there
+            a, b = (t.to(self.A.device, self.A.dtype, non_blocking=True) for t in pair)
             r = a.shape[0]
             c = slice(cols.start, cols.start + r)
             if self.row_parallel:
                 a = proj._place(a, None)[1]     # type: ignore[operator]  # this rank's input columns
-                self.B[:, c] = b.to(self.B.device, self.B.dtype)
+                self.B[:, c] = b
             else:
                 rows, b = proj._place(b, shard_id)   # type: ignore[operator]  # this rank's rows of the part
-                self.B[rows, c] = b.to(self.B.device, self.B.dtype)
-            self.A[c] = a.to(self.A.device, self.A.dtype)
+                self.B[rows, c] = b
+            self.A[c] = a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> the adapters' sum for each token [T, N]."""

@@ -290,8 +290,8 @@ def _tune_kernels(model: CausalLM) -> dict[str, float]:
         if isinstance(m, Projection) and m.weight.is_cuda:
             m.plan = gemv_tuner.tune_linear(m.weight, m.behind, report, fp8=m.weight_scale is not None,
                                             act_dtype=act_dtype, block=m.fp8_block)
-        elif isinstance(m, DecoderLayer) and fused:
-            m.prepare_fp8_rows(act_dtype)
+        elif isinstance(m, DecoderLayer):
+            m.prepare_fp8_rows(act_dtype, norms=fused)
     from phalanx.models.moe import SparseMoE
     for m in model.modules():
         if isinstance(m, SparseMoE) and m.w13.is_cuda:   # a rank under attention DP sees every rank's tokens

@@ -4,15 +4,21 @@ written into the model's ``max_loras`` slots as steps need them (models/lora.py)
 
 The scheduler lets a step run requests of at most ``max_loras`` adapters, so ``slots`` always
 finds room. Every rank sees the same requests in the same order and the same steps, so every rank
-puts the same adapter in the same slot. A slot is written on the step's stream, after the steps
-queued before it: a slot taken from an adapter the previous (still running) step reads is written
-once that step is done with it.
+puts the same adapter in the same slot; a read from disk that fails on any rank fails on all
+(``agree``: the ranks' outcomes gathered), so their schedulers keep the same requests. A slot is
+written on the step's stream, after the steps queued before it: a slot taken from an adapter the
+previous (still running) step reads is written once that step is done with it. Host copies are in
+the model's dtype, pinned on a GPU, so that writing a slot does not wait for the step in flight.
+
+A ``lora_int_id`` names one adapter (its name and directory) for the engine's life: its prefix
+cache is keyed by the id, so the id is never given to another adapter, held or not.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 
 from phalanx.config import LoraConfig
 from phalanx.models.config import ModelConfig
@@ -45,27 +51,51 @@ class LoraManager:
         self.of_request: dict[int, int] = {}     # request id -> its lora id
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # lora id -> slot, least recent first
         self.free_slots = list(range(cfg.max_loras - 1, -1, -1))
+        self.known: dict[int, tuple[str, str]] = {}   # lora id -> (name, directory), for the engine's life
+        # the ranks' outcomes of one read, gathered (set by a multi-rank executor): each rank's error or ""
+        self.agree: Callable[[str], list[str]] | None = None
         self.num_loads = 0                       # adapters read from disk
         self.num_slot_writes = 0                 # adapters written into a slot
 
     def register(self, request_id: int, lora: object) -> int:
         """A new request names ``lora``: read it unless held; its lora id. A ValueError or
-        TypeError naming the field where it cannot be served (the request fails alone)."""
+        TypeError naming the field where it cannot be served (the request fails alone, on every
+        rank); nothing changes then."""
         name, lid, path = check_lora_request(lora)
-        held = self.adapters.get(lid)
-        if held is None:
-            held = read_adapter(name, path, num_layers=self.num_layers, shapes=self.shapes,
-                                max_rank=self.cfg.max_lora_rank, targets=self.state.served or self.cfg.targets)
-            self.adapters[lid] = held
+        if request_id in self.of_request:
+            raise ValueError(f"request id {request_id} is already running")
+        where = os.path.realpath(path)
+        if self.known.get(lid, (name, where)) != (name, where):
+            raise ValueError(f"lora_request.lora_int_id {lid} names adapter {self.known[lid][0]!r} already; another "
+                             "adapter needs another id")
+        if lid not in self.adapters:
+            self.adapters[lid] = self._read(name, path)
+            self.known[lid] = (name, where)
             self.num_loads += 1
-        elif held.name != name or held.path != os.path.realpath(path):
-            raise ValueError(f"lora_request.lora_int_id {lid} names adapter {held.name!r} already; another adapter "
-                             "needs another id")
         self.adapters.move_to_end(lid)
         self.users[lid] = self.users.get(lid, 0) + 1
         self.of_request[request_id] = lid
         self._trim()
         return lid
+
+    def _read(self, name: str, path: str) -> Adapter:
+        """The adapter from disk in the model's dtype (pinned on a GPU), or the error of the
+        first rank that could not read it, on every rank."""
+        adapter, error = None, ""
+        try:
+            adapter = read_adapter(name, path, num_layers=self.num_layers, shapes=self.shapes,
+                                   max_rank=self.cfg.max_lora_rank, targets=self.state.served or self.cfg.targets)
+        except (ValueError, OSError) as e:
+            error = str(e) or type(e).__name__
+        if self.agree is not None:
+            error = next((e for e in self.agree(error) if e), "")
+        if error or adapter is None:
+            raise ValueError(error or f"lora_request {name!r}: not readable on another rank")
+        pin = self.state.device.type == "cuda"
+        dtype = self.state.dtype
+        adapter.weights = {k: tuple(t.to(dtype).pin_memory() if pin else t.to(dtype) for t in ab)  # type: ignore[misc]
+                           for k, ab in adapter.weights.items()}
+        return adapter
 
     def release(self, request_id: int) -> None:
         """A request ended (or was refused after ``register``)."""

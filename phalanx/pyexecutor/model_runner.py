@@ -79,6 +79,7 @@ class StepInputs:
     spec: SpecStep | None = None              # speculative rows (verify, first tokens, prompts)
     extend_graph: int | None = None           # the extend graph whose buffers hold these inputs
     lora_slots: torch.Tensor | None = None    # [T] each token's LoRA adapter slot (-1: none), when set this step
+    lora_clear: bool = True                   # no token of the step has an adapter
 
 
 @dataclass
@@ -343,7 +344,7 @@ class ModelRunner:
         if gather_dst:
             inputs.gather_dst, inputs.gather_slot = staged[8], staged[9]
         if lora_slots is not None:
-            inputs.lora_slots = staged[-1]
+            inputs.lora_slots, inputs.lora_clear = staged[-1], not any(r.lora_id for r in batch.requests)
         if prompt_spans:
             inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
         if spec is not None and (spec.verify or spec.first or spec.prompt or spec.cached):
@@ -354,14 +355,13 @@ class ModelRunner:
 
     def _lora_slots(self, batch: ScheduledBatch, counts: np.ndarray) -> np.ndarray | None:
         """Each token's adapter slot (-1: none), the step's adapters written into slots; None
-        where neither this step nor the last has a token with an adapter (the mask stays zero)."""
+        where neither this step nor the last step that wrote the mask has a token with an adapter
+        (the mask stays zero)."""
         if self.lora is None:
             return None
         ids = [r.lora_id for r in batch.requests]
-        clear = not any(ids)
-        if clear and self._lora_mask_clear:
+        if not any(ids) and self._lora_mask_clear:
             return None
-        self._lora_mask_clear = clear
         return np.repeat(np.asarray(self.lora.slots(ids), np.int64), counts)
 
     def _prompt_rows(self, batch: ScheduledBatch, spans: list[tuple[int, int, int, int]],
@@ -410,6 +410,7 @@ class ModelRunner:
             inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
         if inputs.lora_slots is not None and self.model.lora is not None:
             self.model.lora.set_tokens(inputs.lora_slots)
+            self._lora_mask_clear = inputs.lora_clear   # (once written: a step that failed before wrote nothing)
         if inputs.spec is not None and self.spec is not None:
             self.spec.place(inputs.spec, inputs.input_ids, inputs.positions, inputs.meta)
         self.kv_pool.copy_blocks(batch.copy_ops)

@@ -128,6 +128,8 @@ class PyExecutor:
         self.dist = dist
         self.rank = dist.rank if dist is not None else 0
         self.multi_rank = dist is not None and dist.size > 1
+        if self.multi_rank and runner.lora is not None:   # a LoRA adapter is read, or refused, on every rank
+            runner.lora.agree = lambda error: [e.decode() for e in dist.allgather_bytes(error.encode())]
         self.check_digests = True   # identical schedulers on every rank (not so under attention DP)
         self.disable_overlap = disable_overlap
         self.shutdown_requested = False
@@ -320,6 +322,7 @@ class PyExecutor:
 
     def _take(self, msg: GenerationRequest) -> Request | None:
         """One arrival into the scheduler (None, and an error response, if it cannot run)."""
+        req = None
         try:
             req = self._make_request(msg)
             error = self._enqueue(req)
@@ -327,7 +330,7 @@ class PyExecutor:
             error = str(e)
         if error is None:
             return req
-        if self.runner.lora is not None:
+        if req is not None and req.lora_id and self.runner.lora is not None:   # its own hold on its adapter
             self.runner.lora.release(msg.request_id)
         self._send([Response(msg.request_id, finish_reason="error", error=error, num_prompt_tokens=prompt_len(msg))])
         return None

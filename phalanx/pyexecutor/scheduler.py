@@ -8,7 +8,8 @@ then samples one token per step. Order within a step: decoding requests, then ru
 (chunked), then waiting requests, first come first served (the first that does not fit stops
 admission: no head-of-line skipping). With LoRA adapters, the running requests use at most
 ``max_loras`` of them, so every step fits the model's adapter slots: a waiting request whose
-adapter would be one more waits, as one that does not fit.
+adapter would be one more waits, and every LoRA request behind it with it (so that the adapters
+running drain and it gets a slot), while requests without an adapter behind it are admitted.
 
 Capacity policies:
   GUARANTEED_NO_EVICT  admit only if every running request can still reach its last token
@@ -382,13 +383,15 @@ class Scheduler:
             return   # (before the reservation count: a pass over every running request)
         reserved = self._reserved_blocks() if self.limits.policy == GUARANTEED_NO_EVICT else 0
         adapters: set[int] | None = None
+        held: list[Request] = []    # LoRA requests set aside (in order) behind one whose adapter has no slot
         while self.waiting and budget > 0 and len(batch) < self.limits.max_batch_size:
             req = self.waiting[0]
             if req.lora_id:   # a step runs the adapters of at most max_loras (the running requests' first)
                 if adapters is None:
                     adapters = {r.lora_id for r in self.running if r.lora_id}
-                if req.lora_id not in adapters and len(adapters) >= self.limits.max_loras:
-                    break
+                if held or req.lora_id not in adapters and len(adapters) >= self.limits.max_loras:
+                    held.append(self.waiting.popleft())
+                    continue
                 adapters.add(req.lora_id)
             match = self.kv.match(req.token_ids, req.extra_key, req.reuses_prefix)
             fit = self._fit(req, match, budget, reserved)
@@ -401,6 +404,7 @@ class Scheduler:
             self._admit(req, match, slots)
             self._add_row(batch, req, n)
             budget -= n
+        self.waiting.extendleft(reversed(held))
 
     def _fit(self, req: Request, match: PrefixMatch, budget: int, reserved: int) -> tuple[int, int, int] | None:
         """Whether a waiting request is admitted now with ``match``: (its tokens this step, the

@@ -267,6 +267,15 @@ def serve(a: argparse.Namespace) -> int:
         sock.close()
         print(f"phalanx serve: the engine did not start: {e}", file=sys.stderr)
         return 1
+    try:   # every adapter read as the ranks will: one that cannot be served stops start-up
+        from phalanx.serve.lora_routes import check_adapter
+        for adapter in adapters.values():
+            check_adapter(llm, adapter.lora_name, adapter.lora_path)
+    except ValueError as e:
+        sock.close()
+        llm.shutdown()
+        print(f"phalanx serve: --lora_modules: {e}", file=sys.stderr)
+        return 1
     name = a.served_model_name or (llm.source.name if model else "SmolLM2-135M-Instruct")
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
                           tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,

@@ -38,6 +38,18 @@ class UnloadBody(Strict):
     lora_int_id: int | None = None   # vLLM's body may carry it; the name decides
 
 
+def check_adapter(llm: Any, name: str, path: str) -> None:
+    """Read an adapter as the ranks will (its shapes, rank and settings, the projections that take
+    adapters: a mixture of experts' MLP takes none); a ValueError naming what cannot be served."""
+    from phalanx.models.lora import module_shapes, read_adapter
+    cfg, lora = llm.source.config, llm.args.lora
+    if lora is None:
+        raise ValueError("the engine serves no LoRA adapters")
+    shapes = module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+    targets = tuple(m for m in lora.targets if not (cfg.is_moe and m in ("gate_proj", "up_proj", "down_proj")))
+    read_adapter(name, path, num_layers=cfg.num_layers, shapes=shapes, max_rank=lora.max_lora_rank, targets=targets)
+
+
 def add_routes(server: OpenAIServer) -> None:
     from phalanx.serve.openai_server import ApiError
     app, llm = server.app, server.llm
@@ -50,24 +62,15 @@ def add_routes(server: OpenAIServer) -> None:
         except BodyError as e:
             raise ApiError(400, e.message, e.param) from None
 
-    def check(b: LoadBody) -> None:
-        """Read the adapter as the ranks will (shapes, rank, settings), in a worker thread."""
-        from phalanx.models.lora import module_shapes, read_adapter
-        cfg, lora = llm.source.config, llm.args.lora
-        assert lora is not None
-        shapes = module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
-        read_adapter(b.lora_name, b.lora_path, num_layers=cfg.num_layers, shapes=shapes,
-                     max_rank=lora.max_lora_rank, targets=lora.targets)
-
     async def load(request: Request):
         b: LoadBody = await body(request, LoadBody)
         async with lock:
             if b.lora_name == server.model_name or b.lora_name in server.lora_modules:
                 raise ApiError(400, f"lora_name: the adapter {b.lora_name!r} is already served", "lora_name")
             try:
-                await asyncio.to_thread(check, b)
+                await asyncio.to_thread(check_adapter, llm, b.lora_name, b.lora_path)
             except ValueError as e:
-                raise ApiError(400, str(e).replace("lora_request", "lora_path", 1), "lora_path") from None
+                raise ApiError(400, f"lora_path: {e}", "lora_path") from None
             server.lora_modules[b.lora_name] = LoRARequest(b.lora_name, next(ids), b.lora_path)
         return {"success": True, "message": f"LoRA adapter {b.lora_name!r} added"}
 

@@ -142,3 +142,46 @@ def test_a_mixture_of_experts_takes_adapters_on_attention(tiny_moe_models, hf_mo
             assert_same_greedy(out.outputs[0].token_ids, want, gaps, f"MoE adapter, prompt of {len(p)}")
         with pytest.raises(RequestError, match="down_proj takes no adapter on this engine"):
             llm.generate(ps[0], SamplingParams(max_tokens=2), lora_request=lora(adapters, "all8", 2))
+
+
+def test_fp8_weights_with_an_adapter_equal_peft_over_the_round_tripped_weights(tiny_models, hf_models, adapters):
+    """quantization: fp8 with LoRA: the base projections in FP8 (each rank's rows quantized as
+    they load), the adapter beside them in the activation dtype: PEFT's model of the same adapter
+    over the FP8 round trip of the weights gives the same greedy tokens."""
+    from peft import PeftModel
+
+    from hf_reference import fp8_round_trip
+    ref = PeftModel.from_pretrained(fp8_round_trip(hf_models["llama"]), adapters["all8"][0]).eval()
+    ps = prompts((4, 21))
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", quantization="fp8",
+             lora_config={"max_lora_rank": 8}) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=NEW, ignore_eos=True), use_tqdm=False,
+                            lora_request=lora(adapters, "all8"))
+    for p, out in zip(ps, outs, strict=True):
+        want, gaps = hf_greedy(ref, p, NEW)
+        assert_same_greedy(out.outputs[0].token_ids, want, gaps, f"FP8 + adapter, prompt of {len(p)}")
+
+
+def test_an_id_names_one_adapter_for_the_engine_s_life_and_holds_are_counted_per_request(llm, adapters, hf_models,
+                                                                                           tmp_path):
+    """An adapter's id keys its prefix cache, so an id is never given to another adapter, even
+    once the first has left host memory; a second registration under a request id that holds an
+    adapter is refused without touching the first's hold."""
+    manager = llm._executor.engine.runner.lora
+    p = prompts((5,))[0]
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate(p, sp, lora_request=lora(adapters, "all8"))
+    for i in range(4):   # four other adapters through a host cache of three: all8 (id 1) leaves it
+        save_lora_adapter(hf_models["llama"], tmp_path / f"x{i}", 2, ["q_proj"], 40 + i)
+        llm.generate(p, sp, lora_request=LoRARequest(f"x{i}", 100 + i, str(tmp_path / f"x{i}")))
+    assert 1 not in manager.adapters
+    with pytest.raises(RequestError, match="lora_int_id 1 names adapter 'all8' already"):
+        llm.generate(p, sp, lora_request=LoRARequest("x0", 1, str(tmp_path / "x0")))
+    assert llm.generate(p, sp, lora_request=lora(adapters, "all8")).outputs[0].token_ids   # still its own
+    rid = 10**9
+    manager.register(rid, ["x1", 101, str(tmp_path / "x1")])
+    with pytest.raises(ValueError, match=f"request id {rid} is already running"):
+        manager.register(rid, ["x2", 102, str(tmp_path / "x2")])
+    assert manager.users.get(101) == 1 and 102 not in manager.users
+    manager.release(rid)
+    assert not manager.users and not manager.of_request

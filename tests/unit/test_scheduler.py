@@ -372,18 +372,20 @@ def test_most_sampled_rows_is_the_most_the_draft_length_rule_allows(k, concurren
 
 def test_a_step_runs_the_requests_of_at_most_max_loras_adapters():
     """Running requests use at most max_loras adapters (the model's slots); a waiting request of
-    one more adapter waits, first come first served, and runs once one of them has finished;
-    requests without an adapter are not counted."""
+    one more adapter waits, with the LoRA requests behind it (even of a running adapter: the
+    running ones drain), and runs once one of them has finished; requests without an adapter
+    behind it are admitted meanwhile."""
     from helpers import tiny_kv
     from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
-    s = Scheduler(SchedulerLimits(8, 64, 256, max_loras=2), tiny_kv(32, 4))
-    reqs = [make_request(3, max_tokens=m) for m in (2, 6, 6, 6, 6)]
-    for r, lora in zip(reqs, (1, 2, 2, 3, 0), strict=True):
+    s = Scheduler(SchedulerLimits(8, 64, 256, max_loras=2), tiny_kv(48, 4))
+    reqs = [make_request(3, max_tokens=m) for m in (2, 6, 6, 6, 6, 6)]
+    for r, lora in zip(reqs, (1, 2, 2, 3, 0, 1), strict=True):
         r.lora_id = lora
         s.add_request(r)
     runner = FakeRunner()
     first = s.schedule()
-    assert [r.lora_id for r in first.requests] == [1, 2, 2]   # adapter 3 waits, and the plain request behind it
+    assert [r.lora_id for r in first.requests] == [1, 2, 2, 0]   # adapter 3 waits, and adapter 1's second with it
+    assert [r.lora_id for r in s.waiting] == [3, 1]              # in their order
     seen = []
     while s.has_work:
         b = s.schedule() if seen else first
@@ -392,6 +394,9 @@ def test_a_step_runs_the_requests_of_at_most_max_loras_adapters():
         s.update(b, runner.execute(b))
         s.kv.check_integrity()
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
-    # adapter 3 started once adapter 1's request (2 tokens) had finished, before adapter 2's ended
+    # adapter 3 started once adapter 1's first request (2 tokens) had finished, before adapter 2's ended
     start3 = next(i for i, b in enumerate(seen) if reqs[3] in b.requests)
     assert start3 > 0 and reqs[1] in seen[start3].requests
+    # adapter 1's second request, held behind adapter 3's, then waited for a slot: adapter 2's to drain
+    start5 = next(i for i, b in enumerate(seen) if reqs[5] in b.requests)
+    assert start5 > start3 and not any(reqs[5] in b.requests and reqs[1] in b.requests for b in seen)
