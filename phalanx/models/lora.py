@@ -26,11 +26,14 @@ bias, no ``modules_to_save``, no per-module rank or alpha patterns — each refu
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,10 +74,33 @@ def module_shapes(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int,
             "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
 
 
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def sparse_layers(cfg: Any) -> Callable[[int], bool] | None:
+    """Whether a layer's MLP is a mixture of experts (whose projections take no adapter), for a
+    model config with experts; None for a dense model."""
+    if not cfg.is_moe:
+        return None
+    from phalanx.models.moe import MoECausalLM
+    return functools.partial(MoECausalLM.is_sparse, cfg)
+
+
 def read_adapter(name: str, path: str, *, num_layers: int, shapes: dict[str, tuple[int, int]],
-                 max_rank: int, targets: tuple[str, ...]) -> Adapter:
+                 max_rank: int, targets: tuple[str, ...], sparse: Callable[[int], bool] | None = None) -> Adapter:
     """A PEFT LoRA directory -> ``Adapter``; a ValueError naming the file, the setting or the
-    tensor (and the limit) where it cannot be served as it means."""
+    tensor (and the limit) where it cannot be served as it means. ``sparse``: the layers whose
+    MLP is a mixture of experts (``sparse_layers``)."""
+    try:
+        return _read_adapter(name, path, num_layers, shapes, max_rank, targets, sparse)
+    except ValueError:
+        raise
+    except Exception as e:   # noqa: BLE001 - whatever a directory holds, the request is refused alone
+        raise ValueError(f"lora_request {name!r}: the adapter could not be read ({type(e).__name__}: {e})") from None
+
+
+def _read_adapter(name: str, path: str, num_layers: int, shapes: dict[str, tuple[int, int]], max_rank: int,
+                  targets: tuple[str, ...], sparse: Callable[[int], bool] | None) -> Adapter:
     what = f"lora_request {name!r}"
     if not isinstance(path, str) or not path:
         raise ValueError(f"{what}: lora_path must be a directory")
@@ -124,6 +150,9 @@ def read_adapter(name: str, path: str, *, num_layers: int, shapes: dict[str, tup
                              f"(lora_target_modules: {', '.join(targets)})")
         if layer >= num_layers:
             raise ValueError(f"{what}: tensor {key!r}: the model has {num_layers} layers")
+        if sparse is not None and module in MLP_MODULES and sparse(layer):
+            raise ValueError(f"{what}: tensor {key!r}: layer {layer}'s MLP is a mixture of experts, whose "
+                             "projections take no adapter")
         pairs.setdefault((layer, module), {})[ab] = t
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), ab in sorted(pairs.items()):

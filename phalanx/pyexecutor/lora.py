@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from phalanx.config import LoraConfig
 from phalanx.models.config import ModelConfig
-from phalanx.models.lora import Adapter, LoraState, module_shapes, read_adapter, write_slot
+from phalanx.models.lora import Adapter, LoraState, module_shapes, read_adapter, sparse_layers, write_slot
 
 
 def check_lora_request(lora: object) -> tuple[str, int, str]:
@@ -44,6 +44,7 @@ class LoraManager:
         self.state, self.cfg = state, cfg
         self.max_cpu = cfg.max_cpu_loras or cfg.max_loras
         self.num_layers = model_cfg.num_layers
+        self.sparse = sparse_layers(model_cfg)
         self.shapes = module_shapes(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
                                     model_cfg.hidden_size, model_cfg.intermediate_size)
         self.adapters: OrderedDict[int, Adapter] = OrderedDict()   # lora id -> adapter, least recent first
@@ -82,19 +83,19 @@ class LoraManager:
         """The adapter from disk in the model's dtype (pinned on a GPU), or the error of the
         first rank that could not read it, on every rank."""
         adapter, error = None, ""
-        try:
+        try:   # (read_adapter turns whatever goes wrong into a ValueError naming the adapter)
             adapter = read_adapter(name, path, num_layers=self.num_layers, shapes=self.shapes,
-                                   max_rank=self.cfg.max_lora_rank, targets=self.state.served or self.cfg.targets)
-        except (ValueError, OSError) as e:
-            error = str(e) or type(e).__name__
+                                   max_rank=self.cfg.max_lora_rank, targets=self.cfg.targets, sparse=self.sparse)
+            pin = self.state.device.type == "cuda"
+            dtype = self.state.dtype
+            adapter.weights = {k: tuple(t.to(dtype).pin_memory() if pin else t.to(dtype)   # type: ignore[misc]
+                                        for t in ab) for k, ab in adapter.weights.items()}
+        except Exception as e:  # noqa: BLE001 - decided on every rank alike below
+            adapter, error = None, str(e) or type(e).__name__
         if self.agree is not None:
             error = next((e for e in self.agree(error) if e), "")
         if error or adapter is None:
             raise ValueError(error or f"lora_request {name!r}: not readable on another rank")
-        pin = self.state.device.type == "cuda"
-        dtype = self.state.dtype
-        adapter.weights = {k: tuple(t.to(dtype).pin_memory() if pin else t.to(dtype) for t in ab)  # type: ignore[misc]
-                           for k, ab in adapter.weights.items()}
         return adapter
 
     def release(self, request_id: int) -> None:

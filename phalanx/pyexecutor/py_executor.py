@@ -13,6 +13,7 @@ other ranks can no longer line up) and propagates to the worker, which reports t
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import threading
@@ -309,7 +310,7 @@ class PyExecutor:
         limits = self.scheduler.limits
         need_tokens, need_rows = INTAKE_STEPS * limits.max_num_tokens, limits.max_batch_size
         tokens = rows = 0
-        for req in self.scheduler.waiting:
+        for req in itertools.islice(self.scheduler.waiting, self.scheduler.num_held, None):   # (held: not admissible)
             tokens += req.num_tokens - req.num_computed_tokens
             rows += 1
             if tokens >= need_tokens or rows >= need_rows:
@@ -354,18 +355,18 @@ class PyExecutor:
         if msg.cache_salt is not None and not isinstance(msg.cache_salt, str):
             raise TypeError(f"cache_salt must be a string, got {type(msg.cache_salt).__name__}")
         salt = (msg.cache_salt or "").encode()
-        lora_id = 0
-        if msg.lora is not None:    # read last: nothing after it refuses the request
-            if self.runner.lora is None:
-                raise ValueError("lora_request: this engine serves no LoRA adapters (start it with lora_config "
-                                 "or enable_lora)")
-            lora_id = self.runner.lora.register(msg.request_id, msg.lora)
-            salt = b"\xff%d\xff" % lora_id + salt   # its KV is the adapter's (0xff: never in a UTF-8 salt)
+        if msg.lora is not None and self.runner.lora is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters (start it with lora_config "
+                             "or enable_lora)")
         spec = self.runner.spec
-        return Request(msg.request_id, ids.tolist() if isinstance(ids, array) else list(ids), params,
-                       tuple(msg.eos_token_ids), limit,
-                       extra_key=salt, priority=msg.priority, grammar=grammar, lora_id=lora_id,
-                       spec_len=spec.k if spec is not None and speculates(params) else 0)
+        req = Request(msg.request_id, ids.tolist() if isinstance(ids, array) else list(ids), params,
+                      tuple(msg.eos_token_ids), limit,
+                      extra_key=salt, priority=msg.priority, grammar=grammar,
+                      spec_len=spec.k if spec is not None and speculates(params) else 0)
+        if msg.lora is not None and self.runner.lora is not None:   # last: nothing after it refuses the request
+            req.lora_id = self.runner.lora.register(msg.request_id, msg.lora)
+            req.extra_key = b"\xff%d\xff" % req.lora_id + salt   # its KV is the adapter's (0xff: never in UTF-8)
+        return req
 
     def _beat(self) -> None:
         """Tell the user process this loop is alive (once per HEARTBEAT_INTERVAL at most)."""

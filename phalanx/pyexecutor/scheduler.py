@@ -227,6 +227,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.step = 0
         self.num_preemptions = 0
+        self.num_held = 0   # waiting LoRA requests at the front held behind an adapter with no slot (last step)
         self.spec = spec
         self.num_verify_rows = 0        # speculative decoding: verify rows read,
         self.num_draft_tokens = 0       # drafts they carried,
@@ -405,6 +406,7 @@ class Scheduler:
             self._add_row(batch, req, n)
             budget -= n
         self.waiting.extendleft(reversed(held))
+        self.num_held = len(held)
 
     def _fit(self, req: Request, match: PrefixMatch, budget: int, reserved: int) -> tuple[int, int, int] | None:
         """Whether a waiting request is admitted now with ``match``: (its tokens this step, the

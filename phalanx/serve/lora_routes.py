@@ -39,15 +39,15 @@ class UnloadBody(Strict):
 
 
 def check_adapter(llm: Any, name: str, path: str) -> None:
-    """Read an adapter as the ranks will (its shapes, rank and settings, the projections that take
-    adapters: a mixture of experts' MLP takes none); a ValueError naming what cannot be served."""
-    from phalanx.models.lora import module_shapes, read_adapter
+    """Read an adapter as the ranks will (its shapes, rank and settings, the layers whose MLP is a
+    mixture of experts taking none there); a ValueError naming what cannot be served."""
+    from phalanx.models.lora import module_shapes, read_adapter, sparse_layers
     cfg, lora = llm.source.config, llm.args.lora
     if lora is None:
         raise ValueError("the engine serves no LoRA adapters")
     shapes = module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
-    targets = tuple(m for m in lora.targets if not (cfg.is_moe and m in ("gate_proj", "up_proj", "down_proj")))
-    read_adapter(name, path, num_layers=cfg.num_layers, shapes=shapes, max_rank=lora.max_lora_rank, targets=targets)
+    read_adapter(name, path, num_layers=cfg.num_layers, shapes=shapes, max_rank=lora.max_lora_rank,
+                 targets=lora.targets, sparse=sparse_layers(cfg))
 
 
 def add_routes(server: OpenAIServer) -> None:

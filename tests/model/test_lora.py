@@ -140,7 +140,7 @@ def test_a_mixture_of_experts_takes_adapters_on_attention(tiny_moe_models, hf_mo
             want, gaps = hf_greedy(ref, p, NEW)
             assert want != hf_greedy(hf, p, NEW)[0]
             assert_same_greedy(out.outputs[0].token_ids, want, gaps, f"MoE adapter, prompt of {len(p)}")
-        with pytest.raises(RequestError, match="down_proj takes no adapter on this engine"):
+        with pytest.raises(RequestError, match="layer 0's MLP is a mixture of experts"):
             llm.generate(ps[0], SamplingParams(max_tokens=2), lora_request=lora(adapters, "all8", 2))
 
 
@@ -184,4 +184,11 @@ def test_an_id_names_one_adapter_for_the_engine_s_life_and_holds_are_counted_per
         manager.register(rid, ["x2", 102, str(tmp_path / "x2")])
     assert manager.users.get(101) == 1 and 102 not in manager.users
     manager.release(rid)
+    assert not manager.users and not manager.of_request
+    # a request refused when it is made (here its length limit) holds no adapter afterwards
+    from phalanx.executor.messages import GenerationRequest
+    bad = GenerationRequest(rid + 1, [1, 2, 3], SamplingParams(max_tokens=2).to_dict(), max_total_tokens=-1,
+                            lora=["x1", 101, str(tmp_path / "x1")])
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        llm._executor.engine._make_request(bad)
     assert not manager.users and not manager.of_request

@@ -93,19 +93,24 @@ def test_files_that_are_missing_or_pickled_are_refused(tmp_path):
 
 def test_the_server_checks_an_adapter_as_the_ranks_read_it(tmp_path):
     """``phalanx serve`` reads --lora_modules' adapters (and loaded ones) before serving them:
-    the engine's rank limit, and no MLP adapter on a mixture of experts."""
+    the engine's rank limit, no MLP adapter on a mixture of experts' sparse layers (its dense
+    ones take them), and any failure as a ValueError."""
     from types import SimpleNamespace
 
     from phalanx.config import LoraConfig
     from phalanx.serve.lora_routes import check_adapter
     cfg = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, intermediate_size=128,
-                          num_layers=2, is_moe=False)
+                          num_layers=2, is_moe=False, mlp_only_layers=(1,), decoder_sparse_step=1)
     llm = SimpleNamespace(source=SimpleNamespace(config=cfg), args=SimpleNamespace(lora=LoraConfig(max_lora_rank=8)))
     mlp = write(tmp_path / "mlp", pair(0, "down_proj", block="mlp"))
     check_adapter(llm, "mlp", mlp)
-    with pytest.raises(ValueError, match="down_proj takes no adapter"):
-        check_adapter(SimpleNamespace(source=SimpleNamespace(config=SimpleNamespace(**{**vars(cfg), "is_moe": True})),
-                                      args=llm.args), "mlp", mlp)
+    moe = SimpleNamespace(source=SimpleNamespace(config=SimpleNamespace(**{**vars(cfg), "is_moe": True})),
+                          args=llm.args)
+    with pytest.raises(ValueError, match="layer 0's MLP is a mixture of experts"):
+        check_adapter(moe, "mlp", mlp)
+    check_adapter(moe, "dense", write(tmp_path / "dense", pair(1, "down_proj", block="mlp")))   # mlp_only_layers
+    with pytest.raises(ValueError, match="could not be read"):   # whatever a directory holds: a ValueError
+        check_adapter(llm, "huge", write(tmp_path / "huge", pair(0, "q_proj"), lora_alpha=10**400))
     with pytest.raises(ValueError, match=r"max_lora_rank \(2\)"):
         check_adapter(SimpleNamespace(source=llm.source, args=SimpleNamespace(lora=LoraConfig(max_lora_rank=2))),
                       "mlp", mlp)
