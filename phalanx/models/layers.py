@@ -138,7 +138,7 @@ class Projection(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         y = self.plan(x, self.weight, self.bias, self.weight_scale)
-        return y if self.lora is None else y + self.lora(x)
+        return y if self.lora is None else self.lora(y, x)
 
     def _place(self, w: torch.Tensor, shard_id: object) -> tuple[slice, torch.Tensor]:
         """(the rows of this rank's parameter, the checkpoint rows that go there)."""
@@ -362,7 +362,7 @@ class RowParallelLinear(Projection):
             return self.output(self.plan(x, self.weight, None, self.weight_scale))
         if self.lora.silu_in_front:   # its plan is then a plain one (models/lora.install)
             x = ops.silu_and_mul(x)
-        return self.output(self.plan(x, self.weight, None, self.weight_scale) + self.lora(x))
+        return self.output(self.lora(self.plan(x, self.weight, None, self.weight_scale), x))
 
     def output(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial product as the layer's output: kept partial when deferred, else

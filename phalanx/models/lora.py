@@ -264,11 +264,12 @@ class LoraWeights(nn.Module):
                 self.B[rows, c] = b
             self.A[c] = a
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> the adapters' sum for each token [T, N]."""
+    def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The projection's output y [T, N] of x [T, K] plus each token's adapter: three kernels
+        (x Aᵀ, the mask, and y + s Bᵀ in one GEMM)."""
         s = torch.matmul(x, self.A.t())
-        s = s * self.state[0].mask(len(self.parts), x.shape[0])
-        return torch.matmul(s, self.B.t())
+        s.mul_(self.state[0].mask(len(self.parts), x.shape[0]))
+        return torch.addmm(y, s, self.B.t())
 
 
 def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
