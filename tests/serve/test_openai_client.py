@@ -491,11 +491,11 @@ def test_metrics_parse_and_move(server, client):
 def test_streams_lose_nothing_under_many_choices(client):
     """Every choice's streamed deltas add up to the non-streamed text (greedy, n=4, 3 times)."""
     msgs = [{"role": "user", "content": "Describe a rainy afternoon in a city in detail."}]
-    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0)
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32, temperature=0)
     want = full.choices[0].message.content
     for _ in range(3):
         text = {i: "" for i in range(4)}
-        for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0, n=4,
+        for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32, temperature=0, n=4,
                                                  stream=True):
             for c in ch.choices:
                 text[c.index] += c.delta.content or ""
