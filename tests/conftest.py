@@ -11,9 +11,12 @@ if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVIC
 
 from hf_reference import _moe_configs, hf_models_from, tiny_model_dirs  # noqa: E402
 
-# make test's workers share the cores: one torch thread each (in-process engines included; the rank
-# and server processes a test starts keep their own)
+# make test's workers share the cores: one torch thread each, in-process engines included, and the
+# rank and server processes a test starts too (they inherit OMP_NUM_THREADS). With two OpenMP threads
+# a process on two cores, two busy servers spun on each other's descheduled threads: two serve test
+# files side by side took more than 5.5 minutes, and 74 s with one thread (alone: ~56 s each).
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     torch.set_num_threads(1)
 
