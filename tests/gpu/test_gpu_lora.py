@@ -26,8 +26,8 @@ def test_mixed_adapters_in_cuda_graphs_equal_peft(graphs, tiny_models, hf_models
                   "piecewise_num_tokens": [64, 128]} if graphs else None)
     ids = {"a": 1, "b": 2}
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
-             lora_config={"max_loras": 2, "max_lora_rank": 8}, max_num_tokens=128, cuda_graph_config=graph_cfg,
-             kv_cache_config={"tokens_per_block": 8}) as llm:
+             lora_config={"max_loras": 2, "max_lora_rank": 8}, max_num_tokens=128,
+             cuda_graph_config=graph_cfg) as llm:   # (32-token blocks: the Triton attention, which graphs need)
         sps = [SamplingParams(max_tokens=3 + i % 7, ignore_eos=True) for i in range(len(batch))]
         loras = [LoRARequest(n, ids[n], str(tmp_path / n)) if n else None for _, n in batch]
         outs = [llm.generate([p for p, _ in batch], sps, use_tqdm=False, lora_request=loras) for _ in range(2)]
