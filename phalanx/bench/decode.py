@@ -74,8 +74,8 @@ def write_random_adapter(path: str, cfg: Any, rank: int, seed: int) -> None:
     from safetensors.torch import save_file
 
     from phalanx.config import LORA_TARGETS
-    from phalanx.models.lora import module_shapes
-    shapes = module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+    from phalanx.models.lora import config_shapes
+    shapes = config_shapes(cfg)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):

@@ -77,6 +77,18 @@ def module_shapes(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int,
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
+def config_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
+    """``module_shapes`` of a model config (``models/config.ModelConfig``)."""
+    return module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+
+
+def read_adapter_for(name: str, path: str, model_cfg: Any, lora_cfg: LoraConfig) -> Adapter:
+    """``read_adapter`` against a model config and the engine's LoRA settings: what the ranks
+    read (``pyexecutor/lora.py``) and the server checks first (``serve/lora_routes.py``)."""
+    return read_adapter(name, path, num_layers=model_cfg.num_layers, shapes=config_shapes(model_cfg),
+                        max_rank=lora_cfg.max_lora_rank, targets=lora_cfg.targets, sparse=sparse_layers(model_cfg))
+
+
 def sparse_layers(cfg: Any) -> Callable[[int], bool] | None:
     """Whether a layer's MLP is a mixture of experts (whose projections take no adapter), for a
     model config with experts; None for a dense model."""

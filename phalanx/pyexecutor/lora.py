@@ -21,32 +21,25 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from phalanx.config import LoraConfig
+from phalanx.llmapi.lora_request import LoRARequest
 from phalanx.models.config import ModelConfig
-from phalanx.models.lora import Adapter, LoraState, module_shapes, read_adapter, sparse_layers, write_slot
+from phalanx.models.lora import Adapter, LoraState, read_adapter_for, write_slot
 
 
 def check_lora_request(lora: object) -> tuple[str, int, str]:
-    """A request's ``lora`` as it crossed the wire: [name, int id, path]."""
+    """A request's ``lora`` as it crossed the wire, [name, int id, path], checked as the ``LLM``
+    class checks its ``LoRARequest``."""
     if not (isinstance(lora, (list, tuple)) and len(lora) == 3):
         raise TypeError("lora_request must be [lora_name, lora_int_id, lora_path]")
-    name, lid, path = lora
-    if not isinstance(name, str) or not name:
-        raise ValueError("lora_request.lora_name must be a non-empty string")
-    if not isinstance(lid, int) or isinstance(lid, bool) or not 1 <= lid < 2**63:
-        raise ValueError(f"lora_request.lora_int_id must be an integer from 1 to 2**63 - 1, got {lid!r}")
-    if not isinstance(path, str) or not path:
-        raise ValueError("lora_request.lora_path must be a non-empty string")
-    return name, lid, path
+    r = LoRARequest(*lora)
+    return r.lora_name, r.lora_int_id, r.lora_path
 
 
 class LoraManager:
     def __init__(self, state: LoraState, cfg: LoraConfig, model_cfg: ModelConfig) -> None:
         self.state, self.cfg = state, cfg
         self.max_cpu = cfg.max_cpu_loras or cfg.max_loras
-        self.num_layers = model_cfg.num_layers
-        self.sparse = sparse_layers(model_cfg)
-        self.shapes = module_shapes(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                    model_cfg.hidden_size, model_cfg.intermediate_size)
+        self.model_cfg = model_cfg
         self.adapters: OrderedDict[int, Adapter] = OrderedDict()   # lora id -> adapter, least recent first
         self.users: dict[int, int] = {}          # lora id -> live requests naming it
         self.of_request: dict[int, int] = {}     # request id -> its lora id
@@ -84,8 +77,7 @@ class LoraManager:
         first rank that could not read it, on every rank."""
         adapter, error = None, ""
         try:   # (read_adapter turns whatever goes wrong into a ValueError naming the adapter)
-            adapter = read_adapter(name, path, num_layers=self.num_layers, shapes=self.shapes,
-                                   max_rank=self.cfg.max_lora_rank, targets=self.cfg.targets, sparse=self.sparse)
+            adapter = read_adapter_for(name, path, self.model_cfg, self.cfg)
             pin = self.state.device.type == "cuda"
             dtype = self.state.dtype
             adapter.weights = {k: tuple(t.to(dtype).pin_memory() if pin else t.to(dtype)   # type: ignore[misc]

@@ -322,9 +322,9 @@ class ModelRunner:
             arrays = arrays[len(staged):]
         if gather_dst:
             arrays += [np.asarray(gather_dst, np.int64), np.asarray(gather_slot, np.int64)]
-        lora_slots = self._lora_slots(batch, counts)
-        if lora_slots is not None:
-            arrays.append(lora_slots)
+        lora = self._lora_slots(batch, counts)
+        if lora is not None:
+            arrays.append(lora[0])
         if arrays:
             staged += self.stage(arrays)
         self.clock.mark("stage")
@@ -343,8 +343,8 @@ class ModelRunner:
                             extend_graph=extend_graph)
         if gather_dst:
             inputs.gather_dst, inputs.gather_slot = staged[8], staged[9]
-        if lora_slots is not None:
-            inputs.lora_slots, inputs.lora_clear = staged[-1], not any(r.lora_id for r in batch.requests)
+        if lora is not None:
+            inputs.lora_slots, inputs.lora_clear = staged[-1], lora[1]
         if prompt_spans:
             inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
         if spec is not None and (spec.verify or spec.first or spec.prompt or spec.cached):
@@ -353,16 +353,17 @@ class ModelRunner:
                                      self.stage)
         return inputs
 
-    def _lora_slots(self, batch: ScheduledBatch, counts: np.ndarray) -> np.ndarray | None:
-        """Each token's adapter slot (-1: none), the step's adapters written into slots; None
-        where neither this step nor the last step that wrote the mask has a token with an adapter
-        (the mask stays zero)."""
+    def _lora_slots(self, batch: ScheduledBatch, counts: np.ndarray) -> tuple[np.ndarray, bool] | None:
+        """(each token's adapter slot (-1: none), whether no token has an adapter), the step's
+        adapters written into slots; None where neither this step nor the last step that wrote
+        the mask has a token with an adapter (the mask stays zero)."""
         if self.lora is None:
             return None
         ids = [r.lora_id for r in batch.requests]
-        if not any(ids) and self._lora_mask_clear:
+        clear = not any(ids)
+        if clear and self._lora_mask_clear:
             return None
-        return np.repeat(np.asarray(self.lora.slots(ids), np.int64), counts)
+        return np.repeat(np.asarray(self.lora.slots(ids), np.int64), counts), clear
 
     def _prompt_rows(self, batch: ScheduledBatch, spans: list[tuple[int, int, int, int]],
                      query_start: np.ndarray) -> PromptLogprobRows:

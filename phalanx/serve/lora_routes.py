@@ -41,13 +41,10 @@ class UnloadBody(Strict):
 def check_adapter(llm: Any, name: str, path: str) -> None:
     """Read an adapter as the ranks will (its shapes, rank and settings, the layers whose MLP is a
     mixture of experts taking none there); a ValueError naming what cannot be served."""
-    from phalanx.models.lora import module_shapes, read_adapter, sparse_layers
-    cfg, lora = llm.source.config, llm.args.lora
-    if lora is None:
+    from phalanx.models.lora import read_adapter_for
+    if llm.args.lora is None:
         raise ValueError("the engine serves no LoRA adapters")
-    shapes = module_shapes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
-    read_adapter(name, path, num_layers=cfg.num_layers, shapes=shapes, max_rank=lora.max_lora_rank,
-                 targets=lora.targets, sparse=sparse_layers(cfg))
+    read_adapter_for(name, path, llm.source.config, llm.args.lora)
 
 
 def add_routes(server: OpenAIServer) -> None:
