@@ -22,7 +22,7 @@ from fastapi import Request
 from pydantic import Field
 
 from phalanx.llmapi.lora_request import LoRARequest
-from phalanx.serve.protocol import BodyError, Strict, parse_body
+from phalanx.serve.protocol import Strict
 
 if TYPE_CHECKING:
     from phalanx.serve.openai_server import OpenAIServer
@@ -53,14 +53,8 @@ def add_routes(server: OpenAIServer) -> None:
     ids = itertools.count(max((a.lora_int_id for a in server.lora_modules.values()), default=0) + 1)
     lock = asyncio.Lock()
 
-    async def body(request: Request, model: type[Strict]) -> Any:
-        try:
-            return parse_body(await request.body(), model)
-        except BodyError as e:
-            raise ApiError(400, e.message, e.param) from None
-
     async def load(request: Request):
-        b: LoadBody = await body(request, LoadBody)
+        b = await server._parse(request, LoadBody)
         async with lock:
             if b.lora_name == server.model_name or b.lora_name in server.lora_modules:
                 raise ApiError(400, f"lora_name: the adapter {b.lora_name!r} is already served", "lora_name")
@@ -72,7 +66,7 @@ def add_routes(server: OpenAIServer) -> None:
         return {"success": True, "message": f"LoRA adapter {b.lora_name!r} added"}
 
     async def unload(request: Request):
-        b: UnloadBody = await body(request, UnloadBody)
+        b = await server._parse(request, UnloadBody)
         async with lock:
             if server.lora_modules.pop(b.lora_name, None) is None:
                 raise ApiError(404, f"lora_name: no adapter {b.lora_name!r} is served", "lora_name")
