@@ -442,6 +442,51 @@ class LLM:
     def destroy_weights_update_group(self) -> None:
         self._rollout("destroy_weights_update_group", {})
 
+    # -- LoRA adapters held by the ranks (pyexecutor/lora.py) -------------------------------------------
+    def add_lora(self, lora_request: LoRARequest, tensors: Any = None, peft_config: Any = None,
+                 timeout: float = 600.0) -> bool:
+        """Read an adapter on every rank now and hold it until ``remove_lora``: from
+        ``lora_request.lora_path``, or — for an RL trainer that trains a LoRA — from ``tensors``
+        (its PEFT state dict: ``{name: tensor}`` or pairs, CUDA tensors read in place through CUDA
+        IPC, CPU tensors through shared memory) with ``peft_config`` (its ``peft.LoraConfig`` or
+        that as a dict). Requests then name it by ``LoRARequest(name, id)``, no path. Adding again
+        under the same id replaces its weights (refused while requests run with it) and starts its
+        prefix cache anew. A ValueError names what cannot be served; nothing changes then."""
+        from phalanx.llmapi.weight_transfer import share_tensors
+        from phalanx.models.lora import plain_peft_config
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"add_lora: lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.args.lora is None:
+            raise ValueError("add_lora: this LLM serves no LoRA adapters (start it with lora_config or "
+                             "enable_lora=True)")
+        args: dict[str, Any] = {"lora_name": lora_request.lora_name, "lora_int_id": lora_request.lora_int_id}
+        if tensors is None:
+            if peft_config is not None:
+                raise ValueError("add_lora: peft_config goes with tensors (a directory holds its own)")
+            if not lora_request.lora_path:
+                raise ValueError("add_lora: give lora_request.lora_path or the adapter's tensors")
+            self._rollout("lora_add", {**args, "lora_path": lora_request.lora_path}, timeout)
+            return True
+        if lora_request.lora_path:
+            raise ValueError("add_lora: give lora_request.lora_path or the adapter's tensors, not both")
+        if peft_config is None:
+            raise ValueError("add_lora: the adapter's tensors need its peft_config (r, lora_alpha, ...)")
+        config = plain_peft_config(peft_config)
+        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        with share_tensors(items) as shared:
+            self._rollout("lora_add", {**args, "peft_config": config, "specs": shared.specs}, timeout)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Stop holding an adapter ``add_lora`` added (requests running with it finish with it)."""
+        self._rollout("lora_remove", {"lora_int_id": lora_int_id})
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the ranks hold in host memory (added, or read for requests)."""
+        import json
+        return {a["lora_int_id"] for a in json.loads(self._rollout("lora_list", {})[0])}
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (nothing computed so far is reused)."""
         self._rollout("reset_prefix_cache", {})

@@ -13,11 +13,12 @@ class LoRARequest:
     """``lora_name`` names the adapter in outputs and errors; ``lora_int_id`` (1 or more) is its
     identity on the ranks — one id, one adapter: its prefix cache is its own; ``lora_path`` a
     PEFT directory (``adapter_config.json`` and ``adapter_model.safetensors``), read on the ranks
-    the first time a request names the id."""
+    the first time a request names the id — or empty for an adapter ``LLM.add_lora`` added (from
+    a directory or from a trainer's tensors)."""
 
     lora_name: str
     lora_int_id: int
-    lora_path: str
+    lora_path: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not 1 <= len(self.lora_name) <= 256:
@@ -26,8 +27,9 @@ class LoRARequest:
                 not 1 <= self.lora_int_id < 2**63:
             raise ValueError(f"lora_request.lora_int_id must be an integer from 1 to 2**63 - 1, got "
                              f"{self.lora_int_id!r}")
-        if not isinstance(self.lora_path, str) or not self.lora_path:
-            raise ValueError("lora_request.lora_path must be a non-empty string (a PEFT adapter directory)")
+        if not isinstance(self.lora_path, str) or len(self.lora_path) > 4096:
+            raise ValueError("lora_request.lora_path must be a string of at most 4096 characters (a PEFT adapter "
+                             "directory, or empty for an adapter added with LLM.add_lora)")
 
     def to_wire(self) -> list[Any]:
         return [self.lora_name, self.lora_int_id, self.lora_path]

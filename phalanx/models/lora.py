@@ -48,7 +48,10 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_
 _UNSUPPORTED = {"use_dora": (False, None), "bias": ("none", None), "modules_to_save": (None, []),
                 "fan_in_fan_out": (False, None), "layers_to_transform": (None, []), "rank_pattern": ({}, None),
                 "alpha_pattern": ({}, None), "layer_replication": (None, []), "lora_bias": (False, None),
-                "use_qalora": (False, None), "trainable_token_indices": (None, {}, [])}
+                "use_qalora": (False, None), "trainable_token_indices": (None, {}, []),
+                "alora_invocation_tokens": (None, []), "target_parameters": (None, []), "arrow_config": (None,),
+                "use_bdlora": (None, False), "velora_config": (None,), "monteclora_config": (None,),
+                "kasa_config": (None,)}
 
 
 @dataclass
@@ -85,8 +88,18 @@ def config_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
 def read_adapter_for(name: str, path: str, model_cfg: Any, lora_cfg: LoraConfig) -> Adapter:
     """``read_adapter`` against a model config and the engine's LoRA settings: what the ranks
     read (``pyexecutor/lora.py``) and the server checks first (``serve/lora_routes.py``)."""
-    return read_adapter(name, path, num_layers=model_cfg.num_layers, shapes=config_shapes(model_cfg),
-                        max_rank=lora_cfg.max_lora_rank, targets=lora_cfg.targets, sparse=sparse_layers(model_cfg))
+    return read_adapter(name, path, **_limits(model_cfg, lora_cfg))
+
+
+def adapter_from_tensors_for(name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], model_cfg: Any,
+                             lora_cfg: LoraConfig) -> Adapter:
+    """``adapter_from_tensors`` against a model config and the engine's LoRA settings."""
+    return adapter_from_tensors(name, config, tensors, **_limits(model_cfg, lora_cfg))
+
+
+def _limits(model_cfg: Any, lora_cfg: LoraConfig) -> dict[str, Any]:
+    return {"num_layers": model_cfg.num_layers, "shapes": config_shapes(model_cfg), "max_rank": lora_cfg.max_lora_rank,
+            "targets": lora_cfg.targets, "sparse": sparse_layers(model_cfg)}
 
 
 def sparse_layers(cfg: Any) -> Callable[[int], bool] | None:
@@ -104,15 +117,57 @@ def read_adapter(name: str, path: str, *, num_layers: int, shapes: dict[str, tup
     tensor (and the limit) where it cannot be served as it means. ``sparse``: the layers whose
     MLP is a mixture of experts (``sparse_layers``)."""
     try:
-        return _read_adapter(name, path, num_layers, shapes, max_rank, targets, sparse)
+        where, cfg, tensors = _read_files(name, path)
+        return _build(name, where, cfg, tensors, num_layers, shapes, max_rank, targets, sparse, ADAPTER_CONFIG)
     except ValueError:
         raise
     except Exception as e:   # noqa: BLE001 - whatever a directory holds, the request is refused alone
         raise ValueError(f"lora_request {name!r}: the adapter could not be read ({type(e).__name__}: {e})") from None
 
 
-def _read_adapter(name: str, path: str, num_layers: int, shapes: dict[str, tuple[int, int]], max_rank: int,
-                  targets: tuple[str, ...], sparse: Callable[[int], bool] | None) -> Adapter:
+def adapter_from_tensors(name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], *, num_layers: int,
+                         shapes: dict[str, tuple[int, int]], max_rank: int, targets: tuple[str, ...],
+                         sparse: Callable[[int], bool] | None = None) -> Adapter:
+    """An adapter handed over in memory (a trainer's PEFT state dict and its ``LoraConfig`` as a
+    dict, ``plain_peft_config``) -> ``Adapter``, checked as ``read_adapter`` checks a directory's;
+    its path is empty. The tensors are copied (float32), so the caller's may change after."""
+    try:
+        if not isinstance(config, dict):
+            raise ValueError(f"lora_request {name!r}: peft_config must be a mapping (a LoraConfig's to_dict())")
+        return _build(name, "", config, tensors, num_layers, shapes, max_rank, targets, sparse, "peft_config")
+    except ValueError:
+        raise
+    except Exception as e:   # noqa: BLE001 - whatever is handed over, the adapter alone is refused
+        raise ValueError(f"lora_request {name!r}: the adapter could not be read ({type(e).__name__}: {e})") from None
+
+
+def plain_peft_config(config: Any) -> dict[str, Any]:
+    """A ``peft.LoraConfig`` (or its ``to_dict()``, or an ``adapter_config.json``'s dict) as plain
+    values that travel to the ranks: sets as sorted lists, PEFT's string enums as strings."""
+    if hasattr(config, "to_dict") and not isinstance(config, dict):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise ValueError(f"peft_config must be a peft.LoraConfig or a dict, got {type(config).__name__}")
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, str):      # (a str enum such as PeftType.LORA too)
+            return str(v.value) if hasattr(v, "value") and isinstance(v.value, str) else str(v)
+        if v is None or isinstance(v, (bool, int, float)):
+            return v
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (set, frozenset)):
+            return sorted(plain(x) for x in v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if hasattr(v, "value"):     # another enum
+            return plain(v.value)
+        return repr(v)              # refused by name if it is a setting that matters
+    return {str(k): plain(v) for k, v in config.items()}
+
+
+def _read_files(name: str, path: str) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """A PEFT directory's real path, its ``adapter_config.json`` and its tensors."""
     what = f"lora_request {name!r}"
     if not isinstance(path, str) or not path:
         raise ValueError(f"{what}: lora_path must be a directory")
@@ -127,35 +182,52 @@ def _read_adapter(name: str, path: str, num_layers: int, shapes: dict[str, tuple
         raise ValueError(f"{what}: {ADAPTER_CONFIG} is not readable JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{what}: {ADAPTER_CONFIG} must hold an object")
-    kind = cfg.get("peft_type", "LORA")
-    if kind != "LORA":
-        raise ValueError(f"{what}: peft_type {kind!r} is not supported (LORA only)")
-    for key, allowed in _UNSUPPORTED.items():
-        if key in cfg and cfg[key] not in allowed:
-            raise ValueError(f"{what}: {key}={cfg[key]!r} in {ADAPTER_CONFIG} is not supported")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)   # (PEFT's default alpha)
-    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank:
-        raise ValueError(f"{what}: rank r={r!r} must be an integer from 1 to max_lora_rank ({max_rank})")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise ValueError(f"{what}: lora_alpha={alpha!r} must be a finite number")
-    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     weights_file = os.path.join(where, ADAPTER_WEIGHTS)
     if not os.path.isfile(weights_file):
         pickled = os.path.isfile(os.path.join(where, "adapter_model.bin"))
         raise ValueError(f"{what}: {ADAPTER_WEIGHTS} not found in lora_path"
                          + (" (adapter_model.bin is a pickle and is not loaded)" if pickled else ""))
+    _check_config(what, cfg, ADAPTER_CONFIG)   # (before the weights are read)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     try:
         tensors = load_file(weights_file)
     except (OSError, SafetensorError) as e:
         raise ValueError(f"{what}: {ADAPTER_WEIGHTS} is not readable ({e})") from None
+    return where, cfg, tensors
+
+
+def _check_config(what: str, cfg: dict[str, Any], source: str) -> None:
+    kind = cfg.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise ValueError(f"{what}: peft_type {kind!r} is not supported (LORA only)")
+    for key, allowed in _UNSUPPORTED.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise ValueError(f"{what}: {key}={cfg[key]!r} in {source} is not supported")
+
+
+def _build(name: str, where: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], num_layers: int,
+           shapes: dict[str, tuple[int, int]], max_rank: int, targets: tuple[str, ...],
+           sparse: Callable[[int], bool] | None, source: str) -> Adapter:
+    """An adapter's settings and tensors (PEFT's names) checked against the model -> ``Adapter``."""
+    what = f"lora_request {name!r}"
+    _check_config(what, cfg, source)
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)   # (PEFT's default alpha)
+    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank:
+        raise ValueError(f"{what}: rank r={r!r} must be an integer from 1 to max_lora_rank ({max_rank})")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{what}: lora_alpha={alpha!r} must be a finite number")
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    if not isinstance(tensors, dict):
+        raise ValueError(f"{what}: the adapter's tensors must be a mapping of PEFT names to tensors")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
-        m = _KEY.match(key)
+        m = _KEY.match(key) if isinstance(key, str) else None
         if m is None:
             raise ValueError(f"{what}: tensor {key!r} is not a LoRA weight of a served projection "
                              f"({', '.join(LORA_TARGETS)})")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: tensor {key!r} is a {type(t).__name__}, not a tensor")
         layer, module, ab = int(m[1]), m[2], m[3]
         if module not in targets:
             raise ValueError(f"{what}: tensor {key!r}: {module} takes no adapter on this engine "
@@ -165,6 +237,8 @@ def _read_adapter(name: str, path: str, num_layers: int, shapes: dict[str, tuple
         if sparse is not None and module in MLP_MODULES and sparse(layer):
             raise ValueError(f"{what}: tensor {key!r}: layer {layer}'s MLP is a mixture of experts, whose "
                              "projections take no adapter")
+        if ab in pairs.get((layer, module), {}):
+            raise ValueError(f"{what}: tensor {key!r}: layer {layer} {module} has lora_{ab} twice")
         pairs.setdefault((layer, module), {})[ab] = t
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), ab in sorted(pairs.items()):
@@ -175,12 +249,13 @@ def _read_adapter(name: str, path: str, num_layers: int, shapes: dict[str, tuple
         if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
             raise ValueError(f"{what}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                              f"do not fit the model (expected ({r}, {fan_in}) and ({fan_out}, {r}))")
-        a32, b32 = a.float(), b.float() * scale
+        a32 = a.detach().to("cpu", torch.float32, copy=True)
+        b32 = b.detach().to("cpu", torch.float32) * scale
         if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
             raise ValueError(f"{what}: layer {layer} {module} holds a value that is not finite")
         weights[(layer, module)] = (a32, b32)
     if not weights:
-        raise ValueError(f"{what}: {ADAPTER_WEIGHTS} holds no LoRA weights")
+        raise ValueError(f"{what}: {'the tensors hold' if not where else ADAPTER_WEIGHTS + ' holds'} no LoRA weights")
     return Adapter(name, where, r, weights)
 
 

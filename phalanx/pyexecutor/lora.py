@@ -12,18 +12,30 @@ the model's dtype, pinned on a GPU, so that writing a slot does not wait for the
 
 A ``lora_int_id`` names one adapter (its name and directory) for the engine's life: its prefix
 cache is keyed by the id, so the id is never given to another adapter, held or not.
+
+``add`` (``LLM.add_lora``, the control op ``lora_add``) reads an adapter now — from its directory,
+or from a trainer's tensors handed over in place (``weight_transfer.share_tensors``) with its
+PEFT config — and holds it until ``remove``: requests then name it by id and name alone (an empty
+``lora_path``). Adding again under the same id replaces its weights (an RL trainer's next policy):
+it is refused while requests run with the adapter, and the id's prefix cache starts anew, since
+the cache key holds the id's generation (``cache_key``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from phalanx.config import LoraConfig
 from phalanx.llmapi.lora_request import LoRARequest
+from phalanx.llmapi.weight_transfer import DTYPES, open_tensors
 from phalanx.models.config import ModelConfig
-from phalanx.models.lora import Adapter, LoraState, read_adapter_for, write_slot
+from phalanx.models.lora import Adapter, LoraState, adapter_from_tensors_for, read_adapter_for, write_slot
+
+MAX_ADAPTER_TENSORS = 10_000   # (a Llama layer has 7 projections, 2 tensors each)
 
 
 def check_lora_request(lora: object) -> tuple[str, int, str]:
@@ -45,7 +57,10 @@ class LoraManager:
         self.of_request: dict[int, int] = {}     # request id -> its lora id
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # lora id -> slot, least recent first
         self.free_slots = list(range(cfg.max_loras - 1, -1, -1))
-        self.known: dict[int, tuple[str, str]] = {}   # lora id -> (name, directory), for the engine's life
+        self.known: dict[int, tuple[str, str]] = {}   # lora id -> (name, directory or "" for tensors), engine's life
+        self.added: set[int] = set()             # ids ``add`` holds until ``remove``
+        self.dropping: set[int] = set()          # ids removed while requests still ran with them
+        self.generation: dict[int, int] = {}     # lora id -> times ``add`` (re)loaded it: in its cache key
         # the ranks' outcomes of one read, gathered (set by a multi-rank executor): each rank's error or ""
         self.agree: Callable[[str], list[str]] | None = None
         self.num_loads = 0                       # adapters read from disk
@@ -58,26 +73,102 @@ class LoraManager:
         name, lid, path = check_lora_request(lora)
         if request_id in self.of_request:
             raise ValueError(f"request id {request_id} is already running")
-        where = os.path.realpath(path)
-        if self.known.get(lid, (name, where)) != (name, where):
-            raise ValueError(f"lora_request.lora_int_id {lid} names adapter {self.known[lid][0]!r} already; another "
-                             "adapter needs another id")
-        if lid not in self.adapters:
-            self.adapters[lid] = self._read(name, path)
-            self.known[lid] = (name, where)
-            self.num_loads += 1
+        if lid in self.added:
+            known_name, where = self.known[lid]
+            if name != known_name:
+                raise ValueError(f"lora_request.lora_int_id {lid} names adapter {known_name!r}, not {name!r}")
+            if path and os.path.realpath(path) != where:
+                raise ValueError(f"lora_request.lora_path: adapter {name!r} (lora_int_id {lid}) was added from "
+                                 f"{'tensors' if not where else 'another directory'}; leave lora_path empty")
+        else:
+            if not path:
+                raise ValueError(f"lora_request {name!r}: lora_path is empty and no adapter with lora_int_id {lid} "
+                                 "is added (LLM.add_lora)")
+            where = os.path.realpath(path)
+            if self.known.get(lid, (name, where)) != (name, where):
+                raise ValueError(f"lora_request.lora_int_id {lid} names adapter {self.known[lid][0]!r} already; "
+                                 "another adapter needs another id")
+            self.dropping.discard(lid)
+            if lid not in self.adapters:
+                self.adapters[lid] = self._read(name, lambda: read_adapter_for(name, path, self.model_cfg, self.cfg))
+                self.known[lid] = (name, where)
+                self.num_loads += 1
         self.adapters.move_to_end(lid)
         self.users[lid] = self.users.get(lid, 0) + 1
         self.of_request[request_id] = lid
         self._trim()
         return lid
 
-    def _read(self, name: str, path: str) -> Adapter:
-        """The adapter from disk in the model's dtype (pinned on a GPU), or the error of the
+    def cache_key(self, lid: int) -> bytes:
+        """What a request's prefix cache is keyed by: the id and its generation (0xff: never in UTF-8)."""
+        return b"\xff%d.%d\xff" % (lid, self.generation.get(lid, 0))
+
+    def add(self, name: str, lid: int, path: str = "", config: Any = None, specs: Any = None) -> str:
+        """Read an adapter now and hold it until ``remove``: from ``path``, or from tensors
+        shared in place (``specs``) with their PEFT ``config``; under an id already added, its
+        weights are replaced (refused while requests run with it). A ValueError naming what
+        cannot be served; nothing changes then."""
+        name, lid, path = check_lora_request([name, lid, path or ""])
+        if (specs is None) == (not path):
+            raise ValueError("add_lora: give either lora_path or the adapter's tensors (with its peft_config)")
+        if lid in self.known and self.known[lid][0] != name:
+            raise ValueError(f"lora_request.lora_int_id {lid} names adapter {self.known[lid][0]!r} already; another "
+                             "adapter needs another id")
+        if self.users.get(lid):
+            raise ValueError(f"add_lora: adapter {name!r} (lora_int_id {lid}) is in use by {self.users[lid]} "
+                             "requests; wait for them (or pause_generation) before replacing it, or use another id")
+        if path:
+            where = os.path.realpath(path)
+            adapter = self._read(name, lambda: read_adapter_for(name, path, self.model_cfg, self.cfg))
+        else:
+            where = ""
+            adapter = self._read(name, lambda: adapter_from_tensors_for(
+                name, config, _received_tensors(specs), self.model_cfg, self.cfg))
+        self.adapters[lid] = adapter
+        self.adapters.move_to_end(lid)
+        self.known[lid] = (name, where)
+        self.generation[lid] = self.generation.get(lid, 0) + 1
+        self.added.add(lid)
+        self.dropping.discard(lid)
+        self.num_loads += 1
+        slot = self.slot_of.pop(lid, None)   # its old weights: written anew when a step needs it
+        if slot is not None:
+            self.free_slots.append(slot)
+        self._trim()
+        return json.dumps({"lora_int_id": lid, "generation": self.generation[lid], "bytes": adapter.nbytes})
+
+    def remove(self, lid: int) -> str:
+        """Stop holding an adapter ``add`` held: dropped now, or once the requests running with
+        it end; later requests must name a directory (or it must be added again)."""
+        if isinstance(lid, bool) or not isinstance(lid, int) or lid not in self.added:
+            raise ValueError(f"remove_lora: no adapter with lora_int_id {lid!r} is added")
+        self.added.discard(lid)
+        if lid in self.users:
+            self.dropping.add(lid)
+        else:
+            self._drop(lid)
+        return "ok"
+
+    def listing(self) -> str:
+        """The adapters held on this rank: id, name, directory ("" for tensors), added or not,
+        requests running with it."""
+        return json.dumps([{"lora_int_id": lid, "lora_name": self.known[lid][0], "lora_path": self.known[lid][1],
+                            "added": lid in self.added, "requests": self.users.get(lid, 0)}
+                           for lid in self.adapters])
+
+    def _drop(self, lid: int) -> None:
+        self.dropping.discard(lid)
+        del self.adapters[lid]
+        slot = self.slot_of.pop(lid, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def _read(self, name: str, read: Callable[[], Adapter]) -> Adapter:
+        """The adapter ``read`` gives, in the model's dtype (pinned on a GPU), or the error of the
         first rank that could not read it, on every rank."""
         adapter, error = None, ""
-        try:   # (read_adapter turns whatever goes wrong into a ValueError naming the adapter)
-            adapter = read_adapter_for(name, path, self.model_cfg, self.cfg)
+        try:   # (the readers turn whatever goes wrong into a ValueError naming the adapter)
+            adapter = read()
             pin = self.state.device.type == "cuda"
             dtype = self.state.dtype
             adapter.weights = {k: tuple(t.to(dtype).pin_memory() if pin else t.to(dtype)   # type: ignore[misc]
@@ -98,20 +189,20 @@ class LoraManager:
         self.users[lid] -= 1
         if not self.users[lid]:
             del self.users[lid]
+            if lid in self.dropping:
+                self._drop(lid)
         self._trim()
 
     def _trim(self) -> None:
-        idle = [lid for lid in self.adapters if lid not in self.users]
+        idle = [lid for lid in self.adapters if lid not in self.users and lid not in self.added]
         for lid in idle[:max(0, len(idle) - self.max_cpu)]:
-            del self.adapters[lid]
-            slot = self.slot_of.pop(lid, None)
-            if slot is not None:
-                self.free_slots.append(slot)
+            self._drop(lid)
 
     def stats(self) -> dict[str, int]:
         """For the heartbeat (SGLang's load report): adapter slots holding an adapter, of all."""
         return {"lora_slots_used": len(self.slot_of), "lora_slots_total": self.cfg.max_loras,
-                "lora_adapters_held": len(self.adapters), "lora_loads": self.num_loads}
+                "lora_adapters_held": len(self.adapters), "lora_adapters_added": len(self.added),
+                "lora_loads": self.num_loads}
 
     def slots(self, lora_ids: list[int]) -> list[int]:
         """Each row's slot (-1: no adapter), every adapter of the step written into one."""
@@ -131,3 +222,26 @@ class LoraManager:
             self.num_slot_writes += 1
             self.slot_of[lid] = slot
         return [self.slot_of[lid] if lid else -1 for lid in lora_ids]
+
+
+def _received_tensors(specs: Any) -> dict[str, Any]:
+    """An adapter's tensors shared in place (``weight_transfer.share_tensors``'s specs), copied
+    into this rank's memory; a ValueError naming the first spec that is not one."""
+    if not isinstance(specs, list) or not 1 <= len(specs) <= MAX_ADAPTER_TENSORS:
+        raise ValueError(f"add_lora: the adapter's tensors must be a list of 1 to {MAX_ADAPTER_TENSORS} specs")
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ValueError(f"add_lora: tensor {i} needs a name")
+        if spec.get("dtype") not in DTYPES:
+            raise ValueError(f"add_lora: tensor {spec['name']!r}: dtype {spec.get('dtype')!r} is not one of "
+                             f"{', '.join(DTYPES)}")
+        shape = spec.get("shape")
+        if not (isinstance(shape, list) and len(shape) == 2 and
+                all(isinstance(d, int) and not isinstance(d, bool) and 0 < d < 2**31 for d in shape)):
+            raise ValueError(f"add_lora: tensor {spec['name']!r}: shape {shape!r} must be two positive integers")
+    out: dict[str, Any] = {}
+    for name, t in open_tensors(specs):
+        if name in out:
+            raise ValueError(f"add_lora: tensor {name!r} is given twice")
+        out[name] = t.to("cpu", copy=True)
+    return out

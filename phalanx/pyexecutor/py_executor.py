@@ -365,7 +365,7 @@ class PyExecutor:
                       spec_len=spec.k if spec is not None and speculates(params) else 0)
         if msg.lora is not None and self.runner.lora is not None:   # last: nothing after it refuses the request
             req.lora_id = self.runner.lora.register(msg.request_id, msg.lora)
-            req.extra_key = b"\xff%d\xff" % req.lora_id + salt   # its KV is the adapter's (0xff: never in UTF-8)
+            req.extra_key = self.runner.lora.cache_key(req.lora_id) + salt   # its KV is the adapter's
         return req
 
     def _beat(self) -> None:
@@ -400,6 +400,17 @@ class PyExecutor:
             if not isinstance(args, dict):
                 raise ValueError("control args must be a mapping")
             return self.rollout.run(op, args)
+        if op in ("lora_add", "lora_remove", "lora_list"):   # LLM.add_lora / remove_lora / list_loras
+            if self.runner.lora is None:
+                raise ValueError(f"{op}: this engine serves no LoRA adapters (start it with lora_config or "
+                                 "enable_lora)")
+            if not isinstance(args, dict):
+                raise ValueError("control args must be a mapping")
+            lora = self.runner.lora
+            if op == "lora_add":
+                return lora.add(args.get("lora_name"), args.get("lora_int_id"),  # type: ignore[arg-type]
+                                args.get("lora_path") or "", args.get("peft_config"), args.get("specs"))
+            return lora.remove(args.get("lora_int_id")) if op == "lora_remove" else lora.listing()  # type: ignore[arg-type]
         if op == "check_integrity":
             self.scheduler.kv.check_integrity()
             return "ok"
