@@ -448,10 +448,11 @@ class LLM:
         """Read an adapter on every rank now and hold it until ``remove_lora``: from
         ``lora_request.lora_path``, or — for an RL trainer that trains a LoRA — from ``tensors``
         (its PEFT state dict: ``{name: tensor}`` or pairs, CUDA tensors read in place through CUDA
-        IPC, CPU tensors through shared memory) with ``peft_config`` (its ``peft.LoraConfig`` or
-        that as a dict). Requests then name it by ``LoRARequest(name, id)``, no path. Adding again
-        under the same id replaces its weights (refused while requests run with it) and starts its
-        prefix cache anew. A ValueError names what cannot be served; nothing changes then."""
+        IPC, CPU tensors through shared memory; or ``weight_transfer.share_tensors``' specs) with
+        ``peft_config`` (its ``peft.LoraConfig`` or that as a dict). Requests then name it by
+        ``LoRARequest(name, id)``, no path. Adding again under the same id replaces its weights
+        (refused while requests run with it) and starts its prefix cache anew.
+        A ValueError names what cannot be served; nothing changes then."""
         from phalanx.llmapi.weight_transfer import share_tensors
         from phalanx.models.lora import plain_peft_config
         if not isinstance(lora_request, LoRARequest):
@@ -465,7 +466,7 @@ class LLM:
                 raise ValueError("add_lora: peft_config goes with tensors (a directory holds its own)")
             if not lora_request.lora_path:
                 raise ValueError("add_lora: give lora_request.lora_path or the adapter's tensors")
-            self._rollout("lora_add", {**args, "lora_path": lora_request.lora_path}, timeout)
+            self._rollout("add_lora", {**args, "lora_path": lora_request.lora_path}, timeout)
             return True
         if lora_request.lora_path:
             raise ValueError("add_lora: give lora_request.lora_path or the adapter's tensors, not both")
@@ -473,19 +474,22 @@ class LLM:
             raise ValueError("add_lora: the adapter's tensors need its peft_config (r, lora_alpha, ...)")
         config = plain_peft_config(peft_config)
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        if items and all(isinstance(i, dict) for i in items):   # specs: shared by the caller
+            self._rollout("add_lora", {**args, "peft_config": config, "specs": items}, timeout)
+            return True
         with share_tensors(items) as shared:
-            self._rollout("lora_add", {**args, "peft_config": config, "specs": shared.specs}, timeout)
+            self._rollout("add_lora", {**args, "peft_config": config, "specs": shared.specs}, timeout)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Stop holding an adapter ``add_lora`` added (requests running with it finish with it)."""
-        self._rollout("lora_remove", {"lora_int_id": lora_int_id})
+        self._rollout("remove_lora", {"lora_int_id": lora_int_id})
         return True
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters the ranks hold in host memory (added, or read for requests)."""
         import json
-        return {a["lora_int_id"] for a in json.loads(self._rollout("lora_list", {})[0])}
+        return {a["lora_int_id"] for a in json.loads(self._rollout("list_loras", {})[0])}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (nothing computed so far is reused)."""

@@ -117,7 +117,7 @@ def read_adapter(name: str, path: str, *, num_layers: int, shapes: dict[str, tup
     tensor (and the limit) where it cannot be served as it means. ``sparse``: the layers whose
     MLP is a mixture of experts (``sparse_layers``)."""
     try:
-        where, cfg, tensors = _read_files(name, path)
+        where, cfg, tensors = _read_files(name, path, max_rank)
         return _build(name, where, cfg, tensors, num_layers, shapes, max_rank, targets, sparse, ADAPTER_CONFIG)
     except ValueError:
         raise
@@ -166,8 +166,8 @@ def plain_peft_config(config: Any) -> dict[str, Any]:
     return {str(k): plain(v) for k, v in config.items()}
 
 
-def _read_files(name: str, path: str) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
-    """A PEFT directory's real path, its ``adapter_config.json`` and its tensors."""
+def _read_files(name: str, path: str, max_rank: int) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """A PEFT directory's real path, its ``adapter_config.json`` (checked first) and its tensors."""
     what = f"lora_request {name!r}"
     if not isinstance(path, str) or not path:
         raise ValueError(f"{what}: lora_path must be a directory")
@@ -182,12 +182,12 @@ def _read_files(name: str, path: str) -> tuple[str, dict[str, Any], dict[str, to
         raise ValueError(f"{what}: {ADAPTER_CONFIG} is not readable JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{what}: {ADAPTER_CONFIG} must hold an object")
+    _check_config(what, cfg, ADAPTER_CONFIG, max_rank)
     weights_file = os.path.join(where, ADAPTER_WEIGHTS)
     if not os.path.isfile(weights_file):
         pickled = os.path.isfile(os.path.join(where, "adapter_model.bin"))
         raise ValueError(f"{what}: {ADAPTER_WEIGHTS} not found in lora_path"
                          + (" (adapter_model.bin is a pickle and is not loaded)" if pickled else ""))
-    _check_config(what, cfg, ADAPTER_CONFIG)   # (before the weights are read)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     try:
@@ -197,13 +197,21 @@ def _read_files(name: str, path: str) -> tuple[str, dict[str, Any], dict[str, to
     return where, cfg, tensors
 
 
-def _check_config(what: str, cfg: dict[str, Any], source: str) -> None:
+def _check_config(what: str, cfg: dict[str, Any], source: str, max_rank: int) -> tuple[int, float]:
+    """An adapter's PEFT settings -> its rank and scale; a ValueError naming a setting it cannot
+    be served with."""
     kind = cfg.get("peft_type", "LORA")
     if kind != "LORA":
         raise ValueError(f"{what}: peft_type {kind!r} is not supported (LORA only)")
     for key, allowed in _UNSUPPORTED.items():
         if key in cfg and cfg[key] not in allowed:
             raise ValueError(f"{what}: {key}={cfg[key]!r} in {source} is not supported")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)   # (PEFT's default alpha)
+    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank:
+        raise ValueError(f"{what}: rank r={r!r} must be an integer from 1 to max_lora_rank ({max_rank})")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{what}: lora_alpha={alpha!r} must be a finite number")
+    return r, (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
 
 
 def _build(name: str, where: str, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], num_layers: int,
@@ -211,13 +219,7 @@ def _build(name: str, where: str, cfg: dict[str, Any], tensors: dict[str, torch.
            sparse: Callable[[int], bool] | None, source: str) -> Adapter:
     """An adapter's settings and tensors (PEFT's names) checked against the model -> ``Adapter``."""
     what = f"lora_request {name!r}"
-    _check_config(what, cfg, source)
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)   # (PEFT's default alpha)
-    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank:
-        raise ValueError(f"{what}: rank r={r!r} must be an integer from 1 to max_lora_rank ({max_rank})")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise ValueError(f"{what}: lora_alpha={alpha!r} must be a finite number")
-    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    r, scale = _check_config(what, cfg, source, max_rank)
     if not isinstance(tensors, dict):
         raise ValueError(f"{what}: the adapter's tensors must be a mapping of PEFT names to tensors")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

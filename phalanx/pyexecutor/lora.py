@@ -13,7 +13,7 @@ the model's dtype, pinned on a GPU, so that writing a slot does not wait for the
 A ``lora_int_id`` names one adapter (its name and directory) for the engine's life: its prefix
 cache is keyed by the id, so the id is never given to another adapter, held or not.
 
-``add`` (``LLM.add_lora``, the control op ``lora_add``) reads an adapter now — from its directory,
+``add`` (``LLM.add_lora``, the control op of that name) reads an adapter now — from its directory,
 or from a trainer's tensors handed over in place (``weight_transfer.share_tensors``) with its
 PEFT config — and holds it until ``remove``: requests then name it by id and name alone (an empty
 ``lora_path``). Adding again under the same id replaces its weights (an RL trainer's next policy):
@@ -110,12 +110,12 @@ class LoraManager:
         cannot be served; nothing changes then."""
         name, lid, path = check_lora_request([name, lid, path or ""])
         if (specs is None) == (not path):
-            raise ValueError("add_lora: give either lora_path or the adapter's tensors (with its peft_config)")
+            raise ValueError("give either lora_path or the adapter's tensors (with its peft_config)")
         if lid in self.known and self.known[lid][0] != name:
             raise ValueError(f"lora_request.lora_int_id {lid} names adapter {self.known[lid][0]!r} already; another "
                              "adapter needs another id")
         if self.users.get(lid):
-            raise ValueError(f"add_lora: adapter {name!r} (lora_int_id {lid}) is in use by {self.users[lid]} "
+            raise ValueError(f"adapter {name!r} (lora_int_id {lid}) is in use by {self.users[lid]} "
                              "requests; wait for them (or pause_generation) before replacing it, or use another id")
         if path:
             where = os.path.realpath(path)
@@ -141,7 +141,7 @@ class LoraManager:
         """Stop holding an adapter ``add`` held: dropped now, or once the requests running with
         it end; later requests must name a directory (or it must be added again)."""
         if isinstance(lid, bool) or not isinstance(lid, int) or lid not in self.added:
-            raise ValueError(f"remove_lora: no adapter with lora_int_id {lid!r} is added")
+            raise ValueError(f"no adapter with lora_int_id {lid!r} is added")
         self.added.discard(lid)
         if lid in self.users:
             self.dropping.add(lid)
@@ -228,20 +228,20 @@ def _received_tensors(specs: Any) -> dict[str, Any]:
     """An adapter's tensors shared in place (``weight_transfer.share_tensors``'s specs), copied
     into this rank's memory; a ValueError naming the first spec that is not one."""
     if not isinstance(specs, list) or not 1 <= len(specs) <= MAX_ADAPTER_TENSORS:
-        raise ValueError(f"add_lora: the adapter's tensors must be a list of 1 to {MAX_ADAPTER_TENSORS} specs")
+        raise ValueError(f"the adapter's tensors must be a list of 1 to {MAX_ADAPTER_TENSORS} specs")
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise ValueError(f"add_lora: tensor {i} needs a name")
+            raise ValueError(f"tensor {i} needs a name")
         if spec.get("dtype") not in DTYPES:
-            raise ValueError(f"add_lora: tensor {spec['name']!r}: dtype {spec.get('dtype')!r} is not one of "
+            raise ValueError(f"tensor {spec['name']!r}: dtype {spec.get('dtype')!r} is not one of "
                              f"{', '.join(DTYPES)}")
         shape = spec.get("shape")
         if not (isinstance(shape, list) and len(shape) == 2 and
                 all(isinstance(d, int) and not isinstance(d, bool) and 0 < d < 2**31 for d in shape)):
-            raise ValueError(f"add_lora: tensor {spec['name']!r}: shape {shape!r} must be two positive integers")
+            raise ValueError(f"tensor {spec['name']!r}: shape {shape!r} must be two positive integers")
     out: dict[str, Any] = {}
     for name, t in open_tensors(specs):
         if name in out:
-            raise ValueError(f"add_lora: tensor {name!r} is given twice")
+            raise ValueError(f"tensor {name!r} is given twice")
         out[name] = t.to("cpu", copy=True)
     return out

@@ -400,17 +400,17 @@ class PyExecutor:
             if not isinstance(args, dict):
                 raise ValueError("control args must be a mapping")
             return self.rollout.run(op, args)
-        if op in ("lora_add", "lora_remove", "lora_list"):   # LLM.add_lora / remove_lora / list_loras
+        if op in ("add_lora", "remove_lora", "list_loras"):   # LLM.add_lora / remove_lora / list_loras
             if self.runner.lora is None:
                 raise ValueError(f"{op}: this engine serves no LoRA adapters (start it with lora_config or "
                                  "enable_lora)")
             if not isinstance(args, dict):
                 raise ValueError("control args must be a mapping")
             lora = self.runner.lora
-            if op == "lora_add":
+            if op == "add_lora":
                 return lora.add(args.get("lora_name"), args.get("lora_int_id"),  # type: ignore[arg-type]
                                 args.get("lora_path") or "", args.get("peft_config"), args.get("specs"))
-            return lora.remove(args.get("lora_int_id")) if op == "lora_remove" else lora.listing()  # type: ignore[arg-type]
+            return lora.remove(args.get("lora_int_id")) if op == "remove_lora" else lora.listing()  # type: ignore[arg-type]
         if op == "check_integrity":
             self.scheduler.kv.check_integrity()
             return "ok"

@@ -4,6 +4,12 @@
 
     POST /v1/load_lora_adapter    {"lora_name", "lora_path"}   (also /load_lora_adapter)
     POST /v1/unload_lora_adapter  {"lora_name"}                (also /unload_lora_adapter)
+    POST /load_lora_adapter_from_tensors  {"lora_name", "config_dict", "tensors": [spec, ...]}
+
+The last is SGLang's route for a trainer that trains a LoRA: its PEFT state dict handed over in
+place (``weight_transfer.share_tensors``' specs, CUDA IPC handles in base64, as
+``/update_weights_from_tensor`` takes them; SGLang's pickled ``serialized_tensors`` are refused)
+with its PEFT config; the ranks read it now and hold it (``LLM.add_lora``) until it is unloaded.
 
 A loaded adapter is read and checked here first (a 400 names what cannot be served), then served
 as a model of its own, as ``--lora_modules``' are, under a new id: a name unloaded and loaded
@@ -23,6 +29,7 @@ from pydantic import Field
 
 from phalanx.llmapi.lora_request import LoRARequest
 from phalanx.serve.protocol import Strict
+from phalanx.serve.rollout_routes import TensorSpec
 
 if TYPE_CHECKING:
     from phalanx.serve.openai_server import OpenAIServer
@@ -31,6 +38,13 @@ if TYPE_CHECKING:
 class LoadBody(Strict):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class TensorsBody(Strict):
+    lora_name: str = Field(min_length=1, max_length=256)
+    config_dict: dict[str, Any]
+    tensors: list[TensorSpec] | None = Field(None, min_length=1, max_length=10_000)
+    serialized_tensors: Any = None   # SGLang's pickled form: refused by name
 
 
 class UnloadBody(Strict):
@@ -65,13 +79,40 @@ def add_routes(server: OpenAIServer) -> None:
             server.lora_modules[b.lora_name] = LoRARequest(b.lora_name, next(ids), b.lora_path)
         return {"success": True, "message": f"LoRA adapter {b.lora_name!r} added"}
 
+    async def from_tensors(request: Request):
+        b = await server._parse(request, TensorsBody)
+        if b.serialized_tensors is not None:
+            raise ApiError(400, "serialized_tensors: pickled tensors are not loaded; share them with "
+                           "phalanx.llmapi.weight_transfer.share_tensors and send its specs as tensors",
+                           "serialized_tensors")
+        if b.tensors is None:
+            raise ApiError(400, "tensors: the adapter's tensor specs are required", "tensors")
+        async with lock:
+            if b.lora_name == server.model_name or b.lora_name in server.lora_modules:
+                raise ApiError(400, f"lora_name: the adapter {b.lora_name!r} is already served", "lora_name")
+            adapter = LoRARequest(b.lora_name, next(ids))
+            specs = [t.spec() for t in b.tensors]
+            try:
+                await asyncio.to_thread(llm.add_lora, adapter, specs, b.config_dict)
+            except ValueError as e:
+                reason = str(e).removeprefix("add_lora: ")
+                field = "tensors" if any(w in reason for w in ("tensor", "layer ", "lora_A", "lora_B")) else \
+                    "config_dict"
+                raise ApiError(400, f"{field}: {reason}", field) from None
+            server.lora_modules[b.lora_name] = adapter
+        return {"success": True, "message": f"LoRA adapter {b.lora_name!r} added"}
+
     async def unload(request: Request):
         b = await server._parse(request, UnloadBody)
         async with lock:
-            if server.lora_modules.pop(b.lora_name, None) is None:
+            adapter = server.lora_modules.pop(b.lora_name, None)
+            if adapter is None:
                 raise ApiError(404, f"lora_name: no adapter {b.lora_name!r} is served", "lora_name")
+            if not adapter.lora_path:    # held by the ranks (from tensors): they let it go
+                await asyncio.to_thread(llm.remove_lora, adapter.lora_int_id)
         return {"success": True, "message": f"LoRA adapter {b.lora_name!r} removed"}
 
     for prefix in ("/v1", ""):
         app.post(prefix + "/load_lora_adapter")(load)
         app.post(prefix + "/unload_lora_adapter")(unload)
+    app.post("/load_lora_adapter_from_tensors")(from_tensors)

@@ -109,6 +109,11 @@ class TensorSpec(Strict):
     offset: int | None = Field(None, ge=0)
     cuda_ipc: CudaIpcSpec | None = None
 
+    def spec(self) -> dict[str, Any]:
+        """The engine's form (``weight_transfer.open_tensors``)."""
+        return {**self.model_dump(exclude_none=True, exclude={"cuda_ipc"}),
+                **({"cuda_ipc": self.cuda_ipc.spec()} if self.cuda_ipc is not None else {})}
+
 
 class TensorsBody(Strict):
     tensors: list[TensorSpec] = Field(min_length=1, max_length=100_000)
@@ -212,8 +217,7 @@ def add_routes(server: Any) -> None:
     @app.post("/update_weights_from_tensor")
     async def from_tensor(request: Request):
         b = await body(request, TensorsBody)
-        specs = [{**t.model_dump(exclude_none=True, exclude={"cuda_ipc"}),
-                  **({"cuda_ipc": t.cuda_ipc.spec()} if t.cuda_ipc is not None else {})} for t in b.tensors]
+        specs = [t.spec() for t in b.tensors]
         version = await call(llm.update_weights_from_tensors, specs, b.weight_version, body=b)
         return {"success": True, "weight_version": version}
 

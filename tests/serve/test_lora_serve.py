@@ -125,3 +125,41 @@ def test_adapters_loaded_and_unloaded_while_serving(server, reference, adapter, 
     gone = post("/v1/completions", {"model": "again", "prompt": PROMPT, "max_tokens": 2})
     assert gone.status_code == 404
     assert post("/unload_lora_adapter", {"lora_name": "again"}).status_code == 404
+
+
+def test_an_adapter_loaded_from_a_trainer_s_tensors_while_serving(server, reference, adapter):
+    """SGLang's /load_lora_adapter_from_tensors: the adapter's tensors shared in place (here CPU
+    tensors through shared memory) with its PEFT config; served as a model of its own with the
+    LLM class's tokens; refused by field where it cannot be; unloaded, its name is free again."""
+    from safetensors.torch import load_file
+
+    from phalanx.llmapi.weight_transfer import share_tensors
+    _, tuned = reference
+    with open(f"{adapter}/adapter_config.json") as f:
+        config = json.load(f)
+    tensors = load_file(f"{adapter}/adapter_model.safetensors")
+
+    def post(path, body):
+        return httpx.post(server + path, headers=H, json=body, timeout=120)
+
+    with share_tensors(tensors.items()) as shared:
+        body = {"lora_name": "mem", "config_dict": config, "tensors": shared.specs}
+        big = post("/load_lora_adapter_from_tensors", {**body, "config_dict": {**config, "r": 64}})
+        assert big.status_code == 400 and big.json()["error"]["param"] == "config_dict", big.text
+        assert "max_lora_rank (8)" in big.json()["error"]["message"]
+        pickled = post("/load_lora_adapter_from_tensors", {"lora_name": "mem", "config_dict": config,
+                                                            "serialized_tensors": "gASV"})
+        assert pickled.status_code == 400 and pickled.json()["error"]["param"] == "serialized_tensors"
+        wrong = post("/load_lora_adapter_from_tensors",
+                     {**body, "tensors": [dict(s, shape=[4, 3]) if i == 0 else s for i, s in enumerate(shared.specs)]})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "tensors", wrong.text
+        assert "do not fit the model" in wrong.json()["error"]["message"]
+        r = post("/load_lora_adapter_from_tensors", body)
+        assert r.status_code == 200, r.text
+    # (the segment is gone now: the ranks hold their own copy)
+    c = post("/v1/completions", {"model": "mem", "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+    assert c.status_code == 200 and c.json()["choices"][0]["text"] == tuned and c.json()["model"] == "mem"
+    assert post("/v1/unload_lora_adapter", {"lora_name": "mem"}).status_code == 200
+    assert post("/v1/completions", {"model": "mem", "prompt": PROMPT, "max_tokens": 2}).status_code == 404
+    assert post("/load_lora_adapter", {"lora_name": "mem", "lora_path": adapter}).status_code == 200
+    assert post("/unload_lora_adapter", {"lora_name": "mem"}).status_code == 200
