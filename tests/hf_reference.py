@@ -184,6 +184,14 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def save_lora_adapter(hf, path, r, targets, seed, rslora=False, scale_b=20.0):
     """A PEFT LoRA of ``hf`` with random A and B (B scaled up so that it changes the greedy
     tokens), saved by PEFT to ``path``; returns PEFT's model of it (the reference)."""
+    model = peft_policy(hf, r, targets, seed, scale_b, rslora)
+    model.save_pretrained(str(path))
+    return model
+
+
+def peft_policy(hf, r, targets, seed, scale_b=20.0, rslora=False):
+    """A PEFT model of ``hf`` with a random LoRA, as a trainer holds it (never saved); B scaled
+    up so that it changes the greedy tokens."""
     import copy
 
     import torch
@@ -192,9 +200,21 @@ def save_lora_adapter(hf, path, r, targets, seed, rslora=False, scale_b=20.0):
     cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
                      use_rslora=rslora)
     model = get_peft_model(copy.deepcopy(hf), cfg)
+    scale_lora_b(model, scale_b)
+    return model.eval()
+
+
+def scale_lora_b(model, scale):
+    """Every lora_B of a PEFT model scaled in place (a stand-in for a training step)."""
+    import torch
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.mul_(scale_b)
-    model.save_pretrained(str(path))
-    return model.eval()
+                p.mul_(scale)
+
+
+def peft_state(model):
+    """What a trainer hands over: PEFT's state dict of the adapter (copies) and its config."""
+    from peft import get_peft_model_state_dict
+    return ({k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()},
+            model.peft_config["default"])

@@ -5,41 +5,24 @@ trainer's next policy) and starts the id's prefix cache anew; what cannot be ser
 name with nothing changed, and the engine goes on."""
 
 import asyncio
-import copy
 
 import pytest
 import torch
 
-from hf_reference import LORA_TARGETS, assert_same_greedy, hf_greedy, save_lora_adapter
+from hf_reference import (
+    LORA_TARGETS,
+    assert_same_greedy,
+    hf_greedy,
+    peft_policy,
+    save_lora_adapter,
+    scale_lora_b,
+)
+from hf_reference import peft_state as state
 from phalanx import LLM, LoRARequest, SamplingParams
 from phalanx.llmapi.outputs import RequestError
 
 NEW = 8
 SP = SamplingParams(max_tokens=NEW, ignore_eos=True)
-
-
-def peft_policy(hf, r, targets, seed):
-    """A PEFT model of ``hf`` with a random LoRA (as a trainer holds it, never saved)."""
-    from peft import LoraConfig, get_peft_model
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
-    model = get_peft_model(copy.deepcopy(hf), cfg)
-    step(model, 20.0)
-    return model.eval()
-
-
-def step(model, scale):
-    """A stand-in for a training step: every lora_B scaled (the greedy tokens change)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(scale)
-
-
-def state(model):
-    """What a trainer hands over: PEFT's state dict of the adapter and its config."""
-    from peft import get_peft_model_state_dict
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}, model.peft_config["default"]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +54,7 @@ def test_an_adapter_added_from_tensors_equals_peft_and_is_replaced_in_place(llm,
         assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"added from tensors, round {round_}")
         assert out.cached_tokens == (len(p) - 1 if round_ else 0)
 
-    step(model, -0.5)                                  # the trainer's next policy
+    scale_lora_b(model, -0.5)                          # the trainer's next policy
     ref2, gaps2 = hf_greedy(model, p, NEW)
     assert ref2 != ref
     tensors, cfg = state(model)
