@@ -9,7 +9,10 @@ p's rows hold values only in part p's columns). A step computes
     ((x Aᵀ) ⊙ M) Bᵀ        M [T, P·S·r]: 1 where a column belongs to the slot of the token's adapter
 
 so one pair of dense products serves a batch of mixed adapters and tokens without one, with the
-same shapes at every step (CUDA graphs capture it; ``LoraState`` fills M before each step). The
+same shapes at every step (CUDA graphs capture it; ``LoraState`` fills M before each step). On a
+GPU a step of at most ``triton_lora.MAX_ROWS`` tokens (decode) takes two Triton kernels instead, in
+which each token multiplies by its own slot alone (``kernels/triton_lora.py``; the dense form is
+their reference). The
 cost is T·P·S·r·(K + N) multiply-adds a projection beside its T·K·N: at 4 slots of rank 16 on a
 Llama-3.1-8B layer ~2 % of its weights' bytes and FLOPs. An adapter of a lower rank fills the
 first of its slot's r columns (the rest stay zero).
@@ -263,14 +266,24 @@ def _build(name: str, where: str, cfg: dict[str, Any], tensors: dict[str, torch.
 
 class LoraState:
     """The step's token-to-slot mask M (module docstring), one buffer per part count P (M tiled
-    P times), filled before each step by ``set_tokens``; the projections read its first T rows."""
+    P times), and each token's slot (``token_slots``, -1: none; the kernels' form), filled before
+    each step by ``set_tokens``; the projections read their first T rows. ``kernels``: steps of
+    few tokens take ``kernels/triton_lora.py`` (decided at build: on a GPU, unless
+    ``PHALANX_LORA_KERNELS=0``; with ``=1`` on the CPU too, through Triton's interpreter)."""
 
     def __init__(self, slots: int, rank: int, rows: int, device: torch.device, dtype: torch.dtype) -> None:
+        import os
         self.slots, self.rank, self.device, self.dtype = slots, rank, device, dtype
         self.slot_of_col = torch.arange(slots * rank, device=device) // rank
         self.masks: dict[int, torch.Tensor] = {}
+        self.token_slots = torch.zeros(0, device=device, dtype=torch.int32)
         self._grow(rows)
         self._rows_set = 0
+        choice = os.environ.get("PHALANX_LORA_KERNELS", "")   # "0": never; "1": also on the CPU (the interpreter)
+        self.kernels = choice == "1" or (choice != "0" and device.type == "cuda")
+        self.partials: torch.Tensor | None = None   # the kernels' partial sums (``install`` sizes them)
+        self.kernel_rows = 0                         # the most tokens a step sends through them
+        self.lora_add: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add`` (imported at build)
         self.served: tuple[str, ...] = ()                   # the modules that take adapters (``install``)
         self.layers: list[tuple[int, list[nn.Module]]] = []   # (layer, its adapted projections)
 
@@ -279,6 +292,7 @@ class LoraState:
             raise RuntimeError(f"LoRA mask: {rows} rows asked while a CUDA graph is captured")
         self.masks = {p: torch.zeros(rows, p * self.slots * self.rank, device=self.device, dtype=self.dtype)
                       for p in (1, 2, 3)}
+        self.token_slots = torch.full((rows,), -1, device=self.device, dtype=torch.int32)
 
     def set_tokens(self, token_slots: torch.Tensor) -> None:
         """token_slots [T] (int, on the device): each token's adapter slot, -1 for none."""
@@ -291,6 +305,9 @@ class LoraState:
             buf[:T] = m if p == 1 else m.repeat(1, p)
             if self._rows_set > T:   # rows of a larger step before (a graph's padding reads them)
                 buf[T:self._rows_set].zero_()
+        self.token_slots[:T] = token_slots
+        if self._rows_set > T:
+            self.token_slots[T:self._rows_set] = -1
         self._rows_set = T
 
     def mask(self, parts: int, rows: int) -> torch.Tensor:
@@ -354,8 +371,16 @@ class LoraWeights(nn.Module):
             self.A[c] = a
 
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The projection's output y [T, N] of x [T, K] plus each token's adapter: three kernels
-        (x Aᵀ, the mask, and y + s Bᵀ in one GEMM)."""
+        """The projection's output y [T, N] of x [T, K] plus each token's adapter."""
+        state = self.state[0]
+        if x.shape[0] <= state.kernel_rows:
+            return state.lora_add(y, x, self.A, self.B, state.token_slots, state.partials,  # type: ignore[misc]
+                                  len(self.parts), self.slots, self.rank)
+        return self.dense(y, x)
+
+    def dense(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The dense form (module docstring): three kernels (x Aᵀ, the mask, and y + s Bᵀ in one
+        GEMM), whatever the tokens; a new tensor."""
         s = torch.matmul(x, self.A.t())
         s.mul_(self.state[0].mask(len(self.parts), x.shape[0]))
         return torch.addmm(y, s, self.B.t())
@@ -399,6 +424,11 @@ def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
                                     row_parallel=True, silu_in_front=True)
             served.add("down_proj")
     model.lora = state   # type: ignore[assignment]
+    if state.kernels:
+        from phalanx.kernels import triton_lora
+        state.lora_add, state.kernel_rows = triton_lora.lora_add, triton_lora.MAX_ROWS
+        widest = max((int(m.A.shape[1]) for m in model.modules() if isinstance(m, LoraWeights)), default=1)
+        state.partials = triton_lora.partials(widest, state.rank, state.device)
     state.served = tuple(m for m in LORA_TARGETS if m in served)
     state.layers = [(i, [p for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                      *((layer.mlp.gate_up_proj, layer.mlp.down_proj)

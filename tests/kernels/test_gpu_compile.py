@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from phalanx.kernels import gemv, triton_attention, triton_moe, triton_ops  # noqa: E402
+from phalanx.kernels import gemv, triton_attention, triton_lora, triton_moe, triton_ops  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import bench_handover  # noqa: E402  (tools/: the persistent chain a GPU run measures)
@@ -185,6 +185,15 @@ CASES |= {
     "bf16 experts, gate ‖ up": (triton_moe._moe_gate_up_kernel, {
         **CASES["FP8 experts, gate ‖ up"][1], "w_ptr": "*bf16"}, {**CASES["FP8 experts, gate ‖ up"][2],
                                                                    "HAS_SCALE": False}),
+}
+# LoRA's kernels for decode steps (bf16 model, rank 16, q ‖ k ‖ v's three parts)
+CASES |= {
+    "LoRA shrink, rank 16": (triton_lora._lora_shrink_kernel, {
+        "x_ptr": "*bf16", "a_ptr": "*bf16", "slot_ptr": "*i32", "s_ptr": "*fp32"},
+        {"R": 16, "RP": 16, "BLOCK_K": 256, "PDL": True}),
+    "LoRA expand, rank 16, three parts": (triton_lora._lora_expand_kernel, {
+        "y_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "slot_ptr": "*i32"},
+        {"R": 16, "RP": 16, "P": 3, "SPLIT_P": 32, "BLOCK_N": 128, "PDL": True}),
 }
 # FP8 experts multiplied in FP8 (W8A8): the activations come in as e4m3 with a float32 scale a row
 A8_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "A8": True}
