@@ -156,6 +156,12 @@ class LoraManager:
                             "added": lid in self.added, "requests": self.users.get(lid, 0)}
                            for lid in self.adapters])
 
+    def forget_slots(self) -> None:
+        """The slots' device memory was given back (sleep): every adapter is written again when a
+        step next needs it."""
+        self.slot_of.clear()
+        self.free_slots = list(range(self.cfg.max_loras - 1, -1, -1))
+
     def _drop(self, lid: int) -> None:
         self.dropping.discard(lid)
         del self.adapters[lid]

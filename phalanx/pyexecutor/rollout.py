@@ -13,7 +13,8 @@ two versions). Requests that arrive while paused wait.
 
 Sleep (``sleep``, idle engine only): the KV cache's memory is released and the prefix cache
 forgotten, the CUDA graphs are dropped, and the weights are copied to host memory (level 1) or
-dropped (level 2, for a caller that loads new weights before generating). Memory goes back by
+dropped (level 2, for a caller that loads new weights before generating); LoRA adapter slots are
+given back too (their adapters stay in host memory and are written again when next needed). Memory goes back by
 resizing each storage to zero, so every tensor object — parameters, their views in the layers'
 plans, the KV pool — stays the same and takes its memory back on ``wake_up``; the graphs, which
 hold raw addresses, are captured again once both weights and KV cache are awake.
@@ -63,6 +64,7 @@ class Rollout:
         self.pause_mode: str | None = None
         self.asleep: set[str] = set()
         self._host_copies: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
+        self._lora_slots: list[tuple[torch.UntypedStorage, int]] = []   # adapter slots given back while asleep
         self._kv_bytes = 0
         self._graphs_dropped = False
         self._group: EngineGroup | None = None
@@ -150,12 +152,17 @@ class Rollout:
         _sync(runner.device)
         for storage in storages:
             storage.resize_(0)
+        if runner.lora is not None:   # the adapters' slots: written again from host memory when next needed
+            self._lora_slots = [(st, st.nbytes()) for st in _lora_slot_storages(runner.model)]
+            for st, _ in self._lora_slots:
+                st.resize_(0)
+            runner.lora.forget_slots()
         if cuda:
             torch.cuda.empty_cache()
         self.asleep = set(SLEEP_TAGS)
         after = _free_bytes(runner.device)
         return json.dumps({"level": level, "freed_bytes": after - before if cuda else self._kv_bytes + sum(
-            n for _, n, _ in self._host_copies)})
+            n for _, n, _ in self._host_copies) + sum(n for _, n in self._lora_slots)})
 
     def reserve_host_buffer(self) -> None:
         """One pinned host buffer that holds every weight (level-1 sleep copies them there),
@@ -180,8 +187,11 @@ class Rollout:
                 if host is not None:
                     torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host,
                                                                                                non_blocking=True)
+            for st, nbytes in self._lora_slots:   # empty slots hold zeros (models/lora.py)
+                st.resize_(nbytes)
+                torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).zero_()
             _sync(runner.device)
-            self._host_copies = []
+            self._host_copies, self._lora_slots = [], []
             self.asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
             storage = runner.kv_pool.tensor.untyped_storage()
@@ -346,6 +356,12 @@ def _weight_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
         if s.nbytes() and s.data_ptr() not in seen:
             seen[s.data_ptr()] = s
     return list(seen.values())
+
+
+def _lora_slot_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
+    """The storages of the projections' LoRA adapter slots (``models/lora.LoraWeights``)."""
+    from phalanx.models.lora import LoraWeights
+    return [t.untyped_storage() for m in model.modules() if isinstance(m, LoraWeights) for t in (m.A, m.B)]
 
 
 def _aligned(n: int) -> int:

@@ -161,3 +161,28 @@ def test_an_adapter_in_use_is_not_replaced_and_a_removed_one_stays_for_its_reque
     assert_same_greedy(asyncio.run(run()), ref, gaps, "finished with the removed adapter")
     manager = llm._executor.engine.runner.lora
     assert 80 not in manager.adapters and not manager.dropping and not manager.users
+
+
+def test_sleep_gives_the_adapter_slots_back_and_wake_up_writes_them_again(llm, hf_models):
+    """An RL trainer colocated with the engine: sleep frees the slots' memory with the weights'
+    (the adapters stay in host memory); after wake_up a request with the added adapter and one
+    without still give PEFT's and the base model's tokens."""
+    from phalanx.models.lora import LoraWeights
+    model = peft_policy(hf_models["llama"], 8, LORA_TARGETS, 35)
+    tensors, cfg = state(model)
+    llm.add_lora(LoRARequest("asleep", 90), tensors=tensors, peft_config=cfg)
+    p = prompt(11, 9)
+    ref, gaps = hf_greedy(model, p, NEW)
+    base, base_gaps = hf_greedy(hf_models["llama"], p, NEW)
+    outs = llm.generate([p, p], SP, lora_request=[LoRARequest("asleep", 90), None], use_tqdm=False)
+    assert_same_greedy(outs[0].outputs[0].token_ids, ref, gaps, "before sleep")
+    slots = [m for m in llm._executor.engine.runner.model.modules() if isinstance(m, LoraWeights)]
+    nbytes = sum(m.A.untyped_storage().nbytes() + m.B.untyped_storage().nbytes() for m in slots)
+    llm.sleep(level=1)
+    assert all(m.A.untyped_storage().nbytes() == m.B.untyped_storage().nbytes() == 0 for m in slots)
+    llm.wake_up()
+    assert sum(m.A.untyped_storage().nbytes() + m.B.untyped_storage().nbytes() for m in slots) == nbytes
+    outs = llm.generate([p, p], SP, lora_request=[LoRARequest("asleep", 90), None], use_tqdm=False)
+    assert_same_greedy(outs[0].outputs[0].token_ids, ref, gaps, "after wake_up")
+    assert_same_greedy(outs[1].outputs[0].token_ids, base, base_gaps, "no adapter, after wake_up")
+    llm.remove_lora(90)
