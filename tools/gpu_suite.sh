@@ -49,9 +49,10 @@ for what in "${@:-all}"; do
         --output "$OUT/attention_b256_fp8.json" > "$OUT/attention_b256_fp8.txt" 2>&1 ;;
     fp8_gemv)   # one-row products with FP8 weights: the shipped tiles against widening and tensor-core variants
       timeout 150 python3 tools/bench_fp8_gemv.py --output "$OUT/fp8_gemv.json" > "$OUT/fp8_gemv.txt" 2>&1 ;;
-    lora)   # LoRA in CUDA graphs against PEFT, then decode at batch 1 and 64: no LoRA, then LoRA rank 16 without and
+    lora)   # a projection's LoRA cost by form (tools/bench_lora.py); LoRA in CUDA graphs against PEFT; then decode at batch 1 and 64: no LoRA, then LoRA rank 16 without and
             # with adapters, the decode kernels off (the dense form: PHALANX_LORA_KERNELS=0) and on (the default)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_lora.py tests/kernels/test_lora_kernels.py \
+      timeout 90 python3 tools/bench_lora.py --output "$OUT/bench_lora.json" > "$OUT/bench_lora.txt" 2>&1
+      timeout 130 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_lora.py tests/kernels/test_lora_kernels.py \
         > "$OUT/lora_tests.txt" 2>&1
       timeout 110 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \
         --steps 64 --overlap on --output "$OUT/decode_nolora.json" > "$OUT/decode_nolora.txt" 2>&1; free_gpus

@@ -1,0 +1,108 @@
+"""What LoRA adds to a projection, by form and by the step's tokens: the dense form (x Aᵀ, the
+token-to-slot mask, y + s Bᵀ: three kernels whatever the tokens) against the decode kernels of
+``kernels/triton_lora.py`` (each token its own slot: two kernels), every token with an adapter or
+none with one. Llama-3.1-8B's projections, ``--slots`` slots of rank ``--rank``, bf16, replayed
+from CUDA graphs over copies of the slots larger than L2 (a step's 32 layers do not fit in it).
+
+    python tools/bench_lora.py [--rows 1 2 4 8 16 32 64] [--slots 4] [--rank 16] [--output f.json]
+    python tools/bench_lora.py --check    # both forms agree (any device; tiny shapes on a CPU)
+
+Prints µs per projection for each form and a layer's sum (q/k/v, o, gate ‖ up, down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from phalanx.kernels import triton_lora
+
+# (parts, K, N) of Llama-3.1-8B's adapted projections
+SHAPES = {"qkv": (3, 4096, 6144), "o": (1, 4096, 4096), "gate_up": (2, 4096, 28672), "down": (1, 14336, 4096)}
+TINY = {"qkv": (3, 96, 160), "o": (1, 64, 96), "gate_up": (2, 96, 256), "down": (1, 600, 96)}
+
+
+def dense(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``models/lora.LoraWeights.dense``'s three kernels."""
+    s = torch.matmul(x, A.t())
+    s.mul_(mask)
+    return torch.addmm(y, s, B.t())
+
+
+def inputs(parts: int, K: int, N: int, T: int, slots: int, rank: int, adapters: bool, dev: torch.device,
+           dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(T * 7 + K)
+    A = (torch.randn(parts * slots * rank, K, generator=g) / K ** 0.5).to(dev, dtype)
+    B = (torch.randn(N, parts * slots * rank, generator=g) * 0.1).to(dev, dtype)
+    token_slots = torch.tensor([t % slots if adapters else -1 for t in range(T)], dtype=torch.int32, device=dev)
+    slot_of_col = (torch.arange(slots * rank, device=dev) // rank).repeat(parts)
+    mask = (token_slots[:, None].long() == slot_of_col[None, :]).to(dtype)
+    return {"x": torch.randn(T, K, generator=g).to(dev, dtype), "y": torch.randn(T, N, generator=g).to(dev, dtype),
+            "A": A, "B": B, "slots": token_slots, "mask": mask, "sums": triton_lora.partials(K, rank, dev)}
+
+
+def timed(form: str, i: dict, parts: int, slots: int, rank: int) -> Callable[[int], object]:
+    """fn(c): one call of the form over the c-th copy of the slots."""
+    if form == "dense":
+        return lambda c: dense(i["y"], i["x"], i["As"][c], i["Bs"][c], i["mask"])
+    return lambda c: triton_lora.lora_add(i["y"], i["x"], i["As"][c], i["Bs"][c], i["slots"], i["sums"], parts,
+                                          slots, rank)
+
+
+def check(dev: torch.device) -> None:
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    for name, (parts, K, N) in (SHAPES if dev.type == "cuda" else TINY).items():
+        for T in (1, 5):
+            i = inputs(parts, K, N, T, 4, 8, True, dev, dtype)
+            ref = dense(i["y"].float(), i["x"].float(), i["A"].float(), i["B"].float(), i["mask"].float())
+            out = triton_lora.lora_add(i["y"].clone(), i["x"], i["A"], i["B"], i["slots"], i["sums"], parts, 4, 8)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < (1e-2 if dtype != torch.float32 else 1e-5), (name, T, err)
+            print(f"{name} T={T}: relative error {err:.1e}")
+    print("ok")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--output", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if a.check:
+        check(dev)
+        return
+    from phalanx.kernels.gemv_tuner import time_graph, weight_copies
+    out: dict = {"slots": a.slots, "rank": a.rank, "gpu": torch.cuda.get_device_name(), "us": {}}
+    print(f"{'rows':>4} {'projection':>10} {'dense':>8} {'kernels':>8} {'kernels, no adapter':>20}")
+    for T in a.rows:
+        layer = {"dense": 0.0, "kernels": 0.0, "kernels_none": 0.0}
+        for name, (parts, K, N) in SHAPES.items():
+            row = {}
+            for form, adapters in (("dense", True), ("kernels", True), ("kernels_none", False)):
+                if form != "dense" and T > triton_lora.MAX_ROWS:
+                    continue
+                i = inputs(parts, K, N, T, a.slots, a.rank, adapters, dev, torch.bfloat16)
+                i["As"], i["Bs"] = weight_copies(i["A"]), weight_copies(i["B"])
+                copies = min(len(i["As"]), len(i["Bs"]))
+                fn = timed(form, i, parts, a.slots, a.rank)
+                row[form] = 1e3 * time_graph(fn, copies)
+                layer[form] += row[form]
+            out["us"][f"{T}/{name}"] = row
+            print(f"{T:>4} {name:>10} {row['dense']:>8.2f} {row.get('kernels', float('nan')):>8.2f} "
+                  f"{row.get('kernels_none', float('nan')):>20.2f}")
+        out["us"][f"{T}/layer"] = layer
+        print(f"{T:>4} {'layer':>10} {layer['dense']:>8.2f} {layer['kernels'] or float('nan'):>8.2f} "
+              f"{layer['kernels_none'] or float('nan'):>20.2f}")
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
