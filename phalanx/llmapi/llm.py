@@ -473,8 +473,8 @@ class LLM:
         if peft_config is None:
             raise ValueError("add_lora: the adapter's tensors need its peft_config (r, lora_alpha, ...)")
         config = plain_peft_config(peft_config)
-        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
-        if items and all(isinstance(i, dict) for i in items):   # specs: shared by the caller
+        items = _adapter_tensors(tensors)
+        if isinstance(items[0], dict):   # specs: shared by the caller
             self._rollout("add_lora", {**args, "peft_config": config, "specs": items}, timeout)
             return True
         with share_tensors(items) as shared:
@@ -561,6 +561,30 @@ class _Background:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def _adapter_tensors(tensors: Any) -> list[Any]:
+    """``add_lora``'s tensors as (name, tensor) pairs all on the CPU or all on CUDA, or specs
+    (dicts); a ValueError naming what is not."""
+    import torch
+    try:
+        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+    except TypeError:
+        raise ValueError(f"add_lora: tensors must be a mapping or pairs of names and tensors, got "
+                         f"{type(tensors).__name__}") from None
+    if not items:
+        raise ValueError("add_lora: tensors is empty")
+    if all(isinstance(i, dict) for i in items):
+        return items
+    for i in items:
+        if not (isinstance(i, (tuple, list)) and len(i) == 2 and isinstance(i[0], str)
+                and isinstance(i[1], torch.Tensor)):
+            raise ValueError(f"add_lora: tensors must map names to tensors (or be weight_transfer.share_tensors' "
+                             f"specs), got {type(i[1] if isinstance(i, (tuple, list)) and len(i) == 2 else i).__name__}"
+                             f"{' for ' + repr(i[0]) if isinstance(i, (tuple, list)) and len(i) == 2 else ''}")
+    if len({t.is_cuda for _, t in items}) > 1:
+        raise ValueError("add_lora: tensors must be all on CUDA or all on the CPU, not both")
+    return items
 
 
 def _is_single(inputs: Any) -> bool:

@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from phalanx.config import LoraConfig
 from phalanx.llmapi.lora_request import LoRARequest
 from phalanx.llmapi.weight_transfer import DTYPES, open_tensors
@@ -85,9 +87,13 @@ class LoraManager:
                 raise ValueError(f"lora_request {name!r}: lora_path is empty and no adapter with lora_int_id {lid} "
                                  "is added (LLM.add_lora)")
             where = os.path.realpath(path)
-            if self.known.get(lid, (name, where)) != (name, where):
-                raise ValueError(f"lora_request.lora_int_id {lid} names adapter {self.known[lid][0]!r} already; "
+            known_name, known_where = self.known.get(lid, (name, where))
+            if known_name != name:
+                raise ValueError(f"lora_request.lora_int_id {lid} names adapter {known_name!r} already; "
                                  "another adapter needs another id")
+            if known_where != where:
+                how = "added from tensors" if not known_where else "read from another directory"
+                raise ValueError(f"lora_request.lora_int_id {lid} was {how}; another adapter needs another id")
             self.dropping.discard(lid)
             if lid not in self.adapters:
                 self.adapters[lid] = self._read(name, lambda: read_adapter_for(name, path, self.model_cfg, self.cfg))
@@ -116,7 +122,8 @@ class LoraManager:
                              "adapter needs another id")
         if self.users.get(lid):
             raise ValueError(f"adapter {name!r} (lora_int_id {lid}) is in use by {self.users[lid]} "
-                             "requests; wait for them (or pause_generation) before replacing it, or use another id")
+                             "requests; let them finish (or pause_generation('abort') end them) before replacing "
+                             "it, or use another id")
         if path:
             where = os.path.realpath(path)
             adapter = self._read(name, lambda: read_adapter_for(name, path, self.model_cfg, self.cfg))
@@ -138,8 +145,10 @@ class LoraManager:
         return json.dumps({"lora_int_id": lid, "generation": self.generation[lid], "bytes": adapter.nbytes})
 
     def remove(self, lid: int) -> str:
-        """Stop holding an adapter ``add`` held: dropped now, or once the requests running with
-        it end; later requests must name a directory (or it must be added again)."""
+        """Stop holding an adapter ``add`` held: dropped now, or once the requests that hold it
+        end (those sent before, too: the loop takes them in first). The id stays its adapter's
+        (``known``): later requests naming it need it added again — or, for one read from a
+        directory, to name that directory."""
         if isinstance(lid, bool) or not isinstance(lid, int) or lid not in self.added:
             raise ValueError(f"no adapter with lora_int_id {lid!r} is added")
         self.added.discard(lid)
@@ -179,6 +188,10 @@ class LoraManager:
             dtype = self.state.dtype
             adapter.weights = {k: tuple(t.to(dtype).pin_memory() if pin else t.to(dtype)   # type: ignore[misc]
                                         for t in ab) for k, ab in adapter.weights.items()}
+            for (layer, module), ab in adapter.weights.items():   # (a float16 model's range is narrower)
+                if not all(torch.isfinite(t).all() for t in ab):
+                    raise ValueError(f"lora_request {name!r}: layer {layer} {module} holds a value that is not "
+                                     f"finite in the model's dtype ({str(dtype).removeprefix('torch.')})")
         except Exception as e:  # noqa: BLE001 - decided on every rank alike below
             adapter, error = None, str(e) or type(e).__name__
         if self.agree is not None:

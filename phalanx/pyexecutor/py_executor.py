@@ -407,6 +407,9 @@ class PyExecutor:
             if not isinstance(args, dict):
                 raise ValueError("control args must be a mapping")
             lora = self.runner.lora
+            if op != "list_loras":   # requests sent before the op hold their adapter first (FCFS, not throttled)
+                while self.intake:
+                    self._take(self.intake.popitem(last=False)[1])
             if op == "add_lora":
                 return lora.add(args.get("lora_name"), args.get("lora_int_id"),  # type: ignore[arg-type]
                                 args.get("lora_path") or "", args.get("peft_config"), args.get("specs"))

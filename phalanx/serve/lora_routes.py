@@ -21,6 +21,7 @@ flag is given (and take the API key).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,14 @@ def check_adapter(llm: Any, name: str, path: str) -> None:
     read_adapter_for(name, path, llm.source.config, llm.args.lora)
 
 
+def _refused_field(message: str, name: str) -> tuple[str, str]:
+    """An ``add_lora`` refusal of a body's tensors -> (the body's field it is about, the reason as
+    the route's fields name things): what follows the adapter's name says which."""
+    reason = message.removeprefix("add_lora: ").removeprefix(f"lora_request {name!r}: ")
+    about_tensors = reason.startswith(("tensor ", "layer ", "the adapter's tensors", "the tensors hold"))
+    return ("tensors" if about_tensors else "config_dict"), reason.replace("in peft_config", "in config_dict")
+
+
 def add_routes(server: OpenAIServer) -> None:
     from phalanx.serve.openai_server import ApiError
     app, llm = server.app, server.llm
@@ -94,22 +103,26 @@ def add_routes(server: OpenAIServer) -> None:
             specs = [t.spec() for t in b.tensors]
             try:
                 await asyncio.to_thread(llm.add_lora, adapter, specs, b.config_dict)
-            except ValueError as e:
-                reason = str(e).removeprefix("add_lora: ")
-                field = "tensors" if any(w in reason for w in ("tensor", "layer ", "lora_A", "lora_B")) else \
-                    "config_dict"
+            except ValueError as e:   # (refused on the ranks: nothing was added)
+                field, reason = _refused_field(str(e), b.lora_name)
                 raise ApiError(400, f"{field}: {reason}", field) from None
+            except Exception:   # (a timeout, say: the ranks may still add it; let them drop it)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(llm.remove_lora, adapter.lora_int_id)
+                raise
             server.lora_modules[b.lora_name] = adapter
         return {"success": True, "message": f"LoRA adapter {b.lora_name!r} added"}
 
     async def unload(request: Request):
         b = await server._parse(request, UnloadBody)
         async with lock:
-            adapter = server.lora_modules.pop(b.lora_name, None)
+            adapter = server.lora_modules.get(b.lora_name)
             if adapter is None:
                 raise ApiError(404, f"lora_name: no adapter {b.lora_name!r} is served", "lora_name")
             if not adapter.lora_path:    # held by the ranks (from tensors): they let it go
-                await asyncio.to_thread(llm.remove_lora, adapter.lora_int_id)
+                with contextlib.suppress(ValueError):   # (not held there: nothing to let go)
+                    await asyncio.to_thread(llm.remove_lora, adapter.lora_int_id)
+            del server.lora_modules[b.lora_name]
         return {"success": True, "message": f"LoRA adapter {b.lora_name!r} removed"}
 
     for prefix in ("/v1", ""):

@@ -186,3 +186,45 @@ def test_sleep_gives_the_adapter_slots_back_and_wake_up_writes_them_again(llm, h
     assert_same_greedy(outs[0].outputs[0].token_ids, ref, gaps, "after wake_up")
     assert_same_greedy(outs[1].outputs[0].token_ids, base, base_gaps, "no adapter, after wake_up")
     llm.remove_lora(90)
+
+
+def test_requests_sent_before_remove_lora_finish_with_the_adapter(llm, hf_models):
+    """Requests still waiting to be taken in (the loop takes arrivals in as steps admit them) when
+    remove_lora comes hold the adapter first, as those running do: all finish with it."""
+    model = peft_policy(hf_models["llama"], 4, ["q_proj", "up_proj"], 36)
+    tensors, cfg = state(model)
+    llm.add_lora(LoRARequest("leaving", 95), tensors=tensors, peft_config=cfg)
+    ps = [prompt(40, 20 + i) for i in range(8)]
+    llm.pause_generation("keep")
+    futures = [llm.generate_async(p, SP, lora_request=LoRARequest("leaving", 95)) for p in ps]
+    llm.remove_lora(95)
+    llm.continue_generation()
+    for p, f in zip(ps, futures, strict=True):
+        ref, gaps = hf_greedy(model, p, NEW)
+        assert_same_greedy(f.result().outputs[0].token_ids, ref, gaps, "sent before remove_lora")
+    assert 95 not in llm.list_loras()
+
+
+def test_tensors_that_are_not_named_tensors_are_refused_by_name(llm):
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    for tensors, why in (({}, "tensors is empty"), ({key: [1.0, 2.0]}, "got list for"),
+                         (5, "must be a mapping or pairs"), ([("a", torch.zeros(1)), 7], "got int")):
+        with pytest.raises(ValueError, match="add_lora: tensors") as e:
+            llm.add_lora(LoRARequest("x", 96), tensors=tensors, peft_config=cfg)
+        assert why in str(e.value), str(e.value)
+    assert 96 not in llm.list_loras()
+
+
+def test_an_adapter_past_a_float16_model_s_range_is_refused(tiny_models, hf_models):
+    """Finite in float32, infinite in float16: refused when added (it would turn every row of a
+    step into NaN through the mask), and the engine goes on."""
+    model = peft_policy(hf_models["llama"], 4, ["q_proj"], 37, scale_b=1e6)
+    tensors, cfg = state(model)
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", dtype="float16",
+             lora_config={"max_loras": 1, "max_lora_rank": 4}, kv_cache_config={"tokens_per_block": 8}) as f16:
+        with pytest.raises(ValueError, match="not finite in the model's dtype \\(float16\\)"):
+            f16.add_lora(LoRARequest("huge", 1), tensors=tensors, peft_config=cfg)
+        assert not f16.list_loras()
+        out = f16.generate(prompt(9), SP, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == NEW

@@ -147,6 +147,10 @@ def test_an_adapter_loaded_from_a_trainer_s_tensors_while_serving(server, refere
         big = post("/load_lora_adapter_from_tensors", {**body, "config_dict": {**config, "r": 64}})
         assert big.status_code == 400 and big.json()["error"]["param"] == "config_dict", big.text
         assert "max_lora_rank (8)" in big.json()["error"]["message"]
+        dora = post("/load_lora_adapter_from_tensors", {**body, "lora_name": "tensor layer 2",
+                                                         "config_dict": {**config, "use_dora": True}})
+        assert dora.status_code == 400 and dora.json()["error"]["param"] == "config_dict", dora.text   # (not its name)
+        assert "use_dora=True in config_dict" in dora.json()["error"]["message"]
         pickled = post("/load_lora_adapter_from_tensors", {"lora_name": "mem", "config_dict": config,
                                                             "serialized_tensors": "gASV"})
         assert pickled.status_code == 400 and pickled.json()["error"]["param"] == "serialized_tensors"

@@ -81,3 +81,13 @@ def test_a_peft_lora_config_travels_as_plain_values():
         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"] * 3.0)   # alpha / r
     with pytest.raises(ValueError, match="peft_config must be a peft.LoraConfig or a dict"):
         plain_peft_config("r=4")
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga"])
+def test_an_adapter_trained_against_a_rewritten_base_is_refused(init):
+    """PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA rewrite the base weights at initialization: the
+    adapter holds only against those (until PEFT converts it on saving), so it is refused."""
+    with pytest.raises(ValueError, match=f"init_lora_weights='{init}' in peft_config is not supported"):
+        adapter_from_tensors("t", config(init_lora_weights=init), tensors(), **LIMITS)
+    for fine in (True, False, "gaussian", "eva"):
+        adapter_from_tensors("t", config(init_lora_weights=fine), tensors(), **LIMITS)
