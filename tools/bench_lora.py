@@ -20,9 +20,10 @@ import torch
 
 from phalanx.kernels import triton_lora
 
-# (parts, K, N) of Llama-3.1-8B's adapted projections
-SHAPES = {"qkv": (3, 4096, 6144), "o": (1, 4096, 4096), "gate_up": (2, 4096, 28672), "down": (1, 14336, 4096)}
-TINY = {"qkv": (3, 96, 160), "o": (1, 64, 96), "gate_up": (2, 96, 256), "down": (1, 600, 96)}
+# (K, each part's output rows) of Llama-3.1-8B's adapted projections
+SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+          "down": (14336, (4096,))}
+TINY = {"qkv": (96, (64, 32, 32)), "o": (64, (96,)), "gate_up": (96, (128, 128)), "down": (600, (96,))}
 
 
 def dense(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -32,33 +33,43 @@ def dense(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ma
     return torch.addmm(y, s, B.t())
 
 
-def inputs(parts: int, K: int, N: int, T: int, slots: int, rank: int, adapters: bool, dev: torch.device,
+def inputs(K: int, sizes: tuple[int, ...], T: int, slots: int, rank: int, adapters: bool, dev: torch.device,
            dtype: torch.dtype) -> dict:
+    """A projection's slots as ``LoraWeights`` holds them (part p's rows of B hold values only in
+    part p's columns), its x and y, and each token's slot (round robin, or none)."""
     g = torch.Generator().manual_seed(T * 7 + K)
-    A = (torch.randn(parts * slots * rank, K, generator=g) / K ** 0.5).to(dev, dtype)
-    B = (torch.randn(N, parts * slots * rank, generator=g) * 0.1).to(dev, dtype)
+    parts, N = len(sizes), sum(sizes)
+    A = torch.randn(parts * slots * rank, K, generator=g) / K ** 0.5
+    B = torch.zeros(N, parts * slots * rank)
+    starts = [sum(sizes[:p]) for p in range(parts)]
+    for p in range(parts):
+        c = p * slots * rank
+        B[starts[p]:starts[p] + sizes[p], c:c + slots * rank] = torch.randn(sizes[p], slots * rank, generator=g) * 0.1
     token_slots = torch.tensor([t % slots if adapters else -1 for t in range(T)], dtype=torch.int32, device=dev)
     slot_of_col = (torch.arange(slots * rank, device=dev) // rank).repeat(parts)
     mask = (token_slots[:, None].long() == slot_of_col[None, :]).to(dtype)
     return {"x": torch.randn(T, K, generator=g).to(dev, dtype), "y": torch.randn(T, N, generator=g).to(dev, dtype),
-            "A": A, "B": B, "slots": token_slots, "mask": mask, "sums": triton_lora.partials(K, rank, dev)}
+            "A": A.to(dev, dtype), "B": B.to(dev, dtype), "slots": token_slots, "mask": mask,
+            "sums": triton_lora.partials(K, rank, dev), "parts": parts,
+            "bounds": ((starts + [N, N])[1], (starts + [N, N, N])[2])}
 
 
-def timed(form: str, i: dict, parts: int, slots: int, rank: int) -> Callable[[int], object]:
+def timed(form: str, i: dict, slots: int, rank: int) -> Callable[[int], object]:
     """fn(c): one call of the form over the c-th copy of the slots."""
     if form == "dense":
         return lambda c: dense(i["y"], i["x"], i["As"][c], i["Bs"][c], i["mask"])
-    return lambda c: triton_lora.lora_add(i["y"], i["x"], i["As"][c], i["Bs"][c], i["slots"], i["sums"], parts,
-                                          slots, rank)
+    return lambda c: triton_lora.lora_add(i["y"], i["x"], i["As"][c], i["Bs"][c], i["slots"], i["sums"], i["parts"],
+                                          slots, rank, i["bounds"])
 
 
 def check(dev: torch.device) -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    for name, (parts, K, N) in (SHAPES if dev.type == "cuda" else TINY).items():
+    for name, (K, sizes) in (SHAPES if dev.type == "cuda" else TINY).items():
         for T in (1, 5):
-            i = inputs(parts, K, N, T, 4, 8, True, dev, dtype)
+            i = inputs(K, sizes, T, 4, 8, True, dev, dtype)
             ref = dense(i["y"].float(), i["x"].float(), i["A"].float(), i["B"].float(), i["mask"].float())
-            out = triton_lora.lora_add(i["y"].clone(), i["x"], i["A"], i["B"], i["slots"], i["sums"], parts, 4, 8)
+            out = triton_lora.lora_add(i["y"].clone(), i["x"], i["A"], i["B"], i["slots"], i["sums"], i["parts"], 4, 8,
+                                       i["bounds"])
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < (1e-2 if dtype != torch.float32 else 1e-5), (name, T, err)
             print(f"{name} T={T}: relative error {err:.1e}")
@@ -82,15 +93,15 @@ def main() -> None:
     print(f"{'rows':>4} {'projection':>10} {'dense':>8} {'kernels':>8} {'kernels, no adapter':>20}")
     for T in a.rows:
         layer = {"dense": 0.0, "kernels": 0.0, "kernels_none": 0.0}
-        for name, (parts, K, N) in SHAPES.items():
+        for name, (K, sizes) in SHAPES.items():
             row = {}
             for form, adapters in (("dense", True), ("kernels", True), ("kernels_none", False)):
                 if form != "dense" and T > triton_lora.MAX_ROWS:
                     continue
-                i = inputs(parts, K, N, T, a.slots, a.rank, adapters, dev, torch.bfloat16)
+                i = inputs(K, sizes, T, a.slots, a.rank, adapters, dev, torch.bfloat16)
                 i["As"], i["Bs"] = weight_copies(i["A"]), weight_copies(i["B"])
                 copies = min(len(i["As"]), len(i["Bs"]))
-                fn = timed(form, i, parts, a.slots, a.rank)
+                fn = timed(form, i, a.slots, a.rank)
                 row[form] = 1e3 * time_graph(fn, copies)
                 layer[form] += row[form]
             out["us"][f"{T}/{name}"] = row

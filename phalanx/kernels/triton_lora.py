@@ -54,11 +54,12 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slot_ptr, s_ptr, stride_x, K, S, CHUNK, RO
 
 
 @triton.jit
-def _lora_expand_kernel(y_ptr, s_ptr, b_ptr, slot_ptr, stride_y, stride_b, N, S, SPLIT, ROWS, PW,
+def _lora_expand_kernel(y_ptr, s_ptr, b_ptr, slot_ptr, stride_y, stride_b, N, E1, E2, S, SPLIT, ROWS, PW,
                         R: tl.constexpr, RP: tl.constexpr, P: tl.constexpr, SPLIT_P: tl.constexpr,
                         BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """Program (t, b): token t's outputs [b·BLOCK_N, (b+1)·BLOCK_N), every part's columns of its
-    slot (a part's rows are zero in the other parts' columns)."""
+    """Program (t, b): token t's outputs [b·BLOCK_N, (b+1)·BLOCK_N); part p's rows are
+    [0, E1), [E1, E2), [E2, N) and read only part p's columns of the token's slot (its other
+    columns are zero: masked loads of them fetch nothing)."""
     release(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,11 +72,14 @@ def _lora_expand_kernel(y_ptr, s_ptr, b_ptr, slot_ptr, stride_y, stride_b, N, S,
         ks = tl.arange(0, SPLIT_P)
         acc = tl.zeros([BLOCK_N], tl.float32)
         for p in tl.static_range(P):
+            lo = 0 if p == 0 else (E1 if p == 1 else E2)
+            hi = E1 if p == 0 else (E2 if p == 1 else N)
+            pm = nm & (n >= lo) & (n < hi)
             part = tl.load(s_ptr + (ks[:, None] * ROWS + t) * PW + p * R + r[None, :],
                            mask=(ks[:, None] < SPLIT) & rm[None, :], other=0.0)
             sp = tl.sum(part, axis=0)
             cols = (p * S + slot) * R + r
-            b = tl.load(b_ptr + n[:, None] * stride_b + cols[None, :], mask=nm[:, None] & rm[None, :], other=0.0)
+            b = tl.load(b_ptr + n[:, None] * stride_b + cols[None, :], mask=pm[:, None] & rm[None, :], other=0.0)
             acc += tl.sum(b.to(tl.float32) * sp[None, :], axis=1)
         y = tl.load(y_ptr + t * stride_y + n, mask=nm, other=0.0)
         tl.store(y_ptr + t * stride_y + n, (y.to(tl.float32) + acc).to(y.dtype), mask=nm)
@@ -93,9 +97,10 @@ def partials(max_k: int, rank: int, device: torch.device) -> torch.Tensor:
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
-             part_sums: torch.Tensor, parts: int, slots: int, rank: int) -> torch.Tensor:
+             part_sums: torch.Tensor, parts: int, slots: int, rank: int, bounds: tuple[int, int]) -> torch.Tensor:
     """y [T, N] += each token's adapter (``token_slots[t]``, −1: none) of x [T, K], in place;
-    T ≤ ``MAX_ROWS``. Returns y."""
+    T ≤ ``MAX_ROWS``; ``bounds``: where parts 1 and 2 of y's columns start (N where there are
+    fewer parts). Returns y."""
     T, K = x.shape
     N = y.shape[1]
     if T == 0:
@@ -112,7 +117,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     _lora_shrink_kernel[(T, parts, split)](x, A, token_slots, part_sums, x.stride(0), K, slots, chunk, rows, width,
                                            R=rank, RP=RP, BLOCK_K=block_k, **launch)
     _lora_expand_kernel[(T, triton.cdiv(N, block_n))](y, part_sums, B, token_slots, y.stride(0), B.stride(0), N,
-                                                      slots, split, rows, width, R=rank, RP=RP, P=parts,
-                                                      SPLIT_P=triton.next_power_of_2(split), BLOCK_N=block_n,
-                                                      **launch)
+                                                      bounds[0], bounds[1], slots, split, rows, width, R=rank,
+                                                      RP=RP, P=parts, SPLIT_P=triton.next_power_of_2(split),
+                                                      BLOCK_N=block_n, **launch)
     return y

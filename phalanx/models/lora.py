@@ -30,6 +30,7 @@ bias, no ``modules_to_save``, no per-module rank or alpha patterns — each refu
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -44,6 +45,8 @@ from torch import nn
 from phalanx.config import LORA_TARGETS, LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
+# PEFT initializations that rewrite the base weights (the adapter then holds only against them)
+_BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
@@ -209,6 +212,11 @@ def _check_config(what: str, cfg: dict[str, Any], source: str, max_rank: int) ->
     for key, allowed in _UNSUPPORTED.items():
         if key in cfg and cfg[key] not in allowed:
             raise ValueError(f"{what}: {key}={cfg[key]!r} in {source} is not supported")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and (init.startswith("pissa") or init in _BASE_CHANGING_INITS):
+        raise ValueError(f"{what}: init_lora_weights={init!r} in {source} is not supported (the adapter is "
+                         "trained against a changed base model; PEFT converts it to a plain LoRA on saving with "
+                         "path_initial_model_for_weight_conversion)")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)   # (PEFT's default alpha)
     if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank:
         raise ValueError(f"{what}: rank r={r!r} must be an integer from 1 to max_lora_rank ({max_rank})")
@@ -269,7 +277,8 @@ class LoraState:
     P times), and each token's slot (``token_slots``, -1: none; the kernels' form), filled before
     each step by ``set_tokens``; the projections read their first T rows. ``kernels``: steps of
     few tokens take ``kernels/triton_lora.py`` (decided at build: on a GPU, unless
-    ``PHALANX_LORA_KERNELS=0``; with ``=1`` on the CPU too, through Triton's interpreter)."""
+    ``PHALANX_LORA_KERNELS=0`` or ``PHALANX_KERNELS=ref``; with ``=1`` on the CPU too, through
+    Triton's interpreter: ``TRITON_INTERPRET=1``)."""
 
     def __init__(self, slots: int, rank: int, rows: int, device: torch.device, dtype: torch.dtype) -> None:
         import os
@@ -279,8 +288,9 @@ class LoraState:
         self.token_slots = torch.zeros(0, device=device, dtype=torch.int32)
         self._grow(rows)
         self._rows_set = 0
+        from phalanx.kernels import ops
         choice = os.environ.get("PHALANX_LORA_KERNELS", "")   # "0": never; "1": also on the CPU (the interpreter)
-        self.kernels = choice == "1" or (choice != "0" and device.type == "cuda")
+        self.kernels = choice == "1" or (choice != "0" and device.type == "cuda" and ops.triton_available())
         self.partials: torch.Tensor | None = None   # the kernels' partial sums (``install`` sizes them)
         self.kernel_rows = 0                         # the most tokens a step sends through them
         self.lora_add: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add`` (imported at build)
@@ -337,6 +347,9 @@ class LoraWeights(nn.Module):
         width = len(parts) * self.slots * self.rank
         self.register_buffer("A", torch.zeros(width, K, device=weight.device, dtype=state.dtype), persistent=False)
         self.register_buffer("B", torch.zeros(N, width, device=weight.device, dtype=state.dtype), persistent=False)
+        ends = [N] if len(parts) == 1 else list(itertools.accumulate(sec[1] for sec in proj._out_sections()))  # type: ignore[operator]
+        assert len(ends) == len(parts) and ends[-1] == N, (ends, N)
+        self.bounds = (ends[0] if len(parts) > 1 else N, ends[1] if len(parts) > 2 else N)   # parts 1 and 2 start
 
     @property
     def modules_served(self) -> tuple[str, ...]:
@@ -373,9 +386,9 @@ class LoraWeights(nn.Module):
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The projection's output y [T, N] of x [T, K] plus each token's adapter."""
         state = self.state[0]
-        if x.shape[0] <= state.kernel_rows:
+        if 0 < x.shape[0] <= state.kernel_rows:
             return state.lora_add(y, x, self.A, self.B, state.token_slots, state.partials,  # type: ignore[misc]
-                                  len(self.parts), self.slots, self.rank)
+                                  len(self.parts), self.slots, self.rank, self.bounds)
         return self.dense(y, x)
 
     def dense(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,8 @@ CASES |= {
         **CASES["FP8 experts, gate ‖ up"][1], "w_ptr": "*bf16"}, {**CASES["FP8 experts, gate ‖ up"][2],
                                                                    "HAS_SCALE": False}),
 }
-# LoRA's kernels for decode steps (bf16 model, rank 16, q ‖ k ‖ v's three parts)
+# LoRA's kernels for decode steps (bf16 model, rank 16; the expand over q ‖ k ‖ v's three parts with 32 partial
+# sums a token, as many as down's 14,336 input columns make)
 CASES |= {
     "LoRA shrink, rank 16": (triton_lora._lora_shrink_kernel, {
         "x_ptr": "*bf16", "a_ptr": "*bf16", "slot_ptr": "*i32", "s_ptr": "*fp32"},

@@ -33,7 +33,7 @@ def layout(parts, slots, rank, K, N, g, adapter_ranks):
             c = (p * slots + s) * rank
             A[c:c + r] = torch.randn(r, K, generator=g) / K ** 0.5
             B[bounds[p]:bounds[p + 1], c:c + r] = torch.randn(bounds[p + 1] - bounds[p], r, generator=g)
-    return A.to(DEV, DTYPE), B.to(DEV, DTYPE)
+    return A.to(DEV, DTYPE), B.to(DEV, DTYPE), ((bounds + [N])[1], (bounds + [N, N])[2])
 
 
 CASES = [(1, 1, 4, 64, 40), (5, 3, 6, 600, 130), (3, 2, 8, 96, 72)]
@@ -45,14 +45,14 @@ if CUDA:
 def test_each_token_with_its_own_slot_equals_the_dense_form(T, parts, rank, K, N):
     g = torch.Generator().manual_seed(T * 100 + K)
     slots = 3
-    A, B = layout(parts, slots, rank, K, N, g, adapter_ranks=[rank, max(1, rank // 2), rank])
+    A, B, bounds = layout(parts, slots, rank, K, N, g, adapter_ranks=[rank, max(1, rank // 2), rank])
     x = torch.randn(T, K, generator=g).to(DEV, DTYPE)
     y = torch.randn(T, N, generator=g).to(DEV, DTYPE)
     token_slots = torch.tensor([t % (slots + 1) if t % (slots + 1) < slots else -1 for t in range(T)],
                                dtype=torch.int32, device=DEV)   # slots 0, 1, 2, none, 0, ...
     sums = triton_lora.partials(K, rank, DEV)
     sums.fill_(float("nan"))          # nothing the kernels did not write is read
-    out = triton_lora.lora_add(y.clone(), x, A, B, token_slots, sums, parts, slots, rank)
+    out = triton_lora.lora_add(y.clone(), x, A, B, token_slots, sums, parts, slots, rank, bounds)
     ref = dense(y, x, A, B, token_slots, parts, slots, rank)
     tol = 1e-4 if DTYPE is torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
