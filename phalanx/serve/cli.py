@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from phalanx.argtypes import POSITIVE, at_least, port
+from phalanx.config import LORA_TARGETS
 
 logger = logging.getLogger("phalanx")
 
@@ -59,13 +60,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora_modules", "--lora-modules", dest="lora_modules", nargs="+", type=lora_module, default=None,
                    help="adapters served as models of their own: NAME=PATH (a PEFT directory) or vLLM's JSON "
                         '{"name": ..., "path": ...}; a request names one as its model')
+    p.add_argument("--lora_paths", "--lora-paths", dest="lora_paths", nargs="+", type=lora_path, default=None,
+                   help="SGLang's spelling of --lora_modules: NAME=PATH, PATH (named by itself) or JSON "
+                        '{"lora_name": ..., "lora_path": ..., "pinned": false}')
     p.add_argument("--allow_runtime_lora_updating", action="store_true",
                    help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (the server then reads adapter "
                         "directories its clients name); implies --enable_lora")
-    p.add_argument("--max_loras", "--max-loras", dest="max_loras", type=POSITIVE, default=None,
-                   help="adapters one step may run (lora_config.max_loras)")
+    p.add_argument("--max_loras", "--max-loras", "--max-loras-per-batch", dest="max_loras", type=POSITIVE,
+                   default=None, help="adapters one step may run (lora_config.max_loras; SGLang's "
+                                      "--max-loras-per-batch)")
     p.add_argument("--max_lora_rank", "--max-lora-rank", dest="max_lora_rank", type=POSITIVE, default=None,
                    help="the largest adapter rank served (lora_config.max_lora_rank)")
+    p.add_argument("--max_cpu_loras", "--max-cpu-loras", "--max-loaded-loras", dest="max_cpu_loras", type=POSITIVE,
+                   default=None, help="adapters kept in host memory when no request uses them "
+                                      "(lora_config.max_cpu_loras; SGLang's --max-loaded-loras)")
+    p.add_argument("--lora_target_modules", "--lora-target-modules", dest="lora_target_modules", nargs="+",
+                   choices=[*LORA_TARGETS, "all"], default=None,
+                   help="the projections that hold adapter slots (lora_config.lora_target_modules; all: every one)")
     p.add_argument("--extra_llm_api_options", "--config", dest="config", default=None, help="YAML of LLM arguments")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("PHALANX_API_KEY"),
                    help="the key clients must send (default: $PHALANX_API_KEY; none: no key asked)")
@@ -192,6 +203,27 @@ def lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def lora_path(value: str) -> tuple[str, str]:
+    """``--lora_paths`` (SGLang's): NAME=PATH, PATH alone (its own name), or JSON {"lora_name":
+    ..., "lora_path": ..., "pinned": ...}; ``pinned: true`` (never evicted from the GPU's slots) is
+    refused: phalanx's slots go to the adapters the running requests use."""
+    if value.lstrip().startswith("{"):
+        try:
+            d = json.loads(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        extra = sorted(set(d) - {"lora_name", "lora_path", "pinned"}) if isinstance(d, dict) else []
+        if not isinstance(d, dict) or extra or not isinstance(d.get("lora_name"), str) \
+                or not isinstance(d.get("lora_path"), str):
+            raise argparse.ArgumentTypeError('expected {"lora_name": ..., "lora_path": ...}'
+                                             + (f" ({extra[0]} is not supported)" if extra else ""))
+        if d.get("pinned") not in (None, False):
+            raise argparse.ArgumentTypeError("pinned: adapters are not pinned to GPU slots here (the slots go to "
+                                             "the adapters running requests use); leave it out or false")
+        return lora_module(f"{d['lora_name']}={d['lora_path']}")
+    return lora_module(value if "=" in value else f"{value}={value}")
+
+
 def lora_requests(modules: list[tuple[str, str]] | None) -> dict[str, Any]:
     """``--lora_modules`` as the server's adapters, ids 1, 2, ... in the order given."""
     from phalanx.llmapi.lora_request import LoRARequest
@@ -214,9 +246,11 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     kv = {"free_gpu_memory_fraction": a.kv_cache_free_gpu_memory_fraction,
           "dtype": "fp8" if a.kv_cache_dtype == "fp8_e4m3" else a.kv_cache_dtype}
     kw["kv_cache_config"] = {k: v for k, v in kv.items() if v is not None} or None
-    lora = {"max_loras": a.max_loras, "max_lora_rank": a.max_lora_rank}
+    targets = a.lora_target_modules
+    lora = {"max_loras": a.max_loras, "max_lora_rank": a.max_lora_rank, "max_cpu_loras": a.max_cpu_loras,
+            "lora_target_modules": None if targets is None or "all" in targets else targets}
     kw["lora_config"] = {k: v for k, v in lora.items() if v is not None} or None
-    kw["enable_lora"] = a.enable_lora or bool(a.lora_modules) or a.allow_runtime_lora_updating or None
+    kw["enable_lora"] = a.enable_lora or bool(a.lora_modules or a.lora_paths) or a.allow_runtime_lora_updating or None
     kw = {k: v for k, v in kw.items() if v is not None}
     if a.config:
         kw = merge_yaml(kw, a.config)
@@ -247,7 +281,7 @@ def serve(a: argparse.Namespace) -> int:
     try:
         template = chat_template(a.chat_template) if a.chat_template else None
         kwargs = llm_kwargs(a)
-        adapters = lora_requests(a.lora_modules)
+        adapters = lora_requests((a.lora_modules or []) + (a.lora_paths or []))
     except Exception as e:   # a missing or malformed file, a YAML that does not parse
         print(f"phalanx serve: {e}", file=sys.stderr)
         return 1
