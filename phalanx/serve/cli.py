@@ -191,15 +191,23 @@ def lora_module(value: str) -> tuple[str, str]:
         if not isinstance(d, dict) or extra or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
             raise argparse.ArgumentTypeError("expected {\"name\": ..., \"path\": ...}"
                                              + (f" ({extra[0]} is not supported)" if extra else ""))
-        name, path = d["name"], d["path"]
-    else:
-        name, sep, path = value.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
+        return adapter_dir(d["name"], d["path"])
+    name, sep, path = value.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
+    return adapter_dir(name, path)
+
+
+def adapter_dir(name: str, path: str) -> tuple[str, str]:
+    """An adapter's name and its directory, which must hold a PEFT ``adapter_config.json`` (so
+    that a model named after the flag is not taken for one of its adapters)."""
     if not name or not path:
-        raise argparse.ArgumentTypeError(f"{value!r}: the name and the path must not be empty")
+        raise argparse.ArgumentTypeError(f"{name}={path}: the name and the path must not be empty")
     if not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path!r} is not a directory (a PEFT adapter's)")
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise argparse.ArgumentTypeError(f"{path!r} holds no adapter_config.json (a PEFT adapter's directory); the "
+                                         "model goes before the adapter flags")
     return name, path
 
 
@@ -220,7 +228,7 @@ def lora_path(value: str) -> tuple[str, str]:
         if d.get("pinned") not in (None, False):
             raise argparse.ArgumentTypeError("pinned: adapters are not pinned to GPU slots here (the slots go to "
                                              "the adapters running requests use); leave it out or false")
-        return lora_module(f"{d['lora_name']}={d['lora_path']}")
+        return adapter_dir(d["lora_name"], d["lora_path"])
     return lora_module(value if "=" in value else f"{value}={value}")
 
 
@@ -230,7 +238,7 @@ def lora_requests(modules: list[tuple[str, str]] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, (name, path) in enumerate(modules or (), start=1):
         if name in out:
-            raise ValueError(f"--lora_modules: {name!r} is given twice")
+            raise ValueError(f"--lora_modules/--lora-paths: {name!r} is given twice")
         out[name] = LoRARequest(name, i, path)
     return out
 
@@ -248,7 +256,7 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     kw["kv_cache_config"] = {k: v for k, v in kv.items() if v is not None} or None
     targets = a.lora_target_modules
     lora = {"max_loras": a.max_loras, "max_lora_rank": a.max_lora_rank, "max_cpu_loras": a.max_cpu_loras,
-            "lora_target_modules": None if targets is None or "all" in targets else targets}
+            "lora_target_modules": list(LORA_TARGETS) if targets and "all" in targets else targets}
     kw["lora_config"] = {k: v for k, v in lora.items() if v is not None} or None
     kw["enable_lora"] = a.enable_lora or bool(a.lora_modules or a.lora_paths) or a.allow_runtime_lora_updating or None
     kw = {k: v for k, v in kw.items() if v is not None}
@@ -308,7 +316,7 @@ def serve(a: argparse.Namespace) -> int:
     except ValueError as e:
         sock.close()
         llm.shutdown()
-        print(f"phalanx serve: --lora_modules: {e}", file=sys.stderr)
+        print(f"phalanx serve: --lora_modules/--lora-paths: {e}", file=sys.stderr)
         return 1
     name = a.served_model_name or (llm.source.name if model else "SmolLM2-135M-Instruct")
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,

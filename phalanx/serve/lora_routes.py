@@ -106,7 +106,8 @@ def add_routes(server: OpenAIServer) -> None:
             except ValueError as e:   # (refused on the ranks: nothing was added)
                 field, reason = _refused_field(str(e), b.lora_name)
                 raise ApiError(400, f"{field}: {reason}", field) from None
-            except Exception:   # (a timeout, say: the ranks may still add it; let them drop it)
+            except (Exception, asyncio.CancelledError):   # (a timeout, a cancelled handler: the ranks may still
+                # add it; let them drop it)
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(llm.remove_lora, adapter.lora_int_id)
                 raise

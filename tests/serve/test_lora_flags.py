@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from phalanx.config import make_llm_args
+from phalanx.config import LORA_TARGETS, make_llm_args
 from phalanx.serve.cli import add_serve_args, llm_kwargs, lora_requests
 
 
@@ -19,8 +19,9 @@ def parser():
 
 
 def test_sglang_s_and_vllm_s_lora_flags_land_in_lora_config(tmp_path):
-    for name in ("a", "b", "c"):
+    for name in ("a", "b", "c", "x=y"):
         (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
     a = parser().parse_args(["m", "--lora-paths", f"x={tmp_path / 'a'}", str(tmp_path / "b"),
                              json.dumps({"lora_name": "z", "lora_path": str(tmp_path / "c"), "pinned": False}),
                              "--max-loras-per-batch", "3", "--max-loaded-loras", "6",
@@ -35,13 +36,17 @@ def test_sglang_s_and_vllm_s_lora_flags_land_in_lora_config(tmp_path):
         "w": (1, str(tmp_path / "a")), "x": (2, str(tmp_path / "a")), str(tmp_path / "b"): (3, str(tmp_path / "b")),
         "z": (4, str(tmp_path / "c"))}
     kw = llm_kwargs(parser().parse_args(["m", "--lora-target-modules", "all", "--max-cpu-loras", "2"]))
-    assert kw["lora_config"] == {"max_cpu_loras": 2} and "enable_lora" not in kw
+    assert kw["lora_config"] == {"max_cpu_loras": 2, "lora_target_modules": list(LORA_TARGETS)}
+    assert make_llm_args(**kw).lora.targets == LORA_TARGETS
+    a = parser().parse_args(["m", "--lora-paths", json.dumps({"lora_name": "x=y", "lora_path": str(tmp_path / "x=y")})])
+    assert a.lora_paths == [("x=y", str(tmp_path / "x=y"))]     # (a name with "=" in JSON)
 
 
 @pytest.mark.parametrize("args,why", [
     (["--lora-paths", '{"lora_name": "z", "lora_path": "PATH", "pinned": true}'], "pinned"),
     (["--lora-paths", '{"lora_name": "z", "lora_path": "PATH", "max_rank": 8}'], "max_rank is not supported"),
     (["--lora-paths", "z=/nowhere/at/all"], "is not a directory"),
+    (["--lora-paths", "PATH"], "holds no adapter_config.json"),     # (a model named after the flag, say)
     (["--lora-target-modules", "embed_tokens"], "invalid choice"),
     (["--max-loras-per-batch", "0"], "--max_loras"),
 ])
