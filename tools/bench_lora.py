@@ -58,8 +58,8 @@ def timed(form: str, i: dict, slots: int, rank: int) -> Callable[[int], object]:
     """fn(c): one call of the form over the c-th copy of the slots."""
     if form == "dense":
         return lambda c: dense(i["y"], i["x"], i["As"][c], i["Bs"][c], i["mask"])
-    return lambda c: triton_lora.lora_add(i["y"], i["x"], i["As"][c], i["Bs"][c], i["slots"], i["sums"], i["parts"],
-                                          slots, rank, i["bounds"])
+    lp = triton_lora.plan(i["x"].shape[1], i["parts"], slots, rank, i["bounds"])
+    return lambda c: triton_lora.lora_add(i["y"], i["x"], i["As"][c], i["Bs"][c], i["slots"], i["sums"], lp)
 
 
 def check(dev: torch.device) -> None:
@@ -68,8 +68,8 @@ def check(dev: torch.device) -> None:
         for T in (1, 5):
             i = inputs(K, sizes, T, 4, 8, True, dev, dtype)
             ref = dense(i["y"].float(), i["x"].float(), i["A"].float(), i["B"].float(), i["mask"].float())
-            out = triton_lora.lora_add(i["y"].clone(), i["x"], i["A"], i["B"], i["slots"], i["sums"], i["parts"], 4, 8,
-                                       i["bounds"])
+            out = triton_lora.lora_add(i["y"].clone(), i["x"], i["A"], i["B"], i["slots"], i["sums"],
+                                       triton_lora.plan(K, i["parts"], 4, 8, i["bounds"]))
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err < (1e-2 if dtype != torch.float32 else 1e-5), (name, T, err)
             print(f"{name} T={T}: relative error {err:.1e}")

@@ -18,6 +18,8 @@ The work grows with T × the rank × (K + N) reads, each token reading its own s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -96,28 +98,47 @@ def partials(max_k: int, rank: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(splits(max_k), MAX_ROWS, 3 * rank, device=device, dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class LoraPlan:
+    """One projection's launch settings, decided at build (``plan``): its parts, slots and rank,
+    where parts 1 and 2 of its outputs start (``bounds``; N where there are fewer parts), the
+    shrink's programs a token and part and the columns each sums, and the tiles."""
+
+    parts: int
+    slots: int
+    rank: int
+    bounds: tuple[int, int]
+    split: int
+    chunk: int
+    rank_p2: int
+    block_k: int
+    block_n: int
+
+
+def plan(K: int, parts: int, slots: int, rank: int, bounds: tuple[int, int]) -> LoraPlan:
+    """``LoraPlan`` of a projection of K input columns."""
+    split = splits(K)
+    rank_p2 = triton.next_power_of_2(rank)
+    block_k = min(256, triton.next_power_of_2(max(16, 4096 // rank_p2)))
+    chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    block_n = min(128, triton.next_power_of_2(max(16, 4096 // rank_p2)))
+    return LoraPlan(parts, slots, rank, bounds, split, chunk, rank_p2, block_k, block_n)
+
+
 def lora_add(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
-             part_sums: torch.Tensor, parts: int, slots: int, rank: int, bounds: tuple[int, int]) -> torch.Tensor:
+             part_sums: torch.Tensor, lp: LoraPlan) -> torch.Tensor:
     """y [T, N] += each token's adapter (``token_slots[t]``, −1: none) of x [T, K], in place;
-    T ≤ ``MAX_ROWS``; ``bounds``: where parts 1 and 2 of y's columns start (N where there are
-    fewer parts). Returns y."""
+    T ≤ ``MAX_ROWS``; ``lp`` the projection's ``plan``. Returns y."""
     T, K = x.shape
     N = y.shape[1]
     if T == 0:
         return y
-    assert part_sums.shape[1] >= T and x.stride(1) == 1 and y.stride(1) == 1 and B.stride(1) == 1
-    split = splits(K)
-    assert split <= part_sums.shape[0]
-    RP = triton.next_power_of_2(rank)
-    block_k = min(256, triton.next_power_of_2(max(16, 4096 // RP)))
-    chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    block_n = min(128, triton.next_power_of_2(max(16, 4096 // RP)))
     rows, width = part_sums.shape[1], part_sums.shape[2]
     launch = pdl.launch(x)
-    _lora_shrink_kernel[(T, parts, split)](x, A, token_slots, part_sums, x.stride(0), K, slots, chunk, rows, width,
-                                           R=rank, RP=RP, BLOCK_K=block_k, **launch)
-    _lora_expand_kernel[(T, triton.cdiv(N, block_n))](y, part_sums, B, token_slots, y.stride(0), B.stride(0), N,
-                                                      bounds[0], bounds[1], slots, split, rows, width, R=rank,
-                                                      RP=RP, P=parts, SPLIT_P=triton.next_power_of_2(split),
-                                                      BLOCK_N=block_n, **launch)
+    _lora_shrink_kernel[(T, lp.parts, lp.split)](x, A, token_slots, part_sums, x.stride(0), K, lp.slots, lp.chunk,
+                                                 rows, width, R=lp.rank, RP=lp.rank_p2, BLOCK_K=lp.block_k, **launch)
+    _lora_expand_kernel[(T, triton.cdiv(N, lp.block_n))](
+        y, part_sums, B, token_slots, y.stride(0), B.stride(0), N, lp.bounds[0], lp.bounds[1], lp.slots, lp.split,
+        rows, width, R=lp.rank, RP=lp.rank_p2, P=lp.parts, SPLIT_P=triton.next_power_of_2(lp.split),
+        BLOCK_N=lp.block_n, **launch)
     return y

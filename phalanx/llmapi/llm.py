@@ -474,11 +474,10 @@ class LLM:
             raise ValueError("add_lora: the adapter's tensors need its peft_config (r, lora_alpha, ...)")
         config = plain_peft_config(peft_config)
         items = _adapter_tensors(tensors)
-        if isinstance(items[0], dict):   # specs: shared by the caller
-            self._rollout("add_lora", {**args, "peft_config": config, "specs": items}, timeout)
-            return True
-        with share_tensors(items) as shared:
-            self._rollout("add_lora", {**args, "peft_config": config, "specs": shared.specs}, timeout)
+        given = isinstance(items[0], dict)   # specs: shared by the caller
+        with contextlib.nullcontext() if given else share_tensors(items) as shared:
+            specs = items if shared is None else shared.specs
+            self._rollout("add_lora", {**args, "peft_config": config, "specs": specs}, timeout)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -577,11 +576,11 @@ def _adapter_tensors(tensors: Any) -> list[Any]:
     if all(isinstance(i, dict) for i in items):
         return items
     for i in items:
-        if not (isinstance(i, (tuple, list)) and len(i) == 2 and isinstance(i[0], str)
-                and isinstance(i[1], torch.Tensor)):
+        pair = isinstance(i, (tuple, list)) and len(i) == 2
+        if not (pair and isinstance(i[0], str) and isinstance(i[1], torch.Tensor)):
+            got = f"{type(i[1]).__name__} for {i[0]!r}" if pair else type(i).__name__
             raise ValueError(f"add_lora: tensors must map names to tensors (or be weight_transfer.share_tensors' "
-                             f"specs), got {type(i[1] if isinstance(i, (tuple, list)) and len(i) == 2 else i).__name__}"
-                             f"{' for ' + repr(i[0]) if isinstance(i, (tuple, list)) and len(i) == 2 else ''}")
+                             f"specs), got {got}")
     if len({t.is_cuda for _, t in items}) > 1:
         raise ValueError("add_lora: tensors must be all on CUDA or all on the CPU, not both")
     return items

@@ -281,12 +281,10 @@ class LoraState:
     Triton's interpreter: ``TRITON_INTERPRET=1``)."""
 
     def __init__(self, slots: int, rank: int, rows: int, device: torch.device, dtype: torch.dtype) -> None:
-        import os
         self.slots, self.rank, self.device, self.dtype = slots, rank, device, dtype
         self.slot_of_col = torch.arange(slots * rank, device=device) // rank
         self.masks: dict[int, torch.Tensor] = {}
-        self.token_slots = torch.zeros(0, device=device, dtype=torch.int32)
-        self._grow(rows)
+        self._grow(rows)   # (the masks and token_slots)
         self._rows_set = 0
         from phalanx.kernels import ops
         choice = os.environ.get("PHALANX_LORA_KERNELS", "")   # "0": never; "1": also on the CPU (the interpreter)
@@ -294,6 +292,7 @@ class LoraState:
         self.partials: torch.Tensor | None = None   # the kernels' partial sums (``install`` sizes them)
         self.kernel_rows = 0                         # the most tokens a step sends through them
         self.lora_add: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add`` (imported at build)
+        self.token_slots: torch.Tensor
         self.served: tuple[str, ...] = ()                   # the modules that take adapters (``install``)
         self.layers: list[tuple[int, list[nn.Module]]] = []   # (layer, its adapted projections)
 
@@ -319,6 +318,10 @@ class LoraState:
         if self._rows_set > T:
             self.token_slots[T:self._rows_set] = -1
         self._rows_set = T
+
+    def slot_weights(self) -> list[LoraWeights]:
+        """Every adapted projection's slots (``install``'s model)."""
+        return [p.lora for _, projections in self.layers for p in projections]   # type: ignore[misc]
 
     def mask(self, parts: int, rows: int) -> torch.Tensor:
         if rows > self.masks[parts].shape[0]:
@@ -347,9 +350,10 @@ class LoraWeights(nn.Module):
         width = len(parts) * self.slots * self.rank
         self.register_buffer("A", torch.zeros(width, K, device=weight.device, dtype=state.dtype), persistent=False)
         self.register_buffer("B", torch.zeros(N, width, device=weight.device, dtype=state.dtype), persistent=False)
-        ends = [N] if len(parts) == 1 else list(itertools.accumulate(sec[1] for sec in proj._out_sections()))  # type: ignore[operator]
+        ends = list(itertools.accumulate(sec[1] for sec in proj._out_sections()))  # type: ignore[operator]
         assert len(ends) == len(parts) and ends[-1] == N, (ends, N)
-        self.bounds = (ends[0] if len(parts) > 1 else N, ends[1] if len(parts) > 2 else N)   # parts 1 and 2 start
+        self.bounds = (*ends, N, N)[:2]   # where parts 1 and 2 of the output start (N: no such part)
+        self.plan: Any = None             # ``triton_lora.plan`` (``install``, where the kernels serve)
 
     @property
     def modules_served(self) -> tuple[str, ...]:
@@ -387,8 +391,7 @@ class LoraWeights(nn.Module):
         """The projection's output y [T, N] of x [T, K] plus each token's adapter."""
         state = self.state[0]
         if 0 < x.shape[0] <= state.kernel_rows:
-            return state.lora_add(y, x, self.A, self.B, state.token_slots, state.partials,  # type: ignore[misc]
-                                  len(self.parts), self.slots, self.rank, self.bounds)
+            return state.lora_add(y, x, self.A, self.B, state.token_slots, state.partials, self.plan)  # type: ignore[misc]
         return self.dense(y, x)
 
     def dense(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -437,16 +440,18 @@ def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
                                     row_parallel=True, silu_in_front=True)
             served.add("down_proj")
     model.lora = state   # type: ignore[assignment]
-    if state.kernels:
-        from phalanx.kernels import triton_lora
-        state.lora_add, state.kernel_rows = triton_lora.lora_add, triton_lora.MAX_ROWS
-        widest = max((int(m.A.shape[1]) for m in model.modules() if isinstance(m, LoraWeights)), default=1)
-        state.partials = triton_lora.partials(widest, state.rank, state.device)
     state.served = tuple(m for m in LORA_TARGETS if m in served)
     state.layers = [(i, [p for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                      *((layer.mlp.gate_up_proj, layer.mlp.down_proj)
                                        if isinstance(layer.mlp, MLP) else ()))
                          if getattr(p, "lora", None) is not None]) for i, layer in enumerate(layers)]
+    if state.kernels:   # each projection's launches decided here, once
+        from phalanx.kernels import triton_lora
+        state.lora_add, state.kernel_rows = triton_lora.lora_add, triton_lora.MAX_ROWS
+        for w in state.slot_weights():
+            w.plan = triton_lora.plan(int(w.A.shape[1]), len(w.parts), w.slots, w.rank, w.bounds)
+        widest = max((int(w.A.shape[1]) for w in state.slot_weights()), default=1)
+        state.partials = triton_lora.partials(widest, state.rank, state.device)
     return state
 
 

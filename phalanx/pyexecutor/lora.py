@@ -58,7 +58,8 @@ class LoraManager:
         self.users: dict[int, int] = {}          # lora id -> live requests naming it
         self.of_request: dict[int, int] = {}     # request id -> its lora id
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # lora id -> slot, least recent first
-        self.free_slots = list(range(cfg.max_loras - 1, -1, -1))
+        self.free_slots: list[int] = []
+        self.forget_slots()   # (all free)
         self.known: dict[int, tuple[str, str]] = {}   # lora id -> (name, directory or "" for tensors), engine's life
         self.added: set[int] = set()             # ids ``add`` holds until ``remove``
         self.dropping: set[int] = set()          # ids removed while requests still ran with them
@@ -138,9 +139,7 @@ class LoraManager:
         self.added.add(lid)
         self.dropping.discard(lid)
         self.num_loads += 1
-        slot = self.slot_of.pop(lid, None)   # its old weights: written anew when a step needs it
-        if slot is not None:
-            self.free_slots.append(slot)
+        self._free_slot(lid)   # its old weights: written anew when a step needs it
         self._trim()
         return json.dumps({"lora_int_id": lid, "generation": self.generation[lid], "bytes": adapter.nbytes})
 
@@ -174,6 +173,9 @@ class LoraManager:
     def _drop(self, lid: int) -> None:
         self.dropping.discard(lid)
         del self.adapters[lid]
+        self._free_slot(lid)
+
+    def _free_slot(self, lid: int) -> None:
         slot = self.slot_of.pop(lid, None)
         if slot is not None:
             self.free_slots.append(slot)

@@ -14,8 +14,8 @@ two versions). Requests that arrive while paused wait.
 Sleep (``sleep``, idle engine only): the KV cache's memory is released and the prefix cache
 forgotten, the CUDA graphs are dropped, and the weights are copied to host memory (level 1) or
 dropped (level 2, for a caller that loads new weights before generating); LoRA adapter slots are
-given back too (their adapters stay in host memory and are written again when next needed). Memory goes back by
-resizing each storage to zero, so every tensor object — parameters, their views in the layers'
+given back too (their adapters stay in host memory and are written again when next needed).
+Memory goes back by resizing each storage to zero, so every tensor object — parameters, their views in the layers'
 plans, the KV pool — stays the same and takes its memory back on ``wake_up``; the graphs, which
 hold raw addresses, are captured again once both weights and KV cache are awake.
 
@@ -153,7 +153,8 @@ class Rollout:
         for storage in storages:
             storage.resize_(0)
         if runner.lora is not None:   # the adapters' slots: written again from host memory when next needed
-            self._lora_slots = [(st, st.nbytes()) for st in _lora_slot_storages(runner.model)]
+            self._lora_slots = [(t.untyped_storage(), t.untyped_storage().nbytes())
+                                for w in runner.lora.state.slot_weights() for t in (w.A, w.B)]
             for st, _ in self._lora_slots:
                 st.resize_(0)
             runner.lora.forget_slots()
@@ -356,12 +357,6 @@ def _weight_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
         if s.nbytes() and s.data_ptr() not in seen:
             seen[s.data_ptr()] = s
     return list(seen.values())
-
-
-def _lora_slot_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
-    """The storages of the projections' LoRA adapter slots (``models/lora.LoraWeights``)."""
-    from phalanx.models.lora import LoraWeights
-    return [t.untyped_storage() for m in model.modules() if isinstance(m, LoraWeights) for t in (m.A, m.B)]
 
 
 def _aligned(n: int) -> int:

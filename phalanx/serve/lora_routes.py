@@ -76,11 +76,14 @@ def add_routes(server: OpenAIServer) -> None:
     ids = itertools.count(max((a.lora_int_id for a in server.lora_modules.values()), default=0) + 1)
     lock = asyncio.Lock()
 
+    def check_free(name: str) -> None:
+        if name == server.model_name or name in server.lora_modules:
+            raise ApiError(400, f"lora_name: the adapter {name!r} is already served", "lora_name")
+
     async def load(request: Request):
         b = await server._parse(request, LoadBody)
         async with lock:
-            if b.lora_name == server.model_name or b.lora_name in server.lora_modules:
-                raise ApiError(400, f"lora_name: the adapter {b.lora_name!r} is already served", "lora_name")
+            check_free(b.lora_name)
             try:
                 await asyncio.to_thread(check_adapter, llm, b.lora_name, b.lora_path)
             except ValueError as e:
@@ -97,8 +100,7 @@ def add_routes(server: OpenAIServer) -> None:
         if b.tensors is None:
             raise ApiError(400, "tensors: the adapter's tensor specs are required", "tensors")
         async with lock:
-            if b.lora_name == server.model_name or b.lora_name in server.lora_modules:
-                raise ApiError(400, f"lora_name: the adapter {b.lora_name!r} is already served", "lora_name")
+            check_free(b.lora_name)
             adapter = LoRARequest(b.lora_name, next(ids))
             specs = [t.spec() for t in b.tensors]
             try:

@@ -52,7 +52,7 @@ def test_each_token_with_its_own_slot_equals_the_dense_form(T, parts, rank, K, N
                                dtype=torch.int32, device=DEV)   # slots 0, 1, 2, none, 0, ...
     sums = triton_lora.partials(K, rank, DEV)
     sums.fill_(float("nan"))          # nothing the kernels did not write is read
-    out = triton_lora.lora_add(y.clone(), x, A, B, token_slots, sums, parts, slots, rank, bounds)
+    out = triton_lora.lora_add(y.clone(), x, A, B, token_slots, sums, triton_lora.plan(K, parts, slots, rank, bounds))
     ref = dense(y, x, A, B, token_slots, parts, slots, rank)
     tol = 1e-4 if DTYPE is torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
