@@ -12,14 +12,27 @@ depend on T and the shapes alone (CUDA graphs capture them); each token's slot c
 step's buffer (``LoraState.token_slots``), the shrink's partial sums go to a buffer of the state
 (``LoraState.partials``), at most ``MAX_ROWS`` tokens. Both kernels release and wait as
 ``kernels/pdl.py`` says: the slots are step metadata, A and B weights, x and y activations.
-The work grows with T × the rank × (K + N) reads, each token reading its own slices: past
-``MAX_ROWS`` tokens the dense form's two GEMMs are cheaper.
+The work grows with T × the rank × (K + N) reads, each token reading its own slices.
+
+Past ``MAX_ROWS`` tokens (a decode batch of 64, a short prefill), the grouped pair (Punica's
+SGMV) takes up to ``GROUPED_ROWS``: the step's tokens sorted by slot and cut into tiles of at
+most ``TILE_ROWS`` tokens of one slot (``groups``, on the host, staged with the step's inputs), a
+program takes a tile and multiplies it by its slot's A or B once, on the tensor cores:
+
+    shrink  s[k, t, p·R + j] = Σ_{c in K-slice k} x[t, c] · A[(p·S + slot)·R + j, c]   t in the tile
+    expand  y[t, n]         += Σ_p (Σ_k s[k, t, p·R + ·]) · B[n, (p·S + slot)·R + ·]
+
+The grid is the most tiles T tokens can make (``max_tiles``: ⌈T / TILE_ROWS⌉ + one a slot), so it
+depends on T and the shapes alone, as CUDA graphs need; a tile past the step's own is marked
+empty (slot −1) and its program returns. Tokens with no adapter are in no tile. Past
+``GROUPED_ROWS`` tokens (long prefills) the dense form runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +42,9 @@ from phalanx.kernels.pdl import release, wait
 
 MAX_ROWS = 32        # the most tokens a step sends through these kernels (more: the dense form)
 SHRINK_CHUNK = 512   # input columns a shrink program sums (K = 4,096: 8 programs a token and part)
+TILE_ROWS = 16       # the most tokens (of one slot) a grouped program takes
+GROUPED_ROWS = 512   # the most tokens a step sends through the grouped kernels (more: the dense form)
+GROUPED_CHUNK = 2048 # input columns a grouped shrink program sums (its tile's x and A rows: 2 × 64 KB)
 
 
 @triton.jit
@@ -87,15 +103,114 @@ def _lora_expand_kernel(y_ptr, s_ptr, b_ptr, slot_ptr, stride_y, stride_b, N, E1
         tl.store(y_ptr + t * stride_y + n, (y.to(tl.float32) + acc).to(y.dtype), mask=nm)
 
 
+@triton.jit
+def _tile(tile_ptr, order_ptr, g, BM: tl.constexpr):
+    """Tile g's slot (−1: empty), its tokens and which of its BM rows are live: positions
+    [lo, hi) of the step's tokens sorted by slot. Step metadata: read before the PDL wait."""
+    slot = tl.load(tile_ptr + 3 * g)
+    lo = tl.load(tile_ptr + 3 * g + 1)
+    hi = tl.load(tile_ptr + 3 * g + 2)
+    i = tl.arange(0, BM)
+    live = lo + i < hi   # (an empty tile: lo = hi = 0)
+    tok = tl.load(order_ptr + lo + i, mask=live, other=0)
+    return slot, tok, live
+
+
+@triton.jit
+def _lora_shrink_grouped_kernel(x_ptr, a_ptr, tile_ptr, order_ptr, s_ptr, stride_x, K, S, CHUNK, ROWS, PW,
+                                R: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BLOCK_K: tl.constexpr,
+                                PREC: tl.constexpr, PDL: tl.constexpr):
+    """Program (g, p, k): tile g's tokens, part p, input columns [k·CHUNK, (k+1)·CHUNK)."""
+    release(PDL)
+    g = tl.program_id(0)
+    p = tl.program_id(1)
+    k = tl.program_id(2)
+    slot, tok, live = _tile(tile_ptr, order_ptr, g, BM)
+    wait(PDL)
+    if slot >= 0:
+        r = tl.arange(0, RD)
+        rows = (p * S + slot) * R + r
+        acc = tl.zeros([BM, RD], tl.float32)
+        for kk in range(0, CHUNK, BLOCK_K):
+            offs = kk + tl.arange(0, BLOCK_K)
+            cols = k * CHUNK + offs
+            cm = (cols < K) & (offs < CHUNK)
+            xv = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=live[:, None] & cm[None, :], other=0.0)
+            a = tl.load(a_ptr + rows[:, None] * K + cols[None, :], mask=(r[:, None] < R) & cm[None, :], other=0.0)
+            acc += tl.dot(xv, tl.trans(a), input_precision=PREC)
+        tl.store(s_ptr + (k * ROWS + tok[:, None]) * PW + p * R + r[None, :], acc,
+                 mask=live[:, None] & (r[None, :] < R))
+
+
+@triton.jit
+def _lora_expand_grouped_kernel(y_ptr, s_ptr, b_ptr, tile_ptr, order_ptr, stride_y, stride_b, N, E1, E2, S, SPLIT,
+                                ROWS, PW, R: tl.constexpr, RD: tl.constexpr, P: tl.constexpr, BM: tl.constexpr,
+                                BLOCK_N: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """Program (g, b): tile g's tokens, outputs [b·BLOCK_N, (b+1)·BLOCK_N). Only the parts whose
+    rows ([0, E1), [E1, E2), [E2, N)) meet the block are read."""
+    release(PDL)
+    g = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    slot, tok, live = _tile(tile_ptr, order_ptr, g, BM)
+    wait(PDL)
+    if slot >= 0:
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < N
+        r = tl.arange(0, RD)
+        rm = r < R
+        acc = tl.zeros([BM, BLOCK_N], tl.float32)
+        for p in tl.static_range(P):
+            lo = 0 if p == 0 else (E1 if p == 1 else E2)
+            hi = E1 if p == 0 else (E2 if p == 1 else N)
+            if (n0 < hi) & (n0 + BLOCK_N > lo):
+                sp = tl.zeros([BM, RD], tl.float32)
+                for k in range(0, SPLIT):
+                    sp += tl.load(s_ptr + (k * ROWS + tok[:, None]) * PW + p * R + r[None, :],
+                                  mask=live[:, None] & rm[None, :], other=0.0)
+                pm = nm & (n >= lo) & (n < hi)
+                cols = (p * S + slot) * R + r
+                b = tl.load(b_ptr + n[:, None] * stride_b + cols[None, :], mask=pm[:, None] & rm[None, :], other=0.0)
+                acc += tl.dot(sp.to(b.dtype), tl.trans(b), input_precision=PREC)
+        m = live[:, None] & nm[None, :]
+        y = tl.load(y_ptr + tok[:, None] * stride_y + n[None, :], mask=m, other=0.0)
+        tl.store(y_ptr + tok[:, None] * stride_y + n[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=m)
+
+
 def splits(K: int) -> int:
     """The shrink's programs a token and part for K input columns."""
     return triton.cdiv(K, SHRINK_CHUNK)
 
 
-def partials(max_k: int, rank: int, device: torch.device) -> torch.Tensor:
-    """The shrink's partial sums for projections of at most ``max_k`` input columns and three
-    parts: [splits, MAX_ROWS, 3 · rank] float32."""
-    return torch.zeros(splits(max_k), MAX_ROWS, 3 * rank, device=device, dtype=torch.float32)
+def partials(max_k: int, rank: int, device: torch.device, rows: int = MAX_ROWS) -> torch.Tensor:
+    """The shrinks' partial sums for projections of at most ``max_k`` input columns and three
+    parts, at most ``rows`` tokens: [splits, rows, 3 · rank] float32 (the grouped shrink splits
+    K into fewer slices)."""
+    return torch.zeros(splits(max_k), max(rows, MAX_ROWS), 3 * rank, device=device, dtype=torch.float32)
+
+
+def max_tiles(T: int, slots: int) -> int:
+    """The most tiles of ``TILE_ROWS`` tokens of one slot that T tokens make over ``slots`` slots."""
+    return triton.cdiv(T, TILE_ROWS) + min(slots, T)
+
+
+def groups(token_slots: np.ndarray, slots: int) -> np.ndarray:
+    """The grouped kernels' step metadata for tokens ``token_slots`` (−1: none), at most
+    ``GROUPED_ROWS`` of them: int32, ``max_tiles(GROUPED_ROWS, slots)`` tiles of (slot, lo, hi)
+    (−1, 0, 0: empty), then the tokens in slot order (tile (s, lo, hi) takes the tokens at
+    positions [lo, hi) of it)."""
+    T = len(token_slots)
+    assert T <= GROUPED_ROWS, T
+    n = max_tiles(GROUPED_ROWS, slots)
+    order = np.argsort(token_slots, kind="stable").astype(np.int32)
+    starts = np.searchsorted(token_slots[order], np.arange(slots + 1))   # slot s: [starts[s], starts[s + 1])
+    count = np.diff(starts)
+    per = -(-count // TILE_ROWS)                                          # tiles a slot
+    slot = np.repeat(np.arange(slots), per)
+    lo = starts[slot] + (np.arange(len(slot)) - np.repeat(np.cumsum(per) - per, per)) * TILE_ROWS
+    tiles = np.zeros((n, 3), np.int32)
+    tiles[:, 0] = -1
+    tiles[:len(slot)] = np.stack([slot, lo, np.minimum(lo + TILE_ROWS, starts[slot + 1])], axis=1)
+    return np.concatenate([tiles.ravel(), order])
 
 
 @dataclass(frozen=True)
@@ -113,16 +228,28 @@ class LoraPlan:
     rank_p2: int
     block_k: int
     block_n: int
+    grouped_split: int    # the grouped kernels': K's slices, each's columns, the rank in a dot (≥ 16), tiles
+    grouped_chunk: int
+    rank_dot: int
+    grouped_block_k: int
+    grouped_block_n: int
+    precision: str        # the dots' input precision ("ieee" for float32 weights: no TF32)
 
 
-def plan(K: int, parts: int, slots: int, rank: int, bounds: tuple[int, int]) -> LoraPlan:
-    """``LoraPlan`` of a projection of K input columns."""
+def plan(K: int, parts: int, slots: int, rank: int, bounds: tuple[int, int],
+         dtype: torch.dtype = torch.bfloat16) -> LoraPlan:
+    """``LoraPlan`` of a projection of K input columns whose slots are of ``dtype``."""
     split = splits(K)
     rank_p2 = triton.next_power_of_2(rank)
     block_k = min(256, triton.next_power_of_2(max(16, 4096 // rank_p2)))
     chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     block_n = min(128, triton.next_power_of_2(max(16, 4096 // rank_p2)))
-    return LoraPlan(parts, slots, rank, bounds, split, chunk, rank_p2, block_k, block_n)
+    g_split = triton.cdiv(K, GROUPED_CHUNK)
+    rank_dot = max(16, rank_p2)
+    g_block_k = 64 if rank_dot <= 32 else 32
+    g_chunk = triton.cdiv(triton.cdiv(K, g_split), g_block_k) * g_block_k
+    return LoraPlan(parts, slots, rank, bounds, split, chunk, rank_p2, block_k, block_n, g_split, g_chunk, rank_dot,
+                    g_block_k, 64, "ieee" if dtype == torch.float32 else "tf32")
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
@@ -141,4 +268,27 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
         y, part_sums, B, token_slots, y.stride(0), B.stride(0), N, lp.bounds[0], lp.bounds[1], lp.slots, lp.split,
         rows, width, R=lp.rank, RP=lp.rank_p2, P=lp.parts, SPLIT_P=triton.next_power_of_2(lp.split),
         BLOCK_N=lp.block_n, **launch)
+    return y
+
+
+def lora_add_grouped(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, step_groups: torch.Tensor,
+                     part_sums: torch.Tensor, lp: LoraPlan) -> torch.Tensor:
+    """``lora_add`` through the grouped kernels: ``step_groups`` the step's ``groups`` (on the
+    device, for at most ``GROUPED_ROWS`` tokens), T ≤ ``GROUPED_ROWS``. Returns y."""
+    T, K = x.shape
+    N = y.shape[1]
+    if T == 0:
+        return y
+    n = max_tiles(GROUPED_ROWS, lp.slots)
+    tiles, order = step_groups[:3 * n], step_groups[3 * n:]
+    rows, width = part_sums.shape[1], part_sums.shape[2]
+    launch = pdl.launch(x)
+    grid = max_tiles(T, lp.slots)
+    _lora_shrink_grouped_kernel[(grid, lp.parts, lp.grouped_split)](
+        x, A, tiles, order, part_sums, x.stride(0), K, lp.slots, lp.grouped_chunk, rows, width, R=lp.rank,
+        RD=lp.rank_dot, BM=TILE_ROWS, BLOCK_K=lp.grouped_block_k, PREC=lp.precision, **launch)
+    _lora_expand_grouped_kernel[(grid, triton.cdiv(N, lp.grouped_block_n))](
+        y, part_sums, B, tiles, order, y.stride(0), B.stride(0), N, lp.bounds[0], lp.bounds[1], lp.slots,
+        lp.grouped_split, rows, width, R=lp.rank, RD=lp.rank_dot, P=lp.parts, BM=TILE_ROWS,
+        BLOCK_N=lp.grouped_block_n, PREC=lp.precision, **launch)
     return y

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -276,9 +277,11 @@ class LoraState:
     """The step's token-to-slot mask M (module docstring), one buffer per part count P (M tiled
     P times), and each token's slot (``token_slots``, -1: none; the kernels' form), filled before
     each step by ``set_tokens``; the projections read their first T rows. ``kernels``: steps of
-    few tokens take ``kernels/triton_lora.py`` (decided at build: on a GPU, unless
-    ``PHALANX_LORA_KERNELS=0`` or ``PHALANX_KERNELS=ref``; with ``=1`` on the CPU too, through
-    Triton's interpreter: ``TRITON_INTERPRET=1``)."""
+    up to ``kernel_rows`` tokens take ``kernels/triton_lora.py``'s decode kernels, and steps of up
+    to ``grouped_rows`` its grouped kernels, whose step metadata (``groups``: the tokens sorted by
+    slot, in tiles) ``set_tokens`` also writes (decided at build: on a GPU, unless
+    ``PHALANX_LORA_KERNELS=0`` or ``PHALANX_KERNELS=ref``; ``=bgmv``: the decode kernels alone;
+    with ``=1`` or ``=bgmv`` on the CPU too, through Triton's interpreter: ``TRITON_INTERPRET=1``)."""
 
     def __init__(self, slots: int, rank: int, rows: int, device: torch.device, dtype: torch.dtype) -> None:
         self.slots, self.rank, self.device, self.dtype = slots, rank, device, dtype
@@ -287,11 +290,16 @@ class LoraState:
         self._grow(rows)   # (the masks and token_slots)
         self._rows_set = 0
         from phalanx.kernels import ops
-        choice = os.environ.get("PHALANX_LORA_KERNELS", "")   # "0": never; "1": also on the CPU (the interpreter)
-        self.kernels = choice == "1" or (choice != "0" and device.type == "cuda" and ops.triton_available())
+        # "0": never; "1": also on the CPU (the interpreter); "bgmv": the decode kernels alone (also on the CPU)
+        choice = os.environ.get("PHALANX_LORA_KERNELS", "")
+        self.kernels = choice in ("1", "bgmv") or (choice != "0" and device.type == "cuda" and ops.triton_available())
+        self.grouped = self.kernels and choice != "bgmv"
         self.partials: torch.Tensor | None = None   # the kernels' partial sums (``install`` sizes them)
-        self.kernel_rows = 0                         # the most tokens a step sends through them
+        self.kernel_rows = 0                         # the most tokens a step sends through the decode kernels
+        self.grouped_rows = 0                        # ... through the grouped kernels (more: the dense form)
         self.lora_add: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add`` (imported at build)
+        self.lora_add_grouped: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add_grouped``
+        self.step_groups: torch.Tensor | None = None   # the step's ``triton_lora.groups`` (``install`` sizes it)
         self.token_slots: torch.Tensor
         self.served: tuple[str, ...] = ()                   # the modules that take adapters (``install``)
         self.layers: list[tuple[int, list[nn.Module]]] = []   # (layer, its adapted projections)
@@ -303,8 +311,20 @@ class LoraState:
                       for p in (1, 2, 3)}
         self.token_slots = torch.full((rows,), -1, device=self.device, dtype=torch.int32)
 
-    def set_tokens(self, token_slots: torch.Tensor) -> None:
-        """token_slots [T] (int, on the device): each token's adapter slot, -1 for none."""
+    def groups(self, token_slots: np.ndarray) -> np.ndarray | None:
+        """The grouped kernels' step metadata for a step's tokens (``triton_lora.groups``), where
+        they may run the step (None: they do not serve, or the step has too many tokens)."""
+        if not 0 < len(token_slots) <= self.grouped_rows:
+            return None
+        from phalanx.kernels import triton_lora
+        return triton_lora.groups(token_slots, self.slots)
+
+    def set_tokens(self, token_slots: torch.Tensor, groups: torch.Tensor | None = None) -> None:
+        """token_slots [T] (int, on the device): each token's adapter slot, -1 for none; ``groups``:
+        their ``groups`` (on the device), where the grouped kernels may run the step."""
+        if groups is not None:
+            assert self.step_groups is not None
+            self.step_groups[:groups.shape[0]] = groups
         T = token_slots.shape[0]
         if self.masks[1].shape[0] < T:
             self._grow(T)
@@ -390,8 +410,12 @@ class LoraWeights(nn.Module):
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The projection's output y [T, N] of x [T, K] plus each token's adapter."""
         state = self.state[0]
-        if 0 < x.shape[0] <= state.kernel_rows:
+        T = x.shape[0]
+        if 0 < T <= state.kernel_rows:
             return state.lora_add(y, x, self.A, self.B, state.token_slots, state.partials, self.plan)  # type: ignore[misc]
+        if 0 < T <= state.grouped_rows:
+            return state.lora_add_grouped(y, x, self.A, self.B, state.step_groups,  # type: ignore[misc]
+                                          state.partials, self.plan)
         return self.dense(y, x)
 
     def dense(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -449,9 +473,14 @@ def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
         from phalanx.kernels import triton_lora
         state.lora_add, state.kernel_rows = triton_lora.lora_add, triton_lora.MAX_ROWS
         for w in state.slot_weights():
-            w.plan = triton_lora.plan(int(w.A.shape[1]), len(w.parts), w.slots, w.rank, w.bounds)
+            w.plan = triton_lora.plan(int(w.A.shape[1]), len(w.parts), w.slots, w.rank, w.bounds, state.dtype)
         widest = max((int(w.A.shape[1]) for w in state.slot_weights()), default=1)
-        state.partials = triton_lora.partials(widest, state.rank, state.device)
+        if state.grouped:
+            state.lora_add_grouped, state.grouped_rows = triton_lora.lora_add_grouped, triton_lora.GROUPED_ROWS
+            empty = triton_lora.groups(np.zeros(0, np.int64), state.slots)   # every tile empty
+            state.step_groups = torch.from_numpy(np.concatenate([empty, np.zeros(state.grouped_rows, np.int32)])
+                                                 ).to(state.device)
+        state.partials = triton_lora.partials(widest, state.rank, state.device, state.grouped_rows)
     return state
 
 

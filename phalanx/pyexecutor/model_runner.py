@@ -79,6 +79,7 @@ class StepInputs:
     spec: SpecStep | None = None              # speculative rows (verify, first tokens, prompts)
     extend_graph: int | None = None           # the extend graph whose buffers hold these inputs
     lora_slots: torch.Tensor | None = None    # [T] each token's LoRA adapter slot (-1: none), when set this step
+    lora_groups: torch.Tensor | None = None   # their ``LoraState.groups``, where the grouped kernels may run
     lora_clear: bool = True                   # no token of the step has an adapter
 
 
@@ -324,7 +325,7 @@ class ModelRunner:
             arrays += [np.asarray(gather_dst, np.int64), np.asarray(gather_slot, np.int64)]
         lora = self._lora_slots(batch, counts)
         if lora is not None:
-            arrays.append(lora[0])
+            arrays += lora[0]
         if arrays:
             staged += self.stage(arrays)
         self.clock.mark("stage")
@@ -344,7 +345,8 @@ class ModelRunner:
         if gather_dst:
             inputs.gather_dst, inputs.gather_slot = staged[8], staged[9]
         if lora is not None:
-            inputs.lora_slots, inputs.lora_clear = staged[-1], lora[1]
+            inputs.lora_slots, inputs.lora_clear = staged[len(staged) - len(lora[0])], lora[1]
+            inputs.lora_groups = staged[-1] if len(lora[0]) == 2 else None
         if prompt_spans:
             inputs.prompt_logprobs = self._prompt_rows(batch, prompt_spans, query_start)
         if spec is not None and (spec.verify or spec.first or spec.prompt or spec.cached):
@@ -353,17 +355,20 @@ class ModelRunner:
                                      self.stage)
         return inputs
 
-    def _lora_slots(self, batch: ScheduledBatch, counts: np.ndarray) -> tuple[np.ndarray, bool] | None:
-        """(each token's adapter slot (-1: none), whether no token has an adapter), the step's
-        adapters written into slots; None where neither this step nor the last step that wrote
-        the mask has a token with an adapter (the mask stays zero)."""
-        if self.lora is None:
+    def _lora_slots(self, batch: ScheduledBatch, counts: np.ndarray) -> tuple[list[np.ndarray], bool] | None:
+        """([each token's adapter slot (-1: none), and their grouped kernels' metadata where those
+        may run the step], whether no token has an adapter), the step's adapters written into
+        slots; None where neither this step nor the last step that wrote the mask has a token
+        with an adapter (the mask stays zero)."""
+        if self.lora is None or self.model.lora is None:
             return None
         ids = [r.lora_id for r in batch.requests]
         clear = not any(ids)
         if clear and self._lora_mask_clear:
             return None
-        return np.repeat(np.asarray(self.lora.slots(ids), np.int64), counts), clear
+        slots = np.repeat(np.asarray(self.lora.slots(ids), np.int64), counts)
+        groups = self.model.lora.groups(slots)
+        return ([slots] if groups is None else [slots, groups]), clear
 
     def _prompt_rows(self, batch: ScheduledBatch, spans: list[tuple[int, int, int, int]],
                      query_start: np.ndarray) -> PromptLogprobRows:
@@ -410,7 +415,7 @@ class ModelRunner:
         if inputs.gather_dst is not None:
             inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
         if inputs.lora_slots is not None and self.model.lora is not None:
-            self.model.lora.set_tokens(inputs.lora_slots)
+            self.model.lora.set_tokens(inputs.lora_slots, inputs.lora_groups)
             self._lora_mask_clear = inputs.lora_clear   # (once written: a step that failed before wrote nothing)
         if inputs.spec is not None and self.spec is not None:
             self.spec.place(inputs.spec, inputs.input_ids, inputs.positions, inputs.meta)

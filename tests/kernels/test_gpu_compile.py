@@ -196,6 +196,19 @@ CASES |= {
         "y_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "slot_ptr": "*i32"},
         {"R": 16, "RP": 16, "P": 3, "SPLIT_P": 32, "BLOCK_N": 128, "PDL": True}),
 }
+# LoRA's grouped kernels (tiles of one slot's tokens on the tensor cores), rank 8 (dots at 16) and 64
+for rank in (8, 64):
+    lp = triton_lora.plan(4096, 3, 4, rank, (4096, 5120))
+    CASES |= {
+        f"LoRA grouped shrink, rank {rank}": (triton_lora._lora_shrink_grouped_kernel, {
+            "x_ptr": "*bf16", "a_ptr": "*bf16", "tile_ptr": "*i32", "order_ptr": "*i32", "s_ptr": "*fp32"},
+            {"R": rank, "RD": lp.rank_dot, "BM": triton_lora.TILE_ROWS, "BLOCK_K": lp.grouped_block_k,
+             "PREC": lp.precision, "PDL": True}),
+        f"LoRA grouped expand, rank {rank}, three parts": (triton_lora._lora_expand_grouped_kernel, {
+            "y_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "tile_ptr": "*i32", "order_ptr": "*i32"},
+            {"R": rank, "RD": lp.rank_dot, "P": 3, "BM": triton_lora.TILE_ROWS, "BLOCK_N": lp.grouped_block_n,
+             "PREC": lp.precision, "PDL": True}),
+    }
 # FP8 experts multiplied in FP8 (W8A8): the activations come in as e4m3 with a float32 scale a row
 A8_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "A8": True}
 CASES |= {
