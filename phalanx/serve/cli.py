@@ -83,6 +83,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust_remote_code", action="store_true", help="let the model's code run (tokenizers)")
     p.add_argument("--chat_template", default=None,
                    help="a Jinja chat template: a file, or the template itself (checked at start-up)")
+    p.add_argument("--trust-request-chat-template", "--trust_request_chat_template", action="store_true",
+                   dest="trust_request_chat_template",
+                   help="render a chat request's own chat_template (vLLM's flag; without it such a request is refused)")
     p.add_argument("--served_model_name", default=None, help="the model's name in the API (default: the model's)")
     p.add_argument("--log_level", default="info", type=str.lower, choices=list(LOG_LEVELS), help="log level")
     p.add_argument("--drain_timeout", type=at_least(0.0, float), default=30.0,
@@ -127,13 +130,13 @@ def chat_template(value: str) -> str:
         raise ValueError(f"--chat_template: {value!r} is neither a file nor a Jinja template")
     import jinja2
     try:
-        _compile_template(text)
+        compile_template(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
     return text
 
 
-def _compile_template(text: str) -> None:
+def compile_template(text: str) -> None:
     """Compile a chat template as transformers does when it renders one (its extensions, such as
     ``{% generation %}``, included); a sandboxed environment with loop controls where its
     compiler is not there."""
@@ -322,7 +325,8 @@ def serve(a: argparse.Namespace) -> int:
     server = OpenAIServer(llm, name, a.api_key, template, a.max_request_body_bytes, a.enable_debug_endpoints,
                           tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
                           allowed_origins=a.allowed_origins, responses_store_size=a.responses_store_size,
-                          lora_modules=adapters, runtime_lora_updating=a.allow_runtime_lora_updating)
+                          lora_modules=adapters, runtime_lora_updating=a.allow_runtime_lora_updating,
+                          trust_request_chat_template=a.trust_request_chat_template)
     # uvicorn cancels the handlers still running when its graceful time is over, mid-response; the
     # requests still running when the drain time is over are aborted first, and their handlers
     # get ABORT_GRACE seconds more to answer (finish reason "abort") before uvicorn cancels any

@@ -260,8 +260,11 @@ class OpenAIServer:
                  max_body_bytes: int = 8 << 20, debug_endpoints: bool = False, tokenizer_threads: int = 4,
                  tool_call_parser: str = "auto", reasoning_parser: str = "none",
                  allowed_origins: list[str] | None = None, responses_store_size: int = 1024,
-                 lora_modules: dict[str, LoRARequest] | None = None, runtime_lora_updating: bool = False) -> None:
+                 lora_modules: dict[str, LoRARequest] | None = None, runtime_lora_updating: bool = False,
+                 trust_request_chat_template: bool = False) -> None:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        # a chat request's own chat_template is rendered (vLLM's --trust-request-chat-template), else refused
+        self.trust_request_chat_template = trust_request_chat_template
         # adapters served as models of their own (vLLM's --lora-modules): a request names one as its model
         self.lora_modules = dict(lora_modules or {})
         self.runtime_lora_updating = runtime_lora_updating   # /v1/load_lora_adapter and /v1/unload_lora_adapter
@@ -806,7 +809,7 @@ class OpenAIServer:
         """Render, tokenize, check and submit a chat request (also what a Responses request runs
         as: ``what`` and ``limit_field`` are the fields a context-length error names)."""
         tokenizer = self._tokenizer("chat needs one", what)
-        plan = self._chat_plan(body, tokenizer.chat_template)
+        plan = self._chat_plan(body, self._template(body, tokenizer))
         keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
         ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1 if keep is None else None)
         ids = ids[-keep:] if keep is not None else ids
@@ -827,7 +830,7 @@ class OpenAIServer:
         tokenizer = self.llm.tokenizer
         assert tokenizer is not None
         kwargs = dict(body.chat_template_kwargs or {})
-        template = self.chat_template or tokenizer.chat_template
+        template = self._template(body, tokenizer)
         if active_tools is not None and tools.template_renders_tools(template):
             kwargs["tools"] = active_tools
         for field in TEMPLATE_FIELDS:     # documents, reasoning_effort: only to a template that reads them
@@ -840,7 +843,7 @@ class OpenAIServer:
             kwargs["continue_final_message"] = True
         try:
             return await self._text(lambda: tokenizer.encode_chat(
-                messages, body.add_generation_prompt, self.chat_template, limit, **kwargs))
+                messages, body.add_generation_prompt, template, limit, **kwargs))
         except ValueError as e:
             if body.continue_final_message and "continue_final_message" in str(e):   # (its text holds the prompt)
                 raise ApiError(400, "the chat template cannot continue the final message: it does not end the "
@@ -861,7 +864,7 @@ class OpenAIServer:
         tokenizer = self._tokenizer("/tokenize needs one", "messages" if chat else "prompt")
         if isinstance(body, TokenizeChatRequest):
             shown = _tool_defs(body.tools)
-            messages = tools.template_messages(body.messages, shown, self.chat_template or tokenizer.chat_template)
+            messages = tools.template_messages(body.messages, shown, self._template(body, tokenizer))
             ids = await self._chat_ids(messages, shown, body, None)
         else:
             ids = await self._text(tokenizer.encode, body.prompt, body.add_special_tokens)
@@ -885,9 +888,26 @@ class OpenAIServer:
             raise ApiError(400, f"this server has no tokenizer: {why}", field)
         return self.llm.tokenizer
 
-    def _chat_plan(self, body: ChatCompletionRequest, tokenizer_template: str | None) -> ChatPlan:
-        """What a chat request asks of the output: its grammar, and how to read the text back."""
-        template = self.chat_template or tokenizer_template
+    def _template(self, body: ChatCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer) -> str | None:
+        """The chat template a request renders with: its own ``chat_template`` where the server
+        trusts requests' templates (a 400 naming it where not, or where it does not parse), else
+        the server's ``--chat_template``, else the tokenizer's."""
+        own = getattr(body, "chat_template", None)
+        if own is None:
+            return self.chat_template or tokenizer.chat_template
+        if not self.trust_request_chat_template:
+            raise ApiError(400, "chat_template: this server renders only its own chat template (start it with "
+                                "--trust-request-chat-template to take a request's)", "chat_template")
+        from phalanx.serve.cli import compile_template
+        try:
+            compile_template(own)
+        except Exception as e:   # jinja2's syntax errors, and what the sandbox refuses to compile
+            raise ApiError(400, f"chat_template: not a valid Jinja template ({e})", "chat_template") from None
+        return own
+
+    def _chat_plan(self, body: ChatCompletionRequest, template: str | None) -> ChatPlan:
+        """What a chat request asks of the output: its grammar, and how to read the text back
+        (``template``: the chat template it renders with, ``_template``)."""
         tool_defs = _tool_defs(body.tools)
         choice: Any = body.tool_choice
         if isinstance(choice, NamedToolChoice):

@@ -41,6 +41,7 @@ MAX_TEXT_CHARS = 4 * 1024 * 1024
 MAX_PROMPT_TOKEN_IDS = 1 << 20
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_DEPTH = 32
+MAX_TEMPLATE_CHARS = 256 * 1024   # a request's own chat template (where the server takes one)
 INT32_MAX = 2**31 - 1
 
 LABEL_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -474,6 +475,9 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False      # the final message, when the assistant's, goes first in the answer (vLLM's)
     include_reasoning: bool = True     # False: the reasoning parser's reasoning is left out (vLLM's)
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
+    # the request's own Jinja template (vLLM's): only where the server was started with
+    # --trust-request-chat-template, refused by name otherwise
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_TEMPLATE_CHARS)
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -532,6 +536,7 @@ class TokenizeChatRequest(NullIsDefault):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_TEMPLATE_CHARS)   # (as the chat endpoint's)
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     documents: list[dict[str, str]] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS)

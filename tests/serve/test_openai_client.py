@@ -543,3 +543,14 @@ def test_tokenize_and_detokenize_give_the_ids_the_endpoints_run_on(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, body, r.text)
     assert httpx.post(server + "/tokenize", json={"prompt": prompt}).status_code == 401
     assert httpx.post(server + "/tokenize", json={"model": "other", "prompt": prompt}, headers=auth).status_code == 404
+
+
+def test_a_request_s_chat_template_is_refused_by_a_server_that_does_not_trust_them(server):
+    """vLLM's default: without --trust-request-chat-template a request's chat_template is a 400
+    naming it (the chat endpoint and /tokenize), never rendered or ignored."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+        r = _post(server + path, json={"messages": messages, "chat_template": "{{ messages[0]['content'] }}", **extra},
+                  headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
