@@ -88,6 +88,20 @@ def assert_same_greedy(ours: list[int], ref: list[int], gaps: list[float], what:
     assert len(ours) == len(ref), f"{what}: {len(ours)} tokens vs {len(ref)}"
 
 
+def assert_adapters_greedy(refs: dict, cases, device: str = "cuda") -> None:
+    """Each case (what, prompt, adapter name or None, our tokens, how many were asked) equals
+    the greedy tokens of ``refs[name]`` (the base model or its PEFT model), run on ``device``
+    and moved back after."""
+    on = {k: m.to(device) for k, m in refs.items()}
+    try:
+        for what, prompt, name, ours, n in cases:
+            ref, gaps = hf_greedy(on[name], prompt, n)
+            assert_same_greedy(ours, ref, gaps, what)
+    finally:
+        for m in refs.values():
+            m.to("cpu")
+
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -6,7 +6,7 @@ grouped kernels (more rows than ``triton_lora.MAX_ROWS``, at most ``GROUPED_ROWS
 import pytest
 import torch
 
-from hf_reference import LORA_TARGETS, assert_same_greedy, hf_greedy, save_lora_adapter
+from hf_reference import LORA_TARGETS, assert_adapters_greedy, save_lora_adapter
 from phalanx import LLM, LoRARequest, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -32,11 +32,5 @@ def test_wide_decode_graphs_with_mixed_adapters_equal_peft(tiny_models, hf_model
         loras = [LoRARequest(n, ids[n], str(tmp_path / n)) if n else None for _, n in batch]
         outs = llm.generate([p for p, _ in batch], sps, use_tqdm=False, lora_request=loras)
         assert llm._executor.engine.runner.num_graph_steps > 0
-    hf_cuda = {k: m.to("cuda") for k, m in refs.items()}
-    try:
-        for i, ((p, name), sp, out) in enumerate(zip(batch, sps, outs, strict=True)):
-            ref, gaps = hf_greedy(hf_cuda[name], p, sp.max_tokens)
-            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"adapter {name} prompt {i}")
-    finally:
-        for m in refs.values():
-            m.to("cpu")
+    assert_adapters_greedy(refs, [(f"adapter {name} prompt {i}", p, name, out.outputs[0].token_ids, sp.max_tokens)
+                                  for i, ((p, name), sp, out) in enumerate(zip(batch, sps, outs, strict=True))])
