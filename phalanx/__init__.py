@@ -16,6 +16,7 @@ _LAZY = {
     "LoRARequest": "phalanx.llmapi.lora_request",
     "RequestOutput": "phalanx.llmapi.outputs",
     "CompletionOutput": "phalanx.llmapi.outputs",
+    "BeamSearchParams": "phalanx.llmapi.beam_search",
     "KvCacheConfig": "phalanx.config",
     "SchedulerConfig": "phalanx.config",
     "CudaGraphConfig": "phalanx.config",

@@ -12,6 +12,9 @@ _LAZY = {
     "RequestOutput": "phalanx.llmapi.outputs",
     "CompletionOutput": "phalanx.llmapi.outputs",
     "RequestError": "phalanx.llmapi.outputs",
+    "BeamSearchParams": "phalanx.llmapi.beam_search",
+    "BeamSearchOutput": "phalanx.llmapi.beam_search",
+    "BeamSearchSequence": "phalanx.llmapi.beam_search",
 }
 
 

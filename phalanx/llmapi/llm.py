@@ -29,6 +29,7 @@ from phalanx.llmapi.sampling_params import MAX_CACHE_SALT, SamplingParams, bad_w
 from phalanx.llmapi.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
+    from phalanx.llmapi.beam_search import BeamSearchOutput, BeamSearchParams
     from phalanx.llmapi.grammar import GrammarCompiler
 
 logger = logging.getLogger("phalanx")
@@ -126,6 +127,16 @@ class LLM:
                              "got a list of prompts: use generate for a batch")
         loras = self._loras(lora_request, 1)
         return self._submit_all([self._prepare(inputs, sampling_params)], cache_salt, streaming, loras)[0]
+
+    def beam_search(self, prompts: Sequence[PromptInput], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's ``LLM.beam_search``, ``llmapi/beam_search.py``): a
+        ``BeamSearchOutput`` a prompt, its ``params.beam_width`` best beams first."""
+        from phalanx.llmapi.beam_search import beam_search
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or _is_single(prompts):
+            raise ValueError("prompts: beam_search takes a list of prompts (strings, token ids or dicts)")
+        return beam_search(self, list(prompts), params, self._loras(lora_request, len(prompts)), use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
