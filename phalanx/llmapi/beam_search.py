@@ -25,6 +25,7 @@ from phalanx.llmapi.sampling_params import MAX_LOGPROBS, SamplingParams, _check,
 if TYPE_CHECKING:
     from phalanx.llmapi.llm import LLM, PromptInput
     from phalanx.llmapi.lora_request import LoRARequest
+    from phalanx.llmapi.outputs import RequestOutput
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2   # each step asks for 2·W alternatives
 
@@ -79,62 +80,102 @@ def score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) 
     return beam.cum_logprob / (n ** length_penalty)
 
 
-def beam_search(llm: LLM, prompts: Sequence[PromptInput], params: BeamSearchParams,
-                loras: list[LoRARequest | None] | None, use_tqdm: bool) -> list[BeamSearchOutput]:
-    """``LLM.beam_search`` (module docstring)."""
-    from phalanx.llmapi.llm import PreparedPrompt, _progress
-    if not isinstance(params, BeamSearchParams):
-        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    params.validate()
-    eos = frozenset(llm._eos_token_ids())
-    width = params.beam_width
-    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True, detokenize=False)
-    starts = [llm._prepare(p, step).token_ids for p in prompts]
-    for i, ids in enumerate(starts):
-        if len(ids) + params.max_tokens > llm.max_seq_len:
-            raise ValueError(f"max_tokens: prompt {i} has {len(ids)} tokens, and {params.max_tokens} more exceed "
-                             f"max_seq_len {llm.max_seq_len}")
-    live: list[list[BeamSearchSequence]] = [[BeamSearchSequence(list(ids))] for ids in starts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in starts]
-    key = _key(eos, params.length_penalty)
-    for _ in _progress(list(range(params.max_tokens)), use_tqdm):
-        beams = [(i, b) for i, bs in enumerate(live) for b in bs]
-        if not beams:
-            break
-        futures = llm._submit_all([PreparedPrompt(None, b.tokens, step) for _, b in beams], None,
-                                  loras=[loras[i] for i, _ in beams] if loras is not None else None)
-        try:
-            outs = [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.abort()
-            raise
-        grown: list[list[BeamSearchSequence]] = [[] for _ in starts]
-        for (i, b), out in zip(beams, outs, strict=True):
+class BeamSearch:
+    """One beam search over a batch of prompts (module docstring), a step at a time: ``step()``
+    gives the live beams' requests (none once no beam is live, or after ``max_tokens`` steps),
+    ``advance(outputs)`` takes their finished outputs, ``results()`` gives the answer.
+    ``LLM.beam_search`` runs it; the server runs it without blocking its loop."""
+
+    def __init__(self, llm: LLM, prompts: Sequence[PromptInput], params: BeamSearchParams,
+                 loras: list[LoRARequest | None] | None) -> None:
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        self.llm, self.params, self.loras = llm, params, loras
+        self.eos = frozenset(llm._eos_token_ids())
+        self.width = params.beam_width
+        self.request = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.width, ignore_eos=True,
+                                      detokenize=False)
+        self.starts = [llm._prepare(p, self.request).token_ids for p in prompts]
+        for i, ids in enumerate(self.starts):
+            if len(ids) + params.max_tokens > llm.max_seq_len:
+                raise ValueError(f"max_tokens: prompt {i} has {len(ids)} tokens, and {params.max_tokens} more "
+                                 f"exceed max_seq_len {llm.max_seq_len}")
+        self.live: list[list[BeamSearchSequence]] = [[BeamSearchSequence(list(ids))] for ids in self.starts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in self.starts]
+        self.steps = 0
+        self.key = _key(self.eos, params.length_penalty)
+        self._asked: list[tuple[int, BeamSearchSequence]] = []
+
+    def step(self) -> list[list[int]]:
+        """This step's requests (one a live beam: its tokens, each to run with ``self.request``,
+        and ``step_loras``' adapter); none once the search is over."""
+        self._asked = [(i, b) for i, bs in enumerate(self.live) for b in bs] if self.steps < self.params.max_tokens \
+            else []
+        return [b.tokens for _, b in self._asked]
+
+    def step_loras(self) -> list[LoRARequest | None] | None:
+        """The adapter of each of this step's requests (None: no prompt has one)."""
+        return [self.loras[i] for i, _ in self._asked] if self.loras is not None else None
+
+    def advance(self, outs: list[RequestOutput]) -> None:
+        """Grow the beams by the step's outputs (``step``'s requests, finished, in order)."""
+        grown: list[list[BeamSearchSequence]] = [[] for _ in self.starts]
+        for (i, b), out in zip(self._asked, outs, strict=True):
             o = out.outputs[0]
             if o.finish_reason not in ("length", "stop") or not o.logprobs:
                 raise RuntimeError(f"beam search: a step of prompt {i} finished {o.finish_reason!r}")
             alternatives = o.logprobs[0]
             for token, lp in alternatives.items():
                 nb = BeamSearchSequence(b.tokens + [token], b.logprobs + [alternatives], b.cum_logprob + lp.logprob)
-                if token in eos and not params.ignore_eos:
+                if token in self.eos and not self.params.ignore_eos:
                     nb.finish_reason, nb.stop_reason = "stop", token
-                    done[i].append(nb)
+                    self.done[i].append(nb)
                 else:
                     grown[i].append(nb)
-        live = [sorted(g, key=key, reverse=True)[:width] for g in grown]
-    results = []
-    for ids, finished, beams_left in zip(starts, done, live, strict=True):
-        for b in beams_left:
-            b.finish_reason = "length"
-        best = sorted(finished + beams_left, key=key, reverse=True)[:width]
-        for b in best:
-            out_ids = b.tokens[len(ids):]
-            if b.finish_reason == "stop" and not params.include_stop_str_in_output:
-                out_ids = out_ids[:-1]
-            b.text = llm.tokenizer.decode(out_ids, skip_special_tokens=False) if llm.tokenizer is not None else None
-        results.append(BeamSearchOutput(best))
-    return results
+        self.live = [sorted(g, key=self.key, reverse=True)[:self.width] for g in grown]
+        self.steps += 1
+
+    def results(self) -> list[BeamSearchOutput]:
+        """Each prompt's best ``beam_width`` of its finished candidates and live beams, best first,
+        their output's text decoded (an end-of-sequence token's left out unless
+        ``include_stop_str_in_output``)."""
+        results = []
+        for ids, finished, beams_left in zip(self.starts, self.done, self.live, strict=True):
+            for b in beams_left:
+                b.finish_reason = "length"
+            best = sorted(finished + beams_left, key=self.key, reverse=True)[:self.width]
+            for b in best:
+                b.text = self.llm.tokenizer.decode(self.output_ids(b, len(ids)), skip_special_tokens=False) \
+                    if self.llm.tokenizer is not None else None
+            results.append(BeamSearchOutput(best))
+        return results
+
+    def output_ids(self, beam: BeamSearchSequence, prompt_len: int) -> list[int]:
+        """The beam's output tokens its text is decoded from."""
+        out = beam.tokens[prompt_len:]
+        return out[:-1] if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output else out
+
+
+def beam_search(llm: LLM, prompts: Sequence[PromptInput], params: BeamSearchParams,
+                loras: list[LoRARequest | None] | None, use_tqdm: bool) -> list[BeamSearchOutput]:
+    """``LLM.beam_search``: the search run to its end, each step's requests waited for."""
+    from phalanx.llmapi.llm import PreparedPrompt, _progress
+    search = BeamSearch(llm, prompts, params, loras)
+    for _ in _progress(list(range(params.max_tokens)), use_tqdm):
+        asked = search.step()
+        if not asked:
+            break
+        futures = llm._submit_all([PreparedPrompt(None, ids, search.request) for ids in asked], None,
+                                  loras=search.step_loras())
+        try:
+            outs = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.abort()
+            raise
+        search.advance(outs)
+    return search.results()
 
 
 def _key(eos: frozenset[int], length_penalty: float) -> Any:
