@@ -136,17 +136,17 @@ class BeamSearch:
         self.live = [sorted(g, key=self.key, reverse=True)[:self.width] for g in grown]
         self.steps += 1
 
-    def results(self) -> list[BeamSearchOutput]:
+    def results(self, skip_special_tokens: bool = False) -> list[BeamSearchOutput]:
         """Each prompt's best ``beam_width`` of its finished candidates and live beams, best first,
         their output's text decoded (an end-of-sequence token's left out unless
-        ``include_stop_str_in_output``)."""
+        ``include_stop_str_in_output``; special tokens kept unless ``skip_special_tokens``)."""
         results = []
         for ids, finished, beams_left in zip(self.starts, self.done, self.live, strict=True):
             for b in beams_left:
                 b.finish_reason = "length"
             best = sorted(finished + beams_left, key=self.key, reverse=True)[:self.width]
             for b in best:
-                b.text = self.llm.tokenizer.decode(self.output_ids(b, len(ids)), skip_special_tokens=False) \
+                b.text = self.llm.tokenizer.decode(self.output_ids(b, len(ids)), skip_special_tokens) \
                     if self.llm.tokenizer is not None else None
             results.append(BeamSearchOutput(best))
         return results

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phalanx import __version__
+from phalanx.llmapi.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from phalanx.llmapi.llm import LLM
 from phalanx.llmapi.lora_request import LoRARequest
 from phalanx.llmapi.outputs import RequestError, RequestOutput
@@ -571,6 +572,8 @@ class OpenAIServer:
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
+        if body.use_beam_search:
+            return await self._beam_completions(body, request)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
@@ -777,6 +780,8 @@ class OpenAIServer:
     async def chat(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
+        if body.use_beam_search:
+            return await self._beam_chat(body, request)
         fut, plan = await self._submit_chat(body, "messages", body.output_limit_field)
         rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         if body.stream:
@@ -809,10 +814,7 @@ class OpenAIServer:
         """Render, tokenize, check and submit a chat request (also what a Responses request runs
         as: ``what`` and ``limit_field`` are the fields a context-length error names)."""
         tokenizer = self._tokenizer("chat needs one", what)
-        plan = self._chat_plan(body, self._template(body, tokenizer))
-        keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
-        ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1 if keep is None else None)
-        ids = ids[-keep:] if keep is not None else ids
+        ids, plan = await self._chat_prompt(body, what)
         k = (body.top_logprobs or 0) if body.logprobs else None
         keep = decodes_call_markers(plan, tokenizer.special_strings(), body.model_fields_set)
         sp = self._sampling(body, self._output_limit(len(ids), body.output_limit, what, limit_field),
@@ -821,6 +823,80 @@ class OpenAIServer:
         await self._tokenize_bad_words(body.bad_words, [sp])
         [fut] = self._submit_all([(ids, sp)], body.cache_salt, what)
         return fut, plan
+
+    async def _chat_prompt(self, body: ChatCompletionRequest, what: str) -> tuple[list[int], ChatPlan]:
+        """A chat request's prompt ids (truncated as it asks) and its plan."""
+        tokenizer = self._tokenizer("chat needs one", what)
+        plan = self._chat_plan(body, self._template(body, tokenizer))
+        keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
+        ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1 if keep is None else None)
+        return (ids[-keep:] if keep is not None else ids), plan
+
+    # -- beam search (vLLM's use_beam_search: n beams, the n best answers) ---------------------------
+    async def _beams(self, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest, what: str,
+                     limit_field: str, request: Request) -> tuple[list[BeamSearchOutput], list[int]]:
+        """Each prompt's ``body.n`` best beams (``llmapi/beam_search.py``), each step's requests
+        submitted and awaited here (a client that leaves aborts them), and each prompt's cached
+        tokens at the first step."""
+        limit = min(self._output_limit(len(ids), body.output_limit if isinstance(body, ChatCompletionRequest)
+                                       else body.max_tokens, what, limit_field) for ids in prompts)
+        params = BeamSearchParams(beam_width=body.n, max_tokens=limit, ignore_eos=body.ignore_eos,
+                                  length_penalty=body.length_penalty,
+                                  include_stop_str_in_output=body.include_stop_str_in_output)
+        try:
+            search = BeamSearch(self.llm, prompts, params, None)
+        except ValueError as e:
+            raise ApiError(400, str(e), what) from None
+        cached = [0] * len(prompts)
+        while asked := search.step():
+            outs = await self._collect(self._submit_all([(ids, search.request) for ids in asked], None, what), request)
+            if search.steps == 0:
+                cached = [o.cached_tokens for o in outs]
+            search.advance(outs)
+        return search.results(body.skip_special_tokens), cached
+
+    def _beam_usage(self, prompts: list[list[int]], outs: list[BeamSearchOutput], cached: list[int]) -> dict[str, Any]:
+        prompt = sum(len(ids) for ids in prompts)
+        completion = sum(len(s.tokens) - len(ids) for ids, o in zip(prompts, outs, strict=True) for s in o.sequences)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached)}}
+
+    async def _beam_completions(self, body: CompletionRequest, request: Request) -> dict[str, Any]:
+        if _has_text(body.prompt):
+            prompts = await self._text(self._prompts, body.prompt, False, None, body.add_special_tokens)
+        else:
+            prompts = self._prompts(body.prompt, False, None)
+        ids = [p for _, p in prompts]
+        outs, cached = await self._beams(ids, body, "prompt", "max_tokens", request)
+        choices = []
+        for i, (p, out) in enumerate(zip(ids, outs, strict=True)):
+            for j, seq in enumerate(out.sequences):
+                choice: dict[str, Any] = {"index": i * body.n + j, "text": seq.text, "finish_reason": seq.finish_reason,
+                                          "stop_reason": seq.stop_reason, "logprobs": None}
+                if body.return_token_ids:
+                    choice["token_ids"], choice["prompt_token_ids"] = seq.tokens[len(p):], p
+                choices.append(choice)
+        return {"id": f"cmpl-{body.request_id or uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.answering_model, "choices": choices,
+                "usage": self._beam_usage(ids, outs, cached)}
+
+    async def _beam_chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+        ids, plan = await self._chat_prompt(body, "messages")
+        [out], cached = await self._beams([ids], body, "messages", body.output_limit_field, request)
+        choices = []
+        for j, seq in enumerate(out.sequences):
+            message, _ = self._chat_message(seq.text or "", plan, body.include_reasoning)
+            choice: dict[str, Any] = {"index": j, "message": message, "finish_reason": seq.finish_reason,
+                                      "stop_reason": seq.stop_reason, "logprobs": None}
+            if body.return_token_ids:
+                choice["token_ids"] = seq.tokens[len(ids):]
+            choices.append(choice)
+        response = {"id": f"chatcmpl-{body.request_id or uuid.uuid4().hex}", "object": "chat.completion",
+                    "created": int(time.time()), "model": self.answering_model, "choices": choices,
+                    "usage": self._beam_usage([ids], [out], cached)}
+        if body.return_token_ids:
+            response["prompt_token_ids"] = ids
+        return response
 
     async def _chat_ids(self, messages: list[dict[str, Any]], active_tools: list[dict[str, Any]] | None,
                         body: ChatCompletionRequest | TokenizeChatRequest, limit: int | None) -> list[int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import typing
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from phalanx.llmapi.beam_search import MAX_BEAM_WIDTH
 from phalanx.llmapi.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_CACHE_SALT, plain_token_ids
 
 MAX_N = 16
@@ -42,6 +43,11 @@ MAX_PROMPT_TOKEN_IDS = 1 << 20
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_DEPTH = 32
 MAX_TEMPLATE_CHARS = 256 * 1024   # a request's own chat template (where the server takes one)
+# what a beam search request may set besides its prompt or messages
+BEAM_SEARCH_FIELDS = frozenset({"model", "n", "temperature", "ignore_eos", "include_stop_str_in_output",
+                                "skip_special_tokens", "length_penalty", "use_beam_search", "request_id",
+                                "return_token_ids", "user", "metadata", "store", "service_tier", "safety_identifier",
+                                "prompt_cache_key"})
 INT32_MAX = 2**31 - 1
 
 LABEL_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -222,6 +228,30 @@ class SamplingFields(NullIsDefault):
     guided_grammar: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # vLLM's beam search: n beams, the n best answers (llmapi/beam_search.py); only with the fields
+    # of BEAM_SEARCH_FIELDS (and the request type's own ``beam_fields``) at other than their defaults
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)   # the beams' score: / length ** length_penalty
+    beam_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self) -> SamplingFields:
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty: only with use_beam_search")
+            return self
+        fields = type(self).model_fields
+        other = sorted(f for f in self.model_fields_set - BEAM_SEARCH_FIELDS - self.beam_fields
+                       if getattr(self, f) != fields[f].default)
+        if other:
+            raise ValueError(f"{other[0]}: not with use_beam_search (beam search takes "
+                             f"{', '.join(sorted(BEAM_SEARCH_FIELDS | self.beam_fields))})")
+        if self.temperature not in (None, 0.0):
+            raise ValueError("temperature: must be 0 or unset with use_beam_search (beams rank by the model's own "
+                             "log-probabilities)")
+        if self.n > MAX_BEAM_WIDTH:
+            raise ValueError(f"n: the beam width, at most {MAX_BEAM_WIDTH} with use_beam_search")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -290,6 +320,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    beam_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "max_tokens", "add_special_tokens"})
 
     @model_validator(mode="after")
     def _nothing_generated_only_with_echo(self) -> CompletionRequest:
@@ -484,6 +515,9 @@ class ChatCompletionRequest(SamplingFields):
     # given to the chat template, where it reads them (refused where it does not): vLLM's
     documents: list[dict[str, str]] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS)
     reasoning_effort: str | None = Field(None, pattern=r"^[a-z]{1,16}$")
+    beam_fields: ClassVar[frozenset[str]] = frozenset({
+        "messages", "max_tokens", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
+        "chat_template_kwargs", "chat_template", "documents", "reasoning_effort", "include_reasoning"})
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
