@@ -54,7 +54,8 @@ def inputs(K: int, sizes: tuple[int, ...], T: int, slots: int, rank: int, adapte
     groups = torch.from_numpy(triton_lora.groups(ts, slots)).to(dev) if T <= triton_lora.GROUPED_ROWS else None
     return {"x": torch.randn(T, K, generator=g).to(dev, dtype), "y": torch.randn(T, N, generator=g).to(dev, dtype),
             "A": A.to(dev, dtype), "B": B.to(dev, dtype), "slots": token_slots, "mask": mask, "groups": groups,
-            "sums": triton_lora.partials(K, rank, dev, triton_lora.GROUPED_ROWS), "parts": parts,
+            "sums": triton_lora.partials(K, rank, dev),
+            "grouped_sums": triton_lora.grouped_partials(K, rank, dev), "parts": parts,
             "bounds": ((starts + [N, N])[1], (starts + [N, N, N])[2])}
 
 
@@ -64,8 +65,8 @@ def timed(form: str, i: dict, slots: int, rank: int) -> Callable[[int], object]:
         return lambda c: dense(i["y"], i["x"], i["As"][c], i["Bs"][c], i["mask"])
     lp = triton_lora.plan(i["x"].shape[1], i["parts"], slots, rank, i["bounds"], i["x"].dtype)
     if form.startswith("grouped"):
-        return lambda c: triton_lora.lora_add_grouped(i["y"], i["x"], i["As"][c], i["Bs"][c], i["groups"], i["sums"],
-                                                      lp)
+        return lambda c: triton_lora.lora_add_grouped(i["y"], i["x"], i["As"][c], i["Bs"][c], i["groups"],
+                                                      i["grouped_sums"], lp)
     return lambda c: triton_lora.lora_add(i["y"], i["x"], i["As"][c], i["Bs"][c], i["slots"], i["sums"], lp)
 
 
@@ -73,7 +74,7 @@ def run_form(form: str, i: dict, K: int, out: torch.Tensor) -> torch.Tensor:
     """One call of a kernel form on a copy of y (``check``), with 4 slots of rank 8."""
     lp = triton_lora.plan(K, i["parts"], 4, 8, i["bounds"], i["x"].dtype)
     if form == "grouped":
-        return triton_lora.lora_add_grouped(out, i["x"], i["A"], i["B"], i["groups"], i["sums"], lp)
+        return triton_lora.lora_add_grouped(out, i["x"], i["A"], i["B"], i["groups"], i["grouped_sums"], lp)
     return triton_lora.lora_add(out, i["x"], i["A"], i["B"], i["slots"], i["sums"], lp)
 
 

@@ -181,11 +181,16 @@ def splits(K: int) -> int:
     return triton.cdiv(K, SHRINK_CHUNK)
 
 
-def partials(max_k: int, rank: int, device: torch.device, rows: int = MAX_ROWS) -> torch.Tensor:
-    """The shrinks' partial sums for projections of at most ``max_k`` input columns and three
-    parts, at most ``rows`` tokens: [splits, rows, 3 · rank] float32 (the grouped shrink splits
-    K into fewer slices)."""
-    return torch.zeros(splits(max_k), max(rows, MAX_ROWS), 3 * rank, device=device, dtype=torch.float32)
+def partials(max_k: int, rank: int, device: torch.device) -> torch.Tensor:
+    """The decode shrink's partial sums for projections of at most ``max_k`` input columns and
+    three parts: [splits, MAX_ROWS, 3 · rank] float32."""
+    return torch.zeros(splits(max_k), MAX_ROWS, 3 * rank, device=device, dtype=torch.float32)
+
+
+def grouped_partials(max_k: int, rank: int, device: torch.device) -> torch.Tensor:
+    """The grouped shrink's: [⌈max_k / GROUPED_CHUNK⌉, GROUPED_ROWS, 3 · rank] float32."""
+    return torch.zeros(triton.cdiv(max_k, GROUPED_CHUNK), GROUPED_ROWS, 3 * rank, device=device,
+                       dtype=torch.float32)
 
 
 def max_tiles(T: int, slots: int) -> int:
@@ -197,20 +202,25 @@ def groups(token_slots: np.ndarray, slots: int) -> np.ndarray:
     """The grouped kernels' step metadata for tokens ``token_slots`` (−1: none), at most
     ``GROUPED_ROWS`` of them: int32, ``max_tiles(GROUPED_ROWS, slots)`` tiles of (slot, lo, hi)
     (−1, 0, 0: empty), then the tokens in slot order (tile (s, lo, hi) takes the tokens at
-    positions [lo, hi) of it)."""
+    positions [lo, hi) of it). A few numpy calls: it runs on the host every step with LoRA."""
     T = len(token_slots)
     assert T <= GROUPED_ROWS, T
     n = max_tiles(GROUPED_ROWS, slots)
-    order = np.argsort(token_slots, kind="stable").astype(np.int32)
-    starts = np.searchsorted(token_slots[order], np.arange(slots + 1))   # slot s: [starts[s], starts[s + 1])
-    count = np.diff(starts)
-    per = -(-count // TILE_ROWS)                                          # tiles a slot
-    slot = np.repeat(np.arange(slots), per)
-    lo = starts[slot] + (np.arange(len(slot)) - np.repeat(np.cumsum(per) - per, per)) * TILE_ROWS
-    tiles = np.zeros((n, 3), np.int32)
-    tiles[:, 0] = -1
-    tiles[:len(slot)] = np.stack([slot, lo, np.minimum(lo + TILE_ROWS, starts[slot + 1])], axis=1)
-    return np.concatenate([tiles.ravel(), order])
+    out = np.zeros(3 * n + T, np.int32)
+    out[0:3 * n:3] = -1
+    counts = np.bincount(token_slots + 1, minlength=slots + 1).tolist()   # [none, slot 0, slot 1, ...]
+    if counts[0] == T:   # no token has an adapter: no tile
+        out[3 * n:] = np.arange(T)
+        return out
+    out[3 * n:] = np.argsort(token_slots, kind="stable")
+    tiles: list[int] = []
+    pos = counts[0]
+    for slot, c in enumerate(counts[1:]):
+        for lo in range(pos, pos + c, TILE_ROWS):
+            tiles += (slot, lo, min(lo + TILE_ROWS, pos + c))
+        pos += c
+    out[:len(tiles)] = tiles
+    return out
 
 
 @dataclass(frozen=True)

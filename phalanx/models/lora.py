@@ -296,11 +296,13 @@ class LoraState:
         self.kernels = choice in ("1", "bgmv") or (choice != "0" and device.type == "cuda" and ops.triton_available())
         self.grouped = self.kernels and choice != "bgmv"
         self.partials: torch.Tensor | None = None   # the kernels' partial sums (``install`` sizes them)
+        self.grouped_partials: torch.Tensor | None = None
         self.kernel_rows = 0                         # the most tokens a step sends through the decode kernels
         self.grouped_rows = 0                        # ... through the grouped kernels (more: the dense form)
         self.lora_add: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add`` (imported at build)
         self.lora_add_grouped: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add_grouped``
         self.step_groups: torch.Tensor | None = None   # the step's ``triton_lora.groups`` (``install`` sizes it)
+        self._tiles_empty = True                       # no tile of ``step_groups`` names a token
         self.token_slots: torch.Tensor
         self.served: tuple[str, ...] = ()                   # the modules that take adapters (``install``)
         self.layers: list[tuple[int, list[nn.Module]]] = []   # (layer, its adapted projections)
@@ -320,12 +322,18 @@ class LoraState:
         from phalanx.kernels import triton_lora
         return triton_lora.groups(token_slots, self.slots)
 
-    def set_tokens(self, token_slots: torch.Tensor, groups: torch.Tensor | None = None) -> None:
+    def set_tokens(self, token_slots: torch.Tensor, groups: torch.Tensor | None = None, clear: bool = False) -> None:
         """token_slots [T] (int, on the device): each token's adapter slot, -1 for none; ``groups``:
-        their ``groups`` (on the device), where the grouped kernels may run the step."""
+        their ``groups`` (on the device), where the grouped kernels may run the step; ``clear``:
+        no token has an adapter. The grouped kernels' tiles are empty whenever the step set
+        last is clear (a clear step after it is not set at all: ``ModelRunner._lora_slots``),
+        and name tokens of the step set last alone."""
         if groups is not None:
             assert self.step_groups is not None
             self.step_groups[:groups.shape[0]] = groups
+            self._tiles_empty = clear
+        elif clear and not self._tiles_empty:
+            self._empty_tiles()
         T = token_slots.shape[0]
         if self.masks[1].shape[0] < T:
             self._grow(T)
@@ -339,6 +347,21 @@ class LoraState:
         if self._rows_set > T:
             self.token_slots[T:self._rows_set] = -1
         self._rows_set = T
+
+    def _empty_tiles(self) -> None:
+        if self.step_groups is not None:
+            from phalanx.kernels import triton_lora
+            self.step_groups[0:3 * triton_lora.max_tiles(triton_lora.GROUPED_ROWS, self.slots):3] = -1
+        self._tiles_empty = True
+
+    def reset_tokens(self) -> None:
+        """No token has an adapter and no tile names one (before CUDA graphs are captured: their
+        warm-up steps run whatever the buffers hold, over as many rows as the graph's)."""
+        for buf in self.masks.values():
+            buf.zero_()
+        self.token_slots.fill_(-1)
+        self._rows_set = 0
+        self._empty_tiles()
 
     def slot_weights(self) -> list[LoraWeights]:
         """Every adapted projection's slots (``install``'s model)."""
@@ -416,7 +439,7 @@ class LoraWeights(nn.Module):
             return state.lora_add(y, x, self.A, self.B, state.token_slots, state.partials, self.plan)  # type: ignore[misc]
         if 0 < T <= state.grouped_rows:
             return state.lora_add_grouped(y, x, self.A, self.B, state.step_groups,  # type: ignore[misc]
-                                          state.partials, self.plan)
+                                          state.grouped_partials, self.plan)
         return self.dense(y, x)
 
     def dense(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -481,7 +504,8 @@ def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
             empty = triton_lora.groups(np.zeros(0, np.int64), state.slots)   # every tile empty
             state.step_groups = torch.from_numpy(np.concatenate([empty, np.zeros(state.grouped_rows, np.int32)])
                                                  ).to(state.device)
-        state.partials = triton_lora.partials(widest, state.rank, state.device, state.grouped_rows)
+            state.grouped_partials = triton_lora.grouped_partials(widest, state.rank, state.device)
+        state.partials = triton_lora.partials(widest, state.rank, state.device)
     return state
 
 

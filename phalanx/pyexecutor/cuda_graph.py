@@ -167,6 +167,9 @@ class CudaGraphRunner:
         t0 = time.monotonic()
         pool = None
         stream = torch.cuda.Stream(self.device)
+        lora = getattr(self.model, "lora", None)
+        if lora is not None:   # the warm-up steps below read the LoRA step buffers: none may name a token past them
+            lora.reset_tokens()
         for bs in reversed(self.sizes):          # largest first: smaller graphs reuse its memory
             meta = self.metas[bs] = self._meta(bs)
             stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -415,7 +415,7 @@ class ModelRunner:
         if inputs.gather_dst is not None:
             inputs.input_ids[inputs.gather_dst] = self.token_buffer[inputs.gather_slot]
         if inputs.lora_slots is not None and self.model.lora is not None:
-            self.model.lora.set_tokens(inputs.lora_slots, inputs.lora_groups)
+            self.model.lora.set_tokens(inputs.lora_slots, inputs.lora_groups, inputs.lora_clear)
             self._lora_mask_clear = inputs.lora_clear   # (once written: a step that failed before wrote nothing)
         if inputs.spec is not None and self.spec is not None:
             self.spec.place(inputs.spec, inputs.input_ids, inputs.positions, inputs.meta)

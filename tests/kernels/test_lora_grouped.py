@@ -56,7 +56,7 @@ def test_the_grouped_kernels_equal_the_dense_form(T, parts, rank, K, N, slots):
     y = torch.randn(T, N, generator=g).to(DEV, DTYPE)
     ts = np.array([(t * 7) % (slots + 1) - 1 for t in range(T)], np.int64)   # every slot and none, interleaved
     step = torch.from_numpy(triton_lora.groups(ts, slots)).to(DEV)
-    sums = triton_lora.partials(K, rank, DEV, triton_lora.GROUPED_ROWS)
+    sums = triton_lora.grouped_partials(K, rank, DEV)
     sums.fill_(float("nan"))          # nothing the kernels did not write is read
     lp = triton_lora.plan(K, parts, slots, rank, bounds, DTYPE)
     out = triton_lora.lora_add_grouped(y.clone(), x, A, B, step, sums, lp)
@@ -79,7 +79,7 @@ def test_a_grid_larger_than_the_step_runs_only_the_steps_tiles():
     y = torch.randn(48, N, generator=g).to(DEV, DTYPE)
     ts = np.array([t % 2 for t in range(20)], np.int64)
     step = torch.from_numpy(triton_lora.groups(ts, slots)).to(DEV)
-    sums = triton_lora.partials(K, rank, DEV, triton_lora.GROUPED_ROWS)
+    sums = triton_lora.grouped_partials(K, rank, DEV)
     out = triton_lora.lora_add_grouped(y.clone(), x, A, B, step, sums,
                                        triton_lora.plan(K, parts, slots, rank, bounds, DTYPE))
     assert torch.equal(out[20:], y[20:])

@@ -40,9 +40,33 @@ def test_wide_decode_steps_through_the_grouped_kernels_equal_peft(choice, tiny_m
     wide = triton_lora.MAX_ROWS
     if choice == "1":   # steps wider than the decode kernels take went through the grouped kernels
         assert any(t > wide for t in calls["grouped"]) and all(t <= triton_lora.GROUPED_ROWS for t in calls["grouped"])
-    else:               # ... or through the dense form
-        assert not calls["grouped"]
-    assert all(t <= wide for t in calls["bgmv"])
+    assert all(t <= wide for t in calls["bgmv"])   # (=bgmv: state.grouped_rows 0, the grouped kernels not built)
     for (p, name), out in zip(batch, outs, strict=True):
         ref, gaps = hf_greedy(refs[name], p, 4)
         assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"adapter {name} prompt of {len(p)}")
+
+
+def test_a_wide_step_without_adapters_leaves_no_tile_for_the_next_one(tiny_models, hf_models, tmp_path, monkeypatch):
+    """A step with an adapter (grouped), then a step of more tokens than the grouped kernels take
+    and no adapter (dense: its tiles not written), then a grouped step without adapters (not set
+    at all, the mask being clear): the last one's tokens are the base model's, not the first
+    step's adapter read from tiles left behind."""
+    monkeypatch.setenv("PHALANX_LORA_KERNELS", "1")
+    from phalanx.kernels import triton_lora
+    hf = hf_models["llama"]
+    save_lora_adapter(hf, tmp_path / "a", 8, LORA_TARGETS, 41)
+    g = torch.Generator().manual_seed(5)
+
+    def rnd(n):
+        return torch.randint(0, 256, (n,), generator=g).tolist()
+    wide = triton_lora.GROUPED_ROWS // 4 + 22
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", max_num_tokens=1024,
+             kv_cache_config={"tokens_per_block": 8, "enable_block_reuse": False},
+             lora_config={"max_loras": 2, "max_lora_rank": 8}) as llm:
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        llm.generate([rnd(100)], one, use_tqdm=False, lora_request=[LoRARequest("a", 1, str(tmp_path / "a"))])
+        llm.generate([rnd(wide) for _ in range(4)], one, use_tqdm=False)   # > GROUPED_ROWS tokens in one step
+        prompt = rnd(100)
+        out = llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    ref, gaps = hf_greedy(hf, prompt, 4)
+    assert_same_greedy(out.outputs[0].token_ids, ref, gaps, "no adapter after a wide step")
