@@ -4,8 +4,9 @@ greedy token with the 2·W likeliest next tokens' logprobs (W: the beam width), 
 by each of them, and keeps a prompt's W best extensions by score; an extension that ends in an
 end-of-sequence token is a finished candidate (unless ``ignore_eos``). After ``max_tokens``
 steps, or once no beam is live, a prompt's W best of its finished candidates and live beams are
-its answer, best first. The beams of a prompt share their prompt's KV blocks through the prefix
-cache, so a step computes a beam's last partial block and its new token.
+its answer, best first; a beam's text is its prompt's and its output's, as vLLM's. The beams of
+a prompt share their prompt's KV blocks through the prefix cache, so a step computes a beam's
+last partial block and its new token.
 
 The score (vLLM's) is the cumulative logprob over the length of prompt and output to the power
 ``length_penalty``, an end-of-sequence token not counted; beams of one length rank by their
@@ -56,7 +57,7 @@ class BeamSearchParams:
 @dataclass
 class BeamSearchSequence:
     """One beam: ``tokens`` the prompt's and the output's (vLLM's), ``logprobs`` the
-    alternatives at each output position, ``text`` the output's text."""
+    alternatives at each output position, ``text`` the text of ``tokens`` (``BeamSearch.results``)."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -75,19 +76,27 @@ class BeamSearchOutput:
 
 def score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
     """vLLM's beam score: the cumulative logprob over (prompt + output length, an end-of-sequence
-    token not counted) ** length_penalty."""
+    token not counted) ** length_penalty (±inf or 0 where that power leaves a float's range)."""
     n = len(beam.tokens) - (1 if beam.tokens[-1] in eos else 0)
-    return beam.cum_logprob / (n ** length_penalty)
+    try:
+        return beam.cum_logprob * math.exp(-length_penalty * math.log(n))
+    except OverflowError:
+        return -math.inf if beam.cum_logprob < 0 else 0.0
+
+
+class BeamAborted(RuntimeError):
+    """A step's request finished without its token (aborted, or failed): the search cannot go on."""
 
 
 class BeamSearch:
     """One beam search over a batch of prompts (module docstring), a step at a time: ``step()``
-    gives the live beams' requests (none once no beam is live, or after ``max_tokens`` steps),
-    ``advance(outputs)`` takes their finished outputs, ``results()`` gives the answer.
-    ``LLM.beam_search`` runs it; the server runs it without blocking its loop."""
+    gives the live beams' requests (none once no beam is live, or after each prompt's
+    ``max_tokens`` steps), ``advance(outputs)`` takes their finished outputs, ``results()``
+    gives the answer. ``LLM.beam_search`` runs it; the server runs it without blocking its
+    loop, each prompt with its own output limit (``limits``)."""
 
     def __init__(self, llm: LLM, prompts: Sequence[PromptInput], params: BeamSearchParams,
-                 loras: list[LoRARequest | None] | None) -> None:
+                 loras: list[LoRARequest | None] | None, limits: list[int] | None = None) -> None:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.validate()
@@ -97,10 +106,12 @@ class BeamSearch:
         self.request = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.width, ignore_eos=True,
                                       detokenize=False)
         self.starts = [llm._prepare(p, self.request).token_ids for p in prompts]
-        for i, ids in enumerate(self.starts):
-            if len(ids) + params.max_tokens > llm.max_seq_len:
-                raise ValueError(f"max_tokens: prompt {i} has {len(ids)} tokens, and {params.max_tokens} more "
-                                 f"exceed max_seq_len {llm.max_seq_len}")
+        self.limits = [min(params.max_tokens, m) for m in limits] if limits is not None else \
+            [params.max_tokens] * len(self.starts)
+        for i, (ids, m) in enumerate(zip(self.starts, self.limits, strict=True)):
+            if len(ids) + m > llm.max_seq_len:
+                raise ValueError(f"max_tokens: prompt {i} has {len(ids)} tokens, and {m} more exceed max_seq_len "
+                                 f"{llm.max_seq_len}")
         self.live: list[list[BeamSearchSequence]] = [[BeamSearchSequence(list(ids))] for ids in self.starts]
         self.done: list[list[BeamSearchSequence]] = [[] for _ in self.starts]
         self.steps = 0
@@ -108,10 +119,9 @@ class BeamSearch:
         self._asked: list[tuple[int, BeamSearchSequence]] = []
 
     def step(self) -> list[list[int]]:
-        """This step's requests (one a live beam: its tokens, each to run with ``self.request``,
-        and ``step_loras``' adapter); none once the search is over."""
-        self._asked = [(i, b) for i, bs in enumerate(self.live) for b in bs] if self.steps < self.params.max_tokens \
-            else []
+        """This step's requests (one a live beam of a prompt below its limit: its tokens, each to
+        run with ``self.request``, and ``step_loras``' adapter); none once the search is over."""
+        self._asked = [(i, b) for i, bs in enumerate(self.live) if self.steps < self.limits[i] for b in bs]
         return [b.tokens for _, b in self._asked]
 
     def step_loras(self) -> list[LoRARequest | None] | None:
@@ -119,12 +129,14 @@ class BeamSearch:
         return [self.loras[i] for i, _ in self._asked] if self.loras is not None else None
 
     def advance(self, outs: list[RequestOutput]) -> None:
-        """Grow the beams by the step's outputs (``step``'s requests, finished, in order)."""
-        grown: list[list[BeamSearchSequence]] = [[] for _ in self.starts]
+        """Grow the beams by the step's outputs (``step``'s requests, finished, in order). A
+        prompt keeps the best ``beam_width`` of its finished candidates only: a finished beam's
+        score does not change, so the others could never be chosen."""
+        grown: dict[int, list[BeamSearchSequence]] = {i: [] for i, _ in self._asked}
         for (i, b), out in zip(self._asked, outs, strict=True):
             o = out.outputs[0]
             if o.finish_reason not in ("length", "stop") or not o.logprobs:
-                raise RuntimeError(f"beam search: a step of prompt {i} finished {o.finish_reason!r}")
+                raise BeamAborted(f"beam search: a step of prompt {i} finished {o.finish_reason!r}")
             alternatives = o.logprobs[0]
             for token, lp in alternatives.items():
                 nb = BeamSearchSequence(b.tokens + [token], b.logprobs + [alternatives], b.cum_logprob + lp.logprob)
@@ -133,28 +145,30 @@ class BeamSearch:
                     self.done[i].append(nb)
                 else:
                     grown[i].append(nb)
-        self.live = [sorted(g, key=self.key, reverse=True)[:self.width] for g in grown]
+        for i, g in grown.items():
+            self.live[i] = sorted(g, key=self.key, reverse=True)[:self.width]
+            self.done[i] = sorted(self.done[i], key=self.key, reverse=True)[:self.width]
         self.steps += 1
 
-    def results(self, skip_special_tokens: bool = False) -> list[BeamSearchOutput]:
-        """Each prompt's best ``beam_width`` of its finished candidates and live beams, best first,
-        their output's text decoded (an end-of-sequence token's left out unless
-        ``include_stop_str_in_output``; special tokens kept unless ``skip_special_tokens``)."""
+    def results(self, with_prompt: bool = True, skip_special_tokens: bool = False) -> list[BeamSearchOutput]:
+        """Each prompt's best ``beam_width`` of its finished candidates and live beams, best
+        first. Their text is the prompt's and the output's, as vLLM's ``LLM.beam_search`` gives
+        it (the output's alone without ``with_prompt``: the server's), an end-of-sequence token's
+        left out unless ``include_stop_str_in_output``, special tokens kept unless
+        ``skip_special_tokens``."""
         results = []
         for ids, finished, beams_left in zip(self.starts, self.done, self.live, strict=True):
             for b in beams_left:
                 b.finish_reason = "length"
             best = sorted(finished + beams_left, key=self.key, reverse=True)[:self.width]
             for b in best:
-                b.text = self.llm.tokenizer.decode(self.output_ids(b, len(ids)), skip_special_tokens) \
-                    if self.llm.tokenizer is not None else None
+                shown = b.tokens if with_prompt else b.tokens[len(ids):]
+                if b.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                    shown = shown[:-1]
+                b.text = self.llm.tokenizer.decode(shown, skip_special_tokens) if self.llm.tokenizer is not None \
+                    else None
             results.append(BeamSearchOutput(best))
         return results
-
-    def output_ids(self, beam: BeamSearchSequence, prompt_len: int) -> list[int]:
-        """The beam's output tokens its text is decoded from."""
-        out = beam.tokens[prompt_len:]
-        return out[:-1] if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output else out
 
 
 def beam_search(llm: LLM, prompts: Sequence[PromptInput], params: BeamSearchParams,
@@ -162,7 +176,7 @@ def beam_search(llm: LLM, prompts: Sequence[PromptInput], params: BeamSearchPara
     """``LLM.beam_search``: the search run to its end, each step's requests waited for."""
     from phalanx.llmapi.llm import PreparedPrompt, _progress
     search = BeamSearch(llm, prompts, params, loras)
-    for _ in _progress(list(range(params.max_tokens)), use_tqdm):
+    for _ in _progress(list(range(params.max_tokens)), use_tqdm, "Beam search steps"):
         asked = search.step()
         if not asked:
             break
@@ -179,7 +193,12 @@ def beam_search(llm: LLM, prompts: Sequence[PromptInput], params: BeamSearchPara
 
 
 def _key(eos: frozenset[int], length_penalty: float) -> Any:
+    """A sort key that orders beams as ``score`` does without leaving a float's range: for a
+    negative cumulative logprob, −(log(−cum) − length_penalty · log(n)); a beam of logprob 0
+    (probability 1) first."""
     def key(beam: BeamSearchSequence) -> float:
-        s = score(beam, eos, length_penalty)
-        return s if math.isfinite(s) else -math.inf
+        n = len(beam.tokens) - (1 if beam.tokens[-1] in eos else 0)
+        if beam.cum_logprob >= 0:
+            return math.inf
+        return -(math.log(-beam.cum_logprob) - length_penalty * math.log(n))
     return key

@@ -632,11 +632,11 @@ def _per_prompt(sp: Any, n: int) -> list[Any]:
     return sps
 
 
-def _progress(items: list, enabled: bool):
+def _progress(items: list, enabled: bool, desc: str = "Processed prompts"):
     if not enabled:
         return items
     from tqdm import tqdm
-    return tqdm(items, desc="Processed prompts", dynamic_ncols=True)
+    return tqdm(items, desc=desc, dynamic_ncols=True)
 
 
 _live: weakref.WeakSet[LLM] = weakref.WeakSet()

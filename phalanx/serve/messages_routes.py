@@ -84,7 +84,7 @@ def add_routes(server: OpenAIServer) -> None:
         _, chat = await conversation(request, ms.Conversation)
         tokenizer = server._tokenizer("counting needs one", "messages")
         try:
-            plan = server._chat_plan(chat, server._template(chat, tokenizer))
+            plan = server._chat_plan(chat, await server._template(chat, tokenizer))
             ids = await server._chat_ids(plan.messages, plan.shown, chat, None)
         except ApiError as e:
             raise renamed(e) from None

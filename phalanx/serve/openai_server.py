@@ -40,8 +40,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phalanx import __version__
-from phalanx.llmapi.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from phalanx.llmapi.llm import LLM
+from phalanx.llmapi.beam_search import BeamAborted, BeamSearch, BeamSearchOutput, BeamSearchParams
+from phalanx.llmapi.llm import LLM, PreparedPrompt
 from phalanx.llmapi.lora_request import LoRARequest
 from phalanx.llmapi.outputs import RequestError, RequestOutput
 from phalanx.llmapi.sampling_params import GuidedDecodingParams, SamplingParams, plain_token_ids
@@ -827,7 +827,7 @@ class OpenAIServer:
     async def _chat_prompt(self, body: ChatCompletionRequest, what: str) -> tuple[list[int], ChatPlan]:
         """A chat request's prompt ids (truncated as it asks) and its plan."""
         tokenizer = self._tokenizer("chat needs one", what)
-        plan = self._chat_plan(body, self._template(body, tokenizer))
+        plan = self._chat_plan(body, await self._template(body, tokenizer))
         keep = self._kept_prompt_tokens(body.truncate_prompt_tokens)
         ids = await self._chat_ids(plan.messages, plan.shown, body, self.llm.max_seq_len - 1 if keep is None else None)
         return (ids[-keep:] if keep is not None else ids), plan
@@ -835,25 +835,40 @@ class OpenAIServer:
     # -- beam search (vLLM's use_beam_search: n beams, the n best answers) ---------------------------
     async def _beams(self, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest, what: str,
                      limit_field: str, request: Request) -> tuple[list[BeamSearchOutput], list[int]]:
-        """Each prompt's ``body.n`` best beams (``llmapi/beam_search.py``), each step's requests
-        submitted and awaited here (a client that leaves aborts them), and each prompt's cached
-        tokens at the first step."""
-        limit = min(self._output_limit(len(ids), body.output_limit if isinstance(body, ChatCompletionRequest)
-                                       else body.max_tokens, what, limit_field) for ids in prompts)
-        params = BeamSearchParams(beam_width=body.n, max_tokens=limit, ignore_eos=body.ignore_eos,
+        """Each prompt's ``body.n`` best beams (``llmapi/beam_search.py``), each within its own
+        output limit, each step's requests submitted and awaited here (a client that leaves
+        aborts them), and each prompt's cached tokens at the first step."""
+        asked = body.output_limit if isinstance(body, ChatCompletionRequest) else body.max_tokens
+        limits = [self._output_limit(len(ids), asked, what, limit_field) for ids in prompts]
+        params = BeamSearchParams(beam_width=body.n, max_tokens=max(limits), ignore_eos=body.ignore_eos,
                                   length_penalty=body.length_penalty,
                                   include_stop_str_in_output=body.include_stop_str_in_output)
         try:
-            search = BeamSearch(self.llm, prompts, params, None)
+            search = BeamSearch(self.llm, prompts, params, None, limits)
         except ValueError as e:
             raise ApiError(400, str(e), what) from None
+        except RuntimeError as e:
+            raise ApiError(503, f"the engine is not running: {e}") from None
         cached = [0] * len(prompts)
-        while asked := search.step():
-            outs = await self._collect(self._submit_all([(ids, search.request) for ids in asked], None, what), request)
+        adapter = _ADAPTER.get()
+        while step := search.step():
+            if self._stopping:
+                raise ApiError(503, "the server is shutting down")
+            try:   # (checked prompts: submitted as they are, not checked again each step)
+                futs = self.llm._submit_all([PreparedPrompt(None, ids, search.request) for ids in step], None,
+                                            loras=[adapter] * len(step) if adapter is not None else None)
+            except RuntimeError as e:
+                raise ApiError(503, f"the engine is not running: {e}") from None
+            self._in_flight.update(futs)
+            outs = await self._collect(futs, request)
             if search.steps == 0:
                 cached = [o.cached_tokens for o in outs]
-            search.advance(outs)
-        return search.results(body.skip_special_tokens), cached
+            try:
+                search.advance(outs)
+            except BeamAborted:
+                raise ApiError(503, "the server is shutting down" if self._stopping else
+                               "a step of the beam search was aborted") from None
+        return search.results(with_prompt=False, skip_special_tokens=body.skip_special_tokens), cached
 
     def _beam_usage(self, prompts: list[list[int]], outs: list[BeamSearchOutput], cached: list[int]) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in prompts)
@@ -906,7 +921,7 @@ class OpenAIServer:
         tokenizer = self.llm.tokenizer
         assert tokenizer is not None
         kwargs = dict(body.chat_template_kwargs or {})
-        template = self._template(body, tokenizer)
+        template = await self._template(body, tokenizer)
         if active_tools is not None and tools.template_renders_tools(template):
             kwargs["tools"] = active_tools
         for field in TEMPLATE_FIELDS:     # documents, reasoning_effort: only to a template that reads them
@@ -926,7 +941,8 @@ class OpenAIServer:
                                     "prompt with that message's text", "messages") from None
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # template errors (e.g. roles it does not accept)
-            raise ApiError(400, f"the chat template failed: {e}", "messages") from None
+            own = getattr(body, "chat_template", None) is not None   # (the request's own template failed)
+            raise ApiError(400, f"the chat template failed: {e}", "chat_template" if own else "messages") from None
 
     async def tokenize(self, request: Request):
         """vLLM's ``/tokenize``: a prompt's ids as a completion would run on them, or (with
@@ -940,7 +956,7 @@ class OpenAIServer:
         tokenizer = self._tokenizer("/tokenize needs one", "messages" if chat else "prompt")
         if isinstance(body, TokenizeChatRequest):
             shown = _tool_defs(body.tools)
-            messages = tools.template_messages(body.messages, shown, self._template(body, tokenizer))
+            messages = tools.template_messages(body.messages, shown, await self._template(body, tokenizer))
             ids = await self._chat_ids(messages, shown, body, None)
         else:
             ids = await self._text(tokenizer.encode, body.prompt, body.add_special_tokens)
@@ -964,10 +980,11 @@ class OpenAIServer:
             raise ApiError(400, f"this server has no tokenizer: {why}", field)
         return self.llm.tokenizer
 
-    def _template(self, body: ChatCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer) -> str | None:
+    async def _template(self, body: ChatCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer) -> str | None:
         """The chat template a request renders with: its own ``chat_template`` where the server
-        trusts requests' templates (a 400 naming it where not, or where it does not parse), else
-        the server's ``--chat_template``, else the tokenizer's."""
+        trusts requests' templates (a 400 naming it where not, or where it does not parse;
+        compiled in the text pool, as rendering is), else the server's ``--chat_template``, else
+        the tokenizer's."""
         own = getattr(body, "chat_template", None)
         if own is None:
             return self.chat_template or tokenizer.chat_template
@@ -976,7 +993,7 @@ class OpenAIServer:
                                 "--trust-request-chat-template to take a request's)", "chat_template")
         from phalanx.serve.cli import compile_template
         try:
-            compile_template(own)
+            await self._text(compile_template, own)
         except Exception as e:   # jinja2's syntax errors, and what the sandbox refuses to compile
             raise ApiError(400, f"chat_template: not a valid Jinja template ({e})", "chat_template") from None
         return own

@@ -42,7 +42,10 @@ MAX_TEXT_CHARS = 4 * 1024 * 1024
 MAX_PROMPT_TOKEN_IDS = 1 << 20
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_DEPTH = 32
-MAX_TEMPLATE_CHARS = 256 * 1024   # a request's own chat template (where the server takes one)
+MAX_TEMPLATE_CHARS = 64 * 1024   # a request's own chat template (where the server takes one)
+# explicit values of sampling fields that leave sampling as their defaults do (a beam search takes them)
+_NEUTRAL: dict[str, Any] = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "stop": [],
+                            "top_logprobs": 0, "stop_token_ids": [], "min_tokens": 0}
 # what a beam search request may set besides its prompt or messages
 BEAM_SEARCH_FIELDS = frozenset({"model", "n", "temperature", "ignore_eos", "include_stop_str_in_output",
                                 "skip_special_tokens", "length_penalty", "use_beam_search", "request_id",
@@ -241,8 +244,9 @@ class SamplingFields(NullIsDefault):
                 raise ValueError("length_penalty: only with use_beam_search")
             return self
         fields = type(self).model_fields
+        neutral = {**_NEUTRAL, "best_of": self.n}   # values that ask for nothing beyond the default
         other = sorted(f for f in self.model_fields_set - BEAM_SEARCH_FIELDS - self.beam_fields
-                       if getattr(self, f) != fields[f].default)
+                       if getattr(self, f) not in (fields[f].default, neutral.get(f, fields[f].default)))
         if other:
             raise ValueError(f"{other[0]}: not with use_beam_search (beam search takes "
                              f"{', '.join(sorted(BEAM_SEARCH_FIELDS | self.beam_fields))})")

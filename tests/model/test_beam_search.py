@@ -105,3 +105,34 @@ def test_bad_parameters_are_refused_by_name_and_the_engine_goes_on(llm, field, p
     assert len(out.sequences) == 2
     with pytest.raises(ValueError, match="list of prompts"):
         llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def test_a_length_penalty_past_a_float_s_range_still_ranks_the_beams():
+    """n ** length_penalty overflows (or reaches 0) for long beams at large penalties: the score
+    stays a number and the beams are still ranked, as the score's logarithm ranks them."""
+    from phalanx.llmapi.beam_search import BeamSearchSequence, _key
+    eos = frozenset({2})
+    for lp in (100.0, -100.0):
+        beams = [BeamSearchSequence(list(range(n)), cum_logprob=c) for n, c in
+                 ((2000, -5.0), (2000, -3.0), (1999, -4.0), (10, -1.0), (3, 0.0))]
+        for b in beams:
+            assert not math.isnan(score(b, eos, lp))
+        by_log = sorted(beams, key=_key(eos, lp), reverse=True)
+        want = sorted(beams, key=lambda b: (math.log(-b.cum_logprob) - lp * math.log(len(b.tokens))
+                                            if b.cum_logprob < 0 else -math.inf))
+        assert by_log == want and by_log[0].cum_logprob == 0.0
+
+
+def test_each_prompt_stops_at_its_own_limit(llm):
+    """``BeamSearch`` with a limit a prompt (the server's, each prompt's room in the context):
+    the shorter prompt's beams are as long as its own limit, not the other's."""
+    from phalanx.llmapi.beam_search import BeamSearch
+    from phalanx.llmapi.llm import PreparedPrompt
+    search = BeamSearch(llm, PROMPTS[:2], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True), None,
+                        limits=[6, 2])
+    while step := search.step():
+        search.advance([f.result() for f in llm._submit_all([PreparedPrompt(None, ids, search.request)
+                                                             for ids in step], None)])
+    a, b = search.results()
+    assert {len(s.tokens) - len(PROMPTS[0]) for s in a.sequences} == {6}
+    assert {len(s.tokens) - len(PROMPTS[1]) for s in b.sequences} == {2}

@@ -69,3 +69,12 @@ def test_what_beam_search_does_not_take_is_refused_by_name(server, path, body, f
     ok = post(server, path, {**{k: v for k, v in body.items() if k in ("prompt", "messages")}, "max_tokens": 2,
                              "use_beam_search": True, "n": 2, "stream": False})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+
+
+def test_explicit_values_that_ask_nothing_more_are_taken(server):
+    """A client that spells out sampling's neutral values (top_p 1, top_k -1, no stop strings,
+    best_of equal to n, a null temperature) still gets its beams."""
+    r = post(server, "/v1/completions", {"prompt": "Hi", "use_beam_search": True, "n": 2, "max_tokens": 2,
+                                         "top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1, "stop": [],
+                                         "best_of": 2, "temperature": None, "stream": False})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text

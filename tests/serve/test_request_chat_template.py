@@ -46,7 +46,7 @@ def test_a_request_s_template_renders_its_conversation(trusting_server):
     assert f'"prompt_tokens":{len(want)}' in lines[-2].replace(" ", ""), lines[-2]
     unrendered = post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
                                                     "chat_template": TEMPLATE + "{{ nothing_here.attr }}"})
-    assert unrendered.status_code == 400 and unrendered.json()["error"]["param"] == "messages", unrendered.text
+    assert unrendered.status_code == 400 and unrendered.json()["error"]["param"] == "chat_template", unrendered.text
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
