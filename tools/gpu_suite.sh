@@ -52,7 +52,7 @@ for what in "${@:-all}"; do
     lora)   # a projection's LoRA cost by form (tools/bench_lora.py); LoRA in CUDA graphs against PEFT; then decode at batch 1, 64
             # and 256: no LoRA, then LoRA rank 16 without and with adapters, the decode kernels alone (past 32 rows the
             # dense form: PHALANX_LORA_KERNELS=bgmv) and with the grouped kernels (the default)
-      timeout 90 python3 tools/bench_lora.py --output "$OUT/bench_lora.json" > "$OUT/bench_lora.txt" 2>&1
+      timeout 120 python3 tools/bench_lora.py --output "$OUT/bench_lora.json" > "$OUT/bench_lora.txt" 2>&1
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_lora.py tests/gpu/test_gpu_lora_grouped.py \
         tests/gpu/test_gpu_lora_tensors.py tests/kernels/test_lora_kernels.py tests/kernels/test_lora_grouped.py \
         > "$OUT/lora_tests.txt" 2>&1
