@@ -44,7 +44,7 @@ MAX_ROWS = 32        # the most tokens a step sends through these kernels (more:
 SHRINK_CHUNK = 512   # input columns a shrink program sums (K = 4,096: 8 programs a token and part)
 TILE_ROWS = 16       # the most tokens (of one slot) a grouped program takes
 GROUPED_ROWS = 512   # the most tokens a step sends through the grouped kernels (more: the dense form)
-GROUPED_CHUNK = 2048 # input columns a grouped shrink program sums (its tile's x and A rows: 2 × 64 KB)
+GROUPED_CHUNK = 1024 # input columns a grouped shrink program sums (its tile's x and A rows: 2 × 32 KB at rank 16)
 
 
 @triton.jit
@@ -256,7 +256,7 @@ def plan(K: int, parts: int, slots: int, rank: int, bounds: tuple[int, int],
     block_n = min(128, triton.next_power_of_2(max(16, 4096 // rank_p2)))
     g_split = triton.cdiv(K, GROUPED_CHUNK)
     rank_dot = max(16, rank_p2)
-    g_block_k = 64 if rank_dot <= 32 else 32
+    g_block_k = 128 if rank_dot <= 32 else 64
     g_chunk = triton.cdiv(triton.cdiv(K, g_split), g_block_k) * g_block_k
     return LoraPlan(parts, slots, rank, bounds, split, chunk, rank_p2, block_k, block_n, g_split, g_chunk, rank_dot,
                     g_block_k, 64, "ieee" if dtype == torch.float32 else "tf32")
