@@ -5,6 +5,11 @@ engine through them (slime, AReaL, verl's HTTP adapter):
     POST /abort_request   {"rid": str} | {"abort_all": true}
     GET  /v1/loads        ?include=core,memory,spec,lora,disagg,queues,all &dp_rank=N   (each rank's requests, KV use)
     GET  /get_load        (the older form: [{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}])
+    GET  /get_model_info  {"model_path", "tokenizer_path", "is_generation", "weight_version", ...}  (routers check
+                          a worker's model by it)
+    GET  /get_server_info (also /server_info) the settings SGLang's clients read ("context_length", "tp_size",
+                          "dp_size", "page_size", "max_total_num_tokens", ...), "version", and each rank's
+                          "internal_states"
 
 A request is one prompt (a string, or a list of token ids) or a batch (a list of either; its
 ``sampling_params`` one dict for all or one per prompt). The answer to one prompt is
@@ -330,6 +335,39 @@ def add_routes(server: OpenAIServer) -> None:
                               "total_used_tokens": sum(e["num_used_tokens"] for e in entries),
                               "total_tokens": sum(e["max_total_num_tokens"] for e in entries),
                               "avg_token_usage": sum(e["token_usage"] for e in entries) / len(entries)}}
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        """SGLang's model card of the worker (what a router checks before it sends requests)."""
+        llm, cfg = server.llm, server.llm.source.config
+        return {"model_path": llm.args.model, "tokenizer_path": llm.args.tokenizer or llm.args.model,
+                "served_model_name": server.model_name, "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": llm.weight_version, "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": cfg.model_type,
+                "architectures": list(getattr(cfg, "architectures", None) or [])}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info():
+        """SGLang's server info: the settings its clients read under SGLang's names, the version,
+        and each rank's load as its ``internal_states``."""
+        args = server.llm.args
+        entries = rank_loads({"core"})
+        spec = args.speculative_config
+        return {"model_path": args.model, "tokenizer_path": args.tokenizer or args.model,
+                "served_model_name": server.model_name, "context_length": server.llm.max_seq_len,
+                "tp_size": args.tensor_parallel_size,
+                "dp_size": args.tensor_parallel_size if args.enable_attention_dp else 1,
+                "enable_dp_attention": args.enable_attention_dp, "ep_size": args.moe_expert_parallel_size or 1,
+                "page_size": args.kv_cache_config.tokens_per_block, "max_running_requests": args.max_batch_size,
+                "chunked_prefill_size": args.max_num_tokens, "max_prefill_tokens": args.max_num_tokens,
+                "disable_radix_cache": not args.kv_cache_config.enable_block_reuse,
+                "enable_lora": args.lora is not None, "max_loras_per_batch": args.lora.max_loras if args.lora else None,
+                "speculative_algorithm": spec.decoding_type if spec is not None else None,
+                "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_config.dtype,
+                "max_total_num_tokens": sum(e["max_total_num_tokens"] for e in entries),
+                "weight_version": server.llm.weight_version, "version": __version__,
+                "internal_states": entries}
 
     @app.get("/get_load")
     async def get_load():

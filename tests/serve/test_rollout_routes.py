@@ -385,3 +385,23 @@ def test_generate_refuses_what_it_cannot_do_by_name(server, body, param):
     assert r.status_code == 400, r.text
     got = r.json()["error"]["param"]
     assert got == param or param is None and got in ("text", "input_ids", None), r.text
+
+
+def test_sglang_s_model_and_server_info_describe_the_worker(server):
+    """SGLang's /get_model_info and /get_server_info (a router checks a worker by them): the
+    model, the context, the pool's tokens as /v1/loads counts them, the key guarding both."""
+    for path in ("/get_model_info", "/get_server_info", "/server_info"):
+        assert httpx.get(server + path, timeout=30).status_code == 401
+    info = httpx.get(server + "/get_model_info", headers=AUTH, timeout=30).json()
+    assert info["is_generation"] is True and info["model_type"] == "llama"
+    assert info["weight_version"] == httpx.get(server + "/weight_version", headers=AUTH, timeout=30).json()[
+        "weight_version"]
+    models = httpx.get(server + "/v1/models", headers=AUTH, timeout=30).json()["data"]
+    assert info["served_model_name"] == models[0]["id"]
+    srv = httpx.get(server + "/get_server_info", headers=AUTH, timeout=30).json()
+    assert srv == httpx.get(server + "/server_info", headers=AUTH, timeout=30).json() | {
+        "internal_states": srv["internal_states"]}
+    assert srv["context_length"] == models[0]["max_model_len"] and srv["tp_size"] == 1 and srv["dp_size"] == 1
+    loads = httpx.get(server + "/v1/loads", headers=AUTH, timeout=30).json()
+    assert srv["max_total_num_tokens"] == loads["aggregate"]["total_tokens"] > 0
+    assert srv["page_size"] > 0 and srv["version"] and len(srv["internal_states"]) == 1
