@@ -136,3 +136,23 @@ def test_each_prompt_stops_at_its_own_limit(llm):
     a, b = search.results()
     assert {len(s.tokens) - len(PROMPTS[0]) for s in a.sequences} == {6}
     assert {len(s.tokens) - len(PROMPTS[1]) for s in b.sequences} == {2}
+
+
+def test_beams_of_a_lora_adapter_equal_transformers_beam_search_on_peft(tiny_models, hf_models, tmp_path):
+    """Each prompt's adapter runs every step of its beams: the beams equal transformers' beam
+    search over PEFT's model, and a prompt without one the base model's."""
+    from hf_reference import LORA_TARGETS, save_lora_adapter
+    from phalanx import LoRARequest
+    hf = hf_models["llama"]
+    peft_model = save_lora_adapter(hf, tmp_path / "a", 8, LORA_TARGETS, 71)
+    width, steps = 2, 4
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             kv_cache_config={"tokens_per_block": 8}, lora_config={"max_loras": 1, "max_lora_rank": 8}) as llm:
+        outs = llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True),
+                               lora_request=[LoRARequest("a", 1, str(tmp_path / "a")), None])
+    for prompt, out, model in zip(PROMPTS[:2], outs, (peft_model, hf), strict=True):
+        with torch.no_grad():
+            ref = model.generate(input_ids=torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
+                                 do_sample=False, max_new_tokens=steps, min_new_tokens=steps, eos_token_id=None,
+                                 pad_token_id=0, early_stopping=False)
+        assert [s.tokens for s in out.sequences] == ref.tolist()
