@@ -290,8 +290,6 @@ class LlmArgs(StrictModel):
             raise ValueError("enable_attention_dp needs tensor_parallel_size >= 2 (one rank per attention replica)")
         if self.speculative_config is not None and self.enable_attention_dp:
             raise ValueError("speculative_config: not supported with enable_attention_dp")
-        if self.lora is not None and self.speculative_config is not None:
-            raise ValueError("lora_config: not supported with speculative_config")
         if self.lora is not None and self.enable_attention_dp:
             raise ValueError("lora_config: not supported with enable_attention_dp")
         return self
