@@ -52,14 +52,15 @@ for what in "${@:-all}"; do
     lora)   # a projection's LoRA cost by form (tools/bench_lora.py); LoRA in CUDA graphs against PEFT; then decode at batch 1, 64
             # and 256: no LoRA, then LoRA rank 16 without and with adapters, the decode kernels alone (past 32 rows the
             # dense form: PHALANX_LORA_KERNELS=bgmv) and with the grouped kernels (the default)
-      timeout 120 python3 tools/bench_lora.py --output "$OUT/bench_lora.json" > "$OUT/bench_lora.txt" 2>&1
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_lora.py tests/gpu/test_gpu_lora_grouped.py \
+      timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_lora.py tests/gpu/test_gpu_lora_grouped.py \
         tests/gpu/test_gpu_lora_tensors.py tests/kernels/test_lora_kernels.py tests/kernels/test_lora_grouped.py \
         > "$OUT/lora_tests.txt" 2>&1
-      timeout 110 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 256 --prompt-len 128 \
+      timeout 100 python3 tools/bench_lora.py --rows 1 16 32 48 64 128 256 512 --output "$OUT/bench_lora.json" \
+        > "$OUT/bench_lora.txt" 2>&1
+      timeout 90 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 256 --prompt-len 128 \
         --steps 64 --overlap on --output "$OUT/decode_nolora.json" > "$OUT/decode_nolora.txt" 2>&1; free_gpus
       for k in bgmv 1; do
-        PHALANX_LORA_KERNELS=$k timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b \
+        PHALANX_LORA_KERNELS=$k timeout 130 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b \
           --batch 1 64 256 --prompt-len 128 --steps 64 --overlap on --lora-rank 16 --loras 4 \
           --output "$OUT/decode_lora_kernels_$k.json" > "$OUT/decode_lora_kernels_$k.txt" 2>&1; free_gpus; done ;;
     decode_fp8)   # batch 1 and 64: bf16, FP8 weights, FP8 weights + FP8 KV
