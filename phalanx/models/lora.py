@@ -495,7 +495,8 @@ def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
                          if getattr(p, "lora", None) is not None]) for i, layer in enumerate(layers)]
     if state.kernels:   # each projection's launches decided here, once
         from phalanx.kernels import triton_lora
-        state.lora_add, state.kernel_rows = triton_lora.lora_add, triton_lora.MAX_ROWS
+        state.lora_add = triton_lora.lora_add
+        state.kernel_rows = triton_lora.DECODE_ROWS if state.grouped else triton_lora.MAX_ROWS
         for w in state.slot_weights():
             w.plan = triton_lora.plan(int(w.A.shape[1]), len(w.parts), w.slots, w.rank, w.bounds, state.dtype)
         widest = max((int(w.A.shape[1]) for w in state.slot_weights()), default=1)
