@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: GPU tests, then the benchmarks, JSON into $OUT (and all of $OUT in
-# $OUT/suite.tgz).
+# $OUT/0suite.tgz, named to sort first: a device call returns the first 8 files of $OUT by name).
 #   usage: tools/gpu_suite.sh [tests|kernels|kernels_new|gputests|multi|ar|profile1|profile64|profile_tp|attention|gemv|
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
@@ -212,5 +212,5 @@ for what in "${@:-all}"; do
 done
 free_gpus
 # one archive of everything as well: the device tool brings back only a few files per call
-t=$(mktemp) && tar czf "$t" -C "$OUT" --exclude=suite.tgz . && mv "$t" "$OUT/suite.tgz"
+t=$(mktemp) && tar czf "$t" -C "$OUT" --exclude=0suite.tgz . && mv "$t" "$OUT/0suite.tgz"
 ls -la "$OUT"
