@@ -14,7 +14,7 @@ step's buffer (``LoraState.token_slots``), the shrink's partial sums go to a buf
 ``kernels/pdl.py`` says: the slots are step metadata, A and B weights, x and y activations.
 The work grows with T × the rank × (K + N) reads, each token reading its own slices.
 
-Past ``MAX_ROWS`` tokens (a decode batch of 64, a short prefill), the grouped pair (Punica's
+Past ``DECODE_ROWS`` tokens (a decode batch of 64, a short prefill), the grouped pair (Punica's
 SGMV) takes up to ``GROUPED_ROWS``: the step's tokens sorted by slot and cut into tiles of at
 most ``TILE_ROWS`` tokens of one slot (``groups``, on the host, staged with the step's inputs), a
 program takes a tile and multiplies it by its slot's A or B once, on the tensor cores:

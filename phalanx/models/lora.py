@@ -10,7 +10,7 @@ p's rows hold values only in part p's columns). A step computes
 
 so one pair of dense products serves a batch of mixed adapters and tokens without one, with the
 same shapes at every step (CUDA graphs capture it; ``LoraState`` fills M before each step). On a
-GPU a step of at most ``triton_lora.MAX_ROWS`` tokens (decode) takes two Triton kernels instead, in
+GPU a step of at most ``triton_lora.DECODE_ROWS`` tokens (decode) takes two Triton kernels instead, in
 which each token multiplies by its own slot alone, and a step of at most ``GROUPED_ROWS`` two
 grouped ones, the tokens sorted by slot into tiles that multiply by their slot once
 (``kernels/triton_lora.py``; the dense form is their reference). The dense form's cost is
