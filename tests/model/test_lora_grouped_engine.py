@@ -29,7 +29,8 @@ def test_wide_decode_steps_through_the_grouped_kernels_equal_peft(choice, tiny_m
     with LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", max_num_tokens=256,
              kv_cache_config={"tokens_per_block": 8}, lora_config={"max_loras": 2, "max_lora_rank": 8}) as llm:
         state = llm._executor.engine.runner.model.lora
-        assert state.kernels and state.kernel_rows == triton_lora.MAX_ROWS < len(batch)
+        assert state.kernels and state.kernel_rows == (triton_lora.DECODE_ROWS if choice == "1"
+                                                        else triton_lora.MAX_ROWS) < len(batch)
         assert state.grouped_rows == (triton_lora.GROUPED_ROWS if choice == "1" else 0)
         for name, fn in (("grouped", state.lora_add_grouped), ("bgmv", state.lora_add)):
             if fn is not None:   # the state's own kernels, counted by the tokens they are given
@@ -37,7 +38,7 @@ def test_wide_decode_steps_through_the_grouped_kernels_equal_peft(choice, tiny_m
                         lambda y, x, *a, _fn=fn, _seen=calls[name]: (_seen.append(x.shape[0]), _fn(y, x, *a))[1])
         outs = llm.generate([p for p, _ in batch], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
                             lora_request=[LoRARequest(n, ids[n], str(tmp_path / n)) if n else None for _, n in batch])
-    wide = triton_lora.MAX_ROWS
+    wide = state.kernel_rows
     if choice == "1":   # steps wider than the decode kernels take went through the grouped kernels
         assert any(t > wide for t in calls["grouped"]) and all(t <= triton_lora.GROUPED_ROWS for t in calls["grouped"])
     assert all(t <= wide for t in calls["bgmv"])   # (=bgmv: state.grouped_rows 0, the grouped kernels not built)
