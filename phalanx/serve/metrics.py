@@ -70,6 +70,7 @@ class ServerMetrics:
         r = self.registry
         self.prompt_tokens = Counter("phalanx:prompt_tokens", "Prompt tokens processed.", lab, registry=r)
         self.generation_tokens = Counter("phalanx:generation_tokens", "Tokens generated.", lab, registry=r)
+        self._generated = 0.0   # (the same count, read back by /get_server_info)
         self.request_success = Counter("phalanx:request_success", "Finished requests.", lab + ["finished_reason"],
                                        registry=r)
         self.client_aborts = Counter("phalanx:client_aborts", "Requests aborted because their client went away "
@@ -84,12 +85,17 @@ class ServerMetrics:
                                buckets=LATENCY_BUCKETS, registry=r)
         r.register(EngineCollector(stats, model, sum_ranks))
 
+    def generated_tokens(self) -> float:
+        """Output tokens of the requests finished so far (``phalanx:generation_tokens``)."""
+        return self._generated
+
     def observe(self, state: Any, num_prompt_tokens: int, num_generated: int, finish_reasons: list[str | None]) -> None:
         """Record one finished request from its GenerationResult (``num_generated``: the output
         tokens of all its sequences)."""
         m = self.model
         self.prompt_tokens.labels(m).inc(num_prompt_tokens)
         self.generation_tokens.labels(m).inc(num_generated)
+        self._generated += num_generated
         for reason in finish_reasons:
             self.request_success.labels(m, reason or "abort").inc()
         if state.first_token_time is not None:

@@ -346,26 +346,46 @@ def add_routes(server: OpenAIServer) -> None:
                 "has_audio_understanding": False, "model_type": cfg.model_type,
                 "architectures": list(getattr(cfg, "architectures", None) or [])}
 
+    generated = [time.monotonic(), 0.0]   # (when, tokens generated) at the last /get_server_info
+
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def get_server_info():
         """SGLang's server info: the settings its clients read under SGLang's names, the version,
-        and each rank's load as its ``internal_states``."""
+        and each data-parallel rank's load as its ``internal_states`` (SGLang's
+        ``last_gen_throughput``: output tokens a second since the previous call, spread over the
+        ranks; ``memory_usage.token_capacity``; ``avg_spec_accept_length`` under speculation).
+        ``dp_size`` is 1: with attention DP phalanx places requests on its ranks itself, so a
+        router sees one worker (``enable_dp_attention`` and ``attention_dp_size`` say it)."""
         args = server.llm.args
-        entries = rank_loads({"core"})
+        try:
+            entries = rank_loads({"core", "spec"})
+        except ApiError:   # no heartbeat yet, or the engine down: the settings still answer
+            entries = []
+        now, total = time.monotonic(), server.metrics.generated_tokens()
+        rate = (total - generated[1]) / max(1e-9, now - generated[0])
+        generated[:] = [now, total]
+        for e in entries:
+            e["last_gen_throughput"] = rate / len(entries)
+            e["memory_usage"] = {"token_capacity": e["max_total_num_tokens"]}
+            if "speculative" in e:
+                e["avg_spec_accept_length"] = e["speculative"]["accept_length"]
         spec = args.speculative_config
         return {"model_path": args.model, "tokenizer_path": args.tokenizer or args.model,
                 "served_model_name": server.model_name, "context_length": server.llm.max_seq_len,
-                "tp_size": args.tensor_parallel_size,
-                "dp_size": args.tensor_parallel_size if args.enable_attention_dp else 1,
-                "enable_dp_attention": args.enable_attention_dp, "ep_size": args.moe_expert_parallel_size or 1,
+                "max_req_input_len": server.llm.max_seq_len - 1, "tp_size": args.tensor_parallel_size, "dp_size": 1,
+                "enable_dp_attention": args.enable_attention_dp,
+                "attention_dp_size": args.tensor_parallel_size if args.enable_attention_dp else 1,
+                "ep_size": args.moe_expert_parallel_size or 1,
                 "page_size": args.kv_cache_config.tokens_per_block, "max_running_requests": args.max_batch_size,
-                "chunked_prefill_size": args.max_num_tokens, "max_prefill_tokens": args.max_num_tokens,
+                "chunked_prefill_size": args.max_num_tokens if args.enable_chunked_prefill else -1,
+                "max_prefill_tokens": args.max_num_tokens,
                 "disable_radix_cache": not args.kv_cache_config.enable_block_reuse,
                 "enable_lora": args.lora is not None, "max_loras_per_batch": args.lora.max_loras if args.lora else None,
-                "speculative_algorithm": spec.decoding_type if spec is not None else None,
+                "speculative_algorithm": {"NGram": "NGRAM", "DraftTarget": "STANDALONE"}[spec.decoding_type]
+                if spec is not None else None,
                 "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_config.dtype,
-                "max_total_num_tokens": sum(e["max_total_num_tokens"] for e in entries),
+                "max_total_num_tokens": entries[0]["max_total_num_tokens"] if entries else None,
                 "weight_version": server.llm.weight_version, "version": __version__,
                 "internal_states": entries}
 

@@ -405,3 +405,6 @@ def test_sglang_s_model_and_server_info_describe_the_worker(server):
     loads = httpx.get(server + "/v1/loads", headers=AUTH, timeout=30).json()
     assert srv["max_total_num_tokens"] == loads["aggregate"]["total_tokens"] > 0
     assert srv["page_size"] > 0 and srv["version"] and len(srv["internal_states"]) == 1
+    complete(server)   # a request finished since: SGLang's clients read the generation rate per rank
+    [state] = httpx.get(server + "/get_server_info", headers=AUTH, timeout=30).json()["internal_states"]
+    assert state["last_gen_throughput"] > 0 and state["memory_usage"]["token_capacity"] == srv["max_total_num_tokens"]
