@@ -51,7 +51,8 @@ def inputs(K: int, sizes: tuple[int, ...], T: int, slots: int, rank: int, adapte
     token_slots = torch.from_numpy(ts).to(dev, torch.int32)
     slot_of_col = (torch.arange(slots * rank, device=dev) // rank).repeat(parts)
     mask = (token_slots[:, None].long() == slot_of_col[None, :]).to(dtype)
-    groups = torch.from_numpy(triton_lora.groups(ts, slots)).to(dev) if T <= triton_lora.GROUPED_ROWS else None
+    groups = triton_lora.split_groups(torch.from_numpy(triton_lora.groups(ts, slots)).to(dev), slots) \
+        if T <= triton_lora.GROUPED_ROWS else None
     return {"x": torch.randn(T, K, generator=g).to(dev, dtype), "y": torch.randn(T, N, generator=g).to(dev, dtype),
             "A": A.to(dev, dtype), "B": B.to(dev, dtype), "slots": token_slots, "mask": mask, "groups": groups,
             "sums": triton_lora.partials(K, rank, dev),

@@ -284,16 +284,24 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     return y
 
 
-def lora_add_grouped(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, step_groups: torch.Tensor,
+def split_groups(step_groups: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A buffer of ``groups`` (on the device) as the grouped kernels read it: (its tile table,
+    its tokens in slot order), views taken once (``LoraState`` holds them)."""
+    n = 3 * max_tiles(GROUPED_ROWS, slots)
+    return step_groups[:n], step_groups[n:]
+
+
+def lora_add_grouped(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                     tiles_order: tuple[torch.Tensor, torch.Tensor],
                      part_sums: torch.Tensor, lp: LoraPlan) -> torch.Tensor:
-    """``lora_add`` through the grouped kernels: ``step_groups`` the step's ``groups`` (on the
-    device, for at most ``GROUPED_ROWS`` tokens), T ≤ ``GROUPED_ROWS``. Returns y."""
+    """``lora_add`` through the grouped kernels: ``tiles_order`` the step's ``groups`` (on the
+    device, for at most ``GROUPED_ROWS`` tokens) as ``split_groups`` gives them, T ≤
+    ``GROUPED_ROWS``. Returns y."""
     T, K = x.shape
     N = y.shape[1]
     if T == 0:
         return y
-    n = max_tiles(GROUPED_ROWS, lp.slots)
-    tiles, order = step_groups[:3 * n], step_groups[3 * n:]
+    tiles, order = tiles_order
     rows, width = part_sums.shape[1], part_sums.shape[2]
     launch = pdl.launch(x)
     grid = max_tiles(T, lp.slots)

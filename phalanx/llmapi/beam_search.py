@@ -77,7 +77,7 @@ class BeamSearchOutput:
 def score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
     """vLLM's beam score: the cumulative logprob over (prompt + output length, an end-of-sequence
     token not counted) ** length_penalty (±inf or 0 where that power leaves a float's range)."""
-    n = len(beam.tokens) - (1 if beam.tokens[-1] in eos else 0)
+    n = _length(beam, eos)
     try:
         return beam.cum_logprob * math.exp(-length_penalty * math.log(n))
     except OverflowError:
@@ -197,8 +197,12 @@ def _key(eos: frozenset[int], length_penalty: float) -> Any:
     negative cumulative logprob, −(log(−cum) − length_penalty · log(n)); a beam of logprob 0
     (probability 1) first."""
     def key(beam: BeamSearchSequence) -> float:
-        n = len(beam.tokens) - (1 if beam.tokens[-1] in eos else 0)
         if beam.cum_logprob >= 0:
             return math.inf
-        return -(math.log(-beam.cum_logprob) - length_penalty * math.log(n))
+        return -(math.log(-beam.cum_logprob) - length_penalty * math.log(_length(beam, eos)))
     return key
+
+
+def _length(beam: BeamSearchSequence, eos: frozenset[int]) -> int:
+    """The length the score divides by: prompt and output, an end-of-sequence token not counted."""
+    return len(beam.tokens) - (1 if beam.tokens[-1] in eos else 0)

@@ -302,6 +302,7 @@ class LoraState:
         self.lora_add: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add`` (imported at build)
         self.lora_add_grouped: Callable[..., torch.Tensor] | None = None   # ``triton_lora.lora_add_grouped``
         self.step_groups: torch.Tensor | None = None   # the step's ``triton_lora.groups`` (``install`` sizes it)
+        self.step_split: tuple[torch.Tensor, torch.Tensor] | None = None   # its tiles and order (views)
         self._tiles_empty = True                       # no tile of ``step_groups`` names a token
         self.token_slots: torch.Tensor
         self.served: tuple[str, ...] = ()                   # the modules that take adapters (``install``)
@@ -349,9 +350,8 @@ class LoraState:
         self._rows_set = T
 
     def _empty_tiles(self) -> None:
-        if self.step_groups is not None:
-            from phalanx.kernels import triton_lora
-            self.step_groups[0:3 * triton_lora.max_tiles(triton_lora.GROUPED_ROWS, self.slots):3] = -1
+        if self.step_split is not None:
+            self.step_split[0][0::3] = -1
         self._tiles_empty = True
 
     def reset_tokens(self) -> None:
@@ -438,7 +438,7 @@ class LoraWeights(nn.Module):
         if 0 < T <= state.kernel_rows:
             return state.lora_add(y, x, self.A, self.B, state.token_slots, state.partials, self.plan)  # type: ignore[misc]
         if 0 < T <= state.grouped_rows:
-            return state.lora_add_grouped(y, x, self.A, self.B, state.step_groups,  # type: ignore[misc]
+            return state.lora_add_grouped(y, x, self.A, self.B, state.step_split,  # type: ignore[misc]
                                           state.grouped_partials, self.plan)
         return self.dense(y, x)
 
@@ -505,6 +505,7 @@ def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
             empty = triton_lora.groups(np.zeros(0, np.int64), state.slots)   # every tile empty
             state.step_groups = torch.from_numpy(np.concatenate([empty, np.zeros(state.grouped_rows, np.int32)])
                                                  ).to(state.device)
+            state.step_split = triton_lora.split_groups(state.step_groups, state.slots)
             state.grouped_partials = triton_lora.grouped_partials(widest, state.rank, state.device)
         state.partials = triton_lora.partials(widest, state.rank, state.device)
     return state

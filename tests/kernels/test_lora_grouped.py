@@ -59,7 +59,7 @@ def test_the_grouped_kernels_equal_the_dense_form(T, parts, rank, K, N, slots):
     sums = triton_lora.grouped_partials(K, rank, DEV)
     sums.fill_(float("nan"))          # nothing the kernels did not write is read
     lp = triton_lora.plan(K, parts, slots, rank, bounds, DTYPE)
-    out = triton_lora.lora_add_grouped(y.clone(), x, A, B, step, sums, lp)
+    out = triton_lora.lora_add_grouped(y.clone(), x, A, B, triton_lora.split_groups(step, slots), sums, lp)
     token_slots = torch.from_numpy(ts).to(DEV, torch.int32)
     ref = dense(y, x, A, B, token_slots, parts, slots, rank)
     tol = 1e-4 if DTYPE is torch.float32 else 3e-2
@@ -80,7 +80,7 @@ def test_a_grid_larger_than_the_step_runs_only_the_steps_tiles():
     ts = np.array([t % 2 for t in range(20)], np.int64)
     step = torch.from_numpy(triton_lora.groups(ts, slots)).to(DEV)
     sums = triton_lora.grouped_partials(K, rank, DEV)
-    out = triton_lora.lora_add_grouped(y.clone(), x, A, B, step, sums,
+    out = triton_lora.lora_add_grouped(y.clone(), x, A, B, triton_lora.split_groups(step, slots), sums,
                                        triton_lora.plan(K, parts, slots, rank, bounds, DTYPE))
     assert torch.equal(out[20:], y[20:])
     ref = dense(y[:20], x[:20], A, B, torch.from_numpy(ts).to(DEV, torch.int32), parts, slots, rank)
