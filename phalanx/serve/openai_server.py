@@ -486,16 +486,24 @@ class OpenAIServer:
         return asked
 
     def _submit_all(self, jobs: list[tuple[list[int], SamplingParams]], salt: str | None,
-                    what: str) -> list[RequestOutput]:
-        """Submit checked prompts; if one is refused, the ones already submitted are aborted."""
+                    what: str, prepared: bool = False) -> list[RequestOutput]:
+        """Submit checked prompts; if one is refused, the ones already submitted are aborted.
+        ``prepared``: the LLM class checked them before (a beam search's steps), so they go in as
+        they are, in one call."""
         if self._stopping:
             raise ApiError(503, "the server is shutting down")
         futs: list[RequestOutput] = []
         try:
             adapter = _ADAPTER.get()
-            for ids, sp in jobs:
-                futs.append(self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt, lora_request=adapter))
-                self._in_flight.add(futs[-1])
+            if prepared:
+                futs = self.llm._submit_all([PreparedPrompt(None, ids, sp) for ids, sp in jobs], salt, True,
+                                            [adapter] * len(jobs) if adapter is not None else None)
+                self._in_flight.update(futs)
+            else:
+                for ids, sp in jobs:
+                    futs.append(self.llm.generate_async(ids, sp, streaming=True, cache_salt=salt,
+                                                        lora_request=adapter))
+                    self._in_flight.add(futs[-1])
         except ValueError as e:   # named by its field where it begins with one (stop_token_ids past the vocabulary)
             _abort(futs)
             named = str(e).split(" ", 1)[0].rstrip(":")
@@ -850,16 +858,8 @@ class OpenAIServer:
         except RuntimeError as e:
             raise ApiError(503, f"the engine is not running: {e}") from None
         cached = [0] * len(prompts)
-        adapter = _ADAPTER.get()
         while step := search.step():
-            if self._stopping:
-                raise ApiError(503, "the server is shutting down")
-            try:   # (checked prompts: submitted as they are, not checked again each step)
-                futs = self.llm._submit_all([PreparedPrompt(None, ids, search.request) for ids in step], None,
-                                            loras=[adapter] * len(step) if adapter is not None else None)
-            except RuntimeError as e:
-                raise ApiError(503, f"the engine is not running: {e}") from None
-            self._in_flight.update(futs)
+            futs = self._submit_all([(ids, search.request) for ids in step], None, what, prepared=True)
             outs = await self._collect(futs, request)
             if search.steps == 0:
                 cached = [o.cached_tokens for o in outs]
