@@ -19,6 +19,13 @@ Life of a request: ``match`` (read-only) → ``admit`` → (``grow`` → step �
 ``free``. ``take_copy_ops`` hands the partial-reuse copies to the next forward;
 ``release_copy_sources`` drops the sources once that forward is launched.
 
+With ``num_host_blocks`` a host tier keeps the blocks the device evicts (TensorRT-LLM's
+secondary pool): an evicted full block is offloaded, its node staying in the tree on the host,
+and a later match that reaches it onboards it into a fresh device block. The moves are
+``CopyOp``s of kind ``OFFLOAD`` (device block → host block) and ``ONBOARD`` (host block → device
+block) in the same ordered list as the partial-reuse copies: run in order before the next
+forward, each reads rows no earlier op of the list has overwritten.
+
 ``invalidate`` starts a new epoch (new weights, or KV memory that was released): the epoch is
 part of every key from then on, so no later request can match a block computed before, and the
 cached blocks nobody holds are freed at once. Requests that hold blocks keep them.
@@ -32,14 +39,19 @@ from dataclasses import dataclass
 from phalanx.kv_manager.block_pool import BlockPool, NoFreeBlocksError
 from phalanx.kv_manager.radix_tree import DEFAULT_PRIORITY, Node, RadixTree, TreeMatch, chain_key
 
+COPY, OFFLOAD, ONBOARD = 0, 1, 2   # a CopyOp's kind: device → device, device → host, host → device
+
 
 @dataclass(frozen=True)
 class CopyOp:
-    """Copy rows ``[0, num_tokens)`` of block ``src`` into block ``dst`` (all layers, K and V)."""
+    """Copy rows ``[0, num_tokens)`` of block ``src`` into block ``dst`` (all layers, K and V):
+    both device blocks (``COPY``), or a device block into a host block (``OFFLOAD``) or back
+    (``ONBOARD``), whole blocks."""
 
     src: int
     dst: int
     num_tokens: int
+    kind: int = COPY
 
 
 @dataclass
@@ -67,11 +79,12 @@ class KVCacheManager:
 
     ``num_blocks`` blocks of ``tokens_per_block`` tokens. With ``enable_block_reuse`` off
     nothing is matched or committed; with ``enable_partial_reuse`` off only whole blocks match.
+    ``num_host_blocks`` > 0 (with reuse on) adds the host tier.
     """
 
     def __init__(
         self, num_blocks: int, tokens_per_block: int = 32, enable_block_reuse: bool = True,
-        enable_partial_reuse: bool = True,
+        enable_partial_reuse: bool = True, num_host_blocks: int = 0,
     ) -> None:
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
@@ -79,7 +92,8 @@ class KVCacheManager:
         self.enable_block_reuse = enable_block_reuse
         self.enable_partial_reuse = enable_partial_reuse
         self.pool = BlockPool(num_blocks)
-        self.tree = RadixTree(self.pool, tokens_per_block)
+        self.host = BlockPool(num_host_blocks) if num_host_blocks > 0 and enable_block_reuse else None
+        self.tree = RadixTree(self.pool, tokens_per_block, self.host, self._offload)
         self._seqs: dict[int, _Sequence] = {}
         self._copy_ops: list[CopyOp] = []
         self._copy_sources: list[list[Node]] = []  # root paths held until the copy's forward is launched
@@ -101,6 +115,10 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-but-unused blocks count as free)."""
         return 1.0 - self.pool.num_available / self.pool.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.num_blocks if self.host is not None else 0
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
@@ -138,13 +156,15 @@ class KVCacheManager:
         """``match`` without its partial block: a partial hit holds its copy source beside the
         request's own blocks until the copy runs, one block more than the request; where that
         block does not fit, the whole blocks of the hit may."""
-        nodes = match.tree_match.nodes
+        tm = match.tree_match
         refs = self.pool.ref_counts
-        return PrefixMatch(TreeMatch(list(nodes)), len(nodes) * self.tokens_per_block,
-                           sum(1 for n in nodes if refs[n.block_id] == 0))
+        return PrefixMatch(TreeMatch(list(tm.nodes), host_nodes=list(tm.host_nodes)),
+                           (len(tm.nodes) + len(tm.host_nodes)) * self.tokens_per_block,
+                           sum(1 for n in tm.nodes if refs[n.block_id] == 0))
 
     def num_blocks_to_admit(self, match: PrefixMatch, num_slots: int) -> int:
-        """Available blocks that ``admit(match, num_slots)`` would consume."""
+        """Available blocks that ``admit(match, num_slots)`` would consume (a host block takes a
+        fresh one)."""
         new = max(0, self.num_blocks_for(num_slots) - len(match.tree_match.nodes))
         return new + match.num_unreferenced
 
@@ -157,7 +177,8 @@ class KVCacheManager:
         positions ``[0, num_slots)``. Returns the number of reused (cached) tokens.
 
         Raises ``NoFreeBlocksError`` (changing nothing) when ``num_blocks_to_admit`` exceeds
-        the available blocks. A partial hit queues a ``CopyOp`` for the next forward.
+        the available blocks. A partial hit queues a ``CopyOp`` for the next forward, and so
+        does each matched host block (``ONBOARD``, into the fresh block of its position).
         """
         if request_id in self._seqs:
             raise ValueError(f"request {request_id} already holds blocks")
@@ -166,6 +187,10 @@ class KVCacheManager:
         tm = match.tree_match
         held = [n.block_id for n in tm.nodes]
         self.pool.ref_all(held)  # hold the prefix before allocating, so it cannot be evicted
+        hosted = [n.host_id for n in tm.host_nodes]
+        if hosted:
+            assert self.host is not None and tm.partial_node is None
+            self.host.ref_all(hosted)   # pinned: the allocation's offloads may not take their host blocks
         if tm.partial_node is not None:
             # The copy source is held with its whole path, so a held node always has held
             # ancestors even if this request ends before the copy runs.
@@ -175,7 +200,13 @@ class KVCacheManager:
         if tm.partial_node is not None:
             self._copy_ops.append(CopyOp(tm.partial_node.block_id, fresh[0], tm.partial_len))
             self._copy_sources.append(source_path)
-        seq = _Sequence(held + fresh, list(tm.nodes), extra_key + self.epoch, priority)
+        assert len(fresh) >= len(tm.host_nodes)   # (the slots reach past the match)
+        for node, block_id in zip(tm.host_nodes, fresh, strict=False):
+            assert self.host is not None
+            self.host.unref(node.host_id)
+            self._copy_ops.append(CopyOp(node.host_id, block_id, self.tokens_per_block, ONBOARD))
+            self.tree.promote(node, block_id)
+        seq = _Sequence(held + fresh, list(tm.nodes) + list(tm.host_nodes), extra_key + self.epoch, priority)
         self._seqs[request_id] = seq
         return match.num_tokens
 
@@ -210,7 +241,10 @@ class KVCacheManager:
             block_tokens = tokens[i * B:(i + 1) * B]
             key = chain_key(parent.key, block_tokens, seq.extra_key)
             existing = parent.children.get(key)
-            if existing is not None:
+            if existing is not None and not existing.on_device:   # computed again: its host copy goes
+                self.tree.promote(existing, seq.block_ids[i])
+                seq.nodes.append(existing)
+            elif existing is not None:
                 self.tree.ref(existing)
                 self.pool.unref(seq.block_ids[i])
                 seq.block_ids[i] = existing.block_id
@@ -239,7 +273,9 @@ class KVCacheManager:
         if epoch == self.epoch:
             raise ValueError("invalidate needs a new epoch")
         self.epoch = epoch
-        return self.tree.evict(self.pool.num_blocks)
+        freed = self.tree.evict(self.pool.num_blocks, offload=False)
+        self.tree.drop_host()
+        return freed
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count a prefix-cache lookup for metrics (tokens asked, tokens reused)."""
@@ -273,6 +309,9 @@ class KVCacheManager:
         self._copy_sources = []
 
     # -- internals -------------------------------------------------------------------------
+    def _offload(self, block_id: int, host_id: int) -> None:
+        self._copy_ops.append(CopyOp(block_id, host_id, self.tokens_per_block, OFFLOAD))
+
     def _allocate(self, n: int) -> list[int]:
         if n <= 0:
             return []
@@ -288,6 +327,9 @@ class KVCacheManager:
         lines = [f"KVCacheManager: {p.num_blocks} blocks × {self.tokens_per_block} tokens; "
                  f"free {p.num_free}, cached-unreferenced {p.num_cached_unreferenced}, "
                  f"evictable leaves {p.num_evictable}"]
+        if self.host is not None:
+            lines.append(f"  host tier: {self.host.num_blocks} blocks, {len(self.tree.host_nodes)} cached, "
+                         f"evictable leaves {self.host.num_evictable}")
         for rid, seq in sorted(self._seqs.items()):
             lines.append(f"  request {rid}: blocks {seq.block_ids} (first {len(seq.nodes)} in tree)")
         lines.append(self.tree.pretty())
@@ -297,8 +339,11 @@ class KVCacheManager:
         """Assert the invariants; raises ``AssertionError`` naming the first one broken.
 
         free + cached-unreferenced + referenced == num_blocks; every ref count equals its
-        holders; the evictable set is exactly the unreferenced cached leaves; a referenced tree
-        node has referenced ancestors; keys chain.
+        holders; the evictable set is exactly the unreferenced cached leaves of the device tier;
+        a referenced tree node has referenced ancestors; keys chain. With a host tier: its
+        blocks are free or hold exactly the host nodes, none pinned between calls; host nodes
+        are the tails of root paths; its evictable set is exactly the host nodes without
+        children.
         """
         p, tree = self.pool, self.tree
         holders = [0] * p.num_blocks
@@ -319,12 +364,16 @@ class KVCacheManager:
         assert len(unref_cached) == p.num_cached_unreferenced, "cached-unreferenced count drifted"
         referenced = sum(1 for c in p.ref_counts if c > 0)
         assert len(free) + len(unref_cached) + referenced == p.num_blocks, "blocks lost or double-counted"
-        leaves = {b for b in unref_cached if not tree.nodes[b].children}
+        leaves = {b for b in unref_cached if not tree.nodes[b].device_children}
         assert set(p._evictable) == leaves, f"evictable {sorted(p._evictable)} != leaves {sorted(leaves)}"
-        assert sum(len(h) for n in [tree.root, *tree.nodes.values()] for h in n.heads.values()) == len(tree.nodes), \
+        every = [tree.root, *tree.nodes.values(), *tree.host_nodes.values()]
+        assert sum(len(h) for n in every for h in n.heads.values()) == len(every) - 1, \
             "the first-token index holds a node twice or one not in the tree"
+        for node in every:
+            assert node.device_children == sum(c.on_device for c in node.children.values()), "device children count"
         for b, node in tree.nodes.items():
             parent = node.parent
+            assert node.block_id == b and node.host_id == -1, f"block {b} misfiled"
             assert parent is not None and parent.children.get(node.key) is node, f"block {b} detached"
             assert sum(c is node for c in parent.heads.get(node.tokens[0], ())) == 1, f"block {b} heads"
             assert node.key == chain_key(parent.key, node.tokens, node.extra_key), f"block {b} key"
@@ -333,3 +382,25 @@ class KVCacheManager:
                 assert not node.children, f"partial block {b} has children"
             if p.ref_counts[b] > 0 and not parent.is_root:
                 assert p.ref_counts[parent.block_id] > 0, f"block {b} held but parent not"
+        self._check_host_tier()
+
+    def _check_host_tier(self) -> None:
+        h, tree = self.host, self.tree
+        if h is None:
+            assert not tree.host_nodes, "host nodes without a host tier"
+            return
+        free = list(h._free)
+        assert len(set(free)) == len(free), "a host block is on the free list twice"
+        assert not any(h.ref_counts), "a host block is still pinned"
+        assert set(tree.host_nodes) == {b for b in range(h.num_blocks) if h.cached[b]}, "host cached flags != tree"
+        assert len(free) + len(tree.host_nodes) == h.num_blocks, "host blocks lost or double-counted"
+        assert h.num_cached_unreferenced == len(tree.host_nodes), "host cached count drifted"
+        for hid, node in tree.host_nodes.items():
+            parent = node.parent
+            assert node.host_id == hid and node.block_id == -1, f"host block {hid} misfiled"
+            assert parent is not None and parent.children.get(node.key) is node, f"host block {hid} detached"
+            assert not node.device_children, f"host block {hid} has a device child"
+            assert len(node.tokens) == self.tokens_per_block, f"host block {hid} is partial"
+            assert node.key == chain_key(parent.key, node.tokens, node.extra_key), f"host block {hid} key"
+        leaves = {hid for hid, n in tree.host_nodes.items() if not n.children}
+        assert set(h._evictable) == leaves, f"host evictable {sorted(h._evictable)} != leaves {sorted(leaves)}"

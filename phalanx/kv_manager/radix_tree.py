@@ -18,13 +18,28 @@ so only the token scan finds them.
 
 Only unreferenced leaves are evicted, lowest retention priority first, LRU within a priority;
 a parent becomes evictable when its last child goes.
+
+With a host tier (a second ``BlockPool`` of host block ids), an evicted full block is not
+forgotten but offloaded: its node stays in the tree holding a host block instead of a device
+block, and the caller copies the rows out before the device block is written again. A node
+is on one tier at a time::
+
+    tier     block_id   host_id   children            evictable when
+    device   >= 0       -1        device or host      unreferenced and no device children
+    host     -1         >= 0      host only           no children at all (dropped from the tree)
+
+so the host nodes of any root path are its tail. A match returns them after the device nodes;
+admitting it takes fresh device blocks for them (``promote``) and the caller copies the rows
+back in. A block that finds no host block (the host tier full of pinned or inner nodes) is
+dropped with the host nodes below it; so are partial leaves, which only a token scan of device
+children would match.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from phalanx.kv_manager.block_pool import BlockPool
@@ -66,7 +81,7 @@ class Node:
     """One full block in the tree."""
 
     key: bytes
-    block_id: int
+    block_id: int                     # the device block, or -1 on the host tier
     tokens: tuple[int, ...]
     extra_key: bytes
     parent: Node | None
@@ -75,34 +90,51 @@ class Node:
     children: dict[bytes, Node] = field(default_factory=dict)
     # the children again by their first token, in insertion order: the only ones a token scan can match
     heads: dict[int, list[Node]] = field(default_factory=dict)
+    host_id: int = -1                 # the host block of a node on the host tier
+    device_children: int = 0          # children on the device tier
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
 
+    @property
+    def on_device(self) -> bool:
+        return self.block_id >= 0
+
 
 @dataclass
 class TreeMatch:
-    """Result of a read-only match. ``nodes`` is a root path of fully matched blocks; when
-    ``partial_node`` is set, its first ``partial_len`` tokens also match (copy-on-write)."""
+    """Result of a read-only match. ``nodes`` is a root path of fully matched device blocks and
+    ``host_nodes`` its continuation on the host tier; when ``partial_node`` is set (a device
+    child of the last device node), its first ``partial_len`` tokens also match (copy-on-write)."""
 
     nodes: list[Node]
     partial_node: Node | None = None
     partial_len: int = 0
+    host_nodes: list[Node] = field(default_factory=list)
 
     def num_tokens(self, tokens_per_block: int) -> int:
-        return len(self.nodes) * tokens_per_block + self.partial_len
+        return (len(self.nodes) + len(self.host_nodes)) * tokens_per_block + self.partial_len
 
 
 class RadixTree:
-    """Prefix index over full blocks. Mutates the pool's cached flags and eviction LRU."""
+    """Prefix index over full blocks. Mutates the pool's cached flags and eviction LRU (and the
+    host pool's, with a host tier: ``on_offload(device block, host block)`` is called for each
+    block that moves there, in order)."""
 
-    def __init__(self, pool: BlockPool, tokens_per_block: int) -> None:
+    def __init__(self, pool: BlockPool, tokens_per_block: int, host: BlockPool | None = None,
+                 on_offload: Callable[[int, int], None] | None = None) -> None:
         self.pool = pool
         self.tokens_per_block = tokens_per_block
         self.root = Node(key=b"", block_id=-1, tokens=(), extra_key=b"", parent=None)
-        self.nodes: dict[int, Node] = {}  # block id -> node
-        self.num_evicted = 0
+        self.nodes: dict[int, Node] = {}  # block id -> node (the device tier)
+        self.num_evicted = 0               # device blocks freed by eviction (offloaded or dropped)
+        self.host = host
+        self.host_nodes: dict[int, Node] = {}   # host block id -> node (the host tier)
+        self.on_offload = on_offload
+        self._offloading = host is not None    # (off while ``evict(offload=False)`` runs)
+        self.num_offloaded = 0             # blocks moved to the host tier
+        self.num_onboarded = 0             # blocks moved back (``promote``)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -135,10 +167,13 @@ class RadixTree:
                     break
             path.append(child)
             node = child
-        result = TreeMatch(path)
+        on_device = len(path)
+        while on_device and not path[on_device - 1].on_device:   # the host tier is a root path's tail
+            on_device -= 1
+        result = TreeMatch(path[:on_device], host_nodes=path[on_device:])
         start = len(path) * B
         want = tokens[start:min(start + B, max_tokens)]
-        if partial and want:
+        if partial and want and (node.is_root or node.on_device):
             result.partial_node, result.partial_len = self._longest_child_prefix(node, want, extra_key)
         return result
 
@@ -147,7 +182,7 @@ class RadixTree:
     ) -> tuple[Node | None, int]:
         best, best_len = None, 0
         for child in node.heads.get(want[0], ()):   # any other child shares no token with ``want``
-            if child.extra_key != extra_key:
+            if child.extra_key != extra_key or child.block_id < 0:   # (a host block is not copied from)
                 continue
             n = _common_prefix_len(child.tokens, want)
             if n > best_len:
@@ -166,9 +201,10 @@ class RadixTree:
         self.pool.ref(node.block_id)
 
     def unref(self, node: Node, tick: int) -> None:
-        """A request stops holding ``node``; at ref 0 a leaf becomes evictable at ``tick``."""
+        """A request stops holding ``node``; at ref 0 a node without device children becomes
+        evictable at ``tick``."""
         node.last_access = tick
-        if self.pool.unref(node.block_id) == 0 and not node.children:
+        if self.pool.unref(node.block_id) == 0 and not node.device_children:
             self.pool.add_evictable(node.block_id, node.priority, tick)
 
     # -- write -------------------------------------------------------------------------------
@@ -176,53 +212,142 @@ class RadixTree:
         self, parent: Node, key: bytes, tokens: Sequence[int], block_id: int, extra_key: bytes,
         priority: int = DEFAULT_PRIORITY,
     ) -> Node:
-        """Add a block under ``parent``. The caller holds ``block_id`` (ref >= 1) and has
-        checked that ``parent`` has no child with ``key``."""
+        """Add a device block under ``parent`` (a device node or the root). The caller holds
+        ``block_id`` (ref >= 1) and has checked that ``parent`` has no child with ``key``."""
         assert key not in parent.children, "duplicate key: reuse the existing node"
         node = Node(key, block_id, tuple(tokens), extra_key, parent, priority, self.pool.next_tick())
         parent.children[key] = node
         parent.heads.setdefault(node.tokens[0], []).append(node)
+        self._gain_device_child(parent)
         self.nodes[block_id] = node
         self.pool.set_cached(block_id, True)
-        if not parent.is_root:
-            self.pool.discard_evictable(parent.block_id)  # no longer a leaf
         return node
 
-    def evict(self, num_blocks: int) -> int:
-        """Evict ``num_blocks`` unreferenced leaves to the free list; returns how many went."""
+    def promote(self, node: Node, block_id: int) -> None:
+        """Move a host node back to the device tier at ``block_id`` (held by the caller, ref >= 1,
+        its rows copied in from the host block or computed equal); the host block is freed.
+        ``node``'s parent is on the device (host nodes are a path's tail)."""
+        host, parent = self.host, node.parent
+        assert host is not None and not node.on_device and parent is not None
+        hid = node.host_id
+        assert host.ref_counts[hid] == 0, f"host block {hid} is pinned"
+        host.discard_evictable(hid)
+        del self.host_nodes[hid]
+        host.set_cached(hid, False)
+        host.put_free(hid)
+        node.host_id, node.block_id = -1, block_id
+        self.nodes[block_id] = node
+        self.pool.set_cached(block_id, True)
+        self._gain_device_child(parent)
+        self.num_onboarded += 1
+
+    def evict(self, num_blocks: int, offload: bool = True) -> int:
+        """Free ``num_blocks`` device blocks by evicting unreferenced leaves; returns how many
+        went. With a host tier (and ``offload``) a full block moves there rather than going."""
         done = 0
-        while done < num_blocks and self.pool.num_evictable:
-            self._evict_one()
-            done += 1
+        self._offloading = offload and self.host is not None
+        try:
+            while done < num_blocks and self.pool.num_evictable:
+                self._evict_one()
+                done += 1
+        finally:
+            self._offloading = self.host is not None
         return done
+
+    def drop_host(self) -> int:
+        """Forget every host node (``invalidate``); returns how many went."""
+        n = len(self.host_nodes)
+        for node in list(self.host_nodes.values()):
+            if node.host_id in self.host_nodes:   # (not yet dropped with an ancestor)
+                self._drop(node)
+        return n
+
+    def _gain_device_child(self, parent: Node) -> None:
+        parent.device_children += 1
+        if not parent.is_root:
+            self.pool.discard_evictable(parent.block_id)  # no longer a leaf of the device tier
 
     def _evict_one(self) -> None:
         block_id = self.pool.pop_evictable()
-        node = self.nodes.pop(block_id)
+        node = self.nodes[block_id]
+        assert node.parent is not None and not node.device_children
+        full = len(node.tokens) == self.tokens_per_block
+        hid = self._host_block() if self._offloading and full else None
+        self.num_evicted += 1
+        if hid is None:
+            self._drop(node)
+            return
+        host, parent = self.host, node.parent
+        assert host is not None and self.on_offload is not None
+        self.on_offload(block_id, hid)     # the rows leave before the device block is written again
+        del self.nodes[block_id]
+        self.pool.set_cached(block_id, False)
+        self.pool.put_free(block_id)
+        node.block_id, node.host_id = -1, hid
+        self.host_nodes[hid] = node
+        host.set_cached(hid, True)
+        host.unref(hid)                    # cached, held by nobody
+        if not node.children:
+            host.add_evictable(hid, node.priority, node.last_access)
+        self.num_offloaded += 1
+        self._lose_device_child(parent)
+
+    def _lose_device_child(self, parent: Node) -> None:
+        parent.device_children -= 1
+        if not parent.is_root and not parent.device_children and self.pool.ref_counts[parent.block_id] == 0:
+            self.pool.add_evictable(parent.block_id, parent.priority, parent.last_access)
+
+    def _host_block(self) -> int | None:
+        """A free host block (the least recently used host leaf dropped for it), or None."""
+        host = self.host
+        if host is None:
+            return None
+        if not host.num_free:
+            if not host.num_evictable:
+                return None
+            self._drop(self.host_nodes[host.pop_evictable()])
+        return host.take_free(1)[0]
+
+    def _drop(self, node: Node) -> None:
+        """Take ``node`` and the host nodes below it out of the tree, freeing their blocks."""
+        for child in list(node.children.values()):
+            assert not child.on_device, "a device node under a dropped one"
+            self._drop(child)
         parent = node.parent
-        assert parent is not None and not node.children
+        assert parent is not None
         del parent.children[node.key]
         heads = parent.heads[node.tokens[0]]
         heads.remove(node)
         if not heads:
             del parent.heads[node.tokens[0]]
-        self.pool.set_cached(block_id, False)
-        self.pool.put_free(block_id)
-        self.num_evicted += 1
-        if not parent.is_root and not parent.children and self.pool.ref_counts[parent.block_id] == 0:
-            self.pool.add_evictable(parent.block_id, parent.priority, parent.last_access)
+        if node.on_device:
+            del self.nodes[node.block_id]
+            self.pool.set_cached(node.block_id, False)
+            self.pool.put_free(node.block_id)
+            self._lose_device_child(parent)
+        else:
+            host = self.host
+            assert host is not None
+            host.discard_evictable(node.host_id)
+            del self.host_nodes[node.host_id]
+            host.set_cached(node.host_id, False)
+            host.put_free(node.host_id)
+            if not parent.on_device and not parent.is_root and not parent.children \
+                    and not host.ref_counts[parent.host_id]:   # (a pinned one waits for its promotion)
+                host.add_evictable(parent.host_id, parent.priority, parent.last_access)
 
     # -- inspection --------------------------------------------------------------------------
     def pretty(self, max_tokens: int = 6) -> str:
-        """The tree as indented lines: block id, ref count, first tokens."""
+        """The tree as indented lines: block id and ref count (or host block), first tokens."""
         lines = ["<root>"]
 
         def walk(node: Node, depth: int) -> None:
-            for child in sorted(node.children.values(), key=lambda n: n.block_id):
+            for child in sorted(node.children.values(), key=lambda n: (n.block_id, n.host_id)):
                 head = ",".join(map(str, child.tokens[:max_tokens]))
                 more = ",…" if len(child.tokens) > max_tokens else ""
-                ref = self.pool.ref_counts[child.block_id]
-                lines.append(f"{'  ' * depth}└ block {child.block_id} ref={ref} [{head}{more}]")
+                where = (f"block {child.block_id} ref={self.pool.ref_counts[child.block_id]}" if child.on_device
+                         else f"host block {child.host_id}")
+                lines.append(f"{'  ' * depth}└ {where} [{head}{more}]")
                 walk(child, depth + 1)
 
         walk(self.root, 1)

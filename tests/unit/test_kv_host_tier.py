@@ -1,0 +1,203 @@
+"""The KV cache's host tier: blocks the device evicts are offloaded, found again by a match and
+onboarded into fresh device blocks. Pure Python: the block contents are simulated by lists that
+the recorded ``CopyOp``s move, so every reused position is checked against the token it holds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from phalanx.kv_manager import KVCacheManager
+from phalanx.kv_manager.manager import COPY, OFFLOAD, ONBOARD
+
+B = 4
+
+
+class Store:
+    """Simulated pools: each device and host block is a list of the tokens whose KV it holds."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.dev: list[list[int | None]] = [[None] * B for _ in range(kv.num_blocks)]
+        self.host: list[list[int | None]] = [[None] * B for _ in range(kv.num_host_blocks)]
+        self.kinds: list[int] = []
+
+    def run_ops(self) -> None:
+        """What the executor does before a forward: the ops in order."""
+        for op in self.kv.take_copy_ops():
+            self.kinds.append(op.kind)
+            if op.kind == COPY:
+                self.dev[op.dst][:op.num_tokens] = self.dev[op.src][:op.num_tokens]
+            elif op.kind == OFFLOAD:
+                assert op.num_tokens == B
+                self.host[op.dst] = list(self.dev[op.src])
+            else:
+                assert op.kind == ONBOARD and op.num_tokens == B
+                self.dev[op.dst] = list(self.host[op.src])
+        self.kv.release_copy_sources()
+
+    def compute(self, rid: int, tokens: list[int], start: int, end: int) -> None:
+        """A forward writing positions [start, end) of a request."""
+        table = self.kv.block_table(rid)
+        for i in range(start, end):
+            self.dev[table[i // B]][i % B] = tokens[i]
+
+    def check_reused(self, rid: int, tokens: list[int], n: int) -> None:
+        table = self.kv.block_table(rid)
+        got = [self.dev[table[i // B]][i % B] for i in range(n)]
+        assert got == tokens[:n], f"request {rid}: reused rows hold {got}, not {tokens[:n]}"
+
+
+def _serve(kv: KVCacheManager, store: Store, rid: int, tokens: list[int]) -> int:
+    """Admit a prompt, check the rows it reuses, compute the rest, commit; returns the hit."""
+    m = kv.match(tokens)
+    hit = kv.admit(rid, m, len(tokens))
+    store.run_ops()
+    store.check_reused(rid, tokens, hit)
+    store.compute(rid, tokens, hit, len(tokens))
+    kv.commit(rid, tokens, len(tokens))
+    kv.check_integrity()
+    return hit
+
+
+def test_an_evicted_prefix_is_offloaded_then_onboarded_with_its_rows():
+    kv = KVCacheManager(6, B, num_host_blocks=8)
+    store = Store(kv)
+    a = list(range(100, 113))            # 3 full blocks + 1 token
+    assert _serve(kv, store, 1, a) == 0
+    kv.free(1)
+    b = list(range(200, 217))            # 4 full blocks + 1: the device must evict a's blocks
+    _serve(kv, store, 2, b)
+    assert OFFLOAD in store.kinds and len(kv.tree.host_nodes) >= 1
+    kv.free(2)
+    kv.check_integrity()
+    m = kv.match(a + [7, 8])
+    assert m.tree_match.host_nodes, "the offloaded blocks are found on the host"
+    assert m.num_tokens == 12             # a's three full blocks (its partial tail is not offloaded)
+    onboarded_before = kv.tree.num_onboarded
+    assert _serve(kv, store, 3, a + [7, 8]) == 12
+    assert ONBOARD in store.kinds and kv.tree.num_onboarded > onboarded_before
+    assert not kv.match(a + [7, 8]).tree_match.host_nodes, "onboarded blocks are on the device again"
+
+
+def test_without_a_host_tier_the_evicted_prefix_is_gone():
+    kv = KVCacheManager(6, B)
+    store = Store(kv)
+    a = list(range(100, 113))
+    _serve(kv, store, 1, a)
+    kv.free(1)
+    _serve(kv, store, 2, list(range(200, 217)))
+    kv.free(2)
+    assert kv.match(a + [7]).num_tokens < 12
+    assert OFFLOAD not in store.kinds and kv.num_host_blocks == 0
+
+
+def test_the_host_tier_drops_its_least_recently_used_leaves_and_never_a_pinned_block():
+    kv = KVCacheManager(4, B, num_host_blocks=3)
+    store = Store(kv)
+    for rid, base in enumerate((100, 200, 300, 400), 1):   # four prompts of 3 full blocks + 1, a 4-block device
+        _serve(kv, store, rid, list(range(base, base + 13)))
+        kv.free(rid)
+    kv.check_integrity()
+    assert len(kv.tree.host_nodes) <= 3
+    # the newest evicted prompt is still on the host, the oldest is not
+    assert kv.match(list(range(100, 114))).num_tokens == 0
+    assert kv.match(list(range(300, 314))).num_tokens > 0
+    # admitting a host hit whose allocation must offload more (host full) keeps its own host blocks
+    hit = _serve(kv, store, 9, list(range(300, 314)))
+    assert hit > 0
+
+
+def test_a_block_computed_again_promotes_its_host_copy():
+    kv = KVCacheManager(6, B, num_host_blocks=8)
+    store = Store(kv)
+    a = list(range(100, 109))             # 2 full blocks + 1
+    _serve(kv, store, 1, a)
+    kv.free(1)
+    _serve(kv, store, 2, list(range(200, 221)))   # pushes a's blocks to the host
+    kv.free(2)
+    a_blocks = {tuple(a[0:4]), tuple(a[4:8])}
+    assert a_blocks <= {n.tokens for n in kv.tree.host_nodes.values()}
+    # a request that does not reuse the cache computes a's blocks itself and commits them
+    m = kv.match(a, reuse=False)
+    kv.admit(3, m, len(a))
+    store.run_ops()
+    store.compute(3, a, 0, len(a))
+    kv.commit(3, a, len(a))
+    kv.check_integrity()
+    assert not a_blocks & {n.tokens for n in kv.tree.host_nodes.values()}, \
+        "the host copies of a's blocks were promoted, not kept beside the device ones"
+    assert [n.on_device for n in kv.tree.match(a, b"", 8).nodes] == [True, True]
+    kv.free(3)
+    assert kv.match(a).num_tokens == 8 and not kv.match(a).tree_match.host_nodes
+
+
+def test_invalidate_forgets_the_host_tier():
+    kv = KVCacheManager(4, B, num_host_blocks=8)
+    store = Store(kv)
+    _serve(kv, store, 1, list(range(100, 113)))
+    kv.free(1)
+    _serve(kv, store, 2, list(range(200, 213)))
+    kv.free(2)
+    assert kv.tree.host_nodes
+    kv.invalidate(b"new")
+    kv.check_integrity()
+    assert not kv.tree.host_nodes and kv.host is not None and kv.host.num_free == 8
+    assert kv.match(list(range(100, 113))).num_tokens == 0
+
+
+def test_block_reuse_off_makes_no_host_tier():
+    kv = KVCacheManager(4, B, enable_block_reuse=False, num_host_blocks=8)
+    assert kv.num_host_blocks == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_keeps_every_reused_row_right(seed):
+    """Shared prefixes, concurrent requests, prompts that skip the cache, partial hits, a
+    small device pool and a smaller host tier: after each step's ops every reused position
+    of every admitted request holds its token, and the invariants hold."""
+    rng = random.Random(seed)
+    kv = KVCacheManager(14, B, num_host_blocks=rng.choice([3, 6, 10]))
+    store = Store(kv)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 14))] for _ in range(5)]
+    running: dict[int, list[int]] = {}
+    rid = 0
+    admitted = 0
+    for _step in range(300):
+        # schedule (as the scheduler does, before the step's ops run): some running requests
+        # grow by a token; up to three requests are admitted
+        decoding = [r for r in running if rng.random() < 0.3 and kv.grow(r, len(running[r]) + 1)]
+        new: list[tuple[int, list[int], int]] = []
+        for _ in range(rng.randrange(0, 4)):
+            tokens = list(rng.choice(prefixes)) + [rng.randrange(1000) for _ in range(rng.randrange(1, 7))]
+            reuse = rng.random() > 0.15
+            m = kv.match(tokens, reuse=reuse)
+            if kv.num_blocks_to_admit(m, len(tokens)) > kv.num_available_blocks:
+                if m.tree_match.partial_node is None:
+                    continue
+                m = kv.whole_blocks(m)
+                if kv.num_blocks_to_admit(m, len(tokens)) > kv.num_available_blocks:
+                    continue
+            rid += 1
+            new.append((rid, tokens, kv.admit(rid, m, len(tokens))))
+        # the forward: the ops in order, then the rows it computes
+        store.run_ops()
+        for r, tokens, hit in new:
+            store.check_reused(r, tokens, hit)
+            store.compute(r, tokens, hit, len(tokens))
+            running[r] = tokens
+            admitted += 1
+        for r in decoding:
+            tokens = running[r]
+            tokens.append(rng.randrange(1000))
+            store.compute(r, tokens, len(tokens) - 1, len(tokens))
+        # after it: commits, and some requests finish
+        for r, tokens in list(running.items()):
+            kv.commit(r, tokens, len(tokens))
+            if rng.random() < 0.4:
+                kv.free(r)
+                del running[r]
+        kv.check_integrity()
+    assert admitted > 100
+    assert OFFLOAD in store.kinds and ONBOARD in store.kinds, "the traffic exercised both moves"
