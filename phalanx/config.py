@@ -28,6 +28,10 @@ class KvCacheConfig(StrictModel):
     max_tokens: int | None = Field(None, ge=1, description="Upper bound on the tokens the KV pool holds.")
     max_gpu_total_bytes: int = Field(0, ge=0, description="Upper bound on the KV pool's bytes (0: none). "
                                                           "On the CPU it sets the pool size (default 1 GiB).")
+    host_cache_size: int | None = Field(
+        None, ge=0, description="Bytes of host memory (each rank's, pinned on a GPU) for a second tier of KV blocks "
+        "(TensorRT-LLM's name): full blocks the pool evicts are copied there and stay matchable, and a prefix found "
+        "there is copied back instead of computed again. None or 0: no host tier. Needs enable_block_reuse.")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
         "auto", description="The KV pool's dtype (auto: the model's, or fp8 where the checkpoint's KV cache is "
                             "calibrated for it); fp8: e4m3 with a scale a layer for K and one for V, the checkpoint's "
@@ -47,6 +51,13 @@ class KvCacheConfig(StrictModel):
         if v & (v - 1):
             raise ValueError(f"must be a power of two, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _host_tier_needs_reuse(self) -> KvCacheConfig:
+        if self.host_cache_size and not self.enable_block_reuse:
+            raise ValueError("host_cache_size: the host tier keeps blocks for prefix reuse, which "
+                             "enable_block_reuse: false turns off")
+        return self
 
 
 class SchedulerConfig(StrictModel):

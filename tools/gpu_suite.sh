@@ -5,7 +5,7 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|fp8_block|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              cutlass|sampling|itl80|handover|layer|lora|all]...
+#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -63,6 +63,10 @@ for what in "${@:-all}"; do
         PHALANX_LORA_KERNELS=$k timeout 130 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b \
           --batch 1 64 256 --prompt-len 128 --steps 64 --overlap on --lora-rank 16 --loras 4 \
           --output "$OUT/decode_lora_kernels_$k.json" > "$OUT/decode_lora_kernels_$k.txt" 2>&1; free_gpus; done ;;
+    host_cache)   # the KV cache's host tier: its GPU tests, then TTFT of an evicted 2,048-token prefix onboarded
+                  # from the host against an engine without the tier (tools/bench_host_cache.py)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kv_host_tier.py > "$OUT/host_cache_tests.txt" 2>&1
+      timeout 300 python3 tools/bench_host_cache.py --output "$OUT/host_cache.json" > "$OUT/host_cache.txt" 2>&1 ;;
     decode_fp8)   # batch 1 and 64: bf16, FP8 weights, FP8 weights + FP8 KV
       for c in bf16 fp8 fp8_kv; do cfg=""; [ $c != bf16 ] && cfg="--config tools/gpu_$c.yaml"
         timeout 110 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \

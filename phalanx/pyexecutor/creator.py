@@ -132,8 +132,13 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     t_profile = time.monotonic() - t0 - t_weights
     # one extra block no request owns: CUDA-graph padding rows write there
     L, B, Hkv, D, kdt, dev = pool_shape
-    pool = KVPool(L, num_blocks + 1, B, Hkv, D, kdt, dev)
-    kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse)
+    num_host_blocks = (kvc.host_cache_size or 0) // block_bytes   # (the draft's blocks beside the target's)
+    if kvc.host_cache_size and not num_host_blocks:
+        raise ValueError(f"kv_cache_config.host_cache_size: {kvc.host_cache_size} bytes hold no KV block "
+                         f"({block_bytes} bytes on each rank)")
+    pool = KVPool(L, num_blocks + 1, B, Hkv, D, kdt, dev, num_host_blocks)
+    kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse,
+                        num_host_blocks)
     limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
                              args.scheduler_config.capacity_scheduler_policy, args.enable_chunked_prefill,
                              args.scheduler_config.max_prefill_tokens_while_decoding,
@@ -147,7 +152,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         from phalanx.pyexecutor.lora import LoraManager
         runner.lora = LoraManager(lora_state, lora_cfg, cfg)
     if args.speculative_config is not None:
-        runner.spec = _build_spec(args, cfg, draft, num_blocks + 1, max_seq_len, kv_dtype, tp, device)
+        runner.spec = _build_spec(args, cfg, draft, num_blocks + 1, max_seq_len, kv_dtype, tp, device,
+                                  num_host_blocks)
     # the most positions a request holds: speculative rows hold up to 2k past the length limit (Request.kv_limit)
     span = max_seq_len + 2 * (runner.spec.k if runner.spec is not None else 0)
     runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source),
@@ -239,7 +245,7 @@ def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device:
 
 
 def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, max_seq_len: int,
-                kv_dtype: torch.dtype, tp: TPGroup, device: torch.device):
+                kv_dtype: torch.dtype, tp: TPGroup, device: torch.device, num_host_blocks: int = 0):
     from phalanx.pyexecutor.speculative import DraftModelProposer, NGramProposer, SpecDecoder
     sc = args.speculative_config
     assert sc is not None
@@ -252,7 +258,7 @@ def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, ma
         dcfg = draft.config
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
         dpool = KVPool(dcfg.num_layers, pool_blocks, args.kv_cache_config.tokens_per_block, dheads.num_kv_heads,
-                       dcfg.head_dim, kv_dtype, device)
+                       dcfg.head_dim, kv_dtype, device, num_host_blocks)   # the target's host blocks, its copies
         proposer = DraftModelProposer(k, draft, dpool, cfg.vocab_size, dcfg.max_position_embeddings)
     return SpecDecoder(k, proposer, cfg.vocab_size, max_seq_len, max_position, args.kv_cache_config.tokens_per_block,
                        pool_blocks - 1, device, keep_history=draft is None, tp=tp)

@@ -492,6 +492,8 @@ class PyExecutor:
                 "num_waiting": len(s.waiting) + len(self.intake), "kv_usage": kv.usage, "num_blocks": kv.num_blocks,
                 "num_available_blocks": kv.num_available_blocks, "prefix_queried_tokens": kv.num_queried_tokens,
                 "prefix_hit_tokens": kv.num_hit_tokens, "num_preemptions": s.num_preemptions,
+                "kv_host_blocks": kv.num_host_blocks, "kv_host_cached_blocks": len(kv.tree.host_nodes),
+                "kv_offloaded_blocks": kv.tree.num_offloaded, "kv_onboarded_blocks": kv.tree.num_onboarded,
                 "num_graph_steps": self.runner.num_graph_steps,
                 "spec_verify_rows": s.num_verify_rows, "spec_draft_tokens": s.num_draft_tokens,
                 "spec_accepted_drafts": s.num_accepted_drafts,

@@ -201,7 +201,7 @@ class ScheduledBatch:
                                   self.num_drafts, self.block_tables, strict=True):
             h.update(struct.pack(f"<qqqq{len(bt)}q", r.request_id, n, c, d, *bt))
         for op in self.copy_ops:
-            h.update(struct.pack("<qqq", op.src, op.dst, op.num_tokens))
+            h.update(struct.pack("<qqqq", op.src, op.dst, op.num_tokens, op.kind))
         return h.digest()
 
 
