@@ -65,7 +65,7 @@ def measure(llm: LLM, a: argparse.Namespace, host: bool) -> dict[str, Any]:
             if r:
                 times[kind].append(t * 1e3)
                 cached[kind].append(hit)
-    stats = llm._executor.engine.stats() if a.orchestrator == "inprocess" else llm.get_stats()[0]
+    stats = llm.stats()[0]
     result: dict[str, Any] = {kind: {"p50_ms": statistics.median(v), "min_ms": min(v), "all_ms": v,
                                      "cached_tokens": cached[kind]} for kind, v in times.items()}
     result["stats"] = {k: v for k, v in stats.items() if k.startswith("kv_") or k.startswith("prefix_")}
