@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -76,6 +77,25 @@ def measure(llm: LLM, a: argparse.Namespace, host: bool) -> dict[str, Any]:
     return result
 
 
+def link(prefix_tokens: int, block_tokens: int, block_bytes: int) -> dict[str, float]:
+    """The PCIe link's host → device rate for a prefix's blocks (pinned memory): one copy of
+    them all, and one copy a block, as the onboard's transfers go."""
+    n = -(-prefix_tokens // block_tokens)
+    host = torch.empty(n, block_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    out = {}
+    for name, parts in (("one_copy", [slice(0, n)]), ("per_block", [slice(i, i + 1) for i in range(n)])):
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for p in parts:
+                dev[p].copy_(host[p], non_blocking=True)
+            torch.cuda.synchronize()
+            t = time.perf_counter() - t0
+        out[f"{name}_ms"] = t * 1e3
+        out[f"{name}_gb_per_s"] = n * block_bytes / t / 1e9
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -103,6 +123,13 @@ def main() -> None:
                "host_cache_size": a.host_bytes if host else None}
         with LLM(model, **{**base, "kv_cache_config": kvc}) as llm:
             report["runs"]["host_tier" if host else "no_host_tier"] = measure(llm, a, host)
+    if torch.cuda.is_available():
+        with open(os.path.join(model, "config.json")) as f:
+            c = json.load(f)
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        block = 32 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2   # bf16, 32 tokens
+        report["link"] = link(a.prefix, 32, block)
+        print(f"the link, pinned host → device, {a.prefix} tokens' blocks: {report['link']}", flush=True)
     on, off = report["runs"]["host_tier"], report["runs"]["no_host_tier"]
     onboarded, again = on["evicted_hit"]["p50_ms"], off["evicted_hit"]["p50_ms"]
     print(f"evicted {a.prefix}-token prefix + {a.new}: {onboarded:.1f} ms onboarded against {again:.1f} ms computed "

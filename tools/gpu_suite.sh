@@ -5,7 +5,7 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|fp8_block|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|all]...
+#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|host_cache_throughput|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -67,6 +67,12 @@ for what in "${@:-all}"; do
                   # from the host against an engine without the tier (tools/bench_host_cache.py)
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kv_host_tier.py > "$OUT/host_cache_tests.txt" 2>&1
       timeout 300 python3 tools/bench_host_cache.py --output "$OUT/host_cache.json" > "$OUT/host_cache.txt" 2>&1 ;;
+    host_cache_throughput)   # what the host tier's offloads cost a run whose prompts are never reused: 1000/1000,
+                             # 512 requests at 256 in flight (more tokens than the pool holds), without and with it
+      for c in gpu_engine gpu_engine_host; do
+        timeout 200 python3 -m phalanx.cli bench throughput --model shape:llama-3.1-8b --isl 1000 --osl 1000 \
+          --concurrency 256 --num-requests 512 --step-times --config tools/$c.yaml --output "$OUT/tp1000_$c.json" \
+          > "$OUT/tp1000_$c.txt" 2>&1; free_gpus; done ;;
     decode_fp8)   # batch 1 and 64: bf16, FP8 weights, FP8 weights + FP8 KV
       for c in bf16 fp8 fp8_kv; do cfg=""; [ $c != bf16 ] && cfg="--config tools/gpu_$c.yaml"
         timeout 110 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \

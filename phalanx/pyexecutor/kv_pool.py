@@ -7,9 +7,18 @@ values fill each block key-minor, as [Hkv, D, tokens_per_block]
 
 The host tier (``kv_cache_config.host_cache_size``) is a second tensor in host memory, pinned
 on a GPU, block-major: [num_host_blocks, num_layers, 2, tokens_per_block, Hkv, D], so that a
-block is one contiguous copy each way. Its copies are queued on the current stream like every
-other op of a step (no wait on the host): an offload reads a device block after the steps that
-wrote it and before the step that writes it again, an onboard lands before the step that reads it.
+block is one contiguous copy each way. On a GPU the device's side of every host copy stays on
+the step's stream, and the PCIe transfers run on a copy stream of their own, through two
+device staging buffers of ``STAGE_BYTES``::
+
+    offload   step's stream: gather the blocks into a staging buffer  → copy stream: D2H
+    onboard   copy stream: H2D into a staging buffer  → step's stream: scatter into the pool
+
+An offload reads its device blocks in stream order, after the steps that wrote them and before
+the step that writes them again, and the step's stream never waits for its PCIe transfer; an
+onboard's transfer is waited for by the scatter alone. Host blocks are only touched by the
+copy stream, in the list's order. A staging buffer is written again only once its last reader,
+on either stream, is done (an event each). Nothing waits on the host.
 """
 
 from __future__ import annotations
@@ -59,7 +68,14 @@ class KVPool:
                         num_host_blocks * tokens_per_block, self.host.numel() * self.host.element_size() / 2**20,
                         " (pinned)" if device.type == "cuda" else "")
         block_bytes = self.tensor[:, :, 0].numel() * self.tensor.element_size()
-        self._stage_blocks = max(1, STAGE_BYTES // block_bytes)
+        self._stage_blocks = max(1, min(STAGE_BYTES // block_bytes, num_host_blocks))
+        self._copy_stream: torch.cuda.Stream | None = None
+        if self.host is not None and device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(device)
+            shape = (self._stage_blocks, *self.host.shape[1:])
+            self._stages = [torch.empty(shape, dtype=self._bytes(self.host).dtype, device=device) for _ in range(2)]
+            self._last_use: list[tuple[torch.cuda.Event, torch.cuda.Stream] | None] = [None, None]
+            self._next_stage = 0
 
     def copy_blocks(self, ops_list) -> None:
         """Run ``CopyOp``s in order: partial-reuse copies (src block rows [0, n) -> dst block;
@@ -79,19 +95,68 @@ class KVPool:
             ops.copy_blocks(self.tensor, src, dst, [o.num_tokens for o in run])
             return
         assert self.host is not None and kind in (OFFLOAD, ONBOARD)
-        pool, host = self._bytes(self.tensor), self._bytes(self.host)
         step = self._stage_blocks
         for lo in range(0, len(run), step):
-            s, d = src[lo:lo + step], dst[lo:lo + step]
-            if kind == OFFLOAD:   # gather the device blocks block-major, then one copy per run of host ids
-                stage = pool.index_select(2, self._index(s)).permute(2, 0, 1, 3, 4, 5).contiguous()
-                for a, b, first in _runs(d):
-                    host[first:first + b - a].copy_(stage[a:b], non_blocking=True)
-            else:                 # one copy per run of host ids into a staging tensor, then a scatter
-                stage = torch.empty((len(s), *host.shape[1:]), dtype=host.dtype, device=pool.device)
-                for a, b, first in _runs(s):
+            (self._offload if kind == OFFLOAD else self._onboard)(src[lo:lo + step], dst[lo:lo + step])
+
+    def _offload(self, blocks: list[int], host_ids: list[int]) -> None:
+        assert self.host is not None
+        pool, host = self._bytes(self.tensor), self._bytes(self.host)
+        gathered = pool.index_select(2, self._index(blocks)).permute(2, 0, 1, 3, 4, 5)   # block-major
+        cs = self._copy_stream
+        if cs is None:   # the CPU: one copy per run of host ids, as they come
+            for a, b, first in _runs(host_ids):
+                host[first:first + b - a].copy_(gathered[a:b])
+            return
+        step = torch.cuda.current_stream(pool.device)
+        i = self._claim(step)
+        stage = self._stages[i][:len(blocks)]
+        stage.copy_(gathered)
+        ready = torch.cuda.Event()
+        ready.record(step)
+        cs.wait_event(ready)
+        with torch.cuda.stream(cs):
+            for a, b, first in _runs(host_ids):
+                host[first:first + b - a].copy_(stage[a:b], non_blocking=True)
+        self._release(i, cs)
+
+    def _onboard(self, host_ids: list[int], blocks: list[int]) -> None:
+        assert self.host is not None
+        pool, host = self._bytes(self.tensor), self._bytes(self.host)
+        cs = self._copy_stream
+        if cs is None:
+            stage = torch.empty((len(host_ids), *host.shape[1:]), dtype=host.dtype)
+            for a, b, first in _runs(host_ids):
+                stage[a:b].copy_(host[first:first + b - a])
+        else:
+            step = torch.cuda.current_stream(pool.device)
+            i = self._claim(cs)
+            stage = self._stages[i][:len(host_ids)]
+            with torch.cuda.stream(cs):
+                for a, b, first in _runs(host_ids):
                     stage[a:b].copy_(host[first:first + b - a], non_blocking=True)
-                pool.index_copy_(2, self._index(d), stage.permute(1, 2, 0, 3, 4, 5))
+            landed = torch.cuda.Event()
+            landed.record(cs)
+            step.wait_event(landed)
+        pool.index_copy_(2, self._index(blocks), stage.permute(1, 2, 0, 3, 4, 5))
+        if cs is not None:
+            self._release(i, step)
+
+    def _claim(self, stream: torch.cuda.Stream) -> int:
+        """The next staging buffer, for ``stream`` to write: it waits for the buffer's last
+        reader where that ran on the other stream."""
+        i = self._next_stage
+        self._next_stage ^= 1
+        last = self._last_use[i]
+        if last is not None and last[1] != stream:
+            stream.wait_event(last[0])
+        return i
+
+    def _release(self, i: int, stream: torch.cuda.Stream) -> None:
+        """``stream`` has queued its last read of staging buffer ``i``."""
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._last_use[i] = (done, stream)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         """Block ids as a device tensor, through pinned memory on a GPU (a pageable copy would
