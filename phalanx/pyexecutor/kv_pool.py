@@ -8,17 +8,19 @@ values fill each block key-minor, as [Hkv, D, tokens_per_block]
 The host tier (``kv_cache_config.host_cache_size``) is a second tensor in host memory, pinned
 on a GPU, block-major: [num_host_blocks, num_layers, 2, tokens_per_block, Hkv, D], so that a
 block is one contiguous copy each way. On a GPU the device's side of every host copy stays on
-the step's stream, and the PCIe transfers run on a copy stream of their own, through two
-device staging buffers of ``STAGE_BYTES``::
+the step's stream, and the PCIe transfers run on two copy streams of their own, one a
+direction (the link is full duplex: a prefix onboarded while the blocks its admission evicted
+go out), each through two device staging buffers of ``STAGE_BYTES``::
 
-    offload   step's stream: gather the blocks into a staging buffer  → copy stream: D2H
-    onboard   copy stream: H2D into a staging buffer  → step's stream: scatter into the pool
+    offload   step's stream: gather the blocks into a staging buffer  → out stream: D2H
+    onboard   in stream: H2D into a staging buffer  → step's stream: scatter into the pool
 
 An offload reads its device blocks in stream order, after the steps that wrote them and before
 the step that writes them again, and the step's stream never waits for its PCIe transfer; an
-onboard's transfer is waited for by the scatter alone. Host blocks are only touched by the
-copy stream, in the list's order. A staging buffer is written again only once its last reader,
-on either stream, is done (an event each). Nothing waits on the host.
+onboard's transfer is waited for by the scatter alone. A host block's copies follow the list's
+order through an event each: an onboard waits for the offload that last wrote its host block,
+an offload for the onboard that last read its host block. A staging buffer is written again
+only once its last reader, on either stream, is done. Nothing waits on the host.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from phalanx.kv_manager.manager import COPY, OFFLOAD, ONBOARD
 logger = logging.getLogger("phalanx")
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
-STAGE_BYTES = 64 << 20   # the device staging of one batch of host copies (a step's larger batches go in parts)
+STAGE_BYTES = 32 << 20   # the device staging of one batch of host copies (a step's larger batches go in parts)
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, tokens_per_block: int,
@@ -69,13 +71,12 @@ class KVPool:
                         " (pinned)" if device.type == "cuda" else "")
         block_bytes = self.tensor[:, :, 0].numel() * self.tensor.element_size()
         self._stage_blocks = max(1, min(STAGE_BYTES // block_bytes, num_host_blocks))
-        self._copy_stream: torch.cuda.Stream | None = None
+        self._lanes: tuple[_Lane, _Lane] | None = None   # (out: offloads, in: onboards), on a GPU
         if self.host is not None and device.type == "cuda":
-            self._copy_stream = torch.cuda.Stream(device)
-            shape = (self._stage_blocks, *self.host.shape[1:])
-            self._stages = [torch.empty(shape, dtype=self._bytes(self.host).dtype, device=device) for _ in range(2)]
-            self._last_use: list[tuple[torch.cuda.Event, torch.cuda.Stream] | None] = [None, None]
-            self._next_stage = 0
+            shape, dtype = (self._stage_blocks, *self.host.shape[1:]), self._bytes(self.host).dtype
+            self._lanes = (_Lane(shape, dtype, device), _Lane(shape, dtype, device))
+            self._written: list[torch.cuda.Event | None] = [None] * num_host_blocks   # its last offload's D2H
+            self._read: list[torch.cuda.Event | None] = [None] * num_host_blocks      # its last onboard's H2D
 
     def copy_blocks(self, ops_list) -> None:
         """Run ``CopyOp``s in order: partial-reuse copies (src block rows [0, n) -> dst block;
@@ -103,60 +104,43 @@ class KVPool:
         assert self.host is not None
         pool, host = self._bytes(self.tensor), self._bytes(self.host)
         gathered = pool.index_select(2, self._index(blocks)).permute(2, 0, 1, 3, 4, 5)   # block-major
-        cs = self._copy_stream
-        if cs is None:   # the CPU: one copy per run of host ids, as they come
+        if self._lanes is None:   # the CPU: one copy per run of host ids, as they come
             for a, b, first in _runs(host_ids):
                 host[first:first + b - a].copy_(gathered[a:b])
             return
-        step = torch.cuda.current_stream(pool.device)
-        i = self._claim(step)
-        stage = self._stages[i][:len(blocks)]
+        lane, step = self._lanes[0], torch.cuda.current_stream(pool.device)
+        stage = lane.claim(step)[:len(blocks)]
         stage.copy_(gathered)
-        ready = torch.cuda.Event()
-        ready.record(step)
-        cs.wait_event(ready)
-        with torch.cuda.stream(cs):
+        lane.stream.wait_event(_recorded(step))
+        _wait_all(lane.stream, (self._read[h] for h in host_ids))   # an onboard still reading a host block
+        with torch.cuda.stream(lane.stream):
             for a, b, first in _runs(host_ids):
                 host[first:first + b - a].copy_(stage[a:b], non_blocking=True)
-        self._release(i, cs)
+        done = lane.release(lane.stream)
+        for h in host_ids:
+            self._written[h] = done
 
     def _onboard(self, host_ids: list[int], blocks: list[int]) -> None:
         assert self.host is not None
         pool, host = self._bytes(self.tensor), self._bytes(self.host)
-        cs = self._copy_stream
-        if cs is None:
+        if self._lanes is None:
             stage = torch.empty((len(host_ids), *host.shape[1:]), dtype=host.dtype)
             for a, b, first in _runs(host_ids):
                 stage[a:b].copy_(host[first:first + b - a])
-        else:
-            step = torch.cuda.current_stream(pool.device)
-            i = self._claim(cs)
-            stage = self._stages[i][:len(host_ids)]
-            with torch.cuda.stream(cs):
-                for a, b, first in _runs(host_ids):
-                    stage[a:b].copy_(host[first:first + b - a], non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record(cs)
-            step.wait_event(landed)
+            pool.index_copy_(2, self._index(blocks), stage.permute(1, 2, 0, 3, 4, 5))
+            return
+        lane, step = self._lanes[1], torch.cuda.current_stream(pool.device)
+        stage = lane.claim(lane.stream)[:len(host_ids)]
+        _wait_all(lane.stream, (self._written[h] for h in host_ids))   # the offloads that wrote them
+        with torch.cuda.stream(lane.stream):
+            for a, b, first in _runs(host_ids):
+                stage[a:b].copy_(host[first:first + b - a], non_blocking=True)
+        landed = _recorded(lane.stream)
+        for h in host_ids:
+            self._read[h] = landed
+        step.wait_event(landed)
         pool.index_copy_(2, self._index(blocks), stage.permute(1, 2, 0, 3, 4, 5))
-        if cs is not None:
-            self._release(i, step)
-
-    def _claim(self, stream: torch.cuda.Stream) -> int:
-        """The next staging buffer, for ``stream`` to write: it waits for the buffer's last
-        reader where that ran on the other stream."""
-        i = self._next_stage
-        self._next_stage ^= 1
-        last = self._last_use[i]
-        if last is not None and last[1] != stream:
-            stream.wait_event(last[0])
-        return i
-
-    def _release(self, i: int, stream: torch.cuda.Stream) -> None:
-        """``stream`` has queued its last read of staging buffer ``i``."""
-        done = torch.cuda.Event()
-        done.record(stream)
-        self._last_use[i] = (done, stream)
+        lane.release(step)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         """Block ids as a device tensor, through pinned memory on a GPU (a pageable copy would
@@ -170,6 +154,42 @@ class KVPool:
     def _bytes(t: torch.Tensor) -> torch.Tensor:
         """A one-byte dtype (FP8) as uint8, which every copy and index op takes."""
         return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+class _Lane:
+    """One direction of the host copies: its stream and two staging buffers, used in turn."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.stages = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+        self.last_use: list[tuple[torch.cuda.Event, torch.cuda.Stream] | None] = [None, None]
+        self.next = 0
+
+    def claim(self, writer: torch.cuda.Stream) -> torch.Tensor:
+        """The next staging buffer, for ``writer`` to fill: it waits for the buffer's last
+        reader where that ran on another stream."""
+        last = self.last_use[self.next]
+        if last is not None and last[1] != writer:
+            writer.wait_event(last[0])
+        return self.stages[self.next]
+
+    def release(self, reader: torch.cuda.Stream) -> torch.cuda.Event:
+        """``reader`` has queued its last read of the buffer ``claim`` gave; the next turns."""
+        done = _recorded(reader)
+        self.last_use[self.next] = (done, reader)
+        self.next ^= 1
+        return done
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _wait_all(stream: torch.cuda.Stream, events) -> None:
+    for event in {id(e): e for e in events if e is not None}.values():
+        stream.wait_event(event)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
