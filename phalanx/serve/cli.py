@@ -48,6 +48,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv_cache_dtype", "--kv-cache-dtype", dest="kv_cache_dtype", default=None,
                    choices=["auto", "fp8", "fp8_e4m3", "bfloat16", "float16"],
                    help="the KV pool's dtype (kv_cache_config.dtype; fp8_e4m3 is fp8)")
+    p.add_argument("--kv_offloading_size", "--kv-offloading-size", dest="kv_offloading_size", type=float, default=None,
+                   help="GiB of host memory for KV blocks the GPU pool evicts, summed over the ranks (vLLM's flag; "
+                        "kv_cache_config.host_cache_size is each rank's share in bytes)")
+    p.add_argument("--kv_offloading_backend", "--kv-offloading-backend", dest="kv_offloading_backend", default=None,
+                   choices=["native"], help="vLLM's flag: native, phalanx's own host tier (needs --kv-offloading-size)")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8", "modelopt", "compressed-tensors"],
                    help="fp8: the projections quantized to FP8 at load (an FP8 checkpoint is served in FP8 anyway); "
                         "modelopt, compressed-tensors: the checkpoint's own method")
@@ -246,6 +251,17 @@ def lora_requests(modules: list[tuple[str, str]] | None) -> dict[str, Any]:
     return out
 
 
+def host_cache_bytes(a: argparse.Namespace) -> int | None:
+    """vLLM's --kv-offloading-size (GiB over all ranks) as each rank's host_cache_size."""
+    if a.kv_offloading_size is None:
+        if a.kv_offloading_backend is not None:
+            raise ValueError("--kv-offloading-backend: needs --kv-offloading-size (GiB of host memory)")
+        return None
+    if not a.kv_offloading_size > 0:
+        raise ValueError(f"--kv-offloading-size: must be > 0 GiB, got {a.kv_offloading_size}")
+    return int(a.kv_offloading_size * 2**30) // max(1, a.tp_size)
+
+
 def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     from phalanx.config import merge_yaml
     kw: dict[str, Any] = {"tokenizer": a.tokenizer, "tensor_parallel_size": a.tp_size,
@@ -255,7 +271,8 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                           "engine_iteration_timeout": a.engine_iteration_timeout, "quantization": a.quantization,
                           "speculative_config": a.speculative_config}
     kv = {"free_gpu_memory_fraction": a.kv_cache_free_gpu_memory_fraction,
-          "dtype": "fp8" if a.kv_cache_dtype == "fp8_e4m3" else a.kv_cache_dtype}
+          "dtype": "fp8" if a.kv_cache_dtype == "fp8_e4m3" else a.kv_cache_dtype,
+          "host_cache_size": host_cache_bytes(a)}
     kw["kv_cache_config"] = {k: v for k, v in kv.items() if v is not None} or None
     targets = a.lora_target_modules
     lora = {"max_loras": a.max_loras, "max_lora_rank": a.max_lora_rank, "max_cpu_loras": a.max_cpu_loras,

@@ -264,3 +264,25 @@ def test_the_config_yaml_may_name_the_model_and_a_bad_template_stops_start_up(tm
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 1 and "--chat_template: not a valid Jinja template" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_vllms_kv_offloading_flags_give_each_rank_its_share_of_the_host_tier():
+    """--kv-offloading-size is GiB summed over the ranks (vLLM's): each rank's host_cache_size
+    in bytes; the backend is native only and needs the size; the YAML's setting still wins."""
+    import argparse
+
+    from phalanx.serve.cli import add_serve_args, llm_kwargs
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    kw = llm_kwargs(p.parse_args(["m", "--kv-offloading-size", "8", "--kv-offloading-backend", "native"]))
+    assert kw["kv_cache_config"] == {"host_cache_size": 8 << 30}
+    kw = llm_kwargs(p.parse_args(["m", "--kv_offloading_size", "1.5", "--tp_size", "2"]))
+    assert kw["kv_cache_config"] == {"host_cache_size": 3 << 28}
+    from phalanx.config import make_llm_args
+    assert make_llm_args(**kw).kv_cache_config.host_cache_size == 3 << 28
+    for bad, what in ((["--kv-offloading-backend", "native"], "needs --kv-offloading-size"),
+                      (["--kv-offloading-size", "0"], "must be > 0")):
+        with pytest.raises(ValueError, match=what):
+            llm_kwargs(p.parse_args(["m", *bad]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--kv-offloading-backend", "lmcache", "--kv-offloading-size", "1"])
