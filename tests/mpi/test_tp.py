@@ -161,3 +161,26 @@ def test_tp2_lora_with_heads_split_unevenly_equals_peft(smollm2_hf, tmp_path):
         ref = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
                                   do_sample=False, eos_token_id=list(tok.eos_token_ids))[0, ids.shape[1]:].tolist()
     assert ours == ref and ours != base, (tok.decode(ours), tok.decode(ref), tok.decode(base))
+
+
+def test_tp2_host_tier_each_rank_moves_its_shard(tiny_models, hf_models):
+    """The KV host tier under TP=2: both ranks offload and onboard the same blocks (their
+    decisions are compared every step), each its own heads; an evicted prefix comes back and the
+    greedy tokens equal transformers'."""
+    hf = hf_models["llama"]
+    g = torch.Generator().manual_seed(5)
+    first, *churn = [torch.randint(0, hf.config.vocab_size, (41,), generator=g).tolist() for _ in range(5)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    kv = {"tokens_per_block": 8, "max_tokens": 96, "host_cache_size": 1 << 20}
+    with LLM(tiny_models["llama"], tensor_parallel_size=2, skip_tokenizer_init=True, max_num_tokens=64,
+             max_seq_len=64, kv_cache_config=kv) as llm:
+        for p in [first, *churn]:
+            llm.generate([p], sp, use_tqdm=False)
+        again = llm.generate([first[:-1] + [7]], sp, use_tqdm=False)[0]
+        stats = llm.stats()
+        assert llm._executor.check_integrity() == ["ok", "ok"]
+    assert again.cached_tokens == 40
+    assert [s["kv_onboarded_blocks"] for s in stats] == [stats[0]["kv_onboarded_blocks"]] * 2
+    assert stats[0]["kv_onboarded_blocks"] >= 5
+    ref, gaps = hf_greedy(hf, first[:-1] + [7], 6)
+    assert_same_greedy(again.outputs[0].token_ids, ref, gaps, "TP=2 onboarded prefix")
