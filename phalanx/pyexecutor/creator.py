@@ -20,7 +20,13 @@ from phalanx.models.loader import build_model, resolve_dtype
 from phalanx.models.parallel import TPGroup, shard_heads
 from phalanx.models.source import ModelSource
 from phalanx.pyexecutor.guided_decoder import GuidedDecoder
-from phalanx.pyexecutor.kv_pool import CPU_DEFAULT_KV_BYTES, KVPool, bytes_per_block, num_blocks_for_budget
+from phalanx.pyexecutor.kv_pool import (
+    CPU_DEFAULT_KV_BYTES,
+    KVPool,
+    bytes_per_block,
+    num_blocks_for_budget,
+    staging_bytes,
+)
 from phalanx.pyexecutor.model_runner import PROMPT_LOGPROB_ROWS, ModelRunner
 from phalanx.pyexecutor.py_executor import BroadcastRequestQueue, PyExecutor, RequestQueue, Sender
 from phalanx.pyexecutor.sampler import Sampler, costliest_rows
@@ -352,7 +358,8 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
         activation_peak = max(activation_peak, held + _activation_peak(draft[0], n, draft[1], draft_rows))
     free, total = torch.cuda.mem_get_info(dev)
     kvc = args.kv_cache_config
-    budget = int(max(0, free - activation_peak) * kvc.free_gpu_memory_fraction)
+    staged = staging_bytes(block_bytes, (kvc.host_cache_size or 0) // block_bytes)   # the host tier's copies
+    budget = int(max(0, free - activation_peak - staged) * kvc.free_gpu_memory_fraction)
     if kvc.max_gpu_total_bytes:
         budget = min(budget, kvc.max_gpu_total_bytes)
     extra.update({"profile_tokens": n, "activation_peak_gib": activation_peak / 2**30,

@@ -10,13 +10,16 @@ on a GPU, block-major: [num_host_blocks, num_layers, 2, tokens_per_block, Hkv, D
 block is one contiguous copy each way. On a GPU the device's side of every host copy stays on
 the step's stream, and the PCIe transfers run on two copy streams of their own, one a
 direction (the link is full duplex: a prefix onboarded while the blocks its admission evicted
-go out), each through two device staging buffers of ``STAGE_BYTES``::
+go out), each through a ring of device staging buffers of ``STAGE_BYTES`` (``OUT_STAGES`` and
+``IN_STAGES`` of them; the memory is set aside before the pool is sized, ``staging_bytes``)::
 
     offload   step's stream: gather the blocks into a staging buffer  → out stream: D2H
     onboard   in stream: H2D into a staging buffer  → step's stream: scatter into the pool
 
 An offload reads its device blocks in stream order, after the steps that wrote them and before
-the step that writes them again, and the step's stream never waits for its PCIe transfer; an
+the step that writes them again; the step's stream waits for an offload's PCIe transfer only
+once a step's evictions fill the out ring (a prefix onboarded into the blocks its admission
+evicted waits for their gather, so the ring holds a 2k-token prefix of an 8B model); an
 onboard's transfer is waited for by the scatter alone. A host block's copies follow the list's
 order through an event each: an onboard waits for the offload that last wrote its host block,
 an offload for the onboard that last read its host block. A staging buffer is written again
@@ -36,6 +39,15 @@ logger = logging.getLogger("phalanx")
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 STAGE_BYTES = 32 << 20   # the device staging of one batch of host copies (a step's larger batches go in parts)
+OUT_STAGES, IN_STAGES = 8, 2   # staging buffers of the offloads' ring and the onboards'
+
+
+def staging_bytes(block_bytes: int, num_host_blocks: int) -> int:
+    """The device memory a pool of ``block_bytes`` blocks with a host tier keeps for staging."""
+    if not num_host_blocks:
+        return 0
+    return (OUT_STAGES + IN_STAGES) * max(1, min(STAGE_BYTES // block_bytes, num_host_blocks)) * block_bytes
+
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, tokens_per_block: int,
@@ -74,7 +86,7 @@ class KVPool:
         self._lanes: tuple[_Lane, _Lane] | None = None   # (out: offloads, in: onboards), on a GPU
         if self.host is not None and device.type == "cuda":
             shape, dtype = (self._stage_blocks, *self.host.shape[1:]), self._bytes(self.host).dtype
-            self._lanes = (_Lane(shape, dtype, device), _Lane(shape, dtype, device))
+            self._lanes = (_Lane(shape, dtype, device, OUT_STAGES), _Lane(shape, dtype, device, IN_STAGES))
             self._written: list[torch.cuda.Event | None] = [None] * num_host_blocks   # its last offload's D2H
             self._read: list[torch.cuda.Event | None] = [None] * num_host_blocks      # its last onboard's H2D
 
@@ -157,12 +169,12 @@ class KVPool:
 
 
 class _Lane:
-    """One direction of the host copies: its stream and two staging buffers, used in turn."""
+    """One direction of the host copies: its stream and a ring of staging buffers, used in turn."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, n: int) -> None:
         self.stream = torch.cuda.Stream(device)
-        self.stages = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
-        self.last_use: list[tuple[torch.cuda.Event, torch.cuda.Stream] | None] = [None, None]
+        self.stages = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.last_use: list[tuple[torch.cuda.Event, torch.cuda.Stream] | None] = [None] * n
         self.next = 0
 
     def claim(self, writer: torch.cuda.Stream) -> torch.Tensor:
@@ -177,7 +189,7 @@ class _Lane:
         """``reader`` has queued its last read of the buffer ``claim`` gave; the next turns."""
         done = _recorded(reader)
         self.last_use[self.next] = (done, reader)
-        self.next ^= 1
+        self.next = (self.next + 1) % len(self.stages)
         return done
 
 
