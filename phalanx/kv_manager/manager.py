@@ -242,7 +242,7 @@ class KVCacheManager:
             key = chain_key(parent.key, block_tokens, seq.extra_key)
             existing = parent.children.get(key)
             if existing is not None and not existing.on_device:   # computed again: its host copy goes
-                self.tree.promote(existing, seq.block_ids[i])
+                self.tree.promote(existing, seq.block_ids[i], copied=False)
                 seq.nodes.append(existing)
             elif existing is not None:
                 self.tree.ref(existing)
@@ -272,7 +272,7 @@ class KVCacheManager:
         and free the cached blocks no request holds. Returns how many were freed."""
         if epoch == self.epoch:
             raise ValueError("invalidate needs a new epoch")
-        self.epoch = epoch
+        self.epoch = self.tree.live_key = epoch
         freed = self.tree.evict(self.pool.num_blocks, offload=False)
         self.tree.drop_host()
         return freed

@@ -133,8 +133,10 @@ class RadixTree:
         self.host_nodes: dict[int, Node] = {}   # host block id -> node (the host tier)
         self.on_offload = on_offload
         self._offloading = host is not None    # (off while ``evict(offload=False)`` runs)
+        self.live_key = b""                    # the end of every matchable extra key (the manager's epoch):
+                                               # an older block is dropped, not offloaded
         self.num_offloaded = 0             # blocks moved to the host tier
-        self.num_onboarded = 0             # blocks moved back (``promote``)
+        self.num_onboarded = 0             # blocks copied back (``promote``)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -190,9 +192,10 @@ class RadixTree:
         return best, best_len
 
     def covered(self, parent: Node, tokens: Sequence[int], extra_key: bytes) -> bool:
-        """True if a child of ``parent`` already starts with ``tokens`` (same extra key)."""
+        """True if a device child of ``parent`` already starts with ``tokens`` (same extra key;
+        a host child serves no partial hit)."""
         n = len(tokens)
-        return any(c.extra_key == extra_key and len(c.tokens) >= n and c.tokens[:n] == tuple(tokens)
+        return any(c.block_id >= 0 and c.extra_key == extra_key and len(c.tokens) >= n and c.tokens[:n] == tuple(tokens)
                    for c in (parent.heads.get(tokens[0], ()) if n else parent.children.values()))
 
     # -- references on cached blocks ------------------------------------------------------------
@@ -223,10 +226,10 @@ class RadixTree:
         self.pool.set_cached(block_id, True)
         return node
 
-    def promote(self, node: Node, block_id: int) -> None:
+    def promote(self, node: Node, block_id: int, copied: bool = True) -> None:
         """Move a host node back to the device tier at ``block_id`` (held by the caller, ref >= 1,
-        its rows copied in from the host block or computed equal); the host block is freed.
-        ``node``'s parent is on the device (host nodes are a path's tail)."""
+        its rows copied in from the host block, or computed equal: ``copied`` false); the host
+        block is freed. ``node``'s parent is on the device (host nodes are a path's tail)."""
         host, parent = self.host, node.parent
         assert host is not None and not node.on_device and parent is not None
         hid = node.host_id
@@ -239,7 +242,7 @@ class RadixTree:
         self.nodes[block_id] = node
         self.pool.set_cached(block_id, True)
         self._gain_device_child(parent)
-        self.num_onboarded += 1
+        self.num_onboarded += copied
 
     def evict(self, num_blocks: int, offload: bool = True) -> int:
         """Free ``num_blocks`` device blocks by evicting unreferenced leaves; returns how many
@@ -271,8 +274,8 @@ class RadixTree:
         block_id = self.pool.pop_evictable()
         node = self.nodes[block_id]
         assert node.parent is not None and not node.device_children
-        full = len(node.tokens) == self.tokens_per_block
-        hid = self._host_block() if self._offloading and full else None
+        worth = len(node.tokens) == self.tokens_per_block and node.extra_key.endswith(self.live_key)
+        hid = self._host_block() if self._offloading and worth else None
         self.num_evicted += 1
         if hid is None:
             self._drop(node)

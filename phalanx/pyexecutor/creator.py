@@ -115,6 +115,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     pool_shape = (cfg.num_layers, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
     block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
+    pool_bytes = [block_bytes]   # a block of each pool (the target's, a draft model's)
     draft, profiled_draft = None, None
     if args.speculative_config is not None and args.speculative_config.decoding_type == "DraftTarget":
         draft = _build_draft(args, source, dtype, device, tp, max_seq_len)
@@ -123,25 +124,31 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         dheads = shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size)
         profiled_draft = (draft, (dcfg.num_layers, kvc.tokens_per_block, dheads.num_kv_heads, dcfg.head_dim,
                                   kv_dtype, device))
-        block_bytes += bytes_per_block(dcfg.num_layers, dheads.num_kv_heads, dcfg.head_dim, kvc.tokens_per_block,
-                                       kv_dtype)   # the draft's pool has the same blocks
+        pool_bytes.append(bytes_per_block(dcfg.num_layers, dheads.num_kv_heads, dcfg.head_dim, kvc.tokens_per_block,
+                                          kv_dtype))   # the draft's pool has the same blocks
+        block_bytes = sum(pool_bytes)
+    num_host_blocks = (kvc.host_cache_size or 0) // block_bytes   # (the draft's blocks beside the target's)
+    if kvc.host_cache_size and not num_host_blocks:
+        raise ValueError(f"kv_cache_config.host_cache_size: {kvc.host_cache_size} bytes hold no KV block "
+                         f"({block_bytes} bytes on each rank)")
     extra: dict = {}
     if device.type == "cuda":
         extra["gemv_gb_per_s"] = _tune_kernels(model)
         if draft is not None:
             _tune_kernels(draft)
-        num_blocks = _profile_num_blocks(args, model, pool_shape, block_bytes, max_seq_len, extra, profiled_draft)
+        staged = sum(staging_bytes(b, num_host_blocks) for b in pool_bytes)   # the host tier's staging buffers
+        num_blocks = _profile_num_blocks(args, model, pool_shape, block_bytes, max_seq_len, extra, profiled_draft,
+                                         staged)
     else:
         num_blocks = _num_kv_blocks(args, device, block_bytes)
-    if dist is not None and dist.size > 1:  # identical schedulers need identical pools: the smallest wins
-        num_blocks = min(int(b) for b in dist.allgather_bytes(str(num_blocks).encode()))
+    if dist is not None and dist.size > 1:   # identical schedulers need identical pools and host tiers (ranks
+        # with fewer KV heads fit more blocks in the same bytes): the smallest of each wins
+        mine = b"%d,%d" % (num_blocks, num_host_blocks)
+        counts = [tuple(map(int, b.split(b","))) for b in dist.allgather_bytes(mine)]
+        num_blocks, num_host_blocks = min(c[0] for c in counts), min(c[1] for c in counts)
     t_profile = time.monotonic() - t0 - t_weights
     # one extra block no request owns: CUDA-graph padding rows write there
     L, B, Hkv, D, kdt, dev = pool_shape
-    num_host_blocks = (kvc.host_cache_size or 0) // block_bytes   # (the draft's blocks beside the target's)
-    if kvc.host_cache_size and not num_host_blocks:
-        raise ValueError(f"kv_cache_config.host_cache_size: {kvc.host_cache_size} bytes hold no KV block "
-                         f"({block_bytes} bytes on each rank)")
     pool = KVPool(L, num_blocks + 1, B, Hkv, D, kdt, dev, num_host_blocks)
     kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse,
                         num_host_blocks)
@@ -332,7 +339,8 @@ def _piecewise_sizes(sizes: list[int], max_num_tokens: int) -> list[int]:
 
 
 def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block_bytes: int,
-                        max_seq_len: int, extra: dict, draft: tuple[CausalLM, tuple] | None = None) -> int:
+                        max_seq_len: int, extra: dict, draft: tuple[CausalLM, tuple] | None = None,
+                        staged: int = 0) -> int:
     """KV blocks from a profiling run: a forward over a max_num_tokens batch with a small
     temporary pool, a slice of prompt logprobs, the logits of the most rows a step samples
     (``SpecPolicy.most_sampled_rows`` with speculation) and their sampling with every setting
@@ -358,8 +366,7 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
         activation_peak = max(activation_peak, held + _activation_peak(draft[0], n, draft[1], draft_rows))
     free, total = torch.cuda.mem_get_info(dev)
     kvc = args.kv_cache_config
-    staged = staging_bytes(block_bytes, (kvc.host_cache_size or 0) // block_bytes)   # the host tier's copies
-    budget = int(max(0, free - activation_peak - staged) * kvc.free_gpu_memory_fraction)
+    budget = int(max(0, free - activation_peak - staged) * kvc.free_gpu_memory_fraction)   # staged: host tier
     if kvc.max_gpu_total_bytes:
         budget = min(budget, kvc.max_gpu_total_bytes)
     extra.update({"profile_tokens": n, "activation_peak_gib": activation_peak / 2**30,

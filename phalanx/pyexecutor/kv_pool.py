@@ -29,6 +29,7 @@ only once its last reader, on either stream, is done. Nothing waits on the host.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -76,8 +77,8 @@ class KVPool:
                     num_blocks * tokens_per_block, self.tensor.numel() * self.tensor.element_size() / 2**20)
         self.host: torch.Tensor | None = None
         if num_host_blocks:
-            self.host = torch.empty(num_host_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim,
-                                    dtype=dtype, pin_memory=device.type == "cuda")
+            shape = (num_host_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim)
+            self.host = _pinned(shape, dtype) if device.type == "cuda" else torch.empty(shape, dtype=dtype)
             logger.info("KV host tier: %d blocks = %d tokens, %.1f MiB of host memory%s", num_host_blocks,
                         num_host_blocks * tokens_per_block, self.host.numel() * self.host.element_size() / 2**20,
                         " (pinned)" if device.type == "cuda" else "")
@@ -191,6 +192,25 @@ class _Lane:
         self.last_use[self.next] = (done, reader)
         self.next = (self.next + 1) % len(self.stages)
         return done
+
+
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Host memory of exactly this size, page-locked (``cudaHostRegister``; torch's pinned
+    allocator rounds a request up to a power of two: 40 GiB would lock 64). Unregistered when
+    the tensor goes; torch's pinned allocator where registering fails."""
+    t = torch.empty(shape, dtype=dtype)
+    ptr, size = t.data_ptr(), t.numel() * t.element_size()
+    try:
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(ptr, size, 0)
+        failed = f"error {int(getattr(error, 'value', error))}" if int(getattr(error, "value", error)) else ""
+    except Exception as e:   # a torch without the binding
+        failed = repr(e)
+    if failed:
+        logger.warning("KV host tier: cudaHostRegister failed (%s); pinned through torch's allocator instead", failed)
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -184,6 +184,7 @@ class ModelRunner:
         self.timing_shapes: list[tuple[int, int, int]] = []   # each timed step's step_shape
         self.clock = HostClock()   # the executor's, once it has one (marks its launch phases)
         self.stage = Staging(device)   # a step's host arrays to the device
+        self._copied: list | None = None   # the copy list last run (``run_copies``: once a step)
 
     # -- request slots -----------------------------------------------------------------------------
     def slot_of(self, request_id: int) -> int:
@@ -419,9 +420,7 @@ class ModelRunner:
             self._lora_mask_clear = inputs.lora_clear   # (once written: a step that failed before wrote nothing)
         if inputs.spec is not None and self.spec is not None:
             self.spec.place(inputs.spec, inputs.input_ids, inputs.positions, inputs.meta)
-        self.kv_pool.copy_blocks(batch.copy_ops)
-        if self.spec is not None:
-            self.spec.proposer.copy_blocks(batch.copy_ops)
+        self.run_copies(batch)
         self.last_prompt_logprobs = None
         logits = self._target_forward(batch, inputs, graph_size)
         if self.spec is not None:   # a draft model's KV follows every target forward
@@ -493,6 +492,20 @@ class ModelRunner:
         return torch.cuda.stream(self.stream)
 
     @torch.inference_mode()
+    def run_copies(self, batch: ScheduledBatch) -> None:
+        """The step's KV block copies (partial reuse, the host tier's moves), once, whatever
+        becomes of its rows: the tree moved those blocks when the step was scheduled, so a step
+        whose rows all fail before the forward still runs them (``batch.without`` keeps the list)."""
+        ops = batch.copy_ops
+        if not ops or ops is self._copied:
+            return
+        self._copied = ops
+        with self._on_stream():
+            self.kv_pool.copy_blocks(ops)
+            if self.spec is not None:
+                self.spec.proposer.copy_blocks(ops)
+
+    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, graph_size: int | None = None,
                defer_sampling: bool = False) -> InFlightStep:
         """Queue one step on the device; returns without waiting for it. ``graph_size``: as
@@ -502,6 +515,7 @@ class ModelRunner:
         with self._on_stream():
             timing = self.stream is not None and self.record_timing
             start = _event(timing)
+            self.run_copies(batch)   # (before ``prepare``, which may fail rows)
             inputs = self.prepare(batch, graph_size)
             self.clock.mark("prepare")
             logits = self.forward(batch, inputs, graph_size)

@@ -225,7 +225,17 @@ class PyExecutor:
             if self.multi_rank:
                 raise
             self._fail_batch(batch, traceback.format_exc())
+            self._keep_cache_whole(batch)
             return None
+
+    def _keep_cache_whole(self, batch: ScheduledBatch) -> None:
+        """A failed step's KV copies still run (the tree moved those blocks when it scheduled
+        them); where they cannot, nothing cached may match again."""
+        try:
+            self.runner.run_copies(batch)
+        except Exception:
+            logger.exception("a failed step's KV copies failed too: the prefix cache is dropped")
+            self.rollout.new_epoch()
 
     def _process(self, step: InFlightStep | None, ahead: InFlightStep | None = None) -> None:
         """Read a launched step's tokens, update requests, respond. ``ahead``: the step launched

@@ -105,9 +105,9 @@ class Rollout:
         return json.dumps(sorted(self.asleep))
 
     def _reset_prefix_cache(self) -> str:
-        return json.dumps({"freed_blocks": self._new_epoch()})
+        return json.dumps({"freed_blocks": self.new_epoch()})
 
-    def _new_epoch(self) -> int:
+    def new_epoch(self) -> int:
         self.num_epochs += 1
         return self.ex.scheduler.kv.invalidate(b"\x00epoch%d" % self.num_epochs)
 
@@ -130,7 +130,7 @@ class Rollout:
             self.reserve_host_buffer()
         before = _free_bytes(runner.device)
         _sync(runner.device)
-        self._new_epoch()                      # the KV contents go: nothing cached may match again
+        self.new_epoch()                      # the KV contents go: nothing cached may match again
         if runner.graphs is not None:
             runner.graphs.release()
             self._graphs_dropped = True
@@ -244,7 +244,7 @@ class Rollout:
         _sync(self.ex.runner.device)
         self.num_updates += 1
         self.weight_version = weight_version if weight_version is not None else str(self.num_updates)
-        self._new_epoch()
+        self.new_epoch()
         seconds = time.monotonic() - t0
         logger.info("weights updated from %s: %d tensors in %.2fs, version %s", source, count, seconds,
                     self.weight_version)

@@ -82,3 +82,34 @@ def test_a_host_cache_size_that_holds_no_block_is_refused(tiny_models):
     with pytest.raises(Exception, match="host_cache_size"):
         LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess",
             kv_cache_config={"host_cache_size": 1 << 20, "enable_block_reuse": False})
+
+
+@pytest.mark.parametrize("victim", ["onboards", "offloads"])
+def test_a_step_that_fails_before_its_forward_still_moves_its_blocks(victim, tiny_models, hf_models):
+    """The tree moves blocks when a step is scheduled; the copies run with the forward. A step
+    that fails before it (here an injected failure) must still run them, or the prefix cache
+    would serve a later request rows that never arrived (an onboarded block) or were never
+    saved (an offloaded one)."""
+    from phalanx.llmapi.outputs import RequestError
+    hf = hf_models["llama"]
+    first, churn = _prompts(hf.config.vocab_size)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    kv = {"tokens_per_block": BLOCK, "max_tokens": 12 * BLOCK, "host_cache_size": 1 << 20}
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
+             max_num_tokens=64, max_seq_len=64) as llm:
+        engine = llm._executor.engine
+        shown = [first, *churn] if victim == "onboards" else [first, churn[0]]
+        for p in shown:
+            llm.generate([p], params, use_tqdm=False)
+        moved = (engine.scheduler.kv.tree.num_onboarded, engine.scheduler.kv.tree.num_offloaded)
+        llm.control("fail_next_forward:0")
+        doomed = first[:-1] + [3] if victim == "onboards" else churn[1]   # a host hit / evicts first's blocks
+        with pytest.raises(RequestError):
+            llm.generate_async(doomed, params).result(timeout=60)
+        after = (engine.scheduler.kv.tree.num_onboarded, engine.scheduler.kv.tree.num_offloaded)
+        assert after[0 if victim == "onboards" else 1] > moved[0 if victim == "onboards" else 1]
+        again = llm.generate([first[:-1] + [9]], params, use_tqdm=False)[0]
+        engine.scheduler.kv.check_integrity()
+    assert again.cached_tokens == 40
+    ref, gaps = hf_greedy(hf, first[:-1] + [9], NEW)
+    assert_same_greedy(again.outputs[0].token_ids, ref, gaps, f"after a failed step that {victim}")

@@ -201,3 +201,56 @@ def test_random_traffic_keeps_every_reused_row_right(seed):
         kv.check_integrity()
     assert admitted > 100
     assert OFFLOAD in store.kinds and ONBOARD in store.kinds, "the traffic exercised both moves"
+
+
+def _serve_one(kv: KVCacheManager, store: Store, rid: int, tokens: list[int], free: bool = True) -> int:
+    hit = _serve(kv, store, rid, tokens)
+    if free:
+        kv.free(rid)
+        kv.check_integrity()
+    return hit
+
+
+def test_a_host_sibling_does_not_stop_a_finished_tail_from_being_kept_for_partial_reuse():
+    """A host child can serve no partial hit, so it must not count as covering the tail a
+    request leaves behind: partial reuse finds as much with the tier as without it."""
+    def hits(host_blocks: int) -> tuple[int, int]:
+        kv = KVCacheManager(5, B, num_host_blocks=host_blocks)
+        store = Store(kv)
+        _serve_one(kv, store, 1, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+        _serve_one(kv, store, 2, list(range(50, 63)))      # pushes [5..8] (and the tail [9]) out
+        h3 = _serve_one(kv, store, 3, [1, 2, 3, 4, 5, 6, 7])
+        h4 = _serve_one(kv, store, 4, [1, 2, 3, 4, 5, 6, 7, 99])   # request 3's tail [5, 6, 7]
+        return h3, h4
+    assert hits(8) == hits(0) == (4, 7)
+
+
+def test_blocks_of_an_older_epoch_are_dropped_not_offloaded():
+    """After ``invalidate`` nothing can match the blocks still held by requests of the old
+    epoch: when they are evicted they must not take host blocks from matchable ones."""
+    kv = KVCacheManager(10, B, num_host_blocks=4)
+    store = Store(kv)
+    old = list(range(100, 117))
+    _serve_one(kv, store, 1, old, free=False)          # runs across a weight update
+    kv.invalidate(b"v2")
+    good = list(range(200, 217))
+    _serve_one(kv, store, 2, good)
+    _serve_one(kv, store, 3, list(range(300, 317)), free=False)   # pushes `good` to the host
+    assert kv.match(good + [1]).num_tokens == 16
+    kv.free(1)
+    _serve_one(kv, store, 4, list(range(400, 417)))    # evicts the old epoch's blocks
+    assert not [n for n in kv.tree.host_nodes.values() if n.tokens[0] in range(100, 117)]
+    assert kv.match(good + [1]).num_tokens == 16
+
+
+def test_only_copied_blocks_count_as_onboarded():
+    kv = KVCacheManager(6, B, num_host_blocks=8)
+    store = Store(kv)
+    a = list(range(100, 109))
+    _serve_one(kv, store, 1, a)
+    _serve_one(kv, store, 2, list(range(200, 221)))
+    kv.admit(3, kv.match(a, reuse=False), len(a))      # computes a's blocks again: promoted, not copied
+    store.run_ops()
+    store.compute(3, a, 0, len(a))
+    kv.commit(3, a, len(a))
+    assert ONBOARD not in store.kinds and kv.tree.num_onboarded == 0
