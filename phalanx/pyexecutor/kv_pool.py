@@ -91,6 +91,19 @@ class KVPool:
             self._written: list[torch.cuda.Event | None] = [None] * num_host_blocks   # its last offload's D2H
             self._read: list[torch.cuda.Event | None] = [None] * num_host_blocks      # its last onboard's H2D
 
+    def release_staging(self) -> None:
+        """Give the host tier's device staging back (sleep mode; the pool's own memory goes
+        beside it). ``restore_staging`` takes it again."""
+        for lane in self._lanes or ():
+            for stage in lane.stages:
+                stage.untyped_storage().resize_(0)
+            lane.last_use = [None] * len(lane.stages)
+
+    def restore_staging(self) -> None:
+        for lane in self._lanes or ():
+            for stage in lane.stages:
+                stage.untyped_storage().resize_(stage.numel() * stage.element_size())
+
     def copy_blocks(self, ops_list) -> None:
         """Run ``CopyOp``s in order: partial-reuse copies (src block rows [0, n) -> dst block;
         whole blocks of an FP8 pool), offloads to the host tier and onboards from it. Each run

@@ -137,6 +137,7 @@ class Rollout:
         kv = runner.kv_pool.tensor.untyped_storage()
         self._kv_bytes = kv.nbytes()
         kv.resize_(0)
+        runner.kv_pool.release_staging()      # (the host tier's, emptied by the new epoch)
         self._host_copies = []
         storages = _weight_storages(runner.model)
         offset = 0
@@ -198,6 +199,7 @@ class Rollout:
             storage = runner.kv_pool.tensor.untyped_storage()
             storage.resize_(self._kv_bytes)
             runner.kv_pool.tensor.zero_()    # an FP8 pool must hold no NaN (attention_ref.values_key_minor)
+            runner.kv_pool.restore_staging()
             self.asleep.discard("kv_cache")
         recaptured = False
         if not self.asleep and self._graphs_dropped and runner.graphs is not None:

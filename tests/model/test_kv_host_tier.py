@@ -113,3 +113,25 @@ def test_a_step_that_fails_before_its_forward_still_moves_its_blocks(victim, tin
     assert again.cached_tokens == 40
     ref, gaps = hf_greedy(hf, first[:-1] + [9], NEW)
     assert_same_greedy(again.outputs[0].token_ids, ref, gaps, f"after a failed step that {victim}")
+
+
+def test_sleep_forgets_the_host_tier_and_the_engine_serves_after_waking(tiny_models, hf_models):
+    """Sleep releases the KV memory (a new epoch): the host tier's blocks can never match again
+    and are let go; after waking, an evicted prefix is computed again, right."""
+    hf = hf_models["llama"]
+    first, churn = _prompts(hf.config.vocab_size)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    kv = {"tokens_per_block": BLOCK, "max_tokens": 12 * BLOCK, "host_cache_size": 1 << 20}
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
+             max_num_tokens=64, max_seq_len=64) as llm:
+        for p in [first, *churn]:
+            llm.generate([p], params, use_tqdm=False)
+        assert llm.stats()[0]["kv_host_cached_blocks"] > 0
+        llm.sleep(level=1)
+        assert llm.stats()[0]["kv_host_cached_blocks"] == 0
+        llm.wake_up()
+        again = llm.generate([first[:-1] + [9]], params, use_tqdm=False)[0]
+        llm._executor.engine.scheduler.kv.check_integrity()
+    assert again.cached_tokens == 0
+    ref, gaps = hf_greedy(hf, first[:-1] + [9], NEW)
+    assert_same_greedy(again.outputs[0].token_ids, ref, gaps, "after sleep and wake-up")
