@@ -1,6 +1,7 @@
 """``phalanx bench prefix``: the prefix-index study.
 
-Replays token traces through three prefix indexes holding the same number of KV tokens:
+Replays token traces through three prefix indexes holding the same number of KV tokens (and
+ours again with a host tier three times that size beside it, ``radix32+host``):
 
 * ``hashed16`` — vLLM's design: a flat map of chained hashes of full 16-token blocks, LRU over
   unreferenced blocks; a hit is the run of leading full blocks found.
@@ -106,6 +107,22 @@ class OurRadix:
         return len(self.kv.tree)
 
 
+class OurRadixHost(OurRadix):
+    """Ours with ``kv_cache_config.host_cache_size``: the same device blocks, and a host tier of
+    ``HOST_FACTOR`` times as many that keeps what the device evicts (a hit there is onboarded)."""
+
+    name = "radix32+host"
+    HOST_FACTOR = 3
+
+    def __init__(self, capacity_tokens: int, block: int = 32) -> None:
+        n = max(2, capacity_tokens // block)
+        self.kv = KVCacheManager(n, block, num_host_blocks=self.HOST_FACTOR * n)
+        self._next = 0
+
+    def entries(self) -> int:
+        return len(self.kv.tree) + len(self.kv.tree.host_nodes)
+
+
 @dataclass(eq=False)
 class _TNode:
     tokens: tuple[int, ...]
@@ -191,7 +208,7 @@ class TokenRadix:
         return sum(1 for _ in self._nodes())
 
 
-INDEXES = (HashedBlocks, OurRadix, TokenRadix)
+INDEXES = (HashedBlocks, OurRadix, TokenRadix, OurRadixHost)
 
 
 def replay(index, trace: Trace) -> dict[str, float]:
@@ -290,10 +307,12 @@ def plot(rows: list[dict], path: str) -> None:
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for ax, pressure in zip(axes, ("low", "high"), strict=True):
-        for j, idx in enumerate(("hashed16", "radix32", "token_radix")):
+        names = [c.name for c in INDEXES]
+        for j, idx in enumerate(names):
             vals = [next(r["hit_rate"] for r in rows if r["trace"] == t and r["pressure"] == pressure
                          and r["index"] == idx) for t in traces]
-            ax.bar([i + (j - 1) * 0.27 for i in range(len(traces))], vals, width=0.27, label=idx)
+            w = 0.8 / len(names)
+            ax.bar([i + (j - (len(names) - 1) / 2) * w for i in range(len(traces))], vals, width=w, label=idx)
         ax.set_xticks(range(len(traces)), traces, rotation=20)
         ax.set_title(f"{pressure} memory pressure")
         ax.set_ylabel("prompt tokens reused")

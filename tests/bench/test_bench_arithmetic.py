@@ -130,3 +130,16 @@ def test_lru_eviction_under_pressure():
         idx.insert(new)
         assert idx.lookup(new + [1]) > 0 and idx.lookup(old + [1]) == 0, idx.name
         assert idx.evictions > 0
+
+
+def test_a_host_tier_keeps_multi_turn_conversations_that_the_device_pool_evicts():
+    """At a quarter of the working set, conversations come back after the device pool has
+    evicted them: with a host tier three times its size they are found there."""
+    import random
+
+    from phalanx.bench.prefix import OurRadixHost, trace_multi_turn, working_set
+    trace = trace_multi_turn(random.Random(0))
+    cap = working_set(trace) // 4
+    device, host = replay(OurRadix(cap), trace), replay(OurRadixHost(cap), trace)
+    assert device["hit_rate"] < 0.2 < 0.7 < host["hit_rate"]
+    assert host["evictions"] == device["evictions"]   # the device pool evicts as often; the tier keeps them
