@@ -342,8 +342,8 @@ class KVCacheManager:
         holders; the evictable set is exactly the unreferenced cached leaves of the device tier;
         a referenced tree node has referenced ancestors; keys chain. With a host tier: its
         blocks are free or hold exactly the host nodes, none pinned between calls; host nodes
-        are the tails of root paths; its evictable set is exactly the host nodes without
-        children.
+        are the tails of root paths; its evictable set is exactly the device nodes' copies and
+        the host nodes without children.
         """
         p, tree = self.pool, self.tree
         holders = [0] * p.num_blocks
@@ -366,14 +366,15 @@ class KVCacheManager:
         assert len(free) + len(unref_cached) + referenced == p.num_blocks, "blocks lost or double-counted"
         leaves = {b for b in unref_cached if not tree.nodes[b].device_children}
         assert set(p._evictable) == leaves, f"evictable {sorted(p._evictable)} != leaves {sorted(leaves)}"
-        every = [tree.root, *tree.nodes.values(), *tree.host_nodes.values()]
+        every = [tree.root, *tree.nodes.values(), *(n for n in tree.host_nodes.values() if not n.on_device)]
         assert sum(len(h) for n in every for h in n.heads.values()) == len(every) - 1, \
             "the first-token index holds a node twice or one not in the tree"
         for node in every:
             assert node.device_children == sum(c.on_device for c in node.children.values()), "device children count"
         for b, node in tree.nodes.items():
             parent = node.parent
-            assert node.block_id == b and node.host_id == -1, f"block {b} misfiled"
+            assert node.block_id == b and (node.host_id == -1 or tree.host_nodes.get(node.host_id) is node), \
+                f"block {b} misfiled"
             assert parent is not None and parent.children.get(node.key) is node, f"block {b} detached"
             assert sum(c is node for c in parent.heads.get(node.tokens[0], ())) == 1, f"block {b} heads"
             assert node.key == chain_key(parent.key, node.tokens, node.extra_key), f"block {b} key"
@@ -397,10 +398,14 @@ class KVCacheManager:
         assert h.num_cached_unreferenced == len(tree.host_nodes), "host cached count drifted"
         for hid, node in tree.host_nodes.items():
             parent = node.parent
-            assert node.host_id == hid and node.block_id == -1, f"host block {hid} misfiled"
+            assert node.host_id == hid, f"host block {hid} misfiled"
             assert parent is not None and parent.children.get(node.key) is node, f"host block {hid} detached"
-            assert not node.device_children, f"host block {hid} has a device child"
             assert len(node.tokens) == self.tokens_per_block, f"host block {hid} is partial"
+            if node.on_device:   # a device node's copy
+                assert tree.nodes.get(node.block_id) is node, f"host block {hid} copies a block not in the tree"
+                continue
+            assert not node.device_children, f"host block {hid} has a device child"
             assert node.key == chain_key(parent.key, node.tokens, node.extra_key), f"host block {hid} key"
-        leaves = {hid for hid, n in tree.host_nodes.items() if not n.children}
-        assert set(h._evictable) == leaves, f"host evictable {sorted(h._evictable)} != leaves {sorted(leaves)}"
+        droppable = {hid for hid, n in tree.host_nodes.items() if n.on_device or not n.children}
+        assert set(h._evictable) == droppable, \
+            f"host evictable {sorted(h._evictable)} != copies and leaves {sorted(droppable)}"

@@ -21,18 +21,22 @@ a parent becomes evictable when its last child goes.
 
 With a host tier (a second ``BlockPool`` of host block ids), an evicted full block is not
 forgotten but offloaded: its node stays in the tree holding a host block instead of a device
-block, and the caller copies the rows out before the device block is written again. A node
-is on one tier at a time::
+block, and the caller copies the rows out before the device block is written again::
 
-    tier     block_id   host_id   children            evictable when
-    device   >= 0       -1        device or host      unreferenced and no device children
-    host     -1         >= 0      host only           no children at all (dropped from the tree)
+    node         block_id   host_id   children          device evictable when    host block goes when
+    device       >= 0       -1        device or host    unreferenced, no device  -
+                                                        children
+    device with  >= 0       >= 0      device or host    the same (no copy: it    any time, before any
+    a host copy                                         becomes a host node)     host node (a duplicate)
+    host         -1         >= 0      host only         -                        no children (the node
+                                                                                 leaves the tree)
 
-so the host nodes of any root path are its tail. A match returns them after the device nodes;
-admitting it takes fresh device blocks for them (``promote``) and the caller copies the rows
-back in. A block that finds no host block (the host tier full of pinned or inner nodes) is
-dropped with the host nodes below it; so are partial leaves, which only a token scan of device
-children would match.
+so the host-only nodes of any root path are its tail. A match returns them after the device
+nodes; admitting it takes fresh device blocks for them (``promote``), the caller copies the rows
+back in, and the host block stays as the node's copy: evicted again, the node goes back to the
+host without a transfer. A block that finds no host block (the host tier full of pinned or
+inner nodes) is dropped with the host nodes below it; so are partial leaves, which only a token
+scan of device children would match, and blocks of an older epoch (``live_key``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 from phalanx.kv_manager.block_pool import BlockPool
 
 DEFAULT_PRIORITY = 35
+COPY_PRIORITY = -1   # the host tier drops a device node's copy before any block held only there
 
 
 _PACKERS: dict[int, struct.Struct] = {}
@@ -228,20 +233,18 @@ class RadixTree:
 
     def promote(self, node: Node, block_id: int, copied: bool = True) -> None:
         """Move a host node back to the device tier at ``block_id`` (held by the caller, ref >= 1,
-        its rows copied in from the host block, or computed equal: ``copied`` false); the host
-        block is freed. ``node``'s parent is on the device (host nodes are a path's tail)."""
+        its rows copied in from the host block, or computed equal: ``copied`` false). The host
+        block stays as its copy, which the host tier may drop at any time. ``node``'s parent is
+        on the device (host nodes are a path's tail)."""
         host, parent = self.host, node.parent
         assert host is not None and not node.on_device and parent is not None
         hid = node.host_id
         assert host.ref_counts[hid] == 0, f"host block {hid} is pinned"
-        host.discard_evictable(hid)
-        del self.host_nodes[hid]
-        host.set_cached(hid, False)
-        host.put_free(hid)
-        node.host_id, node.block_id = -1, block_id
+        node.block_id = block_id
         self.nodes[block_id] = node
         self.pool.set_cached(block_id, True)
         self._gain_device_child(parent)
+        host.add_evictable(hid, COPY_PRIORITY, self.pool.next_tick())   # a copy: dropped first, LRU
         self.num_onboarded += copied
 
     def evict(self, num_blocks: int, offload: bool = True) -> int:
@@ -258,11 +261,12 @@ class RadixTree:
         return done
 
     def drop_host(self) -> int:
-        """Forget every host node (``invalidate``); returns how many went."""
+        """Forget every host block (``invalidate``): host nodes leave the tree, device nodes
+        lose their copies. Returns how many went."""
         n = len(self.host_nodes)
         for node in list(self.host_nodes.values()):
             if node.host_id in self.host_nodes:   # (not yet dropped with an ancestor)
-                self._drop(node)
+                (self._drop_copy if node.on_device else self._drop)(node)
         return n
 
     def _gain_device_child(self, parent: Node) -> None:
@@ -275,24 +279,30 @@ class RadixTree:
         node = self.nodes[block_id]
         assert node.parent is not None and not node.device_children
         worth = len(node.tokens) == self.tokens_per_block and node.extra_key.endswith(self.live_key)
-        hid = self._host_block() if self._offloading and worth else None
         self.num_evicted += 1
+        if node.host_id >= 0 and not (self._offloading and worth):
+            self._drop_copy(node)
+        hid = node.host_id if node.host_id >= 0 else self._host_block() if self._offloading and worth else None
         if hid is None:
             self._drop(node)
             return
         host, parent = self.host, node.parent
         assert host is not None and self.on_offload is not None
-        self.on_offload(block_id, hid)     # the rows leave before the device block is written again
+        if node.host_id < 0:                   # (a node with a host copy moves there as it is)
+            self.on_offload(block_id, hid)     # the rows leave before the device block is written again
+            node.host_id = hid
+            self.host_nodes[hid] = node
+            host.set_cached(hid, True)
+            host.unref(hid)                    # cached, held by nobody
+            self.num_offloaded += 1
+        else:
+            host.discard_evictable(hid)        # no longer a copy: a host node, kept while it has children
         del self.nodes[block_id]
         self.pool.set_cached(block_id, False)
         self.pool.put_free(block_id)
-        node.block_id, node.host_id = -1, hid
-        self.host_nodes[hid] = node
-        host.set_cached(hid, True)
-        host.unref(hid)                    # cached, held by nobody
+        node.block_id = -1
         if not node.children:
             host.add_evictable(hid, node.priority, node.last_access)
-        self.num_offloaded += 1
         self._lose_device_child(parent)
 
     def _lose_device_child(self, parent: Node) -> None:
@@ -301,15 +311,27 @@ class RadixTree:
             self.pool.add_evictable(parent.block_id, parent.priority, parent.last_access)
 
     def _host_block(self) -> int | None:
-        """A free host block (the least recently used host leaf dropped for it), or None."""
+        """A free host block (the least recently used host leaf or device node's copy dropped
+        for it), or None."""
         host = self.host
         if host is None:
             return None
         if not host.num_free:
             if not host.num_evictable:
                 return None
-            self._drop(self.host_nodes[host.pop_evictable()])
+            node = self.host_nodes[host.pop_evictable()]
+            (self._drop_copy if node.on_device else self._drop)(node)
         return host.take_free(1)[0]
+
+    def _drop_copy(self, node: Node) -> None:
+        """Free a device node's host copy."""
+        host, hid = self.host, node.host_id
+        assert host is not None and node.on_device and hid >= 0
+        host.discard_evictable(hid)
+        del self.host_nodes[hid]
+        host.set_cached(hid, False)
+        host.put_free(hid)
+        node.host_id = -1
 
     def _drop(self, node: Node) -> None:
         """Take ``node`` and the host nodes below it out of the tree, freeing their blocks."""
@@ -324,6 +346,8 @@ class RadixTree:
         if not heads:
             del parent.heads[node.tokens[0]]
         if node.on_device:
+            if node.host_id >= 0:
+                self._drop_copy(node)
             del self.nodes[node.block_id]
             self.pool.set_cached(node.block_id, False)
             self.pool.put_free(node.block_id)
@@ -350,6 +374,8 @@ class RadixTree:
                 more = ",…" if len(child.tokens) > max_tokens else ""
                 where = (f"block {child.block_id} ref={self.pool.ref_counts[child.block_id]}" if child.on_device
                          else f"host block {child.host_id}")
+                if child.on_device and child.host_id >= 0:
+                    where += f" (copy in host block {child.host_id})"
                 lines.append(f"{'  ' * depth}└ {where} [{head}{more}]")
                 walk(child, depth + 1)
 

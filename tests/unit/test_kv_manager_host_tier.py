@@ -22,11 +22,13 @@ class Store:
         self.dev: list[list[int | None]] = [[None] * B for _ in range(kv.num_blocks)]
         self.host: list[list[int | None]] = [[None] * B for _ in range(kv.num_host_blocks)]
         self.kinds: list[int] = []
+        self.ops: list = []
 
     def run_ops(self) -> None:
         """What the executor does before a forward: the ops in order."""
         for op in self.kv.take_copy_ops():
             self.kinds.append(op.kind)
+            self.ops.append(op)
             if op.kind == COPY:
                 self.dev[op.dst][:op.num_tokens] = self.dev[op.src][:op.num_tokens]
             elif op.kind == OFFLOAD:
@@ -109,7 +111,7 @@ def test_the_host_tier_drops_its_least_recently_used_leaves_and_never_a_pinned_b
     assert hit > 0
 
 
-def test_a_block_computed_again_promotes_its_host_copy():
+def test_a_block_computed_again_takes_its_host_node_back():
     kv = KVCacheManager(6, B, num_host_blocks=8)
     store = Store(kv)
     a = list(range(100, 109))             # 2 full blocks + 1
@@ -126,9 +128,10 @@ def test_a_block_computed_again_promotes_its_host_copy():
     store.compute(3, a, 0, len(a))
     kv.commit(3, a, len(a))
     kv.check_integrity()
-    assert not a_blocks & {n.tokens for n in kv.tree.host_nodes.values()}, \
-        "the host copies of a's blocks were promoted, not kept beside the device ones"
-    assert [n.on_device for n in kv.tree.match(a, b"", 8).nodes] == [True, True]
+    path = kv.tree.match(a, b"", 8).nodes
+    assert [n.on_device for n in path] == [True, True], "a's nodes are on the device again"
+    assert not [n for n in kv.tree.host_nodes.values() if not n.on_device and n.tokens in a_blocks], \
+        "no host node beside the device ones: the host blocks stayed as their copies (or went)"
     kv.free(3)
     assert kv.match(a).num_tokens == 8 and not kv.match(a).tree_match.host_nodes
 
@@ -254,3 +257,38 @@ def test_only_copied_blocks_count_as_onboarded():
     store.compute(3, a, 0, len(a))
     kv.commit(3, a, len(a))
     assert ONBOARD not in store.kinds and kv.tree.num_onboarded == 0
+
+
+def test_an_onboarded_block_evicted_again_goes_back_to_the_host_without_a_copy():
+    """Onboarding keeps the host block as the device node's copy (vLLM's and SGLang's host
+    caches keep theirs too): evicted again, the node returns to the host with no transfer, and
+    the rows it holds there are still right."""
+    kv = KVCacheManager(6, B, num_host_blocks=16)
+    store = Store(kv)
+    a = list(range(100, 113))
+    _serve_one(kv, store, 1, a)
+    _serve_one(kv, store, 2, list(range(200, 221)))      # a's blocks to the host
+    assert _serve_one(kv, store, 3, a[:-1] + [7]) == 12   # onboarded; their host blocks kept as copies
+    copies = [n for n in kv.tree.host_nodes.values() if n.on_device]
+    assert len(copies) == 3
+    blocks, hosts = {n.block_id for n in copies}, [n.host_id for n in copies]
+    store.ops.clear()
+    _serve_one(kv, store, 4, list(range(300, 321)))      # a's blocks evicted again
+    assert all(not n.on_device for n in copies) and [n.host_id for n in copies] == hosts, "back where they were"
+    assert OFFLOAD in {op.kind for op in store.ops}
+    assert not [op for op in store.ops if op.kind == OFFLOAD and op.src in blocks], "with no transfer"
+    assert _serve_one(kv, store, 5, a[:-1] + [8]) == 12   # and their rows are right (checked by _serve)
+
+
+def test_the_host_tier_drops_copies_before_it_runs_out():
+    """A device node's host copy is droppable at any time: a full host tier of copies still
+    takes offloads."""
+    kv = KVCacheManager(8, B, num_host_blocks=3)
+    store = Store(kv)
+    _serve_one(kv, store, 1, list(range(100, 113)))
+    _serve_one(kv, store, 2, list(range(200, 229)))      # 7 blocks: 100's three go to the host
+    _serve_one(kv, store, 3, list(range(100, 113)))      # back: three copies fill the host tier
+    assert len(kv.tree.host_nodes) == 3 and all(n.on_device for n in kv.tree.host_nodes.values())
+    store.kinds.clear()
+    _serve_one(kv, store, 4, list(range(300, 329)))      # evicts 200's blocks: the copies make room
+    assert OFFLOAD in store.kinds
