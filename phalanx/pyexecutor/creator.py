@@ -128,9 +128,6 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                                           kv_dtype))   # the draft's pool has the same blocks
         block_bytes = sum(pool_bytes)
     num_host_blocks = (kvc.host_cache_size or 0) // block_bytes   # (the draft's blocks beside the target's)
-    if kvc.host_cache_size and not num_host_blocks:
-        raise ValueError(f"kv_cache_config.host_cache_size: {kvc.host_cache_size} bytes hold no KV block "
-                         f"({block_bytes} bytes on each rank)")
     extra: dict = {}
     if device.type == "cuda":
         extra["gemv_gb_per_s"] = _tune_kernels(model)
@@ -146,6 +143,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         mine = b"%d,%d" % (num_blocks, num_host_blocks)
         counts = [tuple(map(int, b.split(b","))) for b in dist.allgather_bytes(mine)]
         num_blocks, num_host_blocks = min(c[0] for c in counts), min(c[1] for c in counts)
+    if kvc.host_cache_size and not num_host_blocks:   # (after the ranks agree: all of them refuse it)
+        raise ValueError(f"kv_cache_config.host_cache_size: {kvc.host_cache_size} bytes hold no KV block "
+                         f"({block_bytes} bytes on a rank)")
     t_profile = time.monotonic() - t0 - t_weights
     # one extra block no request owns: CUDA-graph padding rows write there
     L, B, Hkv, D, kdt, dev = pool_shape

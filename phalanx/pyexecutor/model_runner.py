@@ -184,7 +184,8 @@ class ModelRunner:
         self.timing_shapes: list[tuple[int, int, int]] = []   # each timed step's step_shape
         self.clock = HostClock()   # the executor's, once it has one (marks its launch phases)
         self.stage = Staging(device)   # a step's host arrays to the device
-        self._copied: list | None = None   # the copy list last run (``run_copies``: once a step)
+        self._copied: list | None = None    # the copy list last run (``run_copies``: once a step)
+        self._copying: list | None = None   # one that raised before it was done
 
     # -- request slots -----------------------------------------------------------------------------
     def slot_of(self, request_id: int) -> int:
@@ -499,11 +500,14 @@ class ModelRunner:
         ops = batch.copy_ops
         if not ops or ops is self._copied:
             return
-        self._copied = ops
+        if ops is self._copying:   # they failed part of the way: running them again could copy wrong rows
+            raise RuntimeError("this step's KV block copies failed part of the way")
+        self._copying = ops
         with self._on_stream():
             self.kv_pool.copy_blocks(ops)
             if self.spec is not None:
                 self.spec.proposer.copy_blocks(ops)
+        self._copied, self._copying = ops, None
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, graph_size: int | None = None,

@@ -52,6 +52,13 @@ _FREE_CONFIG_FIELDS = {"torch_dtype", "bos_token_id", "eos_token_ids", "max_posi
                        "fp8_block", "fp8_unquantized", "fp8_kv_cache", "quant_method"}
 
 
+def epoch_key(n: int) -> bytes:
+    """The bytes epoch ``n`` appends to every prefix-cache key: they hold 0xfe, which no extra
+    key has (a cache_salt is UTF-8; a LoRA key is 0xff, digits and a dot), so that no salt can
+    spell a later epoch's keys under the weights before it."""
+    return b"\xfeepoch%d" % n
+
+
 class Rollout:
     OPS = ("pause", "continue", "sleep", "wake_up", "is_sleeping", "update_weights", "init_weights_update_group",
            "destroy_weights_update_group", "reset_prefix_cache", "weight_version")
@@ -109,7 +116,7 @@ class Rollout:
 
     def new_epoch(self) -> int:
         self.num_epochs += 1
-        return self.ex.scheduler.kv.invalidate(b"\x00epoch%d" % self.num_epochs)
+        return self.ex.scheduler.kv.invalidate(epoch_key(self.num_epochs))
 
     # -- memory ------------------------------------------------------------------------------------
     def _sleep(self, level: int = 1) -> str:

@@ -135,3 +135,39 @@ def test_sleep_forgets_the_host_tier_and_the_engine_serves_after_waking(tiny_mod
     assert again.cached_tokens == 0
     ref, gaps = hf_greedy(hf, first[:-1] + [9], NEW)
     assert_same_greedy(again.outputs[0].token_ids, ref, gaps, "after sleep and wake-up")
+
+
+def test_copies_that_fail_part_of_the_way_drop_the_prefix_cache(tiny_models, hf_models):
+    """Copies that raise inside the step (here after the first op) cannot be run again (an
+    offload of a block a later onboard overwrote would copy the wrong rows): the step fails and
+    nothing cached may match again, so the next request computes its prefix, right."""
+    from phalanx.kv_manager.manager import ONBOARD
+    from phalanx.llmapi.outputs import RequestError
+    hf = hf_models["llama"]
+    first, churn = _prompts(hf.config.vocab_size)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    kv = {"tokens_per_block": BLOCK, "max_tokens": 12 * BLOCK, "host_cache_size": 1 << 20}
+    with LLM(tiny_models["llama"], skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
+             max_num_tokens=64, max_seq_len=64) as llm:
+        engine = llm._executor.engine
+        for p in [first, *churn]:
+            llm.generate([p], params, use_tqdm=False)
+        pool = engine.runner.kv_pool
+        real = pool.copy_blocks
+
+        def fails_after_one(ops):   # the first op runs, then the copies raise
+            if any(op.kind == ONBOARD for op in ops):
+                pool.copy_blocks = real
+                real(ops[:1])
+                raise RuntimeError("injected: the copies failed part of the way")
+            real(ops)
+        pool.copy_blocks = fails_after_one
+        with pytest.raises(RequestError):
+            llm.generate_async(first[:-1] + [3], params).result(timeout=60)
+        assert pool.copy_blocks is real, "the injected failure ran"
+        assert llm.stats()[0]["kv_host_cached_blocks"] == 0
+        again = llm.generate([first[:-1] + [9]], params, use_tqdm=False)[0]
+        engine.scheduler.kv.check_integrity()
+    assert again.cached_tokens == 0
+    ref, gaps = hf_greedy(hf, first[:-1] + [9], NEW)
+    assert_same_greedy(again.outputs[0].token_ids, ref, gaps, "after copies that failed")

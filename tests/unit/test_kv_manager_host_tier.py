@@ -39,6 +39,15 @@ class Store:
                 self.dev[op.dst] = list(self.host[op.src])
         self.kv.release_copy_sources()
 
+    def check_tree(self) -> None:
+        """Every block the tree holds (device blocks, host blocks, device nodes' host copies)
+        holds its node's tokens: right after the ops, before a forward reads them."""
+        tree = self.kv.tree
+        for node in tree.nodes.values():
+            assert self.dev[node.block_id][:len(node.tokens)] == list(node.tokens), f"device block {node.block_id}"
+        for hid, node in tree.host_nodes.items():
+            assert self.host[hid] == list(node.tokens), f"host block {hid} ({'copy' if node.on_device else 'node'})"
+
     def compute(self, rid: int, tokens: list[int], start: int, end: int) -> None:
         """A forward writing positions [start, end) of a request."""
         table = self.kv.block_table(rid)
@@ -186,6 +195,7 @@ def test_random_traffic_keeps_every_reused_row_right(seed):
             new.append((rid, tokens, kv.admit(rid, m, len(tokens))))
         # the forward: the ops in order, then the rows it computes
         store.run_ops()
+        store.check_tree()
         for r, tokens, hit in new:
             store.check_reused(r, tokens, hit)
             store.compute(r, tokens, hit, len(tokens))
@@ -292,3 +302,19 @@ def test_the_host_tier_drops_copies_before_it_runs_out():
     store.kinds.clear()
     _serve_one(kv, store, 4, list(range(300, 329)))      # evicts 200's blocks: the copies make room
     assert OFFLOAD in store.kinds
+
+
+@pytest.mark.parametrize("salt", ["\x00epoch1", "epoch1", "\x00", "é\x00epoch1"])
+def test_no_cache_salt_spells_a_later_epochs_keys(salt):
+    """Blocks a salted request holds across a weight update (computed under the old weights)
+    must not match an unsalted request of the new epoch, whatever the salt (the engine's epoch
+    bytes hold 0xfe, never in UTF-8)."""
+    from phalanx.pyexecutor.rollout import epoch_key
+    kv = KVCacheManager(16, B)
+    toks = list(range(1, 14))
+    kv.admit(1, kv.match(toks, salt.encode()), len(toks), salt.encode())
+    kv.commit(1, toks, len(toks))
+    kv.invalidate(epoch_key(1))
+    kv.free(1)
+    assert kv.match(toks).num_tokens == 0
+    kv.check_integrity()
