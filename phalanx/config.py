@@ -287,6 +287,11 @@ class LlmArgs(StrictModel):
     lora_config: LoraConfig | None = Field(
         None, description="LoRA adapters, chosen per request (lora_request): {max_loras, max_lora_rank, ...}.")
     enable_lora: bool = Field(False, description="vLLM's switch: lora_config with its defaults where none is given.")
+    kv_offloading_size: float | None = Field(
+        None, gt=0.0, description="vLLM's: GiB of host memory for KV blocks the pool evicts, summed over the ranks "
+                                  "(kv_cache_config.host_cache_size is one rank's bytes).")
+    kv_offloading_backend: Literal["native"] | None = Field(
+        None, description="vLLM's: native (phalanx's own host tier); needs kv_offloading_size.")
     mpi_private_network: bool = Field(
         True, description="Start the MPI job in a network namespace of its own (loopback only: nothing it opens "
                           "is reachable from outside). False: the host's network, which ranks need to join a "
@@ -303,7 +308,23 @@ class LlmArgs(StrictModel):
             raise ValueError("speculative_config: not supported with enable_attention_dp")
         if self.lora is not None and self.enable_attention_dp:
             raise ValueError("lora_config: not supported with enable_attention_dp")
+        if self.kv_offloading_backend is not None and self.kv_offloading_size is None:
+            raise ValueError("kv_offloading_backend: needs kv_offloading_size (GiB of host memory)")
+        if self.kv_offloading_size is not None:
+            if self.kv_cache_config.host_cache_size:
+                raise ValueError("kv_offloading_size: kv_cache_config.host_cache_size sets the host tier too; give one")
+            if not self.kv_cache_config.enable_block_reuse:
+                raise ValueError("kv_offloading_size: the host tier keeps blocks for prefix reuse, which "
+                                 "kv_cache_config.enable_block_reuse: false turns off")
         return self
+
+    @property
+    def host_cache_bytes(self) -> int:
+        """Each rank's host tier in bytes: ``kv_cache_config.host_cache_size``, or vLLM's
+        ``kv_offloading_size`` (GiB over all ranks) shared out."""
+        if self.kv_offloading_size is not None:
+            return offloading_bytes(self.kv_offloading_size, self.world_size)
+        return self.kv_cache_config.host_cache_size or 0
 
     @property
     def lora(self) -> LoraConfig | None:
@@ -313,6 +334,11 @@ class LlmArgs(StrictModel):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def offloading_bytes(gib: float, ranks: int) -> int:
+    """vLLM's kv_offloading_size (GiB summed over the ranks) as one rank's bytes."""
+    return int(gib * 2**30) // max(1, ranks)
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

@@ -127,7 +127,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         pool_bytes.append(bytes_per_block(dcfg.num_layers, dheads.num_kv_heads, dcfg.head_dim, kvc.tokens_per_block,
                                           kv_dtype))   # the draft's pool has the same blocks
         block_bytes = sum(pool_bytes)
-    num_host_blocks = (kvc.host_cache_size or 0) // block_bytes   # (the draft's blocks beside the target's)
+    host_bytes = args.host_cache_bytes
+    num_host_blocks = host_bytes // block_bytes   # (the draft's blocks beside the target's)
     extra: dict = {}
     if device.type == "cuda":
         extra["gemv_gb_per_s"] = _tune_kernels(model)
@@ -143,9 +144,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         mine = b"%d,%d" % (num_blocks, num_host_blocks)
         counts = [tuple(map(int, b.split(b","))) for b in dist.allgather_bytes(mine)]
         num_blocks, num_host_blocks = min(c[0] for c in counts), min(c[1] for c in counts)
-    if kvc.host_cache_size and not num_host_blocks:   # (after the ranks agree: all of them refuse it)
-        raise ValueError(f"kv_cache_config.host_cache_size: {kvc.host_cache_size} bytes hold no KV block "
-                         f"({block_bytes} bytes on a rank)")
+    if host_bytes and not num_host_blocks:   # (after the ranks agree: all of them refuse it)
+        what = "kv_offloading_size" if args.kv_offloading_size is not None else "kv_cache_config.host_cache_size"
+        raise ValueError(f"{what}: {host_bytes} bytes a rank hold no KV block ({block_bytes} bytes on a rank)")
     t_profile = time.monotonic() - t0 - t_weights
     # one extra block no request owns: CUDA-graph padding rows write there
     L, B, Hkv, D, kdt, dev = pool_shape

@@ -253,13 +253,14 @@ def lora_requests(modules: list[tuple[str, str]] | None) -> dict[str, Any]:
 
 def host_cache_bytes(a: argparse.Namespace) -> int | None:
     """vLLM's --kv-offloading-size (GiB over all ranks) as each rank's host_cache_size."""
+    from phalanx.config import offloading_bytes
     if a.kv_offloading_size is None:
         if a.kv_offloading_backend is not None:
             raise ValueError("--kv-offloading-backend: needs --kv-offloading-size (GiB of host memory)")
         return None
     if not a.kv_offloading_size > 0:
         raise ValueError(f"--kv-offloading-size: must be > 0 GiB, got {a.kv_offloading_size}")
-    return int(a.kv_offloading_size * 2**30) // max(1, a.tp_size)
+    return offloading_bytes(a.kv_offloading_size, a.tp_size)
 
 
 def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:

@@ -171,3 +171,22 @@ def test_copies_that_fail_part_of_the_way_drop_the_prefix_cache(tiny_models, hf_
     assert again.cached_tokens == 0
     ref, gaps = hf_greedy(hf, first[:-1] + [9], NEW)
     assert_same_greedy(again.outputs[0].token_ids, ref, gaps, "after copies that failed")
+
+
+def test_vllms_kv_offloading_size_is_the_host_tier(tiny_models, hf_models):
+    """``LLM(kv_offloading_size=GiB, kv_offloading_backend="native")`` as vLLM's users write it:
+    the same host tier as kv_cache_config.host_cache_size of that many bytes; mixing the two, or
+    a backend without a size, is refused by name."""
+    hf = hf_models["llama"]
+    first, churn = _prompts(hf.config.vocab_size)
+    _, again, s = _run(tiny_models["llama"], first, churn, None, kv_offloading_size=1 / 1024,
+                       kv_offloading_backend="native")
+    assert again.cached_tokens == 40 and s["kv_onboarded_blocks"] >= 5
+    _, _, s_bytes = _run(tiny_models["llama"], first, [], 1 << 20)
+    assert s["kv_host_blocks"] == s_bytes["kv_host_blocks"]
+    for bad, what in (({"kv_offloading_backend": "native"}, "kv_offloading_backend"),
+                      ({"kv_offloading_size": 1.0, "kv_cache_config": {"host_cache_size": 1 << 20}},
+                       "kv_offloading_size"),
+                      ({"kv_offloading_size": 1.0, "kv_offloading_backend": "lmcache"}, "kv_offloading_backend")):
+        with pytest.raises(ValueError, match=what):
+            LLM(tiny_models["llama"], skip_tokenizer_init=True, orchestrator_type="inprocess", **bad)
