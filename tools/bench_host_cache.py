@@ -79,7 +79,7 @@ def measure(llm: LLM, a: argparse.Namespace, host: bool) -> dict[str, Any]:
 
 def link(prefix_tokens: int, block_tokens: int, block_bytes: int) -> dict[str, float]:
     """The PCIe link's host → device rate for a prefix's blocks (pinned memory): one copy of
-    them all, and one copy a block, as the onboard's transfers go."""
+    them all, and one copy a block (an onboard copies one run of consecutive host blocks)."""
     n = -(-prefix_tokens // block_tokens)
     host = torch.empty(n, block_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty_like(host, device="cuda")

@@ -119,8 +119,8 @@ class OurRadixHost(OurRadix):
         self.kv = KVCacheManager(n, block, num_host_blocks=self.HOST_FACTOR * n)
         self._next = 0
 
-    def entries(self) -> int:
-        return len(self.kv.tree) + len(self.kv.tree.host_nodes)
+    def entries(self) -> int:   # (a device node's host copy is the same entry)
+        return len(self.kv.tree) + sum(not n.on_device for n in self.kv.tree.host_nodes.values())
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ partly-filled block is kept as a partial leaf (tokens < B) unless a sibling alre
 so a later prompt can reuse every computed token, not only whole blocks.
 
 Life of a request: ``match`` (read-only) → ``admit`` → (``grow`` → step → ``commit``)* →
-``free``. ``take_copy_ops`` hands the partial-reuse copies to the next forward;
+``free``. ``take_copy_ops`` hands the copies (partial reuse, the host tier's moves) to the next forward;
 ``release_copy_sources`` drops the sources once that forward is launched.
 
 With ``num_host_blocks`` a host tier keeps the blocks the device evicts (TensorRT-LLM's
@@ -24,7 +24,9 @@ secondary pool): an evicted full block is offloaded, its node staying in the tre
 and a later match that reaches it onboards it into a fresh device block. The moves are
 ``CopyOp``s of kind ``OFFLOAD`` (device block → host block) and ``ONBOARD`` (host block → device
 block) in the same ordered list as the partial-reuse copies: run in order before the next
-forward, each reads rows no earlier op of the list has overwritten.
+forward, each sees the rows the ops before it left: an offload precedes an onboard of the same
+host block and the onboard into the device block it freed; an onboard precedes the offload that
+reuses its host block.
 
 ``invalidate`` starts a new epoch (new weights, or KV memory that was released): the epoch is
 part of every key from then on, so no later request can match a block computed before, and the
@@ -294,7 +296,7 @@ class KVCacheManager:
         key = chain_key(parent.key, tokens, seq.extra_key)
         seq.nodes.append(self.tree.insert(parent, key, tokens, seq.block_ids[i], seq.extra_key, seq.priority))
 
-    # -- copy-on-write of partial hits ---------------------------------------------------------
+    # -- the copies (partial hits, the host tier) ---------------------------------------------------------
     def take_copy_ops(self) -> list[CopyOp]:
         """The copies the next forward must run before anything else (and clear them)."""
         ops, self._copy_ops = self._copy_ops, []

@@ -95,7 +95,7 @@ class Node:
     children: dict[bytes, Node] = field(default_factory=dict)
     # the children again by their first token, in insertion order: the only ones a token scan can match
     heads: dict[int, list[Node]] = field(default_factory=dict)
-    host_id: int = -1                 # the host block of a node on the host tier
+    host_id: int = -1                 # its host block (a host node's, or a device node's copy)
     device_children: int = 0          # children on the device tier
 
     @property
@@ -125,7 +125,7 @@ class TreeMatch:
 class RadixTree:
     """Prefix index over full blocks. Mutates the pool's cached flags and eviction LRU (and the
     host pool's, with a host tier: ``on_offload(device block, host block)`` is called for each
-    block that moves there, in order)."""
+    block copied there, in order; a node with a host copy goes back without a call)."""
 
     def __init__(self, pool: BlockPool, tokens_per_block: int, host: BlockPool | None = None,
                  on_offload: Callable[[int, int], None] | None = None) -> None:
@@ -311,8 +311,8 @@ class RadixTree:
             self.pool.add_evictable(parent.block_id, parent.priority, parent.last_access)
 
     def _host_block(self) -> int | None:
-        """A free host block (the least recently used host leaf or device node's copy dropped
-        for it), or None."""
+        """A free host block, or None: a device node's copy is dropped for it first, else a host
+        leaf (lowest retention priority, least recently used)."""
         host = self.host
         if host is None:
             return None

@@ -18,9 +18,10 @@ go out), each through a ring of device staging buffers of ``STAGE_BYTES`` (``OUT
 
 An offload reads its device blocks in stream order, after the steps that wrote them and before
 the step that writes them again; the step's stream waits for an offload's PCIe transfer only
-once a step's evictions fill the out ring (a prefix onboarded into the blocks its admission
-evicted waits for their gather, so the ring holds a 2k-token prefix of an 8B model); an
-onboard's transfer is waited for by the scatter alone. A host block's copies follow the list's
+when the out ring comes round to a buffer whose transfer still runs (each run of offloads takes
+a buffer of its own; the ring holds the 64 blocks of a 2k-token prefix of an 8B model); an
+onboard's transfer is waited for by the scatter alone. (A gather's temporary, up to a buffer's
+size, comes from torch's allocator.) A host block's copies follow the list's
 order through an event each: an onboard waits for the offload that last wrote its host block,
 an offload for the onboard that last read its host block. A staging buffer is written again
 only once its last reader, on either stream, is done. Nothing waits on the host.
@@ -209,20 +210,23 @@ class _Lane:
 
 def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Host memory of exactly this size, page-locked (``cudaHostRegister``; torch's pinned
-    allocator rounds a request up to a power of two: 40 GiB would lock 64). Unregistered when
-    the tensor goes; torch's pinned allocator where registering fails."""
+    allocator rounds a request up to a power of two: 40 GiB would lock 64), unregistered when
+    the tensor goes. A torch without the binding takes its pinned allocator; a registration
+    that fails is refused (CUDA would keep its error for the next call to find)."""
     t = torch.empty(shape, dtype=dtype)
     ptr, size = t.data_ptr(), t.numel() * t.element_size()
     try:
         cudart = torch.cuda.cudart()
-        error = cudart.cudaHostRegister(ptr, size, 0)
-        failed = f"error {int(getattr(error, 'value', error))}" if int(getattr(error, "value", error)) else ""
-    except Exception as e:   # a torch without the binding
-        failed = repr(e)
-    if failed:
-        logger.warning("KV host tier: cudaHostRegister failed (%s); pinned through torch's allocator instead", failed)
+        register, unregister = cudart.cudaHostRegister, cudart.cudaHostUnregister
+    except (AttributeError, RuntimeError):
+        logger.warning("KV host tier: no cudaHostRegister in this torch; pinned through its allocator instead")
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    error = register(ptr, size, 0)
+    code = int(getattr(error, "value", error))
+    if code:
+        raise RuntimeError(f"kv_cache_config.host_cache_size: locking {size} bytes of host memory failed "
+                           f"(cudaHostRegister error {code}); lower it, or raise the locked-memory limit")
+    weakref.finalize(t, unregister, ptr)
     return t
 
 

@@ -205,6 +205,8 @@ class PyExecutor:
         self.clock.iteration = self.iteration
         if self.multi_rank and self.check_digests:
             self.dist.check_digest(batch.digest(), self.iteration)
+        if not batch.requests and batch.copy_ops:   # (none today: only a row's grow or admission queues them)
+            self.runner.run_copies(batch)
         return batch if batch.requests else None
 
     def _launch(self, batch: ScheduledBatch, graph_size: int | None = None,

@@ -144,7 +144,7 @@ class Rollout:
         kv = runner.kv_pool.tensor.untyped_storage()
         self._kv_bytes = kv.nbytes()
         kv.resize_(0)
-        runner.kv_pool.release_staging()      # (the host tier's, emptied by the new epoch)
+        runner.kv_pool.release_staging()      # the host tier's device buffers (the new epoch emptied the tier)
         self._host_copies = []
         storages = _weight_storages(runner.model)
         offset = 0

@@ -145,7 +145,7 @@ class ScheduledBatch:
     A speculative row (``num_drafts[i]`` = k >= 0, not HOST_PLACED) computes k + 1 positions
     from where its accepted tokens end on the device (at most ``num_computed_tokens[i]``) and
     samples 1 .. k + 1 tokens; all of a step's speculative rows verify the same k.
-    ``copy_ops`` (partial prefix reuse) run before the forward.
+    ``copy_ops`` (partial prefix reuse, the KV host tier's moves) run before the forward.
     """
 
     step: int

@@ -117,7 +117,8 @@ class Proposer(Protocol):
         ...
 
     def copy_blocks(self, copy_ops: list) -> None:
-        """The partial-reuse copies of the target's pool, for a pool of the proposer's own."""
+        """The target pool's copies (partial reuse, the host tier's moves), for a pool of the
+        proposer's own."""
         ...
 
 

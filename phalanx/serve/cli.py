@@ -251,18 +251,6 @@ def lora_requests(modules: list[tuple[str, str]] | None) -> dict[str, Any]:
     return out
 
 
-def host_cache_bytes(a: argparse.Namespace) -> int | None:
-    """vLLM's --kv-offloading-size (GiB over all ranks) as each rank's host_cache_size."""
-    from phalanx.config import offloading_bytes
-    if a.kv_offloading_size is None:
-        if a.kv_offloading_backend is not None:
-            raise ValueError("--kv-offloading-backend: needs --kv-offloading-size (GiB of host memory)")
-        return None
-    if not a.kv_offloading_size > 0:
-        raise ValueError(f"--kv-offloading-size: must be > 0 GiB, got {a.kv_offloading_size}")
-    return offloading_bytes(a.kv_offloading_size, a.tp_size)
-
-
 def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     from phalanx.config import merge_yaml
     kw: dict[str, Any] = {"tokenizer": a.tokenizer, "tensor_parallel_size": a.tp_size,
@@ -270,10 +258,11 @@ def llm_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                           "max_num_tokens": a.max_num_tokens, "max_seq_len": a.max_seq_len,
                           "trust_remote_code": a.trust_remote_code or None,
                           "engine_iteration_timeout": a.engine_iteration_timeout, "quantization": a.quantization,
-                          "speculative_config": a.speculative_config}
+                          "speculative_config": a.speculative_config,
+                          # vLLM's host tier: shared out over the ranks once the YAML has had its say
+                          "kv_offloading_size": a.kv_offloading_size, "kv_offloading_backend": a.kv_offloading_backend}
     kv = {"free_gpu_memory_fraction": a.kv_cache_free_gpu_memory_fraction,
-          "dtype": "fp8" if a.kv_cache_dtype == "fp8_e4m3" else a.kv_cache_dtype,
-          "host_cache_size": host_cache_bytes(a)}
+          "dtype": "fp8" if a.kv_cache_dtype == "fp8_e4m3" else a.kv_cache_dtype}
     kw["kv_cache_config"] = {k: v for k, v in kv.items() if v is not None} or None
     targets = a.lora_target_modules
     lora = {"max_loras": a.max_loras, "max_lora_rank": a.max_lora_rank, "max_cpu_loras": a.max_cpu_loras,

@@ -50,7 +50,7 @@ class EngineCollector:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", total("prefix_queried_tokens")),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", total("prefix_hit_tokens")),
             ("num_preemptions", "Requests preempted (recomputed later).", total("num_preemptions")),
-            ("kv_offloaded_blocks", "KV blocks the pool evicted into the host tier (kv_cache_config.host_cache_size).",
+            ("kv_offloaded_blocks", "KV blocks copied from the pool into the host tier (host_cache_size).",
              total("kv_offloaded_blocks")),
             ("kv_onboarded_blocks", "KV blocks a prefix hit copied back from the host tier.",
              total("kv_onboarded_blocks")),

@@ -266,23 +266,28 @@ def test_the_config_yaml_may_name_the_model_and_a_bad_template_stops_start_up(tm
     assert "Traceback" not in res.stderr
 
 
-def test_vllms_kv_offloading_flags_give_each_rank_its_share_of_the_host_tier():
-    """--kv-offloading-size is GiB summed over the ranks (vLLM's): each rank's host_cache_size
-    in bytes; the backend is native only and needs the size; the YAML's setting still wins."""
+def test_vllms_kv_offloading_flags_give_each_rank_its_share_of_the_host_tier(tmp_path):
+    """--kv-offloading-size is GiB summed over the ranks (vLLM's): each rank's host tier in
+    bytes, shared out over the ranks the YAML leaves; the backend is native only and needs the
+    size; the YAML's setting wins over the flag's."""
     import argparse
 
+    from phalanx.config import make_llm_args
     from phalanx.serve.cli import add_serve_args, llm_kwargs
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    kw = llm_kwargs(p.parse_args(["m", "--kv-offloading-size", "8", "--kv-offloading-backend", "native"]))
-    assert kw["kv_cache_config"] == {"host_cache_size": 8 << 30}
-    kw = llm_kwargs(p.parse_args(["m", "--kv_offloading_size", "1.5", "--tp_size", "2"]))
-    assert kw["kv_cache_config"] == {"host_cache_size": 3 << 28}
-    from phalanx.config import make_llm_args
-    assert make_llm_args(**kw).kv_cache_config.host_cache_size == 3 << 28
-    for bad, what in ((["--kv-offloading-backend", "native"], "needs --kv-offloading-size"),
-                      (["--kv-offloading-size", "0"], "must be > 0")):
+
+    def per_rank(*argv: str) -> int:
+        return make_llm_args(**llm_kwargs(p.parse_args(["m", *argv]))).host_cache_bytes
+    assert per_rank("--kv-offloading-size", "8", "--kv-offloading-backend", "native") == 8 << 30
+    assert per_rank("--kv_offloading_size", "1.5", "--tp_size", "2") == 3 << 28
+    (tmp_path / "tp.yaml").write_text("tensor_parallel_size: 2\n")
+    assert per_rank("--kv-offloading-size", "16", "--config", str(tmp_path / "tp.yaml")) == 8 << 30
+    (tmp_path / "off.yaml").write_text("kv_offloading_size: 4\n")
+    assert per_rank("--kv-offloading-size", "16", "--config", str(tmp_path / "off.yaml")) == 4 << 30
+    for bad, what in ((["--kv-offloading-backend", "native"], "kv_offloading_backend"),
+                      (["--kv-offloading-size", "0"], "kv_offloading_size")):
         with pytest.raises(ValueError, match=what):
-            llm_kwargs(p.parse_args(["m", *bad]))
+            per_rank(*bad)
     with pytest.raises(SystemExit):
         p.parse_args(["m", "--kv-offloading-backend", "lmcache", "--kv-offloading-size", "1"])

@@ -262,6 +262,7 @@ def test_only_copied_blocks_count_as_onboarded():
     a = list(range(100, 109))
     _serve_one(kv, store, 1, a)
     _serve_one(kv, store, 2, list(range(200, 221)))
+    assert len(kv.match(a).tree_match.host_nodes) == 2, "a's blocks are on the host"
     kv.admit(3, kv.match(a, reuse=False), len(a))      # computes a's blocks again: promoted, not copied
     store.run_ops()
     store.compute(3, a, 0, len(a))
@@ -318,3 +319,23 @@ def test_no_cache_salt_spells_a_later_epochs_keys(salt):
     kv.free(1)
     assert kv.match(toks).num_tokens == 0
     kv.check_integrity()
+
+
+def test_a_full_host_tier_drops_a_copy_before_a_block_held_only_there():
+    """A device node's copy is a duplicate: it goes first even when it is newer than a block the
+    host tier alone holds (dropped by age alone, the older host-only block would go)."""
+    kv = KVCacheManager(8, B, num_host_blocks=2)
+    store = Store(kv)
+    a, b = list(range(100, 105)), list(range(200, 205))
+    _serve_one(kv, store, 1, a)
+    _serve_one(kv, store, 2, b)
+    big = list(range(300, 332))                             # all 8 blocks, not kept: a's and b's go to the host
+    kv.admit(3, kv.match(big), len(big))
+    store.run_ops()
+    kv.free(3)
+    assert kv.match(a).tree_match.host_nodes and kv.match(b).tree_match.host_nodes
+    _serve_one(kv, store, 4, b[:4] + [9], free=False)     # b onboarded and held: its host block a copy, newer
+    assert sum(n.on_device for n in kv.tree.host_nodes.values()) == 1
+    _serve_one(kv, store, 5, list(range(400, 413)))
+    _serve_one(kv, store, 6, list(range(500, 513)))        # offloads into the full tier
+    assert kv.match(a).num_tokens == 4, "a, held only on the host, outlived b's copy"
