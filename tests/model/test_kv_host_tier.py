@@ -21,6 +21,13 @@ def _prompts(vocab: int) -> tuple[list[int], list[list[int]]]:
     return first, churn
 
 
+def _engine(model_dir: str) -> LLM:
+    """A 12-block device pool with a 1 MB host tier (``_run``'s engine, for tests that drive it)."""
+    kv = {"tokens_per_block": BLOCK, "max_tokens": 12 * BLOCK, "host_cache_size": 1 << 20}
+    return LLM(model_dir, skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
+               max_num_tokens=64, max_seq_len=64)
+
+
 def _run(model_dir: str, first: list[int], churn: list[list[int]], host_bytes: int | None, **extra):
     """``first``, then the churn one prompt at a time (a 12-block device pool: ``first``'s
     blocks are evicted), then ``first`` with a new last token. Returns its outputs and the stats."""
@@ -94,9 +101,7 @@ def test_a_step_that_fails_before_its_forward_still_moves_its_blocks(victim, tin
     hf = hf_models["llama"]
     first, churn = _prompts(hf.config.vocab_size)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    kv = {"tokens_per_block": BLOCK, "max_tokens": 12 * BLOCK, "host_cache_size": 1 << 20}
-    with LLM(tiny_models["llama"], skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
-             max_num_tokens=64, max_seq_len=64) as llm:
+    with _engine(tiny_models["llama"]) as llm:
         engine = llm._executor.engine
         shown = [first, *churn] if victim == "onboards" else [first, churn[0]]
         for p in shown:
@@ -121,9 +126,7 @@ def test_sleep_forgets_the_host_tier_and_the_engine_serves_after_waking(tiny_mod
     hf = hf_models["llama"]
     first, churn = _prompts(hf.config.vocab_size)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    kv = {"tokens_per_block": BLOCK, "max_tokens": 12 * BLOCK, "host_cache_size": 1 << 20}
-    with LLM(tiny_models["llama"], skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
-             max_num_tokens=64, max_seq_len=64) as llm:
+    with _engine(tiny_models["llama"]) as llm:
         for p in [first, *churn]:
             llm.generate([p], params, use_tqdm=False)
         assert llm.stats()[0]["kv_host_cached_blocks"] > 0
@@ -146,9 +149,7 @@ def test_copies_that_fail_part_of_the_way_drop_the_prefix_cache(tiny_models, hf_
     hf = hf_models["llama"]
     first, churn = _prompts(hf.config.vocab_size)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    kv = {"tokens_per_block": BLOCK, "max_tokens": 12 * BLOCK, "host_cache_size": 1 << 20}
-    with LLM(tiny_models["llama"], skip_tokenizer_init=True, kv_cache_config=kv, orchestrator_type="inprocess",
-             max_num_tokens=64, max_seq_len=64) as llm:
+    with _engine(tiny_models["llama"]) as llm:
         engine = llm._executor.engine
         for p in [first, *churn]:
             llm.generate([p], params, use_tqdm=False)
