@@ -266,7 +266,7 @@ class RadixTree:
         n = len(self.host_nodes)
         for node in list(self.host_nodes.values()):
             if node.host_id in self.host_nodes:   # (not yet dropped with an ancestor)
-                (self._drop_copy if node.on_device else self._drop)(node)
+                self._drop_host_block(node)
         return n
 
     def _gain_device_child(self, parent: Node) -> None:
@@ -280,13 +280,12 @@ class RadixTree:
         assert node.parent is not None and not node.device_children
         worth = len(node.tokens) == self.tokens_per_block and node.extra_key.endswith(self.live_key)
         self.num_evicted += 1
-        if node.host_id >= 0 and not (self._offloading and worth):
-            self._drop_copy(node)
-        hid = node.host_id if node.host_id >= 0 else self._host_block() if self._offloading and worth else None
+        keep = self._offloading and worth
+        hid = (node.host_id if node.host_id >= 0 else self._host_block()) if keep else None
         if hid is None:
-            self._drop(node)
+            self._drop(node)                   # (its host copy, if any, with it)
             return
-        host, parent = self.host, node.parent
+        host = self.host
         assert host is not None and self.on_offload is not None
         if node.host_id < 0:                   # (a node with a host copy moves there as it is)
             self.on_offload(block_id, hid)     # the rows leave before the device block is written again
@@ -297,13 +296,9 @@ class RadixTree:
             self.num_offloaded += 1
         else:
             host.discard_evictable(hid)        # no longer a copy: a host node, kept while it has children
-        del self.nodes[block_id]
-        self.pool.set_cached(block_id, False)
-        self.pool.put_free(block_id)
-        node.block_id = -1
+        self._free_device(node)
         if not node.children:
             host.add_evictable(hid, node.priority, node.last_access)
-        self._lose_device_child(parent)
 
     def _lose_device_child(self, parent: Node) -> None:
         parent.device_children -= 1
@@ -319,19 +314,35 @@ class RadixTree:
         if not host.num_free:
             if not host.num_evictable:
                 return None
-            node = self.host_nodes[host.pop_evictable()]
-            (self._drop_copy if node.on_device else self._drop)(node)
+            self._drop_host_block(self.host_nodes[host.pop_evictable()])
         return host.take_free(1)[0]
 
-    def _drop_copy(self, node: Node) -> None:
-        """Free a device node's host copy."""
+    def _drop_host_block(self, node: Node) -> None:
+        """Let a node's host block go: a device node's copy, or a host node with the host nodes
+        below it."""
+        if node.on_device:
+            self._free_host(node)
+        else:
+            self._drop(node)
+
+    def _free_host(self, node: Node) -> None:
+        """Return a node's host block to the host tier's free list."""
         host, hid = self.host, node.host_id
-        assert host is not None and node.on_device and hid >= 0
+        assert host is not None and hid >= 0
         host.discard_evictable(hid)
         del self.host_nodes[hid]
         host.set_cached(hid, False)
         host.put_free(hid)
         node.host_id = -1
+
+    def _free_device(self, node: Node) -> None:
+        """Return a node's device block to the pool's free list (its parent loses a device child)."""
+        assert node.parent is not None
+        del self.nodes[node.block_id]
+        self.pool.set_cached(node.block_id, False)
+        self.pool.put_free(node.block_id)
+        node.block_id = -1
+        self._lose_device_child(node.parent)
 
     def _drop(self, node: Node) -> None:
         """Take ``node`` and the host nodes below it out of the tree, freeing their blocks."""
@@ -345,22 +356,15 @@ class RadixTree:
         heads.remove(node)
         if not heads:
             del parent.heads[node.tokens[0]]
-        if node.on_device:
-            if node.host_id >= 0:
-                self._drop_copy(node)
-            del self.nodes[node.block_id]
-            self.pool.set_cached(node.block_id, False)
-            self.pool.put_free(node.block_id)
-            self._lose_device_child(parent)
-        else:
+        on_device = node.on_device
+        if node.host_id >= 0:
+            self._free_host(node)
+        if on_device:
+            self._free_device(node)
+        elif not parent.on_device and not parent.is_root and not parent.children:
             host = self.host
             assert host is not None
-            host.discard_evictable(node.host_id)
-            del self.host_nodes[node.host_id]
-            host.set_cached(node.host_id, False)
-            host.put_free(node.host_id)
-            if not parent.on_device and not parent.is_root and not parent.children \
-                    and not host.ref_counts[parent.host_id]:   # (a pinned one waits for its promotion)
+            if not host.ref_counts[parent.host_id]:   # (a pinned one waits for its promotion)
                 host.add_evictable(parent.host_id, parent.priority, parent.last_access)
 
     # -- inspection --------------------------------------------------------------------------

@@ -44,11 +44,16 @@ STAGE_BYTES = 32 << 20   # the device staging of one batch of host copies (a ste
 OUT_STAGES, IN_STAGES = 8, 2   # staging buffers of the offloads' ring and the onboards'
 
 
+def stage_blocks(block_bytes: int, num_host_blocks: int) -> int:
+    """Blocks one staging buffer holds."""
+    return max(1, min(STAGE_BYTES // block_bytes, num_host_blocks))
+
+
 def staging_bytes(block_bytes: int, num_host_blocks: int) -> int:
     """The device memory a pool of ``block_bytes`` blocks with a host tier keeps for staging."""
     if not num_host_blocks:
         return 0
-    return (OUT_STAGES + IN_STAGES) * max(1, min(STAGE_BYTES // block_bytes, num_host_blocks)) * block_bytes
+    return (OUT_STAGES + IN_STAGES) * stage_blocks(block_bytes, num_host_blocks) * block_bytes
 
 
 
@@ -84,7 +89,7 @@ class KVPool:
                         num_host_blocks * tokens_per_block, self.host.numel() * self.host.element_size() / 2**20,
                         " (pinned)" if device.type == "cuda" else "")
         block_bytes = self.tensor[:, :, 0].numel() * self.tensor.element_size()
-        self._stage_blocks = max(1, min(STAGE_BYTES // block_bytes, num_host_blocks))
+        self._stage_blocks = stage_blocks(block_bytes, num_host_blocks)
         self._lanes: tuple[_Lane, _Lane] | None = None   # (out: offloads, in: onboards), on a GPU
         if self.host is not None and device.type == "cuda":
             shape, dtype = (self._stage_blocks, *self.host.shape[1:]), self._bytes(self.host).dtype

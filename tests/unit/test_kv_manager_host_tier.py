@@ -21,13 +21,15 @@ class Store:
         self.kv = kv
         self.dev: list[list[int | None]] = [[None] * B for _ in range(kv.num_blocks)]
         self.host: list[list[int | None]] = [[None] * B for _ in range(kv.num_host_blocks)]
-        self.kinds: list[int] = []
-        self.ops: list = []
+        self.ops: list = []          # every op run, in order
+
+    @property
+    def kinds(self) -> list[int]:
+        return [op.kind for op in self.ops]
 
     def run_ops(self) -> None:
         """What the executor does before a forward: the ops in order."""
         for op in self.kv.take_copy_ops():
-            self.kinds.append(op.kind)
             self.ops.append(op)
             if op.kind == COPY:
                 self.dev[op.dst][:op.num_tokens] = self.dev[op.src][:op.num_tokens]
@@ -300,7 +302,7 @@ def test_the_host_tier_drops_copies_before_it_runs_out():
     _serve_one(kv, store, 2, list(range(200, 229)))      # 7 blocks: 100's three go to the host
     _serve_one(kv, store, 3, list(range(100, 113)))      # back: three copies fill the host tier
     assert len(kv.tree.host_nodes) == 3 and all(n.on_device for n in kv.tree.host_nodes.values())
-    store.kinds.clear()
+    store.ops.clear()
     _serve_one(kv, store, 4, list(range(300, 329)))      # evicts 200's blocks: the copies make room
     assert OFFLOAD in store.kinds
 
