@@ -129,19 +129,24 @@ class SpeculativeConfig(StrictModel):
     DraftTarget  drafts from a smaller model with the target's vocabulary
                  (``speculative_model_dir``), run greedily ``max_draft_len`` steps over its own
                  KV cache, which shares the target's block tables.
+    Eagle3       drafts from an EAGLE-3 head (``speculative_model_dir``: a
+                 ``LlamaForCausalLMEagle3`` checkpoint), one decoder layer fed the target's
+                 hidden states of three of its layers and the next token's embedding
+                 (models/eagle3.py); its own KV cache shares the target's block tables.
 
-    vLLM's spelling is taken too (``_vllm_spelling``): ``method`` "ngram" or "draft_model" (or a
-    ``model`` alone), ``num_speculative_tokens``, ``prompt_lookup_max``/``prompt_lookup_min``
+    vLLM's spelling is taken too (``_vllm_spelling``): ``method`` "ngram", "draft_model" (or a
+    ``model`` alone) or "eagle3", ``num_speculative_tokens``, ``prompt_lookup_max``/``prompt_lookup_min``
     (each the other where one is given, both 5 where neither is, as vLLM sets them).
     """
 
-    decoding_type: Literal["NGram", "DraftTarget"]
+    decoding_type: Literal["NGram", "DraftTarget", "Eagle3"]
     max_draft_len: int = Field(4, ge=1, le=MAX_SPEC_LEN, description="Draft tokens verified per step.")
     max_matching_ngram_size: int = Field(3, ge=1, le=MAX_SPEC_LEN, description="NGram: the longest suffix matched.")
     min_matching_ngram_size: int = Field(1, ge=1, le=MAX_SPEC_LEN, description="NGram: the shortest suffix matched.")
     speculative_model_dir: str | None = Field(
         None, validation_alias=AliasChoices("speculative_model_dir", "speculative_model"),
-        description="DraftTarget: the draft model (HF directory); also spelled speculative_model (API.md).")
+        description="DraftTarget: the draft model, Eagle3: the EAGLE-3 head (HF directory); also spelled "
+                    "speculative_model (API.md).")
     max_concurrency: int | None = Field(
         None, ge=1, description="No drafts while more requests than this decode speculatively (steps then decode "
                                 "one token a request, in CUDA graphs). Drafts also stop while too few are accepted "
@@ -179,10 +184,10 @@ class SpeculativeConfig(StrictModel):
         if (d.get("prompt_lookup_min") or 0) > (d.get("prompt_lookup_max") or MAX_SPEC_LEN):
             raise ValueError(f"speculative_config.prompt_lookup_min ({d['prompt_lookup_min']}) is above "
                              f"prompt_lookup_max ({d['prompt_lookup_max']})")
-        kinds = {"ngram": "NGram", "draft_model": "DraftTarget"}
+        kinds = {"ngram": "NGram", "draft_model": "DraftTarget", "eagle3": "Eagle3"}
         if method not in kinds:
             raise ValueError(f"speculative_config.method {method!r} is not supported; supported: "
-                             f"{', '.join(map(repr, kinds))} (or decoding_type NGram / DraftTarget)")
+                             f"{', '.join(map(repr, kinds))} (or decoding_type NGram / DraftTarget / Eagle3)")
         if "num_speculative_tokens" not in d:
             raise ValueError("speculative_config.num_speculative_tokens is needed with method (vLLM's spelling; "
                              "decoding_type's is max_draft_len)")
@@ -202,10 +207,11 @@ class SpeculativeConfig(StrictModel):
         if self.min_matching_ngram_size > self.max_matching_ngram_size:
             raise ValueError(f"min_matching_ngram_size ({self.min_matching_ngram_size}) is above "
                              f"max_matching_ngram_size ({self.max_matching_ngram_size})")
-        if self.decoding_type == "DraftTarget" and not self.speculative_model_dir:
-            raise ValueError("decoding_type DraftTarget needs speculative_model_dir (the draft model)")
+        if self.decoding_type in ("DraftTarget", "Eagle3") and not self.speculative_model_dir:
+            raise ValueError(f"decoding_type {self.decoding_type} needs speculative_model_dir (the "
+                             f"{'draft model' if self.decoding_type == 'DraftTarget' else 'EAGLE-3 head'})")
         if self.decoding_type == "NGram" and self.speculative_model_dir:
-            raise ValueError("speculative_model_dir is for decoding_type DraftTarget, not NGram")
+            raise ValueError("speculative_model_dir is for decoding_type DraftTarget or Eagle3, not NGram")
         return self
 
 

@@ -64,6 +64,14 @@ class ModelConfig:
     fp8_kv_cache: bool = False
     # the checkpoint's quantization_config.quant_method (fp8, compressed-tensors, modelopt), None: none
     quant_method: str | None = None
+    # an EAGLE-3 head (architectures LlamaForCausalLMEagle3; models/eagle3.py): its output layer's
+    # vocabulary (draft_vocab_size; 0: the target's), the target's hidden states it takes
+    # (eagle_aux_hidden_state_layer_ids, vLLM's numbering: id j is layer j - 1's output; (): the
+    # default for the target's depth) and whether its residual starts from the normed hidden state
+    eagle3: bool = False
+    draft_vocab_size: int = 0
+    eagle_aux_layer_ids: tuple[int, ...] = ()
+    eagle_norm_before_residual: bool = False
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -141,7 +149,27 @@ class ModelConfig:
             fp8_unquantized=_fp8_unquantized(qc) if fp8_block is not None else (),
             fp8_kv_cache=bool(qc) and _fp8_kv_cache(qc),
             quant_method=_quant_method(qc),
+            **_eagle3_fields(hf),
         )
+
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def _eagle3_fields(hf: Any) -> dict[str, Any]:
+    """An EAGLE-3 head's settings from its config (``eagle_config`` may hold the layer ids)."""
+    if not set(getattr(hf, "architectures", None) or ()) & set(EAGLE3_ARCHITECTURES):
+        return {}
+    eagle = getattr(hf, "eagle_config", None)
+    eagle = eagle if isinstance(eagle, dict) else {}
+    ids = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and not (isinstance(ids, (list, tuple)) and ids
+                                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}")
+    return {"eagle3": True, "draft_vocab_size": int(getattr(hf, "draft_vocab_size", None) or 0),
+            "eagle_aux_layer_ids": tuple(ids or ()),
+            "eagle_norm_before_residual": bool(getattr(hf, "norm_before_residual", False)
+                                               or eagle.get("norm_before_residual", False))}
 
 
 def _listed(v: Any) -> Any:

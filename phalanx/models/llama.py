@@ -205,6 +205,29 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
         self.decoder_layers: list[DecoderLayer] = list(self.layers)   # type: ignore[arg-type]  # typed view
+        self.aux_slots: list[int | None] = [None] * cfg.num_layers   # capture_hidden's
+        self.aux_out: torch.Tensor | None = None
+
+    def capture_hidden(self, layers: tuple[int, ...], rows: int) -> torch.Tensor:
+        """Set once at build (an EAGLE-3 head reads them): every forward writes the output of
+        each layer in ``layers`` (x + residual: the residual stream after it), for each of its
+        tokens, into its slice of ``aux_out`` [rows, len(layers) · hidden], in the order given.
+        The buffer is the same one in every forward, CUDA graphs' included. A captured layer's
+        down projection is not deferred: its output is whole on every rank."""
+        for j, i in enumerate(layers):
+            self.aux_slots[i] = j
+            layer = self.decoder_layers[i]
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.down_proj.deferred = False
+        p = self.norm.weight
+        self.aux_out = torch.zeros(rows, len(layers) * p.shape[0], dtype=p.dtype, device=p.device)
+        return self.aux_out
+
+    def _capture(self, i: int, x: torch.Tensor, residual: torch.Tensor) -> None:
+        j = self.aux_slots[i]
+        if j is not None and self.aux_out is not None:
+            H = x.shape[-1]
+            self.aux_out[:x.shape[0], j * H:(j + 1) * H] = x + residual
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pool: torch.Tensor) -> torch.Tensor:
@@ -213,6 +236,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             x, residual = layer(positions, x, residual, meta, kv_pool[i, 0], kv_pool[i, 1], partial)
             partial = layer.output_partial
+            self._capture(i, x, residual)
         x, _ = self.norm(x, residual, self.tp if partial else None)
         return x
 
@@ -230,6 +254,8 @@ class DecoderModel(nn.Module):
             prev = self.decoder_layers[i - 1]
             x, residual = prev.mlp_block(prev.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1)), residual)
             partial = prev.output_partial
+            assert residual is not None
+            self._capture(i - 1, x, residual)
         if i == len(self.decoder_layers):
             return self.norm(x, residual, self.tp if partial else None)[0], None
         layer = self.decoder_layers[i]

@@ -306,7 +306,7 @@ def resolve_dtype(dtype: str, source: ModelSource, device: torch.device) -> torc
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -336,7 +336,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     cls = model_class(source.config)
     cfg = source.config
     block = (cfg.fp8_block[0], cfg.fp8_block[1]) if fp8 and cfg.fp8_checkpoint and blocks_fit(cfg.fp8_block) else None
-    with torch.device(device), _default_dtype(dtype), fp8_weights(fp8, block):
+    with torch.device(device), default_dtype(dtype), fp8_weights(fp8, block):
         model = cls(source.config, tp, **model_kwargs)
     model.eval()
     weights: Iterator[tuple[str, torch.Tensor | Fp8Weight | Fp8BlockWeight]]
@@ -353,7 +353,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     with torch.no_grad():
         model.load_weights(weights)
     if device.type == "cpu":
-        _cpu_plans(model)
+        cpu_plans(model)
     return model
 
 
@@ -396,7 +396,7 @@ def native_half_cpu() -> bool:
                ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
-def _cpu_plans(model: torch.nn.Module) -> None:
+def cpu_plans(model: torch.nn.Module) -> None:
     """Full-precision projections on a CPU take ``LinearPlan.cpu``: float32 weights for every
     bucket, bf16/fp16 ones from ``CPU_HALF_FROM_ROWS`` rows where the CPU has no native bf16."""
     from phalanx.kernels.linear_plan import CPU_HALF_FROM_ROWS, LinearPlan

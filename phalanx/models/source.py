@@ -26,8 +26,8 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 @dataclass
 class ModelSource:
     """A resolved model: ``kind`` is "hf" (``path`` a directory) or "gguf" (``path`` a file);
-    ``draft``: the DraftTarget draft model of speculative decoding, resolved with it
-    (``with_draft``)."""
+    ``draft``: the DraftTarget draft model or the EAGLE-3 head of speculative decoding, resolved
+    with it (``with_draft``)."""
 
     kind: str
     path: str
@@ -49,15 +49,23 @@ class ModelSource:
 
     def with_draft(self, speculative_config: Any, trust_remote_code: bool = False) -> ModelSource:
         """This source with ``draft`` resolved where ``speculative_config`` names a DraftTarget
-        draft (``speculative_model_dir``); a draft that does not resolve is a ValueError naming
-        the field. A source that carries a draft already is returned as it is."""
+        draft or an EAGLE-3 head (``speculative_model_dir``); a draft that does not resolve, or
+        is not of the kind named, is a ValueError naming the field. A source that carries a
+        draft already is returned as it is."""
         sc = speculative_config
-        if sc is None or sc.decoding_type != "DraftTarget" or not sc.speculative_model_dir or self.draft is not None:
+        if (sc is None or sc.decoding_type not in ("DraftTarget", "Eagle3") or not sc.speculative_model_dir
+                or self.draft is not None):
             return self
         try:
             draft = resolve_model(sc.speculative_model_dir, trust_remote_code)
         except Exception as e:  # noqa: BLE001 - any loader failure means the same thing here
             raise ValueError(f"speculative_config.speculative_model_dir: the draft model did not load: {e}") from None
+        if draft.config.eagle3 != (sc.decoding_type == "Eagle3"):
+            from phalanx.models.config import EAGLE3_ARCHITECTURES
+            raise ValueError(f"speculative_config.speculative_model_dir: decoding_type {sc.decoding_type} "
+                             + ("needs an EAGLE-3 head (architectures " + " or ".join(EAGLE3_ARCHITECTURES) + ")"
+                                if sc.decoding_type == "Eagle3" else "takes a causal LM, not an EAGLE-3 head")
+                             + f"; {sc.speculative_model_dir} is " + ("one" if draft.config.eagle3 else "not"))
         return dataclasses.replace(self, draft=draft)
 
 

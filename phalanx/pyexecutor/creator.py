@@ -15,8 +15,9 @@ from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.grammar import GrammarCompiler
 from phalanx.llmapi.sampling_params import MAX_LOGPROBS
 from phalanx.models.config import ModelConfig
+from phalanx.models.eagle3 import Eagle3Head
 from phalanx.models.llama import CausalLM
-from phalanx.models.loader import build_model, resolve_dtype
+from phalanx.models.loader import build_model, cpu_plans, default_dtype, resolve_dtype
 from phalanx.models.parallel import TPGroup, shard_heads
 from phalanx.models.source import ModelSource
 from phalanx.pyexecutor.guided_decoder import GuidedDecoder
@@ -127,6 +128,13 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         pool_bytes.append(bytes_per_block(dcfg.num_layers, dheads.num_kv_heads, dcfg.head_dim, kvc.tokens_per_block,
                                           kv_dtype))   # the draft's pool has the same blocks
         block_bytes = sum(pool_bytes)
+    eagle = None
+    if args.speculative_config is not None and args.speculative_config.decoding_type == "Eagle3":
+        eagle = _build_eagle3(args, source, model, dtype, device)
+        head_cfg = eagle.config
+        pool_bytes.append(bytes_per_block(1, head_cfg.num_kv_heads, head_cfg.head_dim, kvc.tokens_per_block,
+                                          kv_dtype))   # the head's one-layer pool has the same blocks
+        block_bytes = sum(pool_bytes)
     host_bytes = args.host_cache_bytes
     num_host_blocks = host_bytes // block_bytes   # (the draft's blocks beside the target's)
     extra: dict = {}
@@ -167,7 +175,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         runner.lora = LoraManager(lora_state, lora_cfg, cfg)
     if args.speculative_config is not None:
         runner.spec = _build_spec(args, cfg, draft, num_blocks + 1, max_seq_len, kv_dtype, tp, device,
-                                  num_host_blocks)
+                                  num_host_blocks, eagle, model)
     # the most positions a request holds: speculative rows hold up to 2k past the length limit (Request.kv_limit)
     span = max_seq_len + 2 * (runner.spec.k if runner.spec is not None else 0)
     runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source),
@@ -178,7 +186,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                        "tokens_per_block %d): CUDA graphs off", tp.size, kvc.tokens_per_block)
     if device.type == "cuda":
         from phalanx.kernels import triton_attention
-        from phalanx.pyexecutor.speculative import DraftModelProposer
+        from phalanx.pyexecutor.speculative import DraftModelProposer, Eagle3Proposer
         pools = [(pool, heads.num_heads, not ref_attention)]
         drafter = runner.spec.proposer if runner.spec is not None else None
         if isinstance(drafter, DraftModelProposer):
@@ -186,6 +194,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
             dcfg = drafter.model.config
             pools.append((drafter.pool, shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size).num_heads,
                           ops.triton_attention_everywhere(drafter.model, B)))
+        if isinstance(drafter, Eagle3Proposer):   # the head is not sharded
+            head = drafter.head
+            pools.append((drafter.pool, head.config.num_heads, ops.triton_attention_everywhere(head, B)))
         for p, num_heads, triton in pools:
             if triton:
                 triton_attention.compile_decode_splits(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
@@ -258,15 +269,54 @@ def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device:
                        fp8=_serves_fp8(args, dsource.config, device))
 
 
+def _build_eagle3(args: LlmArgs, source: ModelSource, model: CausalLM, dtype: torch.dtype,
+                  device: torch.device) -> Eagle3Head:
+    """The EAGLE-3 head (``source.draft``, as the user's process resolved it), its weights loaded,
+    and the target set to capture the hidden states it reads (``DecoderModel.capture_hidden``)
+    for the most tokens a forward runs."""
+    from phalanx.models.eagle3 import aux_layers
+    from phalanx.models.loader import iter_hf_weights, safetensors_specs
+    dsource = source.with_draft(args.speculative_config, args.trust_remote_code).draft
+    assert dsource is not None and dsource.kind == "hf"
+    hcfg, cfg = dsource.config, source.config
+    where = "speculative_config.speculative_model_dir"
+    if cfg.is_moe:
+        raise ValueError(f"{where}: an EAGLE-3 head over a mixture-of-experts target is not supported")
+    if hcfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"{where}: the EAGLE-3 head's vocab_size ({hcfg.vocab_size}) differs from the target's "
+                         f"({cfg.vocab_size})")
+    layers = aux_layers(hcfg, cfg.num_layers)
+    own_embedding = any(s["name"].endswith("embed_tokens.weight") for s in safetensors_specs(dsource.path))
+    with torch.device(device), default_dtype(dtype):
+        head = Eagle3Head(hcfg, cfg.hidden_size, len(layers), model.model.embed_tokens, own_embedding)
+    head.eval()
+    try:
+        with torch.no_grad():
+            head.load_weights(iter_hf_weights(dsource.path))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if device.type == "cpu":
+        cpu_plans(head)
+    model.model.capture_hidden(layers, max(args.max_num_tokens, args.max_batch_size))
+    return head
+
+
 def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, max_seq_len: int,
-                kv_dtype: torch.dtype, tp: TPGroup, device: torch.device, num_host_blocks: int = 0):
-    from phalanx.pyexecutor.speculative import DraftModelProposer, NGramProposer, SpecDecoder
+                kv_dtype: torch.dtype, tp: TPGroup, device: torch.device, num_host_blocks: int = 0,
+                eagle: Eagle3Head | None = None, model: CausalLM | None = None):
+    from phalanx.pyexecutor.speculative import DraftModelProposer, Eagle3Proposer, NGramProposer, SpecDecoder
     sc = args.speculative_config
     assert sc is not None
     k = sc.max_draft_len
     max_position = cfg.max_position_embeddings
-    proposer: NGramProposer | DraftModelProposer
-    if draft is None:
+    proposer: NGramProposer | DraftModelProposer | Eagle3Proposer
+    if eagle is not None:
+        assert model is not None and model.model.aux_out is not None
+        hc = eagle.config
+        hpool = KVPool(1, pool_blocks, args.kv_cache_config.tokens_per_block, hc.num_kv_heads, hc.head_dim, kv_dtype,
+                       device, num_host_blocks)   # the target's host blocks, its copies
+        proposer = Eagle3Proposer(k, eagle, hpool, model.model.aux_out, min(max_position, hc.max_position_embeddings))
+    elif draft is None:
         proposer = NGramProposer(k, sc.max_matching_ngram_size, sc.min_matching_ngram_size)
     else:
         dcfg = draft.config
@@ -275,7 +325,7 @@ def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, ma
                        dcfg.head_dim, kv_dtype, device, num_host_blocks)   # the target's host blocks, its copies
         proposer = DraftModelProposer(k, draft, dpool, cfg.vocab_size, dcfg.max_position_embeddings)
     return SpecDecoder(k, proposer, cfg.vocab_size, max_seq_len, max_position, args.kv_cache_config.tokens_per_block,
-                       pool_blocks - 1, device, keep_history=draft is None, tp=tp)
+                       pool_blocks - 1, device, keep_history=isinstance(proposer, NGramProposer), tp=tp)
 
 
 def _grammar_compiler(args: LlmArgs, source: ModelSource) -> GrammarCompiler:

@@ -81,6 +81,7 @@ class StepInputs:
     lora_slots: torch.Tensor | None = None    # [T] each token's LoRA adapter slot (-1: none), when set this step
     lora_groups: torch.Tensor | None = None   # their ``LoraState.groups``, where the grouped kernels may run
     lora_clear: bool = True                   # no token of the step has an adapter
+    tails: torch.Tensor | None = None         # [S] the token after each row's last input, where known (EAGLE-3)
 
 
 @dataclass
@@ -237,9 +238,14 @@ class ModelRunner:
         prompt_spans: list[tuple[int, int, int, int]] = []
         failed: dict[int, str] = {}
         spec = _SpecRows() if self.spec is not None else None
+        # a head reading the target's hidden states (EAGLE-3) takes, for each row's last input, the
+        # token after it where the host knows it (a prompt chunk's next prompt token), else 0
+        tails = np.zeros(S, np.int64) if self.spec is not None and self.spec.proposer.reads_hidden else None
         for row, (req, start, n, table) in enumerate(zip(batch.requests, batch.num_computed_tokens,
                                                           batch.num_scheduled_tokens, batch.block_tables, strict=True)):
             q0 = row_starts[row]
+            if tails is not None and start + n < len(req.token_ids):
+                tails[row] = req.token_ids[start + n]
             try:
                 if spec is not None and req.spec_len:
                     slot = self.slot_of(req.request_id)
@@ -254,7 +260,7 @@ class ModelRunner:
                         req.spec_history = start + n
                         spec.prompt.append((q0, n, start, slot))
                     if batch.samples[row]:
-                        spec.first.append((row, start + n + 1, req.max_total_tokens, slot))
+                        spec.first.append((row, start + n + 1, req.max_total_tokens, slot, q0 + n - 1))
                 if n == 1:   # a decode row: scalars, no slices (hundreds of rows a step)
                     if start < len(req.token_ids):
                         ids[q0] = req.token_ids[start]
@@ -325,6 +331,8 @@ class ModelRunner:
             arrays = arrays[len(staged):]
         if gather_dst:
             arrays += [np.asarray(gather_dst, np.int64), np.asarray(gather_slot, np.int64)]
+        if tails is not None:
+            arrays.append(tails)
         lora = self._lora_slots(batch, counts)
         if lora is not None:
             arrays += lora[0]
@@ -346,6 +354,8 @@ class ModelRunner:
                             extend_graph=extend_graph)
         if gather_dst:
             inputs.gather_dst, inputs.gather_slot = staged[8], staged[9]
+        if tails is not None:
+            inputs.tails = staged[10 if gather_dst else 8]
         if lora is not None:
             inputs.lora_slots, inputs.lora_clear = staged[len(staged) - len(lora[0])], lora[1]
             inputs.lora_groups = staged[-1] if len(lora[0]) == 2 else None
@@ -424,8 +434,10 @@ class ModelRunner:
         self.run_copies(batch)
         self.last_prompt_logprobs = None
         logits = self._target_forward(batch, inputs, graph_size)
-        if self.spec is not None:   # a draft model's KV follows every target forward
-            self.spec.proposer.after_forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.spec is not None:   # a draft's KV follows every target forward
+            hidden = self.spec.proposer.after_forward(inputs.input_ids, inputs.positions, inputs.meta, inputs.tails)
+            if inputs.spec is not None:
+                inputs.spec.draft_hidden = hidden
         return logits
 
     def _target_forward(self, batch: ScheduledBatch, inputs: StepInputs, graph_size: int | None) -> torch.Tensor:
@@ -711,7 +723,8 @@ class _SpecRows:
     verify: list[tuple[int, int, int]] = field(default_factory=list)        # (row, first packed row, slot)
     k: int = 0                                                              # the drafts each verifies
     settings: list[RowSettings] | None = None                               # the verify rows' sampling
-    first: list[tuple[int, int, int, int]] = field(default_factory=list)    # (row, L after it, limit, slot)
+    first: list[tuple[int, int, int, int, int]] = field(default_factory=list)   # (row, L after it, limit, slot,
+    #                                                                               its last packed row)
     prompt: list[tuple[int, int, int, int]] = field(default_factory=list)   # (first packed row, n, position, slot)
     cached: list[tuple[list[int], int, int]] = field(default_factory=list)  # (tokens, first position, slot)
 
@@ -725,7 +738,7 @@ class _SpecRows:
             np.asarray(verify_rows + first_rows, np.int64), np.asarray([r[1] for r in self.verify], np.int64),
             np.asarray([r[2] for r in self.verify], np.int64), np.asarray([where[r] for r in first_rows], np.int64),
             np.asarray([r[3] for r in self.first], np.int64), np.asarray([r[1] for r in self.first], np.int64),
-            np.asarray([r[2] for r in self.first], np.int64)]
+            np.asarray([r[2] for r in self.first], np.int64), np.asarray([r[4] for r in self.first], np.int64)]
         history = bool(self.prompt)   # filled for NGram only
         if history:
             cols += [np.concatenate([np.arange(q0, q0 + n) for q0, n, _, _ in self.prompt]),
@@ -740,10 +753,10 @@ class _SpecRows:
         step = SpecStep(
             verify_rows=verify_rows, table_rows=parts[0], verify_q0=parts[1], verify_slots=parts[2],
             first_rows=first_rows, first_sample_idx=parts[3], first_slots=parts[4], first_length=parts[5],
-            first_limit=parts[6], max_length=max_end + decoder.k + 1, block_tables=block_tables, k=self.k,
-            propose=propose, settings=self.settings)
+            first_limit=parts[6], first_last_row=parts[7], max_length=max_end + decoder.k + 1,
+            block_tables=block_tables, k=self.k, propose=propose, settings=self.settings)
         if history:
-            step.prompt_src, step.prompt_slot, step.prompt_pos = parts[7], parts[8], parts[9]
+            step.prompt_src, step.prompt_slot, step.prompt_pos = parts[8], parts[9], parts[10]
         if cached:
             step.cached_tokens, step.cached_slot, step.cached_pos = parts[-3], parts[-2], parts[-1]
         return step

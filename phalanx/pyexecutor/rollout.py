@@ -130,8 +130,8 @@ class Rollout:
                              "(pause_generation(mode='abort') ends them)")
         runner = self.ex.runner
         if runner.spec is not None and not isinstance(runner.spec.proposer, NGramProposer):
-            raise ValueError("sleep is not supported with a draft model (speculative_config DraftTarget): "
-                             "its weights and KV pool would stay in GPU memory")
+            raise ValueError("sleep is not supported with a draft model (speculative_config DraftTarget or "
+                             "Eagle3): its weights and KV pool would stay in GPU memory")
         cuda = runner.device.type == "cuda"
         if level == 1:   # what can fail (pinning host memory) comes before anything is released
             self.reserve_host_buffer()

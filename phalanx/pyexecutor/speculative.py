@@ -33,9 +33,17 @@ NGram        the latest earlier occurrence of the last n tokens (n = max_matchin
 DraftTarget  a draft model (the target's vocabulary) runs greedily k steps over its own KV pool,
              which uses the target's block ids; every target forward also runs the draft on the
              same inputs, so its KV follows the target's (prompts, prefix hits, verify steps).
-
-A proposer that reads the target's hidden states (EAGLE) fits the same interface once
-``after_forward`` is handed them (not yet: the draft model needs only the inputs).
+Eagle3       an EAGLE-3 head (models/eagle3.py) over its own one-layer KV pool (the target's
+             block ids). Its entry at position p takes the target's hidden state h_p and the
+             token x_{p+1}. Every target forward runs the head over the same rows with the
+             input ids shifted by one (each row's last takes the next prompt token where the
+             host knows it, else 0: that entry is written again below) and keeps h of every
+             row. After sampling, the first draft step writes the entry at L − 2 again from
+             (h_{L−2}, x_{L−1}) — for a verify row h at its q0 + accepted − 1, the last
+             accepted position's — and drafts; each later step takes the head's own g in place of
+             h. Entries the target rejects lie past L − 2 and are written again by the next
+             verify, which covers L − 1 .. L − 1 + k. A prefix-cache hit's last cached position
+             keeps the entry its first request wrote (drafts only: tokens never depend on it).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.pyexecutor.sampler import device_ints, joined_noise, seeded_exponential, tempered_probs
 
 if TYPE_CHECKING:
+    from phalanx.models.eagle3 import Eagle3Head
     from phalanx.models.llama import CausalLM
     from phalanx.models.parallel import TPGroup
     from phalanx.pyexecutor.kv_pool import KVPool
@@ -84,6 +93,7 @@ class SpecStep:
     first_slots: torch.Tensor              # [F]
     first_length: torch.Tensor             # [F] L after their first token
     first_limit: torch.Tensor              # [F]
+    first_last_row: torch.Tensor           # [F] the packed row of their last input
     max_length: int                        # no row's L (or draft position + 1) exceeds this
     block_tables: torch.Tensor             # the step's [S, M] block tables
     k: int = 0                             # drafts each verify row checks (0: one token, no drafts)
@@ -99,6 +109,7 @@ class SpecStep:
     accepted: torch.Tensor | None = None   # [Sv] 1 .. k + 1 (set after sampling)
     tokens: torch.Tensor | None = None     # [Sv, k + 1]
     host: torch.Tensor | None = None       # [Sv, k + 2]: tokens, then the count (on the host)
+    draft_hidden: torch.Tensor | None = None   # [T, H] every packed row's target hidden state (EAGLE-3)
 
     @property
     def verify_rows_t(self) -> torch.Tensor:
@@ -107,13 +118,18 @@ class SpecStep:
 
 
 class Proposer(Protocol):
+    reads_hidden: bool    # the step's inputs carry ``tails`` and the step keeps ``draft_hidden`` (EAGLE-3)
+
     def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
-                block_tables: torch.Tensor, max_length: int) -> torch.Tensor:
-        """[R, k] drafts for the rows of ``slots`` whose device state was just advanced."""
+                block_tables: torch.Tensor, max_length: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, k] drafts for the rows of ``slots`` whose device state was just advanced
+        (``hidden``: the target's hidden state at each one's L − 2, where ``reads_hidden``)."""
         ...
 
-    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Every target forward's inputs (a draft model keeps its KV in step)."""
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      tails: torch.Tensor | None) -> torch.Tensor | None:
+        """Every target forward's inputs (a draft keeps its KV in step); returns the hidden
+        states ``propose`` takes rows of, where ``reads_hidden``."""
         ...
 
     def copy_blocks(self, copy_ops: list) -> None:
@@ -280,10 +296,22 @@ class SpecDecoder:
         else:
             slots, length, last = torch.cat(slots_parts), torch.cat(length_parts), torch.cat(last_parts)
         self.length[slots] = length
-        tables = step.block_tables[step.table_rows] if step.propose else step.block_tables
         self.next_tokens[slots, 0] = last
+        hidden = None
+        if step.draft_hidden is not None:   # each row's last accepted position (its first: its prompt's last)
+            rows = []
+            if step.verify_rows:
+                assert step.accepted is not None
+                rows.append(step.verify_q0 + step.accepted - 1)
+            rows += [step.first_last_row] if step.first_rows else []
+            hidden = step.draft_hidden[rows[0] if len(rows) == 1 else torch.cat(rows)]
+        if not step.propose and isinstance(self.proposer, Eagle3Proposer) and hidden is not None:
+            # no drafts next step, but the head's entry at L − 2 still takes the true x_{L−1}
+            self.proposer.write_entry(self, slots, length, step.block_tables[step.table_rows], step.max_length,
+                                      hidden)
         if step.propose:
-            drafts = self.proposer.propose(self, slots, length, tables, step.max_length)
+            tables = step.block_tables[step.table_rows]
+            drafts = self.proposer.propose(self, slots, length, tables, step.max_length, hidden)
             if self.tp is not None and self.tp.size > 1:   # every rank verifies the same inputs: rank 0's
                 torch.distributed.broadcast(drafts, src=0, group=self.tp.group)
             self.next_tokens[slots, 1:] = drafts
@@ -292,11 +320,13 @@ class SpecDecoder:
 class NGramProposer:
     """Prompt lookup on the device (see the module docstring)."""
 
+    reads_hidden = False
+
     def __init__(self, k: int, max_ngram: int, min_ngram: int = 1) -> None:
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
 
     def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
-                block_tables: torch.Tensor, max_length: int) -> torch.Tensor:
+                block_tables: torch.Tensor, max_length: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
         width = min(max_length, spec.cols - 1)
         hist = spec.history[slots, :width].long()                      # [R, W]
         R = hist.shape[0]
@@ -318,7 +348,8 @@ class NGramProposer:
         drafts = hist.gather(1, idx.clamp(max=width - 1))
         return torch.where(best[:, None] >= 0, drafts, last.expand(-1, self.k))
 
-    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      tails: torch.Tensor | None) -> None:
         return None
 
     def copy_blocks(self, copy_ops: list) -> None:
@@ -328,13 +359,16 @@ class NGramProposer:
 class DraftModelProposer:
     """A small model drafting greedily over its own KV pool (see the module docstring)."""
 
+    reads_hidden = False
+
     def __init__(self, k: int, model: CausalLM, pool: KVPool, vocab_size: int, max_position: int) -> None:
         self.k, self.model, self.pool = k, model, pool
         self.vocab_size = vocab_size
         self.max_position = max_position
 
     @torch.inference_mode()
-    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      tails: torch.Tensor | None) -> None:
         self.model(input_ids, positions.clamp(max=self.max_position - 1), dataclasses.replace(meta, cache={}),
                    self.pool.tensor)
 
@@ -343,7 +377,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
-                block_tables: torch.Tensor, max_length: int) -> torch.Tensor:
+                block_tables: torch.Tensor, max_length: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
         R = slots.shape[0]
         B = self.pool.tokens_per_block
         dev = slots.device
@@ -360,3 +394,59 @@ class DraftModelProposer:
             token = self.model.compute_logits(hidden)[:, :self.vocab_size].argmax(dim=-1)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
+
+
+class Eagle3Proposer:
+    """An EAGLE-3 head drafting greedily over its own one-layer KV pool (see the module
+    docstring). ``aux``: the target's captured hidden states (``DecoderModel.capture_hidden``)."""
+
+    reads_hidden = True
+
+    def __init__(self, k: int, head: Eagle3Head, pool: KVPool, aux: torch.Tensor, max_position: int) -> None:
+        self.k, self.head, self.pool, self.aux = k, head, pool, aux
+        self.max_position = max_position
+
+    @torch.inference_mode()
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      tails: torch.Tensor | None) -> torch.Tensor:
+        T = input_ids.shape[0]
+        shifted = torch.zeros_like(input_ids)          # the token after each row's input
+        shifted[:-1] = input_ids[1:]
+        if tails is not None:
+            shifted[meta.query_start[1:].long() - 1] = tails
+        hidden = self.head.fc(self.aux[:T])
+        self.head(shifted, positions.clamp(max=self.max_position - 1), hidden, dataclasses.replace(meta, cache={}),
+                  self.pool.tensor)
+        return hidden
+
+    def copy_blocks(self, copy_ops: list) -> None:
+        self.pool.copy_blocks(copy_ops)
+
+    @torch.inference_mode()
+    def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
+                block_tables: torch.Tensor, max_length: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        assert hidden is not None
+        token = spec.next_tokens[slots, 0]            # x_{L−1}
+        drafts = []
+        for i in range(self.k):                       # the entry at L − 2 + i
+            out, hidden = self._entry(spec, length - 2 + i, token, hidden, block_tables, max_length)
+            token = self.head.draft_tokens(out)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    @torch.inference_mode()
+    def write_entry(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor, block_tables: torch.Tensor,
+                    max_length: int, hidden: torch.Tensor) -> None:
+        """The entry at L − 2 from (h_{L−2}, x_{L−1}), without drafting (a step that verifies none next)."""
+        self._entry(spec, length - 2, spec.next_tokens[slots, 0], hidden, block_tables, max_length)
+
+    def _entry(self, spec: SpecDecoder, pos: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor,
+               block_tables: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward of one row a request at positions ``pos``: (normed out, g)."""
+        R = pos.shape[0]
+        meta = AttentionMetadata(
+            slot_mapping=spec.kv_slots(block_tables, pos),
+            query_start=torch.arange(R + 1, dtype=torch.int32, device=pos.device),
+            seq_lens=(pos + 1).to(torch.int32), block_tables=block_tables, max_query_len=1,
+            max_seq_len=max_length + self.k, tokens_per_block=self.pool.tokens_per_block, is_decode_only=True)
+        return self.head(token, pos.clamp(max=self.max_position - 1), hidden, meta, self.pool.tensor)

@@ -382,7 +382,8 @@ def add_routes(server: OpenAIServer) -> None:
                 "max_prefill_tokens": args.max_num_tokens,
                 "disable_radix_cache": not args.kv_cache_config.enable_block_reuse,
                 "enable_lora": args.lora is not None, "max_loras_per_batch": args.lora.max_loras if args.lora else None,
-                "speculative_algorithm": {"NGram": "NGRAM", "DraftTarget": "STANDALONE"}[spec.decoding_type]
+                "speculative_algorithm": {"NGram": "NGRAM", "DraftTarget": "STANDALONE",
+                                          "Eagle3": "EAGLE3"}[spec.decoding_type]
                 if spec is not None else None,
                 "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_config.dtype,
                 "max_total_num_tokens": entries[0]["max_total_num_tokens"] if entries else None,

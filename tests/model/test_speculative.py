@@ -356,7 +356,7 @@ def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
     with pytest.raises(ValueError, match="speculative_config.draft_len"):
         make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "NGram", "draft_len": 2})
     with pytest.raises(ValueError, match="speculative_config.decoding_type"):
-        make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "Eagle3"})
+        make_llm_args(model=tiny_models["llama"], speculative_config={"decoding_type": "MTP"})
     spelled = make_llm_args(model=tiny_models["llama"], speculative_config={      # API.md's name for the draft
         "decoding_type": "DraftTarget", "speculative_model": tiny_models["qwen2"]})
     assert spelled.speculative_config.speculative_model_dir == tiny_models["qwen2"]
@@ -382,7 +382,7 @@ def test_settings_are_checked_by_name(tiny_models, small_vocab_model):
                vllm(method="draft_model", model=tiny_models["qwen2"], num_speculative_tokens=5)):
         assert (sc.decoding_type, sc.speculative_model_dir, sc.max_draft_len) == (
             "DraftTarget", tiny_models["qwen2"], 5)
-    for bad, match in (({"method": "eagle3", "num_speculative_tokens": 3}, "speculative_config.method 'eagle3'"),
+    for bad, match in (({"method": "eagle", "num_speculative_tokens": 3}, "speculative_config.method 'eagle'"),
                        ({"method": "ngram"}, "speculative_config.num_speculative_tokens is needed"),
                        ({"method": "ngram", "num_speculative_tokens": 3, "max_draft_len": 3},
                         "num_speculative_tokens .* and max_draft_len name one setting"),
