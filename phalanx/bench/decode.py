@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
     if schema is not None:
         schemas.append(schema)
     from phalanx import LLM
-    from phalanx.bench.shapes import resolve_model_arg
+    from phalanx.bench.shapes import resolve_model_arg, resolve_spec_shape
     from phalanx.config import merge_yaml
     model, dummy = resolve_model_arg(a.model)
     report: dict[str, Any] = {"settings": vars(a), "bandwidth": measure_bandwidth(), "runs": []}
@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
         if a.lora_rank:
             kwargs["lora_config"] = {"max_loras": a.loras, "max_lora_rank": a.lora_rank}
         if a.config:
-            kwargs = merge_yaml(kwargs, a.config)
+            kwargs = resolve_spec_shape(merge_yaml(kwargs, a.config))
         t0 = time.perf_counter()
         llm = LLM(model, **kwargs)
         startup = time.perf_counter() - t0

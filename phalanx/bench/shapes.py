@@ -29,6 +29,11 @@ SHAPES: dict[str, dict] = {
 # DeepSeek's FP8 checkpoints ship): random weights quantized a block at a time as they load
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                     "weight_block_size": [128, 128]}
+# an EAGLE-3 head for the Llama-3.1-8B shape, as published heads for it are (one layer, a 32k draft
+# vocabulary): ``speculative_model_dir: shape:llama-3.1-8b-eagle3`` (random weights with the target's)
+SHAPES["llama-3.1-8b-eagle3"] = {
+    **{k: v for k, v in SHAPES["llama-3.1-8b"].items() if k not in ("bos_token_id", "eos_token_id")},
+    "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": 32000}
 SHAPES["llama-3.1-8b-fp8-block"] = {**SHAPES["llama-3.1-8b"], "quantization_config": FP8_BLOCK_CONFIG}
 SHAPES["qwen3-30b-a3b-fp8"] = {**SHAPES["qwen3-30b-a3b"], "quantization_config": FP8_BLOCK_CONFIG}
 
@@ -54,6 +59,18 @@ def resolve_model_arg(model: str | None, **overrides) -> tuple[str | None, bool]
     if model and model.startswith("shape:"):
         return shape_dir(model[len("shape:"):], **overrides), True
     return model, False
+
+
+def resolve_spec_shape(kwargs: dict) -> dict:
+    """LLM arguments whose ``speculative_config`` names its draft as ``shape:NAME`` (random weights,
+    as the target's): that name resolved to a config-only directory."""
+    sc = kwargs.get("speculative_config")
+    if not isinstance(sc, dict):
+        return kwargs
+    for key in ("speculative_model_dir", "speculative_model", "model"):
+        if isinstance(sc.get(key), str) and sc[key].startswith("shape:"):
+            return {**kwargs, "speculative_config": {**sc, key: resolve_model_arg(sc[key])[0]}}
+    return kwargs
 
 
 def profiling_engine_args(orchestrator: str, config: str | None) -> dict:

@@ -110,6 +110,15 @@ class Eagle3Head(nn.Module):
         return best + self.d2t[best]
 
     # -- weights ---------------------------------------------------------------------------------
+    def random_weights(self, seed: int) -> None:
+        """Random weights (``load_format: dummy``): projections ~ N(0, 0.02), norms 1, d2t 0."""
+        g = torch.Generator(device=self.norm.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * 0.02)
+
     _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
                 ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 

@@ -286,13 +286,18 @@ def _build_eagle3(args: LlmArgs, source: ModelSource, model: CausalLM, dtype: to
         raise ValueError(f"{where}: the EAGLE-3 head's vocab_size ({hcfg.vocab_size}) differs from the target's "
                          f"({cfg.vocab_size})")
     layers = aux_layers(hcfg, cfg.num_layers)
-    own_embedding = any(s["name"].endswith("embed_tokens.weight") for s in safetensors_specs(dsource.path))
+    dummy = args.load_format == "dummy"    # random weights, as the target's (benchmarks)
+    own_embedding = not dummy and any(s["name"].endswith("embed_tokens.weight")
+                                      for s in safetensors_specs(dsource.path))
     with torch.device(device), default_dtype(dtype):
         head = Eagle3Head(hcfg, cfg.hidden_size, len(layers), model.model.embed_tokens, own_embedding)
     head.eval()
     try:
         with torch.no_grad():
-            head.load_weights(iter_hf_weights(dsource.path))
+            if dummy:
+                head.random_weights(args.seed)
+            else:
+                head.load_weights(iter_hf_weights(dsource.path))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if device.type == "cpu":

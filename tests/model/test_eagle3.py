@@ -141,3 +141,31 @@ def test_settings_and_checkpoints_are_refused_by_name(target, tmp_path, tiny_mod
     tensors["midlayer.extra.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match="'extra.weight' has no place in the head"):
         engine(path, write_head(tmp_path / "extra", tensors))
+
+
+def test_random_weights_need_only_the_heads_config(target, tmp_path):
+    """load_format dummy (benchmarks): the head takes random weights too, from its config.json
+    alone, and decoding with it equals plain decoding of the same random target."""
+    import json
+
+    from phalanx.bench.shapes import resolve_spec_shape
+    path, _ = target
+    head = tmp_path / "head-config"
+    head.mkdir()
+    write_head(tmp_path / "full", head_tensors(4))
+    (head / "config.json").write_text((tmp_path / "full" / "config.json").read_text())   # no weights
+    ps = prompts(256)
+    outs = []
+    for spec in (None, eagle(str(head))):
+        with LLM(path, skip_tokenizer_init=True, orchestrator_type="inprocess", load_format="dummy",
+                 speculative_config=spec) as llm:
+            outs.append([o.outputs[0].token_ids for o in
+                         llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)])
+            if spec is not None:
+                assert stats(llm)["spec_verify_rows"] > 0
+    assert outs[0] == outs[1]
+    kw = resolve_spec_shape({"speculative_config": {"decoding_type": "Eagle3",
+                                                    "speculative_model_dir": "shape:llama-3.1-8b-eagle3"}})
+    with open(f"{kw['speculative_config']['speculative_model_dir']}/config.json") as f:
+        shape = json.load(f)
+    assert shape["architectures"] == ["LlamaForCausalLMEagle3"] and shape["draft_vocab_size"] == 32000
