@@ -184,3 +184,31 @@ def test_tp2_host_tier_each_rank_moves_its_shard(tiny_models, hf_models):
     assert stats[0]["kv_onboarded_blocks"] >= 5
     ref, gaps = hf_greedy(hf, first[:-1] + [7], 6)
     assert_same_greedy(again.outputs[0].token_ids, ref, gaps, "TP=2 onboarded prefix")
+
+
+def test_tp2_eagle3_head_drafts_alike_on_both_ranks(tmp_path_factory):
+    """An EAGLE-3 head under TP=2: the target's captured layers are whole on both ranks (their
+    down projections are not deferred), the head runs unsharded on each with the target's sharded
+    embedding, and a head trained to predict the target has its drafts accepted alike on both
+    ranks; greedy tokens equal transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_reference import prompts as head_prompts
+    from eagle3_reference import target_config, train_head, write_head
+    from hf_reference import tiny_model_dirs
+    path = tiny_model_dirs(lambda name: tmp_path_factory.mktemp(name), {"target4": target_config()}, seed=77)["target4"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    head = write_head(tmp_path_factory.mktemp("head"), train_head(hf), draft_vocab_size=None)
+    ps = head_prompts(hf.config.vocab_size)
+    with LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True, max_num_tokens=24,
+             kv_cache_config={"tokens_per_block": 8},
+             speculative_config={"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model_dir": head,
+                                 "adaptive": False}) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
+            ref, gaps = hf_greedy(hf, p, 20)
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"Eagle3 TP=2 prompt {i}")
+        assert llm._executor.check_integrity() == ["ok", "ok"]
+        stats = [json.loads(r) for r in llm.control("stats").per_rank]
+    assert stats[0]["spec_accepted_drafts"] == stats[1]["spec_accepted_drafts"]
+    assert stats[0]["spec_accepted_drafts"] > 0.25 * stats[0]["spec_draft_tokens"]
