@@ -65,6 +65,8 @@ def aux_layers(cfg: ModelConfig, target_layers: int) -> tuple[int, ...]:
 class Eagle3Head(nn.Module):
     """The head's layers (see the module docstring). ``forward`` -> (normed out, g)."""
 
+    lora = None    # (the kernel tuner asks: a head takes no LoRA adapters)
+
     def __init__(self, cfg: ModelConfig, target_hidden: int, num_aux: int, target_embed: VocabParallelEmbedding,
                  own_embedding: bool) -> None:
         super().__init__()
@@ -89,6 +91,10 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(self.vocab_size, dtype=torch.long), persistent=False)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, H, one) if own_embedding else None
         self._target_embed = [target_embed]   # the target's (a list keeps it out of this module's parameters)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self._target_embed[0])(ids)

@@ -142,9 +142,13 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         extra["gemv_gb_per_s"] = _tune_kernels(model)
         if draft is not None:
             _tune_kernels(draft)
+        if eagle is not None:
+            _tune_kernels(eagle)
         staged = sum(staging_bytes(b, num_host_blocks) for b in pool_bytes)   # the host tier's staging buffers
+        profiled_head = None if eagle is None else (eagle, (1, kvc.tokens_per_block, eagle.config.num_kv_heads,
+                                                            eagle.config.head_dim, kv_dtype, device))
         num_blocks = _profile_num_blocks(args, model, pool_shape, block_bytes, max_seq_len, extra, profiled_draft,
-                                         staged)
+                                         staged, profiled_head)
     else:
         num_blocks = _num_kv_blocks(args, device, block_bytes)
     if dist is not None and dist.size > 1:   # identical schedulers need identical pools and host tiers (ranks
@@ -349,7 +353,7 @@ def _serves_fp8(args: LlmArgs, cfg: ModelConfig, device: torch.device) -> bool:
     return args.quantization == "fp8" or (cfg.fp8_checkpoint and fp8.supported(device))
 
 
-def _tune_kernels(model: CausalLM) -> dict[str, float]:
+def _tune_kernels(model: CausalLM | Eagle3Head) -> dict[str, float]:
     """Hand every projection its plan, and attention and MLP layers their one-token paths, by
     timing on this GPU (kernels/gemv_tuner.py). Returns GB/s per tuned shape, for the log."""
     if not ops.triton_available():
@@ -396,7 +400,7 @@ def _piecewise_sizes(sizes: list[int], max_num_tokens: int) -> list[int]:
 
 def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block_bytes: int,
                         max_seq_len: int, extra: dict, draft: tuple[CausalLM, tuple] | None = None,
-                        staged: int = 0) -> int:
+                        staged: int = 0, head: tuple[Eagle3Head, tuple] | None = None) -> int:
     """KV blocks from a profiling run: a forward over a max_num_tokens batch with a small
     temporary pool, a slice of prompt logprobs, the logits of the most rows a step samples
     (``SpecPolicy.most_sampled_rows`` with speculation) and their sampling with every setting
@@ -407,7 +411,8 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
     (``sampler.SAMPLE_CHUNK_ROWS``: ~0.8 GB at 128k). A draft model runs the same forward over a
     pool of its own shape (as it does in a step, while the target's logits are held) with its
     logits of one row a request: the higher of the two peaks counts, and its kernels are
-    compiled here too."""
+    compiled here too. An EAGLE-3 head (``head``: it and its pool's shape) likewise runs over the
+    prompt's rows while the target's logits are held."""
     dev = pool_shape[-1]
     n = max(1, min(args.max_num_tokens, max_seq_len - 1))
     sc = args.speculative_config
@@ -420,6 +425,8 @@ def _profile_num_blocks(args: LlmArgs, model: CausalLM, pool_shape: tuple, block
         held = rows * vocab * 4
         draft_rows = min(args.max_num_tokens, args.max_batch_size)
         activation_peak = max(activation_peak, held + _activation_peak(draft[0], n, draft[1], draft_rows))
+    if head is not None:
+        activation_peak = max(activation_peak, rows * vocab * 4 + _head_activation_peak(head[0], n, head[1]))
     free, total = torch.cuda.mem_get_info(dev)
     kvc = args.kv_cache_config
     budget = int(max(0, free - activation_peak - staged) * kvc.free_gpu_memory_fraction)   # staged: host tier
@@ -459,6 +466,26 @@ def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, samp
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del tmp, hidden, meta, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
+@torch.inference_mode()
+def _head_activation_peak(head: Eagle3Head, n: int, pool_shape: tuple) -> int:
+    """The memory an EAGLE-3 head's pass over a prompt of n tokens allocates at its peak (``fc``
+    of the captured hidden states, then the head), over a temporary pool of ``pool_shape``."""
+    from phalanx.kernels.metadata import AttentionMetadata
+    L, B, Hkv, D, kdt, dev = pool_shape
+    tmp = KVPool(L, -(-n // B) + 1, B, Hkv, D, kdt, dev)
+    meta = AttentionMetadata.one_prompt(n, B, dev)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    aux = torch.zeros(n, head.fc.weight.shape[1], dtype=head.norm.weight.dtype, device=dev)
+    head(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), head.fc(aux), meta, tmp.tensor)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del tmp, meta, aux
     torch.cuda.empty_cache()
     return peak
 
