@@ -68,7 +68,7 @@ class Eagle3Head(nn.Module):
     lora = None    # (the kernel tuner asks: a head takes no LoRA adapters)
 
     def __init__(self, cfg: ModelConfig, target_hidden: int, num_aux: int, target_embed: VocabParallelEmbedding,
-                 own_embedding: bool) -> None:
+                 own_embedding: bool, max_positions: int) -> None:
         super().__init__()
         one = TPGroup()
         H, D = cfg.hidden_size, cfg.head_dim
@@ -78,7 +78,10 @@ class Eagle3Head(nn.Module):
         self.config = cfg
         self.vocab_size = cfg.draft_vocab_size or cfg.vocab_size
         self.fc = ColumnParallelLinear(num_aux * target_hidden, H, False, one)
-        self.rotary = RotaryEmbedding(D, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope)
+        # the target's positions, whatever the head's config says (published heads say 2,048): a
+        # rotation clamped there would leave the head's attention blind to distance past it
+        self.max_positions = max(max_positions, cfg.max_position_embeddings)
+        self.rotary = RotaryEmbedding(D, self.max_positions, cfg.rope_theta, cfg.rope)
         self.self_attn = Attention(cfg, 0, one, self.rotary)
         self.self_attn.qkv_proj = QKVParallelLinear(2 * H, D, self.self_attn.heads, cfg.qkv_bias)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
@@ -110,6 +113,13 @@ class Eagle3Head(nn.Module):
         h, residual = self.post_attention_layernorm(a, residual)
         return self.norm(self.mlp(h), residual)
 
+    def write_kv(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                 kv_pool: torch.Tensor) -> None:
+        """The entries' K and V alone (``forward`` up to the attention's K/V write): all that
+        entries whose output no draft reads need."""
+        x = torch.cat([self.input_layernorm(self.embed(ids)), self.hidden_norm(hidden)], dim=-1)
+        self.self_attn.qkv_rope(positions, x, meta, kv_pool[0, 0], kv_pool[0, 1])
+
     def draft_tokens(self, out: torch.Tensor) -> torch.Tensor:
         """The greedy draft of each row of ``out`` as a target token id."""
         best = self.lm_head(out).argmax(dim=-1)
@@ -133,11 +143,13 @@ class Eagle3Head(nn.Module):
         tensor with no place here, or a parameter left unloaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        mapped = False
         for name, w in weights:
-            name = re.sub(r"^(model\.)?(midlayer|layers\.0)\.", "", name)
+            name = re.sub(r"^(midlayer|layers\.0)\.", "", re.sub(r"^model\.", "", name))
             if name in ("t2d",) or "rotary_emb" in name:
                 continue
             if name == "d2t":
+                mapped = True
                 if w.shape != self.d2t.shape:
                     raise ValueError(f"EAGLE-3 checkpoint tensor 'd2t': shape {tuple(w.shape)}, the head's "
                                      f"draft_vocab_size is {self.vocab_size}")
@@ -157,4 +169,7 @@ class Eagle3Head(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"EAGLE-3 checkpoint: weights missing: {', '.join(missing[:8])}")
+        if not mapped and self.vocab_size != self.config.vocab_size:
+            raise ValueError(f"EAGLE-3 checkpoint: no d2t (draft id -> target id), and draft_vocab_size "
+                             f"({self.vocab_size}) is not the target's vocabulary ({self.config.vocab_size})")
         return len(loaded)

@@ -205,7 +205,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
         self.decoder_layers: list[DecoderLayer] = list(self.layers)   # type: ignore[arg-type]  # typed view
-        self.aux_slots: list[int | None] = [None] * cfg.num_layers   # capture_hidden's
+        self.aux_slots: list[list[int]] = [[] for _ in range(cfg.num_layers)]   # capture_hidden's
         self.aux_out: torch.Tensor | None = None
 
     def capture_hidden(self, layers: tuple[int, ...], rows: int) -> torch.Tensor:
@@ -214,8 +214,8 @@ class DecoderModel(nn.Module):
         tokens, into its slice of ``aux_out`` [rows, len(layers) · hidden], in the order given.
         The buffer is the same one in every forward, CUDA graphs' included. A captured layer's
         down projection is not deferred: its output is whole on every rank."""
-        for j, i in enumerate(layers):
-            self.aux_slots[i] = j
+        for j, i in enumerate(layers):     # (a layer named twice fills both slices)
+            self.aux_slots[i].append(j)
             layer = self.decoder_layers[i]
             if isinstance(layer.mlp, MLP):
                 layer.mlp.down_proj.deferred = False
@@ -224,10 +224,10 @@ class DecoderModel(nn.Module):
         return self.aux_out
 
     def _capture(self, i: int, x: torch.Tensor, residual: torch.Tensor) -> None:
-        j = self.aux_slots[i]
-        if j is not None and self.aux_out is not None:
-            H = x.shape[-1]
-            self.aux_out[:x.shape[0], j * H:(j + 1) * H] = x + residual
+        if self.aux_slots[i] and self.aux_out is not None:
+            H, out = x.shape[-1], x + residual
+            for j in self.aux_slots[i]:
+                self.aux_out[:x.shape[0], j * H:(j + 1) * H] = out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pool: torch.Tensor) -> torch.Tensor:

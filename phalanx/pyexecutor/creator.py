@@ -130,7 +130,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
         block_bytes = sum(pool_bytes)
     eagle = None
     if args.speculative_config is not None and args.speculative_config.decoding_type == "Eagle3":
-        eagle = _build_eagle3(args, source, model, dtype, device)
+        eagle = _build_eagle3(args, source, model, dtype, device, max_seq_len)
         head_cfg = eagle.config
         pool_bytes.append(bytes_per_block(1, head_cfg.num_kv_heads, head_cfg.head_dim, kvc.tokens_per_block,
                                           kv_dtype))   # the head's one-layer pool has the same blocks
@@ -274,16 +274,18 @@ def _build_draft(args: LlmArgs, source: ModelSource, dtype: torch.dtype, device:
 
 
 def _build_eagle3(args: LlmArgs, source: ModelSource, model: CausalLM, dtype: torch.dtype,
-                  device: torch.device) -> Eagle3Head:
+                  device: torch.device, max_seq_len: int) -> Eagle3Head:
     """The EAGLE-3 head (``source.draft``, as the user's process resolved it), its weights loaded,
     and the target set to capture the hidden states it reads (``DecoderModel.capture_hidden``)
     for the most tokens a forward runs."""
     from phalanx.models.eagle3 import aux_layers
     from phalanx.models.loader import iter_hf_weights, safetensors_specs
     dsource = source.with_draft(args.speculative_config, args.trust_remote_code).draft
-    assert dsource is not None and dsource.kind == "hf"
-    hcfg, cfg = dsource.config, source.config
     where = "speculative_config.speculative_model_dir"
+    assert dsource is not None and args.speculative_config is not None
+    if dsource.kind != "hf":
+        raise ValueError(f"{where}: an EAGLE-3 head is a Hugging Face directory (config.json, safetensors)")
+    hcfg, cfg = dsource.config, source.config
     if cfg.is_moe:
         raise ValueError(f"{where}: an EAGLE-3 head over a mixture-of-experts target is not supported")
     if hcfg.vocab_size != cfg.vocab_size:
@@ -291,10 +293,14 @@ def _build_eagle3(args: LlmArgs, source: ModelSource, model: CausalLM, dtype: to
                          f"({cfg.vocab_size})")
     layers = aux_layers(hcfg, cfg.num_layers)
     dummy = args.load_format == "dummy"    # random weights, as the target's (benchmarks)
-    own_embedding = not dummy and any(s["name"].endswith("embed_tokens.weight")
-                                      for s in safetensors_specs(dsource.path))
+    try:
+        own_embedding = not dummy and any(s["name"].endswith("embed_tokens.weight")
+                                          for s in safetensors_specs(dsource.path))
+    except FileNotFoundError as e:
+        raise ValueError(f"{where}: {e}") from None
     with torch.device(device), default_dtype(dtype):
-        head = Eagle3Head(hcfg, cfg.hidden_size, len(layers), model.model.embed_tokens, own_embedding)
+        head = Eagle3Head(hcfg, cfg.hidden_size, len(layers), model.model.embed_tokens, own_embedding,
+                          min(cfg.max_position_embeddings, max_seq_len + 2 * args.speculative_config.max_draft_len + 2))
     head.eval()
     try:
         with torch.no_grad():
@@ -302,7 +308,7 @@ def _build_eagle3(args: LlmArgs, source: ModelSource, model: CausalLM, dtype: to
                 head.random_weights(args.seed)
             else:
                 head.load_weights(iter_hf_weights(dsource.path))
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"{where}: {e}") from None
     if device.type == "cpu":
         cpu_plans(head)
@@ -324,7 +330,7 @@ def _build_spec(args: LlmArgs, cfg, draft: CausalLM | None, pool_blocks: int, ma
         hc = eagle.config
         hpool = KVPool(1, pool_blocks, args.kv_cache_config.tokens_per_block, hc.num_kv_heads, hc.head_dim, kv_dtype,
                        device, num_host_blocks)   # the target's host blocks, its copies
-        proposer = Eagle3Proposer(k, eagle, hpool, model.model.aux_out, min(max_position, hc.max_position_embeddings))
+        proposer = Eagle3Proposer(k, eagle, hpool, model.model.aux_out)
     elif draft is None:
         proposer = NGramProposer(k, sc.max_matching_ngram_size, sc.min_matching_ngram_size)
     else:
@@ -473,7 +479,7 @@ def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, samp
 @torch.inference_mode()
 def _head_activation_peak(head: Eagle3Head, n: int, pool_shape: tuple) -> int:
     """The memory an EAGLE-3 head's pass over a prompt of n tokens allocates at its peak (``fc``
-    of the captured hidden states, then the head), over a temporary pool of ``pool_shape``."""
+    of the captured hidden states, then the entries' K/V), over a temporary pool of ``pool_shape``."""
     from phalanx.kernels.metadata import AttentionMetadata
     L, B, Hkv, D, kdt, dev = pool_shape
     tmp = KVPool(L, -(-n // B) + 1, B, Hkv, D, kdt, dev)
@@ -482,7 +488,8 @@ def _head_activation_peak(head: Eagle3Head, n: int, pool_shape: tuple) -> int:
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     aux = torch.zeros(n, head.fc.weight.shape[1], dtype=head.norm.weight.dtype, device=dev)
-    head(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), head.fc(aux), meta, tmp.tensor)
+    head.write_kv(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), head.fc(aux), meta,
+                  tmp.tensor)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del tmp, meta, aux

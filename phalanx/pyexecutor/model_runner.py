@@ -18,7 +18,7 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, pairwise
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from phalanx.pyexecutor.guided_decoder import GuidedDecoder
     from phalanx.pyexecutor.lora import LoraManager
     from phalanx.pyexecutor.request import Request
-    from phalanx.pyexecutor.speculative import SpecDecoder, SpecStep
+    from phalanx.pyexecutor.speculative import Eagle3Proposer, SampledRows, SpecDecoder, SpecStep
 
 
 class RequestFailures(Exception):
@@ -82,6 +82,7 @@ class StepInputs:
     lora_groups: torch.Tensor | None = None   # their ``LoraState.groups``, where the grouped kernels may run
     lora_clear: bool = True                   # no token of the step has an adapter
     tails: torch.Tensor | None = None         # [S] the token after each row's last input, where known (EAGLE-3)
+    draft_hidden: torch.Tensor | None = None  # [T] the target's h of every row (EAGLE-3: after the forward)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class InFlightStep:
     start: torch.cuda.Event | None = None
     weight_version: str = ""            # the weights the step's forward read (set by the loop)
     spec: SpecStep | None = None
+    head_rows: SampledRows | None = None   # an EAGLE-3 head's entries of the plain sampling rows
 
 
 def padded_rows(n: int, sizes: list[int]) -> int:
@@ -436,6 +438,7 @@ class ModelRunner:
         logits = self._target_forward(batch, inputs, graph_size)
         if self.spec is not None:   # a draft's KV follows every target forward
             hidden = self.spec.proposer.after_forward(inputs.input_ids, inputs.positions, inputs.meta, inputs.tails)
+            inputs.draft_hidden = hidden
             if inputs.spec is not None:
                 inputs.spec.draft_hidden = hidden
         return logits
@@ -537,11 +540,29 @@ class ModelRunner:
             logits = self.forward(batch, inputs, graph_size)
             self.clock.mark("forward")
             step = InFlightStep(batch, inputs.sample_rows, None, None, prompt_logprobs=self.last_prompt_logprobs,
-                                pending=(logits, inputs.sampling, inputs.sample_slots), start=start, spec=inputs.spec)
+                                pending=(logits, inputs.sampling, inputs.sample_slots), start=start, spec=inputs.spec,
+                                head_rows=self._head_rows(inputs))
             waits = defer_sampling and self.guided is not None and self.guided.has_grammar(self._sampling(step))
             if not waits:
                 self._sample(step)
             return step
+
+    def _head_rows(self, inputs: StepInputs) -> SampledRows | None:
+        """An EAGLE-3 head's entries of the step's plain sampling rows, taken now: once their token
+        is sampled, each row's last entry takes it (``write_sampled``)."""
+        if inputs.draft_hidden is None or not inputs.sample_rows:
+            return None
+        from phalanx.pyexecutor.sampler import device_ints
+        from phalanx.pyexecutor.speculative import SampledRows
+        last = inputs.logits_indices[:len(inputs.sample_rows)]      # (plain rows first, then verify rows)
+        rows = device_ints(inputs.sample_rows, self.device)
+        m = inputs.meta
+        meta = AttentionMetadata(
+            slot_mapping=m.slot_mapping[last], query_start=torch.arange(len(inputs.sample_rows) + 1, dtype=torch.int32,
+                                                                        device=self.device),
+            seq_lens=m.seq_lens[rows], block_tables=m.block_tables[rows], max_query_len=1, max_seq_len=m.max_seq_len,
+            tokens_per_block=m.tokens_per_block, is_decode_only=True)
+        return SampledRows(inputs.positions[last], inputs.draft_hidden[last], meta)
 
     @torch.inference_mode()
     def finish_sampling(self, step: InFlightStep) -> None:
@@ -565,6 +586,9 @@ class ModelRunner:
                 torch.distributed.broadcast(sampled.token_ids, src=0, group=self.tp.group)
             self.token_buffer[slots] = sampled.token_ids
             step.sampled, step.host_tokens = sampled, _to_host(sampled.token_ids)
+            if step.head_rows is not None:   # (set only with an EAGLE-3 head)
+                assert self.spec is not None
+                cast("Eagle3Proposer", self.spec.proposer).write_sampled(step.head_rows, sampled.token_ids)
         if step.spec is not None:
             self._verify_and_propose(step, logits[plain:])
         end = _event(step.start is not None)

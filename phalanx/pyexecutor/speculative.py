@@ -117,13 +117,23 @@ class SpecStep:
         return self.table_rows[:len(self.verify_rows)]
 
 
+@dataclass
+class HeadRows:
+    """An EAGLE-3 head's entry at L − 2 of each advanced row: the target's hidden state there, the
+    token x_{L−1} and whether the row moved (a row already at its length limit writes nothing)."""
+
+    hidden: torch.Tensor     # [R, H]
+    token: torch.Tensor      # [R]
+    moved: torch.Tensor      # [R] bool
+
+
 class Proposer(Protocol):
     reads_hidden: bool    # the step's inputs carry ``tails`` and the step keeps ``draft_hidden`` (EAGLE-3)
 
     def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
-                block_tables: torch.Tensor, max_length: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                block_tables: torch.Tensor, max_length: int, head_rows: HeadRows | None = None) -> torch.Tensor:
         """[R, k] drafts for the rows of ``slots`` whose device state was just advanced
-        (``hidden``: the target's hidden state at each one's L − 2, where ``reads_hidden``)."""
+        (``head_rows``: what the head's entry at each one's L − 2 takes, where ``reads_hidden``)."""
         ...
 
     def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -295,26 +305,41 @@ class SpecDecoder:
             slots, length, last = slots_parts[0], length_parts[0], last_parts[0]
         else:
             slots, length, last = torch.cat(slots_parts), torch.cat(length_parts), torch.cat(last_parts)
+        head_rows = self._head_rows(step, first_tokens) if step.draft_hidden is not None else None
         self.length[slots] = length
         self.next_tokens[slots, 0] = last
-        hidden = None
-        if step.draft_hidden is not None:   # each row's last accepted position (its first: its prompt's last)
-            rows = []
-            if step.verify_rows:
-                assert step.accepted is not None
-                rows.append(step.verify_q0 + step.accepted - 1)
-            rows += [step.first_last_row] if step.first_rows else []
-            hidden = step.draft_hidden[rows[0] if len(rows) == 1 else torch.cat(rows)]
-        if not step.propose and isinstance(self.proposer, Eagle3Proposer) and hidden is not None:
+        if not step.propose and isinstance(self.proposer, Eagle3Proposer) and head_rows is not None:
             # no drafts next step, but the head's entry at L − 2 still takes the true x_{L−1}
-            self.proposer.write_entry(self, slots, length, step.block_tables[step.table_rows], step.max_length,
-                                      hidden)
+            self.proposer.write_entry(self, length, step.block_tables[step.table_rows], head_rows)
         if step.propose:
             tables = step.block_tables[step.table_rows]
-            drafts = self.proposer.propose(self, slots, length, tables, step.max_length, hidden)
+            drafts = self.proposer.propose(self, slots, length, tables, step.max_length, head_rows)
             if self.tp is not None and self.tp.size > 1:   # every rank verifies the same inputs: rank 0's
                 torch.distributed.broadcast(drafts, src=0, group=self.tp.group)
             self.next_tokens[slots, 1:] = drafts
+
+
+    def _head_rows(self, step: SpecStep, first_tokens: torch.Tensor | None) -> HeadRows:
+        """What the head's entry at L − 2 takes, for the verify rows then the first rows (before
+        ``length`` moves): a verify row's last accepted position within its length limit — the
+        target's hidden state at q0 + moved − 1 and the token it accepted there."""
+        assert step.draft_hidden is not None
+        rows, tokens, moved = [], [], []
+        if step.verify_rows:
+            assert step.tokens is not None and step.accepted is not None
+            slots = step.verify_slots
+            L = self.length[slots]
+            n = torch.minimum(L + step.accepted, self.limit[slots]) - L      # tokens the row moved by
+            last = (n - 1).clamp(min=0)
+            rows.append(step.verify_q0 + last)
+            tokens.append(step.tokens.gather(1, last[:, None]).squeeze(1))
+            moved.append(n > 0)
+        if step.first_rows:
+            assert first_tokens is not None
+            rows.append(step.first_last_row)
+            tokens.append(first_tokens)
+            moved.append(torch.ones_like(first_tokens, dtype=torch.bool))
+        return HeadRows(step.draft_hidden[torch.cat(rows)], torch.cat(tokens), torch.cat(moved))
 
 
 class NGramProposer:
@@ -326,7 +351,7 @@ class NGramProposer:
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
 
     def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
-                block_tables: torch.Tensor, max_length: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                block_tables: torch.Tensor, max_length: int, head_rows: HeadRows | None = None) -> torch.Tensor:
         width = min(max_length, spec.cols - 1)
         hist = spec.history[slots, :width].long()                      # [R, W]
         R = hist.shape[0]
@@ -377,7 +402,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
-                block_tables: torch.Tensor, max_length: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                block_tables: torch.Tensor, max_length: int, head_rows: HeadRows | None = None) -> torch.Tensor:
         R = slots.shape[0]
         B = self.pool.tokens_per_block
         dev = slots.device
@@ -402,21 +427,22 @@ class Eagle3Proposer:
 
     reads_hidden = True
 
-    def __init__(self, k: int, head: Eagle3Head, pool: KVPool, aux: torch.Tensor, max_position: int) -> None:
+    def __init__(self, k: int, head: Eagle3Head, pool: KVPool, aux: torch.Tensor) -> None:
         self.k, self.head, self.pool, self.aux = k, head, pool, aux
-        self.max_position = max_position
+        self.max_position = head.max_positions
+        self.scratch_slot = (pool.num_blocks - 1) * pool.tokens_per_block   # the block no request owns
 
     @torch.inference_mode()
     def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       tails: torch.Tensor | None) -> torch.Tensor:
+        """The head's K/V of every row's entry (its output is read by no draft) -> the rows' h."""
         T = input_ids.shape[0]
         shifted = torch.zeros_like(input_ids)          # the token after each row's input
         shifted[:-1] = input_ids[1:]
         if tails is not None:
             shifted[meta.query_start[1:].long() - 1] = tails
         hidden = self.head.fc(self.aux[:T])
-        self.head(shifted, positions.clamp(max=self.max_position - 1), hidden, dataclasses.replace(meta, cache={}),
-                  self.pool.tensor)
+        self.head.write_kv(shifted, positions.clamp(max=self.max_position - 1), hidden, meta, self.pool.tensor)
         return hidden
 
     def copy_blocks(self, copy_ops: list) -> None:
@@ -424,29 +450,54 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor,
-                block_tables: torch.Tensor, max_length: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        assert hidden is not None
-        token = spec.next_tokens[slots, 0]            # x_{L−1}
+                block_tables: torch.Tensor, max_length: int, head_rows: HeadRows | None = None) -> torch.Tensor:
+        """The entry at L − 2 from (h_{L−2}, x_{L−1}) gives the first draft; each later entry takes
+        the last one's g and draft."""
+        assert head_rows is not None
+        token, hidden = head_rows.token, head_rows.hidden
         drafts = []
         for i in range(self.k):                       # the entry at L − 2 + i
-            out, hidden = self._entry(spec, length - 2 + i, token, hidden, block_tables, max_length)
+            meta = self._meta(spec, length - 2 + i, block_tables, max_length, head_rows.moved if i == 0 else None)
+            out, hidden = self.head(token, (length - 2 + i).clamp(max=self.max_position - 1), hidden, meta,
+                                    self.pool.tensor)
             token = self.head.draft_tokens(out)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
     @torch.inference_mode()
-    def write_entry(self, spec: SpecDecoder, slots: torch.Tensor, length: torch.Tensor, block_tables: torch.Tensor,
-                    max_length: int, hidden: torch.Tensor) -> None:
+    def write_entry(self, spec: SpecDecoder, length: torch.Tensor, block_tables: torch.Tensor,
+                    head_rows: HeadRows) -> None:
         """The entry at L − 2 from (h_{L−2}, x_{L−1}), without drafting (a step that verifies none next)."""
-        self._entry(spec, length - 2, spec.next_tokens[slots, 0], hidden, block_tables, max_length)
+        pos = length - 2
+        self.head.write_kv(head_rows.token, pos.clamp(max=self.max_position - 1), head_rows.hidden,
+                           self._meta(spec, pos, block_tables, 0, head_rows.moved), self.pool.tensor)
 
-    def _entry(self, spec: SpecDecoder, pos: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor,
-               block_tables: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head forward of one row a request at positions ``pos``: (normed out, g)."""
+    @torch.inference_mode()
+    def write_sampled(self, rows: SampledRows, tokens: torch.Tensor) -> None:
+        """Rows that sampled without speculating (prompts' last rows, plain decoding): their last
+        entry takes the token sampled, so that blocks the prefix cache keeps hold right entries."""
+        self.head.write_kv(tokens, rows.positions.clamp(max=self.max_position - 1), rows.hidden, rows.meta,
+                           self.pool.tensor)
+
+    def _meta(self, spec: SpecDecoder, pos: torch.Tensor, block_tables: torch.Tensor, max_length: int,
+              moved: torch.Tensor | None) -> AttentionMetadata:
+        """One entry a row at positions ``pos``; a row that did not move writes its K/V into the
+        scratch block (its entry at L − 2 is already right)."""
+        slots = spec.kv_slots(block_tables, pos)
+        if moved is not None:
+            slots = torch.where(moved, slots, self.scratch_slot)
         R = pos.shape[0]
-        meta = AttentionMetadata(
-            slot_mapping=spec.kv_slots(block_tables, pos),
-            query_start=torch.arange(R + 1, dtype=torch.int32, device=pos.device),
+        return AttentionMetadata(
+            slot_mapping=slots, query_start=torch.arange(R + 1, dtype=torch.int32, device=pos.device),
             seq_lens=(pos + 1).to(torch.int32), block_tables=block_tables, max_query_len=1,
             max_seq_len=max_length + self.k, tokens_per_block=self.pool.tokens_per_block, is_decode_only=True)
-        return self.head(token, pos.clamp(max=self.max_position - 1), hidden, meta, self.pool.tensor)
+
+
+@dataclass
+class SampledRows:
+    """The head's entries of a step's plain sampling rows (``ModelRunner.launch``): each row's
+    last input position, the target's h there and the metadata of one entry a row."""
+
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    meta: AttentionMetadata

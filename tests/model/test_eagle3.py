@@ -169,3 +169,126 @@ def test_random_weights_need_only_the_heads_config(target, tmp_path):
     with open(f"{kw['speculative_config']['speculative_model_dir']}/config.json") as f:
         shape = json.load(f)
     assert shape["architectures"] == ["LlamaForCausalLMEagle3"] and shape["draft_vocab_size"] == 32000
+
+
+def recording(llm) -> list[tuple[int, list[int]]]:
+    """Every row the head proposes for from now on: (its L, its drafts)."""
+    proposer = llm._executor.engine.runner.spec.proposer
+    seen: list[tuple[int, list[int]]] = []
+    propose = proposer.propose
+
+    def wrapped(spec, slots, length, tables, max_length, head_rows):
+        drafts = propose(spec, slots, length, tables, max_length, head_rows)
+        seen.extend(zip(length.tolist(), drafts.tolist(), strict=True))
+        return drafts
+    proposer.propose = wrapped
+    return seen
+
+
+def assert_reference_drafts(hf, tensors, seen, seqs):
+    """Each recorded row's drafts are the reference head's for one of ``seqs`` at its L."""
+    checked = 0
+    for L, drafts in seen:
+        refs = [ref_drafts(hf, tensors, s[:L]) for s in seqs if len(s) > L]
+        if refs:
+            assert drafts in refs, f"L = {L}: {drafts} not in {refs}"
+            checked += 1
+    assert checked >= 3
+
+
+def test_entries_written_while_drafts_are_off_are_right(target, trained, tmp_path):
+    """max_concurrency 1 with two requests: steps verify no drafts while both decode (each writes
+    the head's entry at L − 2 without drafting); once the short one ends, the long one's drafts
+    read those entries and equal the reference."""
+    path, hf = target
+    head = write_head(tmp_path / "head", trained, draft_vocab_size=None)
+    ps = prompts(hf.config.vocab_size)[1:3]
+    with LLM(path, skip_tokenizer_init=True, orchestrator_type="inprocess", kv_cache_config={"tokens_per_block": 8},
+             speculative_config={"decoding_type": "Eagle3", "max_draft_len": K, "speculative_model_dir": head,
+                                 "max_concurrency": 1, "adaptive": False}) as llm:
+        seen = recording(llm)
+        outs = llm.generate(ps, [SamplingParams(max_tokens=6, ignore_eos=True),
+                                 SamplingParams(max_tokens=24, ignore_eos=True)], use_tqdm=False)
+        s = stats(llm)
+    seqs = [p + o.outputs[0].token_ids for p, o in zip(ps, outs, strict=True)]
+    assert s["spec_accepted_drafts"] > 0
+    assert_reference_drafts(hf, trained, [(L, d) for L, d in seen if len(seqs[0]) < L], seqs[1:])
+
+
+@pytest.mark.parametrize("first", ["speculative to its length limit", "plain (logprobs)"])
+def test_a_prefix_hit_reads_the_entries_its_first_request_left(first, target, trained, tmp_path):
+    """A second request extends the first's whole sequence and hits its cached blocks: the head's
+    entries there — written by verify steps up to the length limit, or, for a request that did
+    not speculate, after each token it sampled — equal the reference's, so its drafts do."""
+    path, hf = target
+    head = write_head(tmp_path / "head", trained, draft_vocab_size=None)
+    p = prompts(hf.config.vocab_size)[1]
+    with engine(path, head) as llm:
+        a = llm.generate([p], SamplingParams(max_tokens=24, ignore_eos=True,
+                                             logprobs=1 if first.startswith("plain") else None), use_tqdm=False)[0]
+        b_prompt = p + a.outputs[0].token_ids + [11, 12]
+        seen = recording(llm)
+        b = llm.generate([b_prompt], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert b.cached_tokens >= 24
+    assert_reference_drafts(hf, trained, seen, [b_prompt + b.outputs[0].token_ids])
+
+
+def test_the_head_rotates_past_its_own_max_position_embeddings(target, tmp_path):
+    """Published heads say max_position_embeddings 2048; the head takes the target's positions
+    (here a head that says 16, prompts of 40 tokens and more)."""
+    path, hf = target
+    tensors = head_tensors(6)
+    head = write_head(tmp_path / "head", tensors, max_position_embeddings=16)
+    p = prompts(hf.config.vocab_size)[3]
+    with engine(path, head) as llm:
+        seen = recording(llm)
+        out = llm.generate([p], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    assert_reference_drafts(hf, tensors, seen, [p + out.outputs[0].token_ids])
+
+
+def assert_cached_entries(llm, hf, tensors, seq: list[int]) -> int:
+    """The head's K and V at every position of ``seq`` whose block the prefix cache holds equal
+    the reference head's entry there: (the target's h at p, the token at p + 1). Returns the
+    positions checked."""
+    from eagle3_reference import RefHead, target_hidden
+    engine_ = llm._executor.engine
+    nodes = engine_.scheduler.kv.match(seq).tree_match.nodes
+    pool = engine_.runner.spec.proposer.pool.tensor            # [1, 2, blocks, B, Hkv, D]
+    B = pool.shape[3]
+    n = len(nodes) * B
+    ref = RefHead(tensors, hf.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        ref.entries(torch.arange(n), torch.tensor(seq[1:n + 1]), target_hidden(hf, tensors, seq)[:n])
+    ours = torch.stack([pool[0, :, node.block_id] for node in nodes], 1).flatten(1, 2)   # [2, n, Hkv, D]
+    for what, mine, theirs in (("K", ours[0], ref.k[0]), ("V", ours[1], ref.v[0])):
+        bad = ((mine - theirs).abs().amax(dim=(1, 2)) > 1e-4).nonzero().flatten().tolist()
+        assert not bad, f"the head's {what} differs from the reference at positions {bad}"
+    return n
+
+
+@pytest.mark.parametrize("case", ["to the length limit", "drafts off (max_concurrency)", "plain (logprobs)",
+                                  "chunked prompts"])
+def test_every_cached_entry_of_the_head_equals_the_reference(case, target, trained, tmp_path):
+    """Whatever wrote them — a verify step's pass, the first draft step at L − 2 (within the
+    length limit), the entry written when no drafts follow, a plain row's sampled token, a
+    prompt chunk's next prompt token — the entries the prefix cache keeps are exact."""
+    path, hf = target
+    head = write_head(tmp_path / "head", trained, draft_vocab_size=None)
+    ps = prompts(hf.config.vocab_size)
+    spec = {"decoding_type": "Eagle3", "max_draft_len": K, "speculative_model_dir": head, "adaptive": False}
+    kw: dict = {"max_num_tokens": 12} if case == "chunked prompts" else {}
+    if case.startswith("drafts off"):
+        spec["max_concurrency"] = 1
+    # requests end apart (with max_concurrency 1 the last one drafts once alone), at lengths of 1 past
+    # a block (17, 33, 33, 57 tokens): the entry at the limit's L − 2 is in a block the cache keeps
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1 if case.startswith("plain") else None)
+              for n in (14, 24, 16, 17)]
+    with LLM(path, skip_tokenizer_init=True, orchestrator_type="inprocess", kv_cache_config={"tokens_per_block": 8},
+             speculative_config=spec, **kw) as llm:
+        outs = llm.generate(ps, params, use_tqdm=False)
+        checked = sum(assert_cached_entries(llm, hf, trained, p + o.outputs[0].token_ids)
+                      for p, o in zip(ps, outs, strict=True))
+        s = stats(llm)
+    assert checked >= 100
+    if case == "to the length limit":
+        assert s["spec_accepted_drafts"] > 0
