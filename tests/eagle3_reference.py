@@ -99,17 +99,17 @@ class RefHead:
         return best + self.t["d2t"][best] if "d2t" in self.t else best
 
 
-def target_hidden(hf, tensors, seq: list[int]) -> torch.Tensor:
+def target_hidden(hf, tensors, seq: list[int], aux_ids=AUX_IDS) -> torch.Tensor:
     """fc of the target's hidden states after the captured layers, at every position of seq."""
     with torch.no_grad():
         hs = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
-    return torch.cat([hs[i][0] for i in AUX_IDS], -1) @ tensors["fc.weight"].T
+    return torch.cat([hs[i][0] for i in aux_ids], -1) @ tensors["fc.weight"].T
 
 
-def ref_drafts(hf, tensors, seq: list[int], k: int = K) -> list[int]:
+def ref_drafts(hf, tensors, seq: list[int], k: int = K, aux_ids=AUX_IDS) -> list[int]:
     """The head's k drafts once seq (its last token not yet run by the target) is accepted."""
     L = len(seq)
-    h = target_hidden(hf, tensors, seq)
+    h = target_hidden(hf, tensors, seq, aux_ids)
     head = RefHead(tensors, hf.model.embed_tokens.weight.detach())
     out, g = head.entries(torch.arange(L - 1), torch.tensor(seq[1:]), h[:L - 1])
     out, g = out[-1:], g[-1:]

@@ -57,8 +57,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: the projections quantized to FP8 at load (an FP8 checkpoint is served in FP8 anyway); "
                         "modelopt, compressed-tensors: the checkpoint's own method")
     p.add_argument("--speculative_config", "--speculative-config", dest="speculative_config", type=json_mapping,
-                   default=None, help="speculative decoding as JSON: decoding_type NGram/DraftTarget, or vLLM's "
-                                      "method ngram/draft_model with num_speculative_tokens")
+                   default=None, help="speculative decoding as JSON: decoding_type NGram/DraftTarget/Eagle3, or "
+                                      "vLLM's method ngram/draft_model/eagle3 with num_speculative_tokens")
     p.add_argument("--enable_lora", "--enable-lora", dest="enable_lora", action="store_true",
                    help="serve LoRA adapters (lora_config's defaults unless --max_loras/--max_lora_rank or the YAML "
                         "set them); implied by --lora_modules")

@@ -14,7 +14,7 @@ published architecture and transformers' own hidden states of the target:
 import pytest
 import torch
 
-from eagle3_reference import K, head_tensors, prompts, ref_drafts, target_config, train_head, write_head
+from eagle3_reference import AUX_IDS, K, head_tensors, prompts, ref_drafts, target_config, train_head, write_head
 from hf_reference import assert_same_greedy, hf_greedy, tiny_model_dirs
 from phalanx import LLM, SamplingParams
 
@@ -185,11 +185,11 @@ def recording(llm) -> list[tuple[int, list[int]]]:
     return seen
 
 
-def assert_reference_drafts(hf, tensors, seen, seqs):
+def assert_reference_drafts(hf, tensors, seen, seqs, aux_ids=AUX_IDS):
     """Each recorded row's drafts are the reference head's for one of ``seqs`` at its L."""
     checked = 0
     for L, drafts in seen:
-        refs = [ref_drafts(hf, tensors, s[:L]) for s in seqs if len(s) > L]
+        refs = [ref_drafts(hf, tensors, s[:L], aux_ids=aux_ids) for s in seqs if len(s) > L]
         if refs:
             assert drafts in refs, f"L = {L}: {drafts} not in {refs}"
             checked += 1
@@ -292,3 +292,32 @@ def test_every_cached_entry_of_the_head_equals_the_reference(case, target, train
     assert checked >= 100
     if case == "to the length limit":
         assert s["spec_accepted_drafts"] > 0
+
+
+def test_checkpoint_layouts_and_their_refusals(target, tmp_path):
+    """Names under a model. prefix or layers.0 load as midlayer's; a head that names a layer twice
+    fills both of its slices (the reference reads the same layer twice); a draft vocabulary
+    without d2t, and weights as pickles only, are refused naming the field."""
+    path, hf = target
+    tensors = head_tensors(8)
+    renamed = {("model." + k.replace("midlayer.", "layers.0.")) if k not in ("d2t", "t2d") else k: v
+               for k, v in tensors.items()}
+    p = prompts(hf.config.vocab_size)[2]
+    with engine(path, write_head(tmp_path / "renamed", renamed)) as llm:
+        seen = recording(llm)
+        out = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert_reference_drafts(hf, tensors, seen, [p + out.outputs[0].token_ids])
+    twice = [AUX_IDS[0], AUX_IDS[2], AUX_IDS[2]]
+    with engine(path, write_head(tmp_path / "twice", tensors, eagle_config={"eagle_aux_hidden_state_layer_ids": twice})
+                ) as llm:
+        seen = recording(llm)
+        out = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert_reference_drafts(hf, tensors, seen, [p + out.outputs[0].token_ids], aux_ids=twice)
+    no_map = {k: v for k, v in tensors.items() if k != "d2t"}
+    with pytest.raises(ValueError, match=r"speculative_model_dir: EAGLE-3 checkpoint: no d2t .* \(96\)"):
+        engine(path, write_head(tmp_path / "no-d2t", no_map))
+    pickled = tmp_path / "pickled"
+    write_head(pickled, tensors)
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="speculative_model_dir: no .safetensors weights"):
+        engine(path, str(pickled))
