@@ -158,3 +158,23 @@ def target_config():
     """The targets' shape: the tests' tiny Llama with 4 layers (three captured, one after)."""
     from transformers import LlamaConfig
     return LlamaConfig(**dict(TINY, num_hidden_layers=4), tie_word_embeddings=False)
+
+
+def assert_cached_entries(llm, hf, tensors, seq: list[int], tol: float = 1e-4) -> int:
+    """The head's K and V at every position of ``seq`` whose block the prefix cache holds equal
+    the reference head's entry there: (the target's h at p, the token at p + 1), within ``tol``.
+    Returns the positions checked."""
+    engine_ = llm._executor.engine
+    nodes = engine_.scheduler.kv.match(seq).tree_match.nodes
+    pool = engine_.runner.spec.proposer.pool.tensor            # [1, 2, blocks, B, Hkv, D]
+    B = pool.shape[3]
+    n = len(nodes) * B
+    ref = RefHead(tensors, hf.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        ref.entries(torch.arange(n), torch.tensor(seq[1:n + 1]), target_hidden(hf, tensors, seq)[:n])
+    ours = torch.stack([pool[0, :, node.block_id] for node in nodes], 1).flatten(1, 2)   # [2, n, Hkv, D]
+    ours = ours.float().cpu()
+    for what, mine, theirs in (("K", ours[0], ref.k[0]), ("V", ours[1], ref.v[0])):
+        bad = ((mine - theirs).abs().amax(dim=(1, 2)) > tol).nonzero().flatten().tolist()
+        assert not bad, f"the head's {what} differs from the reference at positions {bad}"
+    return n

@@ -47,7 +47,8 @@ from phalanx.models.parallel import TPGroup
 
 
 def aux_layers(cfg: ModelConfig, target_layers: int) -> tuple[int, ...]:
-    """The target layers whose outputs the head reads, in order (see the module docstring);
+    """The target layers whose outputs the head reads, in the order ``fc`` takes them: ascending,
+    as the target's forward meets them (vLLM's and TensorRT-LLM's order, whatever the config's);
     a ValueError naming the field for ids the target does not have."""
     if not cfg.eagle_aux_layer_ids:
         if target_layers < 5:
@@ -59,7 +60,7 @@ def aux_layers(cfg: ModelConfig, target_layers: int) -> tuple[int, ...]:
     if bad:
         raise ValueError(f"eagle_aux_hidden_state_layer_ids: {bad} are not taken (ids 1 .. {target_layers - 1}: id "
                          "j is the output of the target's layer j - 1; 0, the embeddings, is not captured)")
-    return tuple(i - 1 for i in cfg.eagle_aux_layer_ids)
+    return tuple(sorted(i - 1 for i in cfg.eagle_aux_layer_ids))
 
 
 class Eagle3Head(nn.Module):

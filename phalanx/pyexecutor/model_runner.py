@@ -82,7 +82,7 @@ class StepInputs:
     lora_groups: torch.Tensor | None = None   # their ``LoraState.groups``, where the grouped kernels may run
     lora_clear: bool = True                   # no token of the step has an adapter
     tails: torch.Tensor | None = None         # [S] the token after each row's last input, where known (EAGLE-3)
-    draft_hidden: torch.Tensor | None = None  # [T] the target's h of every row (EAGLE-3: after the forward)
+    draft_hidden: torch.Tensor | None = None  # [T, H] the target's h of every row (EAGLE-3: after the forward)
 
 
 @dataclass

@@ -14,7 +14,17 @@ published architecture and transformers' own hidden states of the target:
 import pytest
 import torch
 
-from eagle3_reference import AUX_IDS, K, head_tensors, prompts, ref_drafts, target_config, train_head, write_head
+from eagle3_reference import (
+    AUX_IDS,
+    K,
+    assert_cached_entries,
+    head_tensors,
+    prompts,
+    ref_drafts,
+    target_config,
+    train_head,
+    write_head,
+)
 from hf_reference import assert_same_greedy, hf_greedy, tiny_model_dirs
 from phalanx import LLM, SamplingParams
 
@@ -244,26 +254,6 @@ def test_the_head_rotates_past_its_own_max_position_embeddings(target, tmp_path)
         seen = recording(llm)
         out = llm.generate([p], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     assert_reference_drafts(hf, tensors, seen, [p + out.outputs[0].token_ids])
-
-
-def assert_cached_entries(llm, hf, tensors, seq: list[int]) -> int:
-    """The head's K and V at every position of ``seq`` whose block the prefix cache holds equal
-    the reference head's entry there: (the target's h at p, the token at p + 1). Returns the
-    positions checked."""
-    from eagle3_reference import RefHead, target_hidden
-    engine_ = llm._executor.engine
-    nodes = engine_.scheduler.kv.match(seq).tree_match.nodes
-    pool = engine_.runner.spec.proposer.pool.tensor            # [1, 2, blocks, B, Hkv, D]
-    B = pool.shape[3]
-    n = len(nodes) * B
-    ref = RefHead(tensors, hf.model.embed_tokens.weight.detach())
-    with torch.no_grad():
-        ref.entries(torch.arange(n), torch.tensor(seq[1:n + 1]), target_hidden(hf, tensors, seq)[:n])
-    ours = torch.stack([pool[0, :, node.block_id] for node in nodes], 1).flatten(1, 2)   # [2, n, Hkv, D]
-    for what, mine, theirs in (("K", ours[0], ref.k[0]), ("V", ours[1], ref.v[0])):
-        bad = ((mine - theirs).abs().amax(dim=(1, 2)) > 1e-4).nonzero().flatten().tolist()
-        assert not bad, f"the head's {what} differs from the reference at positions {bad}"
-    return n
 
 
 @pytest.mark.parametrize("case", ["to the length limit", "drafts off (max_concurrency)", "plain (logprobs)",
