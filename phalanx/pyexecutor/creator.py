@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from phalanx.config import LlmArgs
 from phalanx.kernels import fp8, ops
+from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.kv_manager import KVCacheManager
 from phalanx.llmapi.grammar import GrammarCompiler
 from phalanx.llmapi.sampling_params import MAX_LOGPROBS
@@ -452,47 +454,48 @@ def _activation_peak(model: CausalLM, n: int, pool_shape: tuple, rows: int, samp
     sampled as the costliest requests are (``sampler.costliest_rows``), after a slice of
     ``logprob_rows`` prompt logprobs (``ModelRunner._prompt_logprobs``'s, before a step's
     logits)."""
-    from phalanx.kernels.metadata import AttentionMetadata
-    L, B, Hkv, D, kdt, dev = pool_shape
-    tmp = KVPool(L, -(-n // B) + 1, B, Hkv, D, kdt, dev)
-    meta = AttentionMetadata.one_prompt(n, B, dev)
-    torch.cuda.synchronize(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    ids = torch.zeros(n, dtype=torch.long, device=dev)
-    hidden = model(ids, torch.arange(n, device=dev), meta, tmp.tensor)
-    vocab = model.config.vocab_size
-    if logprob_rows:
-        lp = model.compute_logits(hidden[torch.arange(logprob_rows, device=dev) % n])[:, :vocab]
-        lp.log_softmax(dim=-1).topk(MAX_LOGPROBS, dim=-1)
-        del lp
-    logits = model.compute_logits(hidden[torch.arange(rows, device=dev) % n])   # a gather, as a step's
-    if sample:
-        Sampler(vocab, dev).sample(logits, costliest_rows(rows, vocab))
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base
-    del tmp, hidden, meta, logits
-    torch.cuda.empty_cache()
-    return peak
+    dev = pool_shape[-1]
+
+    def run(pool: torch.Tensor, meta: AttentionMetadata) -> None:
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        hidden = model(ids, torch.arange(n, device=dev), meta, pool)
+        vocab = model.config.vocab_size
+        if logprob_rows:
+            lp = model.compute_logits(hidden[torch.arange(logprob_rows, device=dev) % n])[:, :vocab]
+            lp.log_softmax(dim=-1).topk(MAX_LOGPROBS, dim=-1)
+            del lp
+        logits = model.compute_logits(hidden[torch.arange(rows, device=dev) % n])   # a gather, as a step's
+        if sample:
+            Sampler(vocab, dev).sample(logits, costliest_rows(rows, vocab))
+    return _peak_over_prompt(n, pool_shape, run)
 
 
 @torch.inference_mode()
 def _head_activation_peak(head: Eagle3Head, n: int, pool_shape: tuple) -> int:
     """The memory an EAGLE-3 head's pass over a prompt of n tokens allocates at its peak (``fc``
     of the captured hidden states, then the entries' K/V), over a temporary pool of ``pool_shape``."""
-    from phalanx.kernels.metadata import AttentionMetadata
+    dev = pool_shape[-1]
+
+    def run(pool: torch.Tensor, meta: AttentionMetadata) -> None:
+        aux = torch.zeros(n, head.fc.weight.shape[1], dtype=head.norm.weight.dtype, device=dev)
+        head.write_kv(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), head.fc(aux), meta,
+                      pool)
+    return _peak_over_prompt(n, pool_shape, run)
+
+
+def _peak_over_prompt(n: int, pool_shape: tuple, run: Callable[[torch.Tensor, AttentionMetadata], None]) -> int:
+    """The memory ``run`` allocates at its peak (its own locals freed when it returns), given a
+    temporary pool of ``pool_shape`` and the metadata of one prompt of n tokens, made before."""
     L, B, Hkv, D, kdt, dev = pool_shape
     tmp = KVPool(L, -(-n // B) + 1, B, Hkv, D, kdt, dev)
     meta = AttentionMetadata.one_prompt(n, B, dev)
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    aux = torch.zeros(n, head.fc.weight.shape[1], dtype=head.norm.weight.dtype, device=dev)
-    head.write_kv(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), head.fc(aux), meta,
-                  tmp.tensor)
+    run(tmp.tensor, meta)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
-    del tmp, meta, aux
+    del tmp, meta
     torch.cuda.empty_cache()
     return peak
 
