@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from phalanx import LLM, RequestOutput, SamplingParams
-from phalanx.bench.shapes import TINY_OVERRIDES, shape_dir
+from phalanx.bench.shapes import TINY_OVERRIDES, resolve_spec_shape, shape_dir
 from phalanx.config import merge_yaml
 
 TINY = {k: v for k, v in TINY_OVERRIDES.items() if k != "vocab_size"}   # the prompts use ids up to 40k
@@ -131,7 +131,7 @@ def main() -> None:
                       "max_seq_len": max(512, a.prompt_len + decode_tokens(a.steps, max(a.batch), a.prompt_len) + 64),
                       "cuda_graph_config": {"batch_sizes": sorted(set(a.batch))} if graphs else None}
             if a.config:
-                kwargs = merge_yaml(kwargs, a.config)
+                kwargs = resolve_spec_shape(merge_yaml(kwargs, a.config))
             if a.tiny:
                 kwargs.update(orchestrator_type="inprocess", cuda_graph_config=None)
             llm = LLM(shape_dir(a.model, **(TINY if a.tiny else {})), **kwargs)
