@@ -122,7 +122,8 @@ class LLM:
         """Submit one prompt; returns a RequestOutput future (``.result()``, ``await .aresult()``;
         ``async for`` / ``for`` yields each update when streaming, else once, the finished output;
         cancelling the task that consumes the stream aborts the request)."""
-        if isinstance(inputs, (list, tuple)) and any(isinstance(t, (str, dict, list, tuple)) for t in inputs):
+        # (the first item tells: a prompt's ids are ints, which _prepare checks every one of)
+        if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], (str, dict, list, tuple)):
             raise ValueError("inputs: generate_async takes one prompt (a string, token ids or a dict); "
                              "got a list of prompts: use generate for a batch")
         loras = self._loras(lora_request, 1)
