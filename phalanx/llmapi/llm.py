@@ -208,6 +208,7 @@ class LLM:
         keep = self.kept_prompt_tokens(params.truncate_prompt_tokens)
         prompt, ids = self._tokenize(inputs, keep is None)
         if keep is not None and len(ids) > keep:
+            check_prompt(ids, self.vocab_size, len(ids) + 1)   # every id, before the cut drops some
             ids = ids[-keep:]
             prompt = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
         self._check_prompt(ids, params)

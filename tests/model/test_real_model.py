@@ -446,3 +446,13 @@ def test_logprob_entries_carry_their_tokens_text_and_the_chosen_tokens_rank(llm)
     plain = llm.generate("The capital of France is", SamplingParams(max_tokens=2, logprobs=1, detokenize=False),
                          use_tqdm=False).outputs[0]
     assert all(lp.decoded_token is None for entry in plain.logprobs for lp in entry.values())
+
+
+def test_ids_are_checked_before_truncate_prompt_tokens_cuts_them(llm):
+    """A bad id the cut would drop is refused all the same, by name, in both entry points."""
+    params = SamplingParams(max_tokens=2, truncate_prompt_tokens=2)
+    for call in (lambda: llm.generate_async([1, "x", 2, 3], params), lambda: llm.generate([[1, "x", 2, 3]], params),
+                 lambda: llm.generate_async({"prompt_token_ids": [1, 2.5, 2, 3]}, params)):
+        with pytest.raises(ValueError, match="prompt_token_ids: token id"):
+            call()
+    assert llm.generate_async([1, 2, 3, 4], params).result().prompt_token_ids == [3, 4]
