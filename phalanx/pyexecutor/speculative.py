@@ -39,8 +39,9 @@ Eagle3       an EAGLE-3 head (models/eagle3.py) over its own one-layer KV pool (
              input ids shifted by one (each row's last takes the next prompt token where the
              host knows it, else 0: that entry is written again below) and keeps h of every
              row. After sampling, the first draft step writes the entry at L − 2 again from
-             (h_{L−2}, x_{L−1}) — for a verify row h at its q0 + accepted − 1, the last
-             accepted position's — and drafts; each later step takes the head's own g in place of
+             (h_{L−2}, x_{L−1}) — for a verify row h at q0 + n − 1, its last accepted
+             position within the length limit (a row already at its limit writes nothing) — and
+             drafts; each later step takes the head's own g in place of
              h. Entries the target rejects lie past L − 2 and are written again by the next
              verify, which covers L − 1 .. L − 1 + k. A prefix-cache hit's last cached position
              keeps the entry its first request wrote (drafts only: tokens never depend on it).
