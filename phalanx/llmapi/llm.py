@@ -602,7 +602,8 @@ def _adapter_tensors(tensors: Any) -> list[Any]:
 def _is_single(inputs: Any) -> bool:
     if isinstance(inputs, (str, dict)):
         return True
-    return isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(isinstance(t, int) for t in inputs)
+    # (the first item tells: a prompt's ids are ints, which _prepare checks every one of)
+    return isinstance(inputs, (list, tuple)) and len(inputs) > 0 and isinstance(inputs[0], int)
 
 
 def _chat_messages(conv: Any) -> list[dict[str, Any]]:
