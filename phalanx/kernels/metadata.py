@@ -41,6 +41,14 @@ class AttentionMetadata:
                    block_tables=torch.arange(blocks, dtype=i32, device=device)[None],
                    max_query_len=n, max_seq_len=n, tokens_per_block=tokens_per_block)
 
+    @classmethod
+    def kv_writes(cls, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """Metadata of K/V writes alone (``ops.rope_and_write_kv`` reads ``slot_mapping`` only): it
+        holds no sequence, so no attention can run on it."""
+        none = slot_mapping.new_zeros(0, dtype=torch.int32)
+        return cls(slot_mapping=slot_mapping, query_start=none, seq_lens=none, block_tables=none.view(0, 0),
+                   max_query_len=0, max_seq_len=0, tokens_per_block=1)
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]

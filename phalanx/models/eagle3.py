@@ -42,7 +42,7 @@ from phalanx.models.layers import (
     RotaryEmbedding,
     VocabParallelEmbedding,
 )
-from phalanx.models.llama import MLP, Attention
+from phalanx.models.llama import MLP, Attention, CausalLM
 from phalanx.models.parallel import TPGroup
 
 
@@ -107,19 +107,23 @@ class Eagle3Head(nn.Module):
                 kv_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T] (the token after each position), positions [T], hidden [T, H] -> (the normed
         output [T, H], g [T, H]). kv_pool: [1, 2, blocks, B, Hkv, D]."""
-        normed_h = self.hidden_norm(hidden)
+        x, normed_h = self._input(ids, hidden)
         residual = normed_h if self.config.eagle_norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(self.embed(ids)), normed_h], dim=-1)
         a = self.self_attn(positions, x, meta, kv_pool[0, 0], kv_pool[0, 1])
         h, residual = self.post_attention_layernorm(a, residual)
         return self.norm(self.mlp(h), residual)
 
-    def write_kv(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+    def write_kv(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
                  kv_pool: torch.Tensor) -> None:
-        """The entries' K and V alone (``forward`` up to the attention's K/V write): all that
-        entries whose output no draft reads need."""
-        x = torch.cat([self.input_layernorm(self.embed(ids)), self.hidden_norm(hidden)], dim=-1)
-        self.self_attn.qkv_rope(positions, x, meta, kv_pool[0, 0], kv_pool[0, 1])
+        """The entries' K and V alone, into pool ``slots`` (``forward`` up to the attention's K/V
+        write): all that entries whose output no draft reads need."""
+        x, _ = self._input(ids, hidden)
+        self.self_attn.qkv_rope(positions, x, AttentionMetadata.kv_writes(slots), kv_pool[0, 0], kv_pool[0, 1])
+
+    def _input(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input [T, 2H]: the next token's normed embedding ‖ the normed h, the normed h)."""
+        normed_h = self.hidden_norm(hidden)
+        return torch.cat([self.input_layernorm(self.embed(ids)), normed_h], dim=-1), normed_h
 
     def draft_tokens(self, out: torch.Tensor) -> torch.Tensor:
         """The greedy draft of each row of ``out`` as a target token id."""
@@ -135,9 +139,6 @@ class Eagle3Head(nn.Module):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * 0.02)
-
-    _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
-                ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """An EAGLE-3 checkpoint's tensors (see the module docstring); a ValueError names a
@@ -157,7 +158,7 @@ class Eagle3Head(nn.Module):
                 self.d2t.copy_(w.long())
                 continue
             target, shard = name, None
-            for ckpt, ours, s in self._STACKED:
+            for ckpt, ours, s in CausalLM.stacked:
                 if f".{ckpt}." in name:
                     target, shard = name.replace(f".{ckpt}.", f".{ours}."), s
             param = params.get(target)

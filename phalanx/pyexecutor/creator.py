@@ -478,8 +478,8 @@ def _head_activation_peak(head: Eagle3Head, n: int, pool_shape: tuple) -> int:
 
     def run(pool: torch.Tensor, meta: AttentionMetadata) -> None:
         aux = torch.zeros(n, head.fc.weight.shape[1], dtype=head.norm.weight.dtype, device=dev)
-        head.write_kv(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), head.fc(aux), meta,
-                      pool)
+        head.write_kv(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), head.fc(aux),
+                      meta.slot_mapping, pool)
     return _peak_over_prompt(n, pool_shape, run)
 
 

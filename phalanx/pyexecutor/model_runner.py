@@ -552,17 +552,9 @@ class ModelRunner:
         is sampled, each row's last entry takes it (``write_sampled``)."""
         if inputs.draft_hidden is None or not inputs.sample_rows:
             return None
-        from phalanx.pyexecutor.sampler import device_ints
         from phalanx.pyexecutor.speculative import SampledRows
         last = inputs.logits_indices[:len(inputs.sample_rows)]      # (plain rows first, then verify rows)
-        rows = device_ints(inputs.sample_rows, self.device)
-        m = inputs.meta
-        meta = AttentionMetadata(
-            slot_mapping=m.slot_mapping[last], query_start=torch.arange(len(inputs.sample_rows) + 1, dtype=torch.int32,
-                                                                        device=self.device),
-            seq_lens=m.seq_lens[rows], block_tables=m.block_tables[rows], max_query_len=1, max_seq_len=m.max_seq_len,
-            tokens_per_block=m.tokens_per_block, is_decode_only=True)
-        return SampledRows(inputs.positions[last], inputs.draft_hidden[last], meta)
+        return SampledRows(inputs.positions[last], inputs.draft_hidden[last], inputs.meta.slot_mapping[last])
 
     @torch.inference_mode()
     def finish_sampling(self, step: InFlightStep) -> None:

@@ -319,7 +319,6 @@ class SpecDecoder:
                 torch.distributed.broadcast(drafts, src=0, group=self.tp.group)
             self.next_tokens[slots, 1:] = drafts
 
-
     def _head_rows(self, step: SpecStep, first_tokens: torch.Tensor | None) -> HeadRows:
         """What the head's entry at L − 2 takes, for the verify rows then the first rows (before
         ``length`` moves): a verify row's last accepted position within its length limit — the
@@ -443,7 +442,8 @@ class Eagle3Proposer:
         if tails is not None:
             shifted[meta.query_start[1:].long() - 1] = tails
         hidden = self.head.fc(self.aux[:T])
-        self.head.write_kv(shifted, positions.clamp(max=self.max_position - 1), hidden, meta, self.pool.tensor)
+        self.head.write_kv(shifted, positions.clamp(max=self.max_position - 1), hidden, meta.slot_mapping,
+                           self.pool.tensor)
         return hidden
 
     def copy_blocks(self, copy_ops: list) -> None:
@@ -457,10 +457,16 @@ class Eagle3Proposer:
         assert head_rows is not None
         token, hidden = head_rows.token, head_rows.hidden
         drafts = []
+        R = slots.shape[0]
+        query_start = torch.arange(R + 1, dtype=torch.int32, device=slots.device)
         for i in range(self.k):                       # the entry at L − 2 + i
-            meta = self._meta(spec, length - 2 + i, block_tables, max_length, head_rows.moved if i == 0 else None)
-            out, hidden = self.head(token, (length - 2 + i).clamp(max=self.max_position - 1), hidden, meta,
-                                    self.pool.tensor)
+            pos = length - 2 + i
+            meta = AttentionMetadata(
+                slot_mapping=self._slots(spec, pos, block_tables, head_rows.moved if i == 0 else None),
+                query_start=query_start, seq_lens=(pos + 1).to(torch.int32), block_tables=block_tables,
+                max_query_len=1, max_seq_len=max_length + self.k, tokens_per_block=self.pool.tokens_per_block,
+                is_decode_only=True)
+            out, hidden = self.head(token, pos.clamp(max=self.max_position - 1), hidden, meta, self.pool.tensor)
             token = self.head.draft_tokens(out)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
@@ -471,34 +477,28 @@ class Eagle3Proposer:
         """The entry at L − 2 from (h_{L−2}, x_{L−1}), without drafting (a step that verifies none next)."""
         pos = length - 2
         self.head.write_kv(head_rows.token, pos.clamp(max=self.max_position - 1), head_rows.hidden,
-                           self._meta(spec, pos, block_tables, 0, head_rows.moved), self.pool.tensor)
+                           self._slots(spec, pos, block_tables, head_rows.moved), self.pool.tensor)
 
     @torch.inference_mode()
     def write_sampled(self, rows: SampledRows, tokens: torch.Tensor) -> None:
         """Rows that sampled without speculating (prompts' last rows, plain decoding): their last
         entry takes the token sampled, so that blocks the prefix cache keeps hold right entries."""
-        self.head.write_kv(tokens, rows.positions.clamp(max=self.max_position - 1), rows.hidden, rows.meta,
+        self.head.write_kv(tokens, rows.positions.clamp(max=self.max_position - 1), rows.hidden, rows.slots,
                            self.pool.tensor)
 
-    def _meta(self, spec: SpecDecoder, pos: torch.Tensor, block_tables: torch.Tensor, max_length: int,
-              moved: torch.Tensor | None) -> AttentionMetadata:
-        """One entry a row at positions ``pos``; a row that did not move writes its K/V into the
-        scratch block (its entry at L − 2 is already right)."""
+    def _slots(self, spec: SpecDecoder, pos: torch.Tensor, block_tables: torch.Tensor,
+               moved: torch.Tensor | None) -> torch.Tensor:
+        """The pool slots of one entry a row at positions ``pos``; a row that did not move writes
+        into the scratch block (its entry at L − 2 is already right)."""
         slots = spec.kv_slots(block_tables, pos)
-        if moved is not None:
-            slots = torch.where(moved, slots, self.scratch_slot)
-        R = pos.shape[0]
-        return AttentionMetadata(
-            slot_mapping=slots, query_start=torch.arange(R + 1, dtype=torch.int32, device=pos.device),
-            seq_lens=(pos + 1).to(torch.int32), block_tables=block_tables, max_query_len=1,
-            max_seq_len=max_length + self.k, tokens_per_block=self.pool.tokens_per_block, is_decode_only=True)
+        return slots if moved is None else torch.where(moved, slots, self.scratch_slot)
 
 
 @dataclass
 class SampledRows:
     """The head's entries of a step's plain sampling rows (``ModelRunner.launch``): each row's
-    last input position, the target's h there and the metadata of one entry a row."""
+    last input position, the target's h there and its pool slot."""
 
     positions: torch.Tensor
     hidden: torch.Tensor
-    meta: AttentionMetadata
+    slots: torch.Tensor
