@@ -53,31 +53,34 @@ def triton_attention_everywhere(model: torch.nn.Module, tokens_per_block: int) -
                                                 m.kv_of_q is not None) for m in layers)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """``unit_offset`` (Gemma): x is scaled by 1 + weight (reference.rms_norm_ref)."""
     if use_triton(x):
         from phalanx.kernels import triton_ops
-        return triton_ops.rms_norm(x, weight, eps)
-    return reference.rms_norm_ref(x, weight, eps)
+        return triton_ops.rms_norm(x, weight, eps, unit_offset)
+    return reference.rms_norm_ref(x, weight, eps, unit_offset)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       unit_offset: bool = False):
     if use_triton(x):
         from phalanx.kernels import triton_ops
-        return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
-    return reference.fused_add_rms_norm_ref(x, residual, weight, eps)
+        return triton_ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+    return reference.fused_add_rms_norm_ref(x, residual, weight, eps, unit_offset)
 
 
-def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False):
     """RMSNorm of x (of x + residual) quantized per row for an FP8 product: (fp8.Fp8Rows, the new
     residual or None), one kernel on the Triton path."""
     from phalanx.kernels import fp8
     if use_triton(x):
         from phalanx.kernels import triton_ops
-        q, scale, res = triton_ops.rms_norm_fp8(x, residual, weight, eps, fp8.FP8_MAX, fp8.TINY)
+        q, scale, res = triton_ops.rms_norm_fp8(x, residual, weight, eps, fp8.FP8_MAX, fp8.TINY, unit_offset)
         return fp8.Fp8Rows(q, scale, x.dtype), res
     if residual is None:
-        return fp8.quantize_rows_reference(reference.rms_norm_ref(x, weight, eps)), None
-    h, res = reference.fused_add_rms_norm_ref(x, residual, weight, eps)
+        return fp8.quantize_rows_reference(reference.rms_norm_ref(x, weight, eps, unit_offset)), None
+    h, res = reference.fused_add_rms_norm_ref(x, residual, weight, eps, unit_offset)
     return fp8.quantize_rows_reference(h), res
 
 
@@ -86,6 +89,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from phalanx.kernels import triton_ops
         return triton_ops.silu_and_mul(x)
     return reference.silu_and_mul_ref(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        from phalanx.kernels import triton_ops
+        return triton_ops.gelu_tanh_and_mul(x)
+    return reference.gelu_tanh_and_mul_ref(x)
 
 
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

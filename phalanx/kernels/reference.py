@@ -7,18 +7,21 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., H] -> [..., H]; statistics in float32, scaled in the input dtype."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """x: [..., H] -> [..., H]; statistics in float32, scaled in the input dtype. ``unit_offset``
+    (Gemma): scaled by 1 + weight, in float32, then rounded to the input dtype."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x; returns (rms_norm(residual), residual)."""
     residual = x + residual
-    return rms_norm_ref(residual, weight, eps), residual
+    return rms_norm_ref(residual, weight, eps, unit_offset), residual
 
 
 def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -41,6 +44,13 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2N] (gate ‖ up) -> silu(gate) * up: [T, N]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2N] (gate ‖ up) -> gelu(gate) * up with GELU's tanh approximation (Gemma's
+    ``gelu_pytorch_tanh``): [T, N]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

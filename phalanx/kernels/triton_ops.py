@@ -25,8 +25,10 @@ def _pow2(n: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, stride_x, stride_r, stride_o,
                      H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                     FP8_OUT: tl.constexpr = False, FMAX: tl.constexpr = 448.0, TINY: tl.constexpr = 1e-12):
-    """One row. ``FP8_OUT``: the normed row leaves quantized (``quantize_row``), its scale in s_ptr."""
+                     FP8_OUT: tl.constexpr = False, FMAX: tl.constexpr = 448.0, TINY: tl.constexpr = 1e-12,
+                     UNIT_OFFSET: tl.constexpr = False):
+    """One row. ``FP8_OUT``: the normed row leaves quantized (``quantize_row``), its scale in s_ptr.
+    ``UNIT_OFFSET`` (Gemma): scaled by 1 + w in float32, then rounded (reference.rms_norm_ref)."""
     release(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -39,7 +41,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, stride_
         tl.store(res_out_ptr + row * H + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    y = (xf * rstd).to(x.dtype) * w
+    if UNIT_OFFSET:   # noqa: SIM108 - a constexpr branch: one of the two is compiled
+        y = (xf * rstd * (1.0 + w.to(tl.float32))).to(x.dtype)
+    else:
+        y = (xf * rstd).to(x.dtype) * w
     if FP8_OUT:
         quantize_row(y, out_ptr + row * stride_o + cols, mask, s_ptr + row, FMAX, TINY)
     else:
@@ -64,29 +69,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """x [..., H] -> [..., H]."""
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     H = x2.shape[1]
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, out, x2.stride(0), 0, out.stride(0), H, eps,
-                                     HAS_RES=False, BLOCK=_pow2(H), **pdl.launch(x2))
+                                     HAS_RES=False, BLOCK=_pow2(H), UNIT_OFFSET=unit_offset, **pdl.launch(x2))
     return out.view(x.shape)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       unit_offset: bool = False):
     """(x + residual) -> (rms_norm of it, the sum as the new residual); x, residual [T, H]."""
     x2, r2 = _rows(x), _rows(residual)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     H = x2.shape[1]
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, out, x2.stride(0), r2.stride(0), out.stride(0),
-                                     H, eps, HAS_RES=True, BLOCK=_pow2(H), **pdl.launch(x2))
+                                     H, eps, HAS_RES=True, BLOCK=_pow2(H), UNIT_OFFSET=unit_offset, **pdl.launch(x2))
     return out.view(x.shape), res_out.view(x.shape)
 
 
 def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fmax: float,
-                 tiny: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 tiny: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm of x [T, H] (of x + residual, also returned as the new residual), quantized per row
     in the same kernel: (q [T, H] float8_e4m3fn, scale [T, 1] float32, new residual or None)."""
     x2 = _rows(x)
@@ -98,7 +104,7 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if T:
         _rms_norm_kernel[(T,)](x2, r2, weight, q, res_out, scale, x2.stride(0), r2.stride(0), q.stride(0), H, eps,
                                HAS_RES=residual is not None, BLOCK=_pow2(H), FP8_OUT=True, FMAX=fmax, TINY=tiny,
-                               **pdl.launch(x2))
+                               UNIT_OFFSET=unit_offset, **pdl.launch(x2))
     return q, scale, res_out if residual is not None else None
 
 
@@ -252,6 +258,39 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         BLOCK = min(1024, _pow2(N))
         _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK,
                                                             **pdl.launch(x))
+    return out
+
+
+@triton.jit
+def gelu_tanh_mul(gate, up):
+    """gelu(gate) * up with GELU's tanh approximation, the GELU in float32 (tanh(y) written as
+    1 − 2 / (1 + e^2y), which saturates to ±1 at either end), the product in up's dtype."""
+    g = gate.to(tl.float32)
+    y = 0.7978845608028654 * (g + 0.044715 * g * g * g)   # sqrt(2 / pi) (g + 0.044715 g^3)
+    t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * y))
+    return (0.5 * g * (1.0 + t)).to(up.dtype) * up
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    y = gelu_tanh_mul(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0),
+                      tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0))
+    tl.store(out_ptr + row * stride_o + cols, y, mask=m)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2N] (gate ‖ up) -> gelu_tanh(gate) * up [T, N] (Gemma's MLP)."""
+    T, N2 = x.shape
+    N = N2 // 2
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T:
+        BLOCK = min(1024, _pow2(N))
+        _gelu_tanh_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK,
+                                                          **pdl.launch(x))
     return out
 
 

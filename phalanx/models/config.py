@@ -15,6 +15,7 @@ SUPPORTED_MODEL_TYPES = {
     "mixtral": "moe",
     "qwen2_moe": "moe",
     "qwen3_moe": "moe",
+    "gemma3_text": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -39,6 +40,14 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False         # Qwen3
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    # Gemma 3: GELU (tanh) MLPs, norms scaling by 1 + weight, the embedding's output times
+    # sqrt(hidden), queries scaled by query_pre_attn_scalar^-1/2 instead of head_dim^-1/2, and the
+    # sliding-window layers' own rotary base (default rope; 0: every layer takes rope_theta's)
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float = 0.0
+    rope_local_theta: float = 0.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -131,7 +140,7 @@ class ModelConfig:
             o_bias=(mt not in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
                     and bool(getattr(hf, "attention_bias", False))),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_windows=_sliding_windows(hf, mt),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
@@ -150,6 +159,7 @@ class ModelConfig:
             fp8_kv_cache=bool(qc) and _fp8_kv_cache(qc),
             quant_method=_quant_method(qc),
             **_eagle3_fields(hf),
+            **(_gemma3_fields(hf) if mt == "gemma3_text" else {}),
         )
 
 
@@ -170,6 +180,33 @@ def _eagle3_fields(hf: Any) -> dict[str, Any]:
             "eagle_aux_layer_ids": tuple(ids or ()),
             "eagle_norm_before_residual": bool(getattr(hf, "norm_before_residual", False)
                                                or eagle.get("norm_before_residual", False))}
+
+
+def _gemma3_fields(hf: Any) -> dict[str, Any]:
+    """Gemma 3's settings (``gemma3_text``: Gemma3ForCausalLM); what this decoder does not
+    compute is refused by name."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf, name, None) is not None:
+            raise ValueError(f"gemma3_text: {name} = {getattr(hf, name)!r} is not supported (Gemma 3 sets it to null)")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError("gemma3_text: use_bidirectional_attention is not supported (an embedding model, not a "
+                         "causal decoder)")
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None) or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"gemma3_text: hidden_activation {act!r} is not supported; supported: 'gelu_pytorch_tanh'")
+    params = getattr(hf, "rope_parameters", None)
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    if isinstance(local, dict):   # transformers 5: rope parameters per layer type
+        if (local.get("rope_type") or "default") != "default":
+            raise ValueError(f"gemma3_text: the sliding layers' rope type {local.get('rope_type')!r} is not "
+                             "supported; supported: 'default'")
+        local_theta = local.get("rope_theta")
+    else:
+        local_theta = getattr(hf, "rope_local_base_freq", None)
+    return {"hidden_act": "gelu_pytorch_tanh", "norm_unit_offset": True,
+            "embed_scale": float(hf.hidden_size) ** 0.5,
+            "query_pre_attn_scalar": float(getattr(hf, "query_pre_attn_scalar", None) or 0.0),
+            "rope_local_theta": float(local_theta or 10000.0)}
 
 
 def _listed(v: Any) -> Any:
@@ -358,6 +395,8 @@ def _compressed_tensors_fp8(get: Any) -> tuple[int, ...] | None:
 
 def _rope_params(hf: Any) -> dict[str, Any]:
     params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return dict(params["full_attention"])   # per layer type (Gemma 3): the full layers' rope
     if isinstance(params, dict) and params:
         return dict(params)
     scaling = getattr(hf, "rope_scaling", None) or {}

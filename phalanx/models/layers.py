@@ -420,37 +420,41 @@ class ParallelLMHead(Projection):
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; with ``residual`` it first adds it (fused add + norm) and
-    returns (normed, new residual).
+    returns (normed, new residual). ``unit_offset`` (Gemma's norms): rows are scaled by
+    1 + weight, in float32, rather than by weight.
 
     ``fp8_rows_above``: set at build time where the projection after this norm multiplies FP8
     rows (``fp8.takes_fp8_rows``; the engine's ``DecoderLayer.prepare_fp8_rows``). A batch of more rows
     than that (the cuBLASLt bucket of ``linear_plan``) then leaves the norm already quantized per
     row, as ``fp8.Fp8Rows``, by the same kernel."""
 
-    def __init__(self, hidden: int, eps: float) -> None:
+    def __init__(self, hidden: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = _param((hidden,), default_loader)
         self.fp8_rows_above: int | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: TPGroup | None = None):
         """``reduce``: x is this rank's partial sum over that group (a deferred row-parallel
-        output): all-reduce, add and norm in one (``TPGroup.all_reduce_add_rms_norm``)."""
+        output): all-reduce, add and norm in one (``TPGroup.all_reduce_add_rms_norm``; not with
+        ``unit_offset``, whose layers defer nothing)."""
         if self.fp8_rows_above is not None and x.shape[0] > self.fp8_rows_above:
             return self._fp8_rows(x, residual, reduce)
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
         if reduce is not None:
+            assert not self.unit_offset, "a unit-offset norm takes whole sums"
             return reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
 
     def _fp8_rows(self, x: torch.Tensor, residual: torch.Tensor | None, reduce: TPGroup | None):
         if reduce is not None and residual is not None:
+            assert not self.unit_offset, "a unit-offset norm takes whole sums"
             if reduce.fuses_norm(x, residual, self.weight):   # the all-reduce kernel's norm, then the rows apart
                 h, residual = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
                 return fp8.quantize_rows(h), residual
             x = reduce.all_reduce(x)
-        rows, res = ops.rms_norm_fp8(x, residual, self.weight, self.eps)
+        rows, res = ops.rms_norm_fp8(x, residual, self.weight, self.eps, self.unit_offset)
         return rows if residual is None else (rows, res)
 
 

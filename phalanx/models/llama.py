@@ -23,6 +23,7 @@ from phalanx.models.config import ModelConfig
 from phalanx.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
+    Projection,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -49,14 +50,14 @@ class Attention(nn.Module):
         super().__init__()
         D = cfg.head_dim
         self.heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
-        self.head_dim, self.scale = D, D ** -0.5
+        self.head_dim, self.scale = D, (cfg.query_pre_attn_scalar or D) ** -0.5
         self.window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, D, self.heads, cfg.qkv_bias, behind=Neighbour.NORM)
         q0, nq = self.heads.q_start, self.heads.num_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, cfg.o_bias, tp,
                                         in_ranges=[(q0 * D, (q0 + nq) * D)], behind=Neighbour.ATTN)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.rotary: list[RotaryEmbedding] = [rotary]  # shared; a list keeps it out of this module's parameters
         kv_of_q = None if self.heads.uniform_groups else torch.tensor(self.heads.kv_of_q)
         self.kv_of_q: torch.Tensor | None
@@ -128,9 +129,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding,
                  mlp_factory: MlpFactory) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.self_attn = Attention(cfg, layer_idx, tp, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.mlp = mlp_factory(cfg, layer_idx, tp)
         self.tp = tp
         # row-parallel outputs reach the next norm as partial sums, and the norm reduces them
@@ -161,17 +162,13 @@ class DecoderLayer(nn.Module):
         and every projection's own row quantization is run instead."""
         from phalanx.kernels import fp8
         from phalanx.kernels.linear_plan import ROW_BUCKETS
-        from phalanx.models.layers import Projection
-        after: list[tuple[RMSNorm, Projection]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
-        if isinstance(self.mlp, MLP):
-            after.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        after, later = self.projections()
         for norm, proj in after if norms else ():
             if proj.weight_scale is not None and fp8.takes_fp8_rows(proj.weight, act_dtype, proj.fp8_block):
                 norm.fp8_rows_above = ROW_BUCKETS[-1]
                 zero = torch.zeros(1, proj.weight.shape[1], dtype=act_dtype, device=proj.weight.device)
-                ops.rms_norm_fp8(zero, None, norm.weight, norm.eps)
-                ops.rms_norm_fp8(zero, zero, norm.weight, norm.eps)
-        later: list[Projection] = [self.self_attn.o_proj, *([self.mlp.down_proj] if isinstance(self.mlp, MLP) else [])]
+                ops.rms_norm_fp8(zero, None, norm.weight, norm.eps, norm.unit_offset)
+                ops.rms_norm_fp8(zero, zero, norm.weight, norm.eps, norm.unit_offset)
         if not norms:
             later += [proj for _, proj in after]
         for proj in later:
@@ -179,6 +176,13 @@ class DecoderLayer(nn.Module):
                 width = proj.weight.shape[1] * (2 if proj.behind is Neighbour.SILU else 1)
                 proj.plan(torch.zeros(ROW_BUCKETS[-1] + 1, width, dtype=act_dtype, device=proj.weight.device),
                           proj.weight, None, proj.weight_scale)
+
+    def projections(self) -> tuple[list[tuple[RMSNorm, Projection]], list[Projection]]:
+        """([(a norm, the projection right after it)], [the other dense projections])."""
+        after: list[tuple[RMSNorm, Projection]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, MLP):
+            after.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return after, [self.self_attn.o_proj, *([self.mlp.down_proj] if isinstance(self.mlp, MLP) else [])]
 
     # the halves around attention (a piecewise CUDA graph captures them apart: cuda_graph.py)
     def input_norm(self, x, residual, x_partial: bool = False):
@@ -196,17 +200,33 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, mlp_factory: MlpFactory) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope)
+        # sliding-window layers with a rotary base of their own (Gemma 3: default rope)
+        local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, {})
+                 if cfg.rope_local_theta else self.rotary)
+        self.local_rotary = local
+        windows = cfg.sliding_windows or (None,) * cfg.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, self.rotary, mlp_factory) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.layer_class(cfg, i, tp, self.rotary if windows[i] is None else local, mlp_factory)
+            for i in range(cfg.num_layers))
+        # the embedding's output times this (Gemma: sqrt(hidden) rounded to the model's dtype, as
+        # transformers multiplies it); None: 1
+        self.embed_scale = (float(torch.tensor(cfg.embed_scale, dtype=torch.get_default_dtype()))
+                            if cfg.embed_scale != 1.0 else None)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.tp = tp
         self.decoder_layers: list[DecoderLayer] = list(self.layers)   # type: ignore[arg-type]  # typed view
         self.aux_slots: list[list[int]] = [[] for _ in range(cfg.num_layers)]   # capture_hidden's
         self.aux_out: torch.Tensor | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def capture_hidden(self, layers: tuple[int, ...], rows: int) -> torch.Tensor:
         """Set once at build (an EAGLE-3 head reads them): every forward writes the output of
@@ -232,7 +252,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pool: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, B, Hkv, D] -> hidden [T, hidden]
-        x, residual, partial = self.embed_tokens(input_ids), None, False
+        x, residual, partial = self.embed(input_ids), None, False
         for i, layer in enumerate(self.decoder_layers):
             x, residual = layer(positions, x, residual, meta, kv_pool[i, 0], kv_pool[i, 1], partial)
             partial = layer.output_partial
@@ -249,7 +269,7 @@ class DecoderModel(nn.Module):
         [T, H, D] through its o projection and MLP, then layer i up to its q; i = L ends with the
         final norm. Returns (residual, q), and after the last stretch (hidden, None)."""
         if i == 0:
-            x, partial = self.embed_tokens(input_ids), False
+            x, partial = self.embed(input_ids), False
         else:
             prev = self.decoder_layers[i - 1]
             x, residual = prev.mlp_block(prev.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1)), residual)
@@ -273,11 +293,13 @@ class CausalLM(nn.Module):
         ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
     )
 
+    decoder_class: type[DecoderModel] = DecoderModel
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None,
                  mlp_factory: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.config, self.tp = cfg, tp or TPGroup()
-        self.model = DecoderModel(cfg, self.tp, mlp_factory)
+        self.model = self.decoder_class(cfg, self.tp, mlp_factory)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp, tied=tied)
         self.lora: LoraState | None = None   # LoRA adapters' step state (models/lora.install)

@@ -320,6 +320,9 @@ def model_class(cfg: ModelConfig):
     if family == "moe":
         from phalanx.models.moe import MoECausalLM
         return MoECausalLM
+    if family == "gemma3":
+        from phalanx.models.gemma3 import Gemma3ForCausalLM
+        return Gemma3ForCausalLM
     from phalanx.models.llama import CausalLM
     return CausalLM
 

@@ -212,3 +212,22 @@ def test_tp2_eagle3_head_drafts_alike_on_both_ranks(tmp_path_factory):
         stats = [json.loads(r) for r in llm.control("stats").per_rank]
     assert stats[0]["spec_accepted_drafts"] == stats[1]["spec_accepted_drafts"]
     assert stats[0]["spec_accepted_drafts"] > 0.25 * stats[0]["spec_draft_tokens"]
+
+
+def test_tp2_gemma3_equals_transformers(tmp_path):
+    """Gemma 3 under TP=2: nothing deferred (a norm follows each row-parallel projection, which
+    reduces its own output), the GELU MLP's down projection split over its input columns, and
+    the sliding-window layers' own rotary base, with 2 KV heads split one a rank."""
+    from transformers import AutoModelForCausalLM
+
+    from gemma3_reference import gemma3_dir
+    path = gemma3_dir(tmp_path / "gemma3")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ps = prompts(hf.config.vocab_size)
+    with LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True, kv_cache_config={"tokens_per_block": 8},
+             max_num_tokens=24) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
+            ref, gaps = hf_greedy(hf, p, 10)
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"gemma3 TP=2 prompt {i}")
+        assert llm._executor.check_integrity() == ["ok", "ok"]

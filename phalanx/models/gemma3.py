@@ -1,0 +1,85 @@
+"""Gemma 3 (``gemma3_text``: Gemma3ForCausalLM), the Llama decoder with Gemma's differences.
+
+- Every norm scales by 1 + weight, in float32 (``RMSNorm.unit_offset``), q and k included.
+- Four norms a layer ("sandwich"): attention's output is normed before the residual add, and so
+  is the MLP's (``post_attention_layernorm`` / ``post_feedforward_layernorm``); the MLP's input
+  norm is ``pre_feedforward_layernorm``.
+- The MLP is down(gelu_tanh(gate) * up) (``GeluMLP``).
+- The embedding's output is multiplied by sqrt(hidden), queries are scaled by
+  query_pre_attn_scalar^-1/2, and the sliding-window layers (five of every six) rotate with a base
+  of their own (``DecoderModel.local_rotary``); all set from ``ModelConfig``.
+
+Nothing is deferred across tensor-parallel ranks: a norm sits right after each row-parallel
+projection, so each reduces its output itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phalanx.kernels import ops
+from phalanx.kernels.linear_plan import Neighbour
+from phalanx.models.config import ModelConfig
+from phalanx.models.layers import MergedColumnParallelLinear, Projection, RMSNorm, RotaryEmbedding, RowParallelLinear
+from phalanx.models.llama import CausalLM, DecoderLayer, DecoderModel, MlpFactory
+from phalanx.models.parallel import TPGroup
+
+
+class GeluMLP(nn.Module):
+    """down(gelu_tanh(gate) * up) of x: gate ‖ up, the activation in a kernel of its own, then
+    the down projection on the ready rows."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, tp, Neighbour.NORM)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp, behind=Neighbour.PLAIN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+def gelu_mlp(cfg: ModelConfig, layer_idx: int, tp: TPGroup) -> nn.Module:
+    return GeluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+
+
+class Gemma3DecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding,
+                 mlp_factory: MlpFactory) -> None:
+        super().__init__(cfg, layer_idx, tp, rotary, gelu_mlp)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        self.self_attn.o_proj.deferred = False
+
+    @property
+    def output_partial(self) -> bool:
+        return False
+
+    def mlp_block(self, attn_out, residual):
+        """Attention's projected output -> (post-feedforward-normed MLP output, residual)."""
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn_out), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+    def projections(self) -> tuple[list[tuple[RMSNorm, Projection]], list[Projection]]:
+        mlp = self.mlp
+        assert isinstance(mlp, GeluMLP)
+        return ([(self.input_layernorm, self.self_attn.qkv_proj), (self.pre_feedforward_layernorm, mlp.gate_up_proj)],
+                [self.self_attn.o_proj, mlp.down_proj])
+
+
+class Gemma3Model(DecoderModel):
+    layer_class = Gemma3DecoderLayer
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Gemma 3's decoder and output layer (tied to the embedding in every published size)."""
+
+    decoder_class = Gemma3Model
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().checkpoint_shapes()
+        H = self.config.hidden_size
+        for i in range(self.config.num_layers):
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                shapes[f"model.layers.{i}.{norm}.weight"] = (H,)
+        return shapes
