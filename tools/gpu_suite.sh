@@ -5,7 +5,7 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|fp8_block|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|host_cache_throughput|eagle3|all]...
+#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|host_cache_throughput|eagle3|gemma3|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -202,6 +202,8 @@ for what in "${@:-all}"; do
       for c in bf16 eagle3; do cfg=""; [ $c != bf16 ] && cfg="--config tools/gpu_$c.yaml"
         timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \
           --steps 64 --overlap on $cfg --output "$OUT/decode_$c.json" > "$OUT/decode_$c.txt" 2>&1; free_gpus; done ;;
+    gemma3)   # Gemma 3 at head size 256: greedy against transformers eager and in CUDA graphs, bf16 top-1
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gemma3.py > "$OUT/gemma3_tests.txt" 2>&1 ;;
     spec)   # speculative decoding: GPU tests, then NGram against plain decoding (Llama-3.1-8B shape, batch 1 and 64)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_gpu.py > "$OUT/spec_tests.txt" 2>&1
       free_gpus

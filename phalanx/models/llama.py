@@ -2,7 +2,8 @@
 embeddings), Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), Mistral (sliding window).
 
 Attention reads and writes the paged KV pool through the step's block tables; the MLP may be
-replaced by a mixture of experts (models/moe.py) through ``mlp_factory``.
+replaced by a mixture of experts (models/moe.py) through ``mlp_factory``. Gemma 3 (models/gemma3.py)
+subclasses the layer, the decoder and the model (``layer_class``, ``decoder_class``).
 """
 
 from __future__ import annotations
