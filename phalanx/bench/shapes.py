@@ -24,6 +24,16 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645,
     },
+    # google/gemma-3-1b-it's config.json (transformers 4's form)
+    "gemma-3-1b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+        "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None, "sliding_window": 512,
+        "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": [1, 106],
+    },
 }
 # the same shapes as block-scaled FP8 checkpoints (e4m3, a scale per 128 x 128 block, as Qwen3's and
 # DeepSeek's FP8 checkpoints ship): random weights quantized a block at a time as they load
