@@ -31,3 +31,25 @@ def gemma3_dir(path, seed: int = 5, **overrides) -> str:
                 p.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return str(path)
+
+
+def gemma3_vision_dir(path, seed: int = 6) -> str:
+    """A seeded random Gemma3ForConditionalGeneration (``model_type: gemma3``): the text decoder
+    of ``gemma3_config`` beside a one-layer vision tower, saved as published (``language_model.*``,
+    ``vision_tower.*``, ``multi_modal_projector.*``)."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+    torch.manual_seed(seed)
+    text = gemma3_config()
+    text.initializer_range = 0.1
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                       image_token_index=250, boi_token_index=251, eoi_token_index=252, eos_token_id=[1, 106])
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "language_model" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return str(path)

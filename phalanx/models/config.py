@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 # Hugging Face model_type -> our architecture family (all built by models/llama.py or moe.py)
@@ -16,6 +16,7 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2_moe": "moe",
     "qwen3_moe": "moe",
     "gemma3_text": "gemma3",
+    "gemma3": "gemma3",     # Gemma3ForConditionalGeneration: its text decoder (no image inputs)
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -90,6 +91,10 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_gemma3(self) -> bool:
+        return self.model_type in ("gemma3", "gemma3_text")
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -113,6 +118,8 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} is not supported; supported: "
                              f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+        if mt == "gemma3":
+            return _gemma3_text_of(cls, hf)
         qc = (getattr(hf, "quantization_config", None)     # older compressed-tensors checkpoints:
               or getattr(hf, "compression_config", None))  # compression_config
         fp8_block = _fp8_checkpoint(qc)
@@ -180,6 +187,24 @@ def _eagle3_fields(hf: Any) -> dict[str, Any]:
             "eagle_aux_layer_ids": tuple(ids or ()),
             "eagle_norm_before_residual": bool(getattr(hf, "norm_before_residual", False)
                                                or eagle.get("norm_before_residual", False))}
+
+
+def _gemma3_text_of(cls: type[ModelConfig], hf: Any) -> ModelConfig:
+    """A Gemma 3 checkpoint with its vision tower (``gemma3``: Gemma3ForConditionalGeneration, the
+    4B, 12B and 27B): the config of its text decoder, which serves text prompts (the loader maps
+    ``language_model.*`` and passes over the vision tower's tensors; no request can bring an image)."""
+    if getattr(hf, "quantization_config", None):
+        raise ValueError("gemma3: a quantized checkpoint with a vision tower is not supported")
+    text = getattr(hf, "text_config", None)
+    if text is None or getattr(text, "model_type", None) != "gemma3_text":
+        raise ValueError(f"gemma3: text_config must be a gemma3_text config, got {text!r:.80}")
+    cfg = ModelConfig.from_hf(text)
+    eos = getattr(hf, "eos_token_id", None)
+    top_eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    dtype = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
+    return replace(cfg, model_type="gemma3", eos_token_ids=top_eos or cfg.eos_token_ids,
+                   torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else cfg.torch_dtype,
+                   tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", cfg.tie_word_embeddings)))
 
 
 def _gemma3_fields(hf: Any) -> dict[str, Any]:

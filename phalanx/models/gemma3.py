@@ -1,4 +1,5 @@
-"""Gemma 3 (``gemma3_text``: Gemma3ForCausalLM), the Llama decoder with Gemma's differences.
+"""Gemma 3 (``gemma3_text``: Gemma3ForCausalLM; and the text decoder of ``gemma3``:
+Gemma3ForConditionalGeneration), the Llama decoder with Gemma's differences.
 
 - Every norm scales by 1 + weight, in float32 (``RMSNorm.unit_offset``), q and k included.
 - Four norms a layer ("sandwich"): attention's output is normed before the residual add, and so
@@ -14,6 +15,9 @@ projection, so each reduces its output itself.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,15 +75,41 @@ class Gemma3Model(DecoderModel):
     layer_class = Gemma3DecoderLayer
 
 
+# a checkpoint with a vision tower (``gemma3``) names its text decoder's tensors so: as published,
+# and as transformers 4.52+ holds them in memory (a weight update from a trainer)
+TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 class Gemma3ForCausalLM(CausalLM):
-    """Gemma 3's decoder and output layer (tied to the embedding in every published size)."""
+    """Gemma 3's decoder and output layer (tied to the embedding in every published size). Of a
+    checkpoint with a vision tower (``model_type: gemma3``) the text decoder is loaded and the
+    vision tower's tensors are passed over."""
 
     decoder_class = Gemma3Model
 
+    def load_weights(self, weights: Iterable[tuple[str, Any]], partial: bool = False) -> int:
+        if self.config.model_type == "gemma3":
+            weights = _text_decoder(weights)
+        return super().load_weights(weights, partial)
+
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """(In the text-only names: the dummy weights and the FP8 checks read them.)"""
         shapes = super().checkpoint_shapes()
         H = self.config.hidden_size
         for i in range(self.config.num_layers):
             for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 shapes[f"model.layers.{i}.{norm}.weight"] = (H,)
         return shapes
+
+
+def _text_decoder(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    for name, w in weights:
+        if name.startswith(VISION_PREFIXES):
+            continue
+        for old, new in TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, w

@@ -101,8 +101,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     lora_state, lora_cfg = None, args.lora
     if lora_cfg is not None:    # adapter slots before the tuner and the profile (both see their paths)
         from phalanx.models import lora
-        if cfg.model_type == "gemma3_text":
-            raise ValueError("lora_config: LoRA adapters on Gemma 3 (gemma3_text) are not supported")
+        if cfg.is_gemma3:
+            raise ValueError("lora_config: LoRA adapters on Gemma 3 are not supported")
         lora_state = lora.install(model, lora_cfg, max(args.max_num_tokens, args.max_batch_size))
         if not lora_state.served:
             raise ValueError(f"lora_config.lora_target_modules: {', '.join(lora_cfg.targets)} — no layer of this "
@@ -290,7 +290,7 @@ def _build_eagle3(args: LlmArgs, source: ModelSource, model: CausalLM, dtype: to
     if dsource.kind != "hf":
         raise ValueError(f"{where}: an EAGLE-3 head is a Hugging Face directory (config.json, safetensors)")
     hcfg, cfg = dsource.config, source.config
-    if cfg.is_moe or cfg.model_type == "gemma3_text":
+    if cfg.is_moe or cfg.is_gemma3:
         kind = "a mixture-of-experts" if cfg.is_moe else "a Gemma 3"
         raise ValueError(f"{where}: an EAGLE-3 head over {kind} target is not supported")
     if hcfg.vocab_size != cfg.vocab_size:

@@ -196,3 +196,31 @@ def test_on_the_triton_path_equals_transformers(gemma, monkeypatch):
         assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"prompt {i}")
     assert all(calls.get(n, 0) > 0 for n in ("rms_norm", "fused_add_rms_norm", "gelu_tanh_and_mul",
                                              "rope_and_write_kv")), calls
+
+
+def test_text_decoder_of_a_checkpoint_with_a_vision_tower_equals_transformers(tmp_path):
+    """``model_type: gemma3`` (Gemma3ForConditionalGeneration, the 4B-27B): its text decoder from
+    ``language_model.*``, the vision tower's tensors passed over; greedy tokens of text prompts
+    equal transformers' own multimodal model's."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from gemma3_reference import gemma3_vision_dir
+    path = gemma3_vision_dir(tmp_path / "gemma3-vision")
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = resolve_model(path).config
+    assert cfg.model_type == "gemma3" and cfg.is_gemma3 and cfg.eos_token_ids == (1, 106)
+    assert cfg.sliding_windows == (12, None, 12, None) and cfg.rope_local_theta == 100.0
+    ps = prompts(256)[2:]
+    with LLM(path, skip_tokenizer_init=True, orchestrator_type="inprocess", kv_cache_config={"tokens_per_block": 8},
+             max_num_tokens=16) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
+        ref, gaps = hf_greedy(hf, p, 10)
+        assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"prompt {i}")
+
+
+def test_a_checkpoint_with_a_vision_tower_refuses_what_it_cannot_serve():
+    from transformers import Gemma3Config
+    with pytest.raises(ValueError, match="quantized checkpoint with a vision tower"):
+        ModelConfig.from_hf(Gemma3Config(text_config=gemma3_config().to_dict(),
+                                         quantization_config={"quant_method": "fp8"}))
