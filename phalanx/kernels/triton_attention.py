@@ -325,9 +325,22 @@ DECODE_CONFIG_FP8_WIDE = (64, 1, 2)
 DECODE_CONFIG_FP8_WIDEST = (32, 1, 3)      # from twice WIDE_GRID
 
 
+def narrowed(tile: int, head_dim: int) -> int:
+    """A tile's rows or keys for heads of ``head_dim``: the tuned value above (128-wide heads)
+    divided by how many times wider the heads are (Gemma's 256), at least 16: a stage's K and V
+    tiles, and a program's queries, then take the shared memory they take at 128 (at 256 the
+    tuned tiles would ask an sm_90 SM for 262 KB)."""
+    return max(16, tile // max(1, triton.next_power_of_2(head_dim) // 128))
+
+
 def decode_config(k_cache: torch.Tensor, splits: int, programs_per_sm: float = 0.0) -> tuple[int, int, int]:
     """(keys per step, warps, stages) of the decode kernel over this pool with ``splits`` key
     slices, for a grid of ``programs_per_sm`` (sequences × KV heads × slices over the SMs)."""
+    block_n, warps, stages = _decode_config(k_cache, splits, programs_per_sm)
+    return narrowed(block_n, k_cache.shape[-1]), warps, stages
+
+
+def _decode_config(k_cache: torch.Tensor, splits: int, programs_per_sm: float) -> tuple[int, int, int]:
     fp8 = k_cache.element_size() == 1
     if splits == 1 and programs_per_sm >= WIDE_GRID:
         if not fp8:
@@ -468,12 +481,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def prefill_config(q_dtype: torch.dtype, k_cache: torch.Tensor, max_query_len: int) -> tuple[int, int, int, int]:
     """The prefill kernel's (rows, keys per step, warps, stages) for queries of ``q_dtype`` over
     this pool, in a step whose longest query has ``max_query_len`` tokens."""
-    if q_dtype == torch.float32:
-        return PREFILL_CONFIG_F32
     long = max_query_len > PREFILL_LONG
-    if k_cache.element_size() == 1:
-        return PREFILL_CONFIG_FP8_LONG if long else PREFILL_CONFIG_FP8
-    return PREFILL_CONFIG_LONG if long else PREFILL_CONFIG
+    if q_dtype == torch.float32:
+        config = PREFILL_CONFIG_F32
+    elif k_cache.element_size() == 1:
+        config = PREFILL_CONFIG_FP8_LONG if long else PREFILL_CONFIG_FP8
+    else:
+        config = PREFILL_CONFIG_LONG if long else PREFILL_CONFIG
+    rows, block_n, warps, stages = config
+    D = k_cache.shape[-1]
+    return narrowed(rows, D), narrowed(block_n, D), warps, stages
 
 
 def prefill_block_m(rows: int, group: int, max_query_len: int) -> int:

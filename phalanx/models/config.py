@@ -6,7 +6,7 @@ import fnmatch
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-# Hugging Face model_type -> our architecture family (all built by models/llama.py or moe.py)
+# Hugging Face model_type -> our architecture family (built by models/llama.py, moe.py or gemma3.py)
 SUPPORTED_MODEL_TYPES = {
     "llama": "llama",
     "mistral": "llama",
@@ -451,6 +451,9 @@ def _sliding_windows(hf: Any, model_type: str) -> tuple[int | None, ...]:
     n = hf.num_hidden_layers
     window = getattr(hf, "sliding_window", None)
     layer_types = getattr(hf, "layer_types", None)
+    if not layer_types and model_type == "gemma3_text":   # transformers before 4.53: every sixth layer full
+        pattern = getattr(hf, "sliding_window_pattern", None) or getattr(hf, "_sliding_window_pattern", None) or 6
+        layer_types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n)]
     if layer_types:
         return tuple(window if t == "sliding_attention" and window else None for t in layer_types)
     if model_type in ("mistral", "mixtral") and window:

@@ -89,10 +89,26 @@ class Gemma3ForCausalLM(CausalLM):
 
     decoder_class = Gemma3Model
 
+    def checkpoint_name(self, name: str) -> str | None:
+        if self.config.model_type != "gemma3":
+            return name
+        if name.startswith(VISION_PREFIXES):
+            return None
+        for old, new in TEXT_PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, Any]], partial: bool = False) -> int:
         if self.config.model_type == "gemma3":
-            weights = _text_decoder(weights)
+            weights = self._text_decoder(weights)
         return super().load_weights(weights, partial)
+
+    def _text_decoder(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, w in weights:
+            ours = self.checkpoint_name(name)
+            if ours is not None:
+                yield ours, w
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """(In the text-only names: the dummy weights and the FP8 checks read them.)"""
@@ -103,13 +119,3 @@ class Gemma3ForCausalLM(CausalLM):
                 shapes[f"model.layers.{i}.{norm}.weight"] = (H,)
         return shapes
 
-
-def _text_decoder(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    for name, w in weights:
-        if name.startswith(VISION_PREFIXES):
-            continue
-        for old, new in TEXT_PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        yield name, w

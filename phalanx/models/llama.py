@@ -440,6 +440,11 @@ class CausalLM(nn.Module):
                            p + "down_proj.bias": (c.hidden_size,)})
         return shapes
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as ``checkpoint_shapes`` names it, or None for one this
+        model passes over (Gemma 3's vision tower: models/gemma3.py)."""
+        return name
+
     def map_weight_name(self, name: str) -> tuple[str, object]:
         for ckpt, ours, shard in self.stacked:
             if f".{ckpt}." in name:

@@ -415,14 +415,15 @@ def cpu_plans(model: torch.nn.Module) -> None:
 
 
 def iter_dummy_weights(model: CausalLM, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random full-size checkpoint tensors, made on the model's device: norms 1, the rest
+    """Random full-size checkpoint tensors, made on the model's device: norms a scale of 1, the rest
     N(0, 0.02). Each tensor's generator is seeded from its name, so every tensor-parallel rank
     sees the same full tensor and takes its own slice."""
     import zlib
     p0 = next(model.parameters())
+    unit = 0.0 if model.config.norm_unit_offset else 1.0   # a scale of 1 (Gemma's norms scale by 1 + w)
     for name, shape in model.checkpoint_shapes().items():
         if "norm" in name:
-            yield name, torch.ones(shape, device=p0.device, dtype=p0.dtype)
+            yield name, torch.full(shape, unit, device=p0.device, dtype=p0.dtype)
             continue
         g = torch.Generator(device=p0.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         yield name, torch.empty(shape, device=p0.device, dtype=p0.dtype).normal_(0.0, 0.02, generator=g)

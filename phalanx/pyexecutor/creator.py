@@ -77,6 +77,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     device = device or resolve_device(args)
     dtype = resolve_dtype(args.dtype, source, device)
     cfg = source.config
+    if cfg.is_gemma3 and dtype == torch.float16:
+        logger.warning("Gemma 3 in float16: its activations can pass float16's range (its checkpoints are "
+                       "bfloat16: dtype bfloat16 or auto)")
     max_seq_len = resolve_max_seq_len(args, source)
     adp = args.enable_attention_dp and dist is not None and dist.size > 1
     kv_fp8 = args.kv_cache_config.dtype == "fp8" or (args.kv_cache_config.dtype == "auto" and cfg.fp8_kv_cache

@@ -269,11 +269,15 @@ class Rollout:
         if not isinstance(specs, list) or not specs:
             raise ValueError("named tensors: a non-empty list is needed")
         expected = self._expected()
+        model = self.ex.runner.model
         for i, spec in enumerate(specs):
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise ValueError(f"tensor {i}: needs a name")
             name = spec["name"]
-            want = expected.get(name)
+            ours = model.checkpoint_name(name)
+            if ours is None:     # a tensor the model passes over (a vision tower's): loaded, then dropped
+                continue
+            want = expected.get(ours)
             if want is None:
                 raise ValueError(f"tensor {name!r}: not a weight of this model")
             if spec.get("dtype") not in DTYPES:
@@ -326,7 +330,8 @@ class Rollout:
             self._check_specs(weights)
             # a checkpoint is the whole model: one missing tensors (a half-written save) would
             # leave those of the old weights serving beside the new
-            missing = sorted(set(self._expected()) - {s["name"] for s in weights}
+            named = {self.ex.runner.model.checkpoint_name(s["name"]) for s in weights}
+            missing = sorted(set(self._expected()) - named
                              - ({"lm_head.weight"} if self.ex.runner.model.config.tie_word_embeddings else set()))
             if missing:
                 raise ValueError(f"path {path!r}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. "

@@ -42,11 +42,15 @@ def test_gpu_gemma3_greedy_equals_transformers(gemma, run):
              kv_cache_config={"tokens_per_block": 16}, **RUNS[run]) as llm:
         alone = [llm.generate([p], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)[0] for p in ps]
         batched = llm.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
-        graph_steps = llm._executor.engine.runner.num_graph_steps
+        runner = llm._executor.engine.runner
+        steps = (runner.num_graph_steps, runner.num_extend_graph_steps, runner.num_piecewise_steps)
     for i, (a, b, (ref, gaps)) in enumerate(zip(alone, batched, refs, strict=True)):
         assert_same_greedy(a.outputs[0].token_ids, ref, gaps, f"{run} prompt {i} alone")
         assert_same_greedy(b.outputs[0].token_ids, ref, gaps, f"{run} prompt {i} batched")
-    assert (graph_steps > 0) == (run != "eager")
+    # decode, extend and piecewise graph steps: none eager, decode and extend ones with graphs,
+    # decode and piecewise ones with piecewise graphs
+    assert steps == (0, 0, 0) if run == "eager" else (steps[0] > 0 and (steps[1] > 0) == (run == "graphs")
+                                                        and (steps[2] > 0) == (run == "piecewise")), steps
 
 
 def test_gpu_gemma3_bf16_top1_agrees_with_transformers(gemma):

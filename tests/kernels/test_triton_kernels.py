@@ -1135,3 +1135,27 @@ def test_skinny_kernel_stages_shrink_to_the_shared_memory_budget():
     assert gemv._fit_stages(4, 60 << 10) == 3
     assert gemv._fit_stages(2, 128 << 10) == 1          # 16 x 1024 fp32 tile + 16 rows of x
     assert gemv._fit_stages(3, 300 << 10) == 1          # never below one stage
+
+
+def test_tiles_narrow_for_heads_of_256_and_the_kernels_stay_exact():
+    """Heads twice as wide as the tuned ones (Gemma 3's 256): the decode and prefill tiles take
+    half the keys and rows (``narrowed``), so a stage's shared memory stays what it was at 128
+    (the tuned prefill tile at 256 asked an H100 SM for 262 KB and did not compile); the default
+    configs' kernels equal the reference at that head size (a window too)."""
+    ta = triton_attention
+    pool = torch.zeros(1, 16, 1, 256, dtype=torch.bfloat16)
+    rows, block_n, warps, stages = ta.prefill_config(torch.bfloat16, pool, 100)
+    assert (rows, block_n) == (ta.PREFILL_CONFIG[0] // 2, ta.PREFILL_CONFIG[1] // 2) and stages == ta.PREFILL_CONFIG[3]
+    assert ta.prefill_config(torch.bfloat16, pool, 5000)[:2] == (ta.PREFILL_CONFIG_LONG[0] // 2,
+                                                               ta.PREFILL_CONFIG_LONG[1] // 2)
+    assert ta.decode_config(pool, 1)[0] == ta.DECODE_CONFIG[0] // 2
+    assert ta.prefill_config(torch.bfloat16, pool[..., :128], 100) == ta.PREFILL_CONFIG   # 128: as tuned
+    dtype = DTYPES[0]
+    for window in (None, 12):
+        q, kc, vc, meta = _paged_case([40, 9], [40, 9], 4, 1, 256, 16, dtype, seed=3)
+        out = ta.prefill_attention(q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens, meta.max_query_len,
+                                   256 ** -0.5, window)
+        close(out, _ref(q, kc, vc, meta, window), dtype)
+        q, kc, vc, meta = _paged_case([40, 9], [1, 1], 4, 1, 256, 16, dtype, seed=4)
+        out = ta.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 256 ** -0.5, window, 1)
+        close(out, _ref(q, kc, vc, meta, window), dtype)

@@ -67,6 +67,22 @@ def test_config_of_transformers_4_form_reads_the_same(gemma, tmp_path):
     assert old == new
 
 
+def test_config_of_transformers_before_4_53_reads_the_layer_types_from_the_pattern(gemma):
+    """transformers 4.51-4.52's Gemma3TextConfig holds no layer_types, only sliding_window_pattern
+    (and rope_local_base_freq): every pattern-th layer is full, the others slide."""
+    import types
+    with open(f"{gemma[0]}/config.json") as f:
+        raw = json.load(f)
+    for key in ("rope_parameters", "layer_types"):
+        raw.pop(key)
+    raw.update(rope_theta=10000.0, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+               sliding_window_pattern=3, num_hidden_layers=6)
+    cfg = ModelConfig.from_hf(types.SimpleNamespace(**raw))
+    assert cfg.sliding_windows == (12, 12, None, 12, 12, None)
+    assert cfg.rope_local_theta == 100.0 and cfg.rope_theta == 10000.0
+    assert dict(cfg.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
+
+
 @pytest.mark.parametrize("field,value,named", [
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
     ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
@@ -224,3 +240,29 @@ def test_a_checkpoint_with_a_vision_tower_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="quantized checkpoint with a vision tower"):
         ModelConfig.from_hf(Gemma3Config(text_config=gemma3_config().to_dict(),
                                          quantization_config={"quant_method": "fp8"}))
+
+
+def test_weights_of_a_checkpoint_with_a_vision_tower_update_from_disk_and_from_tensors(tmp_path):
+    """An RL trainer's update of a ``gemma3`` model: a checkpoint as published (``language_model.*``
+    beside the vision tower), and tensors named as transformers holds them in memory
+    (``model.language_model.*``, ``model.vision_tower.*``); the vision tower's are passed over."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from gemma3_reference import gemma3_vision_dir
+    a = gemma3_vision_dir(tmp_path / "a", seed=6)
+    b = gemma3_vision_dir(tmp_path / "b", seed=7)
+    hf_b = Gemma3ForConditionalGeneration.from_pretrained(b, dtype=torch.float32).eval()
+    p = prompts(256)[3]
+    want, gaps = hf_greedy(hf_b, p, 8)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(a, skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
+        before = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.update_weights_from_disk(b, weight_version="b") == "b"
+        assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "from disk")
+        llm.update_weights_from_disk(a)
+        assert llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids == before
+        named = list(hf_b.state_dict().items())
+        assert any(n.startswith("model.language_model.") for n, _ in named)
+        assert any(n.startswith("model.vision_tower.") for n, _ in named)
+        llm.update_weights_from_tensors(named, weight_version="tensors")
+        assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "tensors")
