@@ -202,8 +202,12 @@ for what in "${@:-all}"; do
       for c in bf16 eagle3; do cfg=""; [ $c != bf16 ] && cfg="--config tools/gpu_$c.yaml"
         timeout 150 python3 -m phalanx.cli bench decode --model shape:llama-3.1-8b --batch 1 64 --prompt-len 128 \
           --steps 64 --overlap on $cfg --output "$OUT/decode_$c.json" > "$OUT/decode_$c.txt" 2>&1; free_gpus; done ;;
-    gemma3)   # Gemma 3 at head size 256: greedy against transformers eager and in CUDA graphs, bf16 top-1
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gemma3.py > "$OUT/gemma3_tests.txt" 2>&1 ;;
+    gemma3)   # Gemma 3 at head size 256: greedy against transformers eager and in CUDA graphs, bf16 top-1;
+              # then decode of the Gemma-3-1B shape (random weights) at batch 1 and 64
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gemma3.py > "$OUT/gemma3_tests.txt" 2>&1
+      free_gpus
+      timeout 120 python3 -m phalanx.cli bench decode --model shape:gemma-3-1b --batch 1 64 --prompt-len 128 --steps 64 \
+        --overlap on --output "$OUT/gemma3_decode.json" > "$OUT/gemma3_decode.txt" 2>&1 ;;
     spec)   # speculative decoding: GPU tests, then NGram against plain decoding (Llama-3.1-8B shape, batch 1 and 64)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_gpu.py > "$OUT/spec_tests.txt" 2>&1
       free_gpus
