@@ -239,29 +239,6 @@ def silu_mul(gate, up):
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    prologue(PDL)
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < N
-    y = silu_mul(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0),
-                 tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0))
-    tl.store(out_ptr + row * stride_o + cols, y, mask=m)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2N] (gate ‖ up) -> silu(gate) * up [T, N]."""
-    T, N2 = x.shape
-    N = N2 // 2
-    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    if T:
-        BLOCK = min(1024, _pow2(N))
-        _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK,
-                                                            **pdl.launch(x))
-    return out
-
-
-@triton.jit
 def gelu_tanh_mul(gate, up):
     """gelu(gate) * up with GELU's tanh approximation, the GELU in float32 (tanh(y) written as
     1 − 2 / (1 + e^2y), which saturates to ±1 at either end), the product in up's dtype."""
@@ -272,25 +249,49 @@ def gelu_tanh_mul(gate, up):
 
 
 @triton.jit
-def _gelu_tanh_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    prologue(PDL)
+def _gated_block(x_ptr, out_ptr, stride_x, stride_o, N, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """A block of one row's act(gate) * up (SiLU, or GELU's tanh form)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
-    y = gelu_tanh_mul(tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0),
-                      tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0))
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=m, other=0.0)
+    if GELU:   # noqa: SIM108 - a constexpr branch: one of the two is compiled
+        y = gelu_tanh_mul(gate, up)
+    else:
+        y = silu_mul(gate, up)
     tl.store(out_ptr + row * stride_o + cols, y, mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
+    _gated_block(x_ptr, out_ptr, stride_x, stride_o, N, False, BLOCK)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    prologue(PDL)
+    _gated_block(x_ptr, out_ptr, stride_x, stride_o, N, True, BLOCK)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2N] (gate ‖ up) -> silu(gate) * up [T, N]."""
+    return _gated(x, _silu_mul_kernel)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2N] (gate ‖ up) -> gelu_tanh(gate) * up [T, N] (Gemma's MLP)."""
+    return _gated(x, _gelu_tanh_mul_kernel)
+
+
+def _gated(x: torch.Tensor, kernel) -> torch.Tensor:
     T, N2 = x.shape
     N = N2 // 2
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
         BLOCK = min(1024, _pow2(N))
-        _gelu_tanh_mul_kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK,
-                                                          **pdl.launch(x))
+        kernel[(T, triton.cdiv(N, BLOCK))](x, out, x.stride(0), out.stride(0), N, BLOCK=BLOCK, **pdl.launch(x))
     return out
 
 
