@@ -581,12 +581,13 @@ MAX_EXTEND_SPLITS = 16
 MAX_SPLIT_GROUP = 8     # query heads a KV head beyond which the split form's tile is too tall
 
 
-def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132) -> int:
+def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132,
+                  head_dim: int = 128) -> int:
     """Slices of the keys for a step's extend rows: 1 (the prefill kernel, no split) when the
     prefill kernel's grid (of its short-step tile) already fills the GPU once, or a KV head has
     more than 8 query heads; else enough to fill it twice, at most 16."""
     group = triton.next_power_of_2(max(1, num_heads // num_kv_heads))
-    block_m = prefill_block_m(PREFILL_CONFIG[0], group, max_query_len)
+    block_m = prefill_block_m(narrowed(PREFILL_CONFIG[0], head_dim), group, max_query_len)
     if group > MAX_SPLIT_GROUP or triton.cdiv(max_query_len, block_m) * num_seqs * num_kv_heads >= num_sms:
         return 1      # (more than 8 heads a KV head: too tall a split tile)
     programs = triton.cdiv(max_query_len, _split_rows(group)) * num_seqs * num_kv_heads
@@ -672,7 +673,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if splits is None:   # decided once per step
         seqs = meta.plan_num_seqs or meta.num_seqs
         splits = meta.cache["extend_splits"] = extend_splits(meta.max_query_len, seqs, k_cache.shape[2], q.shape[1],
-                                                             _num_sms(q.device))
+                                                             _num_sms(q.device), q.shape[2])
     if splits > 1:
         return extend_attention_split(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
                                       meta.max_query_len, scale, window, splits, out=out, kv_scale=kv_scale)

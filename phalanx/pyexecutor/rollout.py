@@ -274,16 +274,19 @@ class Rollout:
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise ValueError(f"tensor {i}: needs a name")
             name = spec["name"]
+            if spec.get("dtype") not in DTYPES:
+                raise ValueError(f"tensor {name!r}: dtype {spec.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+            shape = spec.get("shape")
+            if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                    for d in shape)):
+                raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
             ours = model.checkpoint_name(name)
-            if ours is None:     # a tensor the model passes over (a vision tower's): loaded, then dropped
+            if ours is None:     # a tensor the model passes over (a vision tower's): it travels, then is dropped
                 continue
             want = expected.get(ours)
             if want is None:
                 raise ValueError(f"tensor {name!r}: not a weight of this model")
-            if spec.get("dtype") not in DTYPES:
-                raise ValueError(f"tensor {name!r}: dtype {spec.get('dtype')!r} is not one of {', '.join(DTYPES)}")
-            shape = spec.get("shape")
-            if not isinstance(shape, list) or [int(d) if isinstance(d, int) else None for d in shape] != list(want):
+            if list(shape) != list(want):
                 raise ValueError(f"tensor {name!r}: shape {shape!r} does not match the model's {list(want)}")
         return specs
 

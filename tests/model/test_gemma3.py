@@ -266,3 +266,8 @@ def test_weights_of_a_checkpoint_with_a_vision_tower_update_from_disk_and_from_t
         assert any(n.startswith("model.vision_tower.") for n, _ in named)
         llm.update_weights_from_tensors(named, weight_version="tensors")
         assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "tensors")
+        # a tensor the model passes over is still checked as one that travels
+        for bad, field in ((dict(dtype="bf16", shape=[2]), "dtype"), (dict(dtype="float32", shape="2"), "shape")):
+            with pytest.raises(ValueError, match=field):
+                llm.update_weights_from_tensors([{"name": "model.vision_tower.x", **bad}])
+        assert llm.weight_version == "tensors"
