@@ -120,6 +120,9 @@ class ModelConfig:
                              f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
         if mt == "gemma3":
             return _gemma3_text_of(cls, hf)
+        act = getattr(hf, "hidden_act", None) or "silu"
+        if mt != "gemma3_text" and act not in ("silu", "swish"):   # (Gemma 3's is checked with its other fields)
+            raise ValueError(f"{mt}: hidden_act {act!r} is not supported; supported: 'silu'")
         qc = (getattr(hf, "quantization_config", None)     # older compressed-tensors checkpoints:
               or getattr(hf, "compression_config", None))  # compression_config
         fp8_block = _fp8_checkpoint(qc)

@@ -83,3 +83,16 @@ def test_ranks_start_without_transformers_when_the_model_is_handed_over(tiny_mod
     monkeypatch.setattr(ModelSource, "to_wire", lambda self: None)
     with pytest.raises(Exception, match="transformers imported on a rank"):
         LLM(tiny_models["llama"], skip_tokenizer_init=True)
+
+
+def test_an_activation_the_decoder_does_not_compute_is_refused_by_name():
+    """The Llama and MoE decoders compute SiLU MLPs: a config naming another activation is refused,
+    not run as SiLU."""
+    import pytest
+    from transformers import LlamaConfig, MixtralConfig
+
+    from phalanx.models.config import ModelConfig
+    for cfg in (LlamaConfig(hidden_act="gelu"), MixtralConfig(hidden_act="relu")):
+        with pytest.raises(ValueError, match="hidden_act"):
+            ModelConfig.from_hf(cfg)
+    assert ModelConfig.from_hf(LlamaConfig(hidden_act="silu")).hidden_act == "silu"
