@@ -93,7 +93,7 @@ class ModelConfig:
 
     @property
     def is_gemma3(self) -> bool:
-        return self.model_type in ("gemma3", "gemma3_text")
+        return SUPPORTED_MODEL_TYPES.get(self.model_type) == "gemma3"
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -201,7 +201,7 @@ def _gemma3_text_of(cls: type[ModelConfig], hf: Any) -> ModelConfig:
     text = getattr(hf, "text_config", None)
     if text is None or getattr(text, "model_type", None) != "gemma3_text":
         raise ValueError(f"gemma3: text_config must be a gemma3_text config, got {text!r:.80}")
-    cfg = ModelConfig.from_hf(text)
+    cfg = cls.from_hf(text)
     eos = getattr(hf, "eos_token_id", None)
     top_eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     dtype = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)

@@ -50,7 +50,7 @@ def gelu_mlp(cfg: ModelConfig, layer_idx: int, tp: TPGroup) -> nn.Module:
 class Gemma3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding,
                  mlp_factory: MlpFactory) -> None:
-        super().__init__(cfg, layer_idx, tp, rotary, gelu_mlp)
+        super().__init__(cfg, layer_idx, tp, rotary, mlp_factory)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
         self.self_attn.o_proj.deferred = False
@@ -88,6 +88,9 @@ class Gemma3ForCausalLM(CausalLM):
     vision tower's tensors are passed over."""
 
     decoder_class = Gemma3Model
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, mlp_factory: MlpFactory = gelu_mlp) -> None:
+        super().__init__(cfg, tp, mlp_factory)
 
     def checkpoint_name(self, name: str) -> str | None:
         if self.config.model_type != "gemma3":

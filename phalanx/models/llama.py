@@ -208,12 +208,11 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope)
         # sliding-window layers with a rotary base of their own (Gemma 3: default rope)
-        local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, {})
-                 if cfg.rope_local_theta else self.rotary)
-        self.local_rotary = local
+        self.local_rotary = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, {})
+                             if cfg.rope_local_theta else self.rotary)
         windows = cfg.sliding_windows or (None,) * cfg.num_layers
         self.layers = nn.ModuleList(
-            self.layer_class(cfg, i, tp, self.rotary if windows[i] is None else local, mlp_factory)
+            self.layer_class(cfg, i, tp, self.rotary if windows[i] is None else self.local_rotary, mlp_factory)
             for i in range(cfg.num_layers))
         # the embedding's output times this (Gemma: sqrt(hidden) rounded to the model's dtype, as
         # transformers multiplies it); None: 1

@@ -9,20 +9,11 @@ import pytest
 import torch
 
 from gemma3_reference import gemma3_config, gemma3_dir
-from hf_reference import assert_same_greedy, fp8_round_trip, hf_greedy
+from hf_reference import assert_logits_every_step, assert_same_greedy, fp8_round_trip, hf_greedy
 from phalanx import LLM, SamplingParams
 from phalanx.kernels import reference
-from phalanx.kv_manager import KVCacheManager
 from phalanx.models.config import ModelConfig
-from phalanx.models.loader import build_model
 from phalanx.models.source import resolve_model
-from phalanx.pyexecutor.kv_pool import KVPool
-from phalanx.pyexecutor.model_runner import ModelRunner
-from phalanx.pyexecutor.request import Request
-from phalanx.pyexecutor.sampler import Sampler
-from phalanx.pyexecutor.scheduler import Scheduler, SchedulerLimits
-
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -102,31 +93,8 @@ def test_lora_over_gemma3_is_refused_by_name(gemma):
 @pytest.mark.parametrize("max_num_tokens", [8, 512])
 def test_logits_match_transformers_every_step(gemma, max_num_tokens):
     path, hf = gemma
-    source = resolve_model(path)
-    cfg = source.config
-    model = build_model(source, torch.float32, CPU)
-    pool = KVPool(cfg.num_layers, 32, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
-    kv = KVCacheManager(32, 8)
-    sched = Scheduler(SchedulerLimits(4, max_num_tokens, 512), kv)
-    runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, CPU), CPU)
-    prompt = torch.randint(0, cfg.vocab_size, (27,), generator=torch.Generator().manual_seed(0)).tolist()
-    req = Request(0, prompt, SamplingParams(max_tokens=10), max_total_tokens=len(prompt) + 10)
-    sched.add_request(req)
-    steps = 0
-    while sched.has_work:
-        batch = sched.schedule()
-        inputs = runner.prepare(batch)
-        logits = runner.forward(batch, inputs)
-        token = None
-        if inputs.sample_rows:
-            with torch.no_grad():
-                ref = hf(torch.tensor([req.token_ids])).logits[0, -1]
-            torch.testing.assert_close(logits[0], ref, atol=1e-4, rtol=0)
-            token = int(ref.argmax())
-            steps += 1
-        sched.update(batch, [token])
-    assert steps == 10
-    kv.check_integrity()
+    prompt = torch.randint(0, hf.config.vocab_size, (27,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert_logits_every_step(path, hf, prompt, 10, max_num_tokens)
 
 
 @pytest.mark.parametrize("chunked", [True, False])
