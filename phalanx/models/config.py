@@ -17,8 +17,10 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_moe": "moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",     # Gemma3ForConditionalGeneration: its text decoder (no image inputs)
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,17 @@ class ModelConfig:
     embed_scale: float = 1.0
     query_pre_attn_scalar: float = 0.0
     rope_local_theta: float = 0.0
+    # DeepSeek's multi-head latent attention (kv_lora_rank > 0: models/deepseek.py). The KV pool
+    # holds one latent "head" a token, kv_lora_rank + qk_rope_head_dim wide (num_kv_heads 1 and
+    # head_dim that width); each query head has qk_nope_head_dim + qk_rope_head_dim dimensions
+    # against keys and v_head_dim of value; q comes through a rank-q_lora_rank bottleneck
+    # (0: one projection); rope_interleave: the rotary pairs are adjacent dimensions
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -60,6 +73,17 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default=())
+    # DeepSeek's routing: scores by softmax or sigmoid; top-k over all experts ("greedy"), within
+    # the topk_group best of n_group groups ("group_limited_greedy": a group's best score;
+    # "noaux_tc": its two best, biased by the gate's e_score_correction_bias, which picks the
+    # experts but does not weight them); the routed sum times routed_scaling_factor; plus
+    # n_shared_experts ungated shared experts (one MLP n_shared_experts times as wide)
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
     # an FP8 checkpoint (quantization_config quant_method fp8, or compressed-tensors with FP8
     # weights): weights e4m3 with scales, served with quantization fp8 (per-tensor or per-row
     # scaled weights as they are, block-scaled ones dequantized at load and quantized again);
@@ -94,6 +118,16 @@ class ModelConfig:
     @property
     def is_gemma3(self) -> bool:
         return SUPPORTED_MODEL_TYPES.get(self.model_type) == "gemma3"
+
+    @property
+    def is_mla(self) -> bool:
+        """DeepSeek's multi-head latent attention (models/deepseek.py)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions rotary embedding turns: a query head's rope part under MLA, else all."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -132,7 +166,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         dtype = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
         num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
-        return cls(
+        fields_: dict[str, Any] = dict(
             model_type=mt,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -171,6 +205,9 @@ class ModelConfig:
             **_eagle3_fields(hf),
             **(_gemma3_fields(hf) if mt == "gemma3_text" else {}),
         )
+        if SUPPORTED_MODEL_TYPES[mt] == "deepseek":   # (its fields replace the Llama-family reading)
+            fields_.update(_deepseek_fields(hf))
+        return cls(**fields_)
 
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -235,6 +272,49 @@ def _gemma3_fields(hf: Any) -> dict[str, Any]:
             "embed_scale": float(hf.hidden_size) ** 0.5,
             "query_pre_attn_scalar": float(getattr(hf, "query_pre_attn_scalar", None) or 0.0),
             "rope_local_theta": float(local_theta or 10000.0)}
+
+
+DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def _deepseek_fields(hf: Any) -> dict[str, Any]:
+    """DeepSeek-V2 and V3 (and Kimi K2, a V3), as transformers computes them: multi-head latent
+    attention, the first ``first_k_dense_replace`` layers dense, then routed and shared experts.
+    V2 scores by softmax, top-k over all experts or within the best groups, never renormalised
+    (transformers drops ``norm_topk_prob``); V3 scores by sigmoid, picks by "noaux_tc" and
+    renormalises per ``norm_topk_prob``."""
+    mt = hf.model_type
+    v3 = mt == "deepseek_v3"
+    if v3:
+        method = "noaux_tc"   # (transformers' V3 routes so whatever topk_method says)
+    else:
+        method = getattr(hf, "topk_method", None) or "greedy"
+        if method not in DEEPSEEK_V2_TOPK_METHODS:
+            raise ValueError(f"{mt}: topk_method {method!r} is not supported; supported: "
+                             f"{', '.join(map(repr, DEEPSEEK_V2_TOPK_METHODS))}")
+    n_group = int(getattr(hf, "n_group", None) or 1)
+    topk_group = int(getattr(hf, "topk_group", None) or 1)
+    experts = int(getattr(hf, "n_routed_experts", None) or 0)
+    if method != "greedy" and (experts % n_group or not 1 <= topk_group <= n_group):
+        raise ValueError(f"{mt}: n_group {n_group} must divide n_routed_experts {experts} and topk_group "
+                         f"{topk_group} be 1 to n_group")
+    nope, rope, v = (int(getattr(hf, k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    kv_rank, q_rank = int(hf.kv_lora_rank), int(getattr(hf, "q_lora_rank", None) or 0)
+    if min(nope, rope, v, kv_rank) <= 0 or rope % 2:
+        raise ValueError(f"{mt}: qk_nope_head_dim, qk_rope_head_dim (even), v_head_dim and kv_lora_rank must be "
+                         f"positive, got {nope}, {rope}, {v}, {kv_rank}")
+    bias = bool(getattr(hf, "attention_bias", False))
+    return {"num_kv_heads": 1, "head_dim": kv_rank + rope, "q_lora_rank": q_rank, "kv_lora_rank": kv_rank,
+            "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
+            "rope_interleave": bool(getattr(hf, "rope_interleave", True)) if v3 else True,
+            "qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(getattr(hf, "mlp_bias", False)) and not v3,
+            "num_experts": experts,
+            "norm_topk_prob": bool(getattr(hf, "norm_topk_prob", True)) if v3 else False,
+            "mlp_only_layers": tuple(range(int(getattr(hf, "first_k_dense_replace", 0) or 0))),
+            "decoder_sparse_step": 1, "shared_expert_intermediate_size": 0,
+            "scoring_func": "sigmoid" if v3 else "softmax", "topk_method": method, "n_group": n_group,
+            "topk_group": topk_group, "routed_scaling_factor": float(getattr(hf, "routed_scaling_factor", 1.0)),
+            "n_shared_experts": int(getattr(hf, "n_shared_experts", None) or 0)}
 
 
 def _listed(v: Any) -> Any:
@@ -447,6 +527,12 @@ def _rope_scaling(hf: Any) -> tuple[tuple[str, Any], ...]:
     keep["rope_type"] = rope_type
     if "original_max_position_embeddings" not in keep and rope_type == "llama3":
         keep["original_max_position_embeddings"] = getattr(hf, "max_position_embeddings", 8192)
+    if rope_type == "yarn":   # as transformers fills them: the config's own original length first
+        old = int(getattr(hf, "original_max_position_embeddings", None) or keep.get("original_max_position_embeddings")
+                  or getattr(hf, "max_position_embeddings", None) or 4096)
+        keep["original_max_position_embeddings"] = old
+        if keep.get("factor") is None:
+            keep["factor"] = (getattr(hf, "max_position_embeddings", None) or old) / old
     return tuple(sorted(keep.items()))
 
 

@@ -26,7 +26,7 @@ from phalanx.kernels import ops
 from phalanx.kernels.linear_plan import Neighbour
 from phalanx.models.config import ModelConfig
 from phalanx.models.layers import MergedColumnParallelLinear, Projection, RMSNorm, RotaryEmbedding, RowParallelLinear
-from phalanx.models.llama import CausalLM, DecoderLayer, DecoderModel, MlpFactory
+from phalanx.models.llama import Attention, CausalLM, DecoderLayer, DecoderModel, MlpFactory
 from phalanx.models.parallel import TPGroup
 
 
@@ -65,9 +65,9 @@ class Gemma3DecoderLayer(DecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
     def projections(self) -> tuple[list[tuple[RMSNorm, Projection]], list[Projection]]:
-        mlp = self.mlp
-        assert isinstance(mlp, GeluMLP)
-        return ([(self.input_layernorm, self.self_attn.qkv_proj), (self.pre_feedforward_layernorm, mlp.gate_up_proj)],
+        mlp, attn = self.mlp, self.self_attn
+        assert isinstance(mlp, GeluMLP) and isinstance(attn, Attention)
+        return ([(self.input_layernorm, attn.qkv_proj), (self.pre_feedforward_layernorm, mlp.gate_up_proj)],
                 [self.self_attn.o_proj, mlp.down_proj])
 
 

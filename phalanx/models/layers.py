@@ -460,24 +460,67 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """The float32 cos ‖ sin table over positions for rotate-half rotary embedding; attention
-    applies it together with the K/V write (``ops.rope_and_write_kv``)."""
+    applies it together with the K/V write (``ops.rope_and_write_kv``). YaRN's attention factor
+    multiplies the table (as transformers multiplies its cos and sin)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)                      # [P, D/2]
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        factor = rope_attention_factor(scaling)
         self.cos_sin: torch.Tensor
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin", table if factor == 1.0 else table * factor, persistent=False)
 
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale for a context ``factor`` times the trained one: 0.1 · mscale · ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict) -> float:
+    """What YaRN multiplies cos and sin by (its ``attention_factor``, else from ``factor``,
+    ``mscale`` and ``mscale_all_dim``); 1 for the other rope types."""
+    if scaling.get("rope_type", "default") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(all_dim))
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: the low frequencies (long wavelengths) divided by ``factor``, the high ones kept, a
+    linear ramp between the dimensions that turn ``beta_slow`` and ``beta_fast`` times over the
+    original context (floored and ceiled unless ``truncate`` is false)."""
+    factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Inverse frequencies [D/2] for rope types default, linear and llama3."""
+    """Inverse frequencies [D/2] for rope types default, linear, llama3 and yarn."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if kind != "llama3":
         return inv_freq
     factor = float(scaling["factor"])

@@ -32,7 +32,7 @@ from phalanx.models.layers import (
     VocabParallelEmbedding,
 )
 from phalanx.models.lora import LoraState
-from phalanx.models.parallel import TPGroup, shard_heads
+from phalanx.models.parallel import HeadShard, TPGroup, shard_heads
 
 logger = logging.getLogger("phalanx")
 
@@ -40,7 +40,38 @@ logger = logging.getLogger("phalanx")
 KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
 
 
-class Attention(nn.Module):
+class AttentionBase(nn.Module):
+    """What a decoder layer, the piecewise CUDA graphs and the KV scales see of an attention
+    layer: ``qkv_rope`` (the rotated q, K/V written), ``attend`` (q over the pool), ``project_out``
+    (attention's output through o_proj), and the heads, head size and KV scales. ``Attention``
+    (here) and DeepSeek's latent attention (models/deepseek.py) are the two."""
+
+    heads: HeadShard
+    head_dim: int
+    o_proj: RowParallelLinear
+    kv_scale: KvScale
+    checkpoint_kv_scale: dict[str, float]
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return self.project_out(self.attend(self.qkv_rope(positions, h, meta, k_cache, v_cache), meta, k_cache,
+                                            v_cache))
+
+    def qkv_rope(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def project_out(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """Attention's output [T, H, D] -> the layer's [T, hidden] (this rank's partial sum when
+        o_proj is deferred)."""
+        return self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+
+
+class Attention(AttentionBase):
     """Self-attention over the paged KV pool. One token may take the fused q/k/v + rotary + K/V
     write kernel (``one_token_qkv``, set by the tuner where its q/k/v plan allows). An FP8 pool
     holds K and V divided by ``kv_scale``: the checkpoint's calibrated scales where it brings them
@@ -79,7 +110,7 @@ class Attention(nn.Module):
                                    self.qkv_proj.weight_scale, self.kv_scale)
         else:
             q = self.qkv_rope(positions, h, meta, k_cache, v_cache)
-        return self.o_proj(self.attend(q, meta, k_cache, v_cache).reshape(T, H * D))
+        return self.project_out(self.attend(q, meta, k_cache, v_cache))
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,11 +158,13 @@ def dense_mlp(cfg: ModelConfig, layer_idx: int, tp: TPGroup) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
+    attention_class: Callable[[ModelConfig, int, TPGroup, RotaryEmbedding], AttentionBase] = Attention
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding,
                  mlp_factory: MlpFactory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.self_attn = Attention(cfg, layer_idx, tp, rotary)
+        self.self_attn = self.attention_class(cfg, layer_idx, tp, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.mlp = mlp_factory(cfg, layer_idx, tp)
         self.tp = tp
@@ -180,6 +213,7 @@ class DecoderLayer(nn.Module):
 
     def projections(self) -> tuple[list[tuple[RMSNorm, Projection]], list[Projection]]:
         """([(a norm, the projection right after it)], [the other dense projections])."""
+        assert isinstance(self.self_attn, Attention)
         after: list[tuple[RMSNorm, Projection]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
         if isinstance(self.mlp, MLP):
             after.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
@@ -206,7 +240,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, mlp_factory: MlpFactory) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope)
         # sliding-window layers with a rotary base of their own (Gemma 3: default rope)
         self.local_rotary = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, {})
                              if cfg.rope_local_theta else self.rotary)
@@ -272,7 +306,7 @@ class DecoderModel(nn.Module):
             x, partial = self.embed(input_ids), False
         else:
             prev = self.decoder_layers[i - 1]
-            x, residual = prev.mlp_block(prev.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1)), residual)
+            x, residual = prev.mlp_block(prev.self_attn.project_out(attn_out), residual)
             partial = prev.output_partial
             assert residual is not None
             self._capture(i - 1, x, residual)

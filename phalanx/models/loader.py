@@ -323,6 +323,9 @@ def model_class(cfg: ModelConfig):
     if family == "gemma3":
         from phalanx.models.gemma3 import Gemma3ForCausalLM
         return Gemma3ForCausalLM
+    if family == "deepseek":
+        from phalanx.models.deepseek import DeepseekForCausalLM
+        return DeepseekForCausalLM
     from phalanx.models.llama import CausalLM
     return CausalLM
 

@@ -458,7 +458,7 @@ def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
     import dataclasses
 
     from phalanx.kernels.linear_plan import Neighbour
-    from phalanx.models.llama import MLP, DecoderLayer
+    from phalanx.models.llama import MLP, Attention, DecoderLayer
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     ref: torch.Tensor = model.lm_head.weight   # type: ignore[union-attr, assignment]
     state = LoraState(cfg.max_loras, cfg.max_lora_rank, rows, ref.device, ref.dtype)
@@ -466,6 +466,7 @@ def install(model: nn.Module, cfg: LoraConfig, rows: int) -> LoraState:
     served: set[str] = set()
     for layer in layers:
         attn = layer.self_attn
+        assert isinstance(attn, Attention)   # (the engine refuses LoRA over DeepSeek's latent attention)
         qkv = attn.qkv_proj
         parts: list[tuple[str, object]] = [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]
         if any(p[0] in targets for p in parts):

@@ -237,13 +237,15 @@ _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "
 class MoECausalLM(CausalLM):
     """Llama-family attention with sparse MoE MLPs (dense where the config says so)."""
 
+    moe_class: type[SparseMoE] = SparseMoE   # (DeepSeek's routing: models/deepseek.py)
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None, ep: EPGroup | None = None) -> None:
         self.ep = ep or EPGroup()
         tp = tp or TPGroup()
 
         def mlp(c: ModelConfig, i: int, t: TPGroup) -> nn.Module:
-            return SparseMoE(c, t, self.ep) if self.is_sparse(c, i) else MLP(c.hidden_size, c.intermediate_size,
-                                                                            c.mlp_bias, t)
+            return self.moe_class(c, t, self.ep) if self.is_sparse(c, i) else MLP(c.hidden_size, c.intermediate_size,
+                                                                                 c.mlp_bias, t)
         super().__init__(cfg, tp, mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv_pool: torch.Tensor) -> torch.Tensor:
