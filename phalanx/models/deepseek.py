@@ -195,14 +195,15 @@ class DeepseekMoE(SparseMoE):
                                    tp, behind=Neighbour.PLAIN) if cfg.n_shared_experts else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.cfg
-        logits = F.linear(x.float(), self.gate.weight)
+        c, gate = self.cfg, self.gate
+        assert isinstance(gate, RouterGate)
+        logits = F.linear(x.float(), gate.weight)
         scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         T = scores.shape[0]
         if c.topk_method == "greedy":
             weights, ids = scores.topk(self.top_k, dim=-1)
         else:
-            bias = self.gate.e_score_correction_bias
+            bias = gate.e_score_correction_bias
             choice = scores if bias is None else scores + bias
             grouped = choice.view(T, c.n_group, -1)
             if c.topk_method == "noaux_tc":      # a group's two best (biased) scores
