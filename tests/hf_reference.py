@@ -105,9 +105,10 @@ def assert_adapters_greedy(refs: dict, cases, device: str = "cuda") -> None:
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def fp8_round_trip(hf):
-    """A copy of transformers' model with each decoder projection's weight, and each expert's,
-    as ``quantization: fp8`` holds it (e4m3 with a scale per output row, dequantized)."""
+def fp8_round_trip(hf, projections: tuple[str, ...] = PROJECTIONS):
+    """A copy of transformers' model with each decoder projection's weight (the modules named
+    ``projections``), and each expert's, as ``quantization: fp8`` holds it (e4m3 with a scale per
+    output row, dequantized)."""
     import copy
 
     import torch
@@ -116,7 +117,7 @@ def fp8_round_trip(hf):
     model = copy.deepcopy(hf)
     with torch.no_grad():
         for name, mod in model.named_modules():
-            if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            if name.rsplit(".", 1)[-1] in projections:
                 q, scale = fp8.quantize_weight(mod.weight)
                 mod.weight.copy_(fp8.dequantize(q, scale, mod.weight.dtype))
         for name, p in model.named_parameters():

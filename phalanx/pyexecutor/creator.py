@@ -84,9 +84,16 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     adp = args.enable_attention_dp and dist is not None and dist.size > 1
     kv_fp8 = args.kv_cache_config.dtype == "fp8" or (args.kv_cache_config.dtype == "auto" and cfg.fp8_kv_cache
                                                        and fp8.supported(device))
+    if kv_fp8 and cfg.is_mla:   # the pool holds DeepSeek's latents, which no FP8 path writes or reads yet
+        if args.kv_cache_config.dtype == "fp8":
+            raise ValueError("kv_cache_config.dtype: fp8 is not supported with DeepSeek's latent attention "
+                             "(its pool holds one latent a token); use auto")
+        logger.warning("the checkpoint's KV cache is calibrated for FP8, but DeepSeek's latent attention keeps its "
+                       "pool in %s", dtype)
+        kv_fp8 = False
     if kv_fp8:
         fp8.check_device(device, "kv_cache_config.dtype")
-    if args.kv_cache_config.dtype == "auto" and cfg.fp8_kv_cache:
+    if args.kv_cache_config.dtype == "auto" and cfg.fp8_kv_cache and not cfg.is_mla:
         logger.log(logging.INFO if kv_fp8 else logging.WARNING, "the checkpoint's KV cache is calibrated for FP8: "
                    "kv_cache_config.dtype auto stores it in %s", "FP8" if kv_fp8 else f"{dtype} (this GPU has no FP8)")
     if args.quantization in ("modelopt", "compressed-tensors") and cfg.quant_method != args.quantization:
@@ -104,8 +111,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     lora_state, lora_cfg = None, args.lora
     if lora_cfg is not None:    # adapter slots before the tuner and the profile (both see their paths)
         from phalanx.models import lora
-        if cfg.is_gemma3:
-            raise ValueError("lora_config: LoRA adapters on Gemma 3 are not supported")
+        if cfg.is_gemma3 or cfg.is_mla:
+            raise ValueError(f"lora_config: LoRA adapters on {'Gemma 3' if cfg.is_gemma3 else 'DeepSeek'} are not "
+                             "supported")
         lora_state = lora.install(model, lora_cfg, max(args.max_num_tokens, args.max_batch_size))
         if not lora_state.served:
             raise ValueError(f"lora_config.lora_target_modules: {', '.join(lora_cfg.targets)} — no layer of this "
