@@ -48,6 +48,20 @@ def test_attention_dp_equals_transformers_and_spreads_requests(kind, tiny_moe_mo
         assert llm._executor.check_integrity() == ["ok", "ok"]
 
 
+def test_deepseek_attention_dp_equals_transformers(tmp_path):
+    """DeepSeek-V3 under attention DP: each rank its own requests over its own latent pool, every
+    head on each rank, the routed experts split (EP=2) over both ranks' tokens gathered."""
+    from transformers import AutoModelForCausalLM
+
+    from deepseek_reference import deepseek_dir
+    path = deepseek_dir(tmp_path / "dsv3")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, enable_attention_dp=True) as llm:
+        outs = check(llm, hf, prompts(8, seed=1))
+        assert sorted({o.metrics["rank"] for o in outs}) == [0, 1]
+        assert llm._executor.check_integrity() == ["ok", "ok"]
+
+
 def test_attention_dp_uneven_load_neither_hangs_nor_changes_results(tiny_moe_models, hf_moe_models):
     hf = hf_moe_models["qwen3_moe"]
     with LLM(tiny_moe_models["qwen3_moe"], skip_tokenizer_init=True, tensor_parallel_size=2,

@@ -231,3 +231,24 @@ def test_tp2_gemma3_equals_transformers(tmp_path):
             ref, gaps = hf_greedy(hf, p, 10)
             assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"gemma3 TP=2 prompt {i}")
         assert llm._executor.check_integrity() == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("version", [3, 2])
+def test_tp2_deepseek_equals_transformers(version, tmp_path):
+    """DeepSeek under TP=2: each rank two of the four query heads (q_b_proj or q_proj and
+    kv_b_proj by heads, o_proj by columns, deferred to the next norm), the latent projections and
+    the pool's one latent head whole on both ranks; experts split between the ranks (EP=2) and the
+    shared expert by its intermediate dimension."""
+    from transformers import AutoModelForCausalLM
+
+    from deepseek_reference import deepseek_dir
+    path = deepseek_dir(tmp_path / "ds", version=version)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ps = prompts(hf.config.vocab_size)
+    with LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True, kv_cache_config={"tokens_per_block": 8},
+             max_num_tokens=24) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
+            ref, gaps = hf_greedy(hf, p, 10)
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"deepseek v{version} TP=2 prompt {i}")
+        assert llm._executor.check_integrity() == ["ok", "ok"]
