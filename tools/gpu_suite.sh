@@ -5,7 +5,7 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|fp8_block|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|host_cache_throughput|eagle3|gemma3|all]...
+#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|host_cache_throughput|eagle3|gemma3|deepseek|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -208,6 +208,12 @@ for what in "${@:-all}"; do
       free_gpus
       timeout 120 python3 -m phalanx.cli bench decode --model shape:gemma-3-1b --batch 1 64 --prompt-len 128 --steps 64 \
         --overlap on --output "$OUT/gemma3_decode.json" > "$OUT/gemma3_decode.txt" 2>&1 ;;
+    deepseek)   # DeepSeek's latent attention at the released width (one 576-wide head): greedy against
+                # transformers eager and in CUDA graphs, bf16 top-1; then decode of the DeepSeek-V2-Lite shape
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_deepseek.py > "$OUT/deepseek_tests.txt" 2>&1
+      free_gpus
+      timeout 240 python3 -m phalanx.cli bench decode --model shape:deepseek-v2-lite --batch 1 64 --prompt-len 128 \
+        --steps 64 --overlap on --output "$OUT/deepseek_decode.json" > "$OUT/deepseek_decode.txt" 2>&1 ;;
     spec)   # speculative decoding: GPU tests, then NGram against plain decoding (Llama-3.1-8B shape, batch 1 and 64)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_gpu.py > "$OUT/spec_tests.txt" 2>&1
       free_gpus

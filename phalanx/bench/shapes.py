@@ -34,6 +34,20 @@ SHAPES: dict[str, dict] = {
         "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True,
         "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": [1, 106],
     },
+    # deepseek-ai/DeepSeek-V2-Lite-Chat's config.json (latent attention, 64 routed + 2 shared experts)
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+        "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+        "scoring_func": "softmax", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 100000,
+        "eos_token_id": 100001,
+    },
 }
 # the same shapes as block-scaled FP8 checkpoints (e4m3, a scale per 128 x 128 block, as Qwen3's and
 # DeepSeek's FP8 checkpoints ship): random weights quantized a block at a time as they load
