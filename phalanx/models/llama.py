@@ -473,6 +473,12 @@ class CausalLM(nn.Module):
                            p + "down_proj.bias": (c.hidden_size,)})
         return shapes
 
+    def fused_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Tensors a trainer may send fused, as transformers holds them in memory, beside their
+        checkpoint names (``checkpoint_shapes``): name -> full shape (a mixture of experts' layers:
+        models/moe.py)."""
+        return {}
+
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as ``checkpoint_shapes`` names it, or None for one this
         model passes over (Gemma 3's vision tower: models/gemma3.py)."""

@@ -232,6 +232,9 @@ class SparseMoE(nn.Module):
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                      r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# a layer's experts as transformers 5 holds them in memory (a trainer's weight update): gate ‖ up of
+# every expert in one [E, 2I, H] tensor, down in one [E, H, I]
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
 class MoECausalLM(CausalLM):
@@ -305,7 +308,38 @@ class MoECausalLM(CausalLM):
                            p + "shared_expert.down_proj.weight": (H, S), p + "shared_expert_gate.weight": (1, H)})
         return shapes
 
+    def fused_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.config
+        H, I, E = c.hidden_size, c.moe_intermediate_size, c.num_experts  # noqa: E741 (I: intermediate size)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for i in range(c.num_layers):
+            if self.is_sparse(c, i):
+                shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] = (E, 2 * I, H)
+                shapes[f"model.layers.{i}.mlp.experts.down_proj"] = (E, H, I)
+        return shapes
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | fp8.Fp8Weight | fp8.Fp8BlockWeight]],
                      partial: bool = False) -> int:
         # experts of other ranks are skipped by the loader, so every expert tensor counts as placed
-        return super().load_weights(weights, partial)
+        return super().load_weights(self._unfused(weights), partial)
+
+    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """A layer's experts held fused (``fused_shapes``) as the tensors of each expert, named as
+        checkpoints name them; everything else as it comes."""
+        for name, w in weights:
+            m = _FUSED_EXPERTS.match(name)
+            if m is None or not isinstance(w, torch.Tensor):
+                yield name, w
+                continue
+            p = f"model.layers.{m.group(1)}.mlp.experts."
+            want = self.fused_shapes().get(f"{p}{m.group(2)}")
+            if want is None or tuple(w.shape) != want:
+                raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(w.shape)} does not match the model's "
+                                 f"{want}")
+            for e in range(w.shape[0]):
+                if m.group(2) == "down_proj":
+                    yield f"{p}{e}.down_proj.weight", w[e]
+                else:
+                    gate, up = w[e].chunk(2, dim=0)
+                    yield f"{p}{e}.gate_proj.weight", gate
+                    yield f"{p}{e}.up_proj.weight", up

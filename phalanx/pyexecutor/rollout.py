@@ -270,6 +270,7 @@ class Rollout:
             raise ValueError("named tensors: a non-empty list is needed")
         expected = self._expected()
         model = self.ex.runner.model
+        fused = model.fused_shapes()      # (a trainer's in-memory form of the same weights)
         for i, spec in enumerate(specs):
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise ValueError(f"tensor {i}: needs a name")
@@ -283,7 +284,7 @@ class Rollout:
             ours = model.checkpoint_name(name)
             if ours is None:     # a tensor the model passes over (a vision tower's): it travels, then is dropped
                 continue
-            want = expected.get(ours)
+            want = expected.get(ours) or fused.get(ours)
             if want is None:
                 raise ValueError(f"tensor {name!r}: not a weight of this model")
             if list(shape) != list(want):

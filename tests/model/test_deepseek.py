@@ -198,3 +198,29 @@ def test_config_of_an_older_checkpoint_reads_the_same(v3, tmp_path):
     shutil.copy(f"{v3[0]}/model.safetensors", tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert resolve_model(str(tmp_path)).config == new
+
+
+def test_weights_update_from_disk_and_from_a_trainers_tensors(tmp_path):
+    """An RL trainer's update: a checkpoint on disk, then tensors named as transformers 5 holds
+    them in memory (each layer's experts fused, [E, 2I, H] and [E, H, I]); greedy tokens follow
+    the new weights each time, and a fused tensor of the wrong shape is refused by name."""
+    from transformers import AutoModelForCausalLM
+    a = deepseek_dir(tmp_path / "a", seed=11)
+    b = deepseek_dir(tmp_path / "b", seed=12)
+    hf_b = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32).eval()
+    p = prompts(256)[3]
+    want, gaps = hf_greedy(hf_b, p, 8)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(a, skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
+        before = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+        llm.update_weights_from_disk(b)
+        assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "from disk")
+        llm.update_weights_from_disk(a)
+        assert llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids == before
+        named = list(hf_b.state_dict().items())
+        assert "model.layers.1.mlp.experts.gate_up_proj" in dict(named)
+        llm.update_weights_from_tensors(named, weight_version="tensors")
+        assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "tensors")
+        with pytest.raises(ValueError, match="experts.down_proj.*does not match"):
+            llm.update_weights_from_tensors([("model.layers.1.mlp.experts.down_proj", torch.zeros(8, 64, 31))])
+        assert llm.weight_version == "tensors"

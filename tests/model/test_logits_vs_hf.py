@@ -16,9 +16,9 @@ def test_logits_match_transformers_every_step(kind, max_num_tokens, tiny_models,
 
 
 @pytest.mark.parametrize("scaling", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},             # attention factor from ln 4
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},   # attention factor from ln 4
     {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "beta_fast": 24, "beta_slow": 1,
-     "attention_factor": 0.9, "truncate": False},                    # the ramp's ends between dimensions
+     "attention_factor": 0.9, "truncate": False},   # the ramp's ends between dimensions
 ])
 def test_yarn_rope_matches_transformers_every_step(scaling, tmp_path):
     """YaRN (Qwen2.5's long-context setting) on a Llama-family model: the ramp between the
