@@ -50,7 +50,7 @@ def triton_attention_everywhere(model: torch.nn.Module, tokens_per_block: int) -
     from phalanx.kernels import triton_attention
     layers: list[Any] = [m for m in model.modules() if hasattr(m, "kv_of_q")]   # the attention layers
     return all(triton_attention.supports_layout(tokens_per_block, m.heads.num_heads, m.heads.num_kv_heads,
-                                                m.kv_of_q is not None) for m in layers)
+                                                m.kv_of_q is not None, m.head_dim) for m in layers)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:

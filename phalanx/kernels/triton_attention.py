@@ -579,6 +579,7 @@ def _split_rows(group: int) -> int:
 
 MAX_EXTEND_SPLITS = 16
 MAX_SPLIT_GROUP = 8     # query heads a KV head beyond which the split form's tile is too tall
+MAX_SPLIT_HEAD_DIM = 256   # and heads beyond which it is too wide (DeepSeek's 576: 512 KB of shared memory)
 
 
 def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_heads: int, num_sms: int = 132,
@@ -588,8 +589,9 @@ def extend_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, num_head
     more than 8 query heads; else enough to fill it twice, at most 16."""
     group = triton.next_power_of_2(max(1, num_heads // num_kv_heads))
     block_m = prefill_block_m(narrowed(PREFILL_CONFIG[0], head_dim), group, max_query_len)
-    if group > MAX_SPLIT_GROUP or triton.cdiv(max_query_len, block_m) * num_seqs * num_kv_heads >= num_sms:
-        return 1      # (more than 8 heads a KV head: too tall a split tile)
+    if group > MAX_SPLIT_GROUP or head_dim > MAX_SPLIT_HEAD_DIM \
+            or triton.cdiv(max_query_len, block_m) * num_seqs * num_kv_heads >= num_sms:
+        return 1      # (more than 8 heads a KV head, or heads over 256 wide: too large a split tile)
     programs = triton.cdiv(max_query_len, _split_rows(group)) * num_seqs * num_kv_heads
     return int(max(1, min(MAX_EXTEND_SPLITS, triton.cdiv(2 * num_sms, programs))))
 
@@ -635,7 +637,7 @@ def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads
     _, B, Hkv, D = k_cache.shape
     dev = k_cache.device
     group = triton.next_power_of_2(max(1, num_heads // Hkv))
-    rows = _split_rows(group) if group <= MAX_SPLIT_GROUP else 0    # (beyond it, extend_splits never splits)
+    rows = _split_rows(group) if group <= MAX_SPLIT_GROUP and D <= MAX_SPLIT_HEAD_DIM else 0   # (else never split)
     for n in (16, 32, 64, 128):
         q = torch.zeros(n, num_heads, D, dtype=dtype, device=dev)
         tables = torch.zeros(1, triton.cdiv(n, B), dtype=torch.int32, device=dev)
@@ -648,13 +650,22 @@ def compile_extend_forms(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads
             extend_attention_split(q, k_cache, v_cache, tables, starts, lens, n, D ** -0.5, None, 2)
 
 
-def supports_layout(tokens_per_block: int, num_heads: int, num_kv_heads: int, uneven: bool) -> bool:
+# a program holds every query head of a KV head: at most this many (query head, dimension) pairs,
+# padded to powers of two (16 of DeepSeek's 576-wide latent heads, padded to 1,024, take ~99 KB of an
+# sm_90 SM's shared memory; 32 would not fit)
+MAX_GROUP_WIDTH = 16 * 1024
+
+
+def supports_layout(tokens_per_block: int, num_heads: int, num_kv_heads: int, uneven: bool,
+                    head_dim: int = 128) -> bool:
     """Layouts these kernels handle (others fall back to the reference)."""
-    return not uneven and tokens_per_block >= 16 and num_heads % num_kv_heads == 0
+    return (not uneven and tokens_per_block >= 16 and num_heads % num_kv_heads == 0
+            and triton.next_power_of_2(num_heads // num_kv_heads) * triton.next_power_of_2(head_dim)
+            <= MAX_GROUP_WIDTH)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, kv_of_q: torch.Tensor | None) -> bool:
-    return supports_layout(k_cache.shape[1], q.shape[1], k_cache.shape[2], kv_of_q is not None)
+    return supports_layout(k_cache.shape[1], q.shape[1], k_cache.shape[2], kv_of_q is not None, q.shape[2])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

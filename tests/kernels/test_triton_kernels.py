@@ -1159,3 +1159,16 @@ def test_tiles_narrow_for_heads_of_256_and_the_kernels_stay_exact():
         q, kc, vc, meta = _paged_case([40, 9], [1, 1], 4, 1, 256, 16, dtype, seed=4)
         out = ta.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 256 ** -0.5, window, 1)
         close(out, _ref(q, kc, vc, meta, window), dtype)
+
+
+def test_wide_latent_heads_take_no_split_form_and_too_many_heads_fall_back():
+    """DeepSeek's latent heads (576 wide, padded to 1,024): the split extend form, whose tile would
+    ask an sm_90 SM for 512 KB of shared memory, is never chosen for them; a KV head of 16 such
+    query heads runs the kernels (~99 KB), one of 32 falls back to the reference (as Llama's 128
+    heads of 128 still run them)."""
+    from phalanx.kernels import triton_attention as ta
+    assert ta.extend_splits(16, 1, 1, 8, head_dim=128) > 1
+    assert ta.extend_splits(16, 1, 1, 8, head_dim=576) == 1
+    assert ta.supports_layout(16, 16, 1, False, 576) and ta.supports_layout(16, 8, 1, False, 576)
+    assert not ta.supports_layout(16, 32, 1, False, 576)
+    assert ta.supports_layout(16, 128, 1, False, 128) and ta.supports_layout(16, 32, 8, False, 128)
