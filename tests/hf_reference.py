@@ -254,7 +254,7 @@ def assert_logits_every_step(path: str, hf, prompt: list[int], steps: int, max_n
     source = resolve_model(path)
     cfg = source.config
     model = build_model(source, torch.float32, cpu)
-    pool = KVPool(cfg.num_layers, 32, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu)
+    pool = KVPool(cfg.num_layers, 32, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu, planes=cfg.kv_planes)
     kv = KVCacheManager(32, 8)
     sched = Scheduler(SchedulerLimits(4, max_num_tokens, 512), kv)
     runner = ModelRunner(model, pool, Sampler(cfg.vocab_size, cpu), cpu)

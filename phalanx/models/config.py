@@ -129,8 +129,13 @@ class ModelConfig:
         """The dimensions rotary embedding turns: a query head's rope part under MLA, else all."""
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
+    @property
+    def kv_planes(self) -> int:
+        """Planes of the KV pool: K and V, or under MLA one latent a token that is both."""
+        return 1 if self.is_mla else 2
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def to_wire(self) -> dict[str, Any]:
         """Plain values (msgpack-able): tuples become lists; ``from_wire`` turns them back."""

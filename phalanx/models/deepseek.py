@@ -12,9 +12,9 @@ W_UK[h] (k_nope = W_UK[h] c) and W_UV[h] (v = W_UV[h] c), so
 
 A query head is therefore [W_UK[h]ᵀ q_nope ‖ rotated q_pe] against keys [c ‖ k_pe]: multi-query
 attention with heads of the latent's width, whose values are the keys' first kv_lora_rank
-dimensions. The paged kernels run it as they are, the pool's key plane passed as the values too
-(the value plane goes unused); W_UV then takes each head's attended latent to v_head_dim, and
-o_proj follows. The softmax scale is that of the model's (qk_nope + qk_rope)-wide heads, times
+dimensions. The pool has one plane (``ModelConfig.kv_planes``), passed as keys and values, and
+the paged kernels run it as they are; W_UV then takes each head's attended latent to v_head_dim,
+and o_proj follows. The softmax scale is that of the model's (qk_nope + qk_rope)-wide heads, times
 YaRN's mscale(mscale_all_dim)² where the rope is scaled.
 
 Rotary: q_pe and k_pe turn by rotate-half after their dimensions are taken evens-then-odds where

@@ -285,10 +285,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pool: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, B, Hkv, D] -> hidden [T, hidden]
+        # input_ids, positions: [T]; kv_pool: [L, planes, num_blocks, B, Hkv, D] (planes K, V; or one that
+        # is both: KVPool) -> hidden [T, hidden]
         x, residual, partial = self.embed(input_ids), None, False
         for i, layer in enumerate(self.decoder_layers):
-            x, residual = layer(positions, x, residual, meta, kv_pool[i, 0], kv_pool[i, 1], partial)
+            x, residual = layer(positions, x, residual, meta, kv_pool[i, 0], kv_pool[i, -1], partial)
             partial = layer.output_partial
             self._capture(i, x, residual)
         x, _ = self.norm(x, residual, self.tp if partial else None)
@@ -314,7 +315,7 @@ class DecoderModel(nn.Module):
             return self.norm(x, residual, self.tp if partial else None)[0], None
         layer = self.decoder_layers[i]
         h, residual = layer.input_norm(x, residual, partial)
-        return residual, layer.self_attn.qkv_rope(positions, h, meta, kv_pool[i, 0], kv_pool[i, 1])
+        return residual, layer.self_attn.qkv_rope(positions, h, meta, kv_pool[i, 0], kv_pool[i, -1])
 
 
 class CausalLM(nn.Module):

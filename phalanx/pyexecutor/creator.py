@@ -130,7 +130,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
                        "the others store K and V with scale 1", scaled, cfg.num_layers)
     heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     pool_shape = (cfg.num_layers, kvc.tokens_per_block, heads.num_kv_heads, cfg.head_dim, kv_dtype, device)
-    block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype)
+    block_bytes = bytes_per_block(cfg.num_layers, heads.num_kv_heads, cfg.head_dim, kvc.tokens_per_block, kv_dtype,
+                                  cfg.kv_planes)
     pool_bytes = [block_bytes]   # a block of each pool (the target's, a draft model's)
     draft, profiled_draft = None, None
     if args.speculative_config is not None and args.speculative_config.decoding_type == "DraftTarget":
@@ -177,7 +178,7 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     t_profile = time.monotonic() - t0 - t_weights
     # one extra block no request owns: CUDA-graph padding rows write there
     L, B, Hkv, D, kdt, dev = pool_shape
-    pool = KVPool(L, num_blocks + 1, B, Hkv, D, kdt, dev, num_host_blocks)
+    pool = KVPool(L, num_blocks + 1, B, Hkv, D, kdt, dev, num_host_blocks, cfg.kv_planes)
     kv = KVCacheManager(num_blocks, kvc.tokens_per_block, kvc.enable_block_reuse, kvc.enable_partial_reuse,
                         num_host_blocks)
     limits = SchedulerLimits(args.max_batch_size, args.max_num_tokens, max_seq_len,
@@ -218,8 +219,8 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
             pools.append((drafter.pool, head.config.num_heads, ops.triton_attention_everywhere(head, B)))
         for p, num_heads, triton in pools:
             if triton:
-                triton_attention.compile_decode_splits(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
-                triton_attention.compile_extend_forms(p.tensor[0, 0], p.tensor[0, 1], num_heads, dtype)
+                triton_attention.compile_decode_splits(p.tensor[0, 0], p.tensor[0, -1], num_heads, dtype)
+                triton_attention.compile_extend_forms(p.tensor[0, 0], p.tensor[0, -1], num_heads, dtype)
             # the partial-reuse copy too, the block no one owns onto itself
             ops.copy_blocks(p.tensor, [p.num_blocks - 1], [p.num_blocks - 1], [0])
     if device.type == "cuda" and args.cuda_graph_config is not None and not ref_attention:

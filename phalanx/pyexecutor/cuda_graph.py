@@ -340,7 +340,7 @@ class PiecewiseGraphs:
         self.decoder = model.model
         self.layers = model.model.decoder_layers
         self.kv_tensor = kv_tensor
-        self.kv = [(kv_tensor[i, 0], kv_tensor[i, 1]) for i in range(len(self.layers))]
+        self.kv = [(kv_tensor[i, 0], kv_tensor[i, -1]) for i in range(len(self.layers))]   # (one plane: both)
         self.sizes = sorted(set(sizes))
         self.tokens_per_block = tokens_per_block
         tmax = self.sizes[-1]

@@ -58,8 +58,8 @@ def staging_bytes(block_bytes: int, num_host_blocks: int) -> int:
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, tokens_per_block: int,
-                    dtype: torch.dtype) -> int:
-    return 2 * num_layers * tokens_per_block * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+                    dtype: torch.dtype, planes: int = 2) -> int:
+    return planes * num_layers * tokens_per_block * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int, tokens_per_block: int,
@@ -72,18 +72,21 @@ def num_blocks_for_budget(budget_bytes: int, block_bytes: int, tokens_per_block:
 
 
 class KVPool:
-    """The KV tensor, its host tier's tensor, and the copies that run before each forward."""
+    """The KV tensor, its host tier's tensor, and the copies that run before each forward.
+    ``planes``: K and V (2), or one plane that is both (DeepSeek's latents, ``ModelConfig.kv_planes``:
+    a layer's keys are ``tensor[i, 0]`` and its values ``tensor[i, -1]``)."""
 
     def __init__(self, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0,
+                 planes: int = 2) -> None:
         self.num_blocks, self.tokens_per_block = num_blocks, tokens_per_block
-        self.tensor = torch.zeros(num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim,
+        self.tensor = torch.zeros(num_layers, planes, num_blocks, tokens_per_block, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
         logger.info("KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB", num_blocks, tokens_per_block,
                     num_blocks * tokens_per_block, self.tensor.numel() * self.tensor.element_size() / 2**20)
         self.host: torch.Tensor | None = None
         if num_host_blocks:
-            shape = (num_host_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim)
+            shape = (num_host_blocks, num_layers, planes, tokens_per_block, num_kv_heads, head_dim)
             self.host = _pinned(shape, dtype) if device.type == "cuda" else torch.empty(shape, dtype=dtype)
             logger.info("KV host tier: %d blocks = %d tokens, %.1f MiB of host memory%s", num_host_blocks,
                         num_host_blocks * tokens_per_block, self.host.numel() * self.host.element_size() / 2**20,

@@ -1,7 +1,8 @@
 """GPU-only: DeepSeek-V3 with the released models' latent width (kv_lora_rank 512 + qk_rope_head_dim
-64: the pool's one 576-wide head) on the Triton kernels: greedy tokens equal transformers' (float32)
-eager and in CUDA graphs (decode, extend and piecewise); in bf16, the likeliest token at each prompt
-position agrees with transformers' float32 model. Skipped without CUDA."""
+64: the pool's one 576-wide head, one plane) on the Triton kernels: greedy tokens equal transformers'
+(float32) eager and in decode CUDA graphs (a mixture of experts takes no extend or piecewise
+graphs); in bf16, the likeliest token at each prompt position agrees with transformers' float32
+model. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -13,12 +14,7 @@ from phalanx import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 GRAPHS = {"batch_sizes": [1, 2, 4, 8]}
-RUNS = {
-    "eager": {"cuda_graph_config": None},
-    "graphs": {"cuda_graph_config": GRAPHS},
-    "piecewise": {"cuda_graph_config": {**GRAPHS, "extend_num_tokens": [], "piecewise_num_tokens": [16]},
-                  "max_num_tokens": 16},
-}
+RUNS = {"eager": {"cuda_graph_config": None}, "graphs": {"cuda_graph_config": GRAPHS}}
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -49,8 +45,7 @@ def test_gpu_deepseek_greedy_equals_transformers(deepseek, run):
     for i, (a, b, (ref, gaps)) in enumerate(zip(alone, batched, refs, strict=True)):
         assert_same_greedy(a.outputs[0].token_ids, ref, gaps, f"{run} prompt {i} alone")
         assert_same_greedy(b.outputs[0].token_ids, ref, gaps, f"{run} prompt {i} batched")
-    assert steps == (0, 0, 0) if run == "eager" else (steps[0] > 0 and (steps[1] > 0) == (run == "graphs")
-                                                        and (steps[2] > 0) == (run == "piecewise")), steps
+    assert steps == (0, 0, 0) if run == "eager" else (steps[0] > 0 and steps[1:] == (0, 0)), steps
 
 
 def test_gpu_deepseek_bf16_top1_agrees_with_transformers(deepseek):

@@ -51,8 +51,8 @@ def test_config_reads_deepseek_v3(v3):
     rope = cfg.rope
     assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 128
     assert ModelConfig.from_wire(cfg.to_wire()) == cfg
-    # the pool's bytes a token: one latent of 40 a layer, not 2 x 4 heads x 24
-    assert cfg.kv_bytes_per_token(2) == 2 * 3 * 40 * 2
+    # the pool's bytes a token: one latent of 40 a layer (one plane, both K and V), not 2 x 4 heads x 40
+    assert cfg.kv_planes == 1 and cfg.kv_bytes_per_token(2) == 3 * 40 * 2
 
 
 def test_config_reads_deepseek_v2_lite_form(v2):
