@@ -4,7 +4,8 @@ V3 (``deepseek_v3``): q through its rank bottleneck, the latent's norm, interlea
 YaRN with mscale ≠ mscale_all_dim (both the cos/sin factor and the softmax scale move), one dense
 layer then MoE layers routed by sigmoid with the selection bias (random, so it changes choices)
 over groups (noaux_tc), renormalised and scaled, and a shared expert. V2 (``deepseek_v2``): q in
-one projection (V2-Lite's form), softmax routing, greedy or within groups, two shared experts."""
+one projection and YaRN with mscale = mscale_all_dim (V2-Lite's form), softmax routing, greedy or
+within groups, two shared experts."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def deepseek_v2_config(**overrides):
                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
                first_k_dense_replace=1, routed_scaling_factor=1.5, topk_method="greedy",
-               max_position_embeddings=512)
+               max_position_embeddings=512,
+               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                             "rope_theta": 10000.0})   # (as V2-Lite ships it)
     cfg.update(overrides)
     return DeepseekV2Config(**cfg)
 

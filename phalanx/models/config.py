@@ -283,7 +283,7 @@ DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
 def _deepseek_fields(hf: Any) -> dict[str, Any]:
-    """DeepSeek-V2 and V3 (and Kimi K2, a V3), as transformers computes them: multi-head latent
+    """DeepSeek-V2 and V3, as transformers computes them: multi-head latent
     attention, the first ``first_k_dense_replace`` layers dense, then routed and shared experts.
     V2 scores by softmax, top-k over all experts or within the best groups, never renormalised
     (transformers drops ``norm_topk_prob``); V3 scores by sigmoid, picks by "noaux_tc" and
@@ -303,6 +303,10 @@ def _deepseek_fields(hf: Any) -> dict[str, Any]:
     if method != "greedy" and (experts % n_group or not 1 <= topk_group <= n_group):
         raise ValueError(f"{mt}: n_group {n_group} must divide n_routed_experts {experts} and topk_group "
                          f"{topk_group} be 1 to n_group")
+    top_k = int(getattr(hf, "num_experts_per_tok", None) or 0)
+    if method != "greedy" and top_k > topk_group * (experts // n_group):   # (experts of dropped groups: weight 0)
+        raise ValueError(f"{mt}: num_experts_per_tok {top_k} exceeds the experts of topk_group {topk_group} groups "
+                         f"({topk_group * (experts // n_group)})")
     nope, rope, v = (int(getattr(hf, k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     kv_rank, q_rank = int(hf.kv_lora_rank), int(getattr(hf, "q_lora_rank", None) or 0)
     if min(nope, rope, v, kv_rank) <= 0 or rope % 2:

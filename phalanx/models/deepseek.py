@@ -1,4 +1,4 @@
-"""DeepSeek-V2 and V3 (``deepseek_v2``, ``deepseek_v3``; Kimi K2 is a V3): multi-head latent
+"""DeepSeek-V2 and V3 (``deepseek_v2``, ``deepseek_v3``): multi-head latent
 attention (MLA) over the paged pool, and experts routed DeepSeek's way beside shared ones.
 
 **Latent attention, absorbed.** Each token's keys and values come from one latent vector: c, the

@@ -59,13 +59,15 @@ def test_config_reads_deepseek_v2_lite_form(v2):
     cfg = resolve_model(v2[0]).config
     assert cfg.q_lora_rank == 0 and cfg.scoring_func == "softmax" and cfg.topk_method == "greedy"
     assert not cfg.norm_topk_prob and cfg.n_shared_experts == 2 and cfg.routed_scaling_factor == 1.5
-    assert cfg.rope_interleave and cfg.rope["rope_type"] == "default"
+    assert cfg.rope_interleave and cfg.rope["rope_type"] == "yarn" and cfg.rope["mscale_all_dim"] == 0.707
 
 
 @pytest.mark.parametrize("change,message", [
     ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported"),
     ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, "n_group 3 must divide"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+     "num_experts_per_tok 3 exceeds the experts of topk_group 1 groups"),
 ])
 def test_v2_settings_it_does_not_compute_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
