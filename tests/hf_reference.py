@@ -128,8 +128,10 @@ def fp8_round_trip(hf, projections: tuple[str, ...] = PROJECTIONS):
     return model
 
 
-def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None):
-    """``src`` as an FP8 checkpoint: every decoder projection e4m3 with a scale per ``block`` tile
+def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None,
+                         projections: tuple[str, ...] = PROJECTIONS):
+    """``src`` as an FP8 checkpoint: every decoder projection (the modules ``projections`` names)
+    e4m3 with a scale per ``block`` tile
     (``weight_scale_inv``, as DeepSeek and Qwen3 ship), or one per tensor (``weight_scale`` and an
     ``input_scale``) when block is None. ``compressed``: as llm-compressor writes it instead
     (quant_method compressed-tensors), with a ``weight_scale`` per "tensor", "channel" ([N, 1]) or
@@ -145,7 +147,7 @@ def write_fp8_checkpoint(src: str, dst, block, compressed: str | None = None):
     tensors = load_file(f"{dst}/model.safetensors")
     meant = {}
     for name in list(tensors):
-        if name.rsplit(".", 2)[-2] not in PROJECTIONS:
+        if name.rsplit(".", 2)[-2] not in projections:
             continue
         w = tensors[name].float()
         base = name.removesuffix(".weight")

@@ -226,3 +226,27 @@ def test_weights_update_from_disk_and_from_a_trainers_tensors(tmp_path):
         with pytest.raises(ValueError, match="experts.down_proj.*does not match"):
             llm.update_weights_from_tensors([("model.layers.1.mlp.experts.down_proj", torch.zeros(8, 64, 31))])
         assert llm.weight_version == "tensors"
+
+
+def test_a_block_scaled_fp8_checkpoint_serves_what_it_stores(v3, tmp_path):
+    """DeepSeek's FP8 checkpoints are block-scaled (``weight_scale_inv``), kv_b_proj included: it is
+    dequantized as it loads (absorbed per head, in full precision), every other projection and the
+    experts keep their blocks; the tokens are transformers' holding the weights the checkpoint
+    stands for."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_reference import write_fp8_checkpoint, write_plain_twin
+    meant = write_fp8_checkpoint(v3[0], tmp_path / "ckpt", (16, 32), projections=(*MLA_PROJECTIONS, "kv_b_proj"))
+    assert any(".kv_b_proj." in n for n in meant) and any(".experts." in n for n in meant)
+    ref = AutoModelForCausalLM.from_pretrained(write_plain_twin(v3[0], tmp_path / "plain", meant),
+                                               dtype=torch.float32).eval()
+    ps = prompts(256)[:4]
+    with LLM(str(tmp_path / "ckpt"), skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess") as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        model = llm._executor.engine.runner.model
+        attn = model.model.decoder_layers[1].self_attn
+        assert attn.q_b_proj.fp8_block == (16, 32) and model.model.decoder_layers[1].mlp.fp8_block == (16, 32)
+        assert attn.kv_b_proj.weight.dtype == torch.float32
+    for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
+        want, gaps = hf_greedy(ref, p, 8)
+        assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
