@@ -277,3 +277,92 @@ def assert_logits_every_step(path: str, hf, prompt: list[int], steps: int, max_n
         sched.update(batch, [token])
     assert done == steps
     kv.check_integrity()
+
+
+def assert_tp2_greedy(path: str, hf, ps: list[list[int]], what: str) -> None:
+    """TP=2 under mpirun (8-token blocks, chunks of 24): greedy tokens of ``ps`` equal
+    transformers', and both ranks' pools keep their integrity."""
+    from phalanx import LLM, SamplingParams
+    with LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True, kv_cache_config={"tokens_per_block": 8},
+             max_num_tokens=24) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
+            ref, gaps = hf_greedy(hf, p, 10)
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{what} TP=2 prompt {i}")
+        assert llm._executor.check_integrity() == ["ok", "ok"]
+
+
+def assert_greedy_with_prefix_reuse(path: str, hf, ps: list[list[int]], chunked: bool) -> None:
+    """Batched greedy tokens (8-token blocks; chunks of 8 when ``chunked``) equal transformers' in
+    two rounds, the second hitting the prefix cache the first left (the last prompt shares all
+    but its last token's blocks with the one before)."""
+    from phalanx import LLM, SamplingParams
+    refs = [hf_greedy(hf, p, 12) for p in ps]
+    with LLM(path, skip_tokenizer_init=True, orchestrator_type="inprocess", kv_cache_config={"tokens_per_block": 8},
+             max_num_tokens=8 if chunked else 512) as llm:
+        for round_ in range(2):
+            outs = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+            for i, (out, (ref, gaps)) in enumerate(zip(outs, refs, strict=True)):
+                assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"prompt {i} round {round_}")
+        assert outs[-1].cached_tokens == len(ps[-1]) - 1
+        llm._executor.engine.scheduler.kv.check_integrity()
+
+
+def gpu_greedy_runs(path: str, hf, ps: list[list[int]], **engine) -> tuple[int, int, int]:
+    """On the GPU in float32: each prompt alone and all batched give transformers' greedy tokens
+    (16 of them); returns the engine's (decode graph, extend graph, piecewise) step counts."""
+    from phalanx import LLM, SamplingParams
+    refs = [hf_greedy(hf, p, 16) for p in ps]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    with LLM(path, skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
+             kv_cache_config={"tokens_per_block": 16}, **engine) as llm:
+        alone = [llm.generate([p], sp, use_tqdm=False)[0] for p in ps]
+        batched = llm.generate(ps, sp, use_tqdm=False)
+        runner = llm._executor.engine.runner
+        steps = (runner.num_graph_steps, runner.num_extend_graph_steps, runner.num_piecewise_steps)
+    for i, (a, b, (ref, gaps)) in enumerate(zip(alone, batched, refs, strict=True)):
+        assert_same_greedy(a.outputs[0].token_ids, ref, gaps, f"prompt {i} alone")
+        assert_same_greedy(b.outputs[0].token_ids, ref, gaps, f"prompt {i} batched")
+    return steps
+
+
+def assert_bf16_top1_agrees(path: str, hf, ps: list[list[int]], at_least: float = 0.9) -> None:
+    """In bf16 on the GPU, the likeliest token at each prompt position (prompt_logprobs) is
+    transformers' float32 model's at ``at_least`` of the positions."""
+    import torch
+
+    from phalanx import LLM, SamplingParams
+    with LLM(path, skip_tokenizer_init=True, dtype="bfloat16", orchestrator_type="inprocess",
+             kv_cache_config={"tokens_per_block": 16}) as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    agree = total = 0
+    for p, o in zip(ps, outs, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([p], device="cuda")).logits[0, :-1].argmax(-1).tolist()
+        for entry, w in zip(o.prompt_logprobs[1:], want, strict=True):
+            top = next(t for t, lp in entry.items() if lp.rank == 1)
+            agree += top == w
+            total += 1
+    assert agree >= at_least * total, (agree, total)
+
+
+def assert_updates_follow(llm, prompt: list[int], a: str, b: str, hf_b) -> list[tuple[str, object]]:
+    """An RL trainer's updates of an engine serving checkpoint ``a``: from disk to ``b`` (greedy
+    tokens become ``hf_b``'s), back to ``a`` (the tokens before), then from ``hf_b``'s tensors as
+    transformers holds them in memory (``hf_b``'s tokens again, weight version "tensors").
+    Returns the tensors sent."""
+    from phalanx import SamplingParams
+    want, gaps = hf_greedy(hf_b, prompt, 8)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def tokens() -> list[int]:
+        return llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    before = tokens()
+    assert llm.update_weights_from_disk(b, weight_version="b") == "b"
+    assert_same_greedy(tokens(), want, gaps, "from disk")
+    llm.update_weights_from_disk(a)
+    assert tokens() == before
+    named = list(hf_b.state_dict().items())
+    llm.update_weights_from_tensors(named, weight_version="tensors")
+    assert_same_greedy(tokens(), want, gaps, "tensors")
+    return named

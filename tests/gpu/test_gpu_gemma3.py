@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from gemma3_reference import gemma3_dir
-from hf_reference import assert_same_greedy, hf_greedy
-from phalanx import LLM, SamplingParams
+from hf_reference import assert_bf16_top1_agrees, gpu_greedy_runs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -36,17 +35,7 @@ def gemma(tmp_path_factory):
 @pytest.mark.parametrize("run", list(RUNS))
 def test_gpu_gemma3_greedy_equals_transformers(gemma, run):
     path, hf = gemma
-    ps = prompts(hf.config.vocab_size)
-    refs = [hf_greedy(hf, p, 16) for p in ps]
-    with LLM(path, skip_tokenizer_init=True, dtype="float32", orchestrator_type="inprocess",
-             kv_cache_config={"tokens_per_block": 16}, **RUNS[run]) as llm:
-        alone = [llm.generate([p], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)[0] for p in ps]
-        batched = llm.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
-        runner = llm._executor.engine.runner
-        steps = (runner.num_graph_steps, runner.num_extend_graph_steps, runner.num_piecewise_steps)
-    for i, (a, b, (ref, gaps)) in enumerate(zip(alone, batched, refs, strict=True)):
-        assert_same_greedy(a.outputs[0].token_ids, ref, gaps, f"{run} prompt {i} alone")
-        assert_same_greedy(b.outputs[0].token_ids, ref, gaps, f"{run} prompt {i} batched")
+    steps = gpu_greedy_runs(path, hf, prompts(hf.config.vocab_size), **RUNS[run])
     # decode, extend and piecewise graph steps: none eager, decode and extend ones with graphs,
     # decode and piecewise ones with piecewise graphs
     assert steps == (0, 0, 0) if run == "eager" else (steps[0] > 0 and (steps[1] > 0) == (run == "graphs")
@@ -55,16 +44,4 @@ def test_gpu_gemma3_greedy_equals_transformers(gemma, run):
 
 def test_gpu_gemma3_bf16_top1_agrees_with_transformers(gemma):
     path, hf = gemma
-    ps = prompts(hf.config.vocab_size)[2:]
-    with LLM(path, skip_tokenizer_init=True, dtype="bfloat16", orchestrator_type="inprocess",
-             kv_cache_config={"tokens_per_block": 16}) as llm:
-        outs = llm.generate(ps, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    agree = total = 0
-    for p, o in zip(ps, outs, strict=True):
-        with torch.no_grad():
-            want = hf(torch.tensor([p], device="cuda")).logits[0, :-1].argmax(-1).tolist()
-        for entry, w in zip(o.prompt_logprobs[1:], want, strict=True):
-            top = next(t for t, lp in entry.items() if lp.rank == 1)
-            agree += top == w
-            total += 1
-    assert agree >= 0.9 * total, (agree, total)
+    assert_bf16_top1_agrees(path, hf, prompts(hf.config.vocab_size)[2:])

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from deepseek_reference import deepseek_dir, deepseek_v2_config, deepseek_v3_config
-from hf_reference import PROJECTIONS, assert_logits_every_step, assert_same_greedy, fp8_round_trip, hf_greedy
+from hf_reference import (
+    PROJECTIONS,
+    assert_greedy_with_prefix_reuse,
+    assert_logits_every_step,
+    assert_same_greedy,
+    assert_updates_follow,
+    fp8_round_trip,
+    hf_greedy,
+)
 from phalanx import LLM, SamplingParams
 from phalanx.models.config import ModelConfig
 from phalanx.models.source import resolve_model
@@ -107,17 +115,7 @@ def test_v2_group_limited_routing_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("chunked", [True, False])
 def test_v3_batched_greedy_equals_transformers_with_prefix_reuse(v3, chunked):
-    path, hf = v3
-    ps = prompts(256)
-    refs = [hf_greedy(hf, p, 12) for p in ps]
-    with LLM(path, skip_tokenizer_init=True, orchestrator_type="inprocess", kv_cache_config={"tokens_per_block": 8},
-             max_num_tokens=8 if chunked else 512) as llm:
-        for round_ in range(2):   # the second round hits the prefix cache the first left
-            outs = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
-            for i, (out, (ref, gaps)) in enumerate(zip(outs, refs, strict=True)):
-                assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"prompt {i} round {round_}")
-        assert outs[-1].cached_tokens == len(ps[-1]) - 1
-        llm._executor.engine.scheduler.kv.check_integrity()
+    assert_greedy_with_prefix_reuse(*v3, prompts(256), chunked)
 
 
 def test_v3_fp8_greedy_equals_transformers_with_the_round_tripped_weights(v3):
@@ -210,19 +208,9 @@ def test_weights_update_from_disk_and_from_a_trainers_tensors(tmp_path):
     a = deepseek_dir(tmp_path / "a", seed=11)
     b = deepseek_dir(tmp_path / "b", seed=12)
     hf_b = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32).eval()
-    p = prompts(256)[3]
-    want, gaps = hf_greedy(hf_b, p, 8)
-    sp = SamplingParams(max_tokens=8, ignore_eos=True)
     with LLM(a, skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
-        before = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
-        llm.update_weights_from_disk(b)
-        assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "from disk")
-        llm.update_weights_from_disk(a)
-        assert llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids == before
-        named = list(hf_b.state_dict().items())
-        assert "model.layers.1.mlp.experts.gate_up_proj" in dict(named)
-        llm.update_weights_from_tensors(named, weight_version="tensors")
-        assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "tensors")
+        named = assert_updates_follow(llm, prompts(256)[3], a, b, hf_b)
+        assert "model.layers.1.mlp.experts.gate_up_proj" in dict(named)   # (sent fused)
         with pytest.raises(ValueError, match="experts.down_proj.*does not match"):
             llm.update_weights_from_tensors([("model.layers.1.mlp.experts.down_proj", torch.zeros(8, 64, 31))])
         assert llm.weight_version == "tensors"

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from gemma3_reference import gemma3_config, gemma3_dir
-from hf_reference import assert_logits_every_step, assert_same_greedy, fp8_round_trip, hf_greedy
+from hf_reference import (
+    assert_greedy_with_prefix_reuse,
+    assert_logits_every_step,
+    assert_same_greedy,
+    assert_updates_follow,
+    fp8_round_trip,
+    hf_greedy,
+)
 from phalanx import LLM, SamplingParams
 from phalanx.kernels import reference
 from phalanx.models.config import ModelConfig
@@ -100,16 +107,7 @@ def test_logits_match_transformers_every_step(gemma, max_num_tokens):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_batched_greedy_equals_transformers_with_prefix_reuse(gemma, chunked):
     path, hf = gemma
-    ps = prompts(hf.config.vocab_size)
-    refs = [hf_greedy(hf, p, 12) for p in ps]
-    with LLM(path, skip_tokenizer_init=True, orchestrator_type="inprocess", kv_cache_config={"tokens_per_block": 8},
-             max_num_tokens=8 if chunked else 512) as llm:
-        for round_ in range(2):   # the second round hits the prefix cache the first left
-            outs = llm.generate(ps, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
-            for i, (out, (ref, gaps)) in enumerate(zip(outs, refs, strict=True)):
-                assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"prompt {i} round {round_}")
-        assert outs[-1].cached_tokens == len(ps[-1]) - 1
-        llm._executor.engine.scheduler.kv.check_integrity()
+    assert_greedy_with_prefix_reuse(path, hf, prompts(hf.config.vocab_size), chunked)
 
 
 def test_fp8_greedy_equals_transformers_with_the_round_tripped_weights(gemma):
@@ -221,19 +219,10 @@ def test_weights_of_a_checkpoint_with_a_vision_tower_update_from_disk_and_from_t
     b = gemma3_vision_dir(tmp_path / "b", seed=7)
     hf_b = Gemma3ForConditionalGeneration.from_pretrained(b, dtype=torch.float32).eval()
     p = prompts(256)[3]
-    want, gaps = hf_greedy(hf_b, p, 8)
-    sp = SamplingParams(max_tokens=8, ignore_eos=True)
     with LLM(a, skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
-        before = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
-        assert llm.update_weights_from_disk(b, weight_version="b") == "b"
-        assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "from disk")
-        llm.update_weights_from_disk(a)
-        assert llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids == before
-        named = list(hf_b.state_dict().items())
+        named = assert_updates_follow(llm, p, a, b, hf_b)
         assert any(n.startswith("model.language_model.") for n, _ in named)
         assert any(n.startswith("model.vision_tower.") for n, _ in named)
-        llm.update_weights_from_tensors(named, weight_version="tensors")
-        assert_same_greedy(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids, want, gaps, "tensors")
         # a tensor the model passes over is still checked as one that travels
         for bad, field in ((dict(dtype="bf16", shape=[2]), "dtype"), (dict(dtype="float32", shape="2"), "shape")):
             with pytest.raises(ValueError, match=field):

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_reference import assert_same_greedy, fp8_round_trip, hf_greedy
+from hf_reference import assert_same_greedy, assert_tp2_greedy, fp8_round_trip, hf_greedy
 from phalanx import LLM, SamplingParams
 
 pytestmark = pytest.mark.mpi
@@ -223,14 +223,7 @@ def test_tp2_gemma3_equals_transformers(tmp_path):
     from gemma3_reference import gemma3_dir
     path = gemma3_dir(tmp_path / "gemma3")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ps = prompts(hf.config.vocab_size)
-    with LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True, kv_cache_config={"tokens_per_block": 8},
-             max_num_tokens=24) as llm:
-        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
-        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
-            ref, gaps = hf_greedy(hf, p, 10)
-            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"gemma3 TP=2 prompt {i}")
-        assert llm._executor.check_integrity() == ["ok", "ok"]
+    assert_tp2_greedy(path, hf, prompts(hf.config.vocab_size), "gemma3")
 
 
 @pytest.mark.parametrize("version", [3, 2])
@@ -244,11 +237,4 @@ def test_tp2_deepseek_equals_transformers(version, tmp_path):
     from deepseek_reference import deepseek_dir
     path = deepseek_dir(tmp_path / "ds", version=version)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ps = prompts(hf.config.vocab_size)
-    with LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True, kv_cache_config={"tokens_per_block": 8},
-             max_num_tokens=24) as llm:
-        outs = llm.generate(ps, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
-        for i, (p, out) in enumerate(zip(ps, outs, strict=True)):
-            ref, gaps = hf_greedy(hf, p, 10)
-            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"deepseek v{version} TP=2 prompt {i}")
-        assert llm._executor.check_integrity() == ["ok", "ok"]
+    assert_tp2_greedy(path, hf, prompts(hf.config.vocab_size), f"deepseek v{version}")
