@@ -212,6 +212,10 @@ class ModelConfig:
         )
         if SUPPORTED_MODEL_TYPES[mt] == "deepseek":   # (its fields replace the Llama-family reading)
             fields_.update(_deepseek_fields(hf))
+        rope = dict(fields_["rope_scaling"])
+        if rope["rope_type"] == "yarn":   # YaRN exists to reach factor x the original context (Qwen2.5: 4 x 32k)
+            reach = int(float(rope["factor"]) * int(rope["original_max_position_embeddings"]))
+            fields_["max_position_embeddings"] = max(int(fields_["max_position_embeddings"]), reach)
         return cls(**fields_)
 
 

@@ -256,7 +256,7 @@ class DeepseekForCausalLM(MoECausalLM):
         if name.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() \
                 and int(parts[2]) >= self.config.num_layers:
             return None
-        return name
+        return super().checkpoint_name(name)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], partial: bool = False) -> int:
         return super().load_weights(((n, w) for n, w in weights if self.checkpoint_name(n) is not None), partial)

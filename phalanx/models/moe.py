@@ -234,7 +234,7 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 # a layer's experts as transformers 5 holds them in memory (a trainer's weight update): gate ‖ up of
 # every expert in one [E, 2I, H] tensor, down in one [E, H, I]
-_FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 class MoECausalLM(CausalLM):
@@ -307,6 +307,13 @@ class MoECausalLM(CausalLM):
             shapes.update({p + "shared_expert.gate_proj.weight": (S, H), p + "shared_expert.up_proj.weight": (S, H),
                            p + "shared_expert.down_proj.weight": (H, S), p + "shared_expert_gate.weight": (1, H)})
         return shapes
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Mixtral's router as transformers 5 holds it in memory (``mlp.gate``) under its checkpoint
+        name (``block_sparse_moe.gate``)."""
+        if self.config.model_type == "mixtral" and ".mlp.gate.weight" in name:
+            return name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+        return name
 
     def fused_shapes(self) -> dict[str, tuple[int, ...]]:
         c = self.config

@@ -201,9 +201,11 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     runner.guided = GuidedDecoder(functools.partial(_grammar_compiler, args, source),
                                   max_rows=min(args.max_batch_size, 4096), pin_memory=device.type == "cuda")
     ref_attention = device.type == "cuda" and not ops.triton_attention_everywhere(model, kvc.tokens_per_block)
-    if ref_attention and args.cuda_graph_config is not None:
-        logger.warning("attention takes the torch reference here (uneven head split over %d ranks, "
-                       "tokens_per_block %d): CUDA graphs off", tp.size, kvc.tokens_per_block)
+    if ref_attention:
+        logger.warning("attention takes the torch reference here (an uneven head split over %d ranks, "
+                       "tokens_per_block %d under 16, or %d query heads of %d a KV head past the kernels' "
+                       "16 x 1,024)%s", tp.size, kvc.tokens_per_block, heads.num_heads // heads.num_kv_heads,
+                       cfg.head_dim, ": CUDA graphs off" if args.cuda_graph_config is not None else "")
     if device.type == "cuda":
         from phalanx.kernels import triton_attention
         from phalanx.pyexecutor.speculative import DraftModelProposer, Eagle3Proposer

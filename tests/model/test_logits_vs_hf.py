@@ -31,3 +31,16 @@ def test_yarn_rope_matches_transformers_every_step(scaling, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()   # past 16
     assert_logits_every_step(path, hf, prompt, 6, 16)
+
+
+def test_yarn_reaches_factor_times_the_original_context():
+    """Qwen2.5's long-context form (max_position_embeddings 32,768 beside YaRN of factor 4 over
+    32,768): requests may run to 131,072 positions, as YaRN is there for (and as vLLM takes it)."""
+    from transformers import Qwen2Config
+
+    from hf_reference import TINY
+    from phalanx.models.config import ModelConfig
+    hf = Qwen2Config(**{**TINY, "max_position_embeddings": 32768},
+                     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert ModelConfig.from_hf(hf).max_position_embeddings == 131072
+    assert ModelConfig.from_hf(Qwen2Config(**TINY)).max_position_embeddings == 512

@@ -348,3 +348,18 @@ def test_graph_sizes_are_only_those_captured():
     runner.extend_graphs[32] = object()
     assert runner.graph_size(3) == 4 and runner.graph_size(1) == 4 and runner.graph_size(5) is None
     assert runner.extend_size(10, 1) == 32 and runner.extend_size(10, 3) is None and runner.extend_size(33, 1) is None
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_updates_from_a_trainers_tensors_as_transformers_5_holds_them(kind, tiny_moe_models, tmp_path):
+    """A trainer's ``state_dict()`` of a mixture of experts in transformers 5: each layer's experts
+    fused ([E, 2I, H] gate ‖ up, [E, H, I] down) and Mixtral's router under ``mlp.gate``, not its
+    checkpoint's ``block_sparse_moe.gate``: taken, and the tokens follow the new weights."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_reference import _moe_configs, assert_updates_follow
+    b = tiny_model_dirs(lambda name: tmp_path / name, {kind: _moe_configs()[kind]}, seed=77)[kind]
+    hf_b = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32).eval()
+    with LLM(tiny_moe_models[kind], skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
+        named = dict(assert_updates_follow(llm, [5, 9, 14, 3, 27, 8], tiny_moe_models[kind], b, hf_b))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in named and "model.layers.0.mlp.gate.weight" in named
