@@ -5,7 +5,8 @@ For each batch size b: b requests with short random prompts decode ``--steps`` t
 tokens, as the client sees them), decode throughput (tokens/s over the window where all b
 decode), and — on a GPU — the share of the decode window the GPU sat idle between steps,
 from CUDA events recorded around every step. Also measures the GPU's memory bandwidth in the
-same run and, at batch 1, the fraction of the weights-read roofline reached.
+same run and, at batch 1, the fraction of the weights-read roofline reached (the weights a
+one-token step reads: of a mixture of experts, top_k of the E experts a layer).
 
 ``--guided on|both``: the same batches with every request under a JSON-schema grammar
 (``--schema FILE``, else SCHEMA below; needs a tokenizer: ``--tokenizer`` for a shape with

@@ -518,10 +518,16 @@ class PyExecutor:
                 "weight_bytes_per_step": self._weight_bytes()}
 
     def _weight_bytes(self) -> int:
-        """Bytes of weights a decode step reads on this rank (embedding tables excluded: one row)."""
+        """Bytes of weights a one-token decode step reads on this rank (embedding tables excluded:
+        one row; of a mixture of experts' layers, the top_k of the E experts a token is routed to,
+        wherever they lie: each rank's share of its experts' bytes × top_k / E)."""
         if not hasattr(self, "_wbytes"):
-            self._wbytes = sum(p.numel() * p.element_size() for n, p in self.runner.model.named_parameters()
-                               if "embed_tokens" not in n)
+            from phalanx.models.moe import SparseMoE
+            model = self.runner.model
+            experts = {id(p): m.top_k / m.cfg.num_experts for m in model.modules() if isinstance(m, SparseMoE)
+                       for p in (m.w13, m.w2, m.w13_scale, m.w2_scale) if p is not None}
+            self._wbytes = int(sum(p.numel() * p.element_size() * experts.get(id(p), 1.0)
+                                   for n, p in model.named_parameters() if "embed_tokens" not in n))
         return self._wbytes
 
     # -- output ----------------------------------------------------------------------------------

@@ -238,3 +238,17 @@ def test_a_block_scaled_fp8_checkpoint_serves_what_it_stores(v3, tmp_path):
     for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
         want, gaps = hf_greedy(ref, p, 8)
         assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
+
+
+def test_decode_roofline_counts_the_experts_a_token_reads(v3):
+    """The bytes a one-token step reads (``stats``' weight_bytes_per_step, the decode bench's
+    roofline): every weight but the embedding table, and of the experts top_k of E."""
+    import math
+    cfg = resolve_model(v3[0]).config
+    with LLM(v3[0], skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
+        got = json.loads(llm.control("stats").per_rank[0])["weight_bytes_per_step"]
+        shapes = llm._executor.engine.runner.model.checkpoint_shapes()
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    want = 4 * sum(math.prod(s) * (share if ".experts." in n else 1.0) for n, s in shapes.items()
+                   if "embed_tokens" not in n)
+    assert got == int(want) and share < 1
