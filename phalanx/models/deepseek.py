@@ -34,8 +34,6 @@ routed sum times ``routed_scaling_factor``, plus the shared experts (one MLP, un
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -257,9 +255,6 @@ class DeepseekForCausalLM(MoECausalLM):
                 and int(parts[2]) >= self.config.num_layers:
             return None
         return super().checkpoint_name(name)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]], partial: bool = False) -> int:
-        return super().load_weights(((n, w) for n, w in weights if self.checkpoint_name(n) is not None), partial)
 
     def map_weight_name(self, name: str) -> tuple[str, object]:
         if ".self_attn." in name:          # its projections are named as the checkpoint names them

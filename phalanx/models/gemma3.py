@@ -16,9 +16,6 @@ projection, so each reduces its output itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -101,17 +98,6 @@ class Gemma3ForCausalLM(CausalLM):
             if name.startswith(old):
                 return new + name[len(old):]
         return name
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]], partial: bool = False) -> int:
-        if self.config.model_type == "gemma3":
-            weights = self._text_decoder(weights)
-        return super().load_weights(weights, partial)
-
-    def _text_decoder(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        for name, w in weights:
-            ours = self.checkpoint_name(name)
-            if ours is not None:
-                yield ours, w
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """(In the text-only names: the dummy weights and the FP8 checks read them.)"""

@@ -362,12 +362,14 @@ class CausalLM(nn.Module):
                      partial: bool = False) -> int:
         """Copy checkpoint tensors (Hugging Face names, full unsharded shapes) into this rank's
         parameters; returns how many were copied. Raises ValueError naming any parameter left
-        unloaded, unless ``partial`` (a weight update may bring some tensors only)."""
+        unloaded, unless ``partial`` (a weight update may bring some tensors only). A tensor is
+        taken under its ``checkpoint_name``, and one the model passes over (None) is skipped."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         count = 0
-        for name, w in weights:
-            if "rotary_emb" in name:
+        for given, w in weights:
+            name = self.checkpoint_name(given)
+            if name is None or "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue

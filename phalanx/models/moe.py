@@ -333,13 +333,14 @@ class MoECausalLM(CausalLM):
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """A layer's experts held fused (``fused_shapes``) as the tensors of each expert, named as
         checkpoints name them; everything else as it comes."""
+        fused = self.fused_shapes()
         for name, w in weights:
             m = _FUSED_EXPERTS.match(name)
             if m is None or not isinstance(w, torch.Tensor):
                 yield name, w
                 continue
             p = f"model.layers.{m.group(1)}.mlp.experts."
-            want = self.fused_shapes().get(f"{p}{m.group(2)}")
+            want = fused.get(f"{p}{m.group(2)}")
             if want is None or tuple(w.shape) != want:
                 raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(w.shape)} does not match the model's "
                                  f"{want}")
