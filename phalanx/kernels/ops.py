@@ -112,6 +112,34 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q
 
 
+def latent_rope_and_write(positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float, cos_sin: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata,
+                          q_out: torch.Tensor, nope: int, pe_order: torch.Tensor | None) -> None:
+    """DeepSeek's latent attention: each token's pool row [norm(c) ‖ rot(k_pe)] from latent [T,
+    R + P], and every head's rot(q_pe) from q [T, H, nope + P] into q_out[..., R:]
+    (``reference.latent_rope_ref``; ``pe_order``: the checkpoint's interleaved pairs)."""
+    if use_triton(q):
+        from phalanx.kernels import triton_mla
+        triton_mla.latent_rope_and_write(positions, q, latent, norm_weight, eps, cos_sin, pool, meta.slot_mapping,
+                                         q_out, nope, pe_order is not None)
+        return
+    row, q_pe = reference.latent_rope_ref(positions, q, latent, norm_weight, eps, cos_sin, pe_order, nope)
+    pool.view(-1, 1, pool.shape[-1]).index_copy_(0, meta.slot_mapping, row.to(pool.dtype))
+    q_out[..., q_out.shape[2] - q_pe.shape[2]:] = q_pe
+
+
+def latent_attention(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float, rank: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek's absorbed attention: q [T, H, R + P] over the one-plane pool (the values are the
+    rows' first R = ``rank`` dimensions) -> [T, H, R + P] whose first R are each head's attended
+    latent (into ``out`` when given)."""
+    if use_triton(q):
+        from phalanx.kernels import triton_attention, triton_mla
+        if triton_attention.supports(q, pool, None):
+            return triton_mla.latent_attention(q, pool, meta, scale, rank, out)
+    return paged_attention(q, pool, pool, meta, scale, out=out)
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               first: int, plan: MoePlan, s13: torch.Tensor | None = None,
               s2: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:

@@ -40,6 +40,22 @@ def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return rot(q), rot(k)
 
 
+def latent_rope_ref(positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, cos_sin: torch.Tensor, pe_order: torch.Tensor | None,
+                    nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's latent attention, one layer's rows (``triton_mla.latent_rope_and_write``): q [T,
+    H, nope + P], latent [T, R + P] (c ‖ k_pe) -> (the pool's rows [T, 1, R + P] = [norm(c) ‖
+    rot(k_pe)], each head's rot(q_pe) [T, H, P]), the rope dimensions taken in ``pe_order``
+    first where given (a checkpoint's adjacent pairs, evens then odds)."""
+    R = latent.shape[1] - (q.shape[2] - nope)
+    c = rms_norm_ref(latent[:, :R], norm_weight, eps)
+    q_pe, k_pe = q[..., nope:], latent[:, None, R:]
+    if pe_order is not None:
+        q_pe, k_pe = q_pe[..., pe_order], k_pe[..., pe_order]
+    q_pe, k_pe = rotary_ref(positions, q_pe, k_pe, cos_sin)
+    return torch.cat([c[:, None], k_pe], dim=-1), q_pe
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2N] (gate ‖ up) -> silu(gate) * up: [T, N]."""
     gate, up = x.chunk(2, dim=-1)

@@ -703,18 +703,25 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rows of ~1.1k tokens and one 1,000-token prompt spent 22 ms of its 45 ms in attention on an
     H200 (tools/profile_mixed.py). The two row sets' metadata are sliced once per step."""
     d = meta.num_decode_rows
+    decode, extend = mixed_parts(meta)
+    out = torch.empty_like(q) if out is None else out
+    paged_attention(q[:d], k_cache, v_cache, decode, scale, window, out=out[:d], kv_scale=kv_scale)
+    paged_attention(q[d:], k_cache, v_cache, extend, scale, window, out=out[d:], kv_scale=kv_scale)
+    return out
+
+
+def mixed_parts(meta: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A mixed step's metadata as (its decode rows', its extend rows'), sliced once a step."""
     parts = meta.cache.get("mixed")
     if parts is None:
+        d = meta.num_decode_rows
         decode = AttentionMetadata(meta.slot_mapping[:d], meta.query_start[:d + 1], meta.seq_lens[:d],
                                    meta.block_tables[:d], 1, meta.max_seq_len, meta.tokens_per_block,
                                    is_decode_only=True)
         extend = AttentionMetadata(meta.slot_mapping[d:], meta.query_start[d:] - d, meta.seq_lens[d:],
                                    meta.block_tables[d:], meta.max_query_len, meta.max_seq_len, meta.tokens_per_block)
         parts = meta.cache["mixed"] = (decode, extend)
-    out = torch.empty_like(q) if out is None else out
-    paged_attention(q[:d], k_cache, v_cache, parts[0], scale, window, out=out[:d], kv_scale=kv_scale)
-    paged_attention(q[d:], k_cache, v_cache, parts[1], scale, window, out=out[d:], kv_scale=kv_scale)
-    return out
+    return parts
 
 
 _SMS: dict = {}

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.kernels import ops, reference
+from phalanx.kernels import ops
 from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale
 from phalanx.kernels.linear_plan import Neighbour
 from phalanx.kernels.metadata import AttentionMetadata
@@ -139,27 +139,24 @@ class LatentAttention(AttentionBase):
 
     def qkv_rope(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """[c ‖ rotated k_pe] of each token into the pool; returns the queries [T, heads, rank + rope]."""
+        """[c ‖ rotated k_pe] of each token into the pool; returns the queries [T, heads, rank + rope]:
+        W_UK[h]ᵀ q_nope (one batched product, written in place) beside the rotated q_pe."""
         T, nh = h.shape[0], self.heads.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if self.q_lora_rank else self.q_proj(h)
-        q_nope, q_pe = q.view(T, nh, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        latent = self.kv_a_proj_with_mqa(h)
-        c = self.kv_a_layernorm(latent[:, :self.rank].contiguous())
-        k_pe = latent[:, None, self.rank:]
-        if self.pe_order is not None:
-            q_pe, k_pe = q_pe[..., self.pe_order], k_pe[..., self.pe_order]
-        q_pe, k_pe = reference.rotary_ref(positions, q_pe, k_pe, self.rotary[0].cos_sin)
-        key = torch.cat([c[:, None], k_pe], dim=-1)                      # [T, 1, rank + rope]
-        k_cache.view(-1, 1, self.head_dim).index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+        q = q.view(T, nh, self.nope + self.rope)
+        out = torch.empty(T, nh, self.head_dim, dtype=q.dtype, device=q.device)
         w_uk, _ = self._absorbed()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)              # [heads, T, rank]
-        return torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)
+        torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk, out=out[..., :self.rank].transpose(0, 1))
+        norm = self.kv_a_layernorm
+        ops.latent_rope_and_write(positions, q, self.kv_a_proj_with_mqa(h), norm.weight, norm.eps,
+                                  self.rotary[0].cos_sin, k_cache, meta, out, self.nope, self.pe_order)
+        return out
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, heads, rank + rope] over the pool's latents -> [T, heads, rank + rope], whose first
         kv_lora_rank dimensions are each head's attended latent (the values are the keys)."""
-        return ops.paged_attention(q, k_cache, k_cache, meta, self.scale, None, None, out=out)
+        return ops.latent_attention(q, k_cache, meta, self.scale, self.rank, out=out)
 
     def project_out(self, attn_out: torch.Tensor) -> torch.Tensor:
         T = attn_out.shape[0]

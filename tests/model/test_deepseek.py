@@ -132,27 +132,32 @@ def test_v3_fp8_greedy_equals_transformers_with_the_round_tripped_weights(v3):
 
 
 def test_v3_on_the_triton_path_equals_transformers(v3, monkeypatch):
-    """The norms, the fused MoE and paged attention over the latent heads (40 wide: masked to
-    64) on their Triton kernels (the interpreter here)."""
+    """The norms, the fused MoE, the latent rows' kernel, the latent decode and the general paged
+    kernels for prompts over the latent heads (40 wide: masked to 64) on their Triton kernels
+    (the interpreter here)."""
     pytest.importorskip("triton")
-    from phalanx.kernels import ops, triton_attention
+    from phalanx.kernels import ops, triton_mla
     monkeypatch.setattr(ops, "FORCE_TRITON", True)
-    calls = {"attention": 0}
-    real = triton_attention.paged_attention
+    calls = {"rows": 0, "decode": 0, "prompt": 0}
 
-    def counted(*a, **kw):
-        calls["attention"] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(triton_attention, "paged_attention", counted)
+    def counted(name, real):
+        def call(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        return call
+    monkeypatch.setattr(triton_mla, "latent_rope_and_write", counted("rows", triton_mla.latent_rope_and_write))
+    monkeypatch.setattr(triton_mla, "latent_decode", counted("decode", triton_mla.latent_decode))
+    monkeypatch.setattr(triton_mla, "general_attention", counted("prompt", triton_mla.general_attention))
     path, hf = v3
     ps = [prompts(256)[4]]
-    refs = [hf_greedy(hf, p, 2) for p in ps]
+    refs = [hf_greedy(hf, p, 3) for p in ps]
     with LLM(path, skip_tokenizer_init=True, orchestrator_type="inprocess", kv_cache_config={"tokens_per_block": 16},
              max_num_tokens=64, cuda_graph_config=None) as llm:
-        outs = llm.generate(ps, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(ps, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     for i, (out, (ref, gaps)) in enumerate(zip(outs, refs, strict=True)):
         assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"prompt {i}")
-    assert calls["attention"] >= 2 * 3   # prefill and decode, every layer
+    layers = 3
+    assert calls["prompt"] >= layers and calls["decode"] == 2 * layers and calls["rows"] == calls["prompt"] + 6
 
 
 def test_multi_token_prediction_layer_is_passed_over(v3, tmp_path):

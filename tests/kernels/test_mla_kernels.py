@@ -1,0 +1,134 @@
+"""DeepSeek's latent-attention kernels (``kernels/triton_mla.py``) against the torch path of the
+same model: the rows written into the pool and the rotated queries (``reference.latent_rope_ref``),
+and decode over the latent pool (``attention_ref.paged_attention_ref`` with the pool as keys and
+values). The interpreter at tiny widths on the CPU; the released widths (512 + 64) on a GPU."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from phalanx.kernels import attention_ref, ops, reference, triton_mla  # noqa: E402
+from phalanx.kernels.metadata import AttentionMetadata  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16] if CUDA else [torch.float32]
+TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
+# (kv_lora_rank, qk_rope_head_dim): tiny ones, and the releases' on a GPU
+WIDTHS = [(32, 16), (48, 8)] + ([(512, 64)] if CUDA else [])
+
+
+def close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _cos_sin(positions: int, rope: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
+    f = torch.outer(torch.arange(positions, dtype=torch.float32), inv)
+    return torch.cat([f.cos(), f.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,P", WIDTHS)
+@pytest.mark.parametrize("T,H,nope", [(1, 4, 16), (5, 20, 24)])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_latent_rows_and_rotated_queries_equal_the_torch_path(T, H, nope, R, P, interleave, dtype):
+    g = torch.Generator().manual_seed(T + H + R)
+    q = torch.randn(T, H, nope + P, generator=g).to(DEV, dtype)
+    latent = torch.randn(T, R + P, generator=g).to(DEV, dtype) * 3
+    w = (1 + 0.1 * torch.randn(R, generator=g)).to(DEV, dtype)
+    cs = _cos_sin(64, P).to(DEV)
+    positions = torch.randint(0, 64, (T,), generator=g).to(DEV)
+    order = torch.cat([torch.arange(0, P, 2), torch.arange(1, P, 2)]).to(DEV) if interleave else None
+    pool = torch.zeros(6, 16, 1, R + P, dtype=dtype, device=DEV)
+    slots = torch.randperm(6 * 16, generator=g)[:T].to(DEV)
+    q_out = torch.full((T, H, R + P), 7.0, dtype=dtype, device=DEV)
+    ref_pool, ref_q = torch.zeros_like(pool).cpu(), q_out.cpu().clone()
+    triton_mla.latent_rope_and_write(positions, q, latent, w, 1e-6, cs, pool, slots, q_out, nope, interleave)
+    row, q_pe = reference.latent_rope_ref(positions, q, latent, w, 1e-6, cs, order, nope)
+    close(pool.view(-1, R + P)[slots], row[:, 0], dtype)
+    close(q_out[..., R:], q_pe, dtype)
+    assert (q_out[..., :R] == 7.0).all()                                   # the absorbed half is not touched
+    assert int((pool.view(-1, R + P).abs().sum(-1) > 0).sum()) == T         # nothing else written
+    # the engine's torch path (ops on the CPU) writes the same rows and queries
+    cpu_order = None if order is None else order.cpu()
+    ops.latent_rope_and_write(positions.cpu(), q.cpu(), latent.cpu(), w.cpu(), 1e-6, cs.cpu(), ref_pool,
+                              AttentionMetadata.kv_writes(slots.cpu()), ref_q, nope, cpu_order)
+    close(pool.cpu(), ref_pool, dtype)
+    close(q_out.cpu(), ref_q, dtype)
+
+
+def _latent_case(seq_lens, H, R, P, B, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-L // B) for L in seq_lens]
+    nb = sum(blocks) + 2
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n in blocks:
+        tables.append(perm[i:i + n])
+        i += n
+    M = max(blocks)
+    bt = torch.tensor([t + [0] * (M - len(t)) for t in tables], dtype=torch.int32)
+    pool = torch.randn(nb, B, 1, R + P, generator=g).to(dtype)
+    q = torch.randn(len(seq_lens), H, R + P, generator=g).to(dtype)
+    S = len(seq_lens)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(S, dtype=torch.long).to(DEV),
+                             query_start=torch.arange(S + 1, dtype=torch.int32).to(DEV),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(DEV), block_tables=bt.to(DEV),
+                             max_query_len=1, max_seq_len=max(seq_lens), tokens_per_block=B, is_decode_only=True)
+    return q.to(DEV), pool.to(DEV), meta
+
+
+def _reference(q, pool, meta, scale):
+    plan = attention_ref.build_ref_plan(meta.query_start, meta.seq_lens, meta.block_tables, meta.tokens_per_block,
+                                        meta.max_query_len, meta.max_seq_len)
+    return attention_ref.paged_attention_ref(q, pool, pool, plan, scale)
+
+
+DECODE_CASES = [([1], 4), ([5, 40, 17], 16), ([33, 64], 20), ([300, 3], 2)]
+if CUDA:
+    DECODE_CASES += [([1, 100, 1000, 4097], 16), ([7] * 64, 128), ([2000], 8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,P", WIDTHS)
+@pytest.mark.parametrize("seq_lens,H", DECODE_CASES)
+def test_latent_decode_equals_the_reference(seq_lens, H, R, P, dtype):
+    """Every head group (20 heads: two programs' worth), one key slice and several (their merge),
+    slices past the last key."""
+    B = 32 if CUDA else 16
+    q, pool, meta = _latent_case(seq_lens, H, R, P, B, dtype)
+    scale = (R + P) ** -0.5
+    ref = _reference(q, pool, meta, scale)[..., :R]
+    for splits in (1, 4, 32, triton_mla.latent_splits(len(seq_lens), H, max(seq_lens), B, 8)):
+        out = triton_mla.latent_decode(q, pool, meta.block_tables, meta.seq_lens, scale, R, splits)
+        close(out[..., :R], ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_mixed_step_takes_the_latent_decode_for_its_decode_rows(dtype, monkeypatch):
+    """Decode rows first, then prompt rows: the first through the latent decode, the others through
+    the general kernels, into one output equal to the reference's."""
+    R, P, H, B = 32, 16, 4, 16
+    g = torch.Generator().manual_seed(3)
+    seq_lens, q_lens = [40, 17, 30], [1, 1, 9]
+    blocks = [-(-L // B) for L in seq_lens]
+    perm = torch.randperm(sum(blocks) + 1, generator=g).tolist()
+    tables, i = [], 0
+    for n in blocks:
+        tables.append(perm[i:i + n])
+        i += n
+    bt = torch.tensor([t + [0] * (max(blocks) - len(t)) for t in tables], dtype=torch.int32).to(DEV)
+    pool = torch.randn(len(perm), B, 1, R + P, generator=g).to(DEV, dtype)
+    q = torch.randn(sum(q_lens), H, R + P, generator=g).to(DEV, dtype)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long).to(DEV),
+                             query_start=torch.tensor([0, 1, 2, 11], dtype=torch.int32).to(DEV),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(DEV), block_tables=bt,
+                             max_query_len=9, max_seq_len=40, tokens_per_block=B, num_decode_rows=2)
+    calls = []
+    real = triton_mla.latent_decode
+    monkeypatch.setattr(triton_mla, "latent_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    out = triton_mla.latent_attention(q, pool, meta, (R + P) ** -0.5, R)
+    assert calls == [2]
+    close(out[..., :R], _reference(q, pool, meta, (R + P) ** -0.5)[..., :R], dtype)
