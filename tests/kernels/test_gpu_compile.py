@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from phalanx.kernels import gemv, triton_attention, triton_lora, triton_moe, triton_ops  # noqa: E402
+from phalanx.kernels import gemv, triton_attention, triton_lora, triton_mla, triton_moe, triton_ops  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import bench_handover  # noqa: E402  (tools/: the persistent chain a GPU run measures)
@@ -241,6 +241,24 @@ for warps, bn_h, bn_i, prefetch, mlp_only in ((4, 4, 1, False, False), (8, 8, 2,
          "PREFETCH": prefetch, "MLP_ONLY": mlp_only},
         {"num_warps": warps, "num_stages": 1, **({"maxnreg": 128} if warps == 8 else {})})
 
+# DeepSeek's latent attention at the releases' widths (512 + 64), bf16 (triton_mla)
+LATENT_BN, LATENT_WARPS, LATENT_STAGES = triton_mla.LATENT_DECODE_CONFIG
+CASES |= {
+    "latent rows, norm and rotary, 128 heads": (triton_mla._latent_rope_kernel, {
+        "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "lat_ptr": "*bf16",
+        "w_ptr": "*bf16", "qo_ptr": "*bf16", "kc_ptr": "*bf16"},
+        {"NOPE": 128, "R": 512, "BLOCK_R": 512, "HALF": 32, "BLOCK_HALF": 32, "BLOCK_H": 128, "INTERLEAVE": True,
+         "PDL": True}),
+} | {
+    f"latent decode, {splits} key slice{'s' if splits > 1 else ''}": (triton_mla._latent_decode_kernel, {
+        "q_ptr": "*bf16", "kc_ptr": "*bf16", "bt_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16" if splits == 1
+        else "*fp32", "lse_ptr": "*fp32"},
+        {"R": 512, "BLOCK_R": 512, "P": 64, "BLOCK_P": 64, "BLOCK_H": triton_mla.LATENT_HEADS, "B": 32,
+         "BLOCK_N": LATENT_BN, "SPLITS": splits, "PREC": "tf32", "PDL": True},
+        {"num_warps": LATENT_WARPS, "num_stages": LATENT_STAGES})
+    for splits in (1, 8)
+}
+
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("persistent layer")])
 def test_the_persistent_layers_weight_loads_are_pipelined(case, compiled):
@@ -258,7 +276,7 @@ def test_kernels_compile_for_sm90(case, compiled):
 SM90_SHARED = 232448    # bytes of shared memory an sm_90 (H100, H200) program may take
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "prefill" in c])
+@pytest.mark.parametrize("case", [c for c in CASES if "prefill" in c or c.startswith("latent decode")])
 def test_prefill_tiles_fit_an_sm90_sms_shared_memory(case, compiled):
     """The prefill kernel's tiles, the tall long-prompt ones and a float32 model's with 128-wide
     heads among them, take no more shared memory than an sm_90 SM has (a launch would fail)."""
