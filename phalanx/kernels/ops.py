@@ -152,6 +152,17 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     return reference.experts_ref(x, ids, weights, w13, w2, first, s13, s2, block=block)
 
 
+def grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, method: str,
+                 n_group: int, topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing of float32 router logits [T, E] -> (weights [T, k] float32, ids [T, k])
+    (``reference.grouped_topk_ref``)."""
+    if use_triton(logits):
+        from phalanx.kernels import triton_moe
+        return triton_moe.grouped_topk(logits, bias, top_k, sigmoid, method, n_group, topk_group, renormalize,
+                                       scaling)
+    return reference.grouped_topk_ref(logits, bias, top_k, sigmoid, method, n_group, topk_group, renormalize, scaling)
+
+
 def copy_blocks(kv_pool: torch.Tensor, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
     """Rows [0, n) of block src into block dst, every layer (a partial reuse); whole blocks of a
     pool whose values are key-minor (``attention_ref.values_key_minor``), not stored by row.

@@ -3,6 +3,8 @@ the CPU and as the ground truth the Triton kernels are tested against."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +56,35 @@ def latent_rope_ref(positions: torch.Tensor, q: torch.Tensor, latent: torch.Tens
         q_pe, k_pe = q_pe[..., pe_order], k_pe[..., pe_order]
     q_pe, k_pe = rotary_ref(positions, q_pe, k_pe, cos_sin)
     return torch.cat([c[:, None], k_pe], dim=-1), q_pe
+
+
+def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, method: str,
+                     n_group: int, topk_group: int, renormalize: bool,
+                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing of float32 router logits [T, E] -> (weights [T, k] float32, ids [T, k]):
+    scores by softmax or sigmoid; ``method`` "greedy" (the k best), "group_limited_greedy" (the
+    k best of the topk_group groups with the best top score) or "noaux_tc" (groups by the sum
+    of their two best biased scores; the bias picks, the unbiased scores weigh); renormalised
+    where asked, times ``scaling``."""
+    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+    T = scores.shape[0]
+    if method == "greedy":
+        weights, ids = scores.topk(top_k, dim=-1)
+    else:
+        choice = scores if bias is None else scores + bias
+        grouped = choice.view(T, n_group, -1)
+        if method == "noaux_tc":      # a group's two best (biased) scores
+            group_score, fill = grouped.topk(2, dim=-1).values.sum(dim=-1), -math.inf
+        else:                         # "group_limited_greedy": a group's best
+            group_score, fill = grouped.amax(dim=-1), 0.0
+        best = group_score.topk(topk_group, dim=-1).indices
+        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~kept[..., None], fill).view(T, -1)
+        ids = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from phalanx.kernels import fp8
+from phalanx.kernels import fp8, pdl
 from phalanx.kernels.linear_plan import PAIR_BUCKETS, MoePlan, MoeTile
+from phalanx.kernels.pdl import release, wait
 
 DEFAULT_PLAN = MoePlan()
 # the tiles the tuner tries for each bucket of pairs (PAIR_BUCKETS, then larger)
@@ -318,3 +319,90 @@ def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, firs
         tiles.append(best)
     _MEMO[key] = MoePlan(tuple(tiles))
     return _MEMO[key]
+
+
+# -- DeepSeek's routing (reference.grouped_topk_ref) ------------------------------------------------
+@triton.jit
+def _pick(c, e, em):
+    """The index of the best of c over the experts em (the lowest index among equals)."""
+    best = tl.max(tl.where(em, c, -float("inf")), 0)
+    return tl.min(tl.where(em & (c == best), e, 1 << 30), 0)
+
+
+@triton.jit
+def _grouped_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, E, scaling,
+                         BLOCK_E: tl.constexpr, K: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                         TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    """Token t's k experts and weights from its float32 logits, in one program. METHOD: 0 greedy,
+    1 group-limited greedy (a group's best score), 2 noaux_tc (a group's two best biased
+    scores; the bias picks, the unbiased scores weigh). Experts are picked best first, as
+    torch.topk orders them."""
+    release(PDL)
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e, mask=em, other=0.0)     # a weight: read before the wait
+    wait(PDL)
+    x = tl.load(logit_ptr + t * s_lt + e, mask=em, other=-float("inf"))
+    if SIGMOID:
+        s = tl.sigmoid(x)
+    else:
+        z = tl.exp(x - tl.max(x, 0))
+        s = z / tl.sum(tl.where(em, z, 0.0), 0)
+    s = tl.where(em, s, 0.0)
+    c = s
+    if HAS_BIAS:
+        c = s + bias
+    if METHOD != 0:
+        gs = E // NG
+        grp = e // gs
+        g = tl.arange(0, BLOCK_G)
+        score = tl.full([BLOCK_G], -float("inf"), tl.float32)
+        for i in tl.static_range(NG):
+            mine = em & (grp == i)
+            if METHOD == 2:
+                first = _pick(c, e, mine)
+                top = tl.max(tl.where(mine, c, -float("inf")), 0)
+                second = tl.max(tl.where(mine & (e != first), c, -float("inf")), 0)
+                score = tl.where(g == i, top + second, score)
+            else:
+                score = tl.where(g == i, tl.max(tl.where(mine, c, -float("inf")), 0), score)
+        kept = tl.zeros([BLOCK_E], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = _pick(score, g, g < NG)
+            kept = kept | (grp == best)
+            score = tl.where(g == best, -float("inf"), score)
+        c = tl.where(kept, c, -float("inf") if METHOD == 2 else 0.0)   # (constexpr: the dropped groups' fill)
+    kk = tl.arange(0, BLOCK_K)
+    picked = tl.zeros([BLOCK_K], tl.int64)
+    weight = tl.zeros([BLOCK_K], tl.float32)
+    for j in tl.static_range(K):
+        pick = _pick(c, e, em)
+        picked = tl.where(kk == j, pick.to(tl.int64), picked)
+        weight = tl.where(kk == j, tl.sum(tl.where(e == pick, s, 0.0), 0), weight)
+        c = tl.where(e == pick, -float("inf"), c)
+    if RENORM:
+        weight = weight / (tl.sum(weight, 0) + 1e-20)
+    tl.store(id_ptr + t * K + kk, picked, mask=kk < K)
+    tl.store(w_ptr + t * K + kk, weight * scaling, mask=kk < K)
+
+
+GROUPED_TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
+def grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, method: str,
+                 n_group: int, topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.grouped_topk_ref`` in one launch (a program a token)."""
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
+    if T:
+        _grouped_topk_kernel[(T,)](
+            logits, bias if bias is not None else logits, weights, ids, logits.stride(0), E, scaling,
+            BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=sigmoid,
+            METHOD=GROUPED_TOPK_METHODS[method],
+            HAS_BIAS=bias is not None, NG=n_group, BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+            TOPK_GROUP=topk_group, RENORM=renormalize, **pdl.launch(logits))
+    return weights, ids

@@ -33,8 +33,6 @@ routed sum times ``routed_scaling_factor``, plus the shared experts (one MLP, un
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -192,27 +190,9 @@ class DeepseekMoE(SparseMoE):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c, gate = self.cfg, self.gate
         assert isinstance(gate, RouterGate)
-        logits = F.linear(x.float(), gate.weight)
-        scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
-        T = scores.shape[0]
-        if c.topk_method == "greedy":
-            weights, ids = scores.topk(self.top_k, dim=-1)
-        else:
-            bias = gate.e_score_correction_bias
-            choice = scores if bias is None else scores + bias
-            grouped = choice.view(T, c.n_group, -1)
-            if c.topk_method == "noaux_tc":      # a group's two best (biased) scores
-                group_score, fill = grouped.topk(2, dim=-1).values.sum(dim=-1), -math.inf
-            else:                                # "group_limited_greedy": a group's best
-                group_score, fill = grouped.amax(dim=-1), 0.0
-            best = group_score.topk(c.topk_group, dim=-1).indices
-            kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
-            choice = grouped.masked_fill(~kept[..., None], fill).view(T, -1)
-            ids = choice.topk(self.top_k, dim=-1).indices
-            weights = scores.gather(1, ids)      # the bias picks; the unbiased scores weigh
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * c.routed_scaling_factor, ids
+        return ops.grouped_topk(F.linear(x.float(), gate.weight), gate.e_score_correction_bias, self.top_k,
+                                c.scoring_func == "sigmoid", c.topk_method, c.n_group, c.topk_group, self.renormalize,
+                                c.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)

@@ -132,3 +132,28 @@ def test_a_mixed_step_takes_the_latent_decode_for_its_decode_rows(dtype, monkeyp
     out = triton_mla.latent_attention(q, pool, meta, (R + P) ** -0.5, R)
     assert calls == [2]
     close(out[..., :R], _reference(q, pool, meta, (R + P) ** -0.5)[..., :R], dtype)
+
+
+ROUTES = [  # (experts, top_k, sigmoid, method, n_group, topk_group, renormalize, scaling, bias)
+    (64, 6, False, "greedy", 1, 1, False, 1.0, False),                 # V2-Lite
+    (160, 6, False, "group_limited_greedy", 8, 3, False, 16.0, False),  # V2: groups of 20 (padded to 256)
+    (256, 8, True, "noaux_tc", 8, 4, True, 2.5, True),                  # V3
+    (16, 3, True, "noaux_tc", 4, 2, False, 1.0, True),
+    (12, 2, False, "group_limited_greedy", 3, 1, True, 1.0, False),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_grouped_topk_equals_the_torch_routing(route):
+    """DeepSeek's routing in one program a token picks the experts torch.topk picks, in its order,
+    with the same weights: every method, groups of sizes other than powers of two, a bias."""
+    from phalanx.kernels import triton_moe
+    E, k, sigmoid, method, n_group, topk_group, renorm, scaling, has_bias = route
+    g = torch.Generator().manual_seed(E + k)
+    logits = (torch.randn(9, E, generator=g) * 2).to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.3).to(DEV) if has_bias else None
+    w, ids = triton_moe.grouped_topk(logits, bias, k, sigmoid, method, n_group, topk_group, renorm, scaling)
+    ref_w, ref_ids = reference.grouped_topk_ref(logits, bias, k, sigmoid, method, n_group, topk_group, renorm,
+                                                scaling)
+    assert ids.dtype == ref_ids.dtype and ids.equal(ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
