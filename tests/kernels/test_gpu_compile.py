@@ -122,7 +122,8 @@ def compile_case(case: str):
     names = list(params)
     constexprs = {**{n: p.default for n, p in params.items()   # a launch leaves these at their defaults
                      if p.default is not p.empty and "constexpr" in str(p.annotation)}, **constexprs}
-    sig = {n: pointers.get(n, "fp32" if n in ("scale", "eps", "k_inv", "v_inv", "v_scale") else "i32") for n in names}
+    floats = ("scale", "scaling", "eps", "k_inv", "v_inv", "v_scale")
+    sig = {n: pointers.get(n, "fp32" if n in floats else "i32") for n in names}
     assert not [n for n in names if n.endswith("_ptr") and n not in pointers], "a pointer without a dtype"
     for k in constexprs:
         sig[k] = "constexpr"
@@ -249,6 +250,10 @@ CASES |= {
         "w_ptr": "*bf16", "qo_ptr": "*bf16", "kc_ptr": "*bf16"},
         {"NOPE": 128, "R": 512, "BLOCK_R": 512, "HALF": 32, "BLOCK_HALF": 32, "BLOCK_H": 128, "INTERLEAVE": True,
          "PDL": True}),
+    "DeepSeek-V3's routing (256 experts, 8 groups, noaux_tc)": (triton_moe._grouped_topk_kernel, {
+        "logit_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "id_ptr": "*i64"},
+        {"BLOCK_E": 256, "K": 8, "SIGMOID": True, "METHOD": 2, "HAS_BIAS": True, "NG": 8, "BLOCK_K": 8, "BLOCK_G": 8,
+         "TOPK_GROUP": 4, "RENORM": True, "PDL": True}),
 } | {
     f"latent decode, {splits} key slice{'s' if splits > 1 else ''}": (triton_mla._latent_decode_kernel, {
         "q_ptr": "*bf16", "kc_ptr": "*bf16", "bt_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*bf16" if splits == 1
