@@ -77,7 +77,9 @@ class GrammarCompiler:
             raise ValueError(f"guided_decoding.{kind} does not compile: {first[:300]}") from None
 
 
-MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>")   # the tool-call parsers' (serve/tools.py)
+# the tool-call parsers' (serve/tools.py): Hermes', Llama 3's, DeepSeek's
+MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+           "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 
 
 def special_ids(hf_tokenizer: Any) -> set[int]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from phalanx.argtypes import POSITIVE, at_least, port
 from phalanx.config import LORA_TARGETS
+from phalanx.serve.tools import PARSERS
 
 logger = logging.getLogger("phalanx")
 
@@ -98,7 +99,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "abort; their answers get 5 s more) and later ones refused (503)")
     p.add_argument("--max_request_body_bytes", type=POSITIVE, default=8 << 20,
                    help="the largest request body taken (413 above)")
-    p.add_argument("--tool_call_parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+    p.add_argument("--tool_call_parser", default="auto", choices=["auto", *PARSERS],
                    help="how tool calls are read from free-running output (auto: by the chat template)")
     p.add_argument("--responses_store_size", type=at_least(0, int), default=1024,
                    help="responses kept in memory for previous_response_id and GET /v1/responses/{id}, the newest "

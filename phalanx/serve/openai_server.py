@@ -177,11 +177,13 @@ class _TextOffsets:
 
 def decodes_call_markers(plan: ChatPlan, special_strings: list[str], fields_set: set[str]) -> bool:
     """Whether a chat output is decoded with its special tokens: free-running tools whose parser
-    opens a call with a marker the tokenizer marks special (some Hermes models' ``<tool_call>``),
+    opens a call with a marker the tokenizer marks special (some Hermes models' ``<tool_call>``,
+    DeepSeek's ``<｜tool▁calls▁begin｜>`` where its tokenizer marks it so),
     which decoding would otherwise drop, so that the parser never saw the call (vLLM decodes them
     so too); not where the request set ``skip_special_tokens`` itself."""
-    return (plan.parser == "hermes" and plan.tools is not None and plan.forced is None
-            and "skip_special_tokens" not in fields_set and "<tool_call>" in special_strings)
+    return (plan.parser in ("hermes", "deepseek_v3", "deepseek_v31") and plan.tools is not None
+            and plan.forced is None and "skip_special_tokens" not in fields_set
+            and any(m in special_strings for m in tools.CALL_MARKERS[plan.parser]))
 
 
 def _chat_finish(finish: str | None, called: bool, plan: ChatPlan) -> str | None:

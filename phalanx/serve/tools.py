@@ -11,8 +11,17 @@ What a request asks for becomes at most one ``GuidedDecodingParams``:
 
 A forced choice is turned back into ``tool_calls`` from the JSON the grammar produced. With
 ``tool_choice="auto"`` the model writes freely and its own format is parsed: Hermes / Qwen2.5 /
-Qwen3 ``<tool_call>{...}</tool_call>`` blocks, or Llama 3.x JSON (``{"name": ..., "parameters":
-...}``, optionally after ``<|python_tag|>``). A chat template that does not render ``tools`` gets
+Qwen3 ``<tool_call>{...}</tool_call>`` blocks, Llama 3.x JSON (``{"name": ..., "parameters":
+...}``, optionally after ``<|python_tag|>``), or DeepSeek's marked calls — V3 / R1
+(``deepseek_v3``)::
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    ```json
+    {ARGUMENTS}
+    ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+and V3.1 (``deepseek_v31``): ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{ARGUMENTS}<｜tool▁call▁end｜>``
+inside the same pair. A chat template that does not render ``tools`` gets
 them described in a system message in the Hermes format, which the parser then reads.
 """
 
@@ -27,7 +36,14 @@ from typing import Any
 
 from phalanx.llmapi.sampling_params import GuidedDecodingParams
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "deepseek_v3", "deepseek_v31")
+# DeepSeek's markers, as its tokenizer spells them (full-width bars, U+2581 for blanks)
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+# what opens a call in each free-running format (the stream holds text back from there; an output
+# decoded for parsing keeps these where its tokenizer marks them special)
+CALL_MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>",),
+                "deepseek_v3": (DS_CALLS_BEGIN, DS_CALL_BEGIN), "deepseek_v31": (DS_CALLS_BEGIN, DS_CALL_BEGIN)}
 
 
 @dataclass
@@ -124,6 +140,8 @@ def _text_not_a_call() -> dict[str, str]:
 _CALL_FORMS: dict[str, tuple[str | None, str, str, str]] = {
     "hermes": ("<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"),
     "llama3_json": (None, '{"name": "', '", "parameters": ', "}"),
+    "deepseek_v3": (DS_CALL_BEGIN, DS_CALL_BEGIN + "function" + DS_SEP, "\n```json\n", "\n```" + DS_CALL_END),
+    "deepseek_v31": (DS_CALL_BEGIN, DS_CALL_BEGIN, DS_SEP, DS_CALL_END),
 }
 
 
@@ -264,6 +282,14 @@ def _as_object(arguments: str) -> Any:
 
 # -- parsing the model's own format ----------------------------------------------------------------------
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+# a DeepSeek call: its name and its arguments' JSON (to the call's end marker, or the output's end)
+_DEEPSEEK = {
+    "deepseek_v3": re.compile(re.escape(DS_CALL_BEGIN) + r"[^\n]*?" + re.escape(DS_SEP)
+                              + r"(?P<name>[^\n]*)\n```(?:json)?\s*(?P<args>.*?)\s*```\s*(?:"
+                              + re.escape(DS_CALL_END) + "|$)", re.S),
+    "deepseek_v31": re.compile(re.escape(DS_CALL_BEGIN) + r"(?P<name>.*?)" + re.escape(DS_SEP)
+                               + r"(?P<args>.*?)\s*(?:" + re.escape(DS_CALL_END) + "|$)", re.S),
+}
 
 
 def choose_parser(name: str, template: str | None, model_type: str) -> str:
@@ -272,6 +298,8 @@ def choose_parser(name: str, template: str | None, model_type: str) -> str:
         return name
     if template and "<|python_tag|>" in template or (model_type == "llama" and template and "ipython" in template):
         return "llama3_json"
+    if template and DS_CALL_BEGIN in template:     # V3's template writes the arguments in a json fence
+        return "deepseek_v3" if "```json" in template else "deepseek_v31"
     return "hermes"
 
 
@@ -282,10 +310,11 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
     another object (an output cut short inside a call keeps the calls before it; the cut one is
     content); else all of it is content (a JSON object followed by prose is an answer)."""
     names = {t["function"]["name"] for t in tools}
-    if parser == "hermes":
+    if parser in ("hermes", *_DEEPSEEK):
         calls, spans = [], []
-        for m in _HERMES.finditer(text):
-            call = _call_from(m.group(1), names, "arguments")
+        for m in (_HERMES if parser == "hermes" else _DEEPSEEK[parser]).finditer(text):
+            call = (_call_from(m.group(1), names, "arguments") if parser == "hermes" else
+                    _named_call(m.group("name").strip(), m.group("args"), names))
             if call is not None:
                 calls.append(call)
                 spans.append(m.span())
@@ -294,6 +323,8 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
         content = text
         for a, b in reversed(spans):
             content = content[:a] + content[b:]
+        if parser != "hermes":   # the calls' wrapper goes with them
+            content = content.replace(DS_CALLS_BEGIN, "").replace(DS_CALLS_END, "")
         return (content.strip() or None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
     calls = []
@@ -314,6 +345,17 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
     if not calls or (rest and not rest.startswith("{")):   # prose after a JSON object: an answer
         return text, []
     return (rest or None), calls   # a cut inside a later call keeps the whole ones, as Hermes blocks do
+
+
+def _named_call(name: str, raw: str, names: set[str]) -> ToolCall | None:
+    """A call whose name and arguments the format writes apart: a tool's name, a JSON object."""
+    try:
+        args = json.loads(raw)
+    except ValueError:
+        return None
+    if name not in names or not isinstance(args, dict):
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
 def _call_from(raw: str, names: set[str], key: str) -> ToolCall | None:
@@ -373,8 +415,8 @@ class ToolCallStream:
         self.text = ""
 
     def feed(self, text: str) -> str:
-        """The content delta that is safe to stream now. Text held from a Hermes marker on stays
-        held; text held as a possible start of a Llama 3 call (a "<" that could begin
+        """The content delta that is safe to stream now. Text held from a Hermes or DeepSeek marker
+        on stays held; text held as a possible start of a Llama 3 call (a "<" that could begin
         ``<|python_tag|>``) is released once it no longer can."""
         self.text += text
         pending = self.text[len(self.sent):]
@@ -382,12 +424,12 @@ class ToolCallStream:
             self.held = pending
             return ""
         self.held = ""
-        marker = "<tool_call>"
-        at = pending.find(marker)
+        markers = CALL_MARKERS[self.parser] if self.parser != "llama3_json" else CALL_MARKERS["hermes"]
+        at = min((i for i in (pending.find(m) for m in markers) if i >= 0), default=-1)
         if at >= 0:
             out, self.held = pending[:at], pending[at:]
         else:
-            keep = _partial_tag(pending, marker)
+            keep = max(_partial_tag(pending, m) for m in markers)
             out = pending[:len(pending) - keep]
         self.sent += out
         return out

@@ -341,3 +341,15 @@ def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm):
                 '{"name": "get_time", "parameters": {}}', '{"answer": "Paris"}', ' {"name": "get_weather"',
                 "<|im_start|>" + bad_call, calls + " Done."):
         assert not xgr.GrammarMatcher(grammar).accept_string(bad), bad
+    # DeepSeek's marked calls (V3's json fence, V3.1's bare arguments): text, then calls the parser reads
+    begin, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    forms = {"deepseek_v3": lambda a: f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{a}\n```"
+                                      "<｜tool▁call▁end｜>",
+             "deepseek_v31": lambda a: f"<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{a}<｜tool▁call▁end｜>"}
+    for parser, form in forms.items():
+        grammar = compiler.compile(GuidedDecodingParams(structural_tag=strict_tools_tag(tools, parser)))
+        text = "Let me look. " + begin + form('{"city": "Paris"}') + form('{"city": "Rome"}') + end
+        assert xgr.GrammarMatcher(grammar).accept_string(text), parser
+        assert [json.loads(c.arguments) for c in parse_tool_calls(text, parser, tools)[1]] == \
+            [{"city": "Paris"}, {"city": "Rome"}]
+        assert not xgr.GrammarMatcher(grammar).accept_string(begin + form('{"city": 3}')), parser

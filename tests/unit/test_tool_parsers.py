@@ -191,6 +191,10 @@ def test_a_whole_chat_output_reads_as_its_stream():
         (None, None, "qwen3", "Hello </think> world"),                    # no opening tag: all answer
         (None, None, "deepseek_r1", "plan it</think>done"),
         ("hermes", None, "none", 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'),
+        ("deepseek_v3", None, "none", "Sure." + "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add"
+                                      '\n```json\n{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+        ("deepseek_v31", None, "deepseek_r1", "plan</think>" + "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add"
+                                              '<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
         (None, "required", "none", '[{"name": "add", "arguments": {"a": 1}}]'),
         (None, "required", "none", '[{"name": "add", "argu'),               # cut short: text comes back
         (None, named, "none", '{"city": "Rome"}'),
@@ -293,3 +297,76 @@ def test_a_think_tag_after_blanks_is_reasoning_however_the_blanks_arrive():
         stream = ReasoningStream()
         parts = [stream.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
         assert ("".join(r for r, _ in parts), "".join(a for _, a in parts)) == ("hm", "Hi"), pieces
+
+
+B, E_, CB, CE, SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", \
+    "<｜tool▁sep｜>"
+
+
+def v3_call(name: str, args: str) -> str:
+    return f"{CB}function{SEP}{name}\n```json\n{args}\n```{CE}"
+
+
+def v31_call(name: str, args: str) -> str:
+    return f"{CB}{name}{SEP}{args}{CE}"
+
+
+def test_deepseek_v3_and_v31_calls():
+    """DeepSeek's marked calls: V3 / R1 (a json fence after the name) and V3.1 (the arguments right
+    after the separator); the wrapper goes with the calls, the text before them is content; a call
+    of another tool, or arguments that are not a JSON object, stay content; a cut inside the last
+    call keeps the whole ones."""
+    text = "Checking. " + B + v3_call("get_weather", '{"city": "Paris"}') + "\n" + v3_call("add", '{"a": 1}') + E_
+    content, calls = parse_tool_calls(text, "deepseek_v3", TOOLS)
+    assert content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+    text = B + v31_call("add", '{"a": 1, "b": "x```y"}') + v31_call("get_weather", '{"city": "Oslo"}') + E_
+    content, calls = parse_tool_calls(text, "deepseek_v31", TOOLS)
+    assert content is None and [c.name for c in calls] == ["add", "get_weather"]
+    assert json.loads(calls[0].arguments) == {"a": 1, "b": "x```y"}
+    for parser, call in (("deepseek_v3", v3_call), ("deepseek_v31", v31_call)):
+        other = B + call("unknown", "{}") + E_
+        assert parse_tool_calls(other, parser, TOOLS) == (other, [])
+        assert parse_tool_calls(B + call("add", "[1, 2]") + E_, parser, TOOLS)[1] == []
+        assert parse_tool_calls("No call here.", parser, TOOLS) == ("No call here.", [])
+        cut = B + call("add", '{"a": 1}') + call("add", '{"a": 2}')[:-12]
+        assert [json.loads(c.arguments) for c in parse_tool_calls(cut, parser, TOOLS)[1]] == [{"a": 1}]
+    # the V3 format read as V3.1 finds no call (its fence is not JSON), and the other way round
+    assert parse_tool_calls(B + v3_call("add", '{"a": 1}') + E_, "deepseek_v31", TOOLS)[1] == []
+    assert parse_tool_calls(B + v31_call("add", '{"a": 1}') + E_, "deepseek_v3", TOOLS)[1] == []
+
+
+def test_deepseek_parser_by_chat_template_and_stream():
+    """``auto`` picks DeepSeek's parser from a template that writes its call markers (V3's json
+    fence or V3.1's bare arguments); a stream holds back from the first marker (or a tail that may
+    begin one) and reads the calls at the end."""
+    from phalanx.serve.tools import choose_parser
+    v3_template = "{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n```json\\n' + args}}"
+    v31_template = "{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + args + '<｜tool▁call▁end｜>'}}"
+    assert choose_parser("auto", v3_template, "deepseek_v3") == "deepseek_v3"
+    assert choose_parser("auto", v31_template, "deepseek_v3") == "deepseek_v31"
+    assert choose_parser("auto", "{{ messages }}", "deepseek_v3") == "hermes"
+    text = "Let me see." + B + v3_call("add", '{"a": 1, "b": 2}') + E_
+    stream = ToolCallStream("deepseek_v3", TOOLS)
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    out = "".join(stream.feed(p) for p in pieces)
+    assert out == "Let me see."
+    rest, calls = stream.finish()
+    assert rest == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    plain = ToolCallStream("deepseek_v31", TOOLS)
+    assert "".join(plain.feed(p) for p in ["a <b>", " c <｜", "end"]) + plain.finish()[0] == "a <b> c <｜end"
+
+
+def test_strict_deepseek_tools_are_held_by_a_structural_tag():
+    """Strict tools under tool_choice "auto" with DeepSeek's parsers: each call begins at its call
+    marker and is written as the parser reads it."""
+    from phalanx.serve.tools import strict_tools_tag
+    strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}]
+    fmt = strict_tools_tag(strict, "deepseek_v3")["format"]
+    assert fmt["triggers"] == [CB]
+    tag = fmt["tags"][0]
+    assert tag["begin"] + "{}" + tag["end"] == v3_call("f", "{}")
+    tag = strict_tools_tag(strict, "deepseek_v31")["format"]["tags"][0]
+    assert tag["begin"] + "{}" + tag["end"] == v31_call("f", "{}")
+    for parser, call in (("deepseek_v3", v3_call), ("deepseek_v31", v31_call)):
+        assert parse_tool_calls(B + call("f", "{}") + E_, parser, strict)[1][0].name == "f"
