@@ -237,15 +237,29 @@ def template_names_developer(template: str | None) -> bool:
     return template is not None and re.search(r"""(['"])developer\1""", template) is not None
 
 
+# a template that joins a call's arguments to text with "+" (DeepSeek's: ... + tool['function']['arguments'] + ...)
+_ARGUMENTS_JOINED = re.compile(r"""\+\s*\w+(?:\.function|\[(['"])function\1\])(?:\.arguments|\[(['"])arguments\2\])"""
+                               r"""|(?:\.arguments|\[(['"])arguments\3\])\s*\+""")
+
+
+@functools.lru_cache(maxsize=16)
+def template_joins_arguments(template: str | None) -> bool:
+    """Whether a chat template adds a call's ``arguments`` to strings (DeepSeek's), so takes them as
+    the JSON text they came as; others (Qwen's, Llama's: ``| tojson``) take objects. Decided once a
+    template."""
+    return template is not None and _ARGUMENTS_JOINED.search(template) is not None
+
+
 def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
                       template: str | None) -> list[dict[str, Any]]:
     """Chat messages as templates expect them: assistant tool calls with their arguments as
-    objects, tool results with their call id, developer messages as system ones where the template
-    does not know the role; the tools described in a system message where the template would not
-    render them."""
+    objects (as text where the template joins them to text: ``template_joins_arguments``), tool
+    results with their call id, developer messages as system ones where the template does not know
+    the role; the tools described in a system message where the template would not render them."""
     out = []
     developer = "developer" if template_names_developer(template) else "system"
     calls_in_content = not template_renders_tool_calls(template)
+    arguments = (lambda a: a) if template_joins_arguments(template) else _as_object
     for m in messages:
         msg: dict[str, Any] = {"role": developer if m.role == "developer" else m.role, "content": m.text()}
         if m.name:
@@ -256,7 +270,7 @@ def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)}}
+                                  "function": {"name": c.function.name, "arguments": arguments(c.function.arguments)}}
                                  for c in m.tool_calls]
             if not msg["content"] and calls_in_content:    # show the calls to templates that print only content
                 msg["content"] = "\n".join(

@@ -268,6 +268,21 @@ def test_an_assistants_tool_calls_reach_the_template_once():
         text = render_jinja_template(conversations=[out], chat_template=template)[0][0]
         assert text.count("<tool_call>") == 1 and text.count('"Paris"') == 1, text
     assert not template_messages(msgs, None, qwen_like)[1]["content"]
+    # DeepSeek's templates join the arguments to text with "+": they get the JSON text (an object
+    # there fails the render), and the rendered call is the one the deepseek_v3 parser reads
+    deepseek_like = ("{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}{% for tool in "
+                     "m.tool_calls %}{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+                     "tool['function']['name'] + '\\n```json\\n' + tool['function']['arguments'] + '\\n```"
+                     "<｜tool▁call▁end｜>'}}{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    out = template_messages(msgs, None, deepseek_like)
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    text = render_jinja_template(conversations=[out], chat_template=deepseek_like)[0][0]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    calls = parse_tool_calls(text, "deepseek_v3", tools)[1]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    import pytest
+    with pytest.raises(TypeError):     # what the objects the other templates take would do here
+        render_jinja_template(conversations=[template_messages(msgs, None, qwen_like)], chat_template=deepseek_like)
 
 
 def test_a_tokenizer_with_named_chat_templates_renders_with_its_default_one():
