@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 from typing import Any
@@ -124,10 +123,10 @@ def main() -> None:
         with LLM(model, **{**base, "kv_cache_config": kvc}) as llm:
             report["runs"]["host_tier" if host else "no_host_tier"] = measure(llm, a, host)
     if torch.cuda.is_available():
-        with open(os.path.join(model, "config.json")) as f:
-            c = json.load(f)
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        block = 32 * 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2   # bf16, 32 tokens
+        from transformers import AutoConfig
+
+        from phalanx.models.config import ModelConfig
+        block = 32 * ModelConfig.from_hf(AutoConfig.from_pretrained(model)).kv_bytes_per_token(2)   # bf16, 32 tokens
         report["link"] = link(a.prefix, 32, block)
         print(f"the link, pinned host → device, {a.prefix} tokens' blocks: {report['link']}", flush=True)
     on, off = report["runs"]["host_tier"], report["runs"]["no_host_tier"]
