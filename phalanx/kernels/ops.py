@@ -49,7 +49,8 @@ def triton_attention_everywhere(model: torch.nn.Module, tokens_per_block: int) -
         return False
     from phalanx.kernels import triton_attention
     layers: list[Any] = [m for m in model.modules() if hasattr(m, "kv_of_q")]   # the attention layers
-    return all(triton_attention.supports_layout(tokens_per_block, m.heads.num_heads, m.heads.num_kv_heads,
+    return all(latent_kernels_take(tokens_per_block) if getattr(m, "latent", False) else
+               triton_attention.supports_layout(tokens_per_block, m.heads.num_heads, m.heads.num_kv_heads,
                                                 m.kv_of_q is not None, m.head_dim) for m in layers)
 
 
@@ -133,11 +134,15 @@ def latent_attention(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadat
     """DeepSeek's absorbed attention: q [T, H, R + P] over the one-plane pool (the values are the
     rows' first R = ``rank`` dimensions) -> [T, H, R + P] whose first R are each head's attended
     latent (into ``out`` when given)."""
-    if use_triton(q):
-        from phalanx.kernels import triton_attention, triton_mla
-        if triton_attention.supports(q, pool, None):
-            return triton_mla.latent_attention(q, pool, meta, scale, rank, out)
-    return paged_attention(q, pool, pool, meta, scale, out=out)
+    if use_triton(q) and latent_kernels_take(pool.shape[1]):
+        from phalanx.kernels import triton_mla
+        return triton_mla.latent_attention(q, pool, meta, scale, rank, out)
+    return paged_attention(q, pool, pool, meta, scale, out=out)   # (the reference: small blocks, or no GPU)
+
+
+def latent_kernels_take(tokens_per_block: int) -> bool:
+    """Whether the latent kernels (``triton_mla``) run a pool of these blocks: any head count."""
+    return tokens_per_block >= 16
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

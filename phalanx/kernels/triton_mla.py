@@ -16,7 +16,14 @@ q_pe] of the same widths; the values are the rows' first R dimensions.
   takes ``LATENT_HEADS`` query heads (the one KV head serves all), so any head count runs; key
   slices ("flash decoding") and their merge as ``triton_attention``'s decode.
 
-Extend steps (prompts, mixed steps' prompt rows) run the general kernels over the same pool.
+* ``latent_extend``: prompt rows (prompts, chunks, prefix hits, mixed steps' prompt rows) the
+  same way, BLOCK_T new tokens × 16 heads a program, causal; a few new tokens over a long cached
+  prefix cut the keys into slices merged as ``triton_attention``'s split extend. (The absorbed
+  form spends 576 + 512 multiply-adds a key a head where per-head K and V would spend 192 + 128
+  after decompressing the context; it reads one latent row a key instead of 16 heads' K and V.)
+
+Neither kernel limits the heads a rank holds (128 under attention DP), as the general kernels'
+16 × 1,024 does.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from phalanx.kernels.triton_attention import (
     NEG,
     PER_STEP_POINTERS,
     _decode_merge_kernel,
+    _extend_merge_kernel,
     _num_sms,
     _online_softmax_step,
     _precision,
@@ -40,7 +48,6 @@ from phalanx.kernels.triton_attention import (
     mixed_parts,
     num_splits,
 )
-from phalanx.kernels.triton_attention import paged_attention as general_attention
 from phalanx.kernels.triton_ops import _rotate
 
 
@@ -159,9 +166,74 @@ def _latent_decode_kernel(q_ptr, kc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
             tl.store(lse_ptr + s * s_ls + h * s_lh + split, m_i + tl.log(tl.maximum(l_i, 1e-30)), mask=hm)
 
 
+@triton.jit(do_not_specialize=["s_bt", "s_lt", "s_lh", "SPLITS"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
+def _latent_extend_kernel(q_ptr, kc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr, lse_ptr,
+                          s_qt, s_qh, s_cb, s_ct, s_bt, s_ot, s_oh, s_osp, s_lt, s_lh, scale, H, SPLITS,
+                          R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                          HB: tl.constexpr, BLOCK_T: tl.constexpr, B: tl.constexpr, BLOCK_N: tl.constexpr,
+                          PARTS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """Program (query block, s, group × SPLITS + split): BLOCK_T new tokens of sequence s, query
+    heads g·HB.. of each (rows: token r // HB, head r % HB), over one slice of the keys the block
+    sees (causal). One slice writes the attended latents; several write partial ones and their
+    log-sum-exps (a row that saw no key in its slice: weight 0), which the merge joins."""
+    release(PDL)
+    qb = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+    q0 = tl.load(qstart_ptr + s)
+    q_len = tl.load(qstart_ptr + s + 1) - q0
+    L = tl.load(len_ptr + s)
+    wait(PDL)
+    if qb * BLOCK_T < q_len:
+        ctx = L - q_len
+        r = tl.arange(0, BLOCK_T * HB)
+        t = qb * BLOCK_T + r // HB
+        h = g * HB + r % HB
+        rm = (t < q_len) & (h < H)
+        q_pos = ctx + t
+        c_r = tl.arange(0, BLOCK_R)
+        crm = c_r < R
+        p = tl.arange(0, BLOCK_P)
+        pm = p < P
+        qb_ptr = q_ptr + (q0 + t)[:, None] * s_qt + h[:, None] * s_qh
+        q_lat = tl.load(qb_ptr + c_r[None, :], mask=rm[:, None] & crm[None, :], other=0.0)
+        q_pe = tl.load(qb_ptr + R + p[None, :], mask=rm[:, None] & pm[None, :], other=0.0)
+        hi = tl.minimum(L, ctx + (qb + 1) * BLOCK_T)       # the keys the block sees: [0, hi)
+        chunk = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        my_hi = tl.minimum(hi, lo + chunk)
+        m_i = tl.full([BLOCK_T * HB], NEG, tl.float32)
+        l_i = tl.zeros([BLOCK_T * HB], tl.float32)
+        acc = tl.zeros([BLOCK_T * HB, BLOCK_R], tl.float32)
+        bt_row = bt_ptr + s * s_bt
+        for p0 in range(lo, my_hi, BLOCK_N):
+            kpos = p0 + tl.arange(0, BLOCK_N)
+            km = kpos < my_hi
+            blk = tl.load(bt_row + kpos // B, mask=km, other=0).to(tl.int64)
+            row = blk * s_cb + (kpos % B) * s_ct
+            c = tl.load(kc_ptr + row[:, None] + c_r[None, :], mask=km[:, None] & crm[None, :], other=0.0)
+            pe = tl.load(kc_ptr + row[:, None] + R + p[None, :], mask=km[:, None] & pm[None, :], other=0.0)
+            qk = tl.dot(q_lat, tl.trans(c.to(q_lat.dtype)), input_precision=PREC)
+            qk += tl.dot(q_pe, tl.trans(pe.to(q_pe.dtype)), input_precision=PREC)
+            ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
+            qk = tl.where(ok, qk * scale, NEG)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, c.to(q_lat.dtype), PREC)
+        seen = m_i > NEG * 0.5
+        out = tl.where(seen[:, None], acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        tl.store(out_ptr + (q0 + t)[:, None] * s_ot + h[:, None] * s_oh + split * s_osp + c_r[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & crm[None, :])
+        if PARTS:
+            tl.store(lse_ptr + (q0 + t) * s_lt + h * s_lh + split,
+                     tl.where(seen, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG), mask=rm)
+
+
 # query heads a program takes (16: the least a tensor-core dot takes), keys per step, warps, stages
 LATENT_HEADS = 16
 LATENT_DECODE_CONFIG = (32, 4, 2)
+# prompt rows: new tokens a program takes (rows: tokens × LATENT_HEADS), keys per step, warps, stages
+LATENT_EXTEND_CONFIG = (2, 32, 4, 2)
+MAX_LATENT_SPLITS = 16
 
 
 def latent_splits(num_seqs: int, num_heads: int, max_seq_len: int, tokens_per_block: int, num_sms: int) -> int:
@@ -200,15 +272,62 @@ def latent_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tenso
     return out
 
 
-def compile_latent_decode(pool: torch.Tensor, num_heads: int, rank: int, dtype: torch.dtype) -> None:
-    """Run the latent decode once with every slice count ``latent_splits`` can give (one query over
-    one block), so that no form compiles while serving."""
+def latent_extend_splits(max_query_len: int, num_seqs: int, num_heads: int, num_sms: int) -> int:
+    """Key slices of a step's prompt rows: 1 where the grid fills the GPU once, else enough to
+    fill it twice (a few new tokens over a long cached prefix), at most ``MAX_LATENT_SPLITS``."""
+    programs = triton.cdiv(max_query_len, LATENT_EXTEND_CONFIG[0]) * num_seqs * triton.cdiv(num_heads, LATENT_HEADS)
+    if programs >= num_sms:
+        return 1
+    return int(min(MAX_LATENT_SPLITS, triton.cdiv(2 * num_sms, programs)))
+
+
+def latent_extend(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
+                  seq_lens: torch.Tensor, max_query_len: int, scale: float, rank: int, splits: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed new tokens q [T, H, R + P] (sequence s's from query_start[s]; its keys the pool's
+    first seq_lens[s] positions, the new ones last, causal) -> each head's attended latent in
+    out[..., :R] (allocated R + P wide when not given)."""
+    T, H, D = q.shape
+    S = seq_lens.shape[0]
+    B = pool.shape[1]
+    P = D - rank
+    block_t, block_n, warps, stages = LATENT_EXTEND_CONFIG
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device) if out is None else out
+    if splits == 1:
+        part, lse = out.unsqueeze(2), out      # lse: never written by the one-slice form
+    else:
+        part = torch.empty(T, H, splits, rank, dtype=torch.float32, device=q.device)
+        lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+    kc = pool.view(pool.shape[0], B, D)
+    _latent_extend_kernel[(triton.cdiv(max_query_len, block_t), S, triton.cdiv(H, LATENT_HEADS) * splits)](
+        q, kc, block_tables, query_start, seq_lens, part, lse,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale, H, splits,
+        R=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), P=P, BLOCK_P=max(16, triton.next_power_of_2(P)),
+        HB=LATENT_HEADS, BLOCK_T=block_t, B=B, BLOCK_N=block_n, PARTS=splits > 1, PREC=_precision(q.dtype),
+        num_warps=warps,
+        num_stages=stages, **pdl.launch(q))
+    if splits > 1:
+        _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+                                     lse.stride(1), out.stride(0), out.stride(1), splits, D=rank,
+                                     BLOCK_D=triton.next_power_of_2(rank),
+                                     BLOCK_SP=max(MAX_LATENT_SPLITS, triton.next_power_of_2(splits)))
+    return out
+
+
+def compile_latent_forms(pool: torch.Tensor, num_heads: int, rank: int, dtype: torch.dtype) -> None:
+    """Run the latent kernels once in every form a step can take — the decode with every slice
+    count ``latent_splits`` can give, the prompt rows' with one slice and with several (one token
+    over one block) — so that no form compiles while serving."""
     D = pool.shape[-1]
     q = torch.zeros(1, num_heads, D, dtype=dtype, device=pool.device)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=pool.device)
     lens = torch.ones(1, dtype=torch.int32, device=pool.device)
     for i in range(MAX_SPLITS.bit_length()):
         latent_decode(q, pool, tables, lens, D ** -0.5, rank, 1 << i)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=pool.device)
+    for splits in (1, 2):
+        latent_extend(q, pool, tables, starts, lens, 1, D ** -0.5, rank, splits)
 
 
 def latent_attention(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float, rank: int,
@@ -222,10 +341,15 @@ def latent_attention(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadat
                                                                  pool.shape[1], _num_sms(q.device))
         return latent_decode(q, pool, meta.block_tables, meta.seq_lens, scale, rank, splits, out)
     if not meta.num_decode_rows:
-        return general_attention(q, pool, pool, meta, scale, out=out)
+        splits = meta.cache.get("latent_extend_splits")
+        if splits is None:   # decided once a step
+            splits = meta.cache["latent_extend_splits"] = latent_extend_splits(
+                meta.max_query_len, meta.plan_num_seqs or meta.num_seqs, q.shape[1], _num_sms(q.device))
+        return latent_extend(q, pool, meta.block_tables, meta.query_start, meta.seq_lens, meta.max_query_len, scale,
+                             rank, splits, out)
     d = meta.num_decode_rows
     decode, extend = mixed_parts(meta)
     out = torch.empty_like(q) if out is None else out
     latent_attention(q[:d], pool, decode, scale, rank, out=out[:d])
-    general_attention(q[d:], pool, pool, extend, scale, out=out[d:])
+    latent_attention(q[d:], pool, extend, scale, rank, out=out[d:])
     return out

@@ -89,6 +89,8 @@ class HeadRows(nn.Module):
 class LatentAttention(AttentionBase):
     """DeepSeek's multi-head latent attention, absorbed (module docstring)."""
 
+    latent = True     # its attention runs the latent kernels (kernels/triton_mla.py), whatever its heads
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, rotary: RotaryEmbedding) -> None:
         super().__init__()
         if cfg.num_heads % tp.size:

@@ -220,9 +220,9 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
             head = drafter.head
             pools.append((drafter.pool, head.config.num_heads, ops.triton_attention_everywhere(head, B)))
         for p, num_heads, triton in pools:
-            if triton and cfg.is_mla and p is pool:   # its decode rows take the latent kernel (triton_mla)
+            if triton and cfg.is_mla and p is pool:   # the latent kernels (triton_mla), not the general ones
                 from phalanx.kernels import triton_mla
-                triton_mla.compile_latent_decode(p.tensor[0, 0], num_heads, cfg.kv_lora_rank, dtype)
+                triton_mla.compile_latent_forms(p.tensor[0, 0], num_heads, cfg.kv_lora_rank, dtype)
             elif triton:
                 triton_attention.compile_decode_splits(p.tensor[0, 0], p.tensor[0, -1], num_heads, dtype)
                 triton_attention.compile_extend_forms(p.tensor[0, 0], p.tensor[0, -1], num_heads, dtype)

@@ -262,6 +262,15 @@ CASES |= {
          "BLOCK_N": LATENT_BN, "SPLITS": splits, "PREC": "tf32", "PDL": True},
         {"num_warps": LATENT_WARPS, "num_stages": LATENT_STAGES})
     for splits in (1, 8)
+} | {
+    f"latent extend, {'key slices' if parts else 'one key slice'}": (triton_mla._latent_extend_kernel, {
+        "q_ptr": "*bf16", "kc_ptr": "*bf16", "bt_ptr": "*i32", "qstart_ptr": "*i32", "len_ptr": "*i32",
+        "out_ptr": "*fp32" if parts else "*bf16", "lse_ptr": "*fp32"},
+        {"R": 512, "BLOCK_R": 512, "P": 64, "BLOCK_P": 64, "HB": triton_mla.LATENT_HEADS,
+         "BLOCK_T": triton_mla.LATENT_EXTEND_CONFIG[0], "B": 32, "BLOCK_N": triton_mla.LATENT_EXTEND_CONFIG[1],
+         "PARTS": parts, "PREC": "tf32", "PDL": True},
+        dict(zip(("num_warps", "num_stages"), triton_mla.LATENT_EXTEND_CONFIG[2:], strict=True)))
+    for parts in (False, True)
 }
 
 
@@ -281,7 +290,7 @@ def test_kernels_compile_for_sm90(case, compiled):
 SM90_SHARED = 232448    # bytes of shared memory an sm_90 (H100, H200) program may take
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "prefill" in c or c.startswith("latent decode")])
+@pytest.mark.parametrize("case", [c for c in CASES if "prefill" in c or c.startswith(("latent decode", "latent ext"))])
 def test_prefill_tiles_fit_an_sm90_sms_shared_memory(case, compiled):
     """The prefill kernel's tiles, the tall long-prompt ones and a float32 model's with 128-wide
     heads among them, take no more shared memory than an sm_90 SM has (a launch would fail)."""

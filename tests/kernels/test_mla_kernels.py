@@ -106,10 +106,48 @@ def test_latent_decode_equals_the_reference(seq_lens, H, R, P, dtype):
         close(out[..., :R], ref, dtype)
 
 
+# (seq_lens, q_lens, heads, R, P): the interpreter takes ~1 s a small case, so the CPU run keeps few
+EXTEND_CASES = [([9], [9], 4, 48, 8), ([20, 7, 40], [3, 7, 40], 16, 32, 16), ([50, 1], [17, 1], 20, 32, 16),
+                ([70, 33], [2, 30], 2, 48, 8)]
+if CUDA:
+    EXTEND_CASES += [(lens, q, h, *w) for lens, q, h in (([128, 1000, 77], [128, 200, 1], 16), ([2080], [32], 16),
+                                                         ([2048], [2048], 16), ([300, 40], [5, 40], 128))
+                     for w in WIDTHS]
+
+
+def _extend_case(seq_lens, q_lens, H, R, P, B, dtype, seed=0):
+    q, pool, meta = _latent_case(seq_lens, H, R, P, B, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], H, R + P, generator=g).to(DEV, dtype)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(starts[-1], dtype=torch.long).to(DEV),
+                             query_start=torch.tensor(starts, dtype=torch.int32).to(DEV), seq_lens=meta.seq_lens,
+                             block_tables=meta.block_tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                             tokens_per_block=B)
+    return q, pool, meta
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,q_lens,H,R,P", EXTEND_CASES)
+def test_latent_extend_equals_the_reference(seq_lens, q_lens, H, R, P, dtype):
+    """New tokens over cached ones (prompts whole, chunks, prefix hits, one-token rows), causal:
+    one key slice and several (merged; slices a query block never reaches), every head group."""
+    B = 32 if CUDA else 16
+    q, pool, meta = _extend_case(seq_lens, q_lens, H, R, P, B, dtype)
+    scale = (R + P) ** -0.5
+    ref = _reference(q, pool, meta, scale)[..., :R]
+    for splits in sorted({1, 3, 16 if CUDA else 5, triton_mla.latent_extend_splits(max(q_lens), len(seq_lens), H, 8)}):
+        out = triton_mla.latent_extend(q, pool, meta.block_tables, meta.query_start, meta.seq_lens, max(q_lens), scale,
+                                       R, splits)
+        close(out[..., :R], ref, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_mixed_step_takes_the_latent_decode_for_its_decode_rows(dtype, monkeypatch):
     """Decode rows first, then prompt rows: the first through the latent decode, the others through
-    the general kernels, into one output equal to the reference's."""
+    the latent extend, into one output equal to the reference's."""
     R, P, H, B = 32, 16, 4, 16
     g = torch.Generator().manual_seed(3)
     seq_lens, q_lens = [40, 17, 30], [1, 1, 9]
@@ -127,10 +165,12 @@ def test_a_mixed_step_takes_the_latent_decode_for_its_decode_rows(dtype, monkeyp
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(DEV), block_tables=bt,
                              max_query_len=9, max_seq_len=40, tokens_per_block=B, num_decode_rows=2)
     calls = []
-    real = triton_mla.latent_decode
-    monkeypatch.setattr(triton_mla, "latent_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for name in ("latent_decode", "latent_extend"):
+        real = getattr(triton_mla, name)
+        monkeypatch.setattr(triton_mla, name, lambda *a, name=name, real=real, **kw: calls.append(
+            (name, a[0].shape[0])) or real(*a, **kw))
     out = triton_mla.latent_attention(q, pool, meta, (R + P) ** -0.5, R)
-    assert calls == [2]
+    assert calls == [("latent_decode", 2), ("latent_extend", 9)]
     close(out[..., :R], _reference(q, pool, meta, (R + P) ** -0.5)[..., :R], dtype)
 
 

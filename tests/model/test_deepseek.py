@@ -132,9 +132,8 @@ def test_v3_fp8_greedy_equals_transformers_with_the_round_tripped_weights(v3):
 
 
 def test_v3_on_the_triton_path_equals_transformers(v3, monkeypatch):
-    """The norms, the routing, the fused MoE, the latent rows' kernel, the latent decode and the
-    general paged kernels for prompts over the latent heads (40 wide: masked to 64) on their
-    Triton kernels (the interpreter here)."""
+    """The norms, the routing, the fused MoE, the latent rows' kernel and the latent decode and
+    extend (latent rows 40 wide) on their Triton kernels (the interpreter here)."""
     pytest.importorskip("triton")
     from phalanx.kernels import ops, triton_mla, triton_moe
     monkeypatch.setattr(ops, "FORCE_TRITON", True)
@@ -147,7 +146,7 @@ def test_v3_on_the_triton_path_equals_transformers(v3, monkeypatch):
         return call
     monkeypatch.setattr(triton_mla, "latent_rope_and_write", counted("rows", triton_mla.latent_rope_and_write))
     monkeypatch.setattr(triton_mla, "latent_decode", counted("decode", triton_mla.latent_decode))
-    monkeypatch.setattr(triton_mla, "general_attention", counted("prompt", triton_mla.general_attention))
+    monkeypatch.setattr(triton_mla, "latent_extend", counted("prompt", triton_mla.latent_extend))
     monkeypatch.setattr(triton_moe, "grouped_topk", counted("route", triton_moe.grouped_topk))
     path, hf = v3
     ps = [prompts(256)[4]]
@@ -259,3 +258,20 @@ def test_decode_roofline_counts_the_experts_a_token_reads(v3):
     want = 4 * sum(math.prod(s) * (share if ".experts." in n else 1.0) for n, s in shapes.items()
                    if "embed_tokens" not in n)
     assert got == int(want) and share < 1
+
+
+def test_latent_attention_takes_the_kernels_whatever_its_heads(tmp_path):
+    """The latent kernels take any head count a rank holds (V3's 128 under attention DP; the
+    general kernels stop at 16 of its 576-wide heads), so the engine keeps CUDA graphs there;
+    blocks under 16 tokens still take the reference."""
+    from phalanx.kernels import ops, triton_attention
+    from phalanx.models.loader import build_model
+    from phalanx.models.parallel import TPGroup
+    from phalanx.models.source import resolve_model
+    deepseek_v3_config(num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512,
+                       qk_rope_head_dim=64).save_pretrained(tmp_path)     # the releases' latent width
+    model = build_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"), TPGroup(), "dummy", 0)
+    attn = model.model.decoder_layers[0].self_attn
+    assert attn.heads.num_heads == 32 and attn.head_dim == 576
+    assert not triton_attention.supports_layout(16, 32, 1, False, 576)
+    assert ops.triton_attention_everywhere(model, 16) and not ops.triton_attention_everywhere(model, 8)
