@@ -40,3 +40,14 @@ def test_gpu_deepseek_greedy_equals_transformers(deepseek, run):
 def test_gpu_deepseek_bf16_top1_agrees_with_transformers(deepseek):
     path, hf = deepseek
     assert_bf16_top1_agrees(path, hf, prompts(hf.config.vocab_size)[2:])
+
+
+def test_gpu_deepseek_with_more_heads_than_a_kernel_program_takes(tmp_path):
+    """24 latent heads a rank (two programs' head groups, the second partly masked; past the
+    general kernels' 16 × 1,024): the latent kernels run them, in decode CUDA graphs too."""
+    from transformers import AutoModelForCausalLM
+    path = deepseek_dir(tmp_path, seed=5, hidden_size=256, num_attention_heads=24, num_key_value_heads=24,
+                        q_lora_rank=96, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().cuda()
+    steps = gpu_greedy_runs(path, hf, prompts(hf.config.vocab_size), **RUNS["graphs"])
+    assert steps[0] > 0 and steps[1:] == (0, 0), steps
