@@ -61,7 +61,7 @@ def _latent_rope_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, lat_ptr, w_ptr, qo_ptr
     into the query rows at R. The norm as ``_rms_norm_kernel`` (float32, rounded, times w); the
     rotation in float32, rounded once."""
     release(PDL)
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)     # (t × the rows' strides passes 2^31 in long steps of many heads)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -189,6 +189,7 @@ def _latent_extend_kernel(q_ptr, kc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr, l
         ctx = L - q_len
         r = tl.arange(0, BLOCK_T * HB)
         t = qb * BLOCK_T + r // HB
+        row_q = (q0 + t).to(tl.int64)       # (× the rows' strides: past 2^31 in long steps of many heads)
         h = g * HB + r % HB
         rm = (t < q_len) & (h < H)
         q_pos = ctx + t
@@ -196,7 +197,7 @@ def _latent_extend_kernel(q_ptr, kc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr, l
         crm = c_r < R
         p = tl.arange(0, BLOCK_P)
         pm = p < P
-        qb_ptr = q_ptr + (q0 + t)[:, None] * s_qt + h[:, None] * s_qh
+        qb_ptr = q_ptr + row_q[:, None] * s_qt + h[:, None] * s_qh
         q_lat = tl.load(qb_ptr + c_r[None, :], mask=rm[:, None] & crm[None, :], other=0.0)
         q_pe = tl.load(qb_ptr + R + p[None, :], mask=rm[:, None] & pm[None, :], other=0.0)
         hi = tl.minimum(L, ctx + (qb + 1) * BLOCK_T)       # the keys the block sees: [0, hi)
@@ -221,10 +222,10 @@ def _latent_extend_kernel(q_ptr, kc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr, l
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, c.to(q_lat.dtype), PREC)
         seen = m_i > NEG * 0.5
         out = tl.where(seen[:, None], acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        tl.store(out_ptr + (q0 + t)[:, None] * s_ot + h[:, None] * s_oh + split * s_osp + c_r[None, :],
+        tl.store(out_ptr + row_q[:, None] * s_ot + h[:, None] * s_oh + split * s_osp + c_r[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rm[:, None] & crm[None, :])
         if PARTS:
-            tl.store(lse_ptr + (q0 + t) * s_lt + h * s_lh + split,
+            tl.store(lse_ptr + row_q * s_lt + h * s_lh + split,
                      tl.where(seen, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG), mask=rm)
 
 

@@ -353,9 +353,9 @@ def _grouped_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, E, scaling,
         s = z / tl.sum(tl.where(em, z, 0.0), 0)
     s = tl.where(em, s, 0.0)
     c = s
-    if HAS_BIAS:
-        c = s + bias
     if METHOD != 0:
+        if HAS_BIAS:      # (the selection bias picks within groups only, as the reference)
+            c = s + bias
         gs = E // NG
         grp = e // gs
         g = tl.arange(0, BLOCK_G)

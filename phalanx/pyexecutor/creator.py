@@ -209,20 +209,20 @@ def create_py_executor(args: LlmArgs, source: ModelSource, sender: Sender | None
     if device.type == "cuda":
         from phalanx.kernels import triton_attention
         from phalanx.pyexecutor.speculative import DraftModelProposer, Eagle3Proposer
-        pools = [(pool, heads.num_heads, not ref_attention)]
+        pools = [(pool, heads.num_heads, not ref_attention, cfg)]
         drafter = runner.spec.proposer if runner.spec is not None else None
         if isinstance(drafter, DraftModelProposer):
             # the draft's pool has head counts (and a head size) of its own: other kernel forms
             dcfg = drafter.model.config
             pools.append((drafter.pool, shard_heads(dcfg.num_heads, dcfg.num_kv_heads, tp.rank, tp.size).num_heads,
-                          ops.triton_attention_everywhere(drafter.model, B)))
+                          ops.triton_attention_everywhere(drafter.model, B), dcfg))
         if isinstance(drafter, Eagle3Proposer):   # the head is not sharded
             head = drafter.head
-            pools.append((drafter.pool, head.config.num_heads, ops.triton_attention_everywhere(head, B)))
-        for p, num_heads, triton in pools:
-            if triton and cfg.is_mla and p is pool:   # the latent kernels (triton_mla), not the general ones
+            pools.append((drafter.pool, head.config.num_heads, ops.triton_attention_everywhere(head, B), head.config))
+        for p, num_heads, triton, pcfg in pools:
+            if triton and pcfg.is_mla:   # the latent kernels (triton_mla), not the general ones
                 from phalanx.kernels import triton_mla
-                triton_mla.compile_latent_forms(p.tensor[0, 0], num_heads, cfg.kv_lora_rank, dtype)
+                triton_mla.compile_latent_forms(p.tensor[0, 0], num_heads, pcfg.kv_lora_rank, dtype)
             elif triton:
                 triton_attention.compile_decode_splits(p.tensor[0, 0], p.tensor[0, -1], num_heads, dtype)
                 triton_attention.compile_extend_forms(p.tensor[0, 0], p.tensor[0, -1], num_heads, dtype)

@@ -238,8 +238,9 @@ def template_names_developer(template: str | None) -> bool:
 
 
 # a template that joins a call's arguments to text with "+" (DeepSeek's: ... + tool['function']['arguments'] + ...)
+# (not one that filters them first: "+ tool.function.arguments | tojson")
 _ARGUMENTS_JOINED = re.compile(r"""\+\s*\w+(?:\.function|\[(['"])function\1\])(?:\.arguments|\[(['"])arguments\2\])"""
-                               r"""|(?:\.arguments|\[(['"])arguments\3\])\s*\+""")
+                               r"""(?!\s*\|)|(?:\.arguments|\[(['"])arguments\3\])\s*\+""")
 
 
 @functools.lru_cache(maxsize=16)
@@ -296,13 +297,16 @@ def _as_object(arguments: str) -> Any:
 
 # -- parsing the model's own format ----------------------------------------------------------------------
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-# a DeepSeek call: its name and its arguments' JSON (to the call's end marker, or the output's end)
+# a DeepSeek call: its name and its arguments' JSON, to the call's end marker (or the wrapper's end, or the
+# output's); no part runs across another call's marker, so a malformed call costs only itself
+_NOT_A_MARKER = "(?:(?!" + "|".join(map(re.escape, (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_END))) + ").)"
+_DS_END = "(?:" + re.escape(DS_CALL_END) + "|" + re.escape(DS_CALLS_END) + "|$)"
 _DEEPSEEK = {
-    "deepseek_v3": re.compile(re.escape(DS_CALL_BEGIN) + r"[^\n]*?" + re.escape(DS_SEP)
-                              + r"(?P<name>[^\n]*)\n```(?:json)?\s*(?P<args>.*?)\s*```\s*(?:"
-                              + re.escape(DS_CALL_END) + "|$)", re.S),
-    "deepseek_v31": re.compile(re.escape(DS_CALL_BEGIN) + r"(?P<name>.*?)" + re.escape(DS_SEP)
-                               + r"(?P<args>.*?)\s*(?:" + re.escape(DS_CALL_END) + "|$)", re.S),
+    "deepseek_v3": re.compile(re.escape(DS_CALL_BEGIN) + _NOT_A_MARKER + "*?" + re.escape(DS_SEP)
+                              + r"(?P<name>[^\n]*?)\s*```(?:json)?\s*(?P<args>" + _NOT_A_MARKER + r"*?)\s*```\s*"
+                              + _DS_END, re.S),
+    "deepseek_v31": re.compile(re.escape(DS_CALL_BEGIN) + "(?P<name>" + _NOT_A_MARKER + "*?)" + re.escape(DS_SEP)
+                               + "(?P<args>" + _NOT_A_MARKER + r"*?)\s*" + _DS_END, re.S),
 }
 
 

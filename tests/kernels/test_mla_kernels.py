@@ -180,6 +180,7 @@ ROUTES = [  # (experts, top_k, sigmoid, method, n_group, topk_group, renormalize
     (256, 8, True, "noaux_tc", 8, 4, True, 2.5, True),                  # V3
     (16, 3, True, "noaux_tc", 4, 2, False, 1.0, True),
     (12, 2, False, "group_limited_greedy", 3, 1, True, 1.0, False),
+    (16, 3, True, "greedy", 1, 1, True, 1.0, True),                    # a bias greedy routing does not take
 ]
 
 

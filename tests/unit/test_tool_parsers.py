@@ -276,6 +276,9 @@ def test_an_assistants_tool_calls_reach_the_template_once():
                      "<｜tool▁call▁end｜>'}}{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
     out = template_messages(msgs, None, deepseek_like)
     assert out[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    filtered = "{% for m in messages %}{% for t in m.tool_calls or [] %}{{ 'x' + t.function.arguments | tojson }}" \
+               "{% endfor %}{% endfor %}"      # filtered before the join: an object, as other templates take
+    assert template_messages(msgs, None, filtered)[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     text = render_jinja_template(conversations=[out], chat_template=deepseek_like)[0][0]
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
     calls = parse_tool_calls(text, "deepseek_v3", tools)[1]
@@ -346,6 +349,15 @@ def test_deepseek_v3_and_v31_calls():
         assert parse_tool_calls("No call here.", parser, TOOLS) == ("No call here.", [])
         cut = B + call("add", '{"a": 1}') + call("add", '{"a": 2}')[:-12]
         assert [json.loads(c.arguments) for c in parse_tool_calls(cut, parser, TOOLS)[1]] == [{"a": 1}]
+    # a malformed call costs only itself: the calls after it stand
+    broken_v3 = f"{CB}function{SEP}add\n```json\n{{\"a\": 0}}{CE}"           # no closing fence
+    broken_v31 = f"{CB}add{{\"a\": 0}}{CE}"                                    # no separator
+    for parser, call, broken in (("deepseek_v3", v3_call, broken_v3), ("deepseek_v31", v31_call, broken_v31)):
+        calls = parse_tool_calls(B + broken + call("add", '{"a": 1}') + E_, parser, TOOLS)[1]
+        assert [json.loads(c.arguments) for c in calls] == [{"a": 1}], parser
+        # a call whose own end marker is missing ends at the wrapper's
+        calls = parse_tool_calls(B + call("add", '{"a": 2}')[:-len(CE)] + E_, parser, TOOLS)[1]
+        assert [json.loads(c.arguments) for c in calls] == [{"a": 2}], parser
     # the V3 format read as V3.1 finds no call (its fence is not JSON), and the other way round
     assert parse_tool_calls(B + v3_call("add", '{"a": 1}') + E_, "deepseek_v31", TOOLS)[1] == []
     assert parse_tool_calls(B + v31_call("add", '{"a": 1}') + E_, "deepseek_v3", TOOLS)[1] == []
