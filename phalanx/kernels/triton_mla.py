@@ -117,6 +117,23 @@ def latent_rope_and_write(positions: torch.Tensor, q: torch.Tensor, latent: torc
         BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave, **pdl.launch(q))
 
 
+@triton.jit
+def _latent_tile(kc_ptr, bt_row, p0, hi, s_cb, s_ct, q_lat, q_pe, r, rm, p, pm, R: tl.constexpr, B: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """Keys p0 .. p0 + BLOCK_N (those below hi) of one sequence: each position finds its block in
+    the sequence's table, its row is loaded once — c (the values too) and k_pe — and scored
+    q_lat·c + q_pe·k_pe. Returns (positions, their mask, c in q's dtype, the unscaled scores)."""
+    kpos = p0 + tl.arange(0, BLOCK_N)
+    km = kpos < hi
+    blk = tl.load(bt_row + kpos // B, mask=km, other=0).to(tl.int64)
+    row = blk * s_cb + (kpos % B) * s_ct
+    c = tl.load(kc_ptr + row[:, None] + r[None, :], mask=km[:, None] & rm[None, :], other=0.0).to(q_lat.dtype)
+    pe = tl.load(kc_ptr + row[:, None] + R + p[None, :], mask=km[:, None] & pm[None, :], other=0.0)
+    qk = tl.dot(q_lat, tl.trans(c), input_precision=PREC)
+    qk += tl.dot(q_pe, tl.trans(pe.to(q_pe.dtype)), input_precision=PREC)
+    return kpos, km, c, qk
+
+
 @triton.jit(do_not_specialize=["s_bt"], do_not_specialize_on_alignment=PER_STEP_POINTERS)
 def _latent_decode_kernel(q_ptr, kc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
                           s_qs, s_qh, s_cb, s_ct, s_bt, s_os, s_oh, s_osp, s_ls, s_lh, scale, H,
@@ -149,16 +166,10 @@ def _latent_decode_kernel(q_ptr, kc_ptr, bt_ptr, len_ptr, out_ptr, lse_ptr,
         acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         bt_row = bt_ptr + s * s_bt
         for p0 in range(lo, hi, BLOCK_N):     # lo: a block's start (slices are whole blocks)
-            kpos = p0 + tl.arange(0, BLOCK_N)
-            km = kpos < hi
-            blk = tl.load(bt_row + kpos // B, mask=km, other=0).to(tl.int64)
-            row = blk * s_cb + (kpos % B) * s_ct
-            c = tl.load(kc_ptr + row[:, None] + r[None, :], mask=km[:, None] & rm[None, :], other=0.0)
-            pe = tl.load(kc_ptr + row[:, None] + R + p[None, :], mask=km[:, None] & pm[None, :], other=0.0)
-            qk = tl.dot(q_lat, tl.trans(c.to(q_lat.dtype)), input_precision=PREC)
-            qk += tl.dot(q_pe, tl.trans(pe.to(q_pe.dtype)), input_precision=PREC)
+            kpos, km, c, qk = _latent_tile(kc_ptr, bt_row, p0, hi, s_cb, s_ct, q_lat, q_pe, r, rm, p, pm, R, B,
+                                           BLOCK_N, PREC)
             qk = tl.where(km[None, :], qk * scale, NEG)
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, c.to(q_lat.dtype), PREC)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, c, PREC)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + s * s_os + h[:, None] * s_oh + split * s_osp + r[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=hm[:, None] & rm[None, :])
@@ -209,17 +220,11 @@ def _latent_extend_kernel(q_ptr, kc_ptr, bt_ptr, qstart_ptr, len_ptr, out_ptr, l
         acc = tl.zeros([BLOCK_T * HB, BLOCK_R], tl.float32)
         bt_row = bt_ptr + s * s_bt
         for p0 in range(lo, my_hi, BLOCK_N):
-            kpos = p0 + tl.arange(0, BLOCK_N)
-            km = kpos < my_hi
-            blk = tl.load(bt_row + kpos // B, mask=km, other=0).to(tl.int64)
-            row = blk * s_cb + (kpos % B) * s_ct
-            c = tl.load(kc_ptr + row[:, None] + c_r[None, :], mask=km[:, None] & crm[None, :], other=0.0)
-            pe = tl.load(kc_ptr + row[:, None] + R + p[None, :], mask=km[:, None] & pm[None, :], other=0.0)
-            qk = tl.dot(q_lat, tl.trans(c.to(q_lat.dtype)), input_precision=PREC)
-            qk += tl.dot(q_pe, tl.trans(pe.to(q_pe.dtype)), input_precision=PREC)
+            kpos, km, c, qk = _latent_tile(kc_ptr, bt_row, p0, my_hi, s_cb, s_ct, q_lat, q_pe, c_r, crm, p, pm, R,
+                                           B, BLOCK_N, PREC)
             ok = (kpos[None, :] <= q_pos[:, None]) & km[None, :]
             qk = tl.where(ok, qk * scale, NEG)
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, c.to(q_lat.dtype), PREC)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, qk, c, PREC)
         seen = m_i > NEG * 0.5
         out = tl.where(seen[:, None], acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
         tl.store(out_ptr + row_q[:, None] * s_ot + h[:, None] * s_oh + split * s_osp + c_r[None, :],
