@@ -77,9 +77,10 @@ class GrammarCompiler:
             raise ValueError(f"guided_decoding.{kind} does not compile: {first[:300]}") from None
 
 
-# the tool-call parsers' (serve/tools.py): Hermes', Llama 3's, DeepSeek's
+# the tool-call parsers' (serve/tools.py): Hermes', Llama 3's, DeepSeek's, Kimi K2's
 MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
-           "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+           "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<|tool_calls_section_begin|>",
+           "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 
 
 def special_ids(hf_tokenizer: Any) -> set[int]:

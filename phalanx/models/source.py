@@ -91,9 +91,37 @@ def resolve_model(model: str | None, trust_remote_code: bool = False) -> ModelSo
     if not os.path.isdir(path):
         path = _download(model)
     from transformers import AutoConfig
-    hf = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    hf = _aliased_config(path) or AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     _modelopt_config(hf, path)
     return ModelSource("hf", path, ModelConfig.from_hf(hf), hf, name=model)
+
+
+# model types whose checkpoints are another family's under a name of their own (and a remote-code
+# config class of their own): read as that family's config, none of their code run
+CONFIG_ALIASES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}   # Kimi K2: DeepSeek-V3's architecture
+
+
+def _aliased_config(path: str) -> Any:
+    """The transformers config of a checkpoint whose ``model_type`` is in ``CONFIG_ALIASES``, built
+    as the family's own from config.json; None for any other."""
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        return None
+    with open(file) as f:
+        try:
+            d = json.load(f)
+        except ValueError:
+            return None         # (AutoConfig reports it)
+    alias = CONFIG_ALIASES.get(str(d.get("model_type"))) if isinstance(d, dict) else None
+    if alias is None:
+        return None
+    model_type, arch = alias
+    if d.get("architectures") not in (None, [arch]):
+        raise ValueError(f"{file}: model_type {d['model_type']!r} is read as {model_type!r}, whose architecture is "
+                         f"{arch}; got architectures {d['architectures']}")
+    from transformers import AutoConfig
+    cls = type(AutoConfig.for_model(model_type))
+    return cls.from_dict({k: v for k, v in d.items() if k not in ("model_type", "auto_map")})
 
 
 def _modelopt_config(hf: Any, path: str) -> None:

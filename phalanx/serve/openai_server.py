@@ -181,7 +181,7 @@ def decodes_call_markers(plan: ChatPlan, special_strings: list[str], fields_set:
     DeepSeek's ``<｜tool▁calls▁begin｜>`` where its tokenizer marks it so),
     which decoding would otherwise drop, so that the parser never saw the call (vLLM decodes them
     so too); not where the request set ``skip_special_tokens`` itself."""
-    return (plan.parser in ("hermes", "deepseek_v3", "deepseek_v31") and plan.tools is not None
+    return (plan.parser in ("hermes", "deepseek_v3", "deepseek_v31", "kimi_k2") and plan.tools is not None
             and plan.forced is None and "skip_special_tokens" not in fields_set
             and any(m in special_strings for m in tools.CALL_MARKERS[plan.parser]))
 

@@ -21,8 +21,11 @@ Qwen3 ``<tool_call>{...}</tool_call>`` blocks, Llama 3.x JSON (``{"name": ..., "
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
 and V3.1 (``deepseek_v31``): ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{ARGUMENTS}<｜tool▁call▁end｜>``
-inside the same pair. A chat template that does not render ``tools`` gets
-them described in a system message in the Hermes format, which the parser then reads.
+inside the same pair; or Kimi K2's (``kimi_k2``): ``<|tool_call_begin|>functions.NAME:INDEX
+<|tool_call_argument_begin|>{ARGUMENTS}<|tool_call_end|>`` inside ``<|tool_calls_section_begin|>``
+… ``<|tool_calls_section_end|>``, the call's id as the model wrote it. A chat template that does
+not render ``tools`` gets them described in a system message in the Hermes format, which the
+parser then reads.
 """
 
 from __future__ import annotations
@@ -36,14 +39,18 @@ from typing import Any
 
 from phalanx.llmapi.sampling_params import GuidedDecodingParams
 
-PARSERS = ("hermes", "llama3_json", "deepseek_v3", "deepseek_v31")
+PARSERS = ("hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "kimi_k2")
 # DeepSeek's markers, as its tokenizer spells them (full-width bars, U+2581 for blanks)
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+# Kimi K2's: <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{ARGUMENTS}<|tool_call_end|>
+KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 # what opens a call in each free-running format (the stream holds text back from there; an output
 # decoded for parsing keeps these where its tokenizer marks them special)
 CALL_MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>",),
-                "deepseek_v3": (DS_CALLS_BEGIN, DS_CALL_BEGIN), "deepseek_v31": (DS_CALLS_BEGIN, DS_CALL_BEGIN)}
+                "deepseek_v3": (DS_CALLS_BEGIN, DS_CALL_BEGIN), "deepseek_v31": (DS_CALLS_BEGIN, DS_CALL_BEGIN),
+                "kimi_k2": (KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN)}
 
 
 @dataclass
@@ -308,6 +315,12 @@ _DEEPSEEK = {
     "deepseek_v31": re.compile(re.escape(DS_CALL_BEGIN) + "(?P<name>" + _NOT_A_MARKER + "*?)" + re.escape(DS_SEP)
                                + "(?P<args>" + _NOT_A_MARKER + r"*?)\s*" + _DS_END, re.S),
 }
+# a Kimi K2 call: its id (functions.NAME:INDEX, which its template writes back) and its arguments
+_NOT_A_KIMI_MARKER = "(?:(?!" + "|".join(map(re.escape, (KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_CALLS_END))) + ").)"
+_KIMI = re.compile(re.escape(KIMI_CALL_BEGIN) + r"\s*(?P<id>[^\s<]*?)\s*" + re.escape(KIMI_ARGS) + "(?P<args>"
+                   + _NOT_A_KIMI_MARKER + r"*?)\s*(?:" + re.escape(KIMI_CALL_END) + "|" + re.escape(KIMI_CALLS_END)
+                   + "|$)", re.S)
+_KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$")
 
 
 def choose_parser(name: str, template: str | None, model_type: str) -> str:
@@ -318,6 +331,8 @@ def choose_parser(name: str, template: str | None, model_type: str) -> str:
         return "llama3_json"
     if template and DS_CALL_BEGIN in template:     # V3's template writes the arguments in a json fence
         return "deepseek_v3" if "```json" in template else "deepseek_v31"
+    if template and KIMI_CALL_BEGIN in template:
+        return "kimi_k2"
     return "hermes"
 
 
@@ -328,11 +343,17 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
     another object (an output cut short inside a call keeps the calls before it; the cut one is
     content); else all of it is content (a JSON object followed by prose is an answer)."""
     names = {t["function"]["name"] for t in tools}
-    if parser in ("hermes", *_DEEPSEEK):
+    if parser in ("hermes", "kimi_k2", *_DEEPSEEK):
         calls, spans = [], []
-        for m in (_HERMES if parser == "hermes" else _DEEPSEEK[parser]).finditer(text):
-            call = (_call_from(m.group(1), names, "arguments") if parser == "hermes" else
-                    _named_call(m.group("name").strip(), m.group("args"), names))
+        pattern = _HERMES if parser == "hermes" else _KIMI if parser == "kimi_k2" else _DEEPSEEK[parser]
+        for m in pattern.finditer(text):
+            if parser == "hermes":
+                call = _call_from(m.group(1), names, "arguments")
+            elif parser == "kimi_k2":
+                named = _KIMI_ID.match(m.group("id"))
+                call = _named_call(named.group("name"), m.group("args"), names, m.group("id")) if named else None
+            else:
+                call = _named_call(m.group("name").strip(), m.group("args"), names)
             if call is not None:
                 calls.append(call)
                 spans.append(m.span())
@@ -342,7 +363,8 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
         for a, b in reversed(spans):
             content = content[:a] + content[b:]
         if parser != "hermes":   # the calls' wrapper goes with them
-            content = content.replace(DS_CALLS_BEGIN, "").replace(DS_CALLS_END, "")
+            for marker in (DS_CALLS_BEGIN, DS_CALLS_END, KIMI_CALLS_BEGIN, KIMI_CALLS_END):
+                content = content.replace(marker, "")
         return (content.strip() or None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
     calls = []
@@ -365,15 +387,16 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
     return (rest or None), calls   # a cut inside a later call keeps the whole ones, as Hermes blocks do
 
 
-def _named_call(name: str, raw: str, names: set[str]) -> ToolCall | None:
-    """A call whose name and arguments the format writes apart: a tool's name, a JSON object."""
+def _named_call(name: str, raw: str, names: set[str], call_id: str = "") -> ToolCall | None:
+    """A call whose name and arguments the format writes apart: a tool's name, a JSON object
+    (``call_id``: the id the model wrote, which its template writes back)."""
     try:
         args = json.loads(raw)
     except ValueError:
         return None
     if name not in names or not isinstance(args, dict):
         return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    return ToolCall(name, json.dumps(args, ensure_ascii=False), call_id)
 
 
 def _call_from(raw: str, names: set[str], key: str) -> ToolCall | None:

@@ -275,3 +275,31 @@ def test_latent_attention_takes_the_kernels_whatever_its_heads(tmp_path):
     assert attn.heads.num_heads == 32 and attn.head_dim == 576
     assert not triton_attention.supports_layout(16, 32, 1, False, 576)
     assert ops.triton_attention_everywhere(model, 16) and not ops.triton_attention_everywhere(model, 8)
+
+
+def test_kimi_k2_is_read_as_deepseek_v3_without_its_remote_code(v3, tmp_path):
+    """Kimi K2 ships DeepSeek-V3's architecture under ``model_type: kimi_k2`` with a config class of
+    its own (``auto_map``, remote code): it is read as DeepSeek-V3's config from config.json, none
+    of its code run, and serves the same tokens as the V3 checkpoint it is; another architecture
+    under that name is refused."""
+    import shutil
+    path, hf = v3
+    kimi = tmp_path / "kimi"
+    shutil.copytree(path, kimi)
+    with open(kimi / "config.json") as f:
+        cfg = json.load(f)
+    cfg.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    with open(kimi / "config.json", "w") as f:
+        json.dump(cfg, f)
+    assert resolve_model(str(kimi)).config == resolve_model(path).config
+    ps = prompts(256)[:3]
+    with LLM(str(kimi), skip_tokenizer_init=True, orchestrator_type="inprocess") as llm:
+        outs = llm.generate(ps, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    for i, (p, o) in enumerate(zip(ps, outs, strict=True)):
+        want, gaps = hf_greedy(hf, p, 6)
+        assert_same_greedy(o.outputs[0].token_ids, want, gaps, f"prompt {i}")
+    cfg["architectures"] = ["KimiLinearForCausalLM"]
+    with open(kimi / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="architectures"):
+        resolve_model(str(kimi))

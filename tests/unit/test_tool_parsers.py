@@ -397,3 +397,31 @@ def test_strict_deepseek_tools_are_held_by_a_structural_tag():
     assert tag["begin"] + "{}" + tag["end"] == v31_call("f", "{}")
     for parser, call in (("deepseek_v3", v3_call), ("deepseek_v31", v31_call)):
         assert parse_tool_calls(B + call("f", "{}") + E_, parser, strict)[1][0].name == "f"
+
+
+def test_kimi_k2_calls():
+    """Kimi K2's calls: ``functions.NAME:INDEX`` then the arguments, inside its section markers; the
+    call keeps the id the model wrote (its template writes it back next turn); auto picks the
+    parser from a template that writes the call marker; a stream holds back from the section."""
+    from phalanx.serve.tools import choose_parser, strict_tools_tag
+    sec, end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+    def call(name: str, i: int, args: str) -> str:
+        return f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+    text = "I'll check." + sec + call("get_weather", 0, '{"city": "Paris"}') + call("add", 1, '{"a": 1}') + end
+    content, calls = parse_tool_calls(text, "kimi_k2", TOOLS)
+    assert content == "I'll check."
+    assert [(c.name, c.id, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", "functions.get_weather:0", {"city": "Paris"}), ("add", "functions.add:1", {"a": 1})]
+    broken = "<|tool_call_begin|>functions.add:0{\"a\": 0}<|tool_call_end|>"      # no argument marker
+    assert [c.id for c in parse_tool_calls(sec + broken + call("add", 1, '{"a": 1}') + end, "kimi_k2",
+                                           TOOLS)[1]] == ["functions.add:1"]
+    other = sec + call("unknown", 0, "{}") + end
+    assert parse_tool_calls(other, "kimi_k2", TOOLS) == (other, [])
+    assert choose_parser("auto", "{{ '<|tool_call_begin|>' + tool_call['id'] }}", "deepseek_v3") == "kimi_k2"
+    stream = ToolCallStream("kimi_k2", TOOLS)
+    assert "".join(stream.feed(text[i:i + 5]) for i in range(0, len(text), 5)) == "I'll check."
+    assert [c.name for c in stream.finish()[1]] == ["get_weather", "add"]
+    import pytest
+    with pytest.raises(ValueError, match="^tools: strict"):   # no structural tag for its numbered ids
+        strict_tools_tag([{"type": "function", "function": {"name": "f", "strict": True}}], "kimi_k2")
