@@ -137,7 +137,8 @@ class _ChoiceStream:
             if self.named is None and not text and not final:
                 return []            # nothing of the call yet (a reasoning parser took the text so far)
             if self.named is None:   # the call's first delta: its id, name and what arguments there are yet
-                self.named = tools.ToolCall(forced["function"]["name"], "")
+                name = forced["function"]["name"]
+                self.named = tools.ToolCall(name, "", tools.call_id(self.plan.parser, name, 0))
                 self.called = True
                 return [dict(self.named.to_openai(0), function={"name": self.named.name, "arguments": text})]
             return [{"index": 0, "function": {"arguments": text}}] if text else []
@@ -145,9 +146,9 @@ class _ChoiceStream:
         if not final:
             return []
         try:
-            found = tools.forced_tool_calls(self.forced_text, forced)
+            found = tools.forced_tool_calls(self.forced_text, forced, self.plan.parser)
         except (ValueError, KeyError, TypeError):   # cut short (length, a stop string): its whole calls
-            found = tools.complete_forced_calls(self.forced_text)
+            found = tools.complete_forced_calls(self.forced_text, self.plan.parser)
         self.called = bool(found)
         return [c.to_openai(i) for i, c in enumerate(found)]
 
@@ -958,7 +959,9 @@ class OpenAIServer:
         tokenizer = self._tokenizer("/tokenize needs one", "messages" if chat else "prompt")
         if isinstance(body, TokenizeChatRequest):
             shown = _tool_defs(body.tools)
-            messages = tools.template_messages(body.messages, shown, await self._template(body, tokenizer))
+            template = await self._template(body, tokenizer)
+            parser = tools.choose_parser(self.tool_call_parser, template, self.model_type) if shown else None
+            messages = tools.template_messages(body.messages, shown, template, parser)
             ids = await self._chat_ids(messages, shown, body, None)
         else:
             ids = await self._text(tokenizer.encode, body.prompt, body.add_special_tokens)
@@ -1022,7 +1025,9 @@ class OpenAIServer:
                  next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None))
         # the prompt shows the tools under tool_choice "none" too (as OpenAI and vLLM): the output
         # is then read as content only
-        return ChatPlan(tools.template_messages(body.messages, tool_defs, template), active,
+        shown_parser = parser or (tools.choose_parser(self.tool_call_parser, template, self.model_type)
+                                  if tool_defs else None)      # (tool_choice "none" shows the tools too)
+        return ChatPlan(tools.template_messages(body.messages, tool_defs, template, shown_parser), active,
                         choice if constraint is not None and not auto else None, parser, guided, field, tool_defs,
                         body.continue_final_message)
 

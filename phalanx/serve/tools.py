@@ -45,12 +45,13 @@ DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 # Kimi K2's: <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{ARGUMENTS}<|tool_call_end|>
 KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_SECTION = ("<|tool_call_section_begin|>", "<|tool_call_section_end|>")   # (a variant it writes too)
 KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 # what opens a call in each free-running format (the stream holds text back from there; an output
 # decoded for parsing keeps these where its tokenizer marks them special)
 CALL_MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>",),
                 "deepseek_v3": (DS_CALLS_BEGIN, DS_CALL_BEGIN), "deepseek_v31": (DS_CALLS_BEGIN, DS_CALL_BEGIN),
-                "kimi_k2": (KIMI_CALLS_BEGIN, KIMI_CALL_BEGIN)}
+                "kimi_k2": (KIMI_CALLS_BEGIN, KIMI_CALL_SECTION[0], KIMI_CALL_BEGIN)}
 
 
 @dataclass
@@ -187,17 +188,25 @@ def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
 
 
-def forced_tool_calls(text: str, tool_choice: Any) -> list[ToolCall]:
+def call_id(parser: str | None, name: str, index: int) -> str:
+    """A forced call's id: Kimi K2's form (``functions.NAME:INDEX``, which its template writes back
+    and its model reads) under its parser, else a fresh ``call_...``."""
+    return f"functions.{name}:{index}" if parser == "kimi_k2" else ""
+
+
+def forced_tool_calls(text: str, tool_choice: Any, parser: str | None = None) -> list[ToolCall]:
     """The calls in the output of a forced tool choice (the JSON its grammar produced)."""
     if tool_choice == "required":
-        return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in json.loads(text)]
-    return [ToolCall(tool_choice["function"]["name"], text)]
+        return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False), call_id(parser, c["name"], i))
+                for i, c in enumerate(json.loads(text))]
+    name = tool_choice["function"]["name"]
+    return [ToolCall(name, text, call_id(parser, name, 0))]
 
 
-def complete_forced_calls(text: str) -> list[ToolCall]:
+def complete_forced_calls(text: str, parser: str | None = None) -> list[ToolCall]:
     """The whole calls at the start of a "required" output that was cut short (max_tokens, a stop
     string): of '[{"name": ..., "arguments": {...}}, {"na' the first call."""
-    decoder, calls = json.JSONDecoder(), []
+    decoder, calls = json.JSONDecoder(), list[ToolCall]()
     at = text.find("[") + 1
     while at > 0:
         while at < len(text) and text[at] in " \t\r\n,":
@@ -208,7 +217,8 @@ def complete_forced_calls(text: str) -> list[ToolCall]:
             break
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and "arguments" in obj):
             break
-        calls.append(ToolCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+        calls.append(ToolCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False),
+                              call_id(parser, obj["name"], len(calls))))
     return calls
 
 
@@ -221,13 +231,29 @@ def template_renders_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template   # type: ignore[operator]
 
 
-def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """The tools described in the Hermes format (for templates that do not render tools)."""
+# how the tools' description tells a model to call, in the format its parser reads (DeepSeek's templates
+# render no tools: they are described in DeepSeek's own call format, not in Hermes')
+_CALL_INSTRUCTIONS = {
+    "deepseek_v3": (f"For each call, write:\n{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}<function-name>\n"
+                    f"```json\n<args-json-object>\n```{DS_CALL_END}{DS_CALLS_END}\n(several calls: one "
+                    f"{DS_CALL_BEGIN}...{DS_CALL_END} after another inside the one pair)"),
+    "deepseek_v31": (f"For each call, write:\n{DS_CALLS_BEGIN}{DS_CALL_BEGIN}<function-name>{DS_SEP}"
+                     f"<args-json-object>{DS_CALL_END}{DS_CALLS_END}\n(several calls: one "
+                     f"{DS_CALL_BEGIN}...{DS_CALL_END} after another inside the one pair)"),
+}
+
+
+def tools_system_prompt(tools: list[dict[str, Any]], parser: str | None = None) -> str:
+    """The tools described for templates that do not render them, with how to call them in the
+    format the parser reads (Hermes' ``<tool_call>`` blocks, or DeepSeek's markers)."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("You may call one or more functions to help with the user's request. The functions are listed "
-            f"within <tools></tools> tags:\n<tools>\n{listed}\n</tools>\n\nFor each call, return a JSON object "
-            "with the function name and its arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    head = ("You may call one or more functions to help with the user's request. The functions are listed "
+            f"within <tools></tools> tags:\n<tools>\n{listed}\n</tools>\n\n")
+    if parser in _CALL_INSTRUCTIONS:
+        return head + _CALL_INSTRUCTIONS[parser]
+    return head + ("For each call, return a JSON object with the function name and its arguments within "
+                   '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+                   "<args-json-object>}\n</tool_call>")
 
 
 def template_renders_tool_calls(template: str | None) -> bool:
@@ -258,18 +284,33 @@ def template_joins_arguments(template: str | None) -> bool:
     return template is not None and _ARGUMENTS_JOINED.search(template) is not None
 
 
+_CONTENT_IS_NONE = re.compile(r"""content(?:'\]|"\])?\s+is\s+none""")
+
+
+@functools.lru_cache(maxsize=16)
+def template_tests_content_none(template: str | None) -> bool:
+    """Whether a chat template prints an assistant's calls only when its content ``is none``
+    (DeepSeek-V3's and R1's): such a message with no text reaches it as None, not "". Decided
+    once a template."""
+    return template is not None and _CONTENT_IS_NONE.search(template) is not None
+
+
 def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
-                      template: str | None) -> list[dict[str, Any]]:
+                      template: str | None, parser: str | None = None) -> list[dict[str, Any]]:
     """Chat messages as templates expect them: assistant tool calls with their arguments as
     objects (as text where the template joins them to text: ``template_joins_arguments``), tool
     results with their call id, developer messages as system ones where the template does not know
-    the role; the tools described in a system message where the template would not render them."""
+    the role; the tools described in a system message where the template would not render them,
+    with how to call them in ``parser``'s format."""
     out = []
     developer = "developer" if template_names_developer(template) else "system"
     calls_in_content = not template_renders_tool_calls(template)
     arguments = (lambda a: a) if template_joins_arguments(template) else _as_object
+    none_content = template_tests_content_none(template)
     for m in messages:
         msg: dict[str, Any] = {"role": developer if m.role == "developer" else m.role, "content": m.text()}
+        if none_content and m.tool_calls and not msg["content"]:
+            msg["content"] = None
         if m.name:
             msg["name"] = m.name
         if m.reasoning_content is not None:
@@ -287,7 +328,7 @@ def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
                                                  ensure_ascii=False) + "\n</tool_call>" for c in m.tool_calls)
         out.append(msg)
     if tools and not template_renders_tools(template):
-        prompt = tools_system_prompt(tools)
+        prompt = tools_system_prompt(tools, parser)
         if out and out[0]["role"] == "system":
             out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + prompt)
         else:
@@ -303,23 +344,25 @@ def _as_object(arguments: str) -> Any:
 
 
 # -- parsing the model's own format ----------------------------------------------------------------------
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_HERMES = re.compile(r"<tool_call>\s*+(.*?)(?:</tool_call>|$)", re.S)
 # a DeepSeek call: its name and its arguments' JSON, to the call's end marker (or the wrapper's end, or the
 # output's); no part runs across another call's marker, so a malformed call costs only itself
 _NOT_A_MARKER = "(?:(?!" + "|".join(map(re.escape, (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_END))) + ").)"
 _DS_END = "(?:" + re.escape(DS_CALL_END) + "|" + re.escape(DS_CALLS_END) + "|$)"
+# (the arguments' group is followed by a marker, not by blanks: a long run of blanks inside a call would
+# make a lazy group then "\s*" try every split, quadratic in the run; the arguments are stripped after)
 _DEEPSEEK = {
     "deepseek_v3": re.compile(re.escape(DS_CALL_BEGIN) + _NOT_A_MARKER + "*?" + re.escape(DS_SEP)
-                              + r"(?P<name>[^\n]*?)\s*```(?:json)?\s*(?P<args>" + _NOT_A_MARKER + r"*?)\s*```\s*"
+                              + r"\s*+(?P<name>[^\s`]*)\s*+```(?:json)?(?P<args>" + _NOT_A_MARKER + r"*?)```\s*+"
                               + _DS_END, re.S),
     "deepseek_v31": re.compile(re.escape(DS_CALL_BEGIN) + "(?P<name>" + _NOT_A_MARKER + "*?)" + re.escape(DS_SEP)
-                               + "(?P<args>" + _NOT_A_MARKER + r"*?)\s*" + _DS_END, re.S),
+                               + "(?P<args>" + _NOT_A_MARKER + "*?)" + _DS_END, re.S),
 }
 # a Kimi K2 call: its id (functions.NAME:INDEX, which its template writes back) and its arguments
-_NOT_A_KIMI_MARKER = "(?:(?!" + "|".join(map(re.escape, (KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_CALLS_END))) + ").)"
-_KIMI = re.compile(re.escape(KIMI_CALL_BEGIN) + r"\s*(?P<id>[^\s<]*?)\s*" + re.escape(KIMI_ARGS) + "(?P<args>"
-                   + _NOT_A_KIMI_MARKER + r"*?)\s*(?:" + re.escape(KIMI_CALL_END) + "|" + re.escape(KIMI_CALLS_END)
-                   + "|$)", re.S)
+_KIMI_ENDS = (KIMI_CALL_END, KIMI_CALLS_END, KIMI_CALL_SECTION[1])
+_NOT_A_KIMI_MARKER = "(?:(?!" + "|".join(map(re.escape, (KIMI_CALL_BEGIN, *_KIMI_ENDS))) + ").)"
+_KIMI = re.compile(re.escape(KIMI_CALL_BEGIN) + r"\s*+(?P<id>[^\s<]*)\s*+" + re.escape(KIMI_ARGS) + "(?P<args>"
+                   + _NOT_A_KIMI_MARKER + "*?)(?:" + "|".join(map(re.escape, _KIMI_ENDS)) + "|$)", re.S)
 _KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$")
 
 
@@ -363,7 +406,7 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
         for a, b in reversed(spans):
             content = content[:a] + content[b:]
         if parser != "hermes":   # the calls' wrapper goes with them
-            for marker in (DS_CALLS_BEGIN, DS_CALLS_END, KIMI_CALLS_BEGIN, KIMI_CALLS_END):
+            for marker in (DS_CALLS_BEGIN, DS_CALLS_END, KIMI_CALLS_BEGIN, KIMI_CALLS_END, *KIMI_CALL_SECTION):
                 content = content.replace(marker, "")
         return (content.strip() or None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -389,9 +432,10 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
 
 def _named_call(name: str, raw: str, names: set[str], call_id: str = "") -> ToolCall | None:
     """A call whose name and arguments the format writes apart: a tool's name, a JSON object
-    (``call_id``: the id the model wrote, which its template writes back)."""
+    (``call_id``: the id the model wrote, which its template writes back); no arguments at all
+    are an empty object."""
     try:
-        args = json.loads(raw)
+        args = json.loads(raw) if raw.strip() else {}
     except ValueError:
         return None
     if name not in names or not isinstance(args, dict):

@@ -425,3 +425,70 @@ def test_kimi_k2_calls():
     import pytest
     with pytest.raises(ValueError, match="^tools: strict"):   # no structural tag for its numbered ids
         strict_tools_tag([{"type": "function", "function": {"name": "f", "strict": True}}], "kimi_k2")
+
+
+def test_long_blank_runs_inside_a_call_parse_in_linear_time():
+    """A degenerate output (a call's arguments, then 200k blanks) is parsed in well under a second by
+    every parser: no group before an end marker may take blanks that a following "\\s*" could too."""
+    import time
+    blanks = " " * 200_000
+    outputs = {"hermes": '<tool_call>{"name": "add", "arguments": {"a": 1}}' + blanks,
+               "deepseek_v3": f"{B}{CB}function{SEP}add\n```json\n{{\"a\": 1}}{blanks}",
+               "deepseek_v31": f"{B}{CB}add{SEP}{{\"a\": 1}}{blanks}",
+               "kimi_k2": '<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{"a": 1}' + blanks}
+    for parser, text in outputs.items():
+        t0 = time.perf_counter()
+        parse_tool_calls(text, parser, TOOLS)
+        assert time.perf_counter() - t0 < 1.0, parser
+
+
+def test_deepseek_templates_get_the_tools_and_calls_as_they_read_them():
+    """DeepSeek's templates render no tools: they are described with DeepSeek's own call format (the
+    one its parser reads), not Hermes'; V3's and R1's print an assistant's calls only when its
+    content is none, so a message of calls alone reaches them so."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from phalanx.serve.protocol import ChatMessage
+    from phalanx.serve.tools import template_messages
+    msgs = [ChatMessage.model_validate(m) for m in (
+        {"role": "user", "content": "Add 1 and 2"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"})]
+    v3_like = ("{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}{% elif m.role == 'assistant' and "
+               "m['content'] is none %}{% for tool in m.tool_calls %}{{'<｜tool▁call▁begin｜>' + tool['type'] + "
+               "'<｜tool▁sep｜>' + tool['function']['name'] + '\\n```json\\n' + tool['function']['arguments'] + "
+               "'\\n```<｜tool▁call▁end｜>'}}{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    out = template_messages(msgs, TOOLS, v3_like, "deepseek_v3")
+    assert out[0]["role"] == "system" and "<tool_call>" not in out[0]["content"]
+    assert f"{B}{CB}function{SEP}<function-name>" in out[0]["content"]
+    assert out[2]["content"] is None
+    text = render_jinja_template(conversations=[out], chat_template=v3_like)[0][0]
+    assert [c.name for c in parse_tool_calls(text, "deepseek_v3", TOOLS)[1]] == ["add"]
+    v31 = template_messages(msgs, TOOLS, v3_like, "deepseek_v31")[0]["content"]
+    assert f"{B}{CB}<function-name>{SEP}<args-json-object>{CE}" in v31
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"     # no "is none": content stays text
+    assert template_messages(msgs, TOOLS, plain, "hermes")[2]["content"] != None  # noqa: E711
+    assert "<tool_call>" in template_messages(msgs, TOOLS, plain, "hermes")[0]["content"]
+
+
+def test_kimi_forced_calls_take_its_ids_and_its_other_section_marker():
+    """Under tool_choice "required" or a named function, Kimi K2's calls get ids of its own form
+    (its template writes them back); its section markers' other spelling goes with the calls."""
+    from phalanx.serve.openai_server import ChatPlan, decodes_call_markers
+    calls = forced_tool_calls('[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {}}]',
+                              "required", "kimi_k2")
+    assert [c.id for c in calls] == ["functions.add:0", "functions.add:1"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert forced_tool_calls('{"city": "Rome"}', named, "kimi_k2")[0].id == "functions.get_weather:0"
+    assert forced_tool_calls('{"city": "Rome"}', named, "hermes")[0].id.startswith("call_")
+    text = ("Sure.<|tool_call_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
+            '{"a": 1}<|tool_call_end|><|tool_call_section_end|>')
+    content, found = parse_tool_calls(text, "kimi_k2", TOOLS)
+    assert content == "Sure." and [c.id for c in found] == ["functions.add:0"]
+    stream = ToolCallStream("kimi_k2", TOOLS)
+    assert "".join(stream.feed(text[i:i + 3]) for i in range(0, len(text), 3)) == "Sure."
+    # markers a tokenizer marks special are decoded for every marked format's parser
+    for parser, marker in (("deepseek_v3", B), ("deepseek_v31", CB), ("kimi_k2", "<|tool_call_begin|>")):
+        plan = ChatPlan([], TOOLS, None, parser, None, None)
+        assert decodes_call_markers(plan, [marker], set()) and not decodes_call_markers(plan, ["<x>"], set())
