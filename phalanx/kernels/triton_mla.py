@@ -36,6 +36,7 @@ from phalanx.kernels import pdl
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.kernels.pdl import release, wait
 from phalanx.kernels.triton_attention import (
+    MAX_EXTEND_SPLITS,
     MAX_SPLITS,
     NEG,
     PER_STEP_POINTERS,
@@ -239,7 +240,6 @@ LATENT_HEADS = 16
 LATENT_DECODE_CONFIG = (32, 4, 2)
 # prompt rows: new tokens a program takes (rows: tokens × LATENT_HEADS), keys per step, warps, stages
 LATENT_EXTEND_CONFIG = (2, 32, 4, 2)
-MAX_LATENT_SPLITS = 16
 
 
 def latent_splits(num_seqs: int, num_heads: int, max_seq_len: int, tokens_per_block: int, num_sms: int) -> int:
@@ -280,11 +280,12 @@ def latent_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tenso
 
 def latent_extend_splits(max_query_len: int, num_seqs: int, num_heads: int, num_sms: int) -> int:
     """Key slices of a step's prompt rows: 1 where the grid fills the GPU once, else enough to
-    fill it twice (a few new tokens over a long cached prefix), at most ``MAX_LATENT_SPLITS``."""
+    fill it twice (a few new tokens over a long cached prefix), at most the split extend merge's
+    ``MAX_EXTEND_SPLITS``."""
     programs = triton.cdiv(max_query_len, LATENT_EXTEND_CONFIG[0]) * num_seqs * triton.cdiv(num_heads, LATENT_HEADS)
     if programs >= num_sms:
         return 1
-    return int(min(MAX_LATENT_SPLITS, triton.cdiv(2 * num_sms, programs)))
+    return int(min(MAX_EXTEND_SPLITS, triton.cdiv(2 * num_sms, programs)))
 
 
 def latent_extend(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
@@ -317,7 +318,7 @@ def latent_extend(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tenso
         _extend_merge_kernel[(T, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                                      lse.stride(1), out.stride(0), out.stride(1), splits, D=rank,
                                      BLOCK_D=triton.next_power_of_2(rank),
-                                     BLOCK_SP=max(MAX_LATENT_SPLITS, triton.next_power_of_2(splits)))
+                                     BLOCK_SP=max(MAX_EXTEND_SPLITS, triton.next_power_of_2(splits)))
     return out
 
 

@@ -182,7 +182,7 @@ def decodes_call_markers(plan: ChatPlan, special_strings: list[str], fields_set:
     DeepSeek's ``<｜tool▁calls▁begin｜>`` where its tokenizer marks it so),
     which decoding would otherwise drop, so that the parser never saw the call (vLLM decodes them
     so too); not where the request set ``skip_special_tokens`` itself."""
-    return (plan.parser in ("hermes", "deepseek_v3", "deepseek_v31", "kimi_k2") and plan.tools is not None
+    return (plan.parser in tools.MARKED_CALLS and plan.tools is not None
             and plan.forced is None and "skip_special_tokens" not in fields_set
             and any(m in special_strings for m in tools.CALL_MARKERS[plan.parser]))
 
@@ -1011,7 +1011,10 @@ class OpenAIServer:
         if isinstance(choice, NamedToolChoice):
             choice = choice.model_dump()
         active = tool_defs if tool_defs and choice != "none" else None
-        parser = tools.choose_parser(self.tool_call_parser, template, self.model_type) if active else None
+        # the prompt shows the tools under tool_choice "none" too (as OpenAI and vLLM), described in the
+        # parser's format; the output is then read as content only
+        shown_parser = tools.choose_parser(self.tool_call_parser, template, self.model_type) if tool_defs else None
+        parser = shown_parser if active else None
         auto = choice in (None, "auto")     # the output runs free (strict tools held by a structural tag)
         try:
             constraint = (tools.forced_tool_grammar(active, choice, body.parallel_tool_calls, parser)
@@ -1023,10 +1026,6 @@ class OpenAIServer:
                            ("tools" if auto else "tool_choice")) from None
         field = (("tools" if auto else "tool_choice") if constraint is not None else
                  next((f for f in GUIDED_FIELDS if getattr(body, f, None) is not None), None))
-        # the prompt shows the tools under tool_choice "none" too (as OpenAI and vLLM): the output
-        # is then read as content only
-        shown_parser = parser or (tools.choose_parser(self.tool_call_parser, template, self.model_type)
-                                  if tool_defs else None)      # (tool_choice "none" shows the tools too)
         return ChatPlan(tools.template_messages(body.messages, tool_defs, template, shown_parser), active,
                         choice if constraint is not None and not auto else None, parser, guided, field, tool_defs,
                         body.continue_final_message)

@@ -24,8 +24,8 @@ and V3.1 (``deepseek_v31``): ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>
 inside the same pair; or Kimi K2's (``kimi_k2``): ``<|tool_call_begin|>functions.NAME:INDEX
 <|tool_call_argument_begin|>{ARGUMENTS}<|tool_call_end|>`` inside ``<|tool_calls_section_begin|>``
 … ``<|tool_calls_section_end|>``, the call's id as the model wrote it. A chat template that does
-not render ``tools`` gets them described in a system message in the Hermes format, which the
-parser then reads.
+not render ``tools`` gets them described in a system message, with how to call them in the
+parser's format (Hermes', or DeepSeek's for DeepSeek's templates), which the parser then reads.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import functools
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -366,6 +367,30 @@ _KIMI = re.compile(re.escape(KIMI_CALL_BEGIN) + r"\s*+(?P<id>[^\s<]*)\s*+" + re.
 _KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$")
 
 
+def _hermes_call(m: re.Match[str], names: set[str]) -> ToolCall | None:
+    return _call_from(m.group(1), names, "arguments")
+
+
+def _deepseek_call(m: re.Match[str], names: set[str]) -> ToolCall | None:
+    return _named_call(m.group("name").strip(), m.group("args"), names)
+
+
+def _kimi_call(m: re.Match[str], names: set[str]) -> ToolCall | None:
+    named = _KIMI_ID.match(m.group("id"))
+    return _named_call(named.group("name"), m.group("args"), names, m.group("id")) if named else None
+
+
+# the formats whose calls are marked off from text: parser -> (a call's pattern, how a match reads as a
+# call, the wrapper markers that go with the calls)
+MARKED_CALLS: dict[str, tuple[re.Pattern[str], Callable[[re.Match[str], set[str]], ToolCall | None],
+                              tuple[str, ...]]] = {
+    "hermes": (_HERMES, _hermes_call, ()),
+    "deepseek_v3": (_DEEPSEEK["deepseek_v3"], _deepseek_call, (DS_CALLS_BEGIN, DS_CALLS_END)),
+    "deepseek_v31": (_DEEPSEEK["deepseek_v31"], _deepseek_call, (DS_CALLS_BEGIN, DS_CALLS_END)),
+    "kimi_k2": (_KIMI, _kimi_call, (KIMI_CALLS_BEGIN, KIMI_CALLS_END, *KIMI_CALL_SECTION)),
+}
+
+
 def choose_parser(name: str, template: str | None, model_type: str) -> str:
     """The tool-call parser to use: as named, or by the chat template / model family."""
     if name != "auto":
@@ -386,17 +411,11 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
     another object (an output cut short inside a call keeps the calls before it; the cut one is
     content); else all of it is content (a JSON object followed by prose is an answer)."""
     names = {t["function"]["name"] for t in tools}
-    if parser in ("hermes", "kimi_k2", *_DEEPSEEK):
+    if parser in MARKED_CALLS:
+        pattern, read, wrapper = MARKED_CALLS[parser]
         calls, spans = [], []
-        pattern = _HERMES if parser == "hermes" else _KIMI if parser == "kimi_k2" else _DEEPSEEK[parser]
         for m in pattern.finditer(text):
-            if parser == "hermes":
-                call = _call_from(m.group(1), names, "arguments")
-            elif parser == "kimi_k2":
-                named = _KIMI_ID.match(m.group("id"))
-                call = _named_call(named.group("name"), m.group("args"), names, m.group("id")) if named else None
-            else:
-                call = _named_call(m.group("name").strip(), m.group("args"), names)
+            call = read(m, names)
             if call is not None:
                 calls.append(call)
                 spans.append(m.span())
@@ -405,9 +424,8 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
         content = text
         for a, b in reversed(spans):
             content = content[:a] + content[b:]
-        if parser != "hermes":   # the calls' wrapper goes with them
-            for marker in (DS_CALLS_BEGIN, DS_CALLS_END, KIMI_CALLS_BEGIN, KIMI_CALLS_END, *KIMI_CALL_SECTION):
-                content = content.replace(marker, "")
+        for marker in wrapper:   # the calls' wrapper goes with them
+            content = content.replace(marker, "")
         return (content.strip() or None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
     calls = []

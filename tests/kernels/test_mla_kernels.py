@@ -3,10 +3,14 @@ same model: the rows written into the pool and the rotated queries (``reference.
 and decode over the latent pool (``attention_ref.paged_attention_ref`` with the pool as keys and
 values). The interpreter at tiny widths on the CPU; the released widths (512 + 64) on a GPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from test_triton_kernels import _paged_case  # noqa: E402  (the general kernels' paged case, beside this file)
 
 from phalanx.kernels import attention_ref, ops, reference, triton_mla  # noqa: E402
 from phalanx.kernels.metadata import AttentionMetadata  # noqa: E402
@@ -59,25 +63,11 @@ def test_latent_rows_and_rotated_queries_equal_the_torch_path(T, H, nope, R, P, 
     close(q_out.cpu(), ref_q, dtype)
 
 
-def _latent_case(seq_lens, H, R, P, B, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    blocks = [-(-L // B) for L in seq_lens]
-    nb = sum(blocks) + 2
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, i = [], 0
-    for n in blocks:
-        tables.append(perm[i:i + n])
-        i += n
-    M = max(blocks)
-    bt = torch.tensor([t + [0] * (M - len(t)) for t in tables], dtype=torch.int32)
-    pool = torch.randn(nb, B, 1, R + P, generator=g).to(dtype)
-    q = torch.randn(len(seq_lens), H, R + P, generator=g).to(dtype)
-    S = len(seq_lens)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(S, dtype=torch.long).to(DEV),
-                             query_start=torch.arange(S + 1, dtype=torch.int32).to(DEV),
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(DEV), block_tables=bt.to(DEV),
-                             max_query_len=1, max_seq_len=max(seq_lens), tokens_per_block=B, is_decode_only=True)
-    return q.to(DEV), pool.to(DEV), meta
+def _latent_case(seq_lens, H, R, P, B, dtype, seed=0, q_lens=None):
+    """q [T, H, R + P] over a pool of one latent head (scattered blocks), and its metadata: the
+    general kernels' case with one KV head of the latent's width (one query a sequence by default)."""
+    q, pool, _, meta = _paged_case(seq_lens, q_lens or [1] * len(seq_lens), H, 1, R + P, B, dtype, seed)
+    return q, pool, meta
 
 
 def _reference(q, pool, meta, scale):
@@ -115,27 +105,13 @@ if CUDA:
                      for w in WIDTHS]
 
 
-def _extend_case(seq_lens, q_lens, H, R, P, B, dtype, seed=0):
-    q, pool, meta = _latent_case(seq_lens, H, R, P, B, dtype, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], H, R + P, generator=g).to(DEV, dtype)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(starts[-1], dtype=torch.long).to(DEV),
-                             query_start=torch.tensor(starts, dtype=torch.int32).to(DEV), seq_lens=meta.seq_lens,
-                             block_tables=meta.block_tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-                             tokens_per_block=B)
-    return q, pool, meta
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq_lens,q_lens,H,R,P", EXTEND_CASES)
 def test_latent_extend_equals_the_reference(seq_lens, q_lens, H, R, P, dtype):
     """New tokens over cached ones (prompts whole, chunks, prefix hits, one-token rows), causal:
     one key slice and several (merged; slices a query block never reaches), every head group."""
     B = 32 if CUDA else 16
-    q, pool, meta = _extend_case(seq_lens, q_lens, H, R, P, B, dtype)
+    q, pool, meta = _latent_case(seq_lens, H, R, P, B, dtype, q_lens=q_lens)
     scale = (R + P) ** -0.5
     ref = _reference(q, pool, meta, scale)[..., :R]
     for splits in sorted({1, 3, 16 if CUDA else 5, triton_mla.latent_extend_splits(max(q_lens), len(seq_lens), H, 8)}):
@@ -149,21 +125,8 @@ def test_a_mixed_step_takes_the_latent_decode_for_its_decode_rows(dtype, monkeyp
     """Decode rows first, then prompt rows: the first through the latent decode, the others through
     the latent extend, into one output equal to the reference's."""
     R, P, H, B = 32, 16, 4, 16
-    g = torch.Generator().manual_seed(3)
-    seq_lens, q_lens = [40, 17, 30], [1, 1, 9]
-    blocks = [-(-L // B) for L in seq_lens]
-    perm = torch.randperm(sum(blocks) + 1, generator=g).tolist()
-    tables, i = [], 0
-    for n in blocks:
-        tables.append(perm[i:i + n])
-        i += n
-    bt = torch.tensor([t + [0] * (max(blocks) - len(t)) for t in tables], dtype=torch.int32).to(DEV)
-    pool = torch.randn(len(perm), B, 1, R + P, generator=g).to(DEV, dtype)
-    q = torch.randn(sum(q_lens), H, R + P, generator=g).to(DEV, dtype)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long).to(DEV),
-                             query_start=torch.tensor([0, 1, 2, 11], dtype=torch.int32).to(DEV),
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(DEV), block_tables=bt,
-                             max_query_len=9, max_seq_len=40, tokens_per_block=B, num_decode_rows=2)
+    q, pool, meta = _latent_case([40, 17, 30], H, R, P, B, dtype, 3, [1, 1, 9])
+    meta = dataclasses.replace(meta, num_decode_rows=2)
     calls = []
     for name in ("latent_decode", "latent_extend"):
         real = getattr(triton_mla, name)
