@@ -392,11 +392,30 @@ def pair_bucket_index(pairs: int) -> int:
 
 
 @dataclass(frozen=True)
+class MoeOneRows:
+    """The few-token form of the fused MoE (``triton_moe.fused_moe_rows``): each (token, expert)
+    pair multiplied as one row, with no placing of pairs into blocks, and a token's experts summed
+    inside the down kernel. ``gate_up`` and ``down``: the one-row tiles of its two kernels (a
+    gate ‖ up tile's rows are gate and up rows interleaved); ``max_tokens``: the largest step it
+    runs, the point up to which the tuner timed it faster than the blocked form."""
+
+    gate_up: OneRowTile
+    down: OneRowTile
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class MoePlan:
-    """The fused MoE kernels' tile for each bucket of pairs (PAIR_BUCKETS, then larger)."""
+    """The fused MoE kernels' tile for each bucket of pairs (PAIR_BUCKETS, then larger), and the
+    few-token form where it is faster (None: the blocked form at every size)."""
 
     tiles: tuple[MoeTile, ...] = (MoeTile(16, 64, 64, 4, 3), MoeTile(16, 64, 64, 4, 3), MoeTile(64, 64, 64, 4, 3),
                                   MoeTile(64, 64, 64, 4, 3))
+    rows: MoeOneRows | None = None
 
     def tile(self, pairs: int) -> MoeTile:
         return self.tiles[pair_bucket_index(pairs)]
+
+    def one_rows(self, tokens: int) -> MoeOneRows | None:
+        """The few-token form's tiles where a step of ``tokens`` takes it."""
+        return self.rows if self.rows is not None and tokens <= self.rows.max_tokens else None

@@ -16,6 +16,11 @@ decode step with MoE layers can be captured in a CUDA graph::
 The order of pairs within an expert's rows depends on the atomics, but no result does: a row's
 GEMM output depends only on that row, the down kernel writes each pair's row at its pair
 index, and ``y.view(T, k, H).sum(1)`` adds a token's k rows in pair order.
+
+A step of a few tokens (a decode step at small batch) has a few pairs, and that bookkeeping, the
+blocks' padded rows and the sum after are most of its cost. Where the tuner timed it faster
+(``MoePlan.rows``), such a step takes two launches instead: each pair's gate ‖ up as one row,
+and each token's experts' down projections summed in the down kernel (``fused_moe_rows``).
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import fp8, pdl
-from phalanx.kernels.linear_plan import PAIR_BUCKETS, MoePlan, MoeTile
-from phalanx.kernels.pdl import release, wait
+from phalanx.kernels.gemv import _one_row_launch, _row_product
+from phalanx.kernels.linear_plan import PAIR_BUCKETS, MoeOneRows, MoePlan, MoeTile
+from phalanx.kernels.pdl import prologue, release, wait
 
 DEFAULT_PLAN = MoePlan()
 # the tiles the tuner tries for each bucket of pairs (PAIR_BUCKETS, then larger)
@@ -246,7 +252,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     ``block`` = (rows, cols), s13 [E, ⌈2I / rows⌉, ⌈H / cols⌉] and s2 [E, ⌈H / rows⌉, ⌈I / cols⌉]
     hold one per block (the tiles' K steps cut to a block's columns where wider). ``a8``: FP8
     experts multiply in FP8 — x and the SiLU-and-mul output quantized per row (W8A8) — instead of
-    widening the weights (W8A16); by default where the step has more than ``A8_MIN_PAIRS`` pairs."""
+    widening the weights (W8A16); by default where the step has more than ``A8_MIN_PAIRS`` pairs.
+    A step of at most ``plan.rows.max_tokens`` tokens takes the few-token form (``fused_moe_rows``),
+    unless FP8 products are asked for."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
@@ -254,6 +262,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     P = T * k
     if P == 0:
         return x.new_zeros(T, H)
+    rows = plan.one_rows(T)
+    if rows is not None and not a8 and rows_take(rows, I, block if s13 is not None else None):
+        return fused_moe_rows(x, ids, weights, w13, w2, first, rows, s13, s2, block)
     bm, bn, bk, warps, stages = plan.tile(P)
     if block is not None and s13 is not None:
         bk = min(bk, block[1])
@@ -277,6 +288,110 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
         aq, as_, w2, s2 if s2 is not None else w2, sorted_pair, block_expert, weights.reshape(-1).float().contiguous(),
         y, P, H, I, E, aq.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **_block_scales(s2, block), **launch)
     return y.view(T, k, H).sum(1)
+
+
+# -- a few tokens: each pair one row (``MoeOneRows``) --------------------------------------------
+@triton.jit
+def _moe_gate_up_rows_kernel(x_ptr, ids_ptr, w_ptr, sc_ptr, act_ptr, TOPK, first, E, I, H,  # noqa: E741 (I: intermediate size)
+                             s_xt, s_we, s_wn, s_ar, s_se, s_sn,
+                             HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             FOLD: tl.constexpr, PDL: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
+    """Pair p = program_id(1), its expert's gate ‖ up rows as ``gemv._gate_up_silu_kernel``
+    takes them (BLOCK_N // 2 gate rows and their up rows, interleaved) times its token's x:
+    act[p] = silu(gate) * up, in float32 until the store, as ``_moe_gate_up_kernel``. A pair of
+    another rank's expert writes nothing (the down kernel passes over it)."""
+    prologue(PDL)    # the pairs' experts come from the routing just before: nothing is read ahead
+    p = tl.program_id(1)
+    e = tl.load(ids_ptr + p) - first
+    if (e >= 0) & (e < E):
+        r = tl.arange(0, BLOCK_N)
+        j0 = tl.program_id(0) * (BLOCK_N // 2)
+        n = j0 + r // 2 + (r % 2) * I
+        nm = j0 + r // 2 < I
+        e64 = e.to(tl.int64)
+        y = _row_product(x_ptr + (p // TOPK) * s_xt, w_ptr + e64 * s_we, s_wn, n, nm, H, sc_ptr + e64 * s_se, s_sn,
+                         BLOCK_N, BLOCK_K, FOLD, False, False, False, SBN, SBK)
+        if HAS_SCALE:   # FP8 experts, a scale per row
+            y *= tl.load(sc_ptr + e64 * s_se + n, mask=nm, other=0.0)
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        j = j0 + tl.arange(0, BLOCK_N // 2)
+        tl.store(act_ptr + p * s_ar + j, (gate / (1.0 + tl.exp(-gate)) * up).to(act_ptr.dtype.element_ty),
+                 mask=j < I)
+
+
+@triton.jit
+def _moe_down_rows_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, sc_ptr, y_ptr, TOPK, first, E, H, I,  # noqa: E741 (I: intermediate size)
+                          s_ar, s_we, s_wn, s_yt, s_se, s_sn,
+                          HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          FOLD: tl.constexpr, PDL: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr):
+    """Token t = program_id(1), BLOCK_N output columns: Σ over its pairs on this rank's experts,
+    in pair order, of the routing weight times act[p] · W2[e, n], summed in float32 and rounded
+    once: no per-pair rows to add up after."""
+    prologue(PDL)
+    t = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < H
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(ids_ptr + p) - first
+        if (e >= 0) & (e < E):
+            e64 = e.to(tl.int64)
+            y = _row_product(act_ptr + p * s_ar, w_ptr + e64 * s_we, s_wn, n, nm, I, sc_ptr + e64 * s_se, s_sn,
+                             BLOCK_N, BLOCK_K, FOLD, False, False, False, SBN, SBK)
+            if HAS_SCALE:
+                y *= tl.load(sc_ptr + e64 * s_se + n, mask=nm, other=0.0)
+            acc += y * tl.load(rw_ptr + p).to(tl.float32)
+    tl.store(y_ptr + t * s_yt + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+def rows_take(rows: MoeOneRows, I: int, block: fp8.Block | None) -> bool:  # noqa: E741 (I: intermediate size)
+    """Whether the few-token form's tiles fit experts of intermediate size ``I``: with a scale
+    per block, a program's gate rows and its up rows must each lie in one block row."""
+    return block is None or (I % (rows.gate_up.block_n // 2) == 0 and block[0] % (rows.gate_up.block_n // 2) == 0
+                             and block[0] % rows.down.block_n == 0)
+
+
+def _row_scales(scale: torch.Tensor | None, block: fp8.Block | None) -> dict:
+    """The scale arguments of the few-token kernels (a row's scales at s_se per expert)."""
+    if scale is None:
+        return {"HAS_SCALE": False, "SBN": 1, "SBK": 0, "s_se": 0, "s_sn": 0}
+    return {**_block_scales(scale, block), "s_se": scale.stride(0)}
+
+
+def fused_moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   first: int, rows: MoeOneRows, s13: torch.Tensor | None = None, s2: torch.Tensor | None = None,
+                   block: fp8.Block | None = None) -> torch.Tensor:
+    """``fused_moe`` for a few tokens, in two launches: each (token, expert) pair's gate ‖ up
+    with SiLU-and-mul as one row (``_moe_gate_up_rows_kernel``), then each token's experts'
+    down projections weighted and summed (``_moe_down_rows_kernel``). FP8 experts are widened
+    (W8A16), as the blocked form does at this size."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741 (I: intermediate size)
+    if not rows_take(rows, I, block if s13 is not None else None):
+        raise ValueError(f"the few-token MoE tiles {rows.gate_up}, {rows.down} do not fit experts of {I} rows "
+                         f"scaled per block {block}")
+    x = x.contiguous()
+    ids = ids.reshape(-1).contiguous()
+    P = ids.numel()
+    act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    on = pdl.launch(x)
+    tile = rows.gate_up
+    _moe_gate_up_rows_kernel[(triton.cdiv(I, tile.block_n // 2), P)](
+        x, ids, w13, s13 if s13 is not None else w13, act, k, first, E, I, H, x.stride(0), w13.stride(0),
+        w13.stride(1), act.stride(0), **_row_scales(s13, block if s13 is not None else None),
+        **_one_row_launch(tile, x, w13), **on)
+    tile = rows.down
+    _moe_down_rows_kernel[(triton.cdiv(H, tile.block_n), T)](
+        act, ids, weights.reshape(-1).contiguous(), w2, s2 if s2 is not None else w2, y, k, first, E, H, I,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **_row_scales(s2, block if s2 is not None else None),
+        **_one_row_launch(tile, act, w2), **on)
+    return y
 
 
 def _run_once(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -317,8 +432,63 @@ def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, firs
             if ms < best_ms:
                 best, best_ms = tile, ms
         tiles.append(best)
-    _MEMO[key] = MoePlan(tuple(tiles))
+    plan = MoePlan(tuple(tiles))
+    _MEMO[key] = MoePlan(plan.tiles, _tune_rows(w13, w2, top_k, num_experts, first, plan, s13, s2, act, block))
     return _MEMO[key]
+
+
+ROWS_TOKENS = (1, 2, 4, 8)   # the step sizes the tuner times the few-token form at, while it wins
+
+
+def _tune_rows(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, first: int, plan: MoePlan,
+               s13: torch.Tensor | None, s2: torch.Tensor | None, act: torch.dtype,
+               block: fp8.Block | None) -> MoeOneRows | None:
+    """The few-token form's tiles (the gate ‖ up kernel's timed with the down kernel's first
+    fitting tile, then the down kernel's), and the largest of ``ROWS_TOKENS`` up to which it
+    beats the blocked form of ``plan``; None where it loses at one token. Each timing replays
+    eight routings over all ``num_experts`` experts, so that the experts' weights come from
+    memory as a decode step's do, not from L2."""
+    from phalanx.kernels.gemv import ONE_ROW_TILES, ONE_ROW_TILES_FP8
+    from phalanx.kernels.gemv_tuner import time_graph
+    I = w13.shape[1] // 2  # noqa: E741 (I: intermediate size)
+    H = w13.shape[2]
+    blk = block if s13 is not None else None
+    tries = ONE_ROW_TILES_FP8 if w13.dtype == fp8.FP8 else ONE_ROW_TILES
+    g = torch.Generator(device=w13.device).manual_seed(len(PAIR_BUCKETS) + 1)
+    copies = 8
+
+    def inputs(T: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        x = torch.randn(T, H, dtype=act, device=w13.device, generator=g)
+        ids = [torch.rand(T, num_experts, device=w13.device, generator=g).topk(top_k, dim=-1).indices
+               for _ in range(copies)]
+        return x, ids, torch.rand(T, top_k, device=w13.device, generator=g)
+
+    def timed(T: int, rows: MoeOneRows | None) -> float:
+        x, ids, weights = inputs(T)
+        if rows is None:
+            def run(i: int) -> torch.Tensor:
+                return fused_moe(x, ids[i], weights, w13, w2, first, plan, s13, s2, block=block)
+        else:
+            def run(i: int) -> torch.Tensor:
+                return fused_moe_rows(x, ids[i], weights, w13, w2, first, rows, s13, s2, block)
+        try:
+            return time_graph(run, copies, reps=copies)
+        except Exception:  # a tile the compiler rejects on this GPU
+            return float("inf")
+
+    fits = [(gu, d) for gu in tries for d in tries if rows_take(MoeOneRows(gu, d, 1), I, blk)]
+    if not fits:
+        return None
+    down = fits[0][1]
+    gate_up = min(dict.fromkeys(gu for gu, d in fits if d == down), key=lambda t: timed(1, MoeOneRows(t, down, 1)))
+    down = min(dict.fromkeys(d for gu, d in fits if gu == gate_up), key=lambda t: timed(1, MoeOneRows(gate_up, t, 1)))
+    best = 0
+    for T in ROWS_TOKENS:
+        rows = MoeOneRows(gate_up, down, T)
+        if timed(T, rows) >= timed(T, None):
+            break
+        best = T
+    return MoeOneRows(gate_up, down, best) if best else None
 
 
 # -- DeepSeek's routing (reference.grouped_topk_ref) ------------------------------------------------

@@ -405,7 +405,10 @@ def _tune_kernels(model: CausalLM | Eagle3Head) -> dict[str, float]:
             from phalanx.kernels import triton_moe
             m.moe_plan = triton_moe.tune(m.w13, m.w2, m.top_k, m.cfg.num_experts, m.first, m.w13_scale, m.w2_scale,
                                          act_dtype, m.fp8_block)
-            report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))] = 0.0
+            rows = m.moe_plan.rows
+            report[f"moe {tuple(m.w13.shape)}: " + ", ".join(map(str, m.moe_plan.tiles))
+                   + (f"; up to {rows.max_tokens} tokens one row a pair: {rows.gate_up}, {rows.down}" if rows else "")
+                   ] = 0.0
         elif isinstance(m, Attention) and m.q_norm is None and fused:
             m.one_token_qkv = gemv_tuner.qkv_rope_plan(m.qkv_proj.plan, m.head_dim)
         elif (isinstance(m, MLP) and m.gate_up_proj.behind is Neighbour.NORM and m.gate_up_proj.weight.is_cuda

@@ -242,6 +242,25 @@ for warps, bn_h, bn_i, prefetch, mlp_only in ((4, 4, 1, False, False), (8, 8, 2,
          "PREFETCH": prefetch, "MLP_ONLY": mlp_only},
         {"num_warps": warps, "num_stages": 1, **({"maxnreg": 128} if warps == 8 else {})})
 
+# the fused MoE's few-token form (each pair one row), PDL on: bf16 experts, FP8 with a scale a row and a block
+ROWS_GATE_UP = {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "sc_ptr": "*bf16", "act_ptr": "*bf16"}
+ROWS_DOWN = {"act_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*fp32", "w_ptr": "*bf16", "sc_ptr": "*bf16",
+             "y_ptr": "*bf16"}
+FP8_EXPERTS = {"w_ptr": "*fp8e4nv", "sc_ptr": "*fp32"}
+for label, pointers, tile, scales in (
+        ("bf16", {}, gemv.ONE_ROW_TILES[1], {"HAS_SCALE": False, "SBN": 1, "SBK": 0}),
+        ("FP8, a scale a row", FP8_EXPERTS, gemv.ONE_ROW_TILES_FP8[0], {"HAS_SCALE": True, "SBN": 1, "SBK": 0}),
+        ("FP8, a scale a block", FP8_EXPERTS, gemv.ONE_ROW_TILES_FP8[0], {"HAS_SCALE": False, "SBN": 128,
+                                                                          "SBK": 128})):
+    launch = {"BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "FOLD": tile.fold, "PDL": True, **scales}
+    CASES |= {
+        f"few-token experts, {label}, gate ‖ up": (triton_moe._moe_gate_up_rows_kernel,
+                                                    {**ROWS_GATE_UP, **pointers}, launch,
+                                                    {"num_warps": tile.warps, "num_stages": tile.stages}),
+        f"few-token experts, {label}, down": (triton_moe._moe_down_rows_kernel, {**ROWS_DOWN, **pointers}, launch,
+                                               {"num_warps": tile.warps, "num_stages": tile.stages}),
+    }
+
 # DeepSeek's latent attention at the releases' widths (512 + 64), bf16 (triton_mla)
 LATENT_BN, LATENT_WARPS, LATENT_STAGES = triton_mla.LATENT_DECODE_CONFIG
 CASES |= {

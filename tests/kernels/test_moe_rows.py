@@ -1,0 +1,117 @@
+"""The fused MoE's few-token form (``triton_moe.fused_moe_rows``: each (token, expert) pair one
+row, a token's experts summed inside the down kernel) against ``reference.experts_ref``, in full
+precision and with FP8 experts scaled per row and per block; experts of other ranks; the
+dispatch from ``fused_moe`` by the plan; and the tuner's choice on a GPU. The interpreter at tiny
+sizes on the CPU; a released shape on a GPU."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_triton_kernels import close, mostly_close  # noqa: E402  (the general kernels' tolerances, beside this file)
+
+from phalanx.kernels import fp8, triton_moe  # noqa: E402
+from phalanx.kernels.linear_plan import MoeOneRows, MoePlan, OneRowTile  # noqa: E402
+from phalanx.kernels.reference import experts_ref  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+# (T, k, experts in all, first local, local): one rank's experts, and a rank holding half
+CASES = [(1, 2, 4, 0, 4), (3, 3, 8, 4, 4), (2, 4, 6, 0, 3)]
+# tiles: gate ‖ up rows interleaved (block_n // 2 of each), K steps wider and narrower than K
+TILES = [MoeOneRows(OneRowTile(8, 16, 4, 2), OneRowTile(4, 32, 4, 3), 8),
+         MoeOneRows(OneRowTile(16, 64, 4, 2, 4), OneRowTile(16, 16, 4, 2, 2), 8)]
+
+
+def _experts(T: int, k: int, E: int, local: int, H: int, I: int, seed: int):  # noqa: E741 (I: intermediate size)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(DEV, DTYPE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
+    w = torch.rand(T, k, generator=g).to(DEV)
+    w13 = (torch.randn(local, 2 * I, H, generator=g) / H ** 0.5).to(DEV, DTYPE)
+    w2 = (torch.randn(local, H, I, generator=g) / I ** 0.5).to(DEV, DTYPE)
+    return x, ids, w, w13, w2
+
+
+@pytest.mark.parametrize("rows", TILES)
+@pytest.mark.parametrize("T,k,E,first,local", CASES)
+def test_few_token_experts_equal_the_reference(T, k, E, first, local, rows):
+    H, I = (48, 40) if not CUDA else (2048, 1408)  # noqa: E741 (I ends inside a K step and a tile here)
+    x, ids, w, w13, w2 = _experts(T, k, E, local, H, I, T * 10 + k)
+    ref = experts_ref(x, ids, w, w13, w2, first)
+    got = triton_moe.fused_moe_rows(x, ids, w, w13, w2, first, rows)
+    close(got, ref, DTYPE)
+    # a token with no expert on this rank gets zeros, not what the buffer held
+    if first > 0:
+        far = torch.zeros_like(ids)   # every pair on expert 0, another rank's
+        assert (triton_moe.fused_moe_rows(x, far, w, w13, w2, first, rows) == 0).all()
+    # FP8 experts, a scale per output row, widened for the products (as the blocked form at this size)
+    q13, s13 = fp8.quantize_weight(w13.float().reshape(-1, H))
+    q2, s2 = fp8.quantize_weight(w2.float().reshape(-1, I))
+    q13, q2, s13, s2 = q13.view(w13.shape), q2.view(w2.shape), s13.view(local, 2 * I), s2.view(local, H)
+    ref8 = experts_ref(x, ids, w, q13, q2, first, s13, s2)
+    mostly_close(triton_moe.fused_moe_rows(x, ids, w, q13, q2, first, rows, s13, s2), ref8, DTYPE, 1e-5)
+
+
+@pytest.mark.parametrize("T,k,E,first,local", CASES[:2])
+def test_few_token_experts_scaled_per_block(T, k, E, first, local):
+    """Blocks of 16 × 16 (128 × 128 on a GPU): a program's gate rows and its up rows each in one
+    block row, a K step spanning several block columns; H ends inside a block."""
+    H, I = (40, 32) if not CUDA else (2048, 1408)  # noqa: E741 (I: intermediate size)
+    block = (16, 16) if not CUDA else (128, 128)
+    x, ids, w, w13, w2 = _experts(T, k, E, local, H, I, 7 + T)
+    b13 = [fp8.quantize_blocks(w13[e].float(), block) for e in range(local)]
+    b2 = [fp8.quantize_blocks(w2[e].float(), block) for e in range(local)]
+    q13, s13 = (torch.stack(t) for t in zip(*b13, strict=True))
+    q2, s2 = (torch.stack(t) for t in zip(*b2, strict=True))
+    ref8 = experts_ref(x, ids, w, q13, q2, first, s13, s2, block=block)
+    rows = MoeOneRows(OneRowTile(16, 32, 4, 2, 4), OneRowTile(8, 64, 4, 2, 8), 8)
+    mostly_close(triton_moe.fused_moe_rows(x, ids, w, q13, q2, first, rows, s13, s2, block), ref8, DTYPE, 1e-5)
+    # the blocked form gives the same result, through fused_moe with no few-token form in the plan
+    blocked = triton_moe.fused_moe(x, ids, w, q13, q2, first, MoePlan(), s13, s2, a8=False, block=block)
+    mostly_close(blocked, ref8, DTYPE, 1e-5)
+    # a tile whose up rows would straddle two block rows is refused, by the fit rule and by the launcher
+    wide = MoeOneRows(OneRowTile(2 * block[0] * 2, 32, 4, 2), rows.down, 8)
+    assert not triton_moe.rows_take(wide, I, block)
+    with pytest.raises(ValueError, match="do not fit"):
+        triton_moe.fused_moe_rows(x, ids, w, q13, q2, first, wide, s13, s2, block)
+
+
+def test_fused_moe_takes_the_few_token_form_up_to_the_plans_bound(monkeypatch):
+    """``fused_moe`` runs the few-token form for steps of at most ``max_tokens`` tokens, the
+    blocked form above, and the blocked form whenever FP8 products are asked for (W8A8)."""
+    H, I, E, k = 32, 24, 6, 2  # noqa: E741 (I: intermediate size)
+    rows = MoeOneRows(OneRowTile(8, 16, 4, 2), OneRowTile(8, 16, 4, 2), 2)
+    plan = MoePlan(MoePlan().tiles, rows)
+    taken = []
+    real = triton_moe.fused_moe_rows
+    monkeypatch.setattr(triton_moe, "fused_moe_rows", lambda *a, **kw: taken.append(a[0].shape[0]) or real(*a, **kw))
+    for T in (1, 2, 3):
+        x, ids, w, w13, w2 = _experts(T, k, E, E, H, I, T)
+        close(triton_moe.fused_moe(x, ids, w, w13, w2, 0, plan), experts_ref(x, ids, w, w13, w2, 0), DTYPE)
+    assert taken == [1, 2]
+    q13, s13 = fp8.quantize_weight(w13.float().reshape(-1, H))
+    q2, s2 = fp8.quantize_weight(w2.float().reshape(-1, I))
+    x = x[:1]
+    triton_moe.fused_moe(x, ids[:1], w[:1], q13.view(w13.shape), q2.view(w2.shape), 0, plan, s13.view(E, -1),
+                         s2.view(E, -1), a8=True)
+    assert taken == [1, 2]
+
+
+@pytest.mark.skipif(not CUDA, reason="tuning times CUDA graphs")
+def test_tuning_times_the_few_token_form_against_the_blocked_one():
+    """A DeepSeek-V2-Lite-sized layer (64 experts, top 6): the tuner's few-token tiles are
+    candidates that fit, its bound one of the timed sizes, and the tuned plan's result equals the
+    reference at one token."""
+    from phalanx.kernels.gemv import ONE_ROW_TILES
+    E, H, I, k = 64, 2048, 1408, 6  # noqa: E741 (I: intermediate size)
+    w13 = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) / H ** 0.5
+    w2 = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) / I ** 0.5
+    plan = triton_moe.tune(w13, w2, k, E, 0)
+    if plan.rows is not None:
+        assert plan.rows.gate_up in ONE_ROW_TILES and plan.rows.down in ONE_ROW_TILES
+        assert plan.rows.max_tokens in triton_moe.ROWS_TOKENS
+    x, ids, w, _, _ = _experts(1, k, E, E, H, I, 1)
+    close(triton_moe.fused_moe(x, ids, w, w13, w2, 0, plan), experts_ref(x, ids, w, w13, w2, 0), DTYPE)
