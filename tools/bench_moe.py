@@ -6,6 +6,13 @@ bucket of pairs, replayed from a CUDA graph. Reports microseconds and the expert
 second (every expert a step routes to is read once).
 
     python tools/bench_moe.py --tokens 8 64 256 1024 4096 --output moe.json
+
+``--few``: the few-token form (``triton_moe.fused_moe_rows``, each pair one row) against the
+blocked form as the tuner plans it, at 1, 2, 4, 8 and 16 tokens, for bf16 experts and FP8 experts
+scaled per row and per 128 x 128 block, each timing over eight routings so that the experts come
+from memory: the tuner's own timings (``triton_moe.time_rows``), every size reported.
+
+    python tools/bench_moe.py --few --experts 64 --top-k 6 --intermediate 1408 --output few.json
 """
 
 from __future__ import annotations
@@ -28,12 +35,16 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--output", default=None)
+    ap.add_argument("--few", action="store_true", help="the few-token form against the blocked form")
     a = ap.parse_args()
     E, k, H, I = a.experts, a.top_k, a.hidden, a.intermediate  # noqa: E741 (I: intermediate size)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w13 = torch.randn(E, 2 * I, H, device=dev, generator=g, dtype=torch.bfloat16) / H ** 0.5
     w2 = torch.randn(E, H, I, device=dev, generator=g, dtype=torch.bfloat16) / I ** 0.5
+    if a.few:
+        few(a, w13, w2)
+        return
     q13, s13 = fp8.quantize_weight(w13.reshape(-1, H))
     q2, s2 = fp8.quantize_weight(w2.reshape(-1, I))
     q13, q2, s13, s2 = q13.view(w13.shape), q2.view(w2.shape), s13.view(E, 2 * I), s2.view(E, H)
@@ -69,6 +80,34 @@ def main() -> None:
     if a.output:
         with open(a.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "shape": vars(a), "rows": rows}, f, indent=1)
+
+
+def few(a: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    E, k, H, I = a.experts, a.top_k, a.hidden, a.intermediate  # noqa: E741 (I: intermediate size)
+    q13, s13 = fp8.quantize_weight(w13.reshape(-1, H))
+    q2, s2 = fp8.quantize_weight(w2.reshape(-1, I))
+    block = (128, 128)
+    b13 = [fp8.quantize_blocks(w13[e].float(), block) for e in range(E)]
+    b2 = [fp8.quantize_blocks(w2[e].float(), block) for e in range(E)]
+    variants = {"bf16": (w13, w2, None, None, None),
+                "fp8_row": (q13.view(w13.shape), q2.view(w2.shape), s13.view(E, 2 * I), s2.view(E, H), None),
+                "fp8_block": (torch.stack([q for q, _ in b13]), torch.stack([q for q, _ in b2]),
+                              torch.stack([s for _, s in b13]), torch.stack([s for _, s in b2]), block)}
+    out = []
+    for name, (a13, a2, sc13, sc2, blk) in variants.items():
+        plan = triton_moe.tune(a13, a2, k, E, 0, sc13, sc2, torch.bfloat16, blk)
+        rows, times = triton_moe.time_rows(a13, a2, k, E, 0, MoePlan(plan.tiles), sc13, sc2, torch.bfloat16, blk,
+                                           sizes=(1, 2, 4, 8, 16), past_loss=True)
+        tiles = None if rows is None else (tuple(rows.gate_up), tuple(rows.down))
+        for T, rows_ms, blocked_ms in times:
+            out.append({"variant": name, "tokens": T, "few_us": rows_ms * 1e3, "blocked_us": blocked_ms * 1e3,
+                        "speedup": blocked_ms / rows_ms, "few_tiles": tiles})
+            print(f"{name:9s} T={T:3d}: few-token {rows_ms * 1e3:7.1f} us, blocked {blocked_ms * 1e3:7.1f} us "
+                  f"({blocked_ms / rows_ms:4.2f}x)  tiles {tiles}", flush=True)
+        print(f"{name:9s} tuned plan: {plan.rows}", flush=True)
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "shape": vars(a), "few": out}, f, indent=1)
 
 
 if __name__ == "__main__":

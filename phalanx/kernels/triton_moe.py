@@ -443,9 +443,20 @@ ROWS_TOKENS = (1, 2, 4, 8)   # the step sizes the tuner times the few-token form
 def _tune_rows(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, first: int, plan: MoePlan,
                s13: torch.Tensor | None, s2: torch.Tensor | None, act: torch.dtype,
                block: fp8.Block | None) -> MoeOneRows | None:
+    """The few-token form for ``plan``'s layer, or None where it loses at one token
+    (``time_rows``)."""
+    rows, _ = time_rows(w13, w2, top_k, num_experts, first, plan, s13, s2, act, block)
+    return rows if rows is not None and rows.max_tokens else None
+
+
+def time_rows(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, first: int, plan: MoePlan,
+              s13: torch.Tensor | None, s2: torch.Tensor | None, act: torch.dtype, block: fp8.Block | None,
+              sizes: tuple[int, ...] = ROWS_TOKENS, past_loss: bool = False
+              ) -> tuple[MoeOneRows | None, list[tuple[int, float, float]]]:
     """The few-token form's tiles (the gate ‖ up kernel's timed with the down kernel's first
-    fitting tile, then the down kernel's), and the largest of ``ROWS_TOKENS`` up to which it
-    beats the blocked form of ``plan``; None where it loses at one token. Each timing replays
+    fitting tile, then the down kernel's, at one token), and the largest of ``sizes`` up to which
+    it beats the blocked form of ``plan`` (0 where it loses at the first; None: no tile fits); with the timings
+    (tokens, few-token ms, blocked ms), of every size with ``past_loss``. Each timing replays
     eight routings over all ``num_experts`` experts, so that the experts' weights come from
     memory as a decode step's do, not from L2."""
     from phalanx.kernels.gemv import ONE_ROW_TILES, ONE_ROW_TILES_FP8
@@ -457,14 +468,11 @@ def _tune_rows(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int
     g = torch.Generator(device=w13.device).manual_seed(len(PAIR_BUCKETS) + 1)
     copies = 8
 
-    def inputs(T: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    def timed(T: int, rows: MoeOneRows | None) -> float:
         x = torch.randn(T, H, dtype=act, device=w13.device, generator=g)
         ids = [torch.rand(T, num_experts, device=w13.device, generator=g).topk(top_k, dim=-1).indices
                for _ in range(copies)]
-        return x, ids, torch.rand(T, top_k, device=w13.device, generator=g)
-
-    def timed(T: int, rows: MoeOneRows | None) -> float:
-        x, ids, weights = inputs(T)
+        weights = torch.rand(T, top_k, device=w13.device, generator=g)
         if rows is None:
             def run(i: int) -> torch.Tensor:
                 return fused_moe(x, ids[i], weights, w13, w2, first, plan, s13, s2, block=block)
@@ -478,17 +486,19 @@ def _tune_rows(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int
 
     fits = [(gu, d) for gu in tries for d in tries if rows_take(MoeOneRows(gu, d, 1), I, blk)]
     if not fits:
-        return None
+        return None, []
     down = fits[0][1]
     gate_up = min(dict.fromkeys(gu for gu, d in fits if d == down), key=lambda t: timed(1, MoeOneRows(t, down, 1)))
     down = min(dict.fromkeys(d for gu, d in fits if gu == gate_up), key=lambda t: timed(1, MoeOneRows(gate_up, t, 1)))
-    best = 0
-    for T in ROWS_TOKENS:
-        rows = MoeOneRows(gate_up, down, T)
-        if timed(T, rows) >= timed(T, None):
+    best, times, lost = 0, [], False
+    for T in sizes:
+        times.append((T, timed(T, MoeOneRows(gate_up, down, T)), timed(T, None)))
+        lost = lost or times[-1][1] >= times[-1][2]
+        if not lost:
+            best = T
+        elif not past_loss:
             break
-        best = T
-    return MoeOneRows(gate_up, down, best) if best else None
+    return MoeOneRows(gate_up, down, best), times
 
 
 # -- DeepSeek's routing (reference.grouped_topk_ref) ------------------------------------------------
