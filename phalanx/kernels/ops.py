@@ -159,8 +159,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
 
 def grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, method: str,
                  n_group: int, topk_group: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's routing of float32 router logits [T, E] -> (weights [T, k] float32, ids [T, k])
-    (``reference.grouped_topk_ref``)."""
+    """Routing of router logits [T, E] (float32, or the model's dtype: read as float32) ->
+    (weights [T, k] float32, ids [T, k]): DeepSeek's, and with ``method`` "greedy" over softmax
+    scores every other MoE's (``reference.grouped_topk_ref``)."""
     if use_triton(logits):
         from phalanx.kernels import triton_moe
         return triton_moe.grouped_topk(logits, bias, top_k, sigmoid, method, n_group, topk_group, renormalize,

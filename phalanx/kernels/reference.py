@@ -61,11 +61,12 @@ def latent_rope_ref(positions: torch.Tensor, q: torch.Tensor, latent: torch.Tens
 def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, method: str,
                      n_group: int, topk_group: int, renormalize: bool,
                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's routing of float32 router logits [T, E] -> (weights [T, k] float32, ids [T, k]):
+    """DeepSeek's routing of router logits [T, E] (taken as float32) -> (weights [T, k] float32, ids [T, k]):
     scores by softmax or sigmoid; ``method`` "greedy" (the k best), "group_limited_greedy" (the
     k best of the topk_group groups with the best top score) or "noaux_tc" (groups by the sum
     of their two best biased scores; the bias picks, the unbiased scores weigh); renormalised
     where asked, times ``scaling``."""
+    logits = logits.float()
     scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
     T = scores.shape[0]
     if method == "greedy":

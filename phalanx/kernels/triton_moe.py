@@ -525,7 +525,7 @@ def _grouped_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, E, scaling,
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e, mask=em, other=0.0)     # a weight: read before the wait
     wait(PDL)
-    x = tl.load(logit_ptr + t * s_lt + e, mask=em, other=-float("inf"))
+    x = tl.load(logit_ptr + t * s_lt + e, mask=em, other=-float("inf")).to(tl.float32)
     if SIGMOID:
         s = tl.sigmoid(x)
     else:

@@ -206,11 +206,11 @@ class SparseMoE(nn.Module):
         return scale_param(shape) if building_fp8() else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        """The k best experts of the softmax over the router's logits (taken in the model's dtype, as
+        transformers does, then float32), renormalised where the config says: one kernel after the
+        router's product on a GPU."""
+        return ops.grouped_topk(F.linear(x, self.gate.weight), None, self.top_k, False, "greedy", 1, 1,
+                                self.renormalize, 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         counts = None

@@ -115,3 +115,23 @@ def test_tuning_times_the_few_token_form_against_the_blocked_one():
         assert plan.rows.max_tokens in triton_moe.ROWS_TOKENS
     x, ids, w, _, _ = _experts(1, k, E, E, H, I, 1)
     close(triton_moe.fused_moe(x, ids, w, w13, w2, 0, plan), experts_ref(x, ids, w, w13, w2, 0), DTYPE)
+
+
+@pytest.mark.parametrize("E,k,renorm", [(128, 8, True), (8, 2, True), (60, 4, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_routing_in_one_kernel_equals_the_torch_ops(E, k, renorm, dtype):
+    """Qwen3-MoE's, Mixtral's and Qwen2-MoE's routing (``SparseMoE.route``) through the routing
+    kernel: the logits in the model's dtype read as float32, softmax, the k best, renormalised
+    where the config says — the experts torch.topk picks, in its order, and the same weights."""
+    from phalanx.kernels import ops
+    g = torch.Generator().manual_seed(E * k)
+    logits = (torch.randn(5, E, generator=g) * 2).to(DEV, dtype)
+    w, ids = triton_moe.grouped_topk(logits, None, k, False, "greedy", 1, 1, renorm, 1.0)
+    ref_w, ref_ids = logits.float().softmax(dim=-1).topk(k, dim=-1)
+    if renorm:
+        ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+    assert ids.equal(ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+    w2, ids2 = ops.grouped_topk(logits.cpu(), None, k, False, "greedy", 1, 1, renorm, 1.0)  # the CPU engine's path
+    assert ids2.equal(ref_ids.cpu())
+    torch.testing.assert_close(w2, ref_w.cpu(), atol=1e-6, rtol=1e-5)
