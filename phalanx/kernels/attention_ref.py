@@ -15,6 +15,7 @@ Packed queries of S sequences::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,16 @@ import torch.nn.functional as F
 # ``loader.kv_scale_names``; 1 without them). A pool of any other dtype stores K and V as they are.
 KvScale = tuple[float, float]
 UNIT_KV_SCALE: KvScale = (1.0, 1.0)
+
+
+class HeadNorms(NamedTuple):
+    """Per-head RMSNorms of q and k before the rotary (Qwen3's, Gemma's q/k norms): their weights
+    [D], epsilon, and whether rows scale by 1 + weight (``reference.rms_norm_ref``)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    unit_offset: bool
 
 
 def inverse_kv_scale(kv_scale: KvScale) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.kernels import attention_ref, reference
-from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, HeadNorms, KvScale
 from phalanx.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -101,13 +101,17 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
-    """Rotate q and k, write k and v into the paged pool (an FP8 pool's divided by ``kv_scale``);
-    returns the rotated q."""
+                      meta: AttentionMetadata, kv_scale: KvScale = UNIT_KV_SCALE,
+                      qk_norm: HeadNorms | None = None) -> torch.Tensor:
+    """Rotate q and k (each head RMS-normed first with ``qk_norm``), write k and v into the paged
+    pool (an FP8 pool's divided by ``kv_scale``); returns the rotated q."""
     if use_triton(q):
         from phalanx.kernels import triton_ops
         return triton_ops.rope_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
-                                            kv_scale)
+                                            kv_scale, qk_norm)
+    if qk_norm is not None:
+        q = reference.rms_norm_ref(q, qk_norm.q_weight, qk_norm.eps, qk_norm.unit_offset)
+        k = reference.rms_norm_ref(k, qk_norm.k_weight, qk_norm.eps, qk_norm.unit_offset)
     q, k = reference.rotary_ref(positions, q, k, cos_sin)
     attention_ref.write_kv_ref(k_cache, v_cache, k, v, meta.slot_mapping, kv_scale)
     return q

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from phalanx.kernels import attention_ref, pdl
-from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale, inverse_kv_scale
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, HeadNorms, KvScale, inverse_kv_scale
 from phalanx.kernels.pdl import prologue, release, wait
 
 
@@ -151,14 +151,36 @@ def value_block(v_cache: torch.Tensor) -> int:
 
 
 @triton.jit
-def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr,
-                     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H, k_inv, v_inv,
+def _head_norm(x1, x2, w_ptr, i, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Per-head RMSNorm of heads held as their two halves [heads, BLOCK] (masked lanes 0), as
+    ``_rms_norm_kernel`` norms a row: NORM 1 scales the rounded rows by w, 2 (Gemma) by 1 + w in
+    float32, then rounds; NORM 0 leaves them. Returned in float32, for the rotation."""
+    if NORM == 0:
+        return x1.to(tl.float32), x2.to(tl.float32)
+    m = i < HALF
+    w1 = tl.load(w_ptr + i, mask=m, other=0.0)
+    w2 = tl.load(w_ptr + HALF + i, mask=m, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = (1.0 / tl.sqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps))[:, None]
+    if NORM == 2:
+        y1 = (f1 * rstd * (1.0 + w1.to(tl.float32))).to(x1.dtype)
+        y2 = (f2 * rstd * (1.0 + w2.to(tl.float32))).to(x2.dtype)
+    else:
+        y1 = (f1 * rstd).to(x1.dtype) * w1
+        y2 = (f2 * rstd).to(x2.dtype) * w2
+    return y1.to(tl.float32), y2.to(tl.float32)
+
+
+@triton.jit
+def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
+                     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cs, s_ch, H, k_inv, v_inv, eps,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, QH: tl.constexpr, KVH: tl.constexpr,
-                     VB: tl.constexpr, PDL: tl.constexpr):
+                     VB: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr = 0):
     """One launch for a whole layer: program (t, g) of token t rotates ``QH`` query heads from
     g·QH while those last (H is a multiple of QH), else rotates ``KVH`` KV heads and writes them,
-    with their V, into the pool. Positions, slots and the cos/sin table are read before the PDL
-    wait (written before the forward)."""
+    with their V, into the pool. NORM > 0 (Qwen3's and Gemma's q/k norms): each q and k head is
+    RMS-normed first by its norm's weight (qn, kn; ``_head_norm``). Positions, slots and the
+    cos/sin table are read before the PDL wait (written before the forward)."""
     release(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -172,8 +194,9 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
         hh = g * QH + tl.arange(0, QH)[:, None]
         m = (i < HALF) & (hh < H)        # (hh < H holds: it gives the mask its [QH, BLOCK] shape)
         base = q_ptr + t * s_qt + hh * s_qh
-        r1, r2 = _rotate(tl.load(base + i, mask=m, other=0.0).to(tl.float32),
-                         tl.load(base + HALF + i, mask=m, other=0.0).to(tl.float32), cos, sin)
+        q1, q2 = _head_norm(tl.load(base + i, mask=m, other=0.0), tl.load(base + HALF + i, mask=m, other=0.0),
+                            qn_ptr, i, eps, HALF, NORM)
+        r1, r2 = _rotate(q1, q2, cos, sin)
         # each branch names its own pointer: Triton merges a name both branches assign
         qd = qo_ptr + t * s_ot + hh * s_oh
         tl.store(qd + i, r1.to(qo_ptr.dtype.element_ty), mask=m)
@@ -187,8 +210,9 @@ def _rope_qkv_kernel(pos_ptr, cs_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, kc_
             tl.store(vc_ptr + value_offsets(slot, kvh, s_cs, s_ch, half * HALF + i, VB),
                      value_to_pool(tl.load(vb + half * HALF + i, mask=mk, other=0.0), vc_ptr.dtype.element_ty, VB,
                                    v_inv), mask=mk)
-        k1, k2 = _rotate(tl.load(kb + i, mask=mk, other=0.0).to(tl.float32),
-                         tl.load(kb + HALF + i, mask=mk, other=0.0).to(tl.float32), cos, sin)
+        k1, k2 = _head_norm(tl.load(kb + i, mask=mk, other=0.0), tl.load(kb + HALF + i, mask=mk, other=0.0),
+                            kn_ptr, i, eps, HALF, NORM)
+        k1, k2 = _rotate(k1, k2, cos, sin)
         kd = kc_ptr + slot * s_cs + kvh * s_ch
         tl.store(kd + i, key_to_pool(k1, kc_ptr.dtype.element_ty, VB, k_inv), mask=mk)
         tl.store(kd + HALF + i, key_to_pool(k2, kc_ptr.dtype.element_ty, VB, k_inv), mask=mk)
@@ -210,23 +234,25 @@ def rope_heads(n: int) -> int:
 
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, kv_scale: KvScale = UNIT_KV_SCALE) -> torch.Tensor:
+                      slot_mapping: torch.Tensor, kv_scale: KvScale = UNIT_KV_SCALE,
+                      qk_norm: HeadNorms | None = None) -> torch.Tensor:
     """Rotate q (returned, contiguous) and k; write rotated k and v into the paged pool.
 
     q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [num_blocks, B, Hkv, D] (an FP8 pool's values
     key-minor, ``attention_ref.values_key_minor``, and K and V divided by ``kv_scale``);
-    slot_mapping [T]."""
+    slot_mapping [T]. ``qk_norm``: q and k heads RMS-normed first, in the same launch."""
     T, H, D = q.shape
     Hkv = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if T:
         kc, vc = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
         qh, kvh = rope_heads(H), rope_heads(Hkv)
+        qn, kn, eps, norm = (q, q, 0.0, 0) if qk_norm is None else (*qk_norm[:3], 2 if qk_norm.unit_offset else 1)
         _rope_qkv_kernel[(T, H // qh + Hkv // kvh)](
-            positions, cos_sin, slot_mapping, q, k, v, q_out, kc, vc, q.stride(0), q.stride(1), k.stride(0),
+            positions, cos_sin, slot_mapping, q, k, v, q_out, kc, vc, qn, kn, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), H,
-            *inverse_kv_scale(kv_scale), HALF=D // 2, BLOCK=_pow2(D // 2), QH=qh, KVH=kvh, VB=value_block(v_cache),
-            **pdl.launch(q))
+            *inverse_kv_scale(kv_scale), eps, HALF=D // 2, BLOCK=_pow2(D // 2), QH=qh, KVH=kvh,
+            VB=value_block(v_cache), NORM=norm, **pdl.launch(q))
     return q_out
 
 

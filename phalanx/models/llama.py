@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from phalanx.kernels import fp8, ops
-from phalanx.kernels.attention_ref import UNIT_KV_SCALE, KvScale
+from phalanx.kernels.attention_ref import UNIT_KV_SCALE, HeadNorms, KvScale
 from phalanx.kernels.linear_plan import GateUpSiluPlan, Neighbour, QkvRopePlan
 from phalanx.kernels.metadata import AttentionMetadata
 from phalanx.models.config import ModelConfig
@@ -125,9 +125,11 @@ class Attention(AttentionBase):
         H, Hkv, D = self.heads.num_heads, self.heads.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(h)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return ops.rope_and_write_kv(positions, q, k, v, self.rotary[0].cos_sin, k_cache, v_cache, meta, self.kv_scale)
+        norms = None
+        if self.q_norm is not None and self.k_norm is not None:   # normed inside the rotary's launch
+            norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
+        return ops.rope_and_write_kv(positions, q, k, v, self.rotary[0].cos_sin, k_cache, v_cache, meta, self.kv_scale,
+                                     norms)
 
 
 class MLP(nn.Module):

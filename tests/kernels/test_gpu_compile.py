@@ -35,7 +35,7 @@ DECODE_FP8 = {**ATTN_FP8, "BLOCK_N": triton_attention.DECODE_CONFIG_FP8[0]}
 CASES = {
     "rope + K/V write into an FP8 pool": (triton_ops._rope_qkv_kernel, {
         "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-        "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
+        "qo_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "qn_ptr": "*bf16", "kn_ptr": "*bf16"},
         {"HALF": 64, "BLOCK": 64, "QH": 8, "KVH": 8, "VB": 32, "PDL": False}),
     "one token's q/k/v (FP8 weights) + rotary into an FP8 pool": (gemv._qkv_rope_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "sc_ptr": "*fp32", "pos_ptr": "*i64",
@@ -173,6 +173,9 @@ CASES |= {
     "rope + K/V write into a bf16 pool, one KV head a program": (triton_ops._rope_qkv_kernel, {
         k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
         {"HALF": 64, "BLOCK": 64, "QH": 4, "KVH": 1, "VB": 0, "PDL": True}),
+    "rope + K/V write into a bf16 pool, q/k heads normed first (Qwen3)": (triton_ops._rope_qkv_kernel, {
+        k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
+        {"HALF": 64, "BLOCK": 64, "QH": 8, "KVH": 4, "VB": 0, "PDL": True, "NORM": 1}),
     "rope + K/V write into a bf16 pool": (triton_ops._rope_qkv_kernel, {
         k: ("*bf16" if v == "*fp8e4nv" else v) for k, v in CASES["rope + K/V write into an FP8 pool"][1].items()},
         {"HALF": 64, "BLOCK": 64, "QH": 8, "KVH": 2, "VB": 0, "PDL": True}),

@@ -69,6 +69,38 @@ def test_rope_and_write_kv(T, H, Hkv, D, dtype):
     close(vc.view(-1, Hkv, D)[slots], v, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 32), (3, 3, 1, 48)]
+                         + ([(2, 32, 4, 128), (3, 8, 4, 256)] if CUDA else []))
+def test_rope_with_head_norms_equals_the_norms_then_the_rotary(T, H, Hkv, D, unit_offset, dtype):
+    """Qwen3's q/k norms (Gemma's with ``unit_offset``) inside the rotary's launch: the same q and
+    pool rows as the norm kernel then the rotary (48: a head whose halves end inside the block)."""
+    from phalanx.kernels.attention_ref import HeadNorms
+    from phalanx.models.layers import RotaryEmbedding
+    g = torch.Generator(device="cpu").manual_seed(2)
+    rot = RotaryEmbedding(D, 256, 10000.0, {"rope_type": "default"}).to(DEV)
+    qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g) * 3).to(DEV, dtype)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+    norms = HeadNorms(torch.rand(D, generator=g).to(DEV, dtype) + 0.5, torch.rand(D, generator=g).to(DEV, dtype) - 0.5,
+                      1e-6, unit_offset)
+    pos = torch.randint(0, 256, (T,), generator=g).to(DEV)
+    nb, B = 8, 16
+    slots = torch.randperm(nb * B, generator=g)[:T].to(DEV)
+    kc, vc = torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV), torch.zeros(nb, B, Hkv, D, dtype=dtype, device=DEV)
+    q_out = triton_ops.rope_and_write_kv(pos, q, k, v, rot.cos_sin, kc, vc, slots, qk_norm=norms)
+    qn = triton_ops.rms_norm(q, norms.q_weight, norms.eps, unit_offset)
+    kn = triton_ops.rms_norm(k, norms.k_weight, norms.eps, unit_offset)
+    q_ref, k_ref = reference.rotary_ref(pos, qn, kn, rot.cos_sin)
+    close(q_out, q_ref, dtype)
+    close(kc.view(-1, Hkv, D)[slots], k_ref, dtype)
+    close(vc.view(-1, Hkv, D)[slots], v, dtype)
+    # the norms did something: without them the rows differ
+    unnormed = triton_ops.rope_and_write_kv(pos, q, k, v, rot.cos_sin, kc.clone(), vc.clone(), slots)
+    assert not torch.allclose(unnormed.float(), q_ref.float(), atol=0.1)
+
+
 def test_rope_programs_take_up_to_eight_heads_of_one_kind():
     for n in (32, 40, 10, 4, 3, 1, 8, 12, 64):
         heads = triton_ops.rope_heads(n)
