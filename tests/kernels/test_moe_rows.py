@@ -135,3 +135,48 @@ def test_softmax_routing_in_one_kernel_equals_the_torch_ops(E, k, renorm, dtype)
     w2, ids2 = ops.grouped_topk(logits.cpu(), None, k, False, "greedy", 1, 1, renorm, 1.0)  # the CPU engine's path
     assert ids2.equal(ref_ids.cpu())
     torch.testing.assert_close(w2, ref_w.cpu(), atol=1e-6, rtol=1e-5)
+
+
+def test_qwen3_moe_on_the_triton_path_equals_transformers(tiny_moe_models, hf_moe_models, monkeypatch):
+    """The engine on the Triton kernels (the interpreter on the CPU) with every MoE layer's plan
+    giving the few-token form up to two tokens: decode steps of one and two sequences take it,
+    prompt steps the blocked form; the routing kernel routes every step and the q/k norms run
+    inside the rotary's launch. Greedy tokens equal transformers'."""
+    from hf_reference import assert_same_greedy, hf_greedy
+    from phalanx import LLM, SamplingParams
+    from phalanx.kernels import ops, triton_attention, triton_ops
+    from phalanx.models.moe import SparseMoE
+    monkeypatch.setattr(ops, "FORCE_TRITON", True)
+    if not CUDA:   # (as the dense model's Triton test: prompt steps take the prefill kernel)
+        monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 2)
+    calls: dict[str, list[int]] = {}
+
+    def counting(mod, name, rows_of):
+        real = getattr(mod, name)
+
+        def wrapper(*a, **kw):
+            calls.setdefault(name, []).append(rows_of(a, kw))
+            return real(*a, **kw)
+        monkeypatch.setattr(mod, name, wrapper)
+
+    counting(triton_moe, "fused_moe_rows", lambda a, kw: a[0].shape[0])
+    counting(triton_moe, "align", lambda a, kw: a[0].shape[0])
+    counting(triton_moe, "grouped_topk", lambda a, kw: a[0].shape[0])
+    counting(triton_ops, "rope_and_write_kv", lambda a, kw: int(kw.get("qk_norm", a[9] if len(a) > 9 else None)
+                                                               is not None))
+    prompts = [[3, 1, 4, 1, 5], list(range(10, 40))]
+    rows = MoeOneRows(OneRowTile(8, 16, 4, 2), OneRowTile(8, 16, 4, 2), 2)
+    with LLM(tiny_moe_models["qwen3_moe"], skip_tokenizer_init=True, orchestrator_type="inprocess",
+             dtype="float32", cuda_graph_config=None) as llm:
+        for m in llm._executor.engine.runner.model.modules():
+            if isinstance(m, SparseMoE):
+                m.moe_plan = MoePlan(m.moe_plan.tiles, rows)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    hf = hf_moe_models["qwen3_moe"]
+    for p, o in zip(prompts, outs, strict=True):
+        ref, gaps = hf_greedy(hf, p, 5)
+        assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
+    assert calls["fused_moe_rows"] and set(calls["fused_moe_rows"]) <= {1, 2}, calls["fused_moe_rows"]
+    assert calls["align"] and min(calls["align"]) > 2                 # the prompt steps: blocked
+    assert len(calls["grouped_topk"]) == len(calls["fused_moe_rows"]) + len(calls["align"])
+    assert calls["rope_and_write_kv"] and all(calls["rope_and_write_kv"])   # every layer's q/k norms fused
