@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from phalanx.kernels import attention_ref, reference
 from phalanx.kernels.attention_ref import UNIT_KV_SCALE, HeadNorms, KvScale
@@ -159,6 +160,21 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
         from phalanx.kernels import triton_moe
         return triton_moe.fused_moe(x, ids, weights, w13, w2, first, plan, s13, s2, block=block)
     return reference.experts_ref(x, ids, weights, w13, w2, first, s13, s2, block=block)
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor, top_k: int,
+          sigmoid: bool, method: str, n_group: int, topk_group: int, renormalize: bool,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens x [T, H] through the router ``gate`` [E, H] (x taken in the gate's dtype, as
+    ``F.linear`` of it), then ``grouped_topk``'s routing: (weights [T, k] float32, ids [T, k]).
+    On the GPU a step of at most ``counts.numel()`` tokens (the layer's router counters) does both
+    in one launch."""
+    if use_triton(x) and x.shape[0] <= counts.numel():
+        from phalanx.kernels import triton_moe
+        return triton_moe.route(x, gate, bias, counts, top_k, sigmoid, method, n_group, topk_group, renormalize,
+                                scaling)
+    return grouped_topk(F.linear(x.to(gate.dtype), gate), bias, top_k, sigmoid, method, n_group, topk_group,
+                        renormalize, scaling)
 
 
 def grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, method: str,

@@ -514,18 +514,28 @@ def _grouped_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, E, scaling,
                          BLOCK_E: tl.constexpr, K: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr,
                          HAS_BIAS: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-    """Token t's k experts and weights from its float32 logits, in one program. METHOD: 0 greedy,
-    1 group-limited greedy (a group's best score), 2 noaux_tc (a group's two best biased
-    scores; the bias picks, the unbiased scores weigh). Experts are picked best first, as
-    torch.topk orders them."""
+    """Token t's k experts and weights from its logits, in one program (``_route_token``)."""
     release(PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
+    bias = tl.zeros([BLOCK_E], tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e, mask=em, other=0.0)     # a weight: read before the wait
     wait(PDL)
     x = tl.load(logit_ptr + t * s_lt + e, mask=em, other=-float("inf")).to(tl.float32)
+    _route_token(x, bias, e, em, w_ptr + t * K, id_ptr + t * K, E, scaling, K, SIGMOID, METHOD, HAS_BIAS, NG,
+                 BLOCK_K, BLOCK_G, TOPK_GROUP, RENORM)
+
+
+@triton.jit
+def _route_token(x, bias, e, em, w_ptr, id_ptr, E, scaling, K: tl.constexpr, SIGMOID: tl.constexpr,
+                 METHOD: tl.constexpr, HAS_BIAS: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_G: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr):
+    """One token's routing from its float32 logits x [BLOCK_E] (-inf past E): its k experts and
+    weights stored at id_ptr / w_ptr. METHOD: 0 greedy, 1 group-limited greedy (a group's best
+    score), 2 noaux_tc (a group's two best biased scores; the bias picks, the unbiased scores
+    weigh). Experts are picked best first, as torch.topk orders them."""
     if SIGMOID:
         s = tl.sigmoid(x)
     else:
@@ -549,7 +559,7 @@ def _grouped_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, E, scaling,
                 score = tl.where(g == i, top + second, score)
             else:
                 score = tl.where(g == i, tl.max(tl.where(mine, c, -float("inf")), 0), score)
-        kept = tl.zeros([BLOCK_E], tl.int1)
+        kept = tl.zeros(e.shape, tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
             best = _pick(score, g, g < NG)
             kept = kept | (grp == best)
@@ -565,8 +575,76 @@ def _grouped_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, s_lt, E, scaling,
         c = tl.where(e == pick, -float("inf"), c)
     if RENORM:
         weight = weight / (tl.sum(weight, 0) + 1e-20)
-    tl.store(id_ptr + t * K + kk, picked, mask=kk < K)
-    tl.store(w_ptr + t * K + kk, weight * scaling, mask=kk < K)
+    tl.store(id_ptr + kk, picked, mask=kk < K)
+    tl.store(w_ptr + kk, weight * scaling, mask=kk < K)
+
+
+@triton.jit
+def _router_kernel(x_ptr, g_ptr, bias_ptr, logit_ptr, cnt_ptr, w_ptr, id_ptr, s_xt, H, E, scaling,
+                   BLOCK_E: tl.constexpr, TILE_E: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
+                   SIGMOID: tl.constexpr, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr, NG: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr,
+                   PDL: tl.constexpr):
+    """The router's product and the routing in one launch, for a few tokens: program (t, b)
+    computes token t's logits of experts b·TILE_E .. (the router weight's rows, float32 sums of
+    x · g rounded to the weight's dtype as ``F.linear`` of x in that dtype gives them) into
+    logit[t]; the last of the token's programs to count itself in (cnt[t], reset by it) reads
+    them all and routes the token (``_route_token``)."""
+    release(PDL)
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    r = b * TILE_E + tl.arange(0, TILE_E)
+    rm = r < E
+    wait(PDL)
+    acc = tl.zeros([TILE_E, BLOCK_H], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < H
+        x = tl.load(x_ptr + t * s_xt + h, mask=hm, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + r[:, None] * H + h[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
+        acc += g.to(tl.float32) * x[None, :]
+    logit = tl.sum(acc, 1).to(g_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logit_ptr + t * E + r, logit, mask=rm)
+    tl.debug_barrier()                       # every thread's logits are written before the count
+    done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        bias = tl.zeros([BLOCK_E], tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + e, mask=em, other=0.0)
+        z = tl.load(logit_ptr + t * E + e, mask=em, other=-float("inf"), cache_modifier=".cg")  # L2: other SMs'
+        tl.store(cnt_ptr + t, 0)
+        _route_token(z, bias, e, em, w_ptr + t * K, id_ptr + t * K, E, scaling, K, SIGMOID, METHOD, HAS_BIAS, NG,
+                     BLOCK_K, BLOCK_G, TOPK_GROUP, RENORM)
+
+
+ROUTER_TILE_BYTES = 16 << 10   # router weight bytes a program of ``_router_kernel`` reads (at least two rows)
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor, top_k: int,
+          sigmoid: bool, method: str, n_group: int, topk_group: int, renormalize: bool,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] through the router ``gate`` [E, H] and routed (``reference.grouped_topk_ref`` of
+    ``F.linear(x.to(gate.dtype), gate)``) in one launch; ``counts`` [≥ T] int32 zeros, the
+    tokens' counters (left zero). (weights [T, k] float32, ids [T, k])."""
+    T, H = x.shape
+    E = gate.shape[0]
+    if counts.numel() < T:
+        raise ValueError(f"{T} tokens for {counts.numel()} router counters")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.long, device=x.device)
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    tile_e = max(2, min(triton.next_power_of_2(E), ROUTER_TILE_BYTES // (H * gate.element_size())))
+    tile_e = 1 << (tile_e.bit_length() - 1)   # (a power of two)
+    if T:
+        _router_kernel[(T, triton.cdiv(E, tile_e))](
+            x, gate, bias if bias is not None else gate, logits, counts, weights, ids, x.stride(0), H, E, scaling,
+            BLOCK_E=triton.next_power_of_2(E), TILE_E=tile_e, BLOCK_H=max(16, min(512, 8192 // tile_e)), K=top_k,
+            BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=sigmoid, METHOD=GROUPED_TOPK_METHODS[method],
+            HAS_BIAS=bias is not None, NG=n_group, BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+            TOPK_GROUP=topk_group, RENORM=renormalize, **pdl.launch(x))
+    return weights, ids
 
 
 GROUPED_TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}

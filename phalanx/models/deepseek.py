@@ -34,7 +34,6 @@ routed sum times ``routed_scaling_factor``, plus the shared experts (one MLP, un
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phalanx.kernels import ops
@@ -192,9 +191,9 @@ class DeepseekMoE(SparseMoE):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c, gate = self.cfg, self.gate
         assert isinstance(gate, RouterGate)
-        return ops.grouped_topk(F.linear(x.float(), gate.weight), gate.e_score_correction_bias, self.top_k,
-                                c.scoring_func == "sigmoid", c.topk_method, c.n_group, c.topk_group, self.renormalize,
-                                c.routed_scaling_factor)
+        return ops.route(x, gate.weight, gate.e_score_correction_bias, self.route_counts, self.top_k,
+                         c.scoring_func == "sigmoid", c.topk_method, c.n_group, c.topk_group, self.renormalize,
+                         c.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)

@@ -96,6 +96,9 @@ def scatter_tokens(y: torch.Tensor, counts: list[int], ep: EPGroup) -> torch.Ten
     return out[:counts[ep.rank]]
 
 
+ROUTE_IN_ONE_LAUNCH = 16   # steps of at most this many tokens: the router's product and routing in one launch
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, ep: EPGroup) -> None:
         super().__init__()
@@ -110,6 +113,9 @@ class SparseMoE(nn.Module):
         i_local = self.i_range[1] - self.i_range[0]
         self.gate = nn.Linear(H, E, bias=False)
         self.gate.weight.weight_loader = default_loader  # type: ignore[attr-defined]
+        # a counter a token for the router's product and routing in one launch (ops.route)
+        self.route_counts: torch.Tensor
+        self.register_buffer("route_counts", torch.zeros(ROUTE_IN_ONE_LAUNCH, dtype=torch.int32), persistent=False)
         self.w13 = self._experts((self.num_local, 2 * i_local, H))
         self.w2 = self._experts((self.num_local, H, i_local))
         # FP8 experts (built under layers.fp8_weights): a scale per (expert, output row), or per
@@ -207,10 +213,10 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k best experts of the softmax over the router's logits (taken in the model's dtype, as
-        transformers does, then float32), renormalised where the config says: one kernel after the
-        router's product on a GPU."""
-        return ops.grouped_topk(F.linear(x, self.gate.weight), None, self.top_k, False, "greedy", 1, 1,
-                                self.renormalize, 1.0)
+        transformers does, then float32), renormalised where the config says: the product and the
+        routing in one launch on a GPU for a few tokens (``ops.route``)."""
+        return ops.route(x, self.gate.weight, None, self.route_counts, self.top_k, False, "greedy", 1, 1,
+                         self.renormalize, 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         counts = None

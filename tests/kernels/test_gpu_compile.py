@@ -272,6 +272,16 @@ CASES |= {
         "w_ptr": "*bf16", "qo_ptr": "*bf16", "kc_ptr": "*bf16"},
         {"NOPE": 128, "R": 512, "BLOCK_R": 512, "HALF": 32, "BLOCK_HALF": 32, "BLOCK_H": 128, "INTERLEAVE": True,
          "PDL": True}),
+    "DeepSeek-V3's router product and routing in one launch": (triton_moe._router_kernel, {
+        "x_ptr": "*bf16", "g_ptr": "*fp32", "bias_ptr": "*fp32", "logit_ptr": "*fp32", "cnt_ptr": "*i32",
+        "w_ptr": "*fp32", "id_ptr": "*i64"},
+        {"BLOCK_E": 256, "TILE_E": 2, "BLOCK_H": 512, "K": 8, "SIGMOID": True, "METHOD": 2, "HAS_BIAS": True, "NG": 8,
+         "BLOCK_K": 8, "BLOCK_G": 8, "TOPK_GROUP": 4, "RENORM": True, "PDL": True}),
+    "Qwen3-MoE's router product and routing in one launch": (triton_moe._router_kernel, {
+        "x_ptr": "*bf16", "g_ptr": "*bf16", "bias_ptr": "*bf16", "logit_ptr": "*fp32", "cnt_ptr": "*i32",
+        "w_ptr": "*fp32", "id_ptr": "*i64"},
+        {"BLOCK_E": 128, "TILE_E": 4, "BLOCK_H": 512, "K": 8, "SIGMOID": False, "METHOD": 0, "HAS_BIAS": False,
+         "NG": 1, "BLOCK_K": 8, "BLOCK_G": 2, "TOPK_GROUP": 1, "RENORM": True, "PDL": True}),
     "DeepSeek-V3's routing (256 experts, 8 groups, noaux_tc)": (triton_moe._grouped_topk_kernel, {
         "logit_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "id_ptr": "*i64"},
         {"BLOCK_E": 256, "K": 8, "SIGMOID": True, "METHOD": 2, "HAS_BIAS": True, "NG": 8, "BLOCK_K": 8, "BLOCK_G": 8,

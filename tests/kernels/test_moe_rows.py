@@ -140,8 +140,8 @@ def test_softmax_routing_in_one_kernel_equals_the_torch_ops(E, k, renorm, dtype)
 def test_qwen3_moe_on_the_triton_path_equals_transformers(tiny_moe_models, hf_moe_models, monkeypatch):
     """The engine on the Triton kernels (the interpreter on the CPU) with every MoE layer's plan
     giving the few-token form up to two tokens: decode steps of one and two sequences take it,
-    prompt steps the blocked form; the routing kernel routes every step and the q/k norms run
-    inside the rotary's launch. Greedy tokens equal transformers'."""
+    prompt steps the blocked form; decode steps route in one launch with the router's product,
+    and the q/k norms run inside the rotary's launch. Greedy tokens equal transformers'."""
     from hf_reference import assert_same_greedy, hf_greedy
     from phalanx import LLM, SamplingParams
     from phalanx.kernels import ops, triton_attention, triton_ops
@@ -162,6 +162,7 @@ def test_qwen3_moe_on_the_triton_path_equals_transformers(tiny_moe_models, hf_mo
     counting(triton_moe, "fused_moe_rows", lambda a, kw: a[0].shape[0])
     counting(triton_moe, "align", lambda a, kw: a[0].shape[0])
     counting(triton_moe, "grouped_topk", lambda a, kw: a[0].shape[0])
+    counting(triton_moe, "route", lambda a, kw: a[0].shape[0])
     counting(triton_ops, "rope_and_write_kv", lambda a, kw: int(kw.get("qk_norm", a[9] if len(a) > 9 else None)
                                                                is not None))
     prompts = [[3, 1, 4, 1, 5], list(range(10, 40))]
@@ -178,5 +179,62 @@ def test_qwen3_moe_on_the_triton_path_equals_transformers(tiny_moe_models, hf_mo
         assert_same_greedy(o.outputs[0].token_ids, ref, gaps)
     assert calls["fused_moe_rows"] and set(calls["fused_moe_rows"]) <= {1, 2}, calls["fused_moe_rows"]
     assert calls["align"] and min(calls["align"]) > 2                 # the prompt steps: blocked
-    assert len(calls["grouped_topk"]) == len(calls["fused_moe_rows"]) + len(calls["align"])
+    # a few tokens routed in one launch with the router's product, more after it
+    assert calls["route"] and max(calls["route"]) <= 16 and min(calls.get("grouped_topk", [17])) > 16
+    routed = len(calls["route"]) + len(calls.get("grouped_topk", []))
+    assert routed == len(calls["fused_moe_rows"]) + len(calls["align"])
     assert calls["rope_and_write_kv"] and all(calls["rope_and_write_kv"])   # every layer's q/k norms fused
+
+
+# (experts, top_k, sigmoid, method, n_group, topk_group, renormalize, scaling, bias, the router's dtype)
+ROUTER_CASES = [(64, 6, False, "greedy", 1, 1, False, 1.0, False, torch.float32),              # V2-Lite
+                (256, 8, True, "noaux_tc", 8, 4, True, 2.5, True, torch.float32),                # V3
+                (128, 8, False, "greedy", 1, 1, True, 1.0, False, torch.bfloat16),               # Qwen3-MoE
+                (12, 2, False, "group_limited_greedy", 3, 1, True, 1.0, False, torch.float32)]
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES)
+def test_router_product_and_routing_in_one_launch(case, monkeypatch):
+    """``triton_moe.route``: every token's logits over several programs (the last to finish routes
+    it), equal to ``F.linear`` of x in the router's dtype then the routing kernel; the counters
+    are left zero for the next layer's launch, and a step of more tokens than counters is refused."""
+    import torch.nn.functional as F
+    E, k, sigmoid, method, n_group, topk_group, renorm, scaling, has_bias, gate_dtype = case
+    H = 96 if not CUDA else 2048
+    g = torch.Generator().manual_seed(E)
+    x = torch.randn(5, H, generator=g).to(DEV, torch.bfloat16 if gate_dtype == torch.bfloat16 else DTYPE)
+    gate = (torch.randn(E, H, generator=g) / H ** 0.5).to(DEV, gate_dtype)
+    bias = (torch.randn(E, generator=g) * 0.3).to(DEV) if has_bias else None
+    counts = torch.zeros(8, dtype=torch.int32, device=DEV)
+    args = (k, sigmoid, method, n_group, topk_group, renorm, scaling)
+    if not CUDA:   # two rows a program: several programs a token at these sizes too
+        monkeypatch.setattr(triton_moe, "ROUTER_TILE_BYTES", 2 * H * gate.element_size())
+    assert triton_moe.ROUTER_TILE_BYTES // (H * gate.element_size()) < E
+    w, ids = triton_moe.route(x, gate, bias, counts, *args)
+    logits = F.linear(x.to(gate_dtype), gate)
+    ref_w, ref_ids = triton_moe.grouped_topk(logits, bias, *args)
+    if gate_dtype == torch.bfloat16:   # logits rounded to bf16 tie often, and sums in another order
+        # may round a logit the other way: the picked experts' logits are the best ones to a bf16 step
+        torch.testing.assert_close(logits.float().gather(1, ids), logits.float().topk(k).values, atol=0,
+                                   rtol=2 ** -7)
+        torch.testing.assert_close(w.sort().values, ref_w.sort().values, atol=0, rtol=5e-2)
+    else:
+        assert ids.equal(ref_ids)
+        torch.testing.assert_close(w, ref_w, atol=1e-5, rtol=1e-4)
+    assert (counts == 0).all()
+    w2, ids2 = triton_moe.route(x, gate, bias, counts, *args)      # the counters serve again
+    assert ids2.equal(ids) and w2.equal(w)
+    with pytest.raises(ValueError, match="router counters"):
+        triton_moe.route(torch.cat([x, x]), gate, bias, counts, *args)
+
+
+def test_router_logits_are_rounded_to_the_routers_dtype():
+    """As ``F.linear`` of bf16 x by a bf16 router gives them: expert 1's logit 1 + 2^-9 rounds to
+    expert 0's 1.0, and of the tie the lower index is picked — float32 logits would pick expert 1."""
+    x = torch.zeros(1, 16, dtype=torch.bfloat16, device=DEV)
+    x[0, :2] = 1.0
+    gate = torch.zeros(4, 16, dtype=torch.bfloat16, device=DEV)
+    gate[0, 0], gate[1, 0], gate[1, 1], gate[2, 0] = 1.0, 1.0, 2 ** -9, 0.5
+    counts = torch.zeros(1, dtype=torch.int32, device=DEV)
+    w, ids = triton_moe.route(x, gate, None, counts, 1, False, "greedy", 1, 1, False, 1.0)
+    assert ids.tolist() == [[0]]
