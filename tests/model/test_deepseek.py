@@ -137,7 +137,7 @@ def test_v3_on_the_triton_path_equals_transformers(v3, monkeypatch):
     pytest.importorskip("triton")
     from phalanx.kernels import ops, triton_mla, triton_moe
     monkeypatch.setattr(ops, "FORCE_TRITON", True)
-    calls = {"rows": 0, "decode": 0, "prompt": 0, "route": 0}
+    calls = {"rows": 0, "decode": 0, "prompt": 0, "route": 0, "route_product": 0}
 
     def counted(name, real):
         def call(*a, **kw):
@@ -148,6 +148,7 @@ def test_v3_on_the_triton_path_equals_transformers(v3, monkeypatch):
     monkeypatch.setattr(triton_mla, "latent_decode", counted("decode", triton_mla.latent_decode))
     monkeypatch.setattr(triton_mla, "latent_extend", counted("prompt", triton_mla.latent_extend))
     monkeypatch.setattr(triton_moe, "grouped_topk", counted("route", triton_moe.grouped_topk))
+    monkeypatch.setattr(triton_moe, "route", counted("route_product", triton_moe.route))   # decode: with the product
     path, hf = v3
     ps = [prompts(256)[4]]
     refs = [hf_greedy(hf, p, 3) for p in ps]
@@ -158,7 +159,7 @@ def test_v3_on_the_triton_path_equals_transformers(v3, monkeypatch):
         assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"prompt {i}")
     layers = 3
     assert calls["prompt"] >= layers and calls["decode"] == 2 * layers and calls["rows"] == calls["prompt"] + 6
-    assert calls["route"] >= 3 * (layers - 1)      # the first layer is dense
+    assert calls["route"] >= layers - 1 and calls["route_product"] == 2 * (layers - 1)   # the first layer is dense
 
 
 def test_multi_token_prediction_layer_is_passed_over(v3, tmp_path):
