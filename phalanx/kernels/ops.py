@@ -168,7 +168,8 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, counts
     """Tokens x [T, H] through the router ``gate`` [E, H] (x taken in the gate's dtype, as
     ``F.linear`` of it), then ``grouped_topk``'s routing: (weights [T, k] float32, ids [T, k]).
     On the GPU a step of at most ``counts.numel()`` tokens (the layer's router counters) does both
-    in one launch."""
+    in one launch; its logits add up in another order than a GEMM's, so an expert whose score
+    ties another's to the last bit may be picked by one and not the other."""
     if use_triton(x) and x.shape[0] <= counts.numel():
         from phalanx.kernels import triton_moe
         return triton_moe.route(x, gate, bias, counts, top_k, sigmoid, method, n_group, topk_group, renormalize,

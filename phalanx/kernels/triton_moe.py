@@ -254,7 +254,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: to
     experts multiply in FP8 — x and the SiLU-and-mul output quantized per row (W8A8) — instead of
     widening the weights (W8A16); by default where the step has more than ``A8_MIN_PAIRS`` pairs.
     A step of at most ``plan.rows.max_tokens`` tokens takes the few-token form (``fused_moe_rows``),
-    unless FP8 products are asked for."""
+    unless FP8 products are asked for or its tiles do not fit these experts' scale blocks
+    (``rows_take``; the tuner only picks tiles that fit)."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
@@ -365,7 +366,9 @@ def fused_moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     """``fused_moe`` for a few tokens, in two launches: each (token, expert) pair's gate ‖ up
     with SiLU-and-mul as one row (``_moe_gate_up_rows_kernel``), then each token's experts'
     down projections weighted and summed (``_moe_down_rows_kernel``). FP8 experts are widened
-    (W8A16), as the blocked form does at this size."""
+    (W8A16). A token's experts add up in float32 and round once, where the blocked form rounds
+    each pair's row first: the last bits of a token's output depend on which form its step took
+    (as they depend on the blocked form's tile of each bucket)."""
     T, H = x.shape
     k = ids.shape[1]
     E, two_i, _ = w13.shape
@@ -405,7 +408,8 @@ def tune(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int, firs
          act_dtype: torch.dtype | None = None, block: fp8.Block | None = None) -> MoePlan:
     """The fastest tile of each bucket of pairs for this layer's shapes, timed in a CUDA graph
     at the bucket's bound with uniformly random routing over all ``num_experts`` experts (this
-    rank holds ``first ..``); FP8 experts with their scales (per ``block`` where given).
+    rank holds ``first ..``); FP8 experts with their scales (per ``block`` where given). Then
+    the few-token form's tiles and the steps it takes (``time_rows``: some twenty more timings).
     Memoised per shape and device."""
     from phalanx.kernels.gemv_tuner import time_graph
     act = act_dtype or w13.dtype
@@ -589,7 +593,8 @@ def _router_kernel(x_ptr, g_ptr, bias_ptr, logit_ptr, cnt_ptr, w_ptr, id_ptr, s_
     computes token t's logits of experts b·TILE_E .. (the router weight's rows, float32 sums of
     x · g rounded to the weight's dtype as ``F.linear`` of x in that dtype gives them) into
     logit[t]; the last of the token's programs to count itself in (cnt[t], reset by it) reads
-    them all and routes the token (``_route_token``)."""
+    them all and routes the token (``_route_token``). The counters must be zero at launch: one
+    launch over a layer's counters at a time, on one stream (each MoE layer holds its own)."""
     release(PDL)
     t = tl.program_id(0)
     b = tl.program_id(1)
@@ -600,7 +605,7 @@ def _router_kernel(x_ptr, g_ptr, bias_ptr, logit_ptr, cnt_ptr, w_ptr, id_ptr, s_
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < H
-        x = tl.load(x_ptr + t * s_xt + h, mask=hm, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + t * s_xt + h, mask=hm, other=0.0).to(g_ptr.dtype.element_ty).to(tl.float32)
         g = tl.load(g_ptr + r[:, None] * H + h[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
         acc += g.to(tl.float32) * x[None, :]
     logit = tl.sum(acc, 1).to(g_ptr.dtype.element_ty).to(tl.float32)

@@ -166,8 +166,8 @@ def _head_norm(x1, x2, w_ptr, i, eps, HALF: tl.constexpr, NORM: tl.constexpr):
         y1 = (f1 * rstd * (1.0 + w1.to(tl.float32))).to(x1.dtype)
         y2 = (f2 * rstd * (1.0 + w2.to(tl.float32))).to(x2.dtype)
     else:
-        y1 = (f1 * rstd).to(x1.dtype) * w1
-        y2 = (f2 * rstd).to(x2.dtype) * w2
+        y1 = ((f1 * rstd).to(x1.dtype) * w1).to(x1.dtype)   # (stored in q's dtype, as the norm kernel's rows)
+        y2 = ((f2 * rstd).to(x2.dtype) * w2).to(x2.dtype)
     return y1.to(tl.float32), y2.to(tl.float32)
 
 
