@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_triton_kernels import close, mostly_close  # noqa: E402  (the general kernels' tolerances, beside this file)
+from test_triton_kernels import close, experts_case, mostly_close  # noqa: E402  (the general kernels' tolerances, beside this file)
 
 from phalanx.kernels import fp8, triton_moe  # noqa: E402
 from phalanx.kernels.linear_plan import MoeOneRows, MoePlan, OneRowTile  # noqa: E402
@@ -26,13 +26,7 @@ TILES = [MoeOneRows(OneRowTile(8, 16, 4, 2), OneRowTile(4, 32, 4, 3), 8),
 
 
 def _experts(T: int, k: int, E: int, local: int, H: int, I: int, seed: int):  # noqa: E741 (I: intermediate size)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(DEV, DTYPE)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
-    w = torch.rand(T, k, generator=g).to(DEV)
-    w13 = (torch.randn(local, 2 * I, H, generator=g) / H ** 0.5).to(DEV, DTYPE)
-    w2 = (torch.randn(local, H, I, generator=g) / I ** 0.5).to(DEV, DTYPE)
-    return x, ids, w, w13, w2
+    return experts_case(T, k, E, local, H, I, seed, DTYPE)
 
 
 @pytest.mark.parametrize("rows", TILES)

@@ -1036,6 +1036,18 @@ def test_whole_model_on_the_triton_path_equals_transformers(tiny_models, hf_mode
     assert not missing, (missing, calls)
 
 
+def experts_case(T: int, k: int, E: int, local: int, H: int, I: int, seed: int, dtype: torch.dtype):  # noqa: E741
+    """x [T, H], k distinct experts of E a token with routing weights, and ``local`` experts'
+    gate ‖ up [local, 2I, H] and down [local, H, I] weights (I: the intermediate size)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(DEV, dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
+    w = torch.rand(T, k, generator=g).to(DEV)
+    w13 = (torch.randn(local, 2 * I, H, generator=g) / H ** 0.5).to(DEV, dtype)
+    w2 = (torch.randn(local, H, I, generator=g) / I ** 0.5).to(DEV, dtype)
+    return x, ids, w, w13, w2
+
+
 @pytest.mark.parametrize("T,k,E,first,local", [(1, 2, 4, 0, 4), (7, 2, 8, 4, 4), (19, 3, 6, 0, 3)]
                          + ([(256, 8, 128, 64, 64), (2048, 8, 128, 0, 128)] if CUDA else []))
 def test_fused_moe_against_the_reference(T, k, E, first, local):
@@ -1043,12 +1055,7 @@ def test_fused_moe_against_the_reference(T, k, E, first, local):
     from phalanx.kernels.reference import experts_ref
     dtype = torch.bfloat16 if CUDA else torch.float32
     H, I = (2048, 768) if CUDA and T >= 256 else (32, 24)  # noqa: E741 (I: intermediate size)
-    g = torch.Generator().manual_seed(T)
-    x = torch.randn(T, H, generator=g).to(DEV, dtype)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
-    w = torch.rand(T, k, generator=g).to(DEV)
-    w13 = (torch.randn(local, 2 * I, H, generator=g) / H ** 0.5).to(DEV, dtype)
-    w2 = (torch.randn(local, H, I, generator=g) / I ** 0.5).to(DEV, dtype)
+    x, ids, w, w13, w2 = experts_case(T, k, E, local, H, I, T, dtype)
     ref = experts_ref(x, ids, w, w13, w2, first)
     close(triton_moe.fused_moe(x, ids, w, w13, w2, first), ref, dtype)
     from phalanx.kernels.linear_plan import MoePlan
