@@ -5,7 +5,8 @@
 #                              decode1|decode_rows|decode|decode_tp|throughput128|throughput128_c256|throughput1000|
 #                              throughput_tp2|moe|grammar|rollout|ttft|spec|fp8_gemv|attention_fp8|decode_fp8|
 #                              throughput_fp8_128|throughput_fp8_1000|throughput_fp8_2048|fp8_table|fp8_block|gaps128|user_side|moe_fp8|itl|fp8_experts|
-#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|host_cache_throughput|eagle3|gemma3|deepseek|all]...
+#                              cutlass|sampling|itl80|handover|layer|lora|host_cache|host_cache_throughput|eagle3|gemma3|deepseek|
+#                              moe_few|all]...
 # multi, ar, profile_tp, decode_tp, throughput_tp2 and moe need two GPUs; the tokenizer for multi
 # comes from `python tools/export_tokenizer.py` (carry .gpu_assets).
 set -uo pipefail
@@ -214,6 +215,20 @@ for what in "${@:-all}"; do
       free_gpus
       timeout 240 python3 -m phalanx.cli bench decode --model shape:deepseek-v2-lite --batch 1 64 --prompt-len 128 \
         --steps 64 --overlap on --output "$OUT/deepseek_decode.json" > "$OUT/deepseek_decode.txt" 2>&1 ;;
+    moe_few)   # MoE decode at a few tokens: the few-token form's, the router's and the MoE engines' GPU tests; both
+               # forms per size at V2-Lite's and Qwen3-30B-A3B's layers (tools/bench_moe.py --few); decode of both
+               # shapes at batch 1 and 8 (a cold compile cache makes the first engine start slowly: ~75 s)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_rows.py tests/gpu/test_gpu_engine.py \
+        tests/gpu/test_gpu_deepseek.py -k "moe or qwen3 or rout or few or deepseek" > "$OUT/moe_few_tests.txt" 2>&1
+      free_gpus
+      timeout 150 python3 tools/bench_moe.py --few --experts 64 --top-k 6 --intermediate 1408 \
+        --output "$OUT/moe_few_v2lite.json" > "$OUT/moe_few_v2lite.txt" 2>&1
+      timeout 150 python3 tools/bench_moe.py --few --output "$OUT/moe_few_qwen3.json" > "$OUT/moe_few_qwen3.txt" 2>&1
+      for m in deepseek-v2-lite qwen3-30b-a3b-fp8; do
+        free_gpus
+        timeout 200 python3 -m phalanx.cli bench decode --model "shape:$m" --batch 1 8 --prompt-len 128 --steps 64 \
+          --overlap on --output "$OUT/moe_few_decode_$m.json" > "$OUT/moe_few_decode_$m.txt" 2>&1
+      done ;;
     spec)   # speculative decoding: GPU tests, then NGram against plain decoding (Llama-3.1-8B shape, batch 1 and 64)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_speculative_gpu.py > "$OUT/spec_tests.txt" 2>&1
       free_gpus
