@@ -151,7 +151,22 @@ _CALL_FORMS: dict[str, tuple[str | None, str, str, str]] = {
     "llama3_json": (None, '{"name": "', '", "parameters": ', "}"),
     "deepseek_v3": (DS_CALL_BEGIN, DS_CALL_BEGIN + "function" + DS_SEP, "\n```json\n", "\n```" + DS_CALL_END),
     "deepseek_v31": (DS_CALL_BEGIN, DS_CALL_BEGIN, DS_SEP, DS_CALL_END),
+    # Kimi K2: the call's index between its name and the arguments (``_numbered``)
+    "kimi_k2": (KIMI_CALL_BEGIN, KIMI_CALL_BEGIN + "functions.", ":", KIMI_CALL_END),
 }
+# formats whose calls number themselves after the name: the index, then this marker before the arguments
+_NUMBERED_CALLS = {"kimi_k2": KIMI_ARGS}
+
+
+def _call_content(parser: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """What follows a call's name in a strict-tools tag: the arguments (whitespace inside the JSON
+    one blank at a time: no wandering into runs), after the call's index and its marker where the
+    format numbers its calls (Kimi K2's ``functions.NAME:INDEX``)."""
+    args = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    if parser not in _NUMBERED_CALLS:
+        return args
+    return {"type": "sequence", "elements": [{"type": "regex", "pattern": "(0|[1-9][0-9]{0,5})"},
+                                             {"type": "const_string", "value": _NUMBERED_CALLS[parser]}, args]}
 
 
 def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]:
@@ -180,8 +195,7 @@ def strict_tools_tag(tools: list[dict[str, Any]], parser: str) -> dict[str, Any]
         except ValueError as e:
             raise ValueError(f"tools: tools[{i}] ({f['name']!r}) parameters: {str(e).split(': ', 1)[-1]}") from None
         tags.append({"type": "tag", "begin": begin + f["name"] + middle, "end": end,
-                     "content": {"type": "json_schema", "json_schema": schema,
-                                 "max_whitespace_cnt": 1}})   # blanks one at a time: no wandering into runs
+                     "content": _call_content(parser, schema)})
     if trigger is None:   # calls from the first character (or after the python tag), or text
         calls = {"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True}
         tagged = {"type": "sequence", "elements": [{"type": "const_string", "value": "<|python_tag|>"}, calls]}

@@ -353,3 +353,18 @@ def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm):
         assert [json.loads(c.arguments) for c in parse_tool_calls(text, parser, tools)[1]] == \
             [{"city": "Paris"}, {"city": "Rome"}]
         assert not xgr.GrammarMatcher(grammar).accept_string(begin + form('{"city": 3}')), parser
+    # Kimi K2's numbered calls inside its section markers: the index a decimal number, the arguments held
+    sec, sec_end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+    def kimi(name: str, i: str, args: str) -> str:
+        return f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+    grammar = compiler.compile(GuidedDecodingParams(structural_tag=strict_tools_tag(tools, "kimi_k2")))
+    text = "Let me look." + sec + kimi("get_weather", "0", '{"city": "Paris"}') + kimi("get_weather", "1",
+                                                                                    '{"city":"Rome"}') + sec_end
+    assert xgr.GrammarMatcher(grammar).accept_string(text)
+    assert [(c.id, json.loads(c.arguments)) for c in parse_tool_calls(text, "kimi_k2", tools)[1]] == \
+        [("functions.get_weather:0", {"city": "Paris"}), ("functions.get_weather:1", {"city": "Rome"})]
+    for bad in (kimi("get_time", "0", "{}"), kimi("get_weather", "0", '{"city": 3}'),
+                kimi("get_weather", "x", '{"city": "Paris"}'), kimi("get_weather", "01", '{"city": "Paris"}'),
+                "<|tool_call_begin|>functions.get_weather:0" + '{"city": "Paris"}<|tool_call_end|>'):
+        assert not xgr.GrammarMatcher(grammar).accept_string(sec + bad), bad

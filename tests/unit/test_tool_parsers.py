@@ -422,9 +422,11 @@ def test_kimi_k2_calls():
     stream = ToolCallStream("kimi_k2", TOOLS)
     assert "".join(stream.feed(text[i:i + 5]) for i in range(0, len(text), 5)) == "I'll check."
     assert [c.name for c in stream.finish()[1]] == ["get_weather", "add"]
-    import pytest
-    with pytest.raises(ValueError, match="^tools: strict"):   # no structural tag for its numbered ids
-        strict_tools_tag([{"type": "function", "function": {"name": "f", "strict": True}}], "kimi_k2")
+    # strict tools: a structural tag triggered by the call marker, the index then the argument marker
+    tag = strict_tools_tag([{"type": "function", "function": {"name": "f", "strict": True}}], "kimi_k2")["format"]
+    assert tag["triggers"] == ["<|tool_call_begin|>"]
+    assert tag["tags"][0]["begin"] == "<|tool_call_begin|>functions.f:"
+    assert [e["type"] for e in tag["tags"][0]["content"]["elements"]] == ["regex", "const_string", "json_schema"]
 
 
 def test_long_blank_runs_inside_a_call_parse_in_linear_time():
