@@ -80,7 +80,8 @@ class GrammarCompiler:
 # the tool-call parsers' (serve/tools.py): Hermes', Llama 3's, DeepSeek's, Kimi K2's
 MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
            "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<|tool_calls_section_begin|>",
-           "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+           "<|tool_calls_section_end|>", "<|tool_call_section_begin|>", "<|tool_call_section_end|>",
+           "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 
 
 def special_ids(hf_tokenizer: Any) -> set[int]:

@@ -368,3 +368,16 @@ def test_strict_tools_tag_admits_the_calls_the_parser_reads_and_no_others(llm):
                 kimi("get_weather", "x", '{"city": "Paris"}'), kimi("get_weather", "01", '{"city": "Paris"}'),
                 "<|tool_call_begin|>functions.get_weather:0" + '{"city": "Paris"}<|tool_call_end|>'):
         assert not xgr.GrammarMatcher(grammar).accept_string(sec + bad), bad
+    # ... with its markers special tokens of the tokenizer: taken as tokens, and the output may end after
+    import copy
+    hf = copy.deepcopy(llm.tokenizer.hf)
+    markers = [sec, "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", sec_end]
+    hf.add_special_tokens({"additional_special_tokens": markers})
+    ids = hf.convert_tokens_to_ids(markers)
+    marked = GrammarCompiler(hf, len(hf), llm.tokenizer.eos_token_ids)
+    matcher = xgr.GrammarMatcher(marked.compile(GuidedDecodingParams(structural_tag=strict_tools_tag(tools,
+                                                                                                     "kimi_k2"))))
+    assert matcher.accept_string("Sure.") and matcher.accept_token(ids[0]) and matcher.accept_token(ids[1])
+    assert matcher.accept_string("functions.get_weather:0") and matcher.accept_token(ids[2])
+    assert matcher.accept_string('{"city": "Oslo"}') and matcher.accept_token(ids[3]) and matcher.accept_token(ids[4])
+    assert matcher.accept_token(llm.tokenizer.eos_token_ids[0])
