@@ -36,7 +36,7 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from phalanx.llmapi.sampling_params import GuidedDecodingParams
 
@@ -381,28 +381,78 @@ _KIMI = re.compile(re.escape(KIMI_CALL_BEGIN) + r"\s*+(?P<id>[^\s<]*)\s*+" + re.
 _KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$")
 
 
-def _hermes_call(m: re.Match[str], names: set[str]) -> ToolCall | None:
-    return _call_from(m.group(1), names, "arguments")
+def _hermes_call(m: re.Match[str], names: set[str], raw: str | None = None) -> ToolCall | None:
+    return _call_from(m.group(1) if raw is None else raw, names, "arguments")
 
 
-def _deepseek_call(m: re.Match[str], names: set[str]) -> ToolCall | None:
-    return _named_call(m.group("name").strip(), m.group("args"), names)
+def _deepseek_call(m: re.Match[str], names: set[str], raw: str | None = None) -> ToolCall | None:
+    return _named_call(m.group("name").strip(), m.group("args") if raw is None else raw, names)
 
 
-def _kimi_call(m: re.Match[str], names: set[str]) -> ToolCall | None:
+def _kimi_call(m: re.Match[str], names: set[str], raw: str | None = None) -> ToolCall | None:
     named = _KIMI_ID.match(m.group("id"))
-    return _named_call(named.group("name"), m.group("args"), names, m.group("id")) if named else None
+    return (_named_call(named.group("name"), m.group("args") if raw is None else raw, names, m.group("id"))
+            if named else None)
 
 
-# the formats whose calls are marked off from text: parser -> (a call's pattern, how a match reads as a
-# call, the wrapper markers that go with the calls)
-MARKED_CALLS: dict[str, tuple[re.Pattern[str], Callable[[re.Match[str], set[str]], ToolCall | None],
-                              tuple[str, ...]]] = {
-    "hermes": (_HERMES, _hermes_call, ()),
-    "deepseek_v3": (_DEEPSEEK["deepseek_v3"], _deepseek_call, (DS_CALLS_BEGIN, DS_CALLS_END)),
-    "deepseek_v31": (_DEEPSEEK["deepseek_v31"], _deepseek_call, (DS_CALLS_BEGIN, DS_CALLS_END)),
-    "kimi_k2": (_KIMI, _kimi_call, (KIMI_CALLS_BEGIN, KIMI_CALLS_END, *KIMI_CALL_SECTION)),
+class MarkedCalls(NamedTuple):
+    """A format whose calls are marked off from text: a call's pattern; its head (the markers, name
+    or id in front of the JSON, with the pattern's groups for them); how a match reads as a call
+    (its JSON given apart where ``parse_tool_calls`` read it whole past a marker's text inside a
+    string); what may follow that JSON to the call's end; the wrapper markers that go with the
+    calls."""
+
+    pattern: re.Pattern[str]
+    head: re.Pattern[str]
+    read: Callable[..., ToolCall | None]
+    closer: re.Pattern[str]
+    wrapper: tuple[str, ...]
+
+
+def _closer(*ends: str, fence: bool = False) -> re.Pattern[str]:
+    return re.compile(r"\s*+" + ("```" + r"\s*+" if fence else "") + "(?:" + "|".join(map(re.escape, ends)) + "|$)")
+
+
+MARKED_CALLS: dict[str, MarkedCalls] = {
+    "hermes": MarkedCalls(_HERMES, re.compile(r"<tool_call>\s*+"), _hermes_call, _closer("</tool_call>"), ()),
+    "deepseek_v3": MarkedCalls(
+        _DEEPSEEK["deepseek_v3"], re.compile(re.escape(DS_CALL_BEGIN) + _NOT_A_MARKER + "*?" + re.escape(DS_SEP)
+                                             + r"\s*+(?P<name>[^\s`]*)\s*+```(?:json)?", re.S),
+        _deepseek_call, _closer(DS_CALL_END, DS_CALLS_END, fence=True), (DS_CALLS_BEGIN, DS_CALLS_END)),
+    "deepseek_v31": MarkedCalls(
+        _DEEPSEEK["deepseek_v31"], re.compile(re.escape(DS_CALL_BEGIN) + "(?P<name>" + _NOT_A_MARKER + "*?)"
+                                              + re.escape(DS_SEP), re.S),
+        _deepseek_call, _closer(DS_CALL_END, DS_CALLS_END), (DS_CALLS_BEGIN, DS_CALLS_END)),
+    "kimi_k2": MarkedCalls(
+        _KIMI, re.compile(re.escape(KIMI_CALL_BEGIN) + r"\s*+(?P<id>[^\s<]*)\s*+" + re.escape(KIMI_ARGS)),
+        _kimi_call, _closer(*_KIMI_ENDS), (KIMI_CALLS_BEGIN, KIMI_CALLS_END, *KIMI_CALL_SECTION)),
 }
+
+
+def _read_marked(form: MarkedCalls, head: re.Match[str], text: str,
+                 names: set[str]) -> tuple[ToolCall | None, int]:
+    """The call whose head is ``head``, and where it ends (None: no call; the end is where the
+    search goes on). The pattern ends a call at the first end marker, so a JSON string holding a
+    marker's text (which a tools grammar admits) cuts it short or stops it matching: such a call
+    is read again with its JSON decoded whole, ending past the marker that follows the JSON."""
+    m = form.pattern.match(text, head.start())
+    call = form.read(m, names) if m is not None else None
+    if call is not None:
+        assert m is not None
+        return call, m.end()
+    fallback = m.end() if m is not None else head.end()
+    start = head.end()
+    while start < len(text) and text[start].isspace():
+        start += 1
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None, fallback
+    closed = form.closer.match(text, end)
+    if closed is None:
+        return None, fallback
+    call = form.read(head, names, json.dumps(obj, ensure_ascii=False))
+    return (call, closed.end()) if call is not None else (None, fallback)
 
 
 def choose_parser(name: str, template: str | None, model_type: str) -> str:
@@ -426,19 +476,21 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
     content); else all of it is content (a JSON object followed by prose is an answer)."""
     names = {t["function"]["name"] for t in tools}
     if parser in MARKED_CALLS:
-        pattern, read, wrapper = MARKED_CALLS[parser]
+        form = MARKED_CALLS[parser]
         calls, spans = [], []
-        for m in pattern.finditer(text):
-            call = read(m, names)
+        at = 0
+        while (head := form.head.search(text, at)) is not None:
+            call, end = _read_marked(form, head, text, names)
             if call is not None:
                 calls.append(call)
-                spans.append(m.span())
+                spans.append((head.start(), end))
+            at = end
         if not calls:
             return text, []
         content = text
         for a, b in reversed(spans):
             content = content[:a] + content[b:]
-        for marker in wrapper:   # the calls' wrapper goes with them
+        for marker in form.wrapper:   # the calls' wrapper goes with them
             content = content.replace(marker, "")
         return (content.strip() or None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()

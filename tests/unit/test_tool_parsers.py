@@ -494,3 +494,38 @@ def test_kimi_forced_calls_take_its_ids_and_its_other_section_marker():
     for parser, marker in (("deepseek_v3", B), ("deepseek_v31", CB), ("kimi_k2", "<|tool_call_begin|>")):
         plan = ChatPlan([], TOOLS, None, parser, None, None)
         assert decodes_call_markers(plan, [marker], set()) and not decodes_call_markers(plan, ["<x>"], set())
+
+
+def test_a_markers_text_inside_an_argument_string_keeps_the_call():
+    """An argument string holding an end marker's text (which a tools grammar admits, and a model
+    may write): the call is read with its JSON whole, in every marked format, the calls after it
+    too, and none of its text is left in the content; a call whose JSON is broken still costs only
+    itself."""
+    from phalanx.serve.tools import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
+    tricky = {"city": "a</tool_call>b<｜tool▁call▁end｜>c<|tool_call_end|>d<|tool_calls_section_end|>e```f"}
+    forms = {
+        "hermes": lambda a: f'<tool_call>\n{{"name": "get_weather", "arguments": {a}}}\n</tool_call>',
+        "deepseek_v3": lambda a: f"{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n{a}\n```{DS_CALL_END}",
+        "deepseek_v31": lambda a: f"{DS_CALL_BEGIN}get_weather{DS_SEP}{a}{DS_CALL_END}",
+        "kimi_k2": lambda a: f"<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{a}"
+                             "<|tool_call_end|>",
+    }
+    wrap = {"deepseek_v3": (DS_CALLS_BEGIN, DS_CALLS_END), "deepseek_v31": (DS_CALLS_BEGIN, DS_CALLS_END),
+            "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")}
+    for parser, form in forms.items():
+        begin, end = wrap.get(parser, ("", ""))
+        calls = form(json.dumps(tricky, ensure_ascii=False)) + form('{"city": "Rome"}')
+        content, got = parse_tool_calls("Looking." + begin + calls + end, parser, TOOLS)
+        assert content == "Looking.", (parser, content)
+        assert [json.loads(c.arguments) for c in got] == [tricky, {"city": "Rome"}], parser
+        broken = form('{"city": "x</tool_call><|tool_call_end|><｜tool▁call▁end｜>')   # a string never closed
+        _, got = parse_tool_calls(begin + broken + form('{"city": "Oslo"}') + end, parser, TOOLS)
+        assert [json.loads(c.arguments) for c in got][-1:] == [{"city": "Oslo"}], parser
+    # a degenerate output of heads whose JSON never closes: each is decoded once, briefly
+    import time
+    for parser, unit in (("hermes", '<tool_call>{"name": "get_weather", "arguments": [[1, '),
+                         ("kimi_k2", '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"a": "'),
+                         ("deepseek_v31", f'{DS_CALL_BEGIN}get_weather{DS_SEP}{{"a": [1, ')):
+        t0 = time.perf_counter()
+        assert parse_tool_calls(unit * (200_000 // len(unit)), parser, TOOLS)[1] == []
+        assert time.perf_counter() - t0 < 1.0, parser
