@@ -147,7 +147,7 @@ class _ChoiceStream:
             return []
         try:
             found = tools.forced_tool_calls(self.forced_text, forced, self.plan.parser)
-        except (ValueError, KeyError, TypeError):   # cut short (length, a stop string): its whole calls
+        except (ValueError, KeyError, TypeError, RecursionError):   # cut short (length, a stop string): its whole calls
             found = tools.complete_forced_calls(self.forced_text, self.plan.parser)
         self.called = bool(found)
         return [c.to_openai(i) for i, c in enumerate(found)]

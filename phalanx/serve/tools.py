@@ -228,7 +228,7 @@ def complete_forced_calls(text: str, parser: str | None = None) -> list[ToolCall
             at += 1
         try:
             obj, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             break
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and "arguments" in obj):
             break
@@ -354,7 +354,7 @@ def template_messages(messages: list[Any], tools: list[dict[str, Any]] | None,
 def _as_object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):   # (a client's arguments nested past the decoder's depth: as text)
         return arguments
 
 
@@ -446,13 +446,13 @@ def _read_marked(form: MarkedCalls, head: re.Match[str], text: str,
         start += 1
     try:
         obj, end = json.JSONDecoder().raw_decode(text, start)
-    except ValueError:
+    except (ValueError, RecursionError):   # (brackets nested past the decoder's depth)
         return None, fallback
     closed = form.closer.match(text, end)
     if closed is None:
         return None, fallback
-    call = form.read(head, names, json.dumps(obj, ensure_ascii=False))
-    return (call, closed.end()) if call is not None else (None, fallback)
+    # a whole call that is none of the tools' stays content, with what its strings hold
+    return form.read(head, names, json.dumps(obj, ensure_ascii=False)), closed.end()
 
 
 def choose_parser(name: str, template: str | None, model_type: str) -> str:
@@ -500,7 +500,7 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]]) -> tup
         try:                              # inside an argument's string is the argument's)
             obj, end = decoder.raw_decode(body, at)
             call = _call_from(json.dumps(obj), names, "parameters")
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             break
@@ -520,7 +520,7 @@ def _named_call(name: str, raw: str, names: set[str], call_id: str = "") -> Tool
     are an empty object."""
     try:
         args = json.loads(raw) if raw.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if name not in names or not isinstance(args, dict):
         return None
@@ -530,7 +530,7 @@ def _named_call(name: str, raw: str, names: set[str], call_id: str = "") -> Tool
 def _call_from(raw: str, names: set[str], key: str) -> ToolCall | None:
     try:
         obj = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None

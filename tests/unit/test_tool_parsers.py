@@ -521,6 +521,21 @@ def test_a_markers_text_inside_an_argument_string_keeps_the_call():
         broken = form('{"city": "x</tool_call><|tool_call_end|><｜tool▁call▁end｜>')   # a string never closed
         _, got = parse_tool_calls(begin + broken + form('{"city": "Oslo"}') + end, parser, TOOLS)
         assert [json.loads(c.arguments) for c in got][-1:] == [{"city": "Oslo"}], parser
+    # a whole call of no tool stays content, and so does a call its argument string holds
+    for parser, form in forms.items():
+        begin, end = wrap.get(parser, ("", ""))
+        text = begin + form(json.dumps({"x": form("{}")}, ensure_ascii=False)).replace("get_weather", "nope", 1) + end
+        assert parse_tool_calls(text, parser, TOOLS) == (text, []), parser
+    # brackets nested past the JSON decoder's depth (a degenerate output, or a client's arguments): no
+    # error, and the call after them still reads
+    deep = "[" * 5000
+    for parser, form in forms.items():
+        begin, end = wrap.get(parser, ("", ""))
+        _, got = parse_tool_calls(begin + form(deep) + form('{"city": "Oslo"}') + end, parser, TOOLS)
+        assert [json.loads(c.arguments) for c in got] == [{"city": "Oslo"}], parser
+    assert parse_tool_calls(deep, "llama3_json", TOOLS) == (deep, [])
+    from phalanx.serve.tools import _as_object, complete_forced_calls
+    assert complete_forced_calls("[" + deep) == [] and _as_object(deep) == deep
     # a degenerate output of heads whose JSON never closes: each is decoded once, briefly
     import time
     for parser, unit in (("hermes", '<tool_call>{"name": "get_weather", "arguments": [[1, '),
