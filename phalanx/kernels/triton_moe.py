@@ -33,7 +33,7 @@ import triton.language as tl
 
 from phalanx.kernels import fp8, pdl
 from phalanx.kernels.gemv import _one_row_launch, _row_product
-from phalanx.kernels.linear_plan import PAIR_BUCKETS, MoeOneRows, MoePlan, MoeTile
+from phalanx.kernels.linear_plan import PAIR_BUCKETS, MoeOneRows, MoePlan, MoeTile, OneRowTile
 from phalanx.kernels.pdl import prologue, release, wait
 
 DEFAULT_PLAN = MoePlan()
@@ -346,11 +346,19 @@ def _moe_down_rows_kernel(act_ptr, ids_ptr, rw_ptr, w_ptr, sc_ptr, y_ptr, TOPK, 
     tl.store(y_ptr + t * s_yt + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
 
 
+def _gate_up_fits(tile: OneRowTile, I: int, block: fp8.Block | None) -> bool:  # noqa: E741 (I: intermediate size)
+    """With a scale per block, a program's gate rows and its up rows each lie in one block row."""
+    return block is None or (I % (tile.block_n // 2) == 0 and block[0] % (tile.block_n // 2) == 0)
+
+
+def _down_fits(tile: OneRowTile, block: fp8.Block | None) -> bool:
+    """With a scale per block, a program's rows lie in one block row."""
+    return block is None or block[0] % tile.block_n == 0
+
+
 def rows_take(rows: MoeOneRows, I: int, block: fp8.Block | None) -> bool:  # noqa: E741 (I: intermediate size)
-    """Whether the few-token form's tiles fit experts of intermediate size ``I``: with a scale
-    per block, a program's gate rows and its up rows must each lie in one block row."""
-    return block is None or (I % (rows.gate_up.block_n // 2) == 0 and block[0] % (rows.gate_up.block_n // 2) == 0
-                             and block[0] % rows.down.block_n == 0)
+    """Whether the few-token form's tiles fit experts of intermediate size ``I`` and their scale blocks."""
+    return _gate_up_fits(rows.gate_up, I, block) and _down_fits(rows.down, block)
 
 
 def _row_scales(scale: torch.Tensor | None, block: fp8.Block | None) -> dict:
@@ -488,12 +496,12 @@ def time_rows(w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_experts: int,
         except Exception:  # a tile the compiler rejects on this GPU
             return float("inf")
 
-    fits = [(gu, d) for gu in tries for d in tries if rows_take(MoeOneRows(gu, d, 1), I, blk)]
-    if not fits:
+    gate_ups = [t for t in tries if _gate_up_fits(t, I, blk)]
+    downs = [t for t in tries if _down_fits(t, blk)]
+    if not gate_ups or not downs:
         return None, []
-    down = fits[0][1]
-    gate_up = min(dict.fromkeys(gu for gu, d in fits if d == down), key=lambda t: timed(1, MoeOneRows(t, down, 1)))
-    down = min(dict.fromkeys(d for gu, d in fits if gu == gate_up), key=lambda t: timed(1, MoeOneRows(gate_up, t, 1)))
+    gate_up = min(gate_ups, key=lambda t: timed(1, MoeOneRows(t, downs[0], 1)))
+    down = min(downs, key=lambda t: timed(1, MoeOneRows(gate_up, t, 1)))
     best, times, lost = 0, [], False
     for T in sizes:
         times.append((T, timed(T, MoeOneRows(gate_up, down, T)), timed(T, None)))

@@ -359,25 +359,26 @@ def _as_object(arguments: str) -> Any:
 
 
 # -- parsing the model's own format ----------------------------------------------------------------------
-_HERMES = re.compile(r"<tool_call>\s*+(.*?)(?:</tool_call>|$)", re.S)
 # a DeepSeek call: its name and its arguments' JSON, to the call's end marker (or the wrapper's end, or the
 # output's); no part runs across another call's marker, so a malformed call costs only itself
 _NOT_A_MARKER = "(?:(?!" + "|".join(map(re.escape, (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_END))) + ").)"
 _DS_END = "(?:" + re.escape(DS_CALL_END) + "|" + re.escape(DS_CALLS_END) + "|$)"
-# (the arguments' group is followed by a marker, not by blanks: a long run of blanks inside a call would
-# make a lazy group then "\s*" try every split, quadratic in the run; the arguments are stripped after)
-_DEEPSEEK = {
-    "deepseek_v3": re.compile(re.escape(DS_CALL_BEGIN) + _NOT_A_MARKER + "*?" + re.escape(DS_SEP)
-                              + r"\s*+(?P<name>[^\s`]*)\s*+```(?:json)?(?P<args>" + _NOT_A_MARKER + r"*?)```\s*+"
-                              + _DS_END, re.S),
-    "deepseek_v31": re.compile(re.escape(DS_CALL_BEGIN) + "(?P<name>" + _NOT_A_MARKER + "*?)" + re.escape(DS_SEP)
-                               + "(?P<args>" + _NOT_A_MARKER + "*?)" + _DS_END, re.S),
-}
 # a Kimi K2 call: its id (functions.NAME:INDEX, which its template writes back) and its arguments
 _KIMI_ENDS = (KIMI_CALL_END, KIMI_CALLS_END, KIMI_CALL_SECTION[1])
 _NOT_A_KIMI_MARKER = "(?:(?!" + "|".join(map(re.escape, (KIMI_CALL_BEGIN, *_KIMI_ENDS))) + ").)"
-_KIMI = re.compile(re.escape(KIMI_CALL_BEGIN) + r"\s*+(?P<id>[^\s<]*)\s*+" + re.escape(KIMI_ARGS) + "(?P<args>"
-                   + _NOT_A_KIMI_MARKER + "*?)(?:" + "|".join(map(re.escape, _KIMI_ENDS)) + "|$)", re.S)
+# each marked format's call as (its head: the markers and the name or id in front of the JSON; the rest:
+# the JSON to the call's end). (The arguments' group is followed by a marker, not by blanks: a long run of
+# blanks inside a call would make a lazy group then "\s*" try every split, quadratic in the run; the
+# arguments are stripped after.)
+_CALL_PARTS = {
+    "hermes": (r"<tool_call>\s*+", r"(.*?)(?:</tool_call>|$)"),
+    "deepseek_v3": (re.escape(DS_CALL_BEGIN) + _NOT_A_MARKER + "*?" + re.escape(DS_SEP)
+                    + r"\s*+(?P<name>[^\s`]*)\s*+```(?:json)?", "(?P<args>" + _NOT_A_MARKER + r"*?)```\s*+" + _DS_END),
+    "deepseek_v31": (re.escape(DS_CALL_BEGIN) + "(?P<name>" + _NOT_A_MARKER + "*?)" + re.escape(DS_SEP),
+                     "(?P<args>" + _NOT_A_MARKER + "*?)" + _DS_END),
+    "kimi_k2": (re.escape(KIMI_CALL_BEGIN) + r"\s*+(?P<id>[^\s<]*)\s*+" + re.escape(KIMI_ARGS),
+                "(?P<args>" + _NOT_A_KIMI_MARKER + "*?)(?:" + "|".join(map(re.escape, _KIMI_ENDS)) + "|$)"),
+}
 _KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$")
 
 
@@ -413,19 +414,20 @@ def _closer(*ends: str, fence: bool = False) -> re.Pattern[str]:
     return re.compile(r"\s*+" + ("```" + r"\s*+" if fence else "") + "(?:" + "|".join(map(re.escape, ends)) + "|$)")
 
 
+def _marked(parser: str, read: Callable[..., ToolCall | None], closer: re.Pattern[str],
+            wrapper: tuple[str, ...] = ()) -> MarkedCalls:
+    head, rest = _CALL_PARTS[parser]
+    return MarkedCalls(re.compile(head + rest, re.S), re.compile(head, re.S), read, closer, wrapper)
+
+
 MARKED_CALLS: dict[str, MarkedCalls] = {
-    "hermes": MarkedCalls(_HERMES, re.compile(r"<tool_call>\s*+"), _hermes_call, _closer("</tool_call>"), ()),
-    "deepseek_v3": MarkedCalls(
-        _DEEPSEEK["deepseek_v3"], re.compile(re.escape(DS_CALL_BEGIN) + _NOT_A_MARKER + "*?" + re.escape(DS_SEP)
-                                             + r"\s*+(?P<name>[^\s`]*)\s*+```(?:json)?", re.S),
-        _deepseek_call, _closer(DS_CALL_END, DS_CALLS_END, fence=True), (DS_CALLS_BEGIN, DS_CALLS_END)),
-    "deepseek_v31": MarkedCalls(
-        _DEEPSEEK["deepseek_v31"], re.compile(re.escape(DS_CALL_BEGIN) + "(?P<name>" + _NOT_A_MARKER + "*?)"
-                                              + re.escape(DS_SEP), re.S),
-        _deepseek_call, _closer(DS_CALL_END, DS_CALLS_END), (DS_CALLS_BEGIN, DS_CALLS_END)),
-    "kimi_k2": MarkedCalls(
-        _KIMI, re.compile(re.escape(KIMI_CALL_BEGIN) + r"\s*+(?P<id>[^\s<]*)\s*+" + re.escape(KIMI_ARGS)),
-        _kimi_call, _closer(*_KIMI_ENDS), (KIMI_CALLS_BEGIN, KIMI_CALLS_END, *KIMI_CALL_SECTION)),
+    "hermes": _marked("hermes", _hermes_call, _closer("</tool_call>")),
+    "deepseek_v3": _marked("deepseek_v3", _deepseek_call, _closer(DS_CALL_END, DS_CALLS_END, fence=True),
+                           (DS_CALLS_BEGIN, DS_CALLS_END)),
+    "deepseek_v31": _marked("deepseek_v31", _deepseek_call, _closer(DS_CALL_END, DS_CALLS_END),
+                            (DS_CALLS_BEGIN, DS_CALLS_END)),
+    "kimi_k2": _marked("kimi_k2", _kimi_call, _closer(*_KIMI_ENDS),
+                       (KIMI_CALLS_BEGIN, KIMI_CALLS_END, *KIMI_CALL_SECTION)),
 }
 
 
